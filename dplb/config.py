@@ -1,0 +1,84 @@
+"""Typed configuration, validated once at start-up and passed down (never re-read on the hot path).
+
+Contract: every ``*Config`` is a frozen dataclass whose ``__post_init__`` refuses bad values with
+:class:`dplb.errors.ConfigError` and a message naming the option and the accepted range. Defaults are the values of
+DESIGN §3/§4 and the seed article.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from dplb.errors import ConfigError
+
+POLICIES = ("dplb", "round_robin", "random", "least_loaded", "power_of_two")
+MemorySignal = Literal["kv", "gpu"]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Scoring policy configuration (DESIGN §3).
+
+    - ``weights``: (queue, memory, latency) weights of the seed score, each ≥ 0, summing to 1 (±1e-6).
+      Seed article: 0.4 / 0.3 / 0.3.
+    - ``max_queue``: soft queue cap, requests (> 0); the queue term is ``1 − queue/max_queue`` clamped to [0, 1].
+      ``max_queue_from_worker=True`` uses each worker's published ``max_num_seqs`` instead (when it is > 0).
+    - ``hard_queue_cap``: a worker whose queue is ≥ this is not eligible (0 = no hard cap). When every ready
+      worker is over it the router answers 503 with ``Retry-After``.
+    - ``baseline_window``: the latency baseline is the P95 of the first ``baseline_window`` completed requests.
+    - ``memory_signal``: ``"kv"`` (KV-cache usage, default: vLLM pre-allocates ~90 % of GPU memory so NVML "used"
+      is flat) or ``"gpu"`` (NVML used/total as in the seed).
+    - ``affinity_margin``: prefix affinity keeps the preferred worker while its score is within this margin of the
+      best (score units 0–1); 0 disables affinity.
+    - ``state_interval_ms``: publish interval; slots older than 3× are stale.
+    - ``seed``: RNG seed of the ``random`` and ``power_of_two`` policies (deterministic runs).
+    """
+
+    name: str = "dplb"
+    weights: tuple[float, float, float] = (0.4, 0.3, 0.3)
+    max_queue: int = 16
+    max_queue_from_worker: bool = False
+    hard_queue_cap: int = 0
+    baseline_window: int = 50
+    memory_signal: MemorySignal = "kv"
+    affinity_margin: float = 0.1
+    state_interval_ms: int = 200
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ConfigError(f"policy '{self.name}' is unknown; choose one of {', '.join(POLICIES)}")
+        if len(self.weights) != 3:
+            raise ConfigError(f"weights must be three numbers (queue, memory, latency), got {self.weights!r}")
+        if any(not math.isfinite(w) or w < 0 for w in self.weights):
+            raise ConfigError(f"weights must be finite and ≥ 0, got {self.weights!r}")
+        if abs(sum(self.weights) - 1.0) > 1e-6:
+            raise ConfigError(
+                f"weights must sum to 1 (queue + memory + latency), got {self.weights!r} = {sum(self.weights):g}; "
+                "the seed values are 0.4,0.3,0.3"
+            )
+        if self.max_queue <= 0:
+            raise ConfigError(f"max_queue must be a positive number of requests, got {self.max_queue}")
+        if self.hard_queue_cap < 0:
+            raise ConfigError(f"hard_queue_cap must be ≥ 0 (0 disables it), got {self.hard_queue_cap}")
+        if self.baseline_window <= 0:
+            raise ConfigError(f"baseline_window must be a positive number of requests, got {self.baseline_window}")
+        if self.memory_signal not in ("kv", "gpu"):
+            raise ConfigError(f"memory_signal must be 'kv' or 'gpu', got {self.memory_signal!r}")
+        if not 0.0 <= self.affinity_margin <= 1.0:
+            raise ConfigError(f"affinity_margin must be within 0..1 (score units), got {self.affinity_margin}")
+        if self.state_interval_ms <= 0:
+            raise ConfigError(f"state_interval_ms must be > 0, got {self.state_interval_ms}")
+
+
+def parse_weights(text: str) -> tuple[float, float, float]:
+    """Parse ``"0.4,0.3,0.3"`` into a weights tuple. Raises :class:`ConfigError` on anything else."""
+    try:
+        parts = tuple(float(p) for p in text.split(","))
+    except ValueError as e:
+        raise ConfigError(f"weights must be three comma-separated numbers like 0.4,0.3,0.3, got {text!r}") from e
+    if len(parts) != 3:
+        raise ConfigError(f"weights must be three comma-separated numbers like 0.4,0.3,0.3, got {text!r}")
+    return parts[0], parts[1], parts[2]

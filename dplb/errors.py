@@ -1,0 +1,109 @@
+"""Every error DPLB raises on purpose, in one place.
+
+Contract: each class says what went wrong *and what to do about it* in its message, so an operator reading a log
+line or a CLI error can act without reading source. CLI entry points catch :class:`DPLBError` and print the
+message without a traceback (exit code 2 for configuration problems, 1 otherwise).
+
+The router's own HTTP errors (OpenAI-shaped JSON bodies with bounded reason codes) are described by
+:class:`RouterErrorKind`; the router turns them into responses, nothing else does.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class DPLBError(Exception):
+    """Base class of every deliberate DPLB error. ``str(err)`` is a complete, actionable message."""
+
+    exit_code = 1
+
+
+class ConfigError(DPLBError, ValueError):
+    """A configuration value was refused at start-up (weights not summing to 1, negative sizes, …)."""
+
+    exit_code = 2
+
+
+class ShmError(DPLBError):
+    """Base class of shared-memory segment errors; ``path`` is the segment file involved."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class ShmMissingError(ShmError):
+    """The segment file does not exist (never created, or removed by a cleanup / a reboot)."""
+
+    def __init__(self, path: str | None) -> None:
+        where = f"'{path}'" if path else "(no path given)"
+        super().__init__(
+            f"DPLB shared-memory segment {where} does not exist. Set DPLB_SHM_PATH (or pass --shm-path) to the "
+            "segment that `dplb launch` created (ls /dev/shm | grep dplb_state_), or start the stack with "
+            "`dplb launch`, which creates it. `dplb doctor` lists segments and finds stale ones.",
+            path,
+        )
+
+
+class ShmLayoutError(ShmError):
+    """The file exists but is not a DPLB segment of this layout (wrong magic, version or size)."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        super().__init__(
+            f"'{path}' is not a usable DPLB state segment: {detail}. It was probably written by another program "
+            "or another DPLB version. Stop the DPLB processes that use it, remove it "
+            f"(rm '{path}'), and let `dplb launch` create a new one.",
+            path,
+        )
+
+
+class ShmSpaceError(ShmError):
+    """``/dev/shm`` (or the directory of the segment) has no room for the segment."""
+
+    def __init__(self, path: str, needed: int, detail: str) -> None:
+        super().__init__(
+            f"cannot allocate {needed} bytes for the DPLB state segment '{path}': {detail}. /dev/shm is full or "
+            "too small: free it (remove stale dplb_state_* segments; `dplb doctor` finds them) or enlarge it; in "
+            "Docker, start the container with --shm-size=1g (Docker's default is 64 MB).",
+            path,
+        )
+
+
+class ShmWorkerIdError(ShmError):
+    """A worker id outside ``[0, num_workers)`` of the segment."""
+
+
+class RouterErrorKind(enum.Enum):
+    """Errors the router itself answers with: (HTTP status, OpenAI error type, bounded reason code).
+
+    The reason code is the ``code`` field of the JSON body and the ``reason`` label of
+    ``dplb_requests_rejected_total``; the set is closed so metric cardinality stays bounded.
+    """
+
+    NO_WORKERS = (503, "service_unavailable", "no_workers_registered")
+    NONE_ROUTABLE = (503, "service_unavailable", "no_routable_worker")
+    ALL_OVER_CAP = (503, "service_unavailable", "all_workers_over_queue_cap")
+    INVALID_JSON = (400, "invalid_request_error", "invalid_json")
+    NOT_AN_OBJECT = (400, "invalid_request_error", "body_not_object")
+    BODY_TOO_LARGE = (413, "invalid_request_error", "body_too_large")
+    UNSUPPORTED_MEDIA = (415, "invalid_request_error", "unsupported_media_type")
+    UNAUTHORIZED = (401, "authentication_error", "invalid_api_key")
+    UPSTREAM_UNREACHABLE = (502, "upstream_error", "worker_unreachable")
+    UPSTREAM_TIMEOUT = (504, "upstream_error", "worker_timeout")
+    UPSTREAM_FAILED = (502, "upstream_error", "worker_failed")
+
+    @property
+    def status(self) -> int:
+        """HTTP status code."""
+        return self.value[0]
+
+    @property
+    def type(self) -> str:
+        """OpenAI ``error.type``."""
+        return self.value[1]
+
+    @property
+    def code(self) -> str:
+        """Bounded reason code (``error.code`` and the ``reason`` metric label)."""
+        return self.value[2]

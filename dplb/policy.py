@@ -1,0 +1,427 @@
+"""Routing policies: turn a shm snapshot into a :class:`Decision` (DESIGN §3). The load balancer's core.
+
+Contract
+- :meth:`Policy.pick` is synchronous and does no I/O, no awaits and no locking. Its only side effects are on the
+  policy's own small state (rotation index, RNG, the optimistic in-flight correction). Given the same inputs and
+  the same state it returns the same decision.
+- Every decision carries, for every worker, its inputs, each term, its score and why it was or was not eligible,
+  plus the chosen worker and the reason. Traces, ``/debug/decisions`` and metrics publish exactly that.
+- Eligible = registered, not torn, heartbeat younger than 3 × state interval, lifecycle ``ready``, and (with a
+  hard cap) queue below the cap. Stale, draining, starting/warming and stopped workers are never picked.
+
+The seed score (seed article; DESIGN §3), higher is better, each term clamped to [0, 1]::
+
+    score = 0.4·(1 − queue/max_queue) + 0.3·(1 − memory_used/memory_total) + 0.3·(1 − avg_latency/baseline)
+
+- ``queue`` = num_waiting + num_running from shm + the optimistic in-flight correction: requests this router sent
+  to the worker since the worker's last published snapshot (forgotten when a snapshot with a newer heartbeat
+  arrives). vLLM's own DP client does the same (``vllm/v1/engine/core_client.py``, DPLBAsyncMPClient), otherwise a
+  burst inside one 200 ms window herds onto one worker.
+- memory: KV-cache usage (default) or NVML used/total (``memory_signal="gpu"``; a worker with no GPU gives 0).
+- ``baseline`` = P95 (nearest-rank: the ⌈0.95·n⌉-th smallest) of the first ``baseline_window`` (50) completed
+  request latencies fed to :meth:`Policy.observe_latency`; then frozen. Until it exists, and for a worker with no
+  latency yet, the latency term is 1 (neutral: the same for every worker).
+
+Ties rotate: the scan starts one worker later on every pick, and the first worker with the best score wins.
+Prefix affinity: a 64-bit hash of the prompt prefix picks a preferred worker by rendezvous (highest-random-weight)
+hashing over the eligible workers (Thaler & Ravishankar, 1998); it wins while its score ≥ best − ``affinity_margin``.
+It keeps no table, so its memory is O(1) whatever the number of prefixes.
+
+Other policies behind the same interface: ``round_robin``, ``random``, ``least_loaded`` (vLLM DP: minimum of
+4·waiting + running, the correction counted as waiting), ``power_of_two`` (two random eligible workers, the
+shorter queue wins).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from typing import ClassVar, Final
+
+from dplb.config import PolicyConfig
+from dplb.shm import STALE_INTERVALS, Lifecycle, WorkerState
+
+# Eligibility ("why") values: a closed set.
+OK = "ok"
+WHY_UNREGISTERED = "unregistered"
+WHY_TORN = "torn"
+WHY_STALE = "stale"
+WHY_DRAINING = "draining"
+WHY_NOT_READY = "not_ready"
+WHY_OVER_CAP = "over_cap"
+WHY_EXCLUDED = "excluded"
+
+# Decision reasons: a closed set (metric label values).
+REASON_SCORE = "score"
+REASON_AFFINITY = "affinity"
+REASON_POLICY = "policy"  # round_robin / random / least_loaded / power_of_two made the choice
+REASON_FALLBACK = "fallback"  # shm missing: router's own in-flight counts
+REASON_NO_WORKERS = "no_workers"
+REASON_NONE_ROUTABLE = "none_routable"
+REASON_ALL_OVER_CAP = "all_over_cap"
+DECISION_REASONS = (
+    REASON_SCORE, REASON_AFFINITY, REASON_POLICY, REASON_FALLBACK, REASON_NO_WORKERS, REASON_NONE_ROUTABLE,
+    REASON_ALL_OVER_CAP,
+)
+TERMS = ("queue", "memory", "latency")
+_READY = Lifecycle.READY
+_DRAINING = Lifecycle.DRAINING
+
+
+class Candidate:
+    """One worker as the policy saw it in one decision. Units: requests, fractions 0–1, bytes, seconds.
+
+    ``state`` is the :class:`WorkerState` read from shm; ``queue`` = running + waiting + ``correction``;
+    ``term_*`` and ``score`` are the seed terms (computed for every worker, eligible or not, for visibility).
+    """
+
+    __slots__ = (
+        "age_s", "correction", "eligible", "max_queue", "memory_ratio", "queue", "score", "state",
+        "term_latency", "term_memory", "term_queue", "why",
+    )
+
+    def __init__(
+        self, state: WorkerState, why: str, correction: int, queue: int, age_s: float, max_queue: int,
+        memory_ratio: float, term_queue: float, term_memory: float, term_latency: float, score: float,
+    ) -> None:
+        self.state = state
+        self.why = why
+        self.eligible = why is OK
+        self.correction = correction
+        self.queue = queue
+        self.age_s = age_s
+        self.max_queue = max_queue
+        self.memory_ratio = memory_ratio
+        self.term_queue = term_queue
+        self.term_memory = term_memory
+        self.term_latency = term_latency
+        self.score = score
+
+    @property
+    def worker_id(self) -> int:
+        """Worker id (slot index)."""
+        return self.state.worker_id
+
+    @property
+    def num_running(self) -> int:
+        """Engine running requests, from shm."""
+        return self.state.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Engine waiting requests, from shm."""
+        return self.state.num_waiting
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-friendly view (for ``/debug/decisions`` and trace events)."""
+        w = self.state
+        return {
+            "worker": w.worker_id, "eligible": self.eligible, "why": self.why,
+            "lifecycle": Lifecycle(w.lifecycle).name.lower(), "state_age_s": _finite(self.age_s),
+            "num_running": w.num_running, "num_waiting": w.num_waiting, "correction": self.correction,
+            "queue": self.queue, "max_queue": self.max_queue, "kv_cache_usage": w.kv_cache_usage,
+            "gpu_memory_used_bytes": w.gpu_memory_used_bytes,
+            "gpu_memory_total_bytes": w.gpu_memory_total_bytes, "memory_ratio": self.memory_ratio,
+            "avg_latency_s": w.avg_latency_s, "term_queue": self.term_queue, "term_memory": self.term_memory,
+            "term_latency": self.term_latency, "score": self.score,
+        }
+
+
+# One candidate as computed in the hot loop: a plain tuple (cheap to build); Decision.candidates wraps them.
+_Row = tuple[WorkerState, str, int, int, int, int, float, float, float, float, float]
+_STATE: Final = 0
+_WHY: Final = 1
+_CORR: Final = 2
+_QUEUE: Final = 3
+_AGE_NS: Final = 4
+_MAXQ: Final = 5
+_MEM: Final = 6
+_TQ: Final = 7
+_TM: Final = 8
+_TL: Final = 9
+_SCORE: Final = 10
+
+
+class Decision:
+    """The outcome of one :meth:`Policy.pick`: ``worker`` (id or None), ``reason`` and every candidate.
+
+    ``candidates`` (a list of :class:`Candidate`, in worker-id order) is built lazily from the raw rows the
+    hot loop produced, so a decision nobody inspects costs nothing extra.
+    """
+
+    __slots__ = ("_cands", "_rows", "baseline_s", "policy", "preferred", "reason", "worker")
+
+    def __init__(
+        self, policy: str, worker: int | None, reason: str, rows: list[_Row], baseline_s: float | None,
+        preferred: int | None = None,
+    ) -> None:
+        self.policy = policy
+        self.worker = worker
+        self.reason = reason
+        self._rows = rows
+        self._cands: list[Candidate] | None = None
+        self.baseline_s = baseline_s
+        self.preferred = preferred
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        """Every worker as the policy saw it, in worker-id order."""
+        if self._cands is None:
+            self._cands = [
+                Candidate(r[0], r[1], r[2], r[3], r[4] / 1e9 if r[0].heartbeat_mono_ns else math.inf, r[5],
+                          r[6], r[7], r[8], r[9], r[10])
+                for r in self._rows
+            ]
+        return self._cands
+
+    def ranked(self) -> list[int]:
+        """Eligible worker ids, best score first (then shorter queue, then id) — the retry order."""
+        el = [r for r in self._rows if r[_WHY] is OK]
+        el.sort(key=lambda r: (-r[_SCORE], r[_QUEUE], r[_STATE].worker_id))
+        return [r[_STATE].worker_id for r in el]
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-friendly view."""
+        return {
+            "policy": self.policy, "worker": self.worker, "reason": self.reason, "preferred": self.preferred,
+            "baseline_s": self.baseline_s, "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+
+class Policy:
+    """Base policy: eligibility, the in-flight correction, the latency baseline and tie rotation.
+
+    Subclasses implement :meth:`_choose`. Build one with :func:`make_policy`.
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
+        self.cfg = cfg
+        self.num_workers = num_workers
+        self._stale_ns = STALE_INTERVALS * cfg.state_interval_ms * 1_000_000
+        self._sent_since = [0] * num_workers
+        self._seen_hb = [0] * num_workers
+        self._rot = 0
+        self._rng = random.Random(cfg.seed)
+        self._latencies: list[float] = []
+        self.baseline_s: float | None = None
+
+    # ---- feedback ------------------------------------------------------------------------------------------
+    def observe_latency(self, seconds: float) -> None:
+        """Feed one completed request's E2E latency (seconds). After ``baseline_window`` of them the baseline is
+        frozen at their P95 (nearest rank)."""
+        if self.baseline_s is not None or not math.isfinite(seconds) or seconds <= 0:
+            return
+        self._latencies.append(seconds)
+        if len(self._latencies) >= self.cfg.baseline_window:
+            ordered = sorted(self._latencies)
+            self.baseline_s = ordered[math.ceil(0.95 * len(ordered)) - 1]
+            self._latencies = []
+
+    def correction(self, worker_id: int) -> int:
+        """Requests sent to ``worker_id`` since its last published snapshot."""
+        return self._sent_since[worker_id]
+
+    # ---- picking -------------------------------------------------------------------------------------------
+    def pick(
+        self, snapshot: Sequence[WorkerState], now_mono_ns: int, prefix_hash: int | None = None,
+        exclude: frozenset[int] | set[int] = frozenset(),
+    ) -> Decision:
+        """Choose a worker for one request.
+
+        ``snapshot``: one :class:`WorkerState` per worker (ids 0..n−1), as read from shm just now.
+        ``now_mono_ns``: CLOCK_MONOTONIC ns (staleness). ``prefix_hash``: 64-bit hash of the prompt prefix, or
+        None. ``exclude``: workers not to pick (a failed connect on the first choice).
+        Returns a :class:`Decision`; ``worker`` is None when nobody is eligible (``reason`` says why). The chosen
+        worker's in-flight correction is incremented.
+        """
+        n = len(snapshot)
+        rows: list[_Row] = [None] * n  # type: ignore[list-item]  # filled below, in id order
+        eligible: list[_Row] = []  # in rotated order, so ties go to a different worker each pick
+        any_registered = any_ready = False
+        cfg = self.cfg
+        cap = cfg.hard_queue_cap
+        wq, wm, wl = cfg.weights
+        kv_signal = cfg.memory_signal == "kv"
+        mq_default = cfg.max_queue
+        mq_worker = cfg.max_queue_from_worker
+        base = self.baseline_s
+        stale_ns = self._stale_ns
+        sent = self._sent_since
+        seen = self._seen_hb
+        start = self._rot % n if n else 0
+        self._rot += 1
+        for i in range(n):
+            w = snapshot[(start + i) % n]
+            k = w.worker_id
+            hb = w.heartbeat_mono_ns
+            if hb != seen[k]:
+                seen[k] = hb
+                sent[k] = 0
+            corr = sent[k]
+            queue = w.num_running + w.num_waiting + corr
+            age_ns = now_mono_ns - hb
+            if w.pid == 0:
+                why = WHY_UNREGISTERED
+            elif w.torn:
+                why = WHY_TORN
+            elif age_ns > stale_ns:
+                why = WHY_STALE
+            elif w.lifecycle != _READY:
+                why = WHY_DRAINING if w.lifecycle == _DRAINING else WHY_NOT_READY
+            else:
+                any_ready = True
+                why = WHY_EXCLUDED if k in exclude else (WHY_OVER_CAP if cap and queue >= cap else OK)
+            if w.pid:
+                any_registered = True
+            # Seed terms, each clamped to [0, 1].
+            mq = w.max_num_seqs if mq_worker and w.max_num_seqs > 0 else mq_default
+            tq = 1.0 - queue / mq
+            tq = 0.0 if tq < 0.0 else tq
+            if kv_signal:
+                mr = w.kv_cache_usage
+            else:
+                total = w.gpu_memory_total_bytes
+                mr = w.gpu_memory_used_bytes / total if total > 0 else 0.0
+            tm = 1.0 - mr
+            tm = 0.0 if tm < 0.0 else (1.0 if tm > 1.0 else tm)
+            lat = w.avg_latency_s
+            if base is None or lat <= 0.0:
+                tl = 1.0
+            else:
+                tl = 1.0 - lat / base
+                tl = 0.0 if tl < 0.0 else tl
+            row = (w, why, corr, queue, age_ns, mq, mr, tq, tm, tl, wq * tq + wm * tm + wl * tl)
+            rows[k] = row
+            if why is OK:
+                eligible.append(row)
+        if not eligible:
+            if not any_registered:
+                reason = REASON_NO_WORKERS
+            elif any_ready and cap and any(r[_WHY] is WHY_OVER_CAP for r in rows):
+                reason = REASON_ALL_OVER_CAP
+            else:
+                reason = REASON_NONE_ROUTABLE
+            return Decision(self.name, None, reason, rows, base)
+        chosen, reason, preferred = self._choose(eligible, prefix_hash)
+        sent[chosen] += 1
+        return Decision(self.name, chosen, reason, rows, base, preferred)
+
+    def _choose(self, eligible: list[_Row], prefix_hash: int | None) -> tuple[int, str, int | None]:
+        """Pick among ``eligible`` rows (rotated order). Returns (worker id, reason, affinity-preferred id)."""
+        raise NotImplementedError
+
+    def pick_without_state(self, inflight: Sequence[int], exclude: frozenset[int] | set[int] = frozenset()) -> int:
+        """Fallback when the shm segment is gone: least router-side in-flight, ties rotating. Returns a worker id.
+
+        ``inflight``: the router's own in-flight count per worker id. Every worker not in ``exclude`` is a
+        candidate (there is no lifecycle to filter on); raises ``LookupError`` if all are excluded.
+        """
+        n = len(inflight)
+        start = self._rot % n if n else 0
+        self._rot += 1
+        best = -1
+        for i in range(n):
+            k = (start + i) % n
+            if k in exclude:
+                continue
+            if best < 0 or inflight[k] < inflight[best]:
+                best = k
+        if best < 0:
+            raise LookupError("no worker left to try")
+        return best
+
+
+def rendezvous_weight(prefix_hash: int, worker_id: int) -> int:
+    """Highest-random-weight hash of (prefix, worker).
+
+    CPython's tuple hash (xxHash-based mixing since 3.8) of two ints; int hashing is not salted, so the weight
+    is the same in every process and run.
+    """
+    return hash((prefix_hash, worker_id))
+
+
+class ScorePolicy(Policy):
+    """The DPLB default: best seed score, ties rotating, with prefix affinity inside a margin."""
+
+    name = "dplb"
+
+    def _choose(self, eligible: list[_Row], prefix_hash: int | None) -> tuple[int, str, int | None]:
+        best = eligible[0]
+        best_score = best[_SCORE]
+        for r in eligible:
+            if r[_SCORE] > best_score + 1e-12:
+                best, best_score = r, r[_SCORE]
+        margin = self.cfg.affinity_margin
+        if prefix_hash is not None and margin > 0.0 and len(eligible) > 1:
+            pref = max(eligible, key=lambda r: hash((prefix_hash, r[0].worker_id)))
+            pid = pref[_STATE].worker_id
+            if pref[_SCORE] >= best_score - margin:
+                return pid, REASON_AFFINITY, pid
+            return best[_STATE].worker_id, REASON_SCORE, pid
+        return best[_STATE].worker_id, REASON_SCORE, None
+
+
+class RoundRobinPolicy(Policy):
+    """Next eligible worker in id order (what a Kubernetes Service or Nginx does)."""
+
+    name = "round_robin"
+
+    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
+        super().__init__(cfg, num_workers)
+        self._next = 0
+
+    def _choose(self, eligible: list[_Row], prefix_hash: int | None) -> tuple[int, str, int | None]:
+        ids = sorted(r[_STATE].worker_id for r in eligible)
+        nxt = self._next % self.num_workers
+        k = next((i for i in ids if i >= nxt), ids[0])
+        self._next = k + 1
+        return k, REASON_POLICY, None
+
+
+class RandomPolicy(Policy):
+    """Uniformly random eligible worker (seeded)."""
+
+    name = "random"
+
+    def _choose(self, eligible: list[_Row], prefix_hash: int | None) -> tuple[int, str, int | None]:
+        return self._rng.choice(sorted(r[_STATE].worker_id for r in eligible)), REASON_POLICY, None
+
+
+class LeastLoadedPolicy(Policy):
+    """vLLM DP's rule: minimum 4·waiting + running (router correction counted as waiting), ties rotating."""
+
+    name = "least_loaded"
+
+    def _choose(self, eligible: list[_Row], prefix_hash: int | None) -> tuple[int, str, int | None]:
+        best = min(eligible, key=lambda r: 4 * (r[_STATE].num_waiting + r[_CORR]) + r[_STATE].num_running)
+        return best[_STATE].worker_id, REASON_POLICY, None
+
+
+class PowerOfTwoPolicy(Policy):
+    """Two distinct random eligible workers; the shorter queue wins (first sampled on a tie)."""
+
+    name = "power_of_two"
+
+    def _choose(self, eligible: list[_Row], prefix_hash: int | None) -> tuple[int, str, int | None]:
+        if len(eligible) == 1:
+            return eligible[0][_STATE].worker_id, REASON_POLICY, None
+        ordered = sorted(eligible, key=lambda r: r[_STATE].worker_id)
+        a, b = self._rng.sample(ordered, 2)
+        return (b if b[_QUEUE] < a[_QUEUE] else a)[_STATE].worker_id, REASON_POLICY, None
+
+
+_POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (ScorePolicy, RoundRobinPolicy, RandomPolicy, LeastLoadedPolicy, PowerOfTwoPolicy)
+}
+
+
+def make_policy(cfg: PolicyConfig, num_workers: int) -> Policy:
+    """Build the policy named by ``cfg.name`` for ``num_workers`` workers (ids 0..n−1)."""
+    return _POLICIES[cfg.name](cfg, num_workers)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

@@ -1,0 +1,485 @@
+"""Shared-memory state plane: workers publish their live state, the router reads it (DESIGN §2).
+
+The segment is a plain file under ``/dev/shm`` (tmpfs), mapped with :mod:`mmap`. We deliberately do not use
+``multiprocessing.shared_memory``: its resource tracker unlinks a segment when *any* attached process exits.
+The full path is handed to every process as ``DPLB_SHM_PATH``. Mode 0600 unless a group mode is asked for.
+
+Byte layout (little-endian; offsets in bytes)::
+
+    Header, HEADER_SIZE = 4096 bytes (one page), written once by the creator, read-only afterwards
+      0   4s   magic                 b"DPLB"
+      4   u16  layout_version        LAYOUT_VERSION (1)
+      6   u16  header_size           4096
+      8   u16  num_workers           1..MAX_WORKERS (64)
+      10  u16  slot_size             SLOT_SIZE (192)
+      12  u32  state_interval_ms     how often workers publish (default 200)
+      16  u64  created_unix_ns       creation time, CLOCK_REALTIME ns
+      24  u32  creator_pid
+      28  u32  reserved (0)
+      32  128s model                 UTF-8, NUL-padded (served model name; may be empty)
+      160 64 × 16 bytes GPU map      per worker w at 160 + 16·w: u8 count (0..15), then 15 × u8 GPU indices
+      1184..4095 reserved (zeros)
+
+    Slot w at HEADER_SIZE + w·SLOT_SIZE (64-byte cache-line aligned), written only by worker w
+      0   u64  seq                   seqlock counter: odd while the writer is mid-update
+      8   u32  pid                   0 = slot never written
+      12  u8   lifecycle             Lifecycle enum (0 unset, 1 starting, 2 warming, 3 ready, 4 draining, 5 stopped)
+      13  u8   flags                 bit0 NO_GPU (NVML absent: memory fields are 0), bit1 GPU_BUSY
+      14  u16  reserved
+      16  u64  heartbeat_mono_ns     CLOCK_MONOTONIC ns at publish (system-wide on Linux; used for staleness)
+      24  u64  heartbeat_unix_ns     CLOCK_REALTIME ns at publish (for humans and metrics)
+      32  u32  num_running           engine requests running (decode/prefill batch)
+      36  u32  num_waiting           engine requests queued
+      40  u32  max_num_seqs          engine batch cap (0 = unknown)
+      44  u32  last_prompt_tokens    prompt length of the last request
+      48  f64  kv_cache_usage        fraction 0–1 of KV-cache blocks in use
+      56  u64  gpu_memory_used_bytes NVML, summed over the worker's GPUs
+      64  u64  gpu_memory_total_bytes
+      72  f64  avg_latency_s         mean E2E latency of the last 10 requests, seconds (0 = none yet)
+      80  f64  avg_ttft_s            mean TTFT of the last 10 requests, seconds (0 = none yet)
+      88  u64  requests_total
+      96  u64  errors_total          requests the engine failed (5xx)
+      104 u64  cuda_oom_total
+      112 f64  warmup_seconds        duration of the warm-up request (0 until warmed)
+      120 f64  first_request_seconds duration of the first real request after ready (0 until served)
+      128 u64  started_unix_ns       worker process start (a change means the worker restarted)
+      136..191 reserved (zeros)
+
+Seqlock protocol. Writer: ``seq += 1`` (odd), write the body, ``seq += 1`` (even). Reader: load ``seq`` (retry if
+odd), copy the slot in one slice, load ``seq`` again; retry if it changed; after ``READ_RETRIES`` failed tries the
+slot is reported as torn (the caller treats it as stale). Seq words are loaded and stored as single aligned 8-byte
+accesses through a ``memoryview.cast("Q")`` — never with ``struct.pack_into``, which zero-fills its target first
+and would make the seq transiently 0. Each store is a separate C call, so stores are issued in program order, and
+x86-64's TSO keeps that order for other cores. There is exactly one writer per slot, so the writer needs no lock.
+
+Staleness: a slot whose heartbeat is older than ``3 × state_interval_ms`` is stale (not routable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+
+from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmSpaceError, ShmWorkerIdError
+
+MAGIC = b"DPLB"
+LAYOUT_VERSION = 1
+HEADER_SIZE = 4096
+SLOT_SIZE = 192
+MAX_WORKERS = 64
+MAX_GPUS_PER_WORKER = 15
+MODEL_NAME_BYTES = 128
+STALE_INTERVALS = 3
+READ_RETRIES = 64
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "dplb_state_"
+ENV_SHM_PATH = "DPLB_SHM_PATH"
+
+FLAG_NO_GPU = 0x01
+FLAG_GPU_BUSY = 0x02
+
+_HEADER = struct.Struct("<4sHHHHIQII128s")  # 160 bytes
+_GPU_ENTRY = struct.Struct("<B15s")
+_GPU_MAP_OFFSET = 160
+# Slot body without seq: from offset 8 to 136.
+_BODY = struct.Struct("<IBBHQQIIIIdQQddQQQddQ")
+_SLOT = struct.Struct("<Q" + _BODY.format[1:])  # seq + body, for one-slice decoding
+assert _HEADER.size == 160 and _SLOT.size == 136 <= SLOT_SIZE and SLOT_SIZE % 64 == 0
+
+
+class Lifecycle(enum.IntEnum):
+    """Worker lifecycle as published in its slot (DESIGN §5)."""
+
+    UNSET = 0
+    STARTING = 1
+    WARMING = 2
+    READY = 3
+    DRAINING = 4
+    STOPPED = 5
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """One worker's published state (a decoded slot). Units: seconds, bytes, fractions 0–1, ns timestamps."""
+
+    worker_id: int
+    pid: int = 0
+    lifecycle: Lifecycle = Lifecycle.UNSET
+    flags: int = 0
+    heartbeat_mono_ns: int = 0
+    heartbeat_unix_ns: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    max_num_seqs: int = 0
+    last_prompt_tokens: int = 0
+    kv_cache_usage: float = 0.0
+    gpu_memory_used_bytes: int = 0
+    gpu_memory_total_bytes: int = 0
+    avg_latency_s: float = 0.0
+    avg_ttft_s: float = 0.0
+    requests_total: int = 0
+    errors_total: int = 0
+    cuda_oom_total: int = 0
+    warmup_seconds: float = 0.0
+    first_request_seconds: float = 0.0
+    started_unix_ns: int = 0
+    seq: int = 0
+    torn: bool = False
+
+    @property
+    def registered(self) -> bool:
+        """True once the worker has written its slot at least once."""
+        return self.pid != 0
+
+    @property
+    def no_gpu(self) -> bool:
+        """True when the worker has no NVML GPU (memory fields are 0)."""
+        return bool(self.flags & FLAG_NO_GPU)
+
+    def age_s(self, now_mono_ns: int | None = None) -> float:
+        """Seconds since the last heartbeat (``inf`` if never written)."""
+        if self.heartbeat_mono_ns == 0:
+            return float("inf")
+        now = time.monotonic_ns() if now_mono_ns is None else now_mono_ns
+        return max(0.0, (now - self.heartbeat_mono_ns) / 1e9)
+
+    def is_stale(self, state_interval_ms: int, now_mono_ns: int | None = None) -> bool:
+        """True when torn, never written, or the heartbeat is older than 3 × ``state_interval_ms``."""
+        if self.torn or self.heartbeat_mono_ns == 0:
+            return True
+        now = time.monotonic_ns() if now_mono_ns is None else now_mono_ns
+        return now - self.heartbeat_mono_ns > STALE_INTERVALS * state_interval_ms * 1_000_000
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-friendly dict (lifecycle by name)."""
+        out: dict[str, object] = {name: getattr(self, name) for name in _FIELD_NAMES}
+        out["lifecycle"] = self.lifecycle.name.lower()
+        out["no_gpu"] = self.no_gpu
+        return out
+
+
+_FIELD_NAMES = [f for f in WorkerState.__dataclass_fields__ if f not in ("seq", "torn")]
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    """Decoded segment header."""
+
+    layout_version: int
+    num_workers: int
+    slot_size: int
+    state_interval_ms: int
+    created_unix_ns: int
+    creator_pid: int
+    model: str
+    gpu_map: tuple[tuple[int, ...], ...] = field(default=())
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-friendly dict."""
+        return {
+            "layout_version": self.layout_version,
+            "num_workers": self.num_workers,
+            "slot_size": self.slot_size,
+            "state_interval_ms": self.state_interval_ms,
+            "created_unix_ns": self.created_unix_ns,
+            "creator_pid": self.creator_pid,
+            "model": self.model,
+            "gpu_map": [list(g) for g in self.gpu_map],
+        }
+
+
+def segment_size(num_workers: int) -> int:
+    """Total bytes of a segment with ``num_workers`` slots."""
+    return HEADER_SIZE + num_workers * SLOT_SIZE
+
+
+def default_segment_path(now_s: int | None = None) -> str:
+    """``/dev/shm/dplb_state_<unix seconds>`` (DESIGN §2)."""
+    return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{int(time.time() if now_s is None else now_s)}")
+
+
+def resolve_path(path: str | None) -> str:
+    """The segment path from ``path``, else ``$DPLB_SHM_PATH``. Raises :class:`ShmMissingError` when neither."""
+    p = path or os.environ.get(ENV_SHM_PATH)
+    if not p:
+        raise ShmMissingError(None)
+    return p
+
+
+class Segment:
+    """An open (mapped) state segment. Create with :meth:`create`, open with :meth:`attach`.
+
+    The object owns one mmap and one file descriptor; :meth:`close` releases both (the file stays).
+    :meth:`unlink` removes the file. Thread-safe for readers; each slot must have exactly one writer.
+    """
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, header: SegmentHeader, inode: int) -> None:
+        self.path = path
+        self._fd = fd
+        self._mm = mm
+        self.header = header
+        self.inode = inode
+        self.num_workers = header.num_workers
+        self.state_interval_ms = header.state_interval_ms
+        self._view = memoryview(mm)
+        # Seq words are read and written through a uint64 view: one aligned 8-byte load/store each.
+        # (struct.pack_into zero-fills its target before packing, so it must never write a seq word: a reader
+        # could see the transient 0 twice and accept a torn body.)
+        self._seqs = self._view.cast("Q")
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        path: str,
+        num_workers: int,
+        *,
+        state_interval_ms: int = 200,
+        model: str = "",
+        gpu_map: list[list[int]] | None = None,
+        mode: int = 0o600,
+        replace: bool = False,
+    ) -> Segment:
+        """Create a segment file at ``path`` and map it.
+
+        The file is written under a temporary name in the same directory and renamed into place, so a reader
+        never sees a half-written header. ``replace=True`` atomically replaces an existing file (e.g. a segment
+        left by a crashed launcher); otherwise an existing file raises :class:`FileExistsError`.
+        Raises :class:`ShmSpaceError` when the filesystem has no room, ``ValueError`` for bad arguments.
+        """
+        if not 1 <= num_workers <= MAX_WORKERS:
+            raise ValueError(f"num_workers must be 1..{MAX_WORKERS}, got {num_workers}")
+        if state_interval_ms <= 0:
+            raise ValueError(f"state_interval_ms must be > 0, got {state_interval_ms}")
+        gmap = gpu_map or [[] for _ in range(num_workers)]
+        if len(gmap) != num_workers:
+            raise ValueError(f"gpu_map has {len(gmap)} entries for {num_workers} workers")
+        for g in gmap:
+            if len(g) > MAX_GPUS_PER_WORKER or any(not 0 <= i < 256 for i in g):
+                raise ValueError(f"gpu_map entry {g} must hold at most {MAX_GPUS_PER_WORKER} indices 0..255")
+        model_b = model.encode()[:MODEL_NAME_BYTES]
+        if not replace and os.path.exists(path):
+            raise FileExistsError(f"segment '{path}' already exists (use replace=True to take it over)")
+        size = segment_size(num_workers)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)
+        except FileNotFoundError as e:
+            raise ShmMissingError(path) from e
+        try:
+            os.fchmod(fd, mode)  # umask-proof
+            try:
+                os.posix_fallocate(fd, 0, size)  # tmpfs: really reserve pages, so a full fs fails here, not SIGBUS
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise ShmSpaceError(path, size, os.strerror(e.errno)) from e
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)
+            buf = bytearray(HEADER_SIZE)
+            _HEADER.pack_into(
+                buf, 0, MAGIC, LAYOUT_VERSION, HEADER_SIZE, num_workers, SLOT_SIZE, state_interval_ms,
+                time.time_ns(), os.getpid(), 0, model_b,
+            )
+            for w, g in enumerate(gmap):
+                _GPU_ENTRY.pack_into(buf, _GPU_MAP_OFFSET + 16 * w, len(g), bytes(g))
+            os.pwrite(fd, bytes(buf), 0)
+            os.rename(tmp, path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        return cls.attach(path)
+
+    @classmethod
+    def attach(cls, path: str | None = None, *, writable: bool = True) -> Segment:
+        """Map an existing segment (``path`` or ``$DPLB_SHM_PATH``) and validate its header.
+
+        Raises :class:`ShmMissingError` (no file), :class:`ShmLayoutError` (wrong magic/version/size).
+        """
+        p = resolve_path(path)
+        try:
+            fd = os.open(p, os.O_RDWR if writable else os.O_RDONLY)
+        except FileNotFoundError as e:
+            raise ShmMissingError(p) from e
+        except PermissionError as e:
+            raise ShmError(
+                f"no permission to open DPLB segment '{p}' ({e.strerror}); run as the user/group that owns it "
+                "(systemd: the dplb user) or fix its mode.",
+                p,
+            ) from e
+        try:
+            st = os.fstat(fd)
+            if st.st_size < HEADER_SIZE:
+                raise ShmLayoutError(p, f"file is {st.st_size} bytes, smaller than the {HEADER_SIZE}-byte header")
+            raw = os.pread(fd, _HEADER.size + 16 * MAX_WORKERS, 0)
+            header = _decode_header(p, raw, st.st_size)
+            mm = mmap.mmap(
+                fd, segment_size(header.num_workers),
+                access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ,
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(p, fd, mm, header, st.st_ino)
+
+    def close(self) -> None:
+        """Unmap and close. Idempotent. The file is kept."""
+        if self._fd < 0:
+            return
+        self._seqs.release()
+        self._view.release()
+        with contextlib.suppress(BufferError):  # a live memoryview elsewhere; the GC will unmap
+            self._mm.close()
+        os.close(self._fd)
+        self._fd = -1
+
+    def unlink(self) -> None:
+        """Remove the file if it is still this segment (same inode). Idempotent."""
+        try:
+            if os.stat(self.path).st_ino == self.inode:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def still_present(self) -> bool:
+        """True if ``path`` still names this segment (not deleted or replaced). Does a ``stat``: not hot-path."""
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except OSError:
+            return False
+
+    # ---- reading ---------------------------------------------------------------------------------------------
+    def read(self, worker_id: int) -> WorkerState:
+        """Consistent copy of slot ``worker_id`` (seqlock). A slot torn ``READ_RETRIES`` times has ``torn=True``."""
+        off = self._slot_offset(worker_id)
+        mm = self._mm
+        seqs = self._seqs
+        si = off >> 3
+        for _ in range(READ_RETRIES):
+            seq = seqs[si]  # one aligned 8-byte load, before the copy
+            if seq & 1:
+                continue
+            raw = mm[off : off + _SLOT.size]
+            if seqs[si] != seq:  # and one after it
+                continue
+            v = _SLOT.unpack(raw)
+            return WorkerState(
+                worker_id, v[1], _LIFECYCLES[v[2]] if v[2] < len(_LIFECYCLES) else Lifecycle.UNSET, v[3],
+                v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18],
+                v[19], v[20], v[21], seq,
+            )
+        return WorkerState(worker_id, torn=True)
+
+    def read_all(self) -> list[WorkerState]:
+        """Consistent copies of every slot, in worker-id order."""
+        return [self.read(w) for w in range(self.num_workers)]
+
+    # ---- writing ---------------------------------------------------------------------------------------------
+    def writer(self, worker_id: int) -> SlotWriter:
+        """The single writer of slot ``worker_id``."""
+        return SlotWriter(self, worker_id)
+
+    def _slot_offset(self, worker_id: int) -> int:
+        if not 0 <= worker_id < self.num_workers:
+            raise ShmWorkerIdError(
+                f"worker id {worker_id} is outside this segment's 0..{self.num_workers - 1} "
+                f"('{self.path}' was created for {self.num_workers} workers); recreate it with more workers.",
+                self.path,
+            )
+        return HEADER_SIZE + worker_id * SLOT_SIZE
+
+
+_LIFECYCLES = list(Lifecycle)
+
+
+class SlotWriter:
+    """Writes one worker's slot with the seqlock protocol. Exactly one per slot (one process, one thread)."""
+
+    def __init__(self, segment: Segment, worker_id: int) -> None:
+        self.segment = segment
+        self.worker_id = worker_id
+        self._off = segment._slot_offset(worker_id)
+        self._si = self._off >> 3
+        self._seq = segment._seqs[self._si]
+        if self._seq & 1:  # a previous writer died mid-update: make it even again before the next write
+            self._seq += 1
+
+    def publish(self, state: WorkerState) -> None:
+        """Write every field of ``state`` (its ``worker_id``, ``seq`` and ``torn`` are ignored).
+
+        Heartbeat fields are written as given; use :meth:`publish_now` to stamp the current clocks.
+        """
+        mm = self.segment._mm
+        seqs = self.segment._seqs
+        off = self._off
+        seq = self._seq + 1
+        seqs[self._si] = seq  # odd: update in progress
+        _BODY.pack_into(
+            mm, off + 8, state.pid, int(state.lifecycle), state.flags, 0, state.heartbeat_mono_ns,
+            state.heartbeat_unix_ns, state.num_running, state.num_waiting, state.max_num_seqs,
+            state.last_prompt_tokens, state.kv_cache_usage, state.gpu_memory_used_bytes,
+            state.gpu_memory_total_bytes, state.avg_latency_s, state.avg_ttft_s, state.requests_total,
+            state.errors_total, state.cuda_oom_total, state.warmup_seconds, state.first_request_seconds,
+            state.started_unix_ns,
+        )
+        seq += 1
+        seqs[self._si] = seq  # even: consistent again
+        self._seq = seq
+
+    def publish_now(self, state: WorkerState) -> None:
+        """Stamp ``state``'s heartbeat with the current monotonic and wall clocks, then :meth:`publish`."""
+        state.heartbeat_mono_ns = time.monotonic_ns()
+        state.heartbeat_unix_ns = time.time_ns()
+        self.publish(state)
+
+    def clear(self) -> None:
+        """Zero the slot (pid 0 = unregistered)."""
+        self.publish(WorkerState(self.worker_id))
+
+
+def _decode_header(path: str, raw: bytes, file_size: int) -> SegmentHeader:
+    magic, version, hsize, n, ssize, interval, created, cpid, _r, model_b = _HEADER.unpack_from(raw, 0)
+    if magic != MAGIC:
+        raise ShmLayoutError(path, f"bad magic {magic!r} (expected {MAGIC!r})")
+    if version != LAYOUT_VERSION:
+        raise ShmLayoutError(path, f"layout version {version}, this DPLB reads version {LAYOUT_VERSION}")
+    if hsize != HEADER_SIZE or ssize != SLOT_SIZE:
+        raise ShmLayoutError(path, f"header/slot size {hsize}/{ssize}, expected {HEADER_SIZE}/{SLOT_SIZE}")
+    if not 1 <= n <= MAX_WORKERS:
+        raise ShmLayoutError(path, f"num_workers {n} outside 1..{MAX_WORKERS}")
+    if file_size < segment_size(n):
+        raise ShmLayoutError(path, f"file is {file_size} bytes, {n} workers need {segment_size(n)}")
+    if interval <= 0:
+        raise ShmLayoutError(path, f"state_interval_ms {interval} must be > 0")
+    gmap = []
+    for w in range(n):
+        cnt, idx = _GPU_ENTRY.unpack_from(raw, _GPU_MAP_OFFSET + 16 * w)
+        gmap.append(tuple(idx[: min(cnt, MAX_GPUS_PER_WORKER)]))
+    return SegmentHeader(
+        version, n, ssize, interval, created, cpid, model_b.rstrip(b"\0").decode(errors="replace"), tuple(gmap)
+    )
+
+
+def list_segments(directory: str = SHM_DIR) -> list[str]:
+    """Paths of ``dplb_state_*`` files in ``directory``, newest (by mtime) first. Ignores temp files."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(SEGMENT_PREFIX) and ".tmp." not in n]
+    except FileNotFoundError:
+        return []
+    paths = [os.path.join(directory, n) for n in names]
+    return sorted(paths, key=lambda p: os.stat(p).st_mtime if os.path.exists(p) else 0, reverse=True)
