@@ -1,1 +1,121 @@
-def main(): pass
+"""The ``dplb`` command line: ``launch``, ``worker``, ``router``, ``state``, ``doctor``, ``bench``.
+
+Contract: argparse parses and validates into typed ``*Config`` objects once; a :class:`dplb.errors.DPLBError` is
+printed as one clear message without a traceback (exit 2 for configuration errors, 1 otherwise). Subcommands
+import their modules lazily so ``dplb state`` stays fast and the router never imports engine code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from dplb import __version__
+from dplb.errors import DPLBError
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT, stream=sys.stderr)
+
+
+# ---- worker ----------------------------------------------------------------------------------------------------
+def _add_worker(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "worker", help="run one worker (engine on a Unix socket + state collector)",
+        description="Run one DPLB worker. Arguments after the known ones go to the engine: --sim-* knobs for the "
+        "sim engine (`dplb worker --help-engine sim`), vLLM server arguments for the vllm engine.",
+    )
+    p.add_argument("--worker-id", type=int, required=True, help="slot index in the shm segment (0-based)")
+    p.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    p.add_argument("--uds", required=True, help="Unix socket path the worker serves the OpenAI API on")
+    p.add_argument("--model", help="model path/name (vllm) or served model name (sim)")
+    p.add_argument("--shm-path", help="state segment (default: $DPLB_SHM_PATH)")
+    p.add_argument("--state-interval-ms", type=int, help="publish interval (default: the segment's, 200)")
+    p.add_argument("--metrics-port", type=int, help="metrics port on 127.0.0.1 (default 30001+K; 0 = off)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    p.set_defaults(func=_cmd_worker)
+
+
+def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
+    from dplb.engines import build_engine
+    from dplb.worker import Worker, WorkerConfig
+
+    cfg = WorkerConfig(
+        worker_id=args.worker_id, uds=args.uds, shm_path=args.shm_path, state_interval_ms=args.state_interval_ms,
+        metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
+    )
+    engine = build_engine(args.engine, rest, model=args.model)
+    worker = Worker(cfg, engine)
+    return _run_async(worker.run())
+
+
+def _run_async(coro) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover
+        return asyncio.run(coro)
+
+
+# ---- state -----------------------------------------------------------------------------------------------------
+def _add_state(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("state", help="show the shared-memory state segment (one row per worker)")
+    p.add_argument("--shm-path", help="segment (default: $DPLB_SHM_PATH, else the newest /dev/shm/dplb_state_*)")
+    p.add_argument("--json", action="store_true", help="print JSON: {header, workers: [...]}")
+    p.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
+    p.add_argument("--interval", type=float, default=1.0, help="--watch refresh period, seconds")
+    p.set_defaults(func=_cmd_state)
+
+
+def _cmd_state(args: argparse.Namespace, rest: list[str]) -> int:
+    from dplb.state_cli import run_state
+
+    return run_state(args.shm_path, as_json=args.json, watch=args.watch, interval_s=args.interval)
+
+
+# ---- entry point ---------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``dplb`` parser."""
+    p = argparse.ArgumentParser(prog="dplb", description="DPLB: data-parallel load balancer for vLLM")
+    p.add_argument("--version", action="version", version=f"dplb {__version__}")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    sub = p.add_subparsers(dest="command", required=True)
+    _add_worker(sub)
+    _add_state(sub)
+    for extra in ("dplb.router.cli", "dplb.launcher", "dplb.doctor"):
+        try:
+            mod = __import__(extra, fromlist=["add_parser"])
+        except ImportError:
+            continue
+        mod.add_parser(sub)
+    return p
+
+
+# Subcommands whose unknown arguments are passed on (to the engine); the others reject them.
+_PASS_THROUGH = {"worker", "launch"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point. Returns the exit code."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command not in _PASS_THROUGH:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    _setup_logging(args.log_level)
+    try:
+        return int(args.func(args, rest) or 0)
+    except DPLBError as e:
+        print(f"dplb {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The one small interface between a DPLB worker and its inference engine (DESIGN §5).
+
+Contract
+- An :class:`Engine` serves the OpenAI API as an ASGI app (``engine.app``) or, for out-of-process engines, on the
+  worker's Unix socket itself (``engine.serves_uds``); and answers :meth:`Engine.stats` cheaply (no I/O for the sim
+  engine, the latest scrape for vLLM), since the collector calls it every ``state_interval_ms``.
+- Per-request figures (E2E latency, time to first byte, counts, errors) are measured for every engine the same way,
+  by :class:`RequestStatsMiddleware` around the engine's app, and kept in :class:`RequestStats`.
+- Engine differences stay behind this module: the collector, lifecycle and router never look past it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+LATENCY_WINDOW = 10  # requests: DESIGN §2 "avg_latency_s of the last 10 requests"
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What the engine's scheduler says right now. Units: requests, fraction 0–1, tokens."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    max_num_seqs: int = 0
+    cuda_oom_total: int = 0
+    last_prompt_tokens: int = 0
+
+
+class Engine(Protocol):
+    """An inference engine behind a worker."""
+
+    name: str
+    #: ASGI app serving the OpenAI API, health and metrics (None if the engine serves the socket itself).
+    app: ASGIApp | None
+
+    async def start(self) -> None:
+        """Load the model / start serving. Raises on failure (the worker exits non-zero with the message)."""
+
+    def stats(self) -> EngineStats:
+        """Current scheduler state. Must be cheap and must not block for long (called every tick)."""
+        ...
+
+    def metrics_text(self) -> bytes:
+        """The engine's ``vllm:*`` metrics in Prometheus text format."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Stop the engine and release its resources. Idempotent."""
+
+
+class RequestStats:
+    """Rolling per-request figures for one worker, written by the middleware, read by the collector thread.
+
+    ``avg_latency_s``/``avg_ttfb_s``: means over the last :data:`LATENCY_WINDOW` (10) completed requests, seconds
+    (0 until one completes). TTFB = time to the first response body byte, which is TTFT for streaming requests.
+    ``errors_total`` counts responses with status ≥ 500 and requests that died mid-response; client 4xx are not
+    worker errors. ``first_request_seconds`` is the E2E of the first request after the worker became ready.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lat: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._ttfb: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self.requests_total = 0
+        self.errors_total = 0
+        self.inflight = 0
+        self.first_request_seconds = 0.0
+        self.counting_first = False  # set once the worker is ready; the warm-up request is not "first"
+
+    def begin(self) -> None:
+        """A request entered the engine."""
+        with self._lock:
+            self.inflight += 1
+
+    def end(self, e2e_s: float, ttfb_s: float | None, error: bool) -> None:
+        """A request left the engine after ``e2e_s`` seconds (``ttfb_s`` None if no body byte was sent)."""
+        with self._lock:
+            self.inflight -= 1
+            self.requests_total += 1
+            if error:
+                self.errors_total += 1
+                return
+            self._lat.append(e2e_s)
+            if ttfb_s is not None:
+                self._ttfb.append(ttfb_s)
+            if self.counting_first and self.first_request_seconds == 0.0:
+                self.first_request_seconds = e2e_s
+
+    def averages(self) -> tuple[float, float]:
+        """(mean E2E, mean TTFB) of the last 10 successful requests, seconds; 0.0 when none."""
+        with self._lock:
+            lat = sum(self._lat) / len(self._lat) if self._lat else 0.0
+            tt = sum(self._ttfb) / len(self._ttfb) if self._ttfb else 0.0
+        return lat, tt
+
+
+# Paths that are requests to the model (timed and counted); everything else (health, metrics, models) is not.
+TIMED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+class RequestStatsMiddleware:
+    """ASGI middleware that times model requests into a :class:`RequestStats` and can refuse new work.
+
+    ``accepting()`` is consulted for every model request: when it returns False (draining) the request is answered
+    503 ``{"error": …, "code": "worker_draining"}`` without reaching the engine, so the router retries elsewhere.
+    """
+
+    def __init__(self, app: ASGIApp, stats: RequestStats, accepting: Callable[[], bool]) -> None:
+        self.app = app
+        self.stats = stats
+        self.accepting = accepting
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in TIMED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if not self.accepting():
+            await _send_json(send, 503, b'{"error":{"message":"worker is draining; retry on another worker",'
+                                        b'"type":"service_unavailable","code":"worker_draining"}}')
+            return
+        stats = self.stats
+        t0 = time.perf_counter()
+        first: list[float] = []
+        status = [0]
+        complete = [False]
+
+        async def timed_send(message: Message) -> None:
+            t = message["type"]
+            if t == "http.response.start":
+                status[0] = message["status"]
+            elif t == "http.response.body":
+                if not first and message.get("body"):
+                    first.append(time.perf_counter() - t0)
+                if not message.get("more_body", False):
+                    complete[0] = True
+            await send(message)
+
+        stats.begin()
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            e2e = time.perf_counter() - t0
+            stats.end(e2e, first[0] if first else None, status[0] >= 500 or not complete[0])
+
+
+async def _send_json(send: Send, status: int, body: bytes) -> None:
+    await send({
+        "type": "http.response.start", "status": status,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+    })
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,271 @@
+"""A DPLB worker: one data-parallel replica = an engine on a Unix socket + a collector publishing into shm.
+
+Contract (DESIGN §2, §5)
+- Lifecycle, each transition written to the slot at once and logged: starting → warming (engine up; one request
+  with ``max_tokens: 1`` is sent through the worker's own socket and timed) → ready (logs
+  ``Worker K registered. State: {...}``) → draining (SIGTERM/SIGINT: model requests get 503 ``worker_draining``,
+  in-flight ones finish, bounded by ``drain_timeout_s``) → stopped.
+- The collector thread publishes every ``state_interval_ms`` (heartbeat written every tick even when nothing
+  changed): engine scheduler state, per-request figures from :class:`RequestStats`, NVML memory (zeros + the
+  NO_GPU flag without a GPU).
+- The worker's own metrics and the engine's ``vllm:*`` metrics are served on ``127.0.0.1:metrics_port``.
+- A missing segment is a :class:`dplb.errors.ShmMissingError` before anything starts (the CLI prints it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from dplb import __version__
+from dplb.engines.base import Engine, RequestStats, RequestStatsMiddleware, Scope
+from dplb.errors import ConfigError
+from dplb.gpu import GpuReader, visible_gpu_indices
+from dplb.metrics import LIFECYCLE_STATES, WorkerMetrics, worker_metrics
+from dplb.serving import bind_tcp, bind_uds, make_server
+from dplb.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, Lifecycle, Segment, SlotWriter, WorkerState
+
+log = logging.getLogger("dplb.worker")
+METRICS_PORT_BASE = 30001
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Worker settings. ``metrics_port`` None = 30001 + worker_id; 0 = no metrics server."""
+
+    worker_id: int
+    uds: str
+    shm_path: str | None = None
+    state_interval_ms: int | None = None  # None: the segment's
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    drain_timeout_s: float = 30.0
+    warmup_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.worker_id < 0:
+            raise ConfigError(f"--worker-id must be ≥ 0, got {self.worker_id}")
+        if not self.uds:
+            raise ConfigError("--uds must name the worker's Unix socket path")
+        if self.state_interval_ms is not None and self.state_interval_ms <= 0:
+            raise ConfigError(f"--state-interval-ms must be > 0, got {self.state_interval_ms}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"--drain-timeout must be ≥ 0 seconds, got {self.drain_timeout_s}")
+
+    @property
+    def resolved_metrics_port(self) -> int:
+        """The metrics port actually used (0 = disabled)."""
+        return METRICS_PORT_BASE + self.worker_id if self.metrics_port is None else self.metrics_port
+
+
+class Collector:
+    """Publishes the worker's state into its shm slot every interval, on its own thread.
+
+    Lifecycle changes from the main thread go through :meth:`set_lifecycle`, which publishes at once; a lock
+    keeps the slot single-writer.
+    """
+
+    def __init__(self, writer: SlotWriter, engine: Engine, req: RequestStats, gpu: GpuReader,
+                 interval_s: float, metrics: WorkerMetrics) -> None:
+        self.writer = writer
+        self.engine = engine
+        self.req = req
+        self.gpu = gpu
+        self.interval_s = interval_s
+        self.metrics = metrics
+        self.state = WorkerState(writer.worker_id, pid=os.getpid(), lifecycle=Lifecycle.STARTING,
+                                 started_unix_ns=time.time_ns(), flags=0 if gpu.available else FLAG_NO_GPU)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"dplb-collector-{writer.worker_id}", daemon=True)
+        self._wid = str(writer.worker_id)
+        self._last_oom = 0
+
+    def start(self) -> None:
+        """Publish once now, then every interval."""
+        self.tick()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (after one last publish by the caller)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def set_lifecycle(self, lc: Lifecycle, **fields: float) -> None:
+        """Change lifecycle (and e.g. ``warmup_seconds``) and publish immediately."""
+        with self._lock:
+            self.state.lifecycle = lc
+            for k, v in fields.items():
+                setattr(self.state, k, v)
+        m = self.metrics
+        for s in LIFECYCLE_STATES:
+            m.lifecycle.labels(self._wid, s).set(1 if s == lc.name.lower() else 0)
+        self.tick()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.tick()
+            except Exception:  # never let the heartbeat die silently
+                log.exception("collector tick failed")
+
+    def tick(self) -> None:
+        """Read engine, request and GPU figures and publish them with a fresh heartbeat."""
+        t0 = time.perf_counter()
+        es = self.engine.stats()
+        lat, ttfb = self.req.averages()
+        used, total, busy = self.gpu.read()
+        with self._lock:
+            s = self.state
+            s.num_running, s.num_waiting = es.num_running, es.num_waiting
+            s.kv_cache_usage, s.max_num_seqs = es.kv_cache_usage, es.max_num_seqs
+            s.last_prompt_tokens = es.last_prompt_tokens
+            s.gpu_memory_used_bytes, s.gpu_memory_total_bytes = used, total
+            s.flags = (FLAG_NO_GPU if not self.gpu.available else 0) | (FLAG_GPU_BUSY if busy else 0)
+            s.avg_latency_s, s.avg_ttft_s = lat, ttfb
+            s.requests_total, s.errors_total = self.req.requests_total, self.req.errors_total
+            s.first_request_seconds = self.req.first_request_seconds
+            if es.cuda_oom_total > self._last_oom:
+                log.error(
+                    "worker %s: CUDA out of memory reported by the engine (total %d). Lower "
+                    "--gpu-memory-utilization (e.g. 0.95 → 0.85), reduce --max-num-seqs/--max-model-len, or use "
+                    "more tensor parallelism (--tensor-parallel-size).", self._wid, es.cuda_oom_total)
+                self._last_oom = es.cuda_oom_total
+            s.cuda_oom_total = es.cuda_oom_total
+            self.writer.publish_now(s)
+        m, w = self.metrics, self._wid
+        m.cuda_oom.labels(w).set(es.cuda_oom_total)
+        m.nvml_errors.labels(w).set(self.gpu.errors_total)
+        m.requests.labels(w).set(self.req.requests_total)
+        m.errors.labels(w).set(self.req.errors_total)
+        m.first_request.labels(w).set(self.req.first_request_seconds)
+        m.collector_tick.labels(w).observe(time.perf_counter() - t0)
+
+
+class MetricsApp:
+    """ASGI app for the worker's metrics port: ``GET /metrics`` = engine ``vllm:*`` text + the worker's own."""
+
+    def __init__(self, engine: Engine, metrics: WorkerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/metrics":
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            await send({"type": "http.response.body", "body": b"not found\n"})
+            return
+        body = self.engine.metrics_text() + generate_latest(self.metrics.registry)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class Worker:
+    """Runs one worker until SIGTERM/SIGINT (then drains) or until the engine fails."""
+
+    def __init__(self, cfg: WorkerConfig, engine: Engine) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.segment = Segment.attach(cfg.shm_path)  # raises ShmMissingError / ShmLayoutError first
+        self.interval_ms = cfg.state_interval_ms or self.segment.state_interval_ms
+        self.req = RequestStats()
+        self.metrics = worker_metrics(cfg.worker_id, __version__)
+        self.gpu = GpuReader(visible_gpu_indices())
+        self.collector = Collector(self.segment.writer(cfg.worker_id), engine, self.req, self.gpu,
+                                   self.interval_ms / 1000, self.metrics)
+        self.accepting = True
+        self._stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        """Begin draining (signal handler)."""
+        self._stop.set()
+
+    async def run(self) -> int:
+        """Serve until stopped. Returns the process exit code."""
+        k = self.cfg.worker_id
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        self.collector.start()
+        log.info("Worker %d starting (engine %s, pid %d, socket %s)", k, self.engine.name, os.getpid(), self.cfg.uds)
+        servers = []
+        try:
+            await self.engine.start()
+            if self.engine.app is not None:
+                app = RequestStatsMiddleware(self.engine.app, self.req, lambda: self.accepting)
+                srv = make_server(app, graceful_s=self.cfg.drain_timeout_s)
+                servers.append((srv, asyncio.create_task(srv.serve(sockets=[bind_uds(self.cfg.uds)]))))
+            port = self.cfg.resolved_metrics_port
+            if port:
+                msrv = make_server(MetricsApp(self.engine, self.metrics), graceful_s=1)
+                servers.append((msrv, asyncio.create_task(
+                    msrv.serve(sockets=[bind_tcp(self.cfg.metrics_host, port)]))))
+            self.collector.set_lifecycle(Lifecycle.WARMING)
+            log.info("Worker %d warming up", k)
+            if not self._stop.is_set():
+                warm = await self._warmup()
+                self.collector.set_lifecycle(Lifecycle.READY, warmup_seconds=warm)
+                self.metrics.warmup.labels(str(k)).set(warm)
+                self.req.counting_first = True
+                log.info("Worker %d registered. State: %s", k, json.dumps(self.collector.state.to_dict()))
+            await self._stop.wait()
+            await self._drain()
+            return 0
+        except Exception as e:
+            log.error("Worker %d failed: %s", k, e)
+            return 1
+        finally:
+            for srv, task in servers:
+                srv.should_exit = True
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(task, timeout=max(5.0, self.cfg.drain_timeout_s))
+            with contextlib.suppress(Exception):
+                await self.engine.shutdown()
+            self.collector.set_lifecycle(Lifecycle.STOPPED)
+            self.collector.stop()
+            log.info("Worker %d stopped", k)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.cfg.uds)
+            self.gpu.close()
+            self.segment.close()
+
+    async def _warmup(self) -> float:
+        """Send one ``max_tokens: 1`` completion through our own socket; return its duration in seconds."""
+        transport = httpx.AsyncHTTPTransport(uds=self.cfg.uds)
+        async with httpx.AsyncClient(transport=transport, base_url="http://worker",
+                                     timeout=self.cfg.warmup_timeout_s) as client:
+            models = (await client.get("/v1/models")).json()
+            model = models["data"][0]["id"]
+            t0 = time.perf_counter()
+            r = await client.post("/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 1})
+            took = time.perf_counter() - t0
+        if r.status_code != 200:
+            raise RuntimeError(f"warm-up request failed with HTTP {r.status_code}: {r.text[:300]}")
+        return took
+
+    async def _drain(self) -> None:
+        """Refuse new model requests, wait for in-flight ones (bounded), then let the servers stop."""
+        k = self.cfg.worker_id
+        self.accepting = False
+        self.collector.set_lifecycle(Lifecycle.DRAINING)
+        log.info("Worker %d draining: %d request(s) in flight, up to %.0f s", k, self.req.inflight,
+                 self.cfg.drain_timeout_s)
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while self.req.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.req.inflight:
+            log.warning("Worker %d: drain timeout with %d request(s) still in flight; they will be cut", k,
+                        self.req.inflight)
