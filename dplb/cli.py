@@ -88,12 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     _add_worker(sub)
     _add_state(sub)
-    for extra in ("dplb.router.cli", "dplb.launcher", "dplb.doctor"):
-        try:
-            mod = __import__(extra, fromlist=["add_parser"])
-        except ImportError:
-            continue
-        mod.add_parser(sub)
+    from dplb.router import cli as router_cli
+
+    router_cli.add_parser(sub)
     return p
 
 

@@ -8,10 +8,24 @@ DESIGN §3/§4 and the seed article.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Literal
 
 from dplb.errors import ConfigError
+
+ENV_RUN_DIR = "DPLB_RUN_DIR"
+
+
+def default_run_dir() -> str:
+    """Where worker sockets live: ``$DPLB_RUN_DIR``, else ``$XDG_RUNTIME_DIR/dplb``, else ``/tmp/dplb-<uid>``.
+    (Under systemd ``RuntimeDirectory=dplb`` gives ``/run/dplb`` through ``DPLB_RUN_DIR``.)"""
+    if os.environ.get(ENV_RUN_DIR):
+        return os.environ[ENV_RUN_DIR]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return os.path.join(os.environ["XDG_RUNTIME_DIR"], "dplb")
+    return f"/tmp/dplb-{os.getuid()}"
+
 
 POLICIES = ("dplb", "round_robin", "random", "least_loaded", "power_of_two")
 MemorySignal = Literal["kv", "gpu"]
@@ -82,3 +96,54 @@ def parse_weights(text: str) -> tuple[float, float, float]:
     if len(parts) != 3:
         raise ConfigError(f"weights must be three comma-separated numbers like 0.4,0.3,0.3, got {text!r}")
     return parts[0], parts[1], parts[2]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Router settings (DESIGN §4). Times in seconds, sizes in bytes.
+
+    - ``connect_timeout_s``: connecting to a worker's socket; ``first_byte_timeout_s``: waiting for the response
+      head (generous: long prefills are normal); ``idle_timeout_s``: silence between two body chunks.
+    - ``max_body_bytes``: larger request bodies get 413 (decided from Content-Length before reading when given).
+    - ``retry_after_s``: the ``Retry-After`` of the router's own 503s.
+    - ``affinity_prefix_bytes``: how many leading bytes of ``messages``/``prompt`` form the prefix-affinity key.
+    - ``debug_ring``: how many decisions ``/debug/decisions`` keeps.
+    - ``api_key``: when set, proxied and ``/v1/models`` requests need ``Authorization: Bearer <key>``;
+      ``public_paths`` are exempt.
+    """
+
+    policy: PolicyConfig
+    run_dir: str
+    num_workers: int | None = None
+    shm_path: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 30000
+    api_key: str | None = None
+    public_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")
+    max_body_bytes: int = 32 * 1024 * 1024
+    connect_timeout_s: float = 5.0
+    first_byte_timeout_s: float = 600.0
+    idle_timeout_s: float = 120.0
+    retry_after_s: int = 1
+    affinity_prefix_bytes: int = 256
+    debug_ring: int = 256
+    shm_check_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be 0..65535, got {self.port}")
+        if self.num_workers is not None and self.num_workers <= 0:
+            raise ConfigError(f"--num-workers must be > 0, got {self.num_workers}")
+        for name in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "shm_check_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_body_bytes <= 0:
+            raise ConfigError(f"--max-body-bytes must be > 0, got {self.max_body_bytes}")
+        if self.affinity_prefix_bytes < 0 or self.debug_ring <= 0 or self.retry_after_s < 0:
+            raise ConfigError("affinity_prefix_bytes ≥ 0, debug_ring > 0 and retry_after_s ≥ 0 are required")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key must not be empty")
+
+    def socket_path(self, worker_id: int) -> str:
+        """Worker ``worker_id``'s Unix socket: ``<run_dir>/worker-<id>.sock``."""
+        return f"{self.run_dir}/worker-{worker_id}.sock"

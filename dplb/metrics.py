@@ -8,9 +8,12 @@ can run several in one interpreter. Dashboards and alerts import the names from 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 # ---- names (dashboards/alerts import these) --------------------------------------------------------------------
 WORKER_QUEUE_LENGTH = "dplb_worker_queue_length"
@@ -101,4 +104,128 @@ def worker_metrics(worker_id: int, version: str) -> WorkerMetrics:
     return m
 
 
-__all__ = ["Counter", "Gauge", "Histogram", "WorkerMetrics", "worker_metrics"]
+class RouterMetrics:
+    """The router's metrics in its own registry.
+
+    Per-worker scoring inputs are not stored here: :class:`WorkerStateCollector` reads them from shm and from the
+    policy at scrape time (``bind``), so they are exactly what the scorer sees, at no cost on the hot path.
+    """
+
+    def __init__(self, version: str) -> None:
+        reg = self.registry = CollectorRegistry(auto_describe=True)
+        Info(BUILD_INFO, "DPLB build", registry=reg).info({"version": version, "component": "router"})
+        self.decisions = Counter(ROUTING_DECISIONS, "Routing decisions by chosen worker and reason.",
+                                 ["worker", "reason"], registry=reg)
+        self.decision_duration = Histogram(ROUTING_DECISION_DURATION, "shm read + pick() time, seconds.",
+                                           buckets=DECISION_BUCKETS, registry=reg)
+        self.rejected = Counter(REQUESTS_REJECTED, "Requests the router answered itself with an error, by reason.",
+                                ["reason"], registry=reg)
+        self.retries = Counter(UPSTREAM_RETRIES, "Requests re-sent to another worker after a failure before any "
+                               "byte reached the first one.", registry=reg)
+        self.upstream_duration = Histogram(UPSTREAM_REQUEST_DURATION, "Proxied request duration by worker and "
+                                           "outcome, seconds.", ["worker", "outcome"], buckets=REQUEST_BUCKETS,
+                                           registry=reg)
+        self.upstream_ttfb = Histogram(UPSTREAM_TTFB, "Time from dispatch to the worker's first response byte, "
+                                       "seconds.", ["worker"], buckets=REQUEST_BUCKETS, registry=reg)
+        self.shm_present = Gauge(SHM_SEGMENT_PRESENT, "1 when the router reads worker state from the shm segment.",
+                                 registry=reg)
+        self.shm_errors = Counter(SHM_ERRORS, "Shared-memory errors by operation and error.", ["operation", "error"],
+                                  registry=reg)
+        self.http_requests = Counter(HTTP_REQUESTS, "Router HTTP requests by route template, method and status.",
+                                     ["route", "method", "status"], registry=reg)
+        self._decision_children: dict[tuple[int | None, str], object] = {}
+
+    def init_workers(self, n: int) -> None:
+        """Pre-create every known label value at zero."""
+        from dplb.errors import RouterErrorKind
+        from dplb.policy import DECISION_REASONS
+
+        for k in range(n):
+            for r in DECISION_REASONS[:4]:
+                self.decisions.labels(str(k), r)
+            self.upstream_ttfb.labels(str(k))
+            for o in OUTCOMES:
+                self.upstream_duration.labels(str(k), o)
+        for r in DECISION_REASONS[4:]:
+            self.decisions.labels("none", r)
+        for kind in RouterErrorKind:
+            self.rejected.labels(kind.code)
+
+    def observe_decision(self, d: object, seconds: float) -> None:
+        """Count one decision (``d`` a :class:`dplb.policy.Decision`) and its duration."""
+        key = (d.worker, d.reason)  # type: ignore[attr-defined]
+        child = self._decision_children.get(key)
+        if child is None:
+            child = self._decision_children[key] = self.decisions.labels(
+                "none" if key[0] is None else str(key[0]), key[1])
+        child.inc()  # type: ignore[attr-defined]
+        self.decision_duration.observe(seconds)
+
+
+class WorkerStateCollector:
+    """Scrape-time collector of the per-worker scoring inputs, as the scorer sees them right now.
+
+    ``source()`` returns ``(decision, inflight, registered, baseline_s)``: a dry-run
+    :class:`dplb.policy.Decision` over the current snapshot (None without a segment), the router's in-flight count
+    per worker, the number of registered workers, and the latency baseline (None until frozen).
+    """
+
+    def __init__(self, source: Callable[[], tuple[Any, list[int], int, float | None]]) -> None:
+        self.source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        d, inflight, registered, baseline = self.source()
+        fam = {
+            WORKER_QUEUE_LENGTH: GaugeMetricFamily(WORKER_QUEUE_LENGTH, "Queue the scorer sees: running + waiting "
+                                                   "+ router correction, requests.", labels=["worker"]),
+            WORKER_REQUESTS_INFLIGHT: GaugeMetricFamily(WORKER_REQUESTS_INFLIGHT, "Requests the router has in "
+                                                        "flight to the worker.", labels=["worker"]),
+            WORKER_KV_CACHE_USAGE: GaugeMetricFamily(WORKER_KV_CACHE_USAGE, "KV-cache usage, ratio 0-1.",
+                                                     labels=["worker"]),
+            WORKER_GPU_MEMORY_USED: GaugeMetricFamily(WORKER_GPU_MEMORY_USED, "NVML GPU memory used, bytes.",
+                                                      labels=["worker"]),
+            WORKER_GPU_MEMORY_TOTAL: GaugeMetricFamily(WORKER_GPU_MEMORY_TOTAL, "NVML GPU memory total, bytes.",
+                                                       labels=["worker"]),
+            WORKER_LATENCY_AVG: GaugeMetricFamily(WORKER_LATENCY_AVG, "Mean E2E latency of the worker's last 10 "
+                                                  "requests, seconds.", labels=["worker"]),
+            WORKER_SCORE: GaugeMetricFamily(WORKER_SCORE, "Routing score (higher is better), 0-1.",
+                                            labels=["worker"]),
+            WORKER_SCORE_TERM: GaugeMetricFamily(WORKER_SCORE_TERM, "Each score term before weighting, 0-1.",
+                                                 labels=["worker", "term"]),
+            WORKER_UP: GaugeMetricFamily(WORKER_UP, "1 when the worker is routable (ready, fresh heartbeat).",
+                                         labels=["worker"]),
+            WORKER_LIFECYCLE: GaugeMetricFamily(WORKER_LIFECYCLE, "Worker lifecycle, one-hot.",
+                                                labels=["worker", "state"]),
+            WORKER_STATE_LAST_UPDATE: GaugeMetricFamily(WORKER_STATE_LAST_UPDATE, "Wall time of the worker's last "
+                                                        "heartbeat, unix seconds.", labels=["worker"]),
+        }
+        for k, n in enumerate(inflight):
+            fam[WORKER_REQUESTS_INFLIGHT].add_metric([str(k)], n)
+        if d is not None:
+            for c in d.candidates:
+                w, s = str(c.worker_id), c.state
+                fam[WORKER_QUEUE_LENGTH].add_metric([w], c.queue)
+                fam[WORKER_KV_CACHE_USAGE].add_metric([w], s.kv_cache_usage)
+                fam[WORKER_GPU_MEMORY_USED].add_metric([w], s.gpu_memory_used_bytes)
+                fam[WORKER_GPU_MEMORY_TOTAL].add_metric([w], s.gpu_memory_total_bytes)
+                fam[WORKER_LATENCY_AVG].add_metric([w], s.avg_latency_s)
+                fam[WORKER_SCORE].add_metric([w], c.score)
+                for term, v in (("queue", c.term_queue), ("memory", c.term_memory), ("latency", c.term_latency)):
+                    fam[WORKER_SCORE_TERM].add_metric([w, term], v)
+                fam[WORKER_UP].add_metric([w], 1 if c.eligible or c.why in ("over_cap", "excluded") else 0)
+                life = LIFECYCLE_STATES[int(s.lifecycle)] if int(s.lifecycle) < len(LIFECYCLE_STATES) else "unset"
+                for st in LIFECYCLE_STATES:
+                    fam[WORKER_LIFECYCLE].add_metric([w, st], 1 if st == life else 0)
+                fam[WORKER_STATE_LAST_UPDATE].add_metric([w], s.heartbeat_unix_ns / 1e9)
+        yield from fam.values()
+        yield GaugeMetricFamily(WORKERS_REGISTERED, "Workers that have registered in the segment.", value=registered)
+        yield GaugeMetricFamily(LATENCY_BASELINE, "Latency baseline of the score (P95 of the first 50 requests), "
+                                "seconds; NaN until frozen.", value=float("nan") if baseline is None else baseline)
+
+
+__all__ = [
+    "Counter", "Gauge", "Histogram", "RouterMetrics", "WorkerMetrics", "WorkerStateCollector", "worker_metrics",
+]

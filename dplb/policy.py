@@ -227,7 +227,7 @@ class Policy:
     # ---- picking -------------------------------------------------------------------------------------------
     def pick(
         self, snapshot: Sequence[WorkerState], now_mono_ns: int, prefix_hash: int | None = None,
-        exclude: frozenset[int] | set[int] = frozenset(),
+        exclude: frozenset[int] | set[int] = frozenset(), dry_run: bool = False,
     ) -> Decision:
         """Choose a worker for one request.
 
@@ -235,7 +235,8 @@ class Policy:
         ``now_mono_ns``: CLOCK_MONOTONIC ns (staleness). ``prefix_hash``: 64-bit hash of the prompt prefix, or
         None. ``exclude``: workers not to pick (a failed connect on the first choice).
         Returns a :class:`Decision`; ``worker`` is None when nobody is eligible (``reason`` says why). The chosen
-        worker's in-flight correction is incremented.
+        worker's in-flight correction is incremented. ``dry_run=True`` evaluates without choosing for real (no
+        rotation, no correction): what a metrics scrape uses.
         """
         n = len(snapshot)
         rows: list[_Row] = [None] * n  # type: ignore[list-item]  # filled below, in id order
@@ -252,7 +253,8 @@ class Policy:
         sent = self._sent_since
         seen = self._seen_hb
         start = self._rot % n if n else 0
-        self._rot += 1
+        if not dry_run:
+            self._rot += 1
         for i in range(n):
             w = snapshot[(start + i) % n]
             k = w.worker_id
@@ -305,6 +307,8 @@ class Policy:
             else:
                 reason = REASON_NONE_ROUTABLE
             return Decision(self.name, None, reason, rows, base)
+        if dry_run:
+            return Decision(self.name, None, REASON_SCORE, rows, base)
         chosen, reason, preferred = self._choose(eligible, prefix_hash)
         sent[chosen] += 1
         return Decision(self.name, chosen, reason, rows, base, preferred)

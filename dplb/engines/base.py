@@ -43,8 +43,11 @@ class Engine(Protocol):
     """An inference engine behind a worker."""
 
     name: str
-    #: ASGI app serving the OpenAI API, health and metrics (None if the engine serves the socket itself).
-    app: ASGIApp | None
+
+    @property
+    def app(self) -> ASGIApp | None:
+        """ASGI app serving the OpenAI API and health (None if the engine serves the socket itself)."""
+        ...
 
     async def start(self) -> None:
         """Load the model / start serving. Raises on failure (the worker exits non-zero with the message)."""

@@ -1,0 +1,504 @@
+"""The sim engine: a CPU-cheap, vLLM-like inference engine behind a DPLB worker (DESIGN §5). A product feature: it
+lets the router, policies, dashboards and benchmarks run unchanged on machines without a GPU.
+
+Contract
+- :class:`SimEngine` implements :class:`dplb.engines.base.Engine`: ``name = "sim"``, ``app`` (ASGI), ``start()``,
+  ``stats()`` (no I/O), ``metrics_text()``, ``shutdown()`` (idempotent). Configure it with a
+  :class:`~dplb.engines.sim_scheduler.SimConfig` (knobs, units and faults are documented there).
+- HTTP surface, in vLLM's shapes: ``POST /v1/chat/completions`` and ``/v1/completions`` (non-streaming and SSE
+  streaming, ``n``, ``stream_options.include_usage``/``continuous_usage_stats``; sampling parameters are accepted
+  and ignored), ``GET /v1/models``, ``/health`` (200, empty), ``/load`` (``{"num_running", "num_waiting",
+  "kv_cache_usage"}``), ``/metrics`` (``vllm:*`` Prometheus text), ``/debug/requests`` (the last 256 model
+  requests). Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``; a ``model`` other than
+  the served one is a 404 like vLLM's.
+- Every response to a model request carries ``x-sim-body-sha256`` (hex SHA-256 of the exact request body bytes) and
+  echoes ``X-Request-Id``; the response id is ``chatcmpl-<X-Request-Id>``/``cmpl-<…>`` (random when absent), as vLLM.
+- Tokens: the prompt's whitespace-separated words (chat: messages rendered as ``"role: content\\n"`` lines). Output:
+  ``max_tokens`` words drawn by a PRNG seeded from (``seed``, prompt hash, choice index), so the same request gives
+  the same text; ``finish_reason`` is always ``"length"``.
+- Timing: one scheduler step lasts ``(decode_step_s + decode_step_s_per_seq * running + prefill_s_per_token *
+  uncached prompt tokens admitted this step) / speed`` seconds, and yields one token per running sequence; see
+  :mod:`dplb.engines.sim_scheduler` for batching, KV blocks and the prefix cache.
+- A client disconnect (ASGI ``http.disconnect``) aborts the request at once and frees its KV blocks.
+- The HTTP layer is a small raw ASGI app, not Litestar: measured in-process, ~4 µs per request against ~95 µs for
+  the same handler in Litestar, and it watches ``http.disconnect`` directly. Serve it with uvicorn, e.g.
+  ``python -m dplb.engines.sim --uds /run/dplb/worker-0.sock --max-num-seqs 8 --speed 0.5``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import random
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from dplb.engines.base import ASGIApp, EngineStats, Receive, Scope, Send
+from dplb.engines.sim_scheduler import (
+    WORDS,
+    SimConfig,
+    SimRequest,
+    SimScheduler,
+    block_hashes,
+    completion_prompts,
+    prompt_hash,
+    render_chat,
+    tokenize,
+)
+
+__all__ = ["SimConfig", "SimEngine", "main"]
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 64 << 20  # request bodies above this get 413
+DEBUG_RECORDS = 256
+_json = msgspec.json.Encoder().encode
+_CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+class HTTPError(Exception):
+    """An OpenAI-shaped error response: ``{"error": {"message", "type", "param": null, "code"}}``."""
+
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", code: int | str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type_
+        self.code = status if code is None else code
+
+    def body(self) -> bytes:
+        return _json({"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}})
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A validated model request: token ids per prompt, capped ``max_tokens`` per prompt, ``n`` choices each."""
+
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    n: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+
+
+def parse_request(body: bytes, chat: bool, cfg: SimConfig) -> ParsedRequest:
+    """Validate a model request body like vLLM does; raises :class:`HTTPError` (400, or 404 for another model)."""
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise HTTPError(400, f"Invalid JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise HTTPError(400, "The request body must be a JSON object")
+    model = data.get("model")
+    if model is not None and model != cfg.model:
+        raise HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError")
+
+    def int_field(name: str, value: Any, lo: int, hi: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise HTTPError(400, f"{name} must be an integer between {lo} and {hi}, got {value!r}")
+        return value
+
+    n = 1 if data.get("n") is None else int_field("n", data["n"], 1, 1 << 16)
+    name, req_max = "max_tokens", data.get("max_tokens")
+    if chat and data.get("max_completion_tokens") is not None:
+        name, req_max = "max_completion_tokens", data["max_completion_tokens"]
+    if req_max is not None:
+        req_max = int_field(name, req_max, 1, cfg.max_model_len)
+    stream = data.get("stream") or False
+    opts = data.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(opts, dict):
+        raise HTTPError(400, "'stream' must be a boolean and 'stream_options' an object")
+    try:
+        prompts = [tokenize(render_chat(data.get("messages")))] if chat else completion_prompts(data.get("prompt"))
+    except ValueError as e:
+        raise HTTPError(400, str(e)) from None
+    for ids in prompts:
+        if len(ids) >= cfg.max_model_len:
+            raise HTTPError(400, f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
+                                 f"your request has {len(ids)} input tokens. Please reduce the length of the input.")
+    max_tokens = [min(req_max or cfg.default_max_tokens, cfg.max_model_len - len(ids)) for ids in prompts]
+    return ParsedRequest(prompts, max_tokens, n, stream, bool(opts.get("include_usage")),
+                         bool(opts.get("include_usage") and opts.get("continuous_usage_stats")))
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body; None if the client disconnected first. Raises HTTPError(413) above the limit."""
+    chunks, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise HTTPError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None,
+                   content_type: bytes = b"application/json") -> None:
+    h = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(headers or [])]
+    await send({"type": "http.response.start", "status": status, "headers": h})
+    await send({"type": "http.response.body", "body": body})
+
+
+class SimEngine:
+    """A vLLM-like engine on CPU. Serve ``engine.app`` with uvicorn (any socket); call :meth:`start` first.
+
+    Counters (plain attributes, per HTTP request): ``requests_total`` (valid model requests; the ``oom_after``
+    count), ``completed_total`` (responses fully sent; the ``crash_after``/``hang_after`` count), ``aborted_total``
+    (client disconnects or shutdown before completion), ``cuda_oom_total``, ``overloaded_total`` (503s).
+    """
+
+    name = "sim"
+
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self.scheduler = SimScheduler(self.config)
+        self.app: ASGIApp | None = self._asgi
+        self.requests_total = self.completed_total = self.aborted_total = 0
+        self.cuda_oom_total = self.overloaded_total = 0
+        self.inflight = 0
+        self.last_prompt_tokens = 0
+        self.started = False
+        self.hung = False
+        self.debug_requests: deque[dict[str, Any]] = deque(maxlen=DEBUG_RECORDS)
+        self._active: dict[SimRequest, dict[str, Any]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop (bound on the first HTTP call)
+        self._release: asyncio.Event | None = None  # set at shutdown: frees parked (hung) handlers
+        self._closed = False
+        self._created = int(time.time())
+
+    # ---- Engine protocol ----
+    async def start(self) -> None:
+        """Simulated model load: sleeps ``warmup_delay_s``. Requests are served even before (as a warm-up probe)."""
+        if self.config.warmup_delay_s > 0:
+            await asyncio.sleep(self.config.warmup_delay_s)
+        self.started = True
+
+    def stats(self) -> EngineStats:
+        """Scheduler state now (sequences, KV fraction 0–1); plain attribute reads, safe from any thread."""
+        s = self.scheduler
+        return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
+                           max_num_seqs=self.config.max_num_seqs, cuda_oom_total=self.cuda_oom_total,
+                           last_prompt_tokens=self.last_prompt_tokens)
+
+    def metrics_text(self) -> bytes:
+        """The ``vllm:*`` metrics (private registry) in Prometheus text format."""
+        return generate_latest(self.scheduler.metrics.registry)
+
+    async def shutdown(self) -> None:
+        """Stop the scheduler, abort in-flight requests and release hung handlers. Idempotent; any thread/loop."""
+        if self._closed:
+            return
+        self._closed = True
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        if current is loop:
+            self._close_on_loop()
+        else:
+            with contextlib.suppress(RuntimeError):  # the serving loop is already closed: nothing left to stop
+                loop.call_soon_threadsafe(self._close_on_loop)
+
+    def _close_on_loop(self) -> None:
+        self.scheduler.stop()
+        for req, rec in list(self._active.items()):
+            self._abort(req, rec)
+        if self._release is not None:
+            self._release.set()
+
+    # ---- ASGI ----
+    async def _asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await self.shutdown()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._release = asyncio.Event()
+        if self.hung:
+            await self._park(receive, send)
+            return
+        path, method = scope["path"], scope["method"]
+        if path in (_CHAT, _COMPLETIONS):
+            if method != "POST":
+                await _respond(send, 405, b'{"detail":"Method Not Allowed"}')
+            else:
+                await self._model(scope, receive, send, path == _CHAT)
+            return
+        route = {"/health": self._health, "/v1/models": self._models, "/load": self._load,
+                 "/metrics": self._metrics, "/debug/requests": self._debug}.get(path)
+        if route is None:
+            await _respond(send, 404, b'{"detail":"Not Found"}')
+        elif method not in ("GET", "HEAD"):
+            await _respond(send, 405, b'{"detail":"Method Not Allowed"}')
+        else:
+            await route(send)
+
+    async def _health(self, send: Send) -> None:
+        await _respond(send, 200, b"")
+
+    async def _models(self, send: Send) -> None:
+        m = self.config.model
+        await _respond(send, 200, _json({"object": "list", "data": [{
+            "id": m, "object": "model", "created": self._created, "owned_by": "vllm", "root": m, "parent": None,
+            "max_model_len": self.config.max_model_len, "permission": []}]}))
+
+    async def _load(self, send: Send) -> None:
+        s = self.scheduler
+        await _respond(send, 200, _json({"num_running": s.num_running, "num_waiting": s.num_waiting,
+                                         "kv_cache_usage": s.kv_cache_usage}))
+
+    async def _metrics(self, send: Send) -> None:
+        await _respond(send, 200, self.metrics_text(), content_type=CONTENT_TYPE_LATEST.encode())
+
+    async def _debug(self, send: Send) -> None:
+        await _respond(send, 200, _json(list(self.debug_requests)))
+
+    async def _park(self, receive: Receive, send: Send) -> None:
+        """Hang fault: never answer; return when the client goes away or the engine shuts down."""
+        assert self._release is not None
+        gone = asyncio.ensure_future(_until_disconnect(receive))
+        released = asyncio.ensure_future(self._release.wait())
+        await asyncio.wait({gone, released}, return_when=asyncio.FIRST_COMPLETED)
+        disconnected = gone.done()
+        gone.cancel()
+        released.cancel()
+        if not disconnected:
+            await _respond(send, 503, HTTPError(503, "sim engine shut down", "ServiceUnavailableError").body())
+
+    def _abort(self, req: SimRequest, rec: dict[str, Any]) -> None:
+        if self.scheduler.abort(req):
+            self.aborted_total += 1
+            rec["aborted"] = True
+
+    async def _watch(self, receive: Receive, req: SimRequest, rec: dict[str, Any]) -> None:
+        await _until_disconnect(receive)
+        self._abort(req, rec)  # no-op when the request is already done
+
+    async def _model(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+        cfg = self.config
+        self.inflight += 1
+        try:
+            hdr = {k: v for k, v in scope["headers"] if k in (b"x-request-id", b"traceparent")}
+            xrid, tp = hdr.get(b"x-request-id"), hdr.get(b"traceparent")
+            rid = ("chatcmpl-" if chat else "cmpl-") + (xrid.decode("latin-1") if xrid else uuid.uuid4().hex)
+            rec: dict[str, Any] = {
+                "request_id": rid, "x_request_id": xrid.decode("latin-1") if xrid else None,
+                "traceparent": tp.decode("latin-1") if tp else None, "path": scope["path"], "body_sha256": None,
+                "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "status": 0, "aborted": False,
+                "time_unix": time.time()}
+            self.debug_requests.append(rec)
+            headers = [(b"x-request-id", xrid)] if xrid else []
+            try:
+                body = await _read_body(receive)
+                if body is None:
+                    rec["aborted"] = True
+                    return
+                rec["body_sha256"] = sha = hashlib.sha256(body).hexdigest()
+                headers.append((b"x-sim-body-sha256", sha.encode()))
+                if cfg.max_inflight_503 and self.inflight > cfg.max_inflight_503:
+                    self.overloaded_total += 1
+                    headers.append((b"retry-after", b"1"))
+                    raise HTTPError(503, f"The server is overloaded: more than {cfg.max_inflight_503} requests in "
+                                         "flight. Retry later or on another worker.", "ServiceUnavailableError",
+                                    "server_overloaded")
+                p = parse_request(body, chat, cfg)
+                self.requests_total += 1
+                if cfg.oom_after and self.requests_total >= cfg.oom_after:
+                    self.cuda_oom_total += 1
+                    raise HTTPError(500, "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                         "of 79.19 GiB of which 1.06 GiB is free. (simulated by the DPLB sim engine, "
+                                         f"oom_after={cfg.oom_after})", "InternalServerError")
+            except HTTPError as e:
+                rec["status"] = e.status
+                await _respond(send, e.status, e.body(), headers)
+                return
+            if await self._generate(receive, send, p, rid, rec, headers, chat):
+                self._completed()
+        finally:
+            self.inflight -= 1
+
+    async def _generate(self, receive: Receive, send: Send, p: ParsedRequest, rid: str, rec: dict[str, Any],
+                        headers: list[tuple[bytes, bytes]], chat: bool) -> bool:
+        """Run ``p`` through the scheduler and answer it; True when the full response was sent."""
+        cfg = self.config
+        req = SimRequest(stream=p.stream)
+        seeds = []
+        for pi, ids in enumerate(p.prompts):
+            hashes, ph = block_hashes(ids, cfg.block_size), prompt_hash(ids)
+            for j in range(p.n):
+                req.add_seq(pi * p.n + j, len(ids), hashes, p.max_tokens[pi], cfg.block_size)
+                seeds.append(f"{cfg.seed}:{ph}:{pi * p.n + j}")
+        rngs = [random.Random(s) for s in seeds]
+        prompt_tokens = sum(len(ids) for ids in p.prompts)
+        rec["prompt_tokens"] = self.last_prompt_tokens = prompt_tokens
+        self._active[req] = rec
+        self.scheduler.submit(req)
+        watcher = asyncio.ensure_future(self._watch(receive, req, rec))
+        try:
+            if p.stream:
+                return await self._stream(send, req, p, rid, rec, headers, chat, rngs, prompt_tokens)
+            while not req.done:
+                await req.event.wait()
+                req.event.clear()
+                if req.aborted:
+                    if self._closed:
+                        rec["status"] = 503
+                        await _respond(send, 503, HTTPError(503, "sim engine shut down",
+                                                            "ServiceUnavailableError").body(), headers)
+                    return False
+            choices: list[dict[str, Any]] = []
+            for seq, rng in zip(req.seqs, rngs, strict=True):
+                text = " ".join(rng.choice(WORDS) for _ in range(seq.max_tokens))
+                choice: dict[str, Any] = ({"index": seq.index, "message": {"role": "assistant", "content": text,
+                                           "refusal": None, "tool_calls": [], "reasoning_content": None}}
+                                          if chat else {"index": seq.index, "text": text})
+                choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+                choices.append(choice)
+            completion = sum(s.max_tokens for s in req.seqs)
+            rec.update(status=200, completion_tokens=completion)
+            await _respond(send, 200, _json({
+                "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": cfg.model, "choices": choices, "usage": {
+                    "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion,
+                    "completion_tokens": completion, "prompt_tokens_details": None}}), headers)
+            return True
+        finally:
+            watcher.cancel()
+            self._active.pop(req, None)
+            if not req.done:
+                self._abort(req, rec)
+            rec["cached_tokens"] = sum(s.cached_tokens for s in req.seqs)
+
+    async def _stream(self, send: Send, req: SimRequest, p: ParsedRequest, rid: str, rec: dict[str, Any],
+                      headers: list[tuple[bytes, bytes]], chat: bool, rngs: list[random.Random],
+                      prompt_tokens: int) -> bool:
+        cfg = self.config
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": cfg.model}
+        sent = [0] * len(req.seqs)
+
+        def usage() -> dict[str, int]:
+            c = sum(sent)
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": c, "total_tokens": prompt_tokens + c}
+
+        def event(choices: list[dict[str, Any]], with_usage: bool) -> bytes:
+            obj: dict[str, Any] = {**head, "choices": choices}
+            if with_usage:
+                obj["usage"] = usage()
+            return b"data: " + _json(obj) + b"\n\n"
+
+        rec["status"] = 200
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), *headers]})
+        first = True
+        while True:
+            await req.event.wait()
+            req.event.clear()
+            if req.aborted:
+                return False
+            events: list[bytes] = []
+            if chat and first:  # vLLM sends the role chunk with the first output, after prefill
+                events += [event([{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}], p.continuous_usage) for s in req.seqs]
+            first = False
+            for i, seq in enumerate(req.seqs):
+                while sent[i] < seq.generated:
+                    word = rngs[i].choice(WORDS)
+                    text = word if sent[i] == 0 else " " + word
+                    sent[i] += 1
+                    done = sent[i] == seq.max_tokens
+                    c: dict[str, Any] = ({"index": seq.index, "delta": {"content": text}} if chat
+                                         else {"index": seq.index, "text": text})
+                    c.update(logprobs=None, finish_reason="length" if done else None)
+                    if done or not chat:
+                        c["stop_reason"] = None
+                    events.append(event([c], p.continuous_usage))
+            rec["completion_tokens"] = sum(sent)
+            if cfg.chunk_delay_s > 0:
+                for ev in events:
+                    await send({"type": "http.response.body", "body": ev, "more_body": True})
+                    await asyncio.sleep(cfg.chunk_delay_s)
+            elif events:
+                await send({"type": "http.response.body", "body": b"".join(events), "more_body": True})
+            if req.done and all(n == s.max_tokens for n, s in zip(sent, req.seqs, strict=True)):
+                break
+        tail = (event([], True) if p.include_usage else b"") + b"data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        return True
+
+    def _completed(self) -> None:
+        """A response was fully sent: drive the crash/hang faults."""
+        cfg = self.config
+        self.completed_total += 1
+        if cfg.crash_after and self.completed_total == cfg.crash_after:
+            log.error("sim engine: crash_after=%d requests reached; exiting with status 1 (simulated crash)",
+                      cfg.crash_after)
+            asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+        if cfg.hang_after and self.completed_total >= cfg.hang_after and not self.hung:
+            log.error("sim engine: hang_after=%d requests reached; no longer answering (simulated hang)",
+                      cfg.hang_after)
+            self.hung = True
+            self.scheduler.freeze()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m dplb.engines.sim --uds PATH | --port P [--<sim knob> VALUE …]``: serve one sim engine."""
+    ap = argparse.ArgumentParser(prog="python -m dplb.engines.sim", description="Serve the DPLB sim engine.")
+    ap.add_argument("--uds", help="Unix socket path to serve on")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--log-level", default="warning")
+    for f in fields(SimConfig):
+        ap.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=f.default,
+                        help=f"(default {f.default!r})")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = SimConfig(**{f.name: getattr(args, f.name) for f in fields(SimConfig)})
+
+    async def serve() -> None:
+        import uvicorn
+
+        engine = SimEngine(cfg)
+        await engine.start()
+        assert engine.app is not None
+        server = uvicorn.Server(uvicorn.Config(engine.app, uds=args.uds, host=args.host, port=args.port,
+                                               lifespan="off", log_level=args.log_level))
+        try:
+            await server.serve()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,497 @@
+"""Core of the sim engine: configuration, tokenisation, prefix cache, a vLLM-like continuous-batching scheduler, and
+the engine's ``vllm:*`` Prometheus metrics. The HTTP side lives in :mod:`dplb.engines.sim`.
+
+Contract
+- :class:`SimScheduler` runs one asyncio task (created lazily on the event loop of the first :meth:`submit`) that
+  executes *steps*. Up to ``max_num_seqs`` sequences run; the rest wait in FIFO order. The head of the queue is
+  admitted when a running slot is free **and** its KV blocks fit: a sequence reserves
+  ``ceil((prompt_tokens + max_tokens) / block_size)`` blocks at admission and releases them when it finishes or is
+  aborted. Admission stops at the first sequence that does not fit (head-of-line, like vLLM's FCFS policy).
+- Timing model: one step lasts ::
+
+      step_s = (decode_step_s + decode_step_s_per_seq * num_running
+                + prefill_s_per_token * uncached_prompt_tokens_admitted_this_step) / speed
+
+  slept with ``asyncio.sleep`` against a deadline taken at the start of the step (no busy loop; the task awaits an
+  ``asyncio.Event`` when there is no work). Every running sequence gets one output token per step, so a request's
+  first token arrives at the end of the step that admitted it (prefill and first token in one step, like vLLM) and
+  latency grows with the batch size.
+- Prefix cache: the prompt's full blocks are hashed as a chain (block *i*'s hash covers its tokens and block *i−1*'s
+  hash, like vLLM's block hashing) and kept in an LRU of ``prefix_cache_blocks`` entries. At admission the leading
+  cached blocks (within ``prompt_tokens − 1`` tokens, as vLLM always recomputes the last prompt token) are hits and
+  cost no prefill; then the prompt's blocks are inserted.
+- Sequences, not HTTP requests, are the scheduling unit (an ``n=2`` request is two sequences, as vLLM V1 fans out
+  parallel sampling); ``vllm:*`` request metrics therefore count sequences. All times are seconds.
+- Thread safety: everything runs on the serving event loop; :meth:`SimScheduler.num_running` & co. are plain reads
+  that a collector thread may call at any time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import zlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dplb.errors import ConfigError
+
+#: Output vocabulary: every generated token is one of these words.
+WORDS = (
+    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "model", "token", "batch", "cache", "prefix",
+    "worker", "router", "queue", "latency", "memory", "kernel", "tensor", "shard", "block", "stream", "request",
+    "reply", "signal", "metric", "trace", "alpha", "beta", "gamma", "delta", "river", "mountain", "forest", "ocean",
+    "light", "shadow", "paper", "stone", "green", "blue", "red", "silver", "gold", "small", "large", "fast", "slow",
+    "and", "or", "but", "with", "from", "into", "over", "under", "near", "far", "today", "tomorrow", "again", "yes",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Knobs of the sim engine; validated on construction (raises :class:`~dplb.errors.ConfigError`).
+
+    Serving and model shape
+    - ``model``: served model name (``/v1/models``, responses, the ``model_name`` metric label).
+    - ``max_num_seqs``: most sequences running at once (continuous batching slots).
+    - ``kv_blocks``: KV cache capacity in blocks; ``block_size``: tokens per block. ``kv_blocks * block_size`` must
+      hold one ``max_model_len`` sequence (vLLM refuses to start otherwise).
+    - ``prefix_cache_blocks``: LRU capacity of the prefix cache, in blocks (0 disables it).
+    - ``default_max_tokens``: output tokens when a request gives no ``max_tokens``; ``max_model_len``: most
+      prompt + output tokens of one sequence.
+    - ``seed``: seeds the deterministic output text.
+
+    Timing (seconds; every time is divided by ``speed``, a per-worker speed factor: 0.5 = half as fast)
+    - ``prefill_s_per_token``: prefill cost of one uncached prompt token.
+    - ``decode_step_s``: base time of one decode step; ``decode_step_s_per_seq``: extra step time per running
+      sequence.
+
+    Faults (0 = off)
+    - ``warmup_delay_s``: :meth:`SimEngine.start` sleeps this long (a slow cold start).
+    - ``crash_after``: after N completed requests the process exits with ``os._exit(1)``.
+    - ``hang_after``: after N completed requests nothing is answered any more (requests, health, metrics over HTTP);
+      in-flight streams stop mid-way; the socket keeps accepting connections.
+    - ``oom_after``: the Nth and every later model request fails with HTTP 500 "CUDA out of memory".
+    - ``max_inflight_503``: with more than N model requests in flight, answer 503 ``server_overloaded`` at once.
+    - ``chunk_delay_s``: extra delay after each streamed token chunk.
+    """
+
+    model: str = "dplb-sim"
+    max_num_seqs: int = 16
+    speed: float = 1.0
+    prefill_s_per_token: float = 0.0002
+    decode_step_s: float = 0.02
+    decode_step_s_per_seq: float = 0.002
+    kv_blocks: int = 2048
+    block_size: int = 16
+    prefix_cache_blocks: int = 1024
+    default_max_tokens: int = 64
+    max_model_len: int = 8192
+    seed: int = 0
+    warmup_delay_s: float = 0.0
+    crash_after: int = 0
+    hang_after: int = 0
+    oom_after: int = 0
+    max_inflight_503: int = 0
+    chunk_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(f.default, bool) or f.name == "model":
+                continue
+            if isinstance(f.default, int) and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ConfigError(f"sim engine: {f.name} must be an integer, got {v!r}")
+            if isinstance(f.default, float) and (isinstance(v, bool) or not isinstance(v, int | float)
+                                                 or not math.isfinite(v)):
+                raise ConfigError(f"sim engine: {f.name} must be a finite number, got {v!r}")
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ConfigError(f"sim engine: model must be a non-empty name, got {self.model!r}")
+        minimum = {"max_num_seqs": 1, "kv_blocks": 1, "block_size": 1, "default_max_tokens": 1, "max_model_len": 2}
+        for name, lo in minimum.items():
+            if getattr(self, name) < lo:
+                raise ConfigError(f"sim engine: {name} must be at least {lo}, got {getattr(self, name)}")
+        for name in ("prefix_cache_blocks", "crash_after", "hang_after", "oom_after", "max_inflight_503",
+                     "prefill_s_per_token", "decode_step_s_per_seq", "warmup_delay_s", "chunk_delay_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"sim engine: {name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
+        for name in ("speed", "decode_step_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"sim engine: {name} must be > 0, got {getattr(self, name)}")
+        if self.kv_blocks * self.block_size < self.max_model_len:
+            raise ConfigError(
+                f"sim engine: the KV cache ({self.kv_blocks} blocks x {self.block_size} tokens = "
+                f"{self.kv_blocks * self.block_size} tokens) cannot hold one max_model_len={self.max_model_len} "
+                "sequence; raise kv_blocks or lower max_model_len (vLLM refuses to start in this case too)")
+
+
+def tokenize(text: str) -> list[int]:
+    """Token ids of ``text``: the CRC-32 of each whitespace-separated word; ``[0]`` for a blank text (≥ 1 token)."""
+    ids = [zlib.crc32(w.encode()) for w in text.split()]
+    return ids or [0]
+
+
+def render_chat(messages: Any) -> str:
+    """The chat prompt: one ``"role: content\\n"`` line per message (text parts joined). Raises ValueError."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' is required and must be a non-empty list of {role, content} objects")
+    lines = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+        content = msg.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise ValueError(f"messages[{i}].content parts must be objects with a 'type'")
+                if part["type"] == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError(f"messages[{i}].content text parts need a string 'text'")
+                    texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, a list of parts or null")
+        lines.append(f"{msg['role']}: {content}\n")
+    return "".join(lines)
+
+
+def completion_prompts(prompt: Any) -> list[list[int]]:
+    """Token ids of each prompt of a completions request (string, token ids, or a list of either). ValueError."""
+    def ids(p: Any) -> list[int] | None:
+        if isinstance(p, str):
+            return tokenize(p)
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+            return list(p)
+        return None
+
+    one = ids(prompt)
+    if one is not None:
+        return [one]
+    if isinstance(prompt, list) and prompt:
+        many = [ids(p) for p in prompt]
+        if all(m is not None for m in many):
+            return [m for m in many if m is not None]
+    raise ValueError("'prompt' is required: a string, a list of strings, a list of token ids or a list of "
+                         "token id lists (non-empty)")
+
+
+def prompt_hash(ids: list[int]) -> int:
+    """A stable 32-bit hash of a token id list (seeds the output text)."""
+    return zlib.crc32(array("I", [i & 0xFFFFFFFF for i in ids]).tobytes())
+
+
+def block_hashes(ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the full ``block_size`` blocks of ``ids`` (a trailing partial block is not hashed)."""
+    out: list[int] = []
+    h = 0
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        h = hash((h, tuple(ids[start:start + block_size])))
+        out.append(h)
+    return out
+
+
+class PrefixCache:
+    """LRU set of block hashes with a capacity in blocks (0 = disabled)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def match(self, hashes: list[int], max_blocks: int) -> int:
+        """Number of leading ``hashes`` (at most ``max_blocks``) that are cached; hits become most recent."""
+        n = 0
+        for h in hashes[:max_blocks]:
+            if h not in self._lru:
+                break
+            self._lru.move_to_end(h)
+            n += 1
+        return n
+
+    def insert(self, hashes: Iterable[int]) -> None:
+        """Add ``hashes`` as most recently used, evicting the least recently used beyond capacity."""
+        if self.capacity <= 0:
+            return
+        lru = self._lru
+        for h in hashes:
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+
+WAITING, RUNNING, FINISHED, ABORTED = range(4)
+
+
+class Seq:
+    """One sequence (one choice of one prompt). Times are ``loop.time()`` seconds; 0.0 = not yet."""
+
+    __slots__ = ("block_hashes", "blocks", "cached_tokens", "generated", "index", "max_tokens", "prompt_tokens",
+                 "req", "state", "t_arrival", "t_first", "t_last", "t_scheduled")
+
+    def __init__(self, req: SimRequest, index: int, prompt_tokens: int, hashes: list[int], max_tokens: int,
+                 block_size: int) -> None:
+        self.req = req
+        self.index = index
+        self.prompt_tokens = prompt_tokens
+        self.block_hashes = hashes
+        self.max_tokens = max_tokens
+        self.blocks = -(-(prompt_tokens + max_tokens) // block_size)
+        self.cached_tokens = 0
+        self.generated = 0
+        self.state = WAITING
+        self.t_arrival = self.t_scheduled = self.t_first = self.t_last = 0.0
+
+
+class SimRequest:
+    """One HTTP request: its sequences, and an event the scheduler sets on progress (every token when
+    ``stream``, else only when the request is done) and on abort."""
+
+    __slots__ = ("aborted", "done", "event", "seqs", "stream", "unfinished")
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+        self.seqs: list[Seq] = []
+        self.event = asyncio.Event()
+        self.unfinished = 0
+        self.done = False
+        self.aborted = False
+
+    def add_seq(self, index: int, prompt_tokens: int, hashes: list[int], max_tokens: int, block_size: int) -> Seq:
+        """Append a sequence (choice ``index``) to the request."""
+        seq = Seq(self, index, prompt_tokens, hashes, max_tokens, block_size)
+        self.seqs.append(seq)
+        self.unfinished += 1
+        return seq
+
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _GaugeCollector(Collector):
+    """Scheduler gauges, read at scrape time."""
+
+    def __init__(self, sched: SimScheduler, model: str) -> None:
+        self.sched = sched
+        self.model = model
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.sched
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self.model], float(value))
+            yield g
+
+
+class SimMetrics:
+    """The engine's ``vllm:*`` metrics in a private :class:`CollectorRegistry` (several engines may share a process)."""
+
+    def __init__(self, sched: SimScheduler, model: str) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        lbl = ["model_name"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, lbl, registry=r)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, lbl, buckets=buckets, registry=r)
+
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of tokens.").labels(
+            model)
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of tokens.").labels(model)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(model)
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.").labels(
+            model)
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          ["model_name", "finished_reason"], registry=r)
+        self.success_length = success.labels(model, "length")
+        self.success_abort = success.labels(model, "abort")
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         _TTFT_BUCKETS).labels(model)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        _LATENCY_BUCKETS).labels(model)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        _ITL_BUCKETS).labels(model)
+        self.queue_time = hist("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", _LATENCY_BUCKETS).labels(model)
+        r.register(_GaugeCollector(sched, model))
+
+
+class SimScheduler:
+    """Continuous-batching scheduler (see the module docstring for the model). Counters are plain attributes:
+    ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens), ``generation_tokens_total``."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.cfg = config
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.used_blocks = 0
+        self.prefix_cache = PrefixCache(config.prefix_cache_blocks)
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
+        self.generation_tokens_total = 0
+        self.metrics = SimMetrics(self, config.model)
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._frozen = False
+
+    # --- cheap reads (any thread) ---
+    @property
+    def num_running(self) -> int:
+        """Sequences in the running batch."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting for admission."""
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Reserved KV blocks / ``kv_blocks``, 0–1."""
+        return self.used_blocks / self.cfg.kv_blocks
+
+    # --- control (serving loop) ---
+    def submit(self, req: SimRequest) -> None:
+        """Queue every sequence of ``req`` (FIFO) and wake the step task, starting it on this loop if needed."""
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._loop is not loop:
+            self._loop = loop
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._run(), name="dplb-sim-scheduler")
+        now = loop.time()
+        for seq in req.seqs:
+            seq.t_arrival = now
+            self.waiting.append(seq)
+        assert self._wake is not None
+        self._wake.set()
+
+    def abort(self, req: SimRequest) -> bool:
+        """Remove ``req``'s sequences at once and free their blocks. Returns False if it was already done/aborted."""
+        if req.done or req.aborted:
+            return False
+        req.aborted = True
+        for seq in req.seqs:
+            if seq.state == WAITING:
+                self.waiting.remove(seq)
+            elif seq.state == RUNNING:
+                self.running.remove(seq)
+                self.used_blocks -= seq.blocks
+            else:
+                continue
+            seq.state = ABORTED
+            self.metrics.success_abort.inc()
+        req.event.set()
+        return True
+
+    def freeze(self) -> None:
+        """Stop stepping for good (hang fault): running and waiting sequences never progress again."""
+        self._frozen = True
+
+    def stop(self) -> None:
+        """Cancel the step task (call on its loop). Queued requests are left for the caller to abort."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    # --- the step loop ---
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        cfg = self.cfg
+        wake = self._wake
+        assert wake is not None
+        while True:
+            if self._frozen:
+                await loop.create_future()  # never resolved; cancelled by stop()
+            if not self.running and not self.waiting:
+                wake.clear()
+                await wake.wait()
+                continue
+            t0 = loop.time()
+            uncached = self._admit(t0)
+            if not self.running:  # cannot happen with a valid config (one sequence always fits); never spin
+                wake.clear()
+                await wake.wait()
+                continue
+            step_s = (cfg.decode_step_s + cfg.decode_step_s_per_seq * len(self.running)
+                      + cfg.prefill_s_per_token * uncached) / cfg.speed
+            await asyncio.sleep(max(0.0, t0 + step_s - loop.time()))
+            if not self._frozen:
+                self._emit(loop.time())
+
+    def _admit(self, now: float) -> int:
+        """Admit waiting sequences that fit; returns their uncached prompt tokens (the prefill work of this step)."""
+        cfg, m = self.cfg, self.metrics
+        uncached = 0
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if self.used_blocks + seq.blocks > cfg.kv_blocks:
+                break
+            self.waiting.popleft()
+            self.used_blocks += seq.blocks
+            seq.state = RUNNING
+            seq.t_scheduled = now
+            self.running.append(seq)
+            hit_blocks = self.prefix_cache.match(seq.block_hashes, (seq.prompt_tokens - 1) // cfg.block_size)
+            seq.cached_tokens = hit_blocks * cfg.block_size
+            self.prefix_cache.insert(seq.block_hashes)
+            uncached += seq.prompt_tokens - seq.cached_tokens
+            self.prefix_cache_queries_total += seq.prompt_tokens
+            self.prefix_cache_hits_total += seq.cached_tokens
+            m.prefix_queries.inc(seq.prompt_tokens)
+            m.prefix_hits.inc(seq.cached_tokens)
+            m.prompt_tokens.inc(seq.prompt_tokens)
+            m.queue_time.observe(now - seq.t_arrival)
+        return uncached
+
+    def _emit(self, now: float) -> None:
+        """One output token for every running sequence; finish those that reached ``max_tokens``."""
+        m = self.metrics
+        still: list[Seq] = []
+        for seq in self.running:
+            seq.generated += 1
+            if seq.generated == 1:
+                seq.t_first = now
+                m.ttft.observe(now - seq.t_arrival)
+            else:
+                m.itl.observe(now - seq.t_last)
+            seq.t_last = now
+            req = seq.req
+            if req.stream:
+                req.event.set()
+            if seq.generated >= seq.max_tokens:
+                seq.state = FINISHED
+                self.used_blocks -= seq.blocks
+                m.e2e.observe(now - seq.t_arrival)
+                m.success_length.inc()
+                req.unfinished -= 1
+                if req.unfinished == 0:
+                    req.done = True
+                    req.event.set()
+            else:
+                still.append(seq)
+        n = len(self.running)
+        self.generation_tokens_total += n
+        m.generation_tokens.inc(n)
+        self.running = still

@@ -1,0 +1,84 @@
+"""``dplb router``: command-line flags → :class:`dplb.config.RouterConfig` → :func:`dplb.router.app.run_router`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from dplb.config import POLICIES, PolicyConfig, RouterConfig, default_run_dir, parse_weights
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    """Scoring flags shared by ``dplb router`` and ``dplb launch``."""
+    g = p.add_argument_group("routing policy")
+    g.add_argument("--policy", choices=POLICIES, default="dplb", help="routing policy (default: dplb score)")
+    g.add_argument("--weights", default="0.4,0.3,0.3", help="queue,memory,latency weights; sum 1 (seed: 0.4,0.3,0.3)")
+    g.add_argument("--max-queue", type=int, default=16, help="soft queue cap of the queue term (requests)")
+    g.add_argument("--max-queue-from-worker", action="store_true", help="use each worker's max_num_seqs instead")
+    g.add_argument("--hard-queue-cap", type=int, default=0, help="per-worker queue that makes it ineligible (0 = off)")
+    g.add_argument("--memory-signal", choices=("kv", "gpu"), default="kv", help="KV-cache usage or NVML used/total")
+    g.add_argument("--affinity-margin", type=float, default=0.1, help="prefix affinity margin, score units (0 = off)")
+    g.add_argument("--baseline-window", type=int, default=50, help="requests whose P95 is the latency baseline")
+    g.add_argument("--seed", type=int, default=0, help="RNG seed of random/power_of_two")
+
+
+def policy_config(args: argparse.Namespace, state_interval_ms: int = 200) -> PolicyConfig:
+    """Build and validate the policy configuration from parsed flags."""
+    return PolicyConfig(
+        name=args.policy, weights=parse_weights(args.weights), max_queue=args.max_queue,
+        max_queue_from_worker=args.max_queue_from_worker, hard_queue_cap=args.hard_queue_cap,
+        baseline_window=args.baseline_window, memory_signal=args.memory_signal, affinity_margin=args.affinity_margin,
+        state_interval_ms=state_interval_ms, seed=args.seed,
+    )
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    """Router flags shared by ``dplb router`` and ``dplb launch``."""
+    p.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=30000, help="bind port (default 30000)")
+    p.add_argument("--api-key", default=os.environ.get("DPLB_API_KEY"),
+                   help="require Authorization: Bearer KEY (default: $DPLB_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument("--first-byte-timeout", type=float, default=600.0, help="seconds to wait for a response head")
+    p.add_argument("--idle-timeout", type=float, default=120.0, help="seconds of silence allowed mid-response")
+    p.add_argument("--connect-timeout", type=float, default=5.0)
+    add_policy_args(p)
+
+
+def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | None, num_workers: int | None,
+                  state_interval_ms: int = 200) -> RouterConfig:
+    """Build and validate the router configuration from parsed flags."""
+    return RouterConfig(
+        policy=policy_config(args, state_interval_ms), run_dir=run_dir, num_workers=num_workers, shm_path=shm_path,
+        host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        connect_timeout_s=args.connect_timeout, first_byte_timeout_s=args.first_byte_timeout,
+        idle_timeout_s=args.idle_timeout,
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``dplb router``."""
+    p = sub.add_parser("router", help="run the OpenAI-compatible router in front of the workers",
+                       description="Run the DPLB router. Workers are found through the shm segment "
+                       "($DPLB_SHM_PATH) and their sockets in the run directory (<run-dir>/worker-K.sock).")
+    add_router_args(p)
+    p.add_argument("--run-dir", default=None, help=f"worker sockets directory (default {default_run_dir()})")
+    p.add_argument("--shm-path", help="state segment (default $DPLB_SHM_PATH)")
+    p.add_argument("--num-workers", type=int, help="number of workers (default: the segment's)")
+    p.add_argument("--state-interval-ms", type=int, default=None, help="(default: the segment's)")
+    p.set_defaults(func=_cmd_router)
+
+
+def _cmd_router(args: argparse.Namespace, rest: list[str]) -> int:
+    from dplb.cli import _run_async
+    from dplb.router.app import run_router
+    from dplb.shm import ENV_SHM_PATH, Segment
+
+    interval = args.state_interval_ms
+    shm_path = args.shm_path or os.environ.get(ENV_SHM_PATH)
+    if interval is None and shm_path and os.path.exists(shm_path):
+        with Segment.attach(shm_path, writable=False) as seg:
+            interval = seg.state_interval_ms
+    cfg = router_config(args, run_dir=args.run_dir or default_run_dir(), shm_path=shm_path,
+                        num_workers=args.num_workers, state_interval_ms=interval or 200)
+    return _run_async(run_router(cfg))

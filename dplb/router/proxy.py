@@ -1,0 +1,339 @@
+"""The proxy hot path: one raw ASGI handler for ``POST /v1/chat/completions``, ``/v1/completions``,
+``/v1/embeddings`` (DESIGN §4).
+
+Contract
+- The request body is read whole (bounded: 413 from Content-Length before reading, or as soon as the bytes read
+  exceed the limit), peeked with msgspec for ``stream`` and the prefix key, and forwarded **byte for byte**: the
+  router never re-serialises it.
+- Every proxied response carries ``X-SG-Worker-ID: <k>`` and ``X-Request-Id``. Status, body and end-to-end headers
+  pass through unchanged; hop-by-hop headers (RFC 9110 §7.6.1 + those named in ``Connection``) are never copied.
+- Router-made errors are OpenAI-shaped JSON with a bounded code (:class:`dplb.errors.RouterErrorKind`) and keep
+  their real status (never wrapped in a 200 stream); 503s carry ``Retry-After``.
+- Retry: once, on the next-best worker, only when nothing was generated: connect failure (no request byte sent),
+  or the worker's explicit ``503 worker_draining`` refusal. Never after the response started.
+- A worker that dies, closes or goes idle mid-response: SSE streams get a final ``data: {"error": …}`` event, then
+  the connection is closed without the terminating chunk (an abnormal close, never a clean ``[DONE]``); other
+  bodies are cut (the client sees the short read).
+- A client that disconnects makes the router abort the worker connection at once (the engine aborts the request).
+- In-flight counts are released on every exit path (``finally``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from dplb.config import RouterConfig
+from dplb.errors import RouterErrorKind
+from dplb.policy import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
+from dplb.router.state import RouterState
+from dplb.router.upstream import ConnectFailed, UpstreamClosed, UpstreamError, UpstreamPool, UpstreamTimeout
+
+log = logging.getLogger("dplb.router.proxy")
+
+PROXY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
+    b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
+})
+# Request headers the router sets itself; response headers the worker must not set for us.
+_REQ_OWN = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
+_RESP_OWN = HOP_BY_HOP | {b"x-sg-worker-id", b"x-request-id", b"x-dplb-draining"}
+_REQUEST_ID_RE = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
+_JSON_TYPES = (b"application/json",)
+
+
+class _Peek(msgspec.Struct):
+    """The only fields the router reads; everything else stays opaque in the forwarded bytes."""
+
+    stream: Any = False
+    messages: msgspec.Raw = msgspec.Raw(b"")
+    prompt: msgspec.Raw = msgspec.Raw(b"")
+    input: msgspec.Raw = msgspec.Raw(b"")
+
+
+_decoder = msgspec.json.Decoder(_Peek)
+
+
+def error_body(kind: RouterErrorKind, message: str) -> bytes:
+    """OpenAI-shaped error JSON for one of the router's own errors."""
+    return msgspec.json.encode({"error": {"message": message, "type": kind.type, "code": kind.code}})
+
+
+def _connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Extra hop-by-hop header names listed in ``Connection``."""
+    toks: set[bytes] = set()
+    for n, v in headers:
+        if n.lower() == b"connection":
+            toks.update(t.strip().lower() for t in v.split(b",") if t.strip())
+    return frozenset(toks)
+
+
+class Proxy:
+    """ASGI callable for the proxied routes. One instance per router process."""
+
+    def __init__(self, cfg: RouterConfig, state: RouterState, pool: UpstreamPool) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.pool = pool
+        self.metrics = state.metrics
+        self._auth = b"bearer " + cfg.api_key.encode() if cfg.api_key else None
+
+    # ---- helpers -------------------------------------------------------------------------------------------------
+    async def _reject(self, send: Any, kind: RouterErrorKind, message: str, request_id: bytes,
+                      worker: int | None = None) -> None:
+        self.metrics.rejected.labels(kind.code).inc()
+        body = error_body(kind, message)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"x-request-id", request_id)]
+        if kind.status in (503, 429):
+            headers.append((b"retry-after", str(self.cfg.retry_after_s).encode()))
+        if worker is not None:
+            headers.append((b"x-sg-worker-id", str(worker).encode()))
+        await send({"type": "http.response.start", "status": kind.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def _prefix_hash(self, peek: _Peek) -> int | None:
+        n = self.cfg.affinity_prefix_bytes
+        if n == 0:
+            return None
+        raw = bytes(peek.messages) or bytes(peek.prompt)
+        if not raw:
+            return None
+        return int.from_bytes(hashlib.blake2b(raw[:n], digest_size=8).digest(), "little")
+
+    # ---- the handler -------------------------------------------------------------------------------------------
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        t_start = time.perf_counter()
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        rid = b""
+        clen = -1
+        ctype = b""
+        auth = b""
+        for n, v in headers:
+            if n == b"x-request-id":
+                rid = v
+            elif n == b"content-length":
+                clen = int(v) if v.isdigit() else -2
+            elif n == b"content-type":
+                ctype = v
+            elif n == b"authorization":
+                auth = v
+        if not _REQUEST_ID_RE.match(rid):
+            rid = uuid.uuid4().hex.encode()
+        if self._auth is not None and not _ct_equal(auth.lower()[:7] + auth[7:], self._auth):
+            await self._reject(send, RouterErrorKind.UNAUTHORIZED, "missing or wrong API key (Authorization: "
+                               "Bearer <key>)", rid)
+            return
+        if scope["method"] != "POST":
+            await self._reject(send, RouterErrorKind.METHOD_NOT_ALLOWED, f"{scope['method']} is not allowed "
+                               "here; use POST", rid)
+            return
+        if ctype and not ctype.split(b";", 1)[0].strip().lower().endswith(_JSON_TYPES):
+            await self._reject(send, RouterErrorKind.UNSUPPORTED_MEDIA, "Content-Type must be application/json",
+                               rid)
+            return
+        limit = self.cfg.max_body_bytes
+        if clen > limit:
+            await self._reject(send, RouterErrorKind.BODY_TOO_LARGE, f"request body of {clen} bytes is over the "
+                               f"{limit}-byte limit", rid)
+            return
+        body = await _read_body(receive, limit)
+        if body is None:
+            await self._reject(send, RouterErrorKind.BODY_TOO_LARGE, f"request body is over the {limit}-byte "
+                               "limit", rid)
+            return
+        try:
+            peek = _decoder.decode(body)
+        except msgspec.ValidationError:
+            await self._reject(send, RouterErrorKind.NOT_AN_OBJECT, "request body must be a JSON object", rid)
+            return
+        except msgspec.DecodeError as e:
+            await self._reject(send, RouterErrorKind.INVALID_JSON, f"request body is not valid JSON: {e}", rid)
+            return
+        await self._dispatch(scope, receive, send, body, peek, rid, t_start)
+
+    async def _dispatch(self, scope: dict[str, Any], receive: Any, send: Any, body: bytes, peek: _Peek,
+                        rid: bytes, t_start: float) -> None:
+        state = self.state
+        rid_s = rid.decode()
+        d = state.decide(self._prefix_hash(peek), rid_s)
+        if d.worker is None:
+            if d.reason == REASON_NO_WORKERS:
+                kind, msg = RouterErrorKind.NO_WORKERS, "no worker is registered yet; retry shortly"
+            elif d.reason == REASON_ALL_OVER_CAP:
+                kind, msg = RouterErrorKind.ALL_OVER_CAP, "every worker is at its queue cap; retry shortly"
+            else:
+                kind, msg = RouterErrorKind.NONE_ROUTABLE, "no worker is ready (starting, draining or stale)"
+            await self._reject(send, kind, msg, rid)
+            return
+        head = self._request_head(scope, len(body), rid)
+        tried: set[int] = set()
+        worker = d.worker
+        disconnected = asyncio.Event()
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, disconnected))
+        try:
+            while True:
+                state.acquire(worker)
+                try:
+                    retry = await self._forward(worker, head, body, send, rid, disconnected, watcher, t_start)
+                finally:
+                    state.release(worker)
+                if retry is None:
+                    return
+                tried.add(worker)
+                if len(tried) > 1:
+                    await self._reject(send, retry, "no worker could take the request", rid)
+                    return
+                self.metrics.retries.inc()
+                d2 = state.decide(self._prefix_hash(peek), rid_s, exclude=frozenset(tried))
+                if d2.worker is None:
+                    await self._reject(send, retry, "the chosen worker was unreachable and no other is ready", rid)
+                    return
+                worker = d2.worker
+        finally:
+            watcher.cancel()
+
+    def _request_head(self, scope: dict[str, Any], length: int, rid: bytes) -> bytes:
+        hdrs: list[tuple[bytes, bytes]] = scope["headers"]
+        extra = _connection_tokens(hdrs)
+        path = scope.get("raw_path") or scope["path"].encode()
+        qs = scope.get("query_string") or b""
+        if qs and b"?" not in path:
+            path += b"?" + qs
+        parts = [b"POST ", path, b" HTTP/1.1\r\nhost: dplb-worker\r\ncontent-length: ", str(length).encode(),
+                 b"\r\nx-request-id: ", rid, b"\r\n"]
+        for n, v in hdrs:
+            if n not in _REQ_OWN and n not in extra:
+                parts += (n, b": ", v, b"\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+    async def _forward(self, worker: int, head: bytes, body: bytes, send: Any, rid: bytes,
+                       disconnected: asyncio.Event, watcher: asyncio.Future[None],
+                       t_start: float) -> RouterErrorKind | None:
+        """Send to ``worker`` and stream back. Returns an error kind to retry elsewhere, or None when done."""
+        cfg, m, wl = self.cfg, self.metrics, str(worker)
+        try:
+            conn = await self.pool.open(worker)
+        except ConnectFailed as e:
+            log.warning("worker %d unreachable before sending (%s); retrying on another worker", worker, e)
+            return RouterErrorKind.UPSTREAM_UNREACHABLE
+        abort_cb = _on_disconnect(conn)
+        watcher.add_done_callback(abort_cb)
+        started = False
+        outcome = "upstream_error"
+        t0 = time.perf_counter()
+        try:
+            conn.send_request(head, body)
+            try:
+                status, up_headers = await conn.response_head(cfg.first_byte_timeout_s)
+            except UpstreamTimeout as e:
+                outcome = "timeout"
+                conn.abort()
+                await self._reject(send, RouterErrorKind.UPSTREAM_TIMEOUT, f"worker {worker}: {e}", rid, worker)
+                return None
+            except UpstreamClosed as e:
+                if disconnected.is_set():
+                    outcome = "client_disconnect"
+                    return None
+                await self._reject(send, RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} failed before "
+                                   f"answering: {e}", rid, worker)
+                return None
+            m.upstream_ttfb.labels(wl).observe(time.perf_counter() - t0)
+            if status == 503 and any(n.lower() == b"x-dplb-draining" for n, _ in up_headers):
+                conn.abort()  # the worker refused before doing anything: safe to send elsewhere
+                return RouterErrorKind.NONE_ROUTABLE
+            extra = _connection_tokens(up_headers)
+            out = [(n, v) for n, v in up_headers if n.lower() not in _RESP_OWN and n.lower() not in extra]
+            out.append((b"x-sg-worker-id", wl.encode()))
+            out.append((b"x-request-id", rid))
+            is_sse = any(n.lower() == b"content-type" and v.startswith(b"text/event-stream") for n, v in up_headers)
+            await send({"type": "http.response.start", "status": status, "headers": out})
+            started = True
+            try:
+                async for chunk in conn.chunks(cfg.idle_timeout_s):
+                    if disconnected.is_set():
+                        break
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except UpstreamError as e:
+                if disconnected.is_set():
+                    outcome = "client_disconnect"
+                    return None
+                outcome = "timeout" if isinstance(e, UpstreamTimeout) else "upstream_error"
+                log.warning("worker %d broke off a response mid-body (%s); closing the client stream with an "
+                            "error", worker, e)
+                conn.abort()
+                if is_sse:
+                    kind = RouterErrorKind.UPSTREAM_TIMEOUT if outcome == "timeout" else RouterErrorKind.UPSTREAM_FAILED
+                    evt = b"data: " + error_body(kind, f"worker {worker} stopped mid-response: {e}") + b"\n\n"
+                    await send({"type": "http.response.body", "body": evt, "more_body": True})
+                return None  # response left incomplete: the server closes the connection abnormally
+            if disconnected.is_set():
+                outcome = "client_disconnect"
+                conn.abort()
+                return None
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            outcome = "ok" if status < 400 else ("upstream_4xx" if status < 500 else "upstream_5xx")
+            if status < 400:
+                self.state.policy.observe_latency(time.perf_counter() - t_start)
+            return None
+        finally:
+            watcher.remove_done_callback(abort_cb)
+            if outcome in ("ok", "upstream_4xx", "upstream_5xx"):
+                self.pool.release(conn)  # complete response: keep the connection if it is keep-alive
+            else:
+                conn.abort()
+            if started or outcome != "upstream_error":
+                m.upstream_duration.labels(wl, outcome).observe(time.perf_counter() - t0)
+
+
+def _on_disconnect(conn: Any) -> Any:
+    def cb(fut: asyncio.Future[None]) -> None:
+        if not fut.cancelled():
+            conn.abort()
+
+    return cb
+
+
+async def _watch_disconnect(receive: Any, flag: asyncio.Event) -> None:
+    """Completes when the client disconnects (after the body was read, receive() only reports that)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            flag.set()
+            return
+
+
+async def _read_body(receive: Any, limit: int) -> bytes | None:
+    """The whole request body, or None as soon as it exceeds ``limit`` bytes."""
+    msg = await receive()
+    body = msg.get("body", b"")
+    if not msg.get("more_body", False):
+        return body if len(body) <= limit else None
+    parts = [body]
+    size = len(body)
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return b""
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(parts)
+
+
+def _ct_equal(a: bytes, b: bytes) -> bool:
+    import hmac
+
+    return hmac.compare_digest(a, b)

@@ -1,0 +1,156 @@
+"""The router's view of the workers: the shm segment (or the fallback), the policy, in-flight counts, decisions.
+
+Contract
+- :meth:`RouterState.decide` is the routing step of the hot path: read the segment (zero-copy mmap, seqlock),
+  run ``policy.pick`` and record the decision (ring for ``/debug/decisions``, metrics). No I/O beyond the mmap.
+- Without a segment (never created, deleted at runtime, unreadable) the router keeps serving on its own in-flight
+  counts (reason ``fallback``), exports ``dplb_shm_segment_present 0``, logs once per transition, and re-attaches
+  when the segment is back (:meth:`RouterState.monitor`, a background task).
+- In-flight counts per worker are the router's own: incremented by :meth:`acquire`, decremented by
+  :meth:`release` on every exit path of a proxied request.
+- One log line per worker registration (becomes routable) and deregistration (with the reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+
+from dplb.config import RouterConfig
+from dplb.errors import ShmError
+from dplb.metrics import RouterMetrics
+from dplb.policy import REASON_FALLBACK, REASON_NO_WORKERS, Decision, Policy, make_policy
+from dplb.shm import Segment, WorkerState
+
+log = logging.getLogger("dplb.router")
+
+
+class RouterState:
+    """Shared state of one router process (single event loop; not thread-safe by design)."""
+
+    def __init__(self, cfg: RouterConfig, metrics: RouterMetrics) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.segment: Segment | None = None
+        self._attach_error: str | None = None
+        self._try_attach(initial=True)
+        n = cfg.num_workers or (self.segment.num_workers if self.segment else None)
+        if n is None:
+            raise ShmError(
+                f"cannot tell how many workers there are: the segment is missing ({self._attach_error}) and "
+                "--num-workers was not given. Start the workers' segment with `dplb launch`, or pass --num-workers.")
+        self.num_workers = n
+        self.policy: Policy = make_policy(cfg.policy, n)
+        self.inflight = [0] * n
+        self.decisions: collections.deque[tuple[float, str, Decision]] = collections.deque(maxlen=cfg.debug_ring)
+        self._routable = [False] * n
+        self._pids = [0] * n
+        metrics.init_workers(n)
+        metrics.shm_present.set(1 if self.segment else 0)
+
+    # ---- segment ---------------------------------------------------------------------------------------------
+    def _try_attach(self, initial: bool = False) -> bool:
+        try:
+            seg = Segment.attach(self.cfg.shm_path, writable=False)
+        except ShmError as e:
+            err = type(e).__name__
+            if err != self._attach_error:
+                self.metrics.shm_errors.labels("attach", err).inc()
+                (log.warning if initial else log.info)("state segment unavailable: %s", e)
+            self._attach_error = err
+            return False
+        if self.cfg.num_workers and seg.num_workers < self.cfg.num_workers:
+            log.error("segment %s has %d slots, fewer than --num-workers %d; ignoring it", seg.path,
+                      seg.num_workers, self.cfg.num_workers)
+            seg.close()
+            return False
+        self.segment = seg
+        self._attach_error = None
+        log.info("attached state segment %s (%d workers, %d ms interval)", seg.path, seg.num_workers,
+                 seg.state_interval_ms)
+        return True
+
+    def snapshot(self) -> list[WorkerState] | None:
+        """Every worker's state from shm, or None without a segment."""
+        seg = self.segment
+        if seg is None:
+            return None
+        snap = seg.read_all()
+        return snap[: self.num_workers]
+
+    # ---- hot path --------------------------------------------------------------------------------------------
+    def decide(self, prefix_hash: int | None, request_id: str, exclude: frozenset[int] = frozenset()) -> Decision:
+        """Pick a worker for one request (see module docstring). Never raises for a missing segment."""
+        t0 = time.perf_counter()
+        snap = self.snapshot()
+        if snap is None:
+            try:
+                k = self.policy.pick_without_state(self.inflight, exclude)
+                d = Decision(self.policy.name, k, REASON_FALLBACK, [], self.policy.baseline_s)
+            except LookupError:
+                d = Decision(self.policy.name, None, REASON_NO_WORKERS, [], self.policy.baseline_s)
+        else:
+            d = self.policy.pick(snap, time.monotonic_ns(), prefix_hash, exclude)
+        self.metrics.observe_decision(d, time.perf_counter() - t0)
+        self.decisions.append((time.time(), request_id, d))
+        return d
+
+    def acquire(self, worker: int) -> None:
+        """A request was dispatched to ``worker``."""
+        self.inflight[worker] += 1
+
+    def release(self, worker: int) -> None:
+        """A request to ``worker`` ended (any outcome)."""
+        self.inflight[worker] -= 1
+
+    # ---- background ------------------------------------------------------------------------------------------
+    async def monitor(self) -> None:
+        """Watch segment presence and worker (de)registration until cancelled."""
+        while True:
+            try:
+                self.check_once()
+            except Exception:  # keep watching whatever happens
+                log.exception("router monitor step failed")
+            await asyncio.sleep(self.cfg.shm_check_interval_s)
+
+    def check_once(self) -> None:
+        """One monitor step (also called by tests)."""
+        seg = self.segment
+        if seg is not None and not seg.still_present():
+            log.warning("state segment %s was removed or replaced; routing on the router's in-flight counts "
+                        "until it is back", seg.path)
+            self.metrics.shm_errors.labels("read", "segment_removed").inc()
+            self.segment = None
+            seg.close()
+            self._attach_error = "segment_removed"
+        if self.segment is None and self._try_attach():
+            log.info("state segment is back; routing on shm state again")
+        self.metrics.shm_present.set(1 if self.segment else 0)
+        snap = self.snapshot()
+        if snap is None:
+            return
+        now = time.monotonic_ns()
+        for w in snap:
+            k = w.worker_id
+            stale = w.is_stale(self.segment.state_interval_ms if self.segment else 200, now)
+            routable = w.registered and not stale and w.lifecycle.name == "READY"
+            if routable and not self._routable[k]:
+                log.info("worker %d registered (pid %d, %s)", k, w.pid, w.lifecycle.name.lower())
+            elif not routable and self._routable[k]:
+                why = "stale heartbeat" if stale else w.lifecycle.name.lower()
+                log.warning("worker %d deregistered (%s)", k, why)
+            self._routable[k] = routable
+            self._pids[k] = w.pid
+
+    def routable_workers(self) -> list[int]:
+        """Worker ids that are eligible right now (for ``/ready`` and ``/v1/models``), best first."""
+        snap = self.snapshot()
+        if snap is None:
+            return list(range(self.num_workers))
+        now = time.monotonic_ns()
+        interval = self.segment.state_interval_ms if self.segment else 200
+        return [w.worker_id for w in snap
+                if w.registered and not w.is_stale(interval, now) and w.lifecycle.name == "READY"]
+

@@ -1,0 +1,252 @@
+"""HTTP/1.1 client to the workers over Unix domain sockets, with a keep-alive pool per worker (the transport).
+
+Contract
+- :meth:`UpstreamPool.open` returns a connected :class:`UpstreamConn` (pooled or new). Connecting raises
+  :class:`ConnectFailed` (socket missing, refused, connect timeout): nothing was sent, so the caller may retry on
+  another worker.
+- :meth:`UpstreamConn.send_request` writes the whole request at once; :meth:`UpstreamConn.response_head` waits for
+  the status line and headers; :meth:`UpstreamConn.chunks` yields body bytes exactly as they arrive (no decoding,
+  no buffering beyond what the socket delivered). Each wait has its own timeout (first byte, idle between chunks)
+  and raises :class:`UpstreamTimeout`; a connection that closes before the message is complete raises
+  :class:`UpstreamClosed`.
+- A connection goes back to the pool only after a complete response on a keep-alive connection
+  (:meth:`UpstreamPool.release`); :meth:`UpstreamConn.abort` closes it at once (client gone, error, timeout), which
+  makes the engine abort the generation.
+- Flow control: when the client reads slower than the worker writes, reading from the worker pauses
+  (``pause_reading``) above :data:`HIGH_WATER` buffered bytes, so memory stays bounded.
+
+Parsing is done by ``httptools`` (the parser uvicorn uses); only framing lives here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator
+
+import httptools
+
+HIGH_WATER = 256 * 1024  # bytes buffered from a worker before we stop reading its socket
+LOW_WATER = 64 * 1024
+POOL_IDLE_S = 20.0  # pooled connections idle longer are closed (workers keep idle connections 75 s)
+POOL_MAX_PER_WORKER = 256
+
+
+class UpstreamError(Exception):
+    """Base class of transport errors talking to a worker."""
+
+
+class ConnectFailed(UpstreamError):
+    """The worker could not be reached; no request byte was sent."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """A per-phase timeout expired (``phase`` = "first_byte" or "idle")."""
+
+    def __init__(self, phase: str, seconds: float) -> None:
+        super().__init__(f"worker sent nothing for {seconds:g} s ({phase})")
+        self.phase = phase
+
+
+class UpstreamClosed(UpstreamError):
+    """The worker closed the connection before the response was complete."""
+
+
+class UpstreamConn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection to a worker; one request at a time."""
+
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+        self.transport: asyncio.Transport | None = None
+        self.last_used = time.monotonic()
+        self._parser = httptools.HttpResponseParser(self)
+        self._error: UpstreamError | None = None
+        self._reset()
+        self.closed = False
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self._head = asyncio.get_running_loop().create_future()
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._wakeup: asyncio.Future[None] | None = None
+        self._complete = False
+        self._paused = False
+        self.keep_alive = False
+
+    # ---- asyncio.Protocol -------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # pragma: no cover - workers never upgrade
+            self._fail(UpstreamClosed("unexpected upgrade from worker"))
+        except httptools.HttpParserError as e:
+            self._fail(UpstreamClosed(f"malformed response from worker: {e}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self._complete:
+            self._fail(UpstreamClosed("worker closed the connection mid-response"))
+
+    # ---- httptools callbacks ------------------------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self.keep_alive = self._parser.should_keep_alive()
+        if not self._head.done():
+            self._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        self._wake()
+
+    # ---- internals -----------------------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        w = self._wakeup
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, exc: UpstreamError) -> None:
+        self.closed = True
+        if not self._head.done():
+            self._head.set_exception(exc)
+        w = self._wakeup
+        if w is not None and not w.done():
+            w.set_exception(exc)
+        self._error = exc
+        if self.transport is not None:
+            self.transport.close()
+
+    # ---- API -----------------------------------------------------------------------------------------------------
+    def send_request(self, head: bytes, body: bytes) -> None:
+        """Write the request head and body (one write). The head must end with the blank line."""
+        self._reset()
+        self._error = None
+        assert self.transport is not None
+        self.transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            self.transport.write(body)
+
+    async def response_head(self, timeout_s: float) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """Wait for the status and headers (the first-byte phase)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._head), timeout_s)
+        except TimeoutError:
+            raise UpstreamTimeout("first_byte", timeout_s) from None
+        return self.status, self.headers
+
+    async def chunks(self, idle_timeout_s: float) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive, until the message is complete."""
+        loop = asyncio.get_running_loop()
+        while True:
+            while self._chunks:
+                c = self._chunks.popleft()
+                self._buffered -= len(c)
+                if self._paused and self._buffered < LOW_WATER and self.transport is not None:
+                    self._paused = False
+                    self.transport.resume_reading()
+                yield c
+            if self._complete:
+                return
+            if self._error is not None:
+                raise self._error
+            self._wakeup = loop.create_future()
+            try:
+                await asyncio.wait_for(self._wakeup, idle_timeout_s)
+            except TimeoutError:
+                raise UpstreamTimeout("idle", idle_timeout_s) from None
+            finally:
+                self._wakeup = None
+
+    @property
+    def reusable(self) -> bool:
+        """True after a complete keep-alive response on a live connection."""
+        return self._complete and self.keep_alive and not self.closed and self.transport is not None \
+            and not self.transport.is_closing()
+
+    def abort(self) -> None:
+        """Close now (the worker sees the disconnect and aborts the request)."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class UpstreamPool:
+    """Keep-alive connections per worker socket. ``socket_path(k)`` gives worker k's socket."""
+
+    def __init__(self, socket_paths: list[str], connect_timeout_s: float = 5.0) -> None:
+        self.socket_paths = socket_paths
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: list[collections.deque[UpstreamConn]] = [collections.deque() for _ in socket_paths]
+
+    async def open(self, worker: int) -> UpstreamConn:
+        """A pooled live connection to ``worker`` or a new one. Raises :class:`ConnectFailed`."""
+        idle = self._idle[worker]
+        now = time.monotonic()
+        while idle:
+            c = idle.pop()
+            if not c.closed and c.transport is not None and not c.transport.is_closing() \
+                    and now - c.last_used < POOL_IDLE_S:
+                return c
+            c.abort()
+        loop = asyncio.get_running_loop()
+        try:
+            _, proto = await asyncio.wait_for(
+                loop.create_unix_connection(lambda: UpstreamConn(worker), self.socket_paths[worker]),
+                self.connect_timeout_s,
+            )
+        except (OSError, TimeoutError) as e:
+            raise ConnectFailed(f"cannot connect to worker {worker} at {self.socket_paths[worker]}: {e}") from e
+        return proto
+
+    def release(self, conn: UpstreamConn) -> None:
+        """Return ``conn`` to the pool if it can carry another request, else close it."""
+        idle = self._idle[conn.worker]
+        if conn.reusable and len(idle) < POOL_MAX_PER_WORKER:
+            conn.last_used = time.monotonic()
+            idle.append(conn)
+        else:
+            conn.abort()
+
+    def drop(self, worker: int) -> None:
+        """Close every idle connection to ``worker`` (it restarted or went away)."""
+        idle = self._idle[worker]
+        while idle:
+            idle.pop().abort()
+
+    def close(self) -> None:
+        """Close every idle connection."""
+        for k in range(len(self._idle)):
+            self.drop(k)
+
+
+async def fetch(pool: UpstreamPool, worker: int, path: str, timeout_s: float) -> tuple[int, bytes]:
+    """A small ``GET path`` to ``worker`` (for ``/v1/models``): (status, body). Raises :class:`UpstreamError`."""
+    conn = await pool.open(worker)
+    ok = False
+    try:
+        conn.send_request(f"GET {path} HTTP/1.1\r\nhost: dplb-worker\r\n\r\n".encode(), b"")
+        status, _ = await conn.response_head(timeout_s)
+        body = b"".join([c async for c in conn.chunks(timeout_s)])
+        ok = True
+        return status, body
+    finally:
+        if ok:
+            pool.release(conn)
+        else:
+            conn.abort()
