@@ -21,6 +21,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT, stream=sys.stderr)
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 # ---- worker ----------------------------------------------------------------------------------------------------
@@ -88,8 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     _add_worker(sub)
     _add_state(sub)
+    from dplb import launcher
     from dplb.router import cli as router_cli
 
+    launcher.add_parser(sub)
     router_cli.add_parser(sub)
     return p
 

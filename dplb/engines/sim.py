@@ -170,7 +170,7 @@ class SimEngine:
     def __init__(self, config: SimConfig | None = None) -> None:
         self.config = config or SimConfig()
         self.scheduler = SimScheduler(self.config)
-        self.app: ASGIApp | None = self._asgi
+        self.app: ASGIApp | None = self  # ASGI 3 entry point: __call__
         self.requests_total = self.completed_total = self.aborted_total = 0
         self.cuda_oom_total = self.overloaded_total = 0
         self.inflight = 0
@@ -228,7 +228,8 @@ class SimEngine:
             self._release.set()
 
     # ---- ASGI ----
-    async def _asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI 3 entry point (``engine.app is engine``)."""
         if scope["type"] == "lifespan":
             while True:
                 msg = await receive()

@@ -102,7 +102,8 @@ class RouterApp:
             items = list(state.decisions)[-limit:]
             return [{"time": t, "request_id": rid, **d.to_dict()} for t, rid, d in reversed(items)]
 
-        return Litestar(route_handlers=[health, ready, metrics_endpoint, models, decisions], debug=False)
+        return Litestar(route_handlers=[health, ready, metrics_endpoint, models, decisions], debug=False,
+                       logging_config=None)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":

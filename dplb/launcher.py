@@ -1,0 +1,307 @@
+"""``dplb launch``: plan GPUs, create the segment, start and supervise workers and the router (DESIGN §6).
+
+Contract
+- Plan with :func:`dplb.plan.plan_gpus` (GPUs from NVML; none → CPU workers). Without ``--model`` the sim engine
+  runs, and the launcher says so loudly; with ``--model`` the vLLM engine runs, and if it cannot start that is an
+  error (exit non-zero), never a silent fall-back to the sim.
+- Creates the segment (``/dev/shm/dplb_state_<unix seconds>`` unless ``--shm-path``) and a private run directory
+  (0700) for sockets and logs, exports ``DPLB_SHM_PATH``, starts each worker with ``CUDA_VISIBLE_DEVICES`` for its
+  group, then the router; prints the URL, a curl example and where the logs are.
+- Supervision: a worker or router that exits unexpectedly is restarted with exponential backoff (1 s doubling to
+  30 s; reset after 60 s of uptime). A worker that fails before ever becoming ready ``--max-start-failures`` times
+  in a row stops the launch with its log tail.
+- Ctrl-C / SIGTERM: SIGTERM to every worker (they drain) and the router, wait up to the drain timeout, SIGKILL what
+  is left, then remove the sockets, the segment and the run directory it created. Nothing is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from dplb.config import default_run_dir
+from dplb.errors import ConfigError
+from dplb.gpu import discover_gpus, visible_gpu_indices
+from dplb.plan import cuda_visible_devices, plan_gpus
+from dplb.router.cli import add_router_args, router_config
+from dplb.shm import ENV_SHM_PATH, Lifecycle, Segment, default_segment_path
+
+log = logging.getLogger("dplb.launch")
+BACKOFF_START_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: str
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff_s: float = BACKOFF_START_S
+    next_start: float = 0.0
+    start_failures: int = 0
+    ever_ready: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as f:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.started_at = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, sig)
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _dplb(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dplb.cli", *args]
+
+
+class Launcher:
+    """Runs the whole stack in the foreground until a signal."""
+
+    def __init__(self, args: argparse.Namespace, engine_args: list[str]) -> None:
+        self.args = args
+        self.engine_args = engine_args
+        gpus = visible_gpu_indices()
+        if gpus is None:
+            gpus = [g.index for g in discover_gpus()]
+        self.plan = plan_gpus(gpus, args.num_workers, args.tensor_parallel_size)
+        self.engine = "vllm" if args.model else "sim"
+        self.run_dir = args.run_dir or default_run_dir()
+        self.shm_path = args.shm_path or default_segment_path()
+        self.stopping = False
+        self.created_run_dir = False
+        self.segment: Segment | None = None
+        self.workers: list[Child] = []
+        self.router: Child | None = None
+        # Validate the router flags now (same checks the router does), before starting anything.
+        self.router_cfg = router_config(args, run_dir=self.run_dir, shm_path=self.shm_path,
+                                        num_workers=len(self.plan), state_interval_ms=args.state_interval_ms)
+
+    # ---- start ---------------------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        if not os.path.isdir(self.run_dir):
+            os.makedirs(self.run_dir, mode=0o700)
+            self.created_run_dir = True
+        os.chmod(self.run_dir, 0o700)
+        model_name = self.args.served_model_name or self.args.model or "dplb-sim"
+        self.segment = Segment.create(self.shm_path, len(self.plan), state_interval_ms=self.args.state_interval_ms,
+                                      model=model_name, gpu_map=self.plan, replace=bool(self.args.shm_path))
+        env = dict(os.environ)
+        env[ENV_SHM_PATH] = self.shm_path
+        env["DPLB_RUN_DIR"] = self.run_dir
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA and NVML agree on indices
+        for k, group in enumerate(self.plan):
+            wenv = dict(env)
+            if group:
+                wenv["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(group)
+            argv = _dplb("--log-level", self.args.log_level, "worker", "--worker-id", str(k), "--engine",
+                         self.engine, "--uds", self.router_cfg.socket_path(k),
+                         "--drain-timeout", str(self.args.drain_timeout))
+            if self.args.model:
+                argv += ["--model", self.args.model]
+            if self.args.served_model_name:
+                argv += (["--model", self.args.served_model_name] if self.engine == "sim"
+                         else ["--served-model-name", self.args.served_model_name])
+            if self.args.metrics_port_base is not None:
+                argv += ["--metrics-port", str(self.args.metrics_port_base + k if self.args.metrics_port_base else 0)]
+            if self.engine == "vllm" and len(group) > 1:
+                argv += ["--tensor-parallel-size", str(len(group))]
+            self.workers.append(Child(f"worker {k}", argv + self.engine_args, wenv,
+                                      os.path.join(self.run_dir, f"worker-{k}.log")))
+        rargv = _dplb("--log-level", self.args.log_level, "router", "--run-dir", self.run_dir, "--shm-path",
+                      self.shm_path, "--num-workers", str(len(self.plan)), *self._router_flags())
+        self.router = Child("router", rargv, env, os.path.join(self.run_dir, "router.log"))
+
+    def _router_flags(self) -> list[str]:
+        a = self.args
+        out = ["--host", a.host, "--port", str(a.port), "--policy", a.policy, "--weights", a.weights,
+               "--max-queue", str(a.max_queue), "--hard-queue-cap", str(a.hard_queue_cap), "--memory-signal",
+               a.memory_signal, "--affinity-margin", str(a.affinity_margin), "--baseline-window",
+               str(a.baseline_window), "--seed", str(a.seed), "--max-body-bytes", str(a.max_body_bytes),
+               "--first-byte-timeout", str(a.first_byte_timeout), "--idle-timeout", str(a.idle_timeout),
+               "--connect-timeout", str(a.connect_timeout), "--state-interval-ms", str(a.state_interval_ms)]
+        if a.max_queue_from_worker:
+            out.append("--max-queue-from-worker")
+        if a.api_key:
+            out += ["--api-key", a.api_key]
+        return out
+
+    def _banner(self) -> None:
+        url_host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::") else self.args.host
+        url = f"http://{url_host}:{self.args.port}"
+        if self.engine == "sim":
+            print("=" * 78, file=sys.stderr)
+            print("  No --model given: running the SIM engine (a simulated vLLM on the CPU).", file=sys.stderr)
+            print("  Pass --model PATH_OR_NAME to serve a real model with vLLM.", file=sys.stderr)
+            print("=" * 78, file=sys.stderr)
+        plan = ", ".join(f"worker {k}: {('GPUs ' + cuda_visible_devices(g)) if g else 'CPU'}"
+                         for k, g in enumerate(self.plan))
+        model = self.args.served_model_name or self.args.model or "dplb-sim"
+        print(f"DPLB: {len(self.plan)} {self.engine} worker(s) [{plan}]\n"
+              f"  router:  {url}  (policy {self.args.policy})\n"
+              f"  segment: {self.shm_path}   (dplb state --shm-path {self.shm_path})\n"
+              f"  logs:    {self.run_dir}/worker-K.log, {self.run_dir}/router.log\n"
+              f"  try:     curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+              f"\"max_tokens\": 16}}'", file=sys.stderr, flush=True)
+
+    # ---- run -----------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            self._prepare()
+            self._banner()
+            for w in self.workers:
+                w.start()
+            assert self.router is not None
+            self.router.start()
+            return self._supervise()
+        finally:
+            self._shutdown()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if not self.stopping:
+            print(f"\nDPLB: {signal.Signals(signum).name} received, draining workers…", file=sys.stderr, flush=True)
+        self.stopping = True
+
+    def _supervise(self) -> int:
+        announced = False
+        assert self.segment is not None and self.router is not None
+        while not self.stopping:
+            now = time.monotonic()
+            for k, w in enumerate(self.workers):
+                if not w.ever_ready and self.segment.read(k).lifecycle == Lifecycle.READY:
+                    w.ever_ready = True
+                    w.start_failures = 0
+                if w.alive() or self.stopping:
+                    continue
+                if w.next_start == 0.0:  # just exited: schedule a restart
+                    rc = w.proc.returncode if w.proc else None
+                    if not w.ever_ready:
+                        w.start_failures += 1
+                        if w.start_failures >= self.args.max_start_failures:
+                            print(f"DPLB: {w.name} failed to start {w.start_failures} time(s) (exit {rc}); "
+                                  f"giving up. Last log lines ({w.log_path}):\n{w.log_tail()}", file=sys.stderr)
+                            return 1
+                    if now - w.started_at > STABLE_S:
+                        w.backoff_s = BACKOFF_START_S
+                    log.warning("%s exited unexpectedly (code %s); restarting in %.0f s (log: %s)", w.name, rc,
+                                w.backoff_s, w.log_path)
+                    w.next_start = now + w.backoff_s
+                    w.backoff_s = min(BACKOFF_MAX_S, w.backoff_s * 2)
+                elif now >= w.next_start:
+                    w.next_start = 0.0
+                    w.restarts += 1
+                    w.ever_ready = False
+                    w.start()
+                    log.info("%s restarted (restart #%d)", w.name, w.restarts)
+            r = self.router
+            if not r.alive() and not self.stopping:
+                log.warning("router exited (code %s); restarting (log: %s)", r.proc.returncode if r.proc else None,
+                            r.log_path)
+                time.sleep(min(r.backoff_s, 5))
+                r.backoff_s = min(BACKOFF_MAX_S, r.backoff_s * 2)
+                r.start()
+            if not announced and all(w.ever_ready for w in self.workers):
+                announced = True
+                print(f"DPLB: all {len(self.workers)} worker(s) ready; serving on port {self.args.port}",
+                      file=sys.stderr, flush=True)
+            time.sleep(0.1)
+        return 0
+
+    def _shutdown(self) -> None:
+        self.stopping = True
+        for w in self.workers:
+            w.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.args.drain_timeout + 5
+        for w in self.workers:
+            if w.proc is None:
+                continue
+            try:
+                w.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", w.name)
+                w.signal(signal.SIGKILL)
+                w.proc.wait(5)
+        if self.router is not None:
+            self.router.signal(signal.SIGTERM)
+            if self.router.proc is not None:
+                try:
+                    self.router.proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    self.router.signal(signal.SIGKILL)
+                    self.router.proc.wait(5)
+        for k in range(len(self.plan)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.router_cfg.socket_path(k))
+        if self.segment is not None:
+            self.segment.unlink()
+            self.segment.close()
+            self.segment = None
+        if self.created_run_dir and not self.args.keep_logs:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        print("DPLB: stopped; sockets and segment removed.", file=sys.stderr, flush=True)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``dplb launch``."""
+    p = sub.add_parser(
+        "launch", help="start workers + router on this machine and supervise them (the main job)",
+        description="Start N workers (vLLM with --model; the sim engine without) and the router, supervise them, "
+        "and clean up on Ctrl-C. Unknown arguments are passed to every worker's engine (vLLM server arguments, or "
+        "--sim-* knobs).",
+    )
+    p.add_argument("--model", help="model path or name for vLLM (omit for the sim engine)")
+    p.add_argument("--served-model-name", help="model name clients use (default: --model, or dplb-sim)")
+    p.add_argument("--num-workers", type=int, help="data-parallel workers (default: GPUs / TP; 2 on CPU)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per worker (default 1)")
+    p.add_argument("--state-interval-ms", type=int, default=200, help="worker publish interval (default 200)")
+    p.add_argument("--run-dir", help=f"sockets and logs (default {default_run_dir()})")
+    p.add_argument("--shm-path", help="state segment path (default /dev/shm/dplb_state_<unix seconds>)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds workers get to finish on stop")
+    p.add_argument("--metrics-port-base", type=int, default=None,
+                   help="worker K serves metrics on BASE+K (default 30001+K; 0 disables)")
+    p.add_argument("--max-start-failures", type=int, default=3, help="give up after a worker fails to start N times")
+    p.add_argument("--keep-logs", action="store_true", help="keep the run directory (logs) on exit")
+    p.add_argument("--emit-systemd", metavar="DIR", help="write systemd env files for this plan into DIR and exit")
+    add_router_args(p)
+    p.set_defaults(func=_cmd_launch)
+
+
+def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.emit_systemd:
+        from dplb.systemd import emit_env_files
+
+        return emit_env_files(args, rest)
+    try:
+        return Launcher(args, rest).run()
+    except FileExistsError as e:
+        raise ConfigError(f"{e}; pass another --shm-path or remove the old segment (dplb doctor)") from e

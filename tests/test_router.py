@@ -1,0 +1,395 @@
+"""Router end to end: real router and sim worker processes on real Unix sockets around a real shm segment."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from cluster import Cluster, cluster
+
+from dplb.shm import Lifecycle, WorkerState
+
+CHAT = {"model": "dplb-sim", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A router and two healthy sim workers, shared by the read-only tests of this module."""
+    with cluster(str(tmp_path_factory.mktemp("two")), 2) as c:
+        yield c
+
+
+def post(c: Cluster, path: str, body: bytes | dict, headers: dict[str, str | bytes] | None = None,  # type: ignore[type-arg]
+         timeout: float = 30) -> httpx.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    h = {"content-type": "application/json", **(headers or {})}
+    return httpx.post(c.url + path, content=data, headers=h, timeout=timeout)
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["message"] and err["type"]
+
+
+# ---- the OpenAI SDK --------------------------------------------------------------------------------------------
+def test_openai_sdk_chat_completion_stream_models_and_header(two: Cluster) -> None:
+    client = openai.OpenAI(base_url=two.url + "/v1", api_key="unused", max_retries=0)
+    seen = Counter()
+    for i in range(12):
+        raw = client.chat.completions.with_raw_response.create(
+            model="dplb-sim", messages=[{"role": "user", "content": f"question {i}"}], max_tokens=3)
+        seen[raw.headers["x-sg-worker-id"]] += 1
+        chat = raw.parse()
+        assert chat.choices[0].message.content and chat.usage and chat.usage.completion_tokens == 3
+    assert set(seen) == {"0", "1"}, seen
+    comp = client.completions.with_raw_response.create(model="dplb-sim", prompt="once upon", max_tokens=2)
+    assert comp.headers["x-sg-worker-id"] in ("0", "1") and comp.parse().choices[0].text
+    stream = client.chat.completions.create(model="dplb-sim", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["dplb-sim"]
+
+
+def test_streaming_has_worker_header_and_done(two: Cluster) -> None:
+    with httpx.stream("POST", two.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["x-sg-worker-id"] in ("0", "1")
+        assert r.headers["content-type"].startswith("text/event-stream")
+        body = b"".join(r.iter_bytes())
+    assert body.rstrip().endswith(b"data: [DONE]")
+
+
+# ---- byte-exactness --------------------------------------------------------------------------------------------
+BODIES = {
+    "tools_and_vendor_fields": json.dumps({
+        "model": "dplb-sim", "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 2, "n": 1,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string"}}}}}], "tool_choice": "auto",
+        "response_format": {"type": "json_object"}, "chat_template_kwargs": {"enable_thinking": False},
+        "vendor_x": {"nested": [1, 2.50, None, True]}, "top_k": 7, "guided_choice": ["a", "b"],
+    }, indent=1).encode(),  # indentation and "2.50" would not survive a re-serialisation
+    "cjk_and_emoji": '{"model":"dplb-sim","max_tokens":2,"messages":[{"role":"user","content":"你好，世界 🌍🚀 \\u00e9 é"}]}'
+                     .encode(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BODIES))
+def test_body_reaches_worker_byte_for_byte(two: Cluster, name: str) -> None:
+    body = BODIES[name]
+    r = post(two, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-sim-body-sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_eight_megabyte_body_byte_for_byte(two: Cluster) -> None:
+    filler = "lorem ipsum " * (8 * 1024 * 1024 // 12)
+    body = json.dumps({"model": "dplb-sim", "prompt": filler[:4000], "max_tokens": 1,
+                       "vendor_blob": filler}).encode()
+    assert len(body) > 8_000_000
+    r = post(two, "/v1/completions", body, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+    assert r.headers["x-sim-body-sha256"] == hashlib.sha256(body).hexdigest()
+
+
+# ---- headers ---------------------------------------------------------------------------------------------------
+def test_request_id_honoured_or_generated_and_hop_by_hop_dropped(two: Cluster) -> None:
+    r = post(two, "/v1/chat/completions", CHAT, {"x-request-id": "abc-123.X:y", "keep-alive": "timeout=5",
+                                                 "connection": "keep-alive, x-secret-hop", "x-secret-hop": "1",
+                                                 "te": "trailers"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123.X:y"
+    recent = httpx.get(two.url + "/debug/decisions?limit=1").json()[0]
+    assert recent["request_id"] == "abc-123.X:y"
+    k = int(r.headers["x-sg-worker-id"])
+    log = _sim_requests(two, k)
+    mine = [e for e in log if e.get("x_request_id") == "abc-123.X:y"]
+    assert mine, log[-3:]
+    for bad in ("has space", "x" * 200, "quote\"", "ünï"):
+        r = post(two, "/v1/chat/completions", CHAT, {"x-request-id": bad.encode()})
+        assert r.status_code == 200
+        assert r.headers["x-request-id"] != bad and len(r.headers["x-request-id"]) == 32
+
+
+def _sim_requests(c: Cluster, k: int) -> list[dict]:  # type: ignore[type-arg]
+    t = httpx.HTTPTransport(uds=c.sock(k))
+    with httpx.Client(transport=t, base_url="http://w") as cl:
+        return cl.get("/debug/requests").json()  # type: ignore[no-any-return]
+
+
+def test_hop_by_hop_request_headers_never_reach_worker(two: Cluster) -> None:
+    """The worker's /debug/requests records the header names it received."""
+    r = post(two, "/v1/chat/completions", CHAT, {"x-request-id": "hop-check-1", "connection": "x-private",
+                                                 "x-private": "secret", "proxy-authorization": "Basic Zm9v",
+                                                 "x-custom-e2e": "kept"})
+    assert r.status_code == 200
+    entry = next(e for e in _sim_requests(two, int(r.headers["x-sg-worker-id"]))
+                 if e.get("x_request_id") == "hop-check-1")
+    names = set(entry["header_names"])
+    assert "x-custom-e2e" in names and "authorization" not in names
+    assert not names & {"connection", "x-private", "proxy-authorization", "keep-alive", "transfer-encoding"}
+    assert len(r.headers.get_list("date")) <= 1 and len(r.headers.get_list("server")) <= 1
+
+
+# ---- router-made errors ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("body", "ctype", "status", "code"),
+    [
+        (b"{not json", "application/json", 400, "invalid_json"),
+        (b"\xff\xfe\x00garbage", "application/json", 400, "invalid_json"),
+        (b"[1, 2, 3]", "application/json", 400, "body_not_object"),
+        (b'"a string"', "application/json", 400, "body_not_object"),
+        (b'{"model": "x"}', "text/plain", 415, "unsupported_media_type"),
+        (b"model=x", "application/x-www-form-urlencoded", 415, "unsupported_media_type"),
+    ],
+)
+def test_bad_requests_get_openai_errors(two: Cluster, body: bytes, ctype: str, status: int, code: str) -> None:
+    r = httpx.post(two.url + "/v1/chat/completions", content=body, headers={"content-type": ctype}, timeout=10)
+    assert_openai_error(r, status, code)
+    assert "x-sg-worker-id" not in r.headers
+
+
+def test_413_from_content_length_without_reading_the_body(two: Cluster) -> None:
+    """Announce 100 MB, send only the head: the router must answer 413 at once instead of waiting for bytes."""
+    with socket.create_connection(("127.0.0.1", two.port), timeout=5) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 104857600\r\n\r\n{\"model\":")
+        s.settimeout(5)
+        data = s.recv(65536)
+    assert data.startswith(b"HTTP/1.1 413"), data[:200]
+    assert b"body_too_large" in data
+
+
+def test_413_for_chunked_body_over_limit(tmp_path: str) -> None:
+    with cluster(str(tmp_path), 1, router_args=["--max-body-bytes", "1000"]) as c:
+        def gen() -> Iterator[bytes]:
+            yield b'{"model":"dplb-sim","prompt":"'
+            for _ in range(100):
+                yield b"x" * 100
+            yield b'"}'
+        r = httpx.post(c.url + "/v1/completions", content=gen(), headers={"content-type": "application/json"})
+        assert_openai_error(r, 413, "body_too_large")
+
+
+def test_wrong_method_on_proxied_path(two: Cluster) -> None:
+    r = httpx.get(two.url + "/v1/chat/completions")
+    assert_openai_error(r, 405, "method_not_allowed")
+
+
+def test_no_worker_registered_is_503_with_retry_after(tmp_path: str) -> None:
+    with cluster(str(tmp_path), 2, start_workers=False) as c:
+        r = post(c, "/v1/chat/completions", CHAT)
+        assert_openai_error(r, 503, "no_workers_registered")
+        assert r.headers["retry-after"] == "1"
+        assert httpx.get(c.url + "/ready").status_code == 503
+        assert httpx.get(c.url + "/health").status_code == 200
+        assert httpx.get(c.url + "/v1/models").status_code == 503
+        # Now a worker comes up: the router starts routing to it without a restart.
+        c.start_worker(1)
+        t0 = time.monotonic()
+        while httpx.get(c.url + "/ready").status_code != 200:
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.05)
+        r = post(c, "/v1/chat/completions", CHAT)
+        assert r.status_code == 200 and r.headers["x-sg-worker-id"] == "1"
+        assert "worker 1 registered" in c.router_log()
+
+
+def test_none_routable_when_all_stale_and_all_over_cap(tmp_path: str) -> None:
+    with cluster(str(tmp_path), 1, start_workers=False, router_args=["--hard-queue-cap", "2"]) as c:
+        assert c.segment is not None
+        w = c.segment.writer(0)
+        # A worker that registered long ago and went silent: stale → not routable.
+        w.publish(WorkerState(0, pid=os.getpid(), lifecycle=Lifecycle.READY, heartbeat_mono_ns=time.monotonic_ns()
+                              - 10**10))
+        assert_openai_error(post(c, "/v1/chat/completions", CHAT), 503, "no_routable_worker")
+        # Fresh but over the hard cap (the test publishes the state a busy worker would).
+        w.publish_now(WorkerState(0, pid=os.getpid(), lifecycle=Lifecycle.READY, num_running=2))
+        r = post(c, "/v1/chat/completions", CHAT)
+        assert_openai_error(r, 503, "all_workers_over_queue_cap")
+        assert r.headers["retry-after"] == "1"
+
+
+# ---- failures --------------------------------------------------------------------------------------------------
+def test_missing_socket_is_retried_on_the_next_worker(tmp_path: str) -> None:
+    """Slot 0 says ready (published by the test, as a worker would) but nothing listens on its socket."""
+    with cluster(str(tmp_path), 2, start_workers=False, wait_router_ready=False) as c:
+        assert c.segment is not None
+        c.start_worker(1)
+        stop = False
+
+        async def fake_heartbeat() -> None:
+            w = c.segment.writer(0)  # type: ignore[union-attr]
+            while not stop:
+                w.publish_now(WorkerState(0, pid=os.getpid(), lifecycle=Lifecycle.READY))
+                await asyncio.sleep(0.1)
+
+        async def main() -> list[httpx.Response]:
+            nonlocal stop
+            hb = asyncio.create_task(fake_heartbeat())
+            await asyncio.sleep(0.3)
+            async with httpx.AsyncClient(timeout=30) as cl:
+                rs = [await cl.post(c.url + "/v1/chat/completions", json=CHAT) for _ in range(6)]
+            stop = True
+            await hb
+            return rs
+
+        rs = asyncio.run(main())
+        assert all(r.status_code == 200 and r.headers["x-sg-worker-id"] == "1" for r in rs), [r.text for r in rs]
+        retries = c.metric("dplb_upstream_retries_total")
+        assert retries is not None and retries >= 1
+
+
+def test_worker_killed_mid_stream_ends_with_error_event_not_done(tmp_path: str) -> None:
+    with cluster(str(tmp_path), 1, worker_args={0: ["--sim-chunk-delay-s", "0.05"]}) as c:
+        got = b""
+        with pytest.raises(httpx.HTTPError):  # abnormal close: incomplete chunked body
+            with httpx.stream("POST", c.url + "/v1/chat/completions", timeout=30,
+                              json={**CHAT, "max_tokens": 200, "stream": True}) as r:
+                assert r.status_code == 200
+                for chunk in r.iter_raw():
+                    got += chunk
+                    if got.count(b"data:") == 5:
+                        c.kill_worker(0, signal.SIGKILL)
+        assert b"[DONE]" not in got
+        assert b'"error"' in got and b"worker_failed" in got
+        _wait_inflight_zero(c, 1)
+
+
+def _wait_inflight_zero(c: Cluster, n: int) -> None:
+    t0 = time.monotonic()
+    while True:
+        vals = [c.metric("dplb_worker_requests_inflight", {"worker": str(k)}) for k in range(n)]
+        if all(v == 0 for v in vals):
+            return
+        assert time.monotonic() - t0 < 5, vals
+        time.sleep(0.05)
+
+
+def test_hung_worker_hits_idle_and_first_byte_timeouts_and_releases_inflight(tmp_path: str) -> None:
+    """The sim hangs after 2 completed requests (warm-up + one): a stream open at that moment stalls mid-way."""
+    with cluster(str(tmp_path), 1, worker_args={0: ["--sim-hang-after", "2", "--sim-chunk-delay-s", "0.05"]},
+                 router_args=["--idle-timeout", "1", "--first-byte-timeout", "2"]) as c:
+        got = b""
+        t_stall = 0.0
+        with pytest.raises(httpx.HTTPError), httpx.stream("POST", c.url + "/v1/completions", timeout=30,
+                          json={"model": "dplb-sim", "prompt": "y", "max_tokens": 200, "stream": True}) as s:
+            for chunk in s.iter_raw():
+                got += chunk
+                if got.count(b"data:") == 3 and not t_stall:
+                    r = post(c, "/v1/completions", {"model": "dplb-sim", "prompt": "z", "max_tokens": 1})
+                    assert r.status_code == 200  # the 2nd completed request: the sim hangs from here on
+                    t_stall = time.monotonic()
+        stalled_for = time.monotonic() - t_stall
+        assert b"worker_timeout" in got and b"[DONE]" not in got
+        assert 0.8 <= stalled_for < 10, stalled_for
+        t0 = time.monotonic()
+        r = post(c, "/v1/completions", {"model": "dplb-sim", "prompt": "w", "max_tokens": 1})
+        assert_openai_error(r, 504, "worker_timeout")
+        assert 1.8 <= time.monotonic() - t0 < 10
+        assert r.headers["x-sg-worker-id"] == "0"
+        _wait_inflight_zero(c, 1)
+
+
+def test_client_disconnect_aborts_the_engine_request(two: Cluster) -> None:
+    with httpx.stream("POST", two.url + "/v1/chat/completions", timeout=30,
+                      json={**CHAT, "max_tokens": 400, "stream": True},
+                      headers={"x-request-id": "disconnect-me"}) as r:
+        k = int(r.headers["x-sg-worker-id"])
+        it = r.iter_raw()
+        next(it)
+    t_closed = time.monotonic()
+    while True:
+        entry = next((e for e in _sim_requests(two, k) if e.get("x_request_id") == "disconnect-me"), None)
+        if entry and entry.get("aborted"):
+            break
+        assert time.monotonic() - t_closed < 1.0, entry
+        time.sleep(0.02)
+    _wait_inflight_zero(two, 2)
+
+
+def test_worker_503_passes_through_and_worker_stays_routable(tmp_path: str) -> None:
+    with cluster(str(tmp_path), 1, worker_args={0: ["--sim-max-inflight-503", "1", "--sim-chunk-delay-s", "0.05"]}
+                 ) as c:
+        async def main() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as cl:
+                return await asyncio.gather(*[cl.post(c.url + "/v1/completions", json={
+                    "model": "dplb-sim", "prompt": "p", "max_tokens": 20}) for _ in range(4)])
+        rs = asyncio.run(main())
+        codes = Counter(r.status_code for r in rs)
+        assert codes[503] >= 1 and codes[200] >= 1, codes
+        for r in rs:
+            assert r.headers["x-sg-worker-id"] == "0"
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "server_overloaded"
+        assert post(c, "/v1/completions", {"model": "dplb-sim", "prompt": "p", "max_tokens": 2}).status_code == 200
+        assert httpx.get(c.url + "/ready").status_code == 200
+
+
+def test_inflight_returns_to_zero_after_a_mix(two: Cluster) -> None:
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=30) as cl:
+            async def cancelled() -> None:
+                async with cl.stream("POST", two.url + "/v1/chat/completions",
+                                     json={**CHAT, "max_tokens": 100, "stream": True}) as r:
+                    async for _ in r.aiter_raw():
+                        return
+            await asyncio.gather(
+                *[cl.post(two.url + "/v1/chat/completions", json=CHAT) for _ in range(10)],
+                *[cl.post(two.url + "/v1/chat/completions", content=b"{bad") for _ in range(5)],
+                *[cl.post(two.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 0}) for _ in range(5)],
+                *[cancelled() for _ in range(5)],
+            )
+    asyncio.run(main())
+    _wait_inflight_zero(two, 2)
+
+
+def test_worker_400_passes_through_unchanged(two: Cluster) -> None:
+    r = post(two, "/v1/chat/completions", {**CHAT, "max_tokens": 0})
+    assert r.status_code == 400 and r.headers["x-sg-worker-id"] in ("0", "1")
+    assert "error" in r.json()
+
+
+def test_unbuffered_streaming(tmp_path: str) -> None:
+    with cluster(str(tmp_path), 1, worker_args={0: ["--sim-chunk-delay-s", "0.1"]}) as c:
+        times = []
+        with httpx.stream("POST", c.url + "/v1/completions", timeout=30,
+                          json={"model": "dplb-sim", "prompt": "p", "max_tokens": 10, "stream": True}) as r:
+            for chunk in r.iter_raw():
+                if b"data:" in chunk:
+                    times.append(time.monotonic())
+        assert len(times) >= 3
+        assert times[-1] - times[0] >= 0.5, [round(t - times[0], 3) for t in times]
+
+
+def test_api_key(tmp_path: str) -> None:
+    with cluster(str(tmp_path), 1, router_args=["--api-key", "s3cret"]) as c:
+        assert_openai_error(post(c, "/v1/chat/completions", CHAT), 401, "invalid_api_key")
+        assert_openai_error(post(c, "/v1/chat/completions", CHAT, {"authorization": "Bearer nope"}), 401,
+                            "invalid_api_key")
+        assert post(c, "/v1/chat/completions", CHAT, {"authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(c.url + "/v1/models").status_code == 401
+        assert httpx.get(c.url + "/v1/models", headers={"authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(c.url + "/health").status_code == 200
+        assert httpx.get(c.url + "/metrics").status_code == 200
+
+
+def test_debug_decisions_show_every_candidate(two: Cluster) -> None:
+    post(two, "/v1/chat/completions", CHAT, {"x-request-id": "dbg-1"})
+    d = httpx.get(two.url + "/debug/decisions?limit=5").json()
+    mine = next(x for x in d if x["request_id"] == "dbg-1")
+    assert mine["policy"] == "dplb" and mine["worker"] in (0, 1)
+    assert [c["worker"] for c in mine["candidates"]] == [0, 1]
+    for cand in mine["candidates"]:
+        assert {"score", "term_queue", "term_memory", "term_latency", "queue", "kv_cache_usage"} <= set(cand)
