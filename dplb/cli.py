@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -81,6 +82,37 @@ def _cmd_state(args: argparse.Namespace, rest: list[str]) -> int:
     return run_state(args.shm_path, as_json=args.json, watch=args.watch, interval_s=args.interval)
 
 
+# ---- segment (for systemd's dplb-segment.service) ----------------------------------------------------------
+def _add_segment(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("segment", help="create or remove the shm state segment (systemd's dplb-segment.service)")
+    p.add_argument("action", choices=("create", "remove"))
+    p.add_argument("--shm-path", help="segment path (default $DPLB_SHM_PATH)")
+    p.add_argument("--num-workers", type=int, help="slots (default $DPLB_NUM_WORKERS)")
+    p.add_argument("--state-interval-ms", type=int, help="(default $DPLB_STATE_INTERVAL_MS or 200)")
+    p.add_argument("--model", default="", help="served model name recorded in the header")
+    p.set_defaults(func=_cmd_segment)
+
+
+def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
+    import os
+
+    from dplb.errors import ConfigError
+    from dplb.shm import Segment, resolve_path
+
+    path = resolve_path(args.shm_path)
+    if args.action == "remove":
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return 0
+    n = args.num_workers or int(os.environ.get("DPLB_NUM_WORKERS", "0"))
+    if n <= 0:
+        raise ConfigError("--num-workers (or DPLB_NUM_WORKERS) must be > 0")
+    interval = args.state_interval_ms or int(os.environ.get("DPLB_STATE_INTERVAL_MS", "200"))
+    Segment.create(path, n, state_interval_ms=interval, model=args.model, replace=True).close()
+    print(f"created {path} ({n} workers, {interval} ms)")
+    return 0
+
+
 # ---- entry point ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The full ``dplb`` parser."""
@@ -90,11 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     _add_worker(sub)
     _add_state(sub)
-    from dplb import launcher
+    _add_segment(sub)
+    from dplb import doctor, launcher
     from dplb.router import cli as router_cli
 
     launcher.add_parser(sub)
     router_cli.add_parser(sub)
+    doctor.add_parser(sub)
     return p
 
 

@@ -34,6 +34,7 @@ from dplb.gpu import GpuReader, visible_gpu_indices
 from dplb.metrics import LIFECYCLE_STATES, WorkerMetrics, worker_metrics
 from dplb.serving import bind_tcp, bind_uds, make_server
 from dplb.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, Lifecycle, Segment, SlotWriter, WorkerState
+from dplb.systemd import Watchdog, notify
 
 log = logging.getLogger("dplb.worker")
 METRICS_PORT_BASE = 30001
@@ -90,6 +91,7 @@ class Collector:
         self._thread = threading.Thread(target=self._run, name=f"dplb-collector-{writer.worker_id}", daemon=True)
         self._wid = str(writer.worker_id)
         self._last_oom = 0
+        self._watchdog = Watchdog()
 
     def start(self) -> None:
         """Publish once now, then every interval."""
@@ -144,6 +146,7 @@ class Collector:
                 self._last_oom = es.cuda_oom_total
             s.cuda_oom_total = es.cuda_oom_total
             self.writer.publish_now(s)
+        self._watchdog.maybe_ping()  # systemd: the heartbeat thread is alive
         m, w = self.metrics, self._wid
         m.cuda_oom.labels(w).set(es.cuda_oom_total)
         m.nvml_errors.labels(w).set(self.gpu.errors_total)
@@ -221,6 +224,7 @@ class Worker:
                 self.metrics.warmup.labels(str(k)).set(warm)
                 self.req.counting_first = True
                 log.info("Worker %d registered. State: %s", k, json.dumps(self.collector.state.to_dict()))
+                notify(f"READY=1\nSTATUS=worker {k} ready (warm-up {warm:.2f} s)")
             await self._stop.wait()
             await self._drain()
             return 0
@@ -260,6 +264,7 @@ class Worker:
         """Refuse new model requests, wait for in-flight ones (bounded), then let the servers stop."""
         k = self.cfg.worker_id
         self.accepting = False
+        notify("STOPPING=1")
         self.collector.set_lifecycle(Lifecycle.DRAINING)
         log.info("Worker %d draining: %d request(s) in flight, up to %.0f s", k, self.req.inflight,
                  self.cfg.drain_timeout_s)

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
@@ -32,7 +32,7 @@ from dplb.engines.sim import SimConfig, SimEngine
 from dplb.engines.sim_scheduler import PrefixCache, block_hashes, tokenize
 from dplb.errors import ConfigError
 
-FAST = {"decode_step_s": 0.002, "decode_step_s_per_seq": 0.0, "prefill_s_per_token": 0.0}
+FAST: dict[str, Any] = {"decode_step_s": 0.002, "decode_step_s_per_seq": 0.0, "prefill_s_per_token": 0.0}
 
 
 class Served:
@@ -85,7 +85,7 @@ def sim(sock_dir: str) -> Iterator[Callable[..., Served]]:
         s.stop()
 
 
-def _comp(max_tokens: int, prompt: str = "hello world", **kw: Any) -> dict[str, Any]:
+def _comp(max_tokens: int, prompt: Any = "hello world", **kw: Any) -> dict[str, Any]:
     return {"model": "dplb-sim", "prompt": prompt, "max_tokens": max_tokens, **kw}
 
 
@@ -131,7 +131,7 @@ def _wait_for(cond: Callable[[], bool], timeout: float) -> bool:
 def test_openai_sdk_chat_completion_stream_models(sim: Callable[..., Served]) -> None:
     s = sim(**FAST)
     oa = openai.OpenAI(api_key="none", base_url="http://sim/v1",
-                       http_client=httpx.Client(transport=httpx.HTTPTransport(uds=s.path)))
+                       http_client=cast(Any, httpx.Client(transport=httpx.HTTPTransport(uds=s.path))))
     assert [m.id for m in oa.models.list().data] == ["dplb-sim"]
 
     msgs: Any = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me about foxes"}]
@@ -462,10 +462,11 @@ def test_endpoints_metrics_and_debug(sim: Callable[..., Served]) -> None:
 
 
 def test_config_validation() -> None:
-    for kw, needle in [({"max_num_seqs": 0}, "max_num_seqs"), ({"speed": 0.0}, "speed"),
+    cases: list[tuple[dict[str, Any], str]] = [({"max_num_seqs": 0}, "max_num_seqs"), ({"speed": 0.0}, "speed"),
                        ({"decode_step_s": -1.0}, "decode_step_s"), ({"crash_after": -1}, "crash_after"),
                        ({"max_num_seqs": 1.5}, "max_num_seqs"), ({"speed": float("nan")}, "speed"),
-                       ({"model": ""}, "model"), ({"kv_blocks": 4, "max_model_len": 8192}, "kv_blocks")]:
+                       ({"model": ""}, "model"), ({"kv_blocks": 4, "max_model_len": 8192}, "kv_blocks")]
+    for kw, needle in cases:
         with pytest.raises(ConfigError, match=needle):
             SimConfig(**kw)
     SimConfig(kv_blocks=4, block_size=16, max_model_len=64)  # exactly one max-length sequence fits

@@ -249,7 +249,9 @@ class SimEngine:
             return
         path, method = scope["path"], scope["method"]
         if path in (_CHAT, _COMPLETIONS):
-            if method != "POST":
+            if self._closed:
+                await _respond(send, 503, HTTPError(503, "sim engine shut down", "ServiceUnavailableError").body())
+            elif method != "POST":
                 await _respond(send, 405, b'{"detail":"Method Not Allowed"}')
             else:
                 await self._model(scope, receive, send, path == _CHAT)

@@ -34,6 +34,7 @@ from dplb.router.proxy import PROXY_PATHS, Proxy, error_body
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamError, UpstreamPool, fetch
 from dplb.serving import bind_tcp, make_server
+from dplb.systemd import notify
 
 log = logging.getLogger("dplb.router")
 _ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/debug/decisions"}) | PROXY_PATHS
@@ -159,6 +160,7 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     host, port = sock.getsockname()[:2]
     log.info("DPLB router listening on http://%s:%d (policy %s, %d workers, segment %s)", host, port,
              cfg.policy.name, app.state.num_workers, app.state.segment.path if app.state.segment else "missing")
+    notify(f"READY=1\nSTATUS=routing on port {port}")
     if ready_cb is not None:
         ready_cb()
     stopped = asyncio.create_task(stop.wait())

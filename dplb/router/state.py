@@ -23,6 +23,7 @@ from dplb.errors import ShmError
 from dplb.metrics import RouterMetrics
 from dplb.policy import REASON_FALLBACK, REASON_NO_WORKERS, Decision, Policy, make_policy
 from dplb.shm import Segment, WorkerState
+from dplb.systemd import Watchdog
 
 log = logging.getLogger("dplb.router")
 
@@ -108,7 +109,9 @@ class RouterState:
     # ---- background ------------------------------------------------------------------------------------------
     async def monitor(self) -> None:
         """Watch segment presence and worker (de)registration until cancelled."""
+        watchdog = Watchdog()
         while True:
+            watchdog.maybe_ping()  # systemd: the event loop is alive
             try:
                 self.check_once()
             except Exception:  # keep watching whatever happens

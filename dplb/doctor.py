@@ -1,0 +1,223 @@
+"""``dplb doctor``: pre-flight checks keyed to the seed article's troubleshooting table (DESIGN §6).
+
+Each check prints PASS/WARN/FAIL and, when it is not a pass, the fix. Exit code 1 when any check fails.
+
+| Symptom (seed table)         | Check                                                           |
+|------------------------------|-----------------------------------------------------------------|
+| 503 / no worker registered   | ``ports``, ``run_dir``, ``stale_segments``                      |
+| model too large / CUDA OOM   | ``model_memory`` (config.json weights vs per-GPU memory → TP)   |
+| missing shm / Docker         | ``shm`` (size and free space of /dev/shm; Docker's 64 MB)       |
+| GPU plan                     | ``gpus``, ``plan`` (TP × workers = GPUs)                        |
+
+Model memory estimate (weights only): parameters from config.json (Llama-style decoder: embeddings + per layer
+attention and MLP) × bytes per parameter of ``torch_dtype``; it needs headroom for the KV cache, so the check asks
+weights ≤ 0.8 × (per-GPU memory × TP) at the default ``--gpu-memory-utilization`` 0.9 (vLLM docs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from dataclasses import dataclass
+
+from dplb.config import default_run_dir
+from dplb.errors import ConfigError
+from dplb.gpu import GpuInfo, discover_gpus, visible_gpu_indices
+from dplb.plan import plan_gpus
+from dplb.shm import SHM_DIR, Segment, list_segments
+
+MIN_SHM_BYTES = 256 * 1024 * 1024  # below this, warn (vLLM's own IPC also uses /dev/shm)
+DOCKER_DEFAULT_SHM = 64 * 1024 * 1024
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1}
+
+
+@dataclass
+class Check:
+    """One result: ``status`` is "pass", "warn" or "fail"; ``fix`` says what to do when not a pass."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def check_gpus(gpus: list[GpuInfo]) -> Check:
+    """GPUs visible through NVML."""
+    if not gpus:
+        return Check("gpus", "warn", "no NVIDIA GPU visible through NVML",
+                     "on a GPU host: install the driver, check `nvidia-smi`, and in containers pass --gpus all. "
+                     "Without GPUs DPLB runs the sim engine or vLLM on CPU.")
+    names = ", ".join(f"{g.index}: {g.name} {g.memory_total_bytes / 2**30:.0f} GiB" for g in gpus)
+    return Check("gpus", "pass", f"{len(gpus)} GPU(s): {names}")
+
+
+def check_plan(indices: list[int], num_workers: int | None, tp: int) -> Check:
+    """TP × workers = GPUs."""
+    try:
+        plan = plan_gpus(indices, num_workers, tp)
+    except ConfigError as e:
+        return Check("plan", "fail", str(e).split(". Fix:")[0], str(e).split("Fix: ")[-1])
+    return Check("plan", "pass", f"{len(plan)} worker(s) × TP {tp}: {plan}")
+
+
+def estimate_weight_bytes(config: dict) -> int:
+    """Weights of a decoder-only transformer from its HF config.json, bytes (see module docstring)."""
+    h = int(config["hidden_size"])
+    layers = int(config["num_hidden_layers"])
+    vocab = int(config.get("vocab_size", 32000))
+    inter = int(config.get("intermediate_size", 4 * h))
+    heads = int(config.get("num_attention_heads", 1))
+    kv_heads = int(config.get("num_key_value_heads", heads))
+    head_dim = int(config.get("head_dim", h // heads))
+    attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
+    mlp = 3 * h * inter
+    emb = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
+    params = emb + layers * (attn + mlp + 2 * h) + h
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").replace("torch.", "")
+    return params * DTYPE_BYTES.get(dtype, 2)
+
+
+def check_model_memory(model: str | None, gpus: list[GpuInfo], tp: int) -> Check:
+    """Model weights vs per-GPU memory; says when tensor parallelism is needed."""
+    if not model:
+        return Check("model_memory", "pass", "no --model given (sim engine): nothing to load")
+    path = os.path.join(model, "config.json")
+    if not os.path.exists(path):
+        return Check("model_memory", "warn", f"no config.json at {path} (a hub name?): cannot estimate",
+                     "pass a local model directory to get a memory estimate")
+    with open(path) as f:
+        cfg = json.load(f)
+    try:
+        need = estimate_weight_bytes(cfg)
+    except (KeyError, ValueError, ZeroDivisionError) as e:
+        return Check("model_memory", "warn", f"config.json lacks {e}: cannot estimate")
+    if not gpus:
+        return Check("model_memory", "pass", f"weights ≈ {need / 2**30:.2f} GiB (CPU run: host memory)")
+    per_gpu = min(g.memory_total_bytes for g in gpus)
+    budget = 0.8 * per_gpu * tp
+    if need > budget:
+        min_tp = next((t for t in (1, 2, 4, 8, 16) if need <= 0.8 * per_gpu * t), None)
+        fix = (f"use --tensor-parallel-size {min_tp} (or more)" if min_tp else "the model does not fit even at TP 16"
+               ) + "; or a quantised model. With vLLM, --gpu-memory-utilization 0.85 leaves headroom."
+        return Check("model_memory", "fail", f"weights ≈ {need / 2**30:.1f} GiB > 80% of {tp} × "
+                     f"{per_gpu / 2**30:.0f} GiB", fix)
+    return Check("model_memory", "pass", f"weights ≈ {need / 2**30:.1f} GiB fit {tp} × {per_gpu / 2**30:.0f} GiB")
+
+
+def check_shm(directory: str = SHM_DIR) -> Check:
+    """/dev/shm size and free space."""
+    try:
+        st = os.statvfs(directory)
+    except OSError as e:
+        return Check("shm", "fail", f"{directory} unusable: {e}", "mount a tmpfs on /dev/shm")
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    detail = f"{directory}: {total / 2**20:.0f} MiB total, {free / 2**20:.0f} MiB free"
+    if total <= DOCKER_DEFAULT_SHM or free < MIN_SHM_BYTES:
+        return Check("shm", "warn" if free >= 1 << 20 else "fail", detail + (
+            " (Docker's 64 MB default)" if total <= DOCKER_DEFAULT_SHM else ""),
+            "run the container with --shm-size=1g (or --ipc=host); remove stale dplb_state_* segments")
+    return Check("shm", "pass", detail)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_stale_segments(directory: str = SHM_DIR) -> Check:
+    """``dplb_state_*`` segments whose creator and workers are all dead."""
+    stale = []
+    for p in list_segments(directory):
+        try:
+            with Segment.attach(p, writable=False) as seg:
+                pids = [seg.header.creator_pid] + [w.pid for w in seg.read_all()]
+        except Exception:
+            stale.append(p)
+            continue
+        if not any(_pid_alive(pid) for pid in pids):
+            stale.append(p)
+    if stale:
+        return Check("stale_segments", "warn", f"{len(stale)} segment(s) with no live owner: {', '.join(stale)}",
+                     "remove them: rm " + " ".join(stale))
+    return Check("stale_segments", "pass", "no stale dplb_state_* segments")
+
+
+def check_ports(host: str, ports: list[int]) -> Check:
+    """The router and metrics ports are free."""
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(port)
+    if busy:
+        return Check("ports", "fail", f"port(s) in use on {host}: {busy}",
+                     "stop what holds them (ss -ltnp | grep PORT) or pick --port / --metrics-port-base")
+    return Check("ports", "pass", f"ports free on {host}: {ports}")
+
+
+def check_run_dir(path: str) -> Check:
+    """The run directory exists or can be created, and is writable."""
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "/"
+    if os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK):
+        return Check("run_dir", "pass", f"{path} is writable" + ("" if probe == path else f" (creatable in {probe})"))
+    return Check("run_dir", "fail", f"{path} is not writable", "pass --run-dir to a writable directory")
+
+
+def run_checks(args: argparse.Namespace) -> list[Check]:
+    """Every check for these arguments."""
+    gpus = discover_gpus()
+    visible = visible_gpu_indices()
+    if visible is not None:
+        gpus = [g for g in gpus if g.index in visible]
+    indices = [g.index for g in gpus]
+    n = args.num_workers or (len(indices) // args.tensor_parallel_size if indices else 2)
+    ports = [args.port] + [30001 + k for k in range(n)]
+    return [
+        check_gpus(gpus),
+        check_plan(indices, args.num_workers, args.tensor_parallel_size),
+        check_model_memory(args.model, gpus, args.tensor_parallel_size),
+        check_shm(args.shm_dir),
+        check_stale_segments(args.shm_dir),
+        check_ports(args.host, ports),
+        check_run_dir(args.run_dir or default_run_dir()),
+    ]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``dplb doctor``."""
+    p = sub.add_parser("doctor", help="pre-flight checks (GPUs, plan, model memory, /dev/shm, segments, ports)")
+    p.add_argument("--model", help="local model directory to size against GPU memory")
+    p.add_argument("--num-workers", type=int)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--run-dir")
+    p.add_argument("--shm-dir", default=SHM_DIR, help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_doctor)
+
+
+def _cmd_doctor(args: argparse.Namespace, rest: list[str]) -> int:
+    checks = run_checks(args)
+    if args.json:
+        print(json.dumps([c.__dict__ for c in checks], indent=2))
+    else:
+        for c in checks:
+            print(f"[{c.status.upper():4}] {c.name:15} {c.detail}")
+            if c.fix:
+                print(f"       {'':15} fix: {c.fix}")
+    return 1 if any(c.status == "fail" for c in checks) else 0

@@ -1,0 +1,177 @@
+"""Ops kit: systemd units verify clean, env-file emission, sd_notify READY/WATCHDOG, and every doctor check."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+from cluster import ROOT, cluster, dplb_cmd, free_port
+
+from dplb import doctor
+from dplb.gpu import GpuInfo
+from dplb.shm import Segment
+
+IN_CI = os.environ.get("CI") == "true"
+UNITS = ["dplb.target", "dplb-segment.service", "dplb-router.service", "dplb-worker@.service"]
+
+
+def _need(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        if IN_CI:
+            pytest.fail(f"{tool} must be installed in CI (.ci/run installs it)")
+        pytest.skip(f"{tool} not installed (apt-get install systemd); CI runs this")
+    return path
+
+
+def test_systemd_units_verify_without_any_output(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    sa = _need("systemd-analyze")
+    dplb_bin = shutil.which("dplb") or os.path.join(os.path.dirname(sys.executable), "dplb")
+    assert os.access(dplb_bin, os.X_OK), dplb_bin
+    for u in UNITS:
+        with open(os.path.join(ROOT, "deploy", "systemd", u)) as f:
+            text = f.read()
+        assert "/opt/dplb/venv/bin/dplb" in text or u == "dplb.target"
+        (tmp_path / u).write_text(text.replace("/opt/dplb/venv/bin/dplb", dplb_bin))
+    units = [str(tmp_path / u) for u in ["dplb.target", "dplb-segment.service", "dplb-router.service"]]
+    units.append(str(tmp_path / "dplb-worker@0.service"))
+    (tmp_path / "dplb-worker@0.service").symlink_to(tmp_path / "dplb-worker@.service")
+    r = subprocess.run([sa, "verify", *units], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "" and r.stderr.strip() == "", r.stdout + r.stderr
+
+
+def test_units_keep_gpus_visible_and_notify() -> None:
+    with open(os.path.join(ROOT, "deploy", "systemd", "dplb-worker@.service")) as f:
+        w = f.read()
+    assert "\nPrivateDevices=" not in w and "\nDevicePolicy=" not in w  # /dev/nvidia* must stay visible
+    for key in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "RuntimeDirectoryPreserve=yes",
+                "EnvironmentFile=/etc/dplb/worker-%i.env", "User=dplb"):
+        assert key in w
+
+
+def test_emit_systemd_env_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--tensor-parallel-size", "2", "--model",
+                                "/models/llama", "--emit-systemd", str(tmp_path), "--max-model-len", "4096"),
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    w0 = (tmp_path / "worker-0.env").read_text()
+    w1 = (tmp_path / "worker-1.env").read_text()
+    assert "CUDA_VISIBLE_DEVICES=0,1\n" in w0 and "CUDA_VISIBLE_DEVICES=2,3\n" in w1
+    assert "--engine vllm --model /models/llama --tensor-parallel-size 2 --max-model-len 4096" in w1
+    common = (tmp_path / "dplb.env").read_text()
+    assert "DPLB_NUM_WORKERS=2" in common and "DPLB_SHM_PATH=/dev/shm/dplb_state_systemd" in common
+
+
+def test_sd_notify_ready_and_watchdog_from_a_real_worker(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    sock_path = str(tmp_path / "notify.sock")
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(sock_path)
+    rx.settimeout(20)
+    monkeypatch.setenv("NOTIFY_SOCKET", sock_path)
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")  # ping every 0.2 s
+    with cluster(str(tmp_path), 1, start_workers=False, wait_router_ready=False) as c:
+        got = []
+        while not any(m.startswith("READY=1") for m in got):
+            got.append(rx.recv(4096).decode())  # the router's READY comes first, then the worker's
+        c.start_worker(0)
+        msgs = []
+        while len([m for m in msgs if m.startswith("READY=1")]) < 1 or "WATCHDOG=1" not in msgs:
+            msgs.append(rx.recv(4096).decode())
+        assert any("worker 0 ready" in m for m in msgs), msgs
+    rx.close()
+
+
+# ---- doctor: each failure produced on purpose ------------------------------------------------------------------
+GiB = 1 << 30
+
+
+def test_doctor_plan_and_gpus() -> None:
+    assert doctor.check_gpus([]).status == "warn"
+    assert doctor.check_gpus([GpuInfo(0, "H200", 141 * GiB)]).status == "pass"
+    bad = doctor.check_plan([0, 1, 2], 2, 1)
+    assert bad.status == "fail" and "3 GPU(s)" in bad.detail and "--num-workers 3" in bad.fix
+    assert doctor.check_plan([0, 1, 2, 3], 2, 2).status == "pass"
+
+
+def _llama_config(tmp_path, **kw: object) -> str:  # type: ignore[no-untyped-def]
+    # Llama-3-70B-like: 80 layers, hidden 8192, GQA 8 KV heads, bf16 → ~141 GB of weights.
+    cfg = {"hidden_size": 8192, "num_hidden_layers": 80, "vocab_size": 128256, "intermediate_size": 28672,
+           "num_attention_heads": 64, "num_key_value_heads": 8, "torch_dtype": "bfloat16", **kw}
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def test_doctor_model_too_large_says_which_tp(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = _llama_config(tmp_path)
+    est = doctor.estimate_weight_bytes(json.loads((tmp_path / "model" / "config.json").read_text()))
+    assert 135e9 < est < 145e9  # 70.6 B parameters × 2 bytes
+    gpus = [GpuInfo(i, "A100-80GB", 80 * GiB) for i in range(4)]
+    c = doctor.check_model_memory(model, gpus, 1)
+    assert c.status == "fail" and "--tensor-parallel-size 4" in c.fix and "0.85" in c.fix
+    assert doctor.check_model_memory(model, gpus, 4).status == "pass"
+
+
+def _make_orphan_segment(path: str) -> None:
+    Segment.create(path, 1).close()
+
+
+def test_doctor_stale_segment_and_shm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = tmp_path / "shm"
+    d.mkdir()
+    p = mp.get_context("spawn").Process(target=_make_orphan_segment, args=(str(d / "dplb_state_1"),))
+    p.start()
+    p.join(30)
+    c = doctor.check_stale_segments(str(d))
+    assert c.status == "warn" and "dplb_state_1" in c.detail and "rm " in c.fix
+    live = Segment.create(str(d / "dplb_state_2"), 1)  # created by this (live) process: not stale
+    assert "dplb_state_2" not in doctor.check_stale_segments(str(d)).detail
+    live.close()
+    assert doctor.check_shm(str(d)).status in ("pass", "warn")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a small tmpfs")
+def test_doctor_calls_out_docker_64mb_shm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    mnt = tmp_path / "shm64"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs: {r.stderr.decode().strip()}")
+    try:
+        c = doctor.check_shm(str(mnt))
+        assert c.status == "warn" and "Docker" in c.detail and "--shm-size" in c.fix
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_doctor_ports_and_run_dir() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        c = doctor.check_ports("127.0.0.1", [port])
+        assert c.status == "fail" and str(port) in c.detail
+    assert doctor.check_ports("127.0.0.1", [free_port()]).status == "pass"
+    assert doctor.check_run_dir("/etc/hostname/dplb-run").status == "fail"  # under a regular file
+    assert doctor.check_run_dir("/tmp/dplb-doctor-test/run").status == "pass"
+
+
+def test_doctor_cli_exit_code() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = subprocess.run(dplb_cmd("doctor", "--host", "127.0.0.1", "--port", str(port), "--json"),
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    checks = {c["name"]: c for c in json.loads(r.stdout)}
+    assert checks["ports"]["status"] == "fail"
+    assert set(checks) == {"gpus", "plan", "model_memory", "shm", "stale_segments", "ports", "run_dir"}
