@@ -216,12 +216,16 @@ def test_speed_half_roughly_halves_throughput(sim: Callable[..., Served]) -> Non
     bodies = [_comp(12, prompt=f"q{i} a b c") for i in range(4)]  # ≈ 12 × 0.038 s at speed 1
 
     def batch(s: Served) -> float:
+        """Best of two timed batches (a GC pause or a busy neighbour can stall one)."""
         async def main() -> float:
             async with s.aclient() as c:
                 await asyncio.gather(*(_timed(c, _comp(1)) for _ in bodies))  # warm: connections, scheduler task
-                t = time.perf_counter()
-                await asyncio.gather(*(_timed(c, b) for b in bodies))
-                return time.perf_counter() - t
+                best = float("inf")
+                for _ in range(2):
+                    t = time.perf_counter()
+                    await asyncio.gather(*(_timed(c, b) for b in bodies))
+                    best = min(best, time.perf_counter() - t)
+                return best
         return asyncio.run(main())
 
     t_full, t_half = batch(full), batch(half)
@@ -234,15 +238,17 @@ def test_prefix_cache_hit_cuts_prefill(sim: Callable[..., Served]) -> None:
 
     async def main() -> tuple[float, float]:
         async with s.aclient() as c:
-            return await _ttft(c, _comp(2, prompt=shared)), await _ttft(c, _comp(2, prompt=shared + " more words"))
+            cold = await _ttft(c, _comp(2, prompt=shared))
+            hits = [await _ttft(c, _comp(2, prompt=f"{shared} more words {i}")) for i in range(2)]
+            return cold, min(hits)
 
     t1, t2 = asyncio.run(main())
     assert t1 >= 0.35 and t2 < 0.5 * t1, (t1, t2)
     sched = s.engine.scheduler
-    assert sched.prefix_cache_hits_total == 400 and sched.prefix_cache_queries_total == 400 + 402
-    assert 'vllm:prefix_cache_hits_total{model_name="dplb-sim"} 400.0' in s.engine.metrics_text().decode()
+    assert sched.prefix_cache_hits_total == 800 and sched.prefix_cache_queries_total == 400 + 2 * 403
+    assert 'vllm:prefix_cache_hits_total{model_name="dplb-sim"} 800.0' in s.engine.metrics_text().decode()
     recs = s.client.get("/debug/requests").json()
-    assert [r["cached_tokens"] for r in recs] == [0, 400]
+    assert [r["cached_tokens"] for r in recs] == [0, 400, 400]
 
 
 def test_full_kv_cache_makes_requests_wait(sim: Callable[..., Served]) -> None:
@@ -401,6 +407,34 @@ def test_client_disconnect_aborts(sim: Callable[..., Served]) -> None:
     assert _wait_for(lambda: s.engine.aborted_total == 2 and s.engine.stats().num_running == 0, 1.0)
     text = s.engine.metrics_text().decode()
     assert 'vllm:request_success_total{finished_reason="abort",model_name="dplb-sim"} 2.0' in text
+
+
+def test_chunk_delay_paces_stream(sim: Callable[..., Served]) -> None:
+    s = sim(chunk_delay_s=0.05, **FAST)
+
+    async def main() -> float:
+        async with s.aclient() as c:
+            t = time.perf_counter()
+            await _ttft(c, _comp(6))
+            return time.perf_counter() - t
+
+    assert asyncio.run(main()) >= 0.3  # 6 token chunks x 0.05 s
+
+
+def test_shutdown_aborts_inflight_and_refuses_new(sim: Callable[..., Served]) -> None:
+    s = sim(decode_step_s=0.01, decode_step_s_per_seq=0.0)
+
+    async def main() -> tuple[int, int]:
+        async with s.aclient() as c:
+            pending = asyncio.ensure_future(c.post("/v1/completions", json=_comp(300)))
+            await asyncio.sleep(0.1)
+            await s.engine.shutdown()  # from another thread's loop: handed to the serving loop
+            await s.engine.shutdown()  # idempotent
+            first = (await pending).status_code
+            return first, (await c.post("/v1/completions", json=_comp(2))).status_code
+
+    assert asyncio.run(main()) == (503, 503)
+    assert s.engine.aborted_total == 1 and s.engine.stats().num_running == 0
 
 
 # ---------------------------------------------------------------- validation, endpoints, metrics

@@ -144,10 +144,16 @@ class UpstreamConn(asyncio.Protocol):
 
     async def response_head(self, timeout_s: float) -> tuple[int, list[tuple[bytes, bytes]]]:
         """Wait for the status and headers (the first-byte phase)."""
-        try:
-            await asyncio.wait_for(asyncio.shield(self._head), timeout_s)
-        except TimeoutError:
-            raise UpstreamTimeout("first_byte", timeout_s) from None
+        head = self._head
+        if not head.done():
+            # A plain timer instead of asyncio.wait_for: no extra task or shield on the hot path.
+            timer = asyncio.get_running_loop().call_later(timeout_s, _expire, head, "first_byte", timeout_s)
+            try:
+                await head
+            finally:
+                timer.cancel()
+        else:
+            head.result()
         return self.status, self.headers
 
     async def chunks(self, idle_timeout_s: float) -> AsyncIterator[bytes]:
@@ -165,12 +171,12 @@ class UpstreamConn(asyncio.Protocol):
                 return
             if self._error is not None:
                 raise self._error
-            self._wakeup = loop.create_future()
+            self._wakeup = wake = loop.create_future()
+            timer = loop.call_later(idle_timeout_s, _expire, wake, "idle", idle_timeout_s)
             try:
-                await asyncio.wait_for(self._wakeup, idle_timeout_s)
-            except TimeoutError:
-                raise UpstreamTimeout("idle", idle_timeout_s) from None
+                await wake
             finally:
+                timer.cancel()
                 self._wakeup = None
 
     @property
@@ -184,6 +190,11 @@ class UpstreamConn(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
+
+
+def _expire(fut: asyncio.Future[None], phase: str, seconds: float) -> None:
+    if not fut.done():
+        fut.set_exception(UpstreamTimeout(phase, seconds))
 
 
 class UpstreamPool:
