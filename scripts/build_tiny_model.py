@@ -8,13 +8,21 @@ directory offline, in a few seconds, from nothing but ``torch``,
 
 * ``config.json`` / ``model.safetensors`` - a ``LlamaForCausalLM`` with random
   weights (vocab 2000, hidden 128, intermediate 256, 2 layers, 4 attention
-  heads, 2 KV heads, max_position_embeddings 2048), float32 (the CPU backend's
-  safest dtype; bfloat16 needs AVX512 to be fast);
+  heads, 2 KV heads, max_position_embeddings 2048), stored as float32;
 * ``generation_config.json``;
-* ``tokenizer.json`` / ``tokenizer_config.json`` / ``special_tokens_map.json``
-  - a byte-level BPE tokenizer trained by ``tokenizers`` on built-in synthetic
-  text, with special tokens ``<s>`` (bos), ``</s>`` (eos), ``<unk>``, ``<pad>``
-  and a simple Jinja ``chat_template`` so ``/v1/chat/completions`` works.
+* ``tokenizer.json`` / ``tokenizer_config.json`` (+ ``chat_template.jinja``
+  written by transformers 5) - a byte-level BPE tokenizer trained by
+  ``tokenizers`` on built-in synthetic text, with special tokens ``<s>`` (bos,
+  prepended by the tokenizer), ``</s>`` (eos), ``<unk>``, ``<pad>`` and a
+  simple Jinja ``chat_template`` so ``/v1/chat/completions`` works.
+
+Serve it with float32 explicitly: vLLM's ``--dtype auto`` downcasts a float32
+checkpoint to bfloat16 on x86 CPUs, which works but decodes ~40% slower on a
+CPU without AVX512::
+
+    python -m vllm.entrypoints.openai.api_server --model DIR \
+        --served-model-name tiny --uds /tmp/v.sock --dtype float32 \
+        --max-model-len 512 --kv-cache-memory-bytes 67108864 --enforce-eager
 
 The output is deterministic (fixed seeds, fixed corpus). The weights are
 random, so generated text is gibberish and EOS may be sampled at any step:
@@ -73,7 +81,7 @@ REQUIRED_FILES = (
 )
 COMPLETE_MARKER = ".dplb-complete"
 
-_WORDS = (
+_WORD_TEXT = (
     "the a an one two three four five load balancer worker request token prompt "
     "cache queue latency stream server client engine model batch prefill decode "
     "health metric gauge counter histogram socket unix path route policy weight "
@@ -88,7 +96,8 @@ _WORDS = (
     "west time day night year week month hour minute second python rust code "
     "data test benchmark result number value list dict string bytes json http "
     "get post put delete head options status header body content length type"
-).split()
+)
+_WORDS = _WORD_TEXT.split()
 
 
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
@@ -236,7 +245,9 @@ def build(out: Path, force: bool = False) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=None, help="output dir (default: $DPLB_TINY_MODEL_DIR or ~/.cache/dplb/tiny-llama)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="output dir (default: $DPLB_TINY_MODEL_DIR or ~/.cache/dplb/tiny-llama)"
+    )
     p.add_argument("--force", action="store_true", help="rebuild even if a complete model exists")
     args = p.parse_args(argv)
     out = build(args.out or default_out_dir(), force=args.force)
