@@ -225,7 +225,10 @@ class Worker:
                 self.req.counting_first = True
                 log.info("Worker %d registered. State: %s", k, json.dumps(self.collector.state.to_dict()))
                 notify(f"READY=1\nSTATUS=worker {k} ready (warm-up {warm:.2f} s)")
-            await self._stop.wait()
+            failed = await self._wait_stop_or_failure()
+            if failed:
+                log.error("Worker %d: %s; exiting so the supervisor restarts it", k, failed)
+                return 1
             await self._drain()
             return 0
         except Exception as e:
@@ -245,6 +248,17 @@ class Worker:
                 os.unlink(self.cfg.uds)
             self.gpu.close()
             self.segment.close()
+
+    async def _wait_stop_or_failure(self) -> str | None:
+        """Wait for SIGTERM/SIGINT (returns None) or for the engine to report a fatal error (returns it)."""
+        failure = getattr(self.engine, "failure", None)
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 1.0)
+            msg = failure() if failure is not None else None
+            if msg:
+                return str(msg)
+        return None
 
     async def _warmup(self) -> float:
         """Send one ``max_tokens: 1`` completion through our own socket; return its duration in seconds."""

@@ -476,6 +476,7 @@ def test_endpoints_metrics_and_debug(sim: Callable[..., Served]) -> None:
     s = sim(model="tiny", **FAST)
     assert s.client.get("/health").status_code == 200 and s.client.get("/health").content == b""
     assert s.client.get("/load").json() == {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+    assert s.client.get("/v1/models", headers={"X-Request-Id": "m1"}).headers["x-request-id"] == "m1"
     r = s.client.post("/v1/completions", json=_comp(2))  # _comp names the default model
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
     assert s.client.get("/nope").status_code == 404 and s.client.get("/v1/completions").status_code == 405
@@ -487,6 +488,7 @@ def test_endpoints_metrics_and_debug(sim: Callable[..., Served]) -> None:
     assert rec["x_request_id"] == "abc" and rec["traceparent"] == tp and rec["status"] == 200
     assert rec["prompt_tokens"] == 2 and rec["completion_tokens"] == 3 and not rec["aborted"]
     assert rec["body_sha256"] == r.headers["x-sim-body-sha256"]
+    assert {"x-request-id", "traceparent", "content-type"} <= set(rec["header_names"])
     m = s.client.get("/metrics")
     assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

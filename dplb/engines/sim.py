@@ -11,6 +11,9 @@ Contract
   "kv_cache_usage"}``), ``/metrics`` (``vllm:*`` Prometheus text), ``/debug/requests`` (the last 256 model
   requests). Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``; a ``model`` other than
   the served one is a 404 like vLLM's.
+- ``/debug/requests`` records per request: ``request_id``, ``x_request_id``, ``traceparent``, ``path``,
+  ``body_sha256``, ``prompt_tokens``, ``completion_tokens`` (sent), ``cached_tokens``, ``status``, ``aborted``,
+  ``time_unix``, ``header_names`` (the lower-case request header names received; the router's hop-by-hop tests).
 - Every response to a model request carries ``x-sim-body-sha256`` (hex SHA-256 of the exact request body bytes) and
   echoes ``X-Request-Id``; the response id is ``chatcmpl-<X-Request-Id>``/``cmpl-<…>`` (random when absent), as vLLM.
 - Tokens: the prompt's whitespace-separated words (chat: messages rendered as ``"role: content\\n"`` lines). Output:
@@ -258,32 +261,33 @@ class SimEngine:
             return
         route = {"/health": self._health, "/v1/models": self._models, "/load": self._load,
                  "/metrics": self._metrics, "/debug/requests": self._debug}.get(path)
+        echo = [(k, v) for k, v in scope["headers"] if k == b"x-request-id"][:1]
         if route is None:
-            await _respond(send, 404, b'{"detail":"Not Found"}')
+            await _respond(send, 404, b'{"detail":"Not Found"}', echo)
         elif method not in ("GET", "HEAD"):
-            await _respond(send, 405, b'{"detail":"Method Not Allowed"}')
+            await _respond(send, 405, b'{"detail":"Method Not Allowed"}', echo)
         else:
-            await route(send)
+            await route(send, echo)
 
-    async def _health(self, send: Send) -> None:
-        await _respond(send, 200, b"")
+    async def _health(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        await _respond(send, 200, b"", headers)
 
-    async def _models(self, send: Send) -> None:
+    async def _models(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         m = self.config.model
         await _respond(send, 200, _json({"object": "list", "data": [{
             "id": m, "object": "model", "created": self._created, "owned_by": "vllm", "root": m, "parent": None,
-            "max_model_len": self.config.max_model_len, "permission": []}]}))
+            "max_model_len": self.config.max_model_len, "permission": []}]}), headers)
 
-    async def _load(self, send: Send) -> None:
+    async def _load(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         s = self.scheduler
         await _respond(send, 200, _json({"num_running": s.num_running, "num_waiting": s.num_waiting,
-                                         "kv_cache_usage": s.kv_cache_usage}))
+                                         "kv_cache_usage": s.kv_cache_usage}), headers)
 
-    async def _metrics(self, send: Send) -> None:
-        await _respond(send, 200, self.metrics_text(), content_type=CONTENT_TYPE_LATEST.encode())
+    async def _metrics(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        await _respond(send, 200, self.metrics_text(), headers, CONTENT_TYPE_LATEST.encode())
 
-    async def _debug(self, send: Send) -> None:
-        await _respond(send, 200, _json(list(self.debug_requests)))
+    async def _debug(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        await _respond(send, 200, _json(list(self.debug_requests)), headers)
 
     async def _park(self, receive: Receive, send: Send) -> None:
         """Hang fault: never answer; return when the client goes away or the engine shuts down."""
@@ -317,7 +321,7 @@ class SimEngine:
                 "request_id": rid, "x_request_id": xrid.decode("latin-1") if xrid else None,
                 "traceparent": tp.decode("latin-1") if tp else None, "path": scope["path"], "body_sha256": None,
                 "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "status": 0, "aborted": False,
-                "time_unix": time.time()}
+                "time_unix": time.time(), "header_names": sorted({k.decode("latin-1") for k, _ in scope["headers"]})}
             self.debug_requests.append(rec)
             headers = [(b"x-request-id", xrid)] if xrid else []
             try:

