@@ -150,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `dplb state --json | head`: the reader went away
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

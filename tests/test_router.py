@@ -396,3 +396,28 @@ def test_debug_decisions_show_every_candidate(two: Cluster) -> None:
     assert [c["worker"] for c in mine["candidates"]] == [0, 1]
     for cand in mine["candidates"]:
         assert {"score", "term_queue", "term_memory", "term_latency", "queue", "kv_cache_usage"} <= set(cand)
+
+
+def test_draining_worker_loses_no_request(tmp_path: str) -> None:
+    """SIGTERM one of two workers under steady load: every request still succeeds (in-flight ones finish there,
+    new ones go to the other; a request that races the drain gets the worker's 503 worker_draining, which the
+    router retries elsewhere because nothing was started)."""
+    with cluster(str(tmp_path), 2, worker_args={0: ["--sim-chunk-delay-s", "0.01"]}) as c:
+        async def main() -> list[tuple[int, str]]:
+            out: list[tuple[int, str]] = []
+            async with httpx.AsyncClient(timeout=60) as cl:
+                async def client(i: int) -> None:
+                    for j in range(30):
+                        r = await cl.post(c.url + "/v1/completions", json={
+                            "model": "dplb-sim", "prompt": f"c{i} r{j}", "max_tokens": 8})
+                        out.append((r.status_code, r.headers.get("x-sg-worker-id", "")))
+                async def killer() -> None:
+                    await asyncio.sleep(0.5)
+                    os.kill(c.workers[0].pid, signal.SIGTERM)
+                await asyncio.gather(*[client(i) for i in range(8)], killer())
+            return out
+
+        res = asyncio.run(main())
+        assert Counter(code for code, _ in res) == {200: 240}, Counter(res)
+        assert c.workers[0].wait(20) == 0
+        assert {w for _, w in res} == {"0", "1"}

