@@ -23,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import re
 import time
-import uuid
 from typing import Any
 
 import msgspec
@@ -127,7 +127,7 @@ class Proxy:
             elif n == b"authorization":
                 auth = v
         if not _REQUEST_ID_RE.match(rid):
-            rid = uuid.uuid4().hex.encode()
+            rid = os.urandom(16).hex().encode()  # 32 hex chars, like uuid4().hex, cheaper
         if self._auth is not None and not _ct_equal(auth.lower()[:7] + auth[7:], self._auth):
             await self._reject(send, RouterErrorKind.UNAUTHORIZED, "missing or wrong API key (Authorization: "
                                "Bearer <key>)", rid)
