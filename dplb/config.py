@@ -128,6 +128,7 @@ class RouterConfig:
     affinity_prefix_bytes: int = 256
     debug_ring: int = 256
     shm_check_interval_s: float = 0.5
+    access_log: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -149,6 +149,8 @@ class Launcher:
                "--connect-timeout", str(a.connect_timeout), "--state-interval-ms", str(a.state_interval_ms)]
         if a.max_queue_from_worker:
             out.append("--max-queue-from-worker")
+        if a.access_log:
+            out.append("--access-log")
         if a.api_key:
             out += ["--api-key", a.api_key]
         return out

@@ -39,7 +39,8 @@ def make_server(app: Any, *, timeout_keep_alive: int = 75, graceful_s: float | N
     except ImportError:  # pragma: no cover
         loop = "asyncio"
     cfg = uvicorn.Config(
-        app, loop=loop, http="httptools", lifespan="auto", log_level="warning", access_log=access_log,
+        app, loop=loop, http="httptools", lifespan="auto", log_level="info" if access_log else "warning",
+        access_log=access_log,
         timeout_keep_alive=timeout_keep_alive, proxy_headers=False,  # DPLB is the edge: no X-Forwarded-* rewriting
         timeout_graceful_shutdown=int(graceful_s) if graceful_s is not None else None,
     )

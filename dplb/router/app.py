@@ -147,7 +147,7 @@ async def _json(send: Any, status: int, body: bytes) -> None:
 async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     """Serve until SIGTERM/SIGINT. ``ready_cb()`` is called once the socket listens. Returns the exit code."""
     app = RouterApp(cfg)
-    server = make_server(app, graceful_s=5.0)
+    server = make_server(app, graceful_s=5.0, access_log=cfg.access_log)
     server.config.server_header = False  # upstream Server/Date headers pass through instead
     server.config.date_header = False
     sock = bind_tcp(cfg.host, cfg.port)

@@ -42,6 +42,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-byte-timeout", type=float, default=600.0, help="seconds to wait for a response head")
     p.add_argument("--idle-timeout", type=float, default=120.0, help="seconds of silence allowed mid-response")
     p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
     add_policy_args(p)
 
 
@@ -52,7 +53,7 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         policy=policy_config(args, state_interval_ms), run_dir=run_dir, num_workers=num_workers, shm_path=shm_path,
         host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         connect_timeout_s=args.connect_timeout, first_byte_timeout_s=args.first_byte_timeout,
-        idle_timeout_s=args.idle_timeout,
+        idle_timeout_s=args.idle_timeout, access_log=args.access_log,
     )
 
 
