@@ -35,6 +35,8 @@ from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamError, UpstreamPool, fetch
 from dplb.serving import bind_tcp, make_server
 from dplb.systemd import notify
+from dplb.tracing import make_tracer
+from dplb.tracing import shutdown as tracing_shutdown
 
 log = logging.getLogger("dplb.router")
 _ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/debug/decisions"}) | PROXY_PATHS
@@ -55,6 +57,9 @@ class RouterApp:
         self.state = RouterState(cfg, self.metrics)
         self.pool = UpstreamPool([cfg.socket_path(k) for k in range(self.state.num_workers)], cfg.connect_timeout_s)
         self.proxy = Proxy(cfg, self.state, self.pool)
+        self.tracer = make_tracer()
+        if self.tracer is not None:
+            self.proxy.enable_tracing(self.tracer)
         self.metrics.registry.register(WorkerStateCollector(self._scrape_source))
         self._auth = ("bearer " + cfg.api_key).encode() if cfg.api_key else None
         self.litestar = self._build_litestar()
@@ -171,6 +176,8 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     monitor.cancel()
     stopped.cancel()
     app.pool.close()
+    if app.tracer is not None:
+        tracing_shutdown(app.tracer)
     log.info("DPLB router stopped")
     return 0
 

@@ -54,6 +54,7 @@ class _Peek(msgspec.Struct):
     """The only fields the router reads; everything else stays opaque in the forwarded bytes."""
 
     stream: Any = False
+    model: Any = None
     messages: msgspec.Raw = msgspec.Raw(b"")
     prompt: msgspec.Raw = msgspec.Raw(b"")
     input: msgspec.Raw = msgspec.Raw(b"")
@@ -85,6 +86,8 @@ class Proxy:
         self.pool = pool
         self.metrics = state.metrics
         self._auth = b"bearer " + cfg.api_key.encode() if cfg.api_key else None
+        self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.tracing.make_tracer)
+        self._req_skip = _REQ_OWN
 
     # ---- helpers -------------------------------------------------------------------------------------------------
     async def _reject(self, send: Any, kind: RouterErrorKind, message: str, request_id: bytes,
@@ -110,7 +113,41 @@ class Proxy:
         return int.from_bytes(hashlib.blake2b(raw[:n], digest_size=8).digest(), "little")
 
     # ---- the handler -------------------------------------------------------------------------------------------
+    def enable_tracing(self, tracer: Any) -> None:
+        """Trace every request with ``tracer`` (see :mod:`dplb.tracing`)."""
+        self.tracer = tracer
+        self._req_skip = _REQ_OWN | {b"traceparent", b"tracestate"}  # ours replace the client's
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.tracer is None:
+            await self._handle(scope, receive, send, None)
+        else:
+            await self._handle_traced(scope, receive, send)
+
+    async def _handle_traced(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        carrier = {n.decode("latin-1"): v.decode("latin-1") for n, v in scope["headers"]
+                   if n in (b"traceparent", b"tracestate")}
+        parent = TraceContextTextMapPropagator().extract(carrier)
+        route = f"POST {scope['path']}"
+        status = [0]
+
+        async def send_status(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        with self.tracer.start_as_current_span(route, context=parent, kind=SpanKind.SERVER, attributes={
+                "http.request.method": scope["method"], "http.route": scope["path"], "url.path": scope["path"]},
+                ) as span:
+            await self._handle(scope, receive, send_status, span)
+            span.set_attribute("http.response.status_code", status[0])
+            if status[0] >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+
+    async def _handle(self, scope: dict[str, Any], receive: Any, send: Any, span: Any) -> None:
         t_start = time.perf_counter()
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         rid = b""
@@ -158,13 +195,18 @@ class Proxy:
         except msgspec.DecodeError as e:
             await self._reject(send, RouterErrorKind.INVALID_JSON, f"request body is not valid JSON: {e}", rid)
             return
-        await self._dispatch(scope, receive, send, body, peek, rid, t_start)
+        if span is not None:
+            span.set_attribute("dplb.request_id", rid.decode())
+        await self._dispatch(scope, receive, send, body, peek, rid, t_start, span)
 
     async def _dispatch(self, scope: dict[str, Any], receive: Any, send: Any, body: bytes, peek: _Peek,
-                        rid: bytes, t_start: float) -> None:
+                        rid: bytes, t_start: float, span: Any) -> None:
         state = self.state
         rid_s = rid.decode()
+        t_decide = time.time_ns()
         d = state.decide(self._prefix_hash(peek), rid_s)
+        if span is not None:
+            self._route_span(d, t_decide)
         if d.worker is None:
             if d.reason == REASON_NO_WORKERS:
                 kind, msg = RouterErrorKind.NO_WORKERS, "no worker is registered yet; retry shortly"
@@ -183,7 +225,8 @@ class Proxy:
             while True:
                 state.acquire(worker)
                 try:
-                    retry = await self._forward(worker, head, body, send, rid, disconnected, watcher, t_start)
+                    retry = await self._forward(worker, head, body, send, rid, disconnected, watcher, t_start,
+                                                (scope["path"], peek.model) if span is not None else None)
                 finally:
                     state.release(worker)
                 if retry is None:
@@ -198,8 +241,22 @@ class Proxy:
                     await self._reject(send, retry, "the chosen worker was unreachable and no other is ready", rid)
                     return
                 worker = d2.worker
+                if span is not None:
+                    self._route_span(d2, time.time_ns())
         finally:
             watcher.cancel()
+
+    def _route_span(self, d: Any, start_ns: int) -> None:
+        """The ``dplb.route`` span: the decision, with one event per candidate."""
+        from dplb.tracing import candidate_event_attributes
+
+        chosen = next((c for c in d.candidates if c.worker_id == d.worker), None)
+        rs = self.tracer.start_span("dplb.route", start_time=start_ns, attributes={
+            "dplb.worker.id": -1 if d.worker is None else d.worker, "dplb.policy": d.policy,
+            "dplb.reason": d.reason, "dplb.state_age_s": chosen.age_s if chosen is not None else -1.0})
+        for c in d.candidates:
+            rs.add_event("dplb.candidate", candidate_event_attributes(c))
+        rs.end()
 
     def _request_head(self, scope: dict[str, Any], length: int, rid: bytes) -> bytes:
         hdrs: list[tuple[bytes, bytes]] = scope["headers"]
@@ -210,16 +267,45 @@ class Proxy:
             path += b"?" + qs
         parts = [b"POST ", path, b" HTTP/1.1\r\nhost: dplb-worker\r\ncontent-length: ", str(length).encode(),
                  b"\r\nx-request-id: ", rid, b"\r\n"]
+        skip = self._req_skip
         for n, v in hdrs:
-            if n not in _REQ_OWN and n not in extra:
+            if n not in skip and n not in extra:
                 parts += (n, b": ", v, b"\r\n")
-        parts.append(b"\r\n")
-        return b"".join(parts)
+        return b"".join(parts)  # the blank line is added per attempt (after an injected traceparent)
 
     async def _forward(self, worker: int, head: bytes, body: bytes, send: Any, rid: bytes,
                        disconnected: asyncio.Event, watcher: asyncio.Future[None],
+                       t_start: float, genai: tuple[str, Any] | None) -> RouterErrorKind | None:
+        """Send to ``worker`` and stream back. Returns an error kind to retry elsewhere, or None when done.
+        ``genai`` = (path, model) when tracing: a CLIENT span wraps the attempt and its context is injected."""
+        if genai is None:
+            return await self._attempt(worker, head + b"\r\n", body, send, rid, disconnected, watcher, t_start)
+        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        from dplb.tracing import GEN_AI_OPERATION
+
+        op = GEN_AI_OPERATION.get(genai[0], "chat")
+        model = genai[1] if isinstance(genai[1], str) else ""
+        cs = self.tracer.start_span(f"{op} {model}".strip(), kind=SpanKind.CLIENT, attributes={
+            "gen_ai.operation.name": op, "gen_ai.request.model": model, "dplb.worker.id": worker,
+            "network.transport": "unix"})
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier, context=set_span_in_context(cs))
+        extra = "".join(f"{k}: {v}\r\n" for k, v in carrier.items()).encode()
+        try:
+            retry = await self._attempt(worker, head + extra + b"\r\n", body, send, rid, disconnected, watcher,
+                                        t_start)
+            if retry is not None:
+                cs.set_status(Status(StatusCode.ERROR, retry.code))
+            return retry
+        finally:
+            cs.end()
+
+    async def _attempt(self, worker: int, head: bytes, body: bytes, send: Any, rid: bytes,
+                       disconnected: asyncio.Event, watcher: asyncio.Future[None],
                        t_start: float) -> RouterErrorKind | None:
-        """Send to ``worker`` and stream back. Returns an error kind to retry elsewhere, or None when done."""
+        """One upstream attempt (see :meth:`_forward`)."""
         cfg, m, wl = self.cfg, self.metrics, str(worker)
         try:
             conn = await self.pool.open(worker)
