@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from cluster import dplb_cmd
+from cluster import dplb_cmd, free_port
+from otlp_receiver import OtlpReceiver
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
 from dplb.shm import Lifecycle, Segment
@@ -22,17 +23,20 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 class VllmWorker:
-    def __init__(self, tmp: str) -> None:
+    def __init__(self, tmp: str, otlp_endpoint: str) -> None:
+        self.tmp = tmp
         self.shm = f"/dev/shm/dplb_state_test_{uuid.uuid4().hex[:10]}"
         self.seg = Segment.create(self.shm, 1, model="tiny")
         self.sock = os.path.join(tmp, "worker-0.sock")
         self.log = os.path.join(tmp, "worker-0.log")
         env = vllm_env()
         env["DPLB_SHM_PATH"] = self.shm
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # vLLM's own tracing, to the test receiver
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(
                 dplb_cmd("worker", "--worker-id", "0", "--engine", "vllm", "--uds", self.sock, "--model", TINY_MODEL,
-                         "--metrics-port", "0", "--drain-timeout", "60", *VLLM_CPU_ARGS),
+                         "--metrics-port", "0", "--drain-timeout", "60", *VLLM_CPU_ARGS,
+                         "--otlp-traces-endpoint", otlp_endpoint + "/v1/traces"),
                 env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         t0 = time.monotonic()
         while self.seg.read(0).lifecycle != Lifecycle.READY:
@@ -65,9 +69,16 @@ class VllmWorker:
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmWorker]:
+def receiver() -> Iterator[OtlpReceiver]:
+    r = OtlpReceiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> Iterator[VllmWorker]:
     require_vllm()
-    w = VllmWorker(str(tmp_path_factory.mktemp("vllm")))
+    w = VllmWorker(str(tmp_path_factory.mktemp("vllm")), receiver.endpoint)
     try:
         yield w
     finally:
@@ -127,6 +138,43 @@ def test_published_load_under_32_concurrent_requests(worker: VllmWorker) -> None
         assert time.monotonic() - t0 < 5, s
         time.sleep(0.05)
     assert s.avg_latency_s > 0 and s.requests_total >= 40 and s.last_prompt_tokens > 0
+
+
+def test_vllm_llm_request_span_nests_under_dplb_client_span(worker: VllmWorker, receiver: OtlpReceiver) -> None:
+    """A router with tracing in front of the real vLLM worker: vLLM's llm_request span joins DPLB's trace."""
+    port = free_port()
+    env = {**os.environ, "DPLB_SHM_PATH": worker.shm, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint +
+           "/v1/traces", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    with open(os.path.join(worker.tmp, "router.log"), "wb") as log:
+        router = subprocess.Popen(dplb_cmd("router", "--host", "127.0.0.1", "--port", str(port), "--run-dir",
+                                           worker.tmp), env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        while True:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() - t0 < 30 and router.poll() is None
+            time.sleep(0.1)
+        r = httpx.post(url + "/v1/completions", timeout=120, headers={"x-request-id": "vllm-trace"},
+                       json={"model": "tiny", "prompt": "trace me", "max_tokens": 4})
+        assert r.status_code == 200 and r.headers["x-sg-worker-id"] == "0"
+        spans = receiver.wait_for(lambda s: any(x["attrs"].get("dplb.request_id") == "vllm-trace" for x in s))
+        server = next(s for s in spans if s["attrs"].get("dplb.request_id") == "vllm-trace")
+        # vLLM batches its own exports (5 s by default): wait for the llm_request of this trace.
+        spans = receiver.wait_for(lambda s: any(x["name"] == "llm_request" and x["trace_id"] == server["trace_id"]
+                                                for x in s), timeout=40)
+        client = next(s for s in spans if s["trace_id"] == server["trace_id"] and s["kind"] == 3)
+        llm = [s for s in spans if s["name"] == "llm_request" and s["trace_id"] == server["trace_id"]]
+        assert llm, [(s["name"], s["trace_id"]) for s in spans]
+        assert llm[0]["parent_id"] == client["span_id"]
+        assert client["name"] == "text_completion tiny"
+    finally:
+        router.send_signal(signal.SIGTERM)
+        router.wait(30)
 
 
 def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
