@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 # ---- names (dashboards/alerts import these) --------------------------------------------------------------------
 WORKER_QUEUE_LENGTH = "dplb_worker_queue_length"
@@ -133,6 +133,11 @@ class RouterMetrics:
                                   registry=reg)
         self.http_requests = Counter(HTTP_REQUESTS, "Router HTTP requests by route template, method and status.",
                                      ["route", "method", "status"], registry=reg)
+        self.http_duration = Histogram(HTTP_REQUEST_DURATION, "Router HTTP request duration by route template, "
+                                       "seconds.", ["route", "method"], buckets=REQUEST_BUCKETS, registry=reg)
+        self.state_age = Histogram(STATE_READ_AGE, "Age of the chosen worker's published state when the router "
+                                   "decided, seconds.", buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.6, 1, 2, 5),
+                                   registry=reg)
         self._decision_children: dict[tuple[int | None, str], object] = {}
 
     def init_workers(self, n: int) -> None:
@@ -160,6 +165,9 @@ class RouterMetrics:
                 "none" if key[0] is None else str(key[0]), key[1])
         child.inc()  # type: ignore[attr-defined]
         self.decision_duration.observe(seconds)
+        age = d.chosen_age_s()  # type: ignore[attr-defined]
+        if age is not None:
+            self.state_age.observe(age)
 
 
 class WorkerStateCollector:
@@ -201,7 +209,14 @@ class WorkerStateCollector:
                                                 labels=["worker", "state"]),
             WORKER_STATE_LAST_UPDATE: GaugeMetricFamily(WORKER_STATE_LAST_UPDATE, "Wall time of the worker's last "
                                                         "heartbeat, unix seconds.", labels=["worker"]),
+            WORKER_WARMUP_DURATION: GaugeMetricFamily(WORKER_WARMUP_DURATION, "Duration of the worker's warm-up "
+                                                      "request, seconds (0 until warmed).", labels=["worker"]),
+            WORKER_FIRST_REQUEST_DURATION: GaugeMetricFamily(WORKER_FIRST_REQUEST_DURATION, "E2E of the first real "
+                                                             "request after ready, seconds (0 until served).",
+                                                             labels=["worker"]),
         }
+        oom = CounterMetricFamily(WORKER_CUDA_OOM, "CUDA out-of-memory errors the worker reported.",
+                                  labels=["worker"])
         for k, n in enumerate(inflight):
             fam[WORKER_REQUESTS_INFLIGHT].add_metric([str(k)], n)
         if d is not None:
@@ -220,7 +235,11 @@ class WorkerStateCollector:
                 for st in LIFECYCLE_STATES:
                     fam[WORKER_LIFECYCLE].add_metric([w, st], 1 if st == life else 0)
                 fam[WORKER_STATE_LAST_UPDATE].add_metric([w], s.heartbeat_unix_ns / 1e9)
+                fam[WORKER_WARMUP_DURATION].add_metric([w], s.warmup_seconds)
+                fam[WORKER_FIRST_REQUEST_DURATION].add_metric([w], s.first_request_seconds)
+                oom.add_metric([w], s.cuda_oom_total)
         yield from fam.values()
+        yield oom
         yield GaugeMetricFamily(WORKERS_REGISTERED, "Workers that have registered in the segment.", value=registered)
         yield GaugeMetricFamily(LATENCY_BASELINE, "Latency baseline of the score (P95 of the first 50 requests), "
                                 "seconds; NaN until frozen.", value=float("nan") if baseline is None else baseline)

@@ -175,6 +175,12 @@ class Decision:
             ]
         return self._cands
 
+    def chosen_age_s(self) -> float | None:
+        """Age of the chosen worker's state in seconds (None when nobody was chosen or without shm)."""
+        if self.worker is None or self.worker >= len(self._rows):
+            return None
+        return self._rows[self.worker][_AGE_NS] / 1e9
+
     def ranked(self) -> list[int]:
         """Eligible worker ids, best score first (then shorter queue, then id) — the retry order."""
         el = [r for r in self._rows if r[_WHY] is OK]

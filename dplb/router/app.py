@@ -22,9 +22,11 @@ import signal
 import time
 from typing import Any
 
-from litestar import Litestar, Response, get
+from litestar import Litestar, Request, Response, get
 from litestar.exceptions import HTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_CONTENT_TYPE
+from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 
 from dplb import __version__
 from dplb.config import RouterConfig
@@ -39,6 +41,7 @@ from dplb.tracing import make_tracer
 from dplb.tracing import shutdown as tracing_shutdown
 
 log = logging.getLogger("dplb.router")
+_METHODS = frozenset({"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"})
 _ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/debug/decisions"}) | PROXY_PATHS
 
 
@@ -86,7 +89,11 @@ class RouterApp:
             return Response({"ready": True, "routable_workers": ws, "shm_segment_present": state.segment is not None})
 
         @get("/metrics", sync_to_thread=False)
-        def metrics_endpoint() -> Response[bytes]:
+        def metrics_endpoint(request: Request[Any, Any, Any]) -> Response[bytes]:
+            # OpenMetrics when asked (Prometheus does with exemplar storage on): latency histograms then carry
+            # trace-id exemplars.
+            if "application/openmetrics-text" in request.headers.get("accept", ""):
+                return Response(om_generate_latest(metrics.registry), media_type=OM_CONTENT_TYPE)
             return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         @get("/v1/models")
@@ -117,6 +124,7 @@ class RouterApp:
             return
         path = scope["path"]
         status = [0]
+        t0 = time.perf_counter()
 
         async def send_wrapper(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -133,7 +141,9 @@ class RouterApp:
                 await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]
         finally:
             route = path if path in _ROUTES else "other"
-            self.metrics.http_requests.labels(route, scope["method"], str(status[0])).inc()
+            method = scope["method"] if scope["method"] in _METHODS else "other"
+            self.metrics.http_requests.labels(route, method, str(status[0])).inc()
+            self.metrics.http_duration.labels(route, method).observe(time.perf_counter() - t0)
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
         assert self._auth is not None

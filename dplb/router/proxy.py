@@ -246,6 +246,15 @@ class Proxy:
         finally:
             watcher.cancel()
 
+    def _exemplar(self) -> dict[str, str] | None:
+        """``{"trace_id": …}`` of the current request when tracing (an OpenMetrics exemplar), else None."""
+        if self.tracer is None:
+            return None
+        from opentelemetry.trace import get_current_span
+
+        ctx = get_current_span().get_span_context()
+        return {"trace_id": f"{ctx.trace_id:032x}"} if ctx.is_valid else None
+
     def _route_span(self, d: Any, start_ns: int) -> None:
         """The ``dplb.route`` span: the decision, with one event per candidate."""
         from dplb.tracing import candidate_event_attributes
@@ -378,7 +387,7 @@ class Proxy:
             else:
                 conn.abort()
             if started or outcome != "upstream_error":
-                m.upstream_duration.labels(wl, outcome).observe(time.perf_counter() - t0)
+                m.upstream_duration.labels(wl, outcome).observe(time.perf_counter() - t0, self._exemplar())
 
 
 def _on_disconnect(conn: Any) -> Any:
