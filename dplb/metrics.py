@@ -49,6 +49,9 @@ WORKER_REQUESTS = "dplb_worker_requests"  # _total (worker side)
 WORKER_ERRORS = "dplb_worker_errors"  # _total (worker side)
 WORKER_COLLECTOR_TICK = "dplb_worker_collector_tick_seconds"
 
+# (operation, error) label pairs of dplb_shm_errors_total: a closed set.
+SHM_ERROR_LABELS = (("attach", "ShmMissingError"), ("attach", "ShmLayoutError"), ("attach", "ShmError"),
+                    ("read", "segment_removed"))
 LIFECYCLE_STATES = ("unset", "starting", "warming", "ready", "draining", "stopped")
 OUTCOMES = ("ok", "upstream_error", "upstream_4xx", "upstream_5xx", "client_disconnect", "timeout")
 
@@ -155,6 +158,8 @@ class RouterMetrics:
             self.decisions.labels("none", r)
         for kind in RouterErrorKind:
             self.rejected.labels(kind.code)
+        for op, err in SHM_ERROR_LABELS:
+            self.shm_errors.labels(op, err)
 
     def observe_decision(self, d: object, seconds: float) -> None:
         """Count one decision (``d`` a :class:`dplb.policy.Decision`) and its duration."""

@@ -56,7 +56,7 @@ class RouterState:
         try:
             seg = Segment.attach(self.cfg.shm_path, writable=False)
         except ShmError as e:
-            err = type(e).__name__
+            err = type(e).__name__ if type(e).__name__ in ("ShmMissingError", "ShmLayoutError") else "ShmError"
             if err != self._attach_error:
                 self.metrics.shm_errors.labels("attach", err).inc()
                 (log.warning if initial else log.info)("state segment unavailable: %s", e)

@@ -1,0 +1,178 @@
+"""Metrics: a real Prometheus scrapes a live cluster (router + two workers); bounded cardinality; exemplars."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from cluster import Cluster, cluster, dplb_cmd, free_port
+
+from dplb import metrics as M
+
+IN_CI = os.environ.get("CI") == "true"
+
+ROUTER_FAMILIES = [
+    M.WORKER_QUEUE_LENGTH, M.WORKER_REQUESTS_INFLIGHT, M.WORKER_KV_CACHE_USAGE, M.WORKER_GPU_MEMORY_USED,
+    M.WORKER_GPU_MEMORY_TOTAL, M.WORKER_LATENCY_AVG, M.WORKER_SCORE, M.WORKER_SCORE_TERM, M.WORKER_UP,
+    M.WORKER_LIFECYCLE, M.WORKER_STATE_LAST_UPDATE, M.WORKER_WARMUP_DURATION, M.WORKER_FIRST_REQUEST_DURATION,
+    M.WORKER_CUDA_OOM + "_total",
+]
+ROUTER_GLOBAL = [
+    M.WORKERS_REGISTERED, M.LATENCY_BASELINE, M.ROUTING_DECISIONS + "_total",
+    M.ROUTING_DECISION_DURATION + "_bucket", M.STATE_READ_AGE + "_bucket", M.REQUESTS_REJECTED + "_total",
+    M.UPSTREAM_RETRIES + "_total", M.UPSTREAM_REQUEST_DURATION + "_bucket", M.UPSTREAM_TTFB + "_bucket",
+    M.HTTP_REQUESTS + "_total", M.HTTP_REQUEST_DURATION + "_bucket", M.SHM_SEGMENT_PRESENT,
+    M.SHM_ERRORS + "_total", M.BUILD_INFO + "_info",
+]
+WORKER_FAMILIES = [M.WORKER_WARMUP_DURATION, M.WORKER_CUDA_OOM + "_total", M.NVML_ERRORS + "_total",
+                   "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:e2e_request_latency_seconds_bucket"]
+
+
+@pytest.fixture
+def prometheus_bin() -> str:
+    path = shutil.which("prometheus")
+    if path is None:
+        if IN_CI:
+            pytest.fail("prometheus must be installed in CI (.ci/run: apt-get install prometheus)")
+        pytest.skip("prometheus not installed (apt-get install prometheus); CI runs this")
+    return path
+
+
+class Prom:
+    def __init__(self, binary: str, tmp: str, targets: dict[str, list[str]]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+               "scrape_configs": [{"job_name": job, "static_configs": [{"targets": t}]} for job, t in targets.items()]}
+        path = os.path.join(tmp, "prometheus.yml")
+        with open(path, "w") as f:
+            json.dump(cfg, f)  # JSON is YAML
+        self.log = open(os.path.join(tmp, "prometheus.log"), "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen([binary, f"--config.file={path}", f"--storage.tsdb.path={tmp}/tsdb",
+                                      f"--web.listen-address=127.0.0.1:{self.port}"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def query(self, q: str) -> list[dict]:  # type: ignore[type-arg]
+        r = httpx.get(self.url + "/api/v1/query", params={"query": q}, timeout=10).json()
+        assert r["status"] == "success", r
+        return r["data"]["result"]  # type: ignore[no-any-return]
+
+    def wait_up(self, n: int, timeout: float = 60) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            try:
+                res = self.query("up")
+                if len(res) == n and all(r["value"][1] == "1" for r in res):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"targets not up: {self.query('up')}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture
+def live(tmp_path) -> Iterator[tuple[Cluster, list[int]]]:  # type: ignore[no-untyped-def]
+    ports = [free_port(), free_port()]
+    with cluster(str(tmp_path), 2, start_workers=False, wait_router_ready=False) as c:
+        for k in range(2):
+            c.start_worker(k, metrics_port=ports[k])
+        yield c, ports
+
+
+def test_real_prometheus_scrapes_every_family_and_values_agree(prometheus_bin: str, live, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    c, wports = live
+    prom = Prom(prometheus_bin, str(tmp_path), {"dplb-router": [f"127.0.0.1:{c.port}"],
+                                                "dplb-workers": [f"127.0.0.1:{p}" for p in wports]})
+    try:
+        for i in range(20):
+            r = httpx.post(c.url + "/v1/chat/completions", timeout=30, json={
+                "model": "dplb-sim", "messages": [{"role": "user", "content": f"m{i}"}], "max_tokens": 2})
+            assert r.status_code == 200
+        httpx.post(c.url + "/v1/chat/completions", content=b"{bad", timeout=10)  # one reject
+        prom.wait_up(3)
+        time.sleep(2.5)  # at least two scrapes after the traffic
+        for fam in ROUTER_FAMILIES:
+            got = {r["metric"]["worker"] for r in prom.query(f'{fam}{{job="dplb-router"}}')}
+            assert got == {"0", "1"}, (fam, got)
+        for fam in ROUTER_GLOBAL:
+            assert prom.query(f'{fam}{{job="dplb-router"}}'), fam
+        for fam in WORKER_FAMILIES:
+            assert len(prom.query(f'{fam}{{job="dplb-workers"}}')) >= 2 or fam.startswith("vllm:"), fam
+            assert prom.query(f'{fam}{{job="dplb-workers"}}'), fam
+        # Values agree with `dplb state --json` and /debug/decisions.
+        st = json.loads(subprocess.run(dplb_cmd("state", "--json", "--shm-path", c.shm_path), capture_output=True,
+                                       text=True, check=True).stdout)
+        for w in st["workers"]:
+            k = str(w["worker"])
+            warm = float(prom.query(f'{M.WORKER_WARMUP_DURATION}{{job="dplb-router",worker="{k}"}}')[0]["value"][1])
+            assert warm == pytest.approx(w["warmup_seconds"])
+            ready = prom.query(f'{M.WORKER_LIFECYCLE}{{job="dplb-router",worker="{k}",state="ready"}}')
+            assert ready[0]["value"][1] == "1" and w["lifecycle"] == "ready"
+            assert prom.query(f'{M.WORKER_REQUESTS_INFLIGHT}{{worker="{k}"}}')[0]["value"][1] == "0"
+        assert prom.query(M.WORKERS_REGISTERED)[0]["value"][1] == str(sum(1 for w in st["workers"] if w["pid"]))
+        decisions = httpx.get(c.url + "/debug/decisions?limit=1000").json()
+        total = float(prom.query(f'sum({M.ROUTING_DECISIONS}_total{{job="dplb-router"}})')[0]["value"][1])
+        assert total == len(decisions) == 20
+        per = {r["metric"]["worker"]: float(r["value"][1]) for r in
+               prom.query(f'sum by (worker) ({M.ROUTING_DECISIONS}_total{{job="dplb-router"}})')}
+        for k in ("0", "1"):
+            assert per.get(k, 0) == sum(1 for d in decisions if str(d["worker"]) == k)
+        rej = prom.query(f'{M.REQUESTS_REJECTED}_total{{reason="invalid_json"}}')
+        assert rej[0]["value"][1] == "1"
+    finally:
+        prom.stop()
+
+
+def _series(c: Cluster) -> set[str]:
+    text = httpx.get(c.url + "/metrics", timeout=10).text
+    return {line.rsplit(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_cardinality_is_bounded(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with cluster(str(tmp_path), 2) as c, httpx.Client(timeout=30) as cl:
+        def round_(i: int) -> None:
+            tag = uuid.uuid4().hex
+            cl.post(c.url + "/v1/completions", headers={"x-request-id": tag},
+                    json={"model": f"model-{tag}", "prompt": "x", "max_tokens": 1})  # the sim answers 404
+            cl.post(c.url + "/v1/completions", json={"model": "dplb-sim", "prompt": tag, "max_tokens": 1})
+            cl.get(c.url + f"/no/such/{tag}?q={i}")
+            cl.post(c.url + f"/v1/{tag}", content=b"{}")
+        round_(0)
+        _series(c)  # the first scrape creates the /metrics route's own series
+        before = _series(c)
+        for i in range(1, 251):  # 250 rounds × 4 requests = 1,000 requests with distinct models, paths, ids
+            round_(i)
+        after = _series(c)
+        assert after == before, sorted(after ^ before)[:20]
+
+
+def test_openmetrics_exposes_trace_exemplars(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from otlp_receiver import OtlpReceiver
+
+    rx = OtlpReceiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", rx.endpoint + "/v1/traces")
+    try:
+        with cluster(str(tmp_path), 1) as c:
+            r = httpx.post(c.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 200
+            om = httpx.get(c.url + "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+            assert om.headers["content-type"].startswith("application/openmetrics-text")
+            lines = [x for x in om.text.splitlines() if x.startswith(M.UPSTREAM_REQUEST_DURATION + "_bucket")
+                     and "# {trace_id=" in x]
+            assert lines, "no exemplar on dplb_upstream_request_duration_seconds"
+            plain = httpx.get(c.url + "/metrics").text
+            assert "# {trace_id=" not in plain
+    finally:
+        rx.close()
