@@ -24,10 +24,10 @@ import uuid
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from cluster import dplb_cmd, free_port  # noqa: E402
-from vllm_support import TINY_MODEL, VLLM_CPU_ARGS, vllm_env  # noqa: E402
+from cluster import dplb_cmd, free_port
+from vllm_support import TINY_MODEL, VLLM_CPU_ARGS, vllm_env
 
-from dplb.shm import Lifecycle, Segment  # noqa: E402
+from dplb.shm import Lifecycle, Segment
 
 
 def _tick_stats(port: int) -> tuple[float, float]:

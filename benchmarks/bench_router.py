@@ -6,7 +6,8 @@ Starts one fast sim worker and a router in front of it (real processes), then me
 - 64 concurrent SSE streams: streamed tokens/s ratio router/direct (target ≥ 0.95);
 - pick() share of the added time (from the router's dplb_routing_decision_duration_seconds).
 
-Usage: python benchmarks/bench_router.py [--requests 400] [--json OUT]. The machine is shared and noisy:
+Usage: python benchmarks/bench_router.py [--requests 400] [--tracing off|on|both] [--json OUT].
+The machine is shared and noisy:
 read medians and ratios, not absolute numbers. Rounds alternate direct/router to spread noise evenly.
 """
 
@@ -130,27 +131,54 @@ async def run(c, n: int, rounds: int) -> dict[str, float]:  # type: ignore[no-un
     }
 
 
+def one_mode(args: argparse.Namespace, tracing: bool) -> dict[str, float]:
+    """Run the whole measurement with the router's tracing off or on (spans to a local OTLP receiver)."""
+    rx = None
+    if tracing:
+        from otlp_receiver import OtlpReceiver
+
+        rx = OtlpReceiver()
+        os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = rx.endpoint + "/v1/traces"
+    try:
+        with tempfile.TemporaryDirectory() as tmp, cluster(tmp, 1, worker_args={0: FAST_SIM},
+                                                           router_args=["--affinity-margin", "0"]) as c:
+            res = asyncio.run(run(c, args.requests, args.rounds))
+            dsum = c.metric("dplb_routing_decision_duration_seconds_sum") or 0.0
+            dcnt = c.metric("dplb_routing_decision_duration_seconds_count") or 1.0
+    finally:
+        os.environ.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
+        if rx is not None:
+            res_spans = len(rx.spans)
+            rx.close()
+    res["decision_mean_us"] = dsum / dcnt * 1e6
+    res["pick_share_of_added"] = (dsum / dcnt) / (res["added_p50_ms"] / 1e3) if res["added_p50_ms"] > 0 else 0.0
+    if rx is not None:
+        res["spans_exported"] = res_spans
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tracing", choices=("off", "on", "both"), default="off",
+                    help="router tracing (spans to a local OTLP receiver); both = two runs, compared")
     ap.add_argument("--json")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, cluster(tmp, 1, worker_args={0: FAST_SIM},
-                                                       router_args=["--affinity-margin", "0"]) as c:
-        res = asyncio.run(run(c, args.requests, args.rounds))
-        dsum = c.metric("dplb_routing_decision_duration_seconds_sum") or 0.0
-        dcnt = c.metric("dplb_routing_decision_duration_seconds_count") or 1.0
-    res["decision_mean_us"] = dsum / dcnt * 1e6
-    res["pick_share_of_added"] = (dsum / dcnt) / (res["added_p50_ms"] / 1e3) if res["added_p50_ms"] > 0 else 0.0
-    for k, v in res.items():
-        print(f"{k:24} {v:12.4f}")
-    print(f"target added p50 ≤ 0.15 ms: {'PASS' if res['added_p50_ms'] <= 0.15 else 'FAIL'}; "
-          f"added p99 ≤ 0.5 ms: {'PASS' if res['added_p99_ms'] <= 0.5 else 'FAIL'}; "
-          f"SSE ratio ≥ 0.95: {'PASS' if res['sse_ratio'] >= 0.95 else 'FAIL'}")
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.tracing]
+    out = {}
+    for tracing in modes:
+        name = "tracing_on" if tracing else "tracing_off"
+        res = out[name] = one_mode(args, tracing)
+        print(f"--- {name}")
+        for k, v in res.items():
+            print(f"{k:24} {v:12.4f}")
+        print(f"target added p50 ≤ 0.15 ms: {'PASS' if res['added_p50_ms'] <= 0.15 else 'FAIL'}; "
+              f"added p99 ≤ 0.5 ms: {'PASS' if res['added_p99_ms'] <= 0.5 else 'FAIL'}; "
+              f"SSE ratio ≥ 0.95: {'PASS' if res['sse_ratio'] >= 0.95 else 'FAIL'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump(out, f, indent=1)
     return 0
 
 
