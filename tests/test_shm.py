@@ -198,24 +198,14 @@ def test_worker_id_out_of_range(shm_path: str) -> None:
     seg.close()
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/mount"), reason="needs root to mount a tmpfs")
-def test_full_filesystem_mentions_shm_size(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_full_filesystem_mentions_shm_size(tmpfs) -> None:  # type: ignore[no-untyped-def]
     """A real 64 KiB tmpfs (like an undersized /dev/shm) cannot hold a 64-worker segment."""
-    import subprocess
-
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        (mnt / "filler").write_bytes(b"\0" * 60 * 1024)
-        with pytest.raises(ShmSpaceError) as e:
-            Segment.create(str(mnt / "dplb_state_1"), 64)
-        assert "--shm-size" in str(e.value) and "Docker" in str(e.value)
-        assert not any(p.name.startswith("dplb_state_1") for p in mnt.iterdir()), "temp file left behind"
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+    mnt = tmpfs("64k")
+    (mnt / "filler").write_bytes(b"\0" * 60 * 1024)
+    with pytest.raises(ShmSpaceError) as e:
+        Segment.create(str(mnt / "dplb_state_1"), 64)
+    assert "--shm-size" in str(e.value) and "Docker" in str(e.value)
+    assert not any(p.name.startswith("dplb_state_1") for p in mnt.iterdir()), "temp file left behind"
 
 
 def test_crashed_writer_segment_can_be_reattached_and_replaced(shm_path: str) -> None:
