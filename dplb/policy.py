@@ -19,10 +19,12 @@ The seed score (seed article; DESIGN §3), higher is better, each term clamped t
   burst inside one 200 ms window herds onto one worker.
 - memory: KV-cache usage (default) or NVML used/total (``memory_signal="gpu"``; a worker with no GPU gives 0).
 - ``baseline`` = P95 (nearest-rank: the ⌈0.95·n⌉-th smallest) of the first ``baseline_window`` (50) completed
-  request latencies fed to :meth:`Policy.observe_latency`; then frozen. Until it exists, and for a worker with no
-  latency yet, the latency term is 1 (neutral: the same for every worker).
+  request latencies fed to :meth:`Policy.observe_latency`; then frozen. Until it exists the latency term is 1 for
+  every worker; a worker with no latency sample yet (just started or restarted; the warm-up request does not count)
+  gets the mean latency term of its peers — neutral, so a fresh worker does not attract a whole burst.
 
-Ties rotate: the scan starts one worker later on every pick, and the first worker with the best score wins.
+Ties: the shorter queue wins (this still separates workers once every queue is past ``max_queue``, where the clamped
+queue term is 0 for all), then rotation: the scan starts one worker later on every pick.
 Prefix affinity: a 64-bit hash of the prompt prefix picks a preferred worker by rendezvous (highest-random-weight)
 hashing over the eligible workers (Thaler & Ravishankar, 1998); it wins while its score ≥ best − ``affinity_margin``.
 It keeps no table, so its memory is O(1) whatever the number of prefixes.
@@ -255,6 +257,7 @@ class Policy:
         mq_default = cfg.max_queue
         mq_worker = cfg.max_queue_from_worker
         base = self.baseline_s
+        no_lat = False
         stale_ns = self._stale_ns
         sent = self._sent_since
         seen = self._seen_hb
@@ -296,8 +299,11 @@ class Policy:
             tm = 1.0 - mr
             tm = 0.0 if tm < 0.0 else (1.0 if tm > 1.0 else tm)
             lat = w.avg_latency_s
-            if base is None or lat <= 0.0:
+            if base is None:
                 tl = 1.0
+            elif lat <= 0.0:
+                tl = -1.0  # no latency sample yet: filled with the peers' mean below
+                no_lat = True
             else:
                 tl = 1.0 - lat / base
                 tl = 0.0 if tl < 0.0 else tl
@@ -305,6 +311,8 @@ class Policy:
             rows[k] = row
             if why is OK:
                 eligible.append(row)
+        if no_lat:
+            eligible = self._neutral_latency(rows, eligible)
         if not eligible:
             if not any_registered:
                 reason = REASON_NO_WORKERS
@@ -318,6 +326,18 @@ class Policy:
         chosen, reason, preferred = self._choose(eligible, prefix_hash)
         sent[chosen] += 1
         return Decision(self.name, chosen, reason, rows, base, preferred)
+
+    def _neutral_latency(self, rows: list[_Row], eligible: list[_Row]) -> list[_Row]:
+        """Give workers without a latency sample (just started or restarted) the mean latency term of the
+        workers that have one, so a fresh worker is neither favoured nor penalised: a term of 1 would make it win
+        every pick while its peers are loaded, and herd a burst onto it. Returns the rebuilt eligible list."""
+        have = [r[_TL] for r in rows if r[_TL] >= 0.0 and r[_STATE].pid]
+        neutral = sum(have) / len(have) if have else 1.0
+        wq, wm, wl = self.cfg.weights
+        for i, r in enumerate(rows):
+            if r[_TL] < 0.0:
+                rows[i] = (*r[:_TL], neutral, wq * r[_TQ] + wm * r[_TM] + wl * neutral)
+        return [rows[r[_STATE].worker_id] for r in eligible]
 
     def _choose(self, eligible: list[_Row], prefix_hash: int | None) -> tuple[int, str, int | None]:
         """Pick among ``eligible`` rows (rotated order). Returns (worker id, reason, affinity-preferred id)."""
@@ -362,8 +382,11 @@ class ScorePolicy(Policy):
         best = eligible[0]
         best_score = best[_SCORE]
         for r in eligible:
-            if r[_SCORE] > best_score + 1e-12:
-                best, best_score = r, r[_SCORE]
+            s = r[_SCORE]
+            # Equal scores (e.g. every queue past max_queue, where the clamped term no longer tells them apart):
+            # the shorter queue wins, then rotation.
+            if s > best_score + 1e-12 or (s > best_score - 1e-12 and r[_QUEUE] < best[_QUEUE]):
+                best, best_score = r, s
         margin = self.cfg.affinity_margin
         if prefix_hash is not None and margin > 0.0 and len(eligible) > 1:
             pref = max(eligible, key=lambda r: hash((prefix_hash, r[0].worker_id)))

@@ -303,3 +303,30 @@ def test_parse_weights() -> None:
     for bad in ("0.4,0.3", "a,b,c", ""):
         with pytest.raises(ConfigError):
             parse_weights(bad)
+
+
+# ---- regressions -------------------------------------------------------------------------------------------------
+def test_restarted_worker_does_not_attract_the_whole_burst() -> None:
+    """Regression (fresh-eyes trial): after `kill -9` + restart, 173 of 200 requests herded onto the fresh worker —
+    its latency term was 1 (only the warm-up was measured) while loaded peers were at 0, and queues past max_queue
+    all scored 0. Now a worker without a latency sample gets its peers' mean term and ties go to the shorter queue,
+    so the burst evens out the total queues."""
+    p = policy(n=4, baseline=2.0)
+    snap = [ws(k, run=20, lat=8.0) for k in range(3)] + [ws(3)]  # worker 3: fresh, no latency sample, idle
+    counts = Counter(p.pick(snap, NOW).worker for _ in range(200))
+    queues = [20 + counts[k] for k in range(3)] + [counts[3]]
+    assert max(queues) - min(queues) <= 1, (counts, queues)
+    assert counts[3] == 65  # 20 to catch up with its peers, then a quarter of the remaining 180
+
+
+def test_equal_scores_past_the_soft_cap_prefer_the_shorter_queue() -> None:
+    p = policy(n=2)
+    for _ in range(5):
+        assert p.pick([ws(0, run=30, hb=NOW - 1), ws(1, run=20, hb=NOW - 1)], NOW).worker == 1
+
+
+def test_fresh_worker_latency_term_is_the_peers_mean() -> None:
+    p = policy(n=3, baseline=2.0)
+    d = p.pick([ws(0, lat=1.0), ws(1, lat=1.5), ws(2)], NOW)
+    assert [c.term_latency for c in d.candidates] == pytest.approx([0.5, 0.25, 0.375])
+    assert d.candidates[2].score == pytest.approx(0.4 + 0.3 + 0.3 * 0.375)

@@ -93,3 +93,18 @@ def test_published_queue_and_latency_follow_load(tmp_path) -> None:  # type: ign
         assert s.num_running == s.num_waiting == 0
         assert s.avg_latency_s > 0 and s.last_prompt_tokens >= 20 and s.requests_total >= 25
         assert s.max_num_seqs == 16 and s.first_request_seconds > 0
+
+
+def test_warmup_request_is_not_a_latency_sample() -> None:
+    """Regression: the tiny warm-up request made a fresh worker look fast (avg latency 0.024 s) next to loaded
+    peers, so the score herded traffic onto it."""
+    from dplb.engines.base import RequestStats
+
+    rs = RequestStats()
+    rs.begin()
+    rs.end(0.02, 0.02, False)  # warm-up, before ready
+    assert rs.averages() == (0.0, 0.0) and rs.requests_total == 1
+    rs.counting_first = True
+    rs.begin()
+    rs.end(3.0, 0.5, False)
+    assert rs.averages() == (3.0, 0.5) and rs.first_request_seconds == 3.0

@@ -96,10 +96,12 @@ class RequestStats:
             if error:
                 self.errors_total += 1
                 return
+            if not self.counting_first:
+                return  # the warm-up request: not a sample of this worker's latency under real traffic
             self._lat.append(e2e_s)
             if ttfb_s is not None:
                 self._ttfb.append(ttfb_s)
-            if self.counting_first and self.first_request_seconds == 0.0:
+            if self.first_request_seconds == 0.0:
                 self.first_request_seconds = e2e_s
 
     def averages(self) -> tuple[float, float]:

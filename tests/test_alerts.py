@@ -1,0 +1,388 @@
+"""Alert rules: promtool check + unit tests, runbooks, and a live alert drill (real Prometheus + real sim cluster).
+
+The drill loads a copy of ``alerts/dplb.rules.yml`` with every ``for:`` scaled to a few seconds and every range
+window shortened (promtool covers the real durations), scrapes a live cluster every second, injects real faults and
+reads ``/api/v1/alerts``: a healthy run fires nothing, and each fault fires exactly its alert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from cluster import ROOT, Cluster, cluster, free_port
+
+from dplb import metrics as M
+
+IN_CI = os.environ.get("CI") == "true"
+RULES = Path(ROOT) / "alerts" / "dplb.rules.yml"
+RULE_TESTS = Path(ROOT) / "alerts" / "dplb.rules.test.yml"
+RUNBOOKS = Path(ROOT) / "runbooks"
+SECTIONS = ("## Meaning", "## Impact", "## Diagnosis", "## Mitigation")
+SEVERITIES = {"critical", "warning"}
+#: Every metric name dplb/metrics.py defines, with the suffixes Prometheus exposes.
+KNOWN_DPLB = {v for k, v in vars(M).items() if k.isupper() and isinstance(v, str) and v.startswith("dplb_")}
+SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_info", "_created")
+
+
+# ---- helpers shared with test_dashboards.py ----------------------------------------------------------------------
+def need(tool: str) -> str:
+    """Path of ``tool``; skip locally without it, fail in CI (CI=true) where it must be installed."""
+    path = shutil.which(tool)
+    if path is None:
+        if IN_CI:
+            pytest.fail(f"{tool} must be installed in CI (.ci/run: apt-get install prometheus)")
+        pytest.skip(f"{tool} not installed (apt-get install prometheus); CI runs this")
+    return path
+
+
+def metric_names(expr: str) -> set[str]:
+    """The dplb_* and vllm:* metric names an expression reads."""
+    return set(re.findall(r"\b(?:dplb_[a-z0-9_]+|vllm:[a-z0-9_:]+)", expr))
+
+
+def known_dplb(name: str) -> bool:
+    """True when ``name`` is a dplb.metrics name, possibly with an exposition suffix."""
+    if name in KNOWN_DPLB:
+        return True
+    return any(name.endswith(s) and name[: -len(s)] in KNOWN_DPLB for s in SUFFIXES)
+
+
+class Prometheus:
+    """A real Prometheus on loopback scraping ``targets`` ({job: [host:port]}) every second."""
+
+    def __init__(self, binary: str, tmp: Path, targets: dict[str, list[str]], rule_file: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg: dict[str, Any] = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": t}]} for job, t in targets.items()],
+        }
+        if rule_file is not None:
+            cfg["rule_files"] = [str(rule_file)]
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "prometheus.yml").write_text(json.dumps(cfg))  # JSON is YAML
+        self.log_path = tmp / "prometheus.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the process owns it
+        self.proc = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}",
+                                      f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"],
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def api(self, path: str, **params: str) -> Any:
+        r = httpx.get(self.url + path, params=params, timeout=10).json()
+        assert r["status"] == "success", r
+        return r["data"]
+
+    def query(self, q: str) -> list[dict[str, Any]]:
+        return self.api("/api/v1/query", query=q)["result"]  # type: ignore[no-any-return]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return self.api("/api/v1/alerts")["alerts"]  # type: ignore[no-any-return]
+
+    def firing(self) -> dict[str, list[dict[str, str]]]:
+        """alertname -> label sets of its firing alerts."""
+        out: dict[str, list[dict[str, str]]] = {}
+        for a in self.alerts():
+            if a["state"] == "firing":
+                out.setdefault(a["labels"]["alertname"], []).append(a["labels"])
+        return out
+
+    def wait_up(self, n: int, timeout: float = 60) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError, AssertionError, ValueError):
+                res = self.query("up")
+                if len(res) == n and all(r["value"][1] == "1" for r in res):
+                    return
+            time.sleep(0.3)
+        raise AssertionError(f"targets not up after {timeout}s: {self.query('up')}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._log.close()
+
+
+class Load:
+    """Light background traffic: one request at a time with distinct prompts, ``pause`` seconds apart."""
+
+    def __init__(self, url: str, pause: float = 0.2, stream_every: int = 3) -> None:
+        self.url, self.pause, self.stream_every = url, pause, stream_every
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as cl:
+            i = 0
+            while not self._stop.is_set():
+                i += 1
+                words = f"request {i} {uuid.uuid4().hex} about routing and caches"
+                stream = self.stream_every > 0 and i % self.stream_every == 0
+                try:
+                    if i % 2:
+                        r = cl.post(self.url + "/v1/completions", json={
+                            "model": "dplb-sim", "prompt": words, "max_tokens": 4, "stream": stream})
+                    else:
+                        r = cl.post(self.url + "/v1/chat/completions", json={
+                            "model": "dplb-sim", "messages": [{"role": "user", "content": words}], "max_tokens": 4,
+                            "stream": stream})
+                    self.statuses.append(r.status_code)
+                except httpx.HTTPError:
+                    self.statuses.append(0)
+                self._stop.wait(self.pause)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+# ---- static checks -----------------------------------------------------------------------------------------------
+def alert_rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load(RULES.read_text())
+    return [r for g in doc["groups"] for r in g["rules"] if "alert" in r]
+
+
+def runbook_pattern() -> str:
+    m = re.search(r"^# runbook_url pattern: (\S+)$", RULES.read_text(), re.M)
+    assert m and "<AlertName>" in m.group(1), "the rule file must state its runbook_url pattern once at the top"
+    return m.group(1)
+
+
+def test_promtool_check_rules_is_clean() -> None:
+    promtool = need("promtool")
+    r = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(alert_rules())} rules found" in r.stdout, r.stdout
+    assert "WARNING" not in (r.stdout + r.stderr).upper() and r.stderr.strip() == "", r.stdout + r.stderr
+
+
+def test_promtool_unit_tests_pass() -> None:
+    promtool = need("promtool")
+    r = subprocess.run([promtool, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
+def test_every_alert_is_named_labelled_annotated_and_linked() -> None:
+    pattern = runbook_pattern()
+    names = [r["alert"] for r in alert_rules()]
+    assert len(names) == len(set(names)), names
+    assert len(names) >= 12, names
+    for r in alert_rules():
+        name = r["alert"]
+        assert re.fullmatch(r"DPLB[A-Z][A-Za-z0-9]+", name), name
+        assert r["labels"]["severity"] in SEVERITIES, name
+        assert set(r["annotations"]) == {"summary", "description", "runbook_url"}, name
+        assert r["annotations"]["runbook_url"] == pattern.replace("<AlertName>", name), name
+        used = metric_names(r["expr"])
+        assert used or 'up{job="dplb-router"}' in r["expr"], name
+        assert all(known_dplb(n) for n in used), (name, [n for n in used if not known_dplb(n)])
+        assert 'job="dplb-router"' in r["expr"], f"{name}: scope the expression to the router's job"
+
+
+def test_every_alert_has_a_runbook_with_the_four_sections() -> None:
+    names = {r["alert"] for r in alert_rules()}
+    files = {p.stem for p in RUNBOOKS.glob("DPLB*.md")}
+    assert files == names, {"without runbook": names - files, "orphan runbooks": files - names}
+    for name in names:
+        text = (RUNBOOKS / f"{name}.md").read_text()
+        assert text.startswith(f"# {name}"), name
+        pos = [text.find("\n" + s + "\n") for s in SECTIONS]
+        assert all(p > 0 for p in pos) and pos == sorted(pos), (name, dict(zip(SECTIONS, pos, strict=True)))
+        for cmd in ("dplb state", "dplb doctor"):
+            assert cmd in text, (name, cmd)
+        assert "```promql" in text or "PromQL" in text, name
+
+
+def test_every_alert_has_a_firing_case_at_its_for_boundary_and_a_silent_case() -> None:
+    doc = yaml.safe_load(RULE_TESTS.read_text())
+    step = _seconds(doc.get("evaluation_interval", "1m"))
+    rules = {r["alert"]: r for r in alert_rules()}
+    fires: set[str] = set()
+    silent: set[str] = set()
+    for t in doc["tests"]:
+        by_alert: dict[str, list[dict[str, Any]]] = {}
+        for a in t.get("alert_rule_test", []):
+            by_alert.setdefault(a["alertname"], []).append(a)
+        for name, cases in by_alert.items():
+            if all(not c.get("exp_alerts") for c in cases):
+                silent.add(name)
+                continue
+            times = {_seconds(c["eval_time"]): c.get("exp_alerts") or [] for c in cases}
+            for at, exp in times.items():
+                if not exp:
+                    continue
+                assert times.get(at - step) == [], f"{name}: no silent evaluation one interval before {at}s"
+                for e in exp:
+                    assert e["exp_labels"]["severity"] == rules[name]["labels"]["severity"], name
+                    assert set(e["exp_annotations"]) == set(rules[name]["annotations"]), name
+                fires.add(name)
+    assert fires == set(rules), set(rules) - fires
+    assert silent == set(rules), set(rules) - silent
+
+
+# ---- the live drill ----------------------------------------------------------------------------------------------
+def _seconds(d: str) -> float:
+    total = 0.0
+    for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", str(d)):
+        total += float(n) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}[u]
+    return total
+
+
+def scale_for(d: str) -> str:
+    """``for:`` in the drill: one second per minute, at least 4 s (a scrape + evaluations), at most 10 s."""
+    s = _seconds(d)
+    return "0s" if s == 0 else f"{int(min(10, max(4, s / 60)))}s"
+
+
+def scale_window(d: str) -> str:
+    """Range windows in the drill: 1/30, between 10 s and 30 s (≥ 10 samples at a 1 s scrape interval)."""
+    return f"{int(min(30, max(10, _seconds(d) / 30)))}s"
+
+
+def write_drill_rules(dst: Path) -> Path:
+    doc = yaml.safe_load(RULES.read_text())
+    for g in doc["groups"]:
+        g["interval"] = "1s"
+        for r in g["rules"]:
+            r["for"] = scale_for(r.get("for", "0s"))
+            r["expr"] = re.sub(r"\[(\d+[smhd])\]", lambda m: f"[{scale_window(m.group(1))}]", r["expr"])
+    dst.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return dst
+
+
+MAX_FOR = 10  # the longest scaled for:, seconds
+
+
+@pytest.fixture
+def prometheus_bin() -> str:
+    return need("prometheus")
+
+
+@contextlib.contextmanager
+def drill_prom(binary: str, tmp: Path, c: Cluster, worker_ports: list[int] | None = None) -> Iterator[Prometheus]:
+    targets = {"dplb-router": [f"127.0.0.1:{c.port}"]}
+    if worker_ports:
+        targets["dplb-workers"] = [f"127.0.0.1:{p}" for p in worker_ports]
+    prom = Prometheus(binary, tmp / "prom", targets, write_drill_rules(tmp / "drill.rules.yml"))
+    try:
+        prom.wait_up(1 + len(worker_ports or []))
+        yield prom
+    except BaseException:
+        print(c.tail(), prom.log_path.read_text()[-3000:])
+        raise
+    finally:
+        prom.stop()
+
+
+def expect_exactly(prom: Prometheus, expected: dict[str, dict[str, str]], since: float,
+                   observe: float = MAX_FOR + 2, timeout: float = 45, tolerate: frozenset[str] = frozenset()) -> None:
+    """Wait until the firing alerts are exactly ``expected`` (name -> labels each must include), for at least
+    ``observe`` s after ``since`` (so slower alerts would have had time to fire). Any other alert firing meanwhile
+    fails, except ``tolerate`` (alerts firing before the fault, allowed while they resolve)."""
+    deadline = since + timeout
+    while True:
+        firing = prom.firing()
+        extra = set(firing) - set(expected) - tolerate
+        assert not extra, f"unexpected alert(s) firing: {extra}: {firing}"
+        done = set(firing) == set(expected) and all(
+            any(all(ls.get(k) == v for k, v in want.items()) for ls in firing[name])
+            for name, want in expected.items())
+        if done and time.monotonic() >= since + observe:
+            return
+        assert time.monotonic() < deadline, f"expected exactly {expected}, firing: {firing}"
+        time.sleep(0.5)
+
+
+def test_drill_healthy_cluster_under_light_load_fires_nothing(prometheus_bin: str, tmp_path: Path) -> None:
+    ports = [free_port(), free_port()]
+    with cluster(str(tmp_path), 2, start_workers=False, wait_router_ready=False) as c:
+        for k in range(2):
+            c.start_worker(k, metrics_port=ports[k])
+        load = Load(c.url)
+        try:
+            with drill_prom(prometheus_bin, tmp_path, c, ports) as prom:
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 2 * MAX_FOR + 2:  # two of the longest for: + windows filling
+                    assert prom.firing() == {}, prom.alerts()
+                    time.sleep(1)
+                assert [a for a in prom.alerts() if a["state"] == "pending"] == []
+                rules = [r for g in prom.api("/api/v1/rules")["groups"] for r in g["rules"]]
+                assert len(rules) == len(alert_rules())
+                assert all(r["health"] == "ok" and not r.get("lastError") for r in rules), rules
+        finally:
+            load.stop()
+        assert len(load.statuses) > 20 and set(load.statuses) == {200}, load.statuses
+
+
+def test_drill_no_worker_registered_then_one_stuck_warming(prometheus_bin: str, tmp_path: Path) -> None:
+    with cluster(str(tmp_path), 2, start_workers=False, wait_router_ready=False) as c, \
+            drill_prom(prometheus_bin, tmp_path, c) as prom:
+        t0 = time.monotonic()
+        expect_exactly(prom, {"DPLBNoWorkerRegistered": {"job": "dplb-router"}}, t0, observe=0)
+        c.start_worker(0)  # a healthy worker: registers, warms up in well under a second, ready
+        c.start_worker(1, "--sim-warmup-delay-s", "120", wait=False)  # a model load that takes 2 minutes
+        t1 = time.monotonic()
+        expect_exactly(prom, {"DPLBWorkerStuckWarming": {"worker": "1"}}, t1,
+                       tolerate=frozenset({"DPLBNoWorkerRegistered"}))
+        c.kill_worker(1, signal.SIGKILL)  # it would not act on SIGTERM before its load ends (see the README)
+
+
+def test_drill_all_workers_stopped_fires_no_routable_worker(prometheus_bin: str, tmp_path: Path) -> None:
+    with cluster(str(tmp_path), 2) as c, drill_prom(prometheus_bin, tmp_path, c) as prom:
+        assert prom.firing() == {}
+        for k in range(2):
+            c.kill_worker(k, signal.SIGTERM)
+        t0 = time.monotonic()
+        load = Load(c.url, pause=0.3, stream_every=0)
+        try:
+            expect_exactly(prom, {"DPLBNoRoutableWorker": {"job": "dplb-router"}}, t0)
+        finally:
+            load.stop()
+        assert set(load.statuses) == {503}, load.statuses
+
+
+def test_drill_cuda_oom_fires_the_oom_alert(prometheus_bin: str, tmp_path: Path) -> None:
+    with cluster(str(tmp_path), 1, worker_args={0: ["--sim-oom-after", "2"]}) as c, \
+            drill_prom(prometheus_bin, tmp_path, c) as prom:
+        time.sleep(2)  # a few scrapes of the OOM counter at 0
+        assert prom.firing() == {}
+        r = httpx.post(c.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "x", "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 500 and "CUDA out of memory" in r.text, r.text
+        expect_exactly(prom, {"DPLBCudaOOM": {"worker": "0"}}, time.monotonic())
+
+
+def test_drill_shm_segment_deleted_then_router_down(prometheus_bin: str, tmp_path: Path) -> None:
+    with cluster(str(tmp_path), 2) as c, drill_prom(prometheus_bin, tmp_path, c) as prom:
+        assert prom.firing() == {}
+        os.unlink(c.shm_path)
+        expect_exactly(prom, {"DPLBShmSegmentMissing": {"job": "dplb-router"}}, time.monotonic())
+        r = httpx.post(c.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "x", "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 200  # the router still serves, on its own in-flight counts
+        assert c.router is not None
+        c.router.send_signal(signal.SIGTERM)
+        c.router.wait(30)
+        expect_exactly(prom, {"DPLBRouterDown": {"job": "dplb-router"}}, time.monotonic(),
+                       tolerate=frozenset({"DPLBShmSegmentMissing"}))
