@@ -22,9 +22,11 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 from dplb.config import default_run_dir
@@ -32,6 +34,7 @@ from dplb.errors import ConfigError
 from dplb.gpu import discover_gpus, visible_gpu_indices
 from dplb.plan import cuda_visible_devices, plan_gpus
 from dplb.router.cli import add_router_args, router_config
+from dplb.serving import bind_tcp
 from dplb.shm import ENV_SHM_PATH, Lifecycle, Segment, default_segment_path
 
 log = logging.getLogger("dplb.launch")
@@ -58,7 +61,8 @@ class Child:
     def start(self) -> None:
         with open(self.log_path, "ab") as f:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
         self.started_at = time.monotonic()
 
     def alive(self) -> bool:
@@ -78,6 +82,37 @@ class Child:
             return ""
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM (→ drain) when the launcher dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG), so a killed launcher leaves no orphaned workers holding GPUs."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+def _socket_answers(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(0.5)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as r:
+            return bool(r.status == 200)
+    except (OSError, ValueError):
+        return False
+
+
 def _dplb(*args: str) -> list[str]:
     return [sys.executable, "-m", "dplb.cli", *args]
 
@@ -93,6 +128,16 @@ class Launcher:
             gpus = [g.index for g in discover_gpus()]
         self.plan = plan_gpus(gpus, args.num_workers, args.tensor_parallel_size)
         self.engine = "vllm" if args.model else "sim"
+        if not gpus and args.tensor_parallel_size > 1:
+            raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size} needs GPUs, and none is visible")
+        if args.drain_timeout < 0:
+            raise ConfigError(f"--drain-timeout must be ≥ 0 seconds, got {args.drain_timeout}")
+        if args.metrics_port_base is not None and not (
+                args.metrics_port_base == 0 or 1 <= args.metrics_port_base <= 65535 - len(self.plan)):
+            raise ConfigError(f"--metrics-port-base must be 0 (off) or a port with room for {len(self.plan)} "
+                              f"workers, got {args.metrics_port_base}")
+        if args.max_start_failures < 1:
+            raise ConfigError("--max-start-failures must be ≥ 1")
         self.run_dir = args.run_dir or default_run_dir()
         self.shm_path = args.shm_path or default_segment_path()
         self.stopping = False
@@ -105,15 +150,36 @@ class Launcher:
                                         num_workers=len(self.plan), state_interval_ms=args.state_interval_ms)
 
     # ---- start ---------------------------------------------------------------------------------------------
+    def preflight(self) -> None:
+        """Refuse to start next to a running deployment: the router port and worker sockets must be free.
+        Raises :class:`ConfigError` naming what is in use (nothing has been started or touched yet)."""
+        try:
+            bind_tcp(self.args.host, self.args.port).close()
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {self.args.host}:{self.args.port}: {e.strerror or e}. Another "
+                              "DPLB (or another server) uses it: stop it, or pass --port") from e
+        for k in range(len(self.plan)):
+            path = self.router_cfg.socket_path(k)
+            if os.path.exists(path) and _socket_answers(path):
+                raise ConfigError(f"{path} is served by a running process (another `dplb launch`?). Stop it, or "
+                                  "pass another --run-dir")
+
     def _prepare(self) -> None:
-        if not os.path.isdir(self.run_dir):
-            os.makedirs(self.run_dir, mode=0o700)
-            self.created_run_dir = True
-        os.chmod(self.run_dir, 0o700)
+        try:
+            if not os.path.isdir(self.run_dir):
+                os.makedirs(self.run_dir, mode=0o700)
+                self.created_run_dir = True
+            os.chmod(self.run_dir, 0o700)
+        except OSError as e:
+            raise ConfigError(f"cannot create the run directory {self.run_dir}: {e.strerror or e}; pass --run-dir "
+                              "to a writable directory") from e
         model_name = self.args.served_model_name or self.args.model or "dplb-sim"
-        self.segment = Segment.create(self.shm_path, len(self.plan), state_interval_ms=self.args.state_interval_ms,
-                                      model=model_name, gpu_map=self.plan, replace=bool(self.args.shm_path))
-        env = dict(os.environ)
+        try:
+            self.segment = Segment.create(self.shm_path, len(self.plan), state_interval_ms=self.args.state_interval_ms,
+                                          model=model_name, gpu_map=self.plan, replace=bool(self.args.shm_path))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        env = {k: v for k, v in os.environ.items() if k != "DPLB_API_KEY"}
         env[ENV_SHM_PATH] = self.shm_path
         env["DPLB_RUN_DIR"] = self.run_dir
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA and NVML agree on indices
@@ -137,7 +203,11 @@ class Launcher:
                                       os.path.join(self.run_dir, f"worker-{k}.log")))
         rargv = _dplb("--log-level", self.args.log_level, "router", "--run-dir", self.run_dir, "--shm-path",
                       self.shm_path, "--num-workers", str(len(self.plan)), *self._router_flags())
-        self.router = Child("router", rargv, env, os.path.join(self.run_dir, "router.log"))
+        renv = dict(env)
+        renv.pop("DPLB_API_KEY", None)
+        if self.args.api_key:
+            renv["DPLB_API_KEY"] = self.args.api_key
+        self.router = Child("router", rargv, renv, os.path.join(self.run_dir, "router.log"))
 
     def _router_flags(self) -> list[str]:
         a = self.args
@@ -151,13 +221,14 @@ class Launcher:
             out.append("--max-queue-from-worker")
         if a.access_log:
             out.append("--access-log")
-        if a.api_key:
-            out += ["--api-key", a.api_key]
-        return out
+        return out  # the API key travels in DPLB_API_KEY, never on a command line (ps shows those)
+
+    def _local_url(self) -> str:
+        host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::", "") else self.args.host
+        return f"http://{host}:{self.args.port}"
 
     def _banner(self) -> None:
-        url_host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::") else self.args.host
-        url = f"http://{url_host}:{self.args.port}"
+        url = self._local_url()
         if self.engine == "sim":
             print("=" * 78, file=sys.stderr)
             print("  No --model given: running the SIM engine (a simulated vLLM on the CPU).", file=sys.stderr)
@@ -167,9 +238,11 @@ class Launcher:
                          for k, g in enumerate(self.plan))
         model = self.args.served_model_name or self.args.model or "dplb-sim"
         print(f"DPLB: {len(self.plan)} {self.engine} worker(s) [{plan}]\n"
-              f"  router:  {url}  (policy {self.args.policy})\n"
+              f"  router:  {url}  (policy {self.args.policy}; listening on {self.args.host}:{self.args.port}"
+              f"{', all interfaces' if self.args.host in ('0.0.0.0', '::') else ''}"
+              f"{', API key required' if self.args.api_key else ''})\n"
               f"  segment: {self.shm_path}   (dplb state --shm-path {self.shm_path})\n"
-              f"  logs:    {self.run_dir}/worker-K.log, {self.run_dir}/router.log\n"
+              f"  logs:    {self.run_dir}/worker-K.log, {self.run_dir}/router.log (kept after exit)\n"
               f"  try:     curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
               f"\"max_tokens\": 16}}'", file=sys.stderr, flush=True)
@@ -178,6 +251,7 @@ class Launcher:
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        self.preflight()
         try:
             self._prepare()
             self._banner()
@@ -227,20 +301,35 @@ class Launcher:
                     log.info("%s restarted (restart #%d)", w.name, w.restarts)
             r = self.router
             if not r.alive() and not self.stopping:
-                log.warning("router exited (code %s); restarting (log: %s)", r.proc.returncode if r.proc else None,
-                            r.log_path)
+                rc = r.proc.returncode if r.proc else None
+                if not r.ever_ready:
+                    r.start_failures += 1
+                    if r.start_failures >= self.args.max_start_failures:
+                        print(f"DPLB: the router failed to start {r.start_failures} time(s) (exit {rc}); giving up. "
+                              f"Last log lines ({r.log_path}):\n{r.log_tail()}", file=sys.stderr)
+                        return 1
+                log.warning("router exited (code %s); restarting (log: %s)", rc, r.log_path)
                 time.sleep(min(r.backoff_s, 5))
                 r.backoff_s = min(BACKOFF_MAX_S, r.backoff_s * 2)
+                r.ever_ready = False
                 r.start()
-            if not announced and all(w.ever_ready for w in self.workers):
+            if not r.ever_ready and r.alive() and _http_ok(self._local_url() + "/health"):
+                r.ever_ready = True
+                r.start_failures = 0
+            if not announced and r.ever_ready and all(w.ever_ready for w in self.workers):
                 announced = True
-                print(f"DPLB: all {len(self.workers)} worker(s) ready; serving on port {self.args.port}",
+                print(f"DPLB: all {len(self.workers)} worker(s) ready; serving on {self._local_url()}",
                       file=sys.stderr, flush=True)
             time.sleep(0.1)
         return 0
 
     def _shutdown(self) -> None:
         self.stopping = True
+        if self.router is None:  # nothing was started
+            if self.segment is not None:
+                self.segment.unlink()
+                self.segment.close()
+            return
         for w in self.workers:
             w.signal(signal.SIGTERM)
         deadline = time.monotonic() + self.args.drain_timeout + 5
@@ -268,9 +357,10 @@ class Launcher:
             self.segment.unlink()
             self.segment.close()
             self.segment = None
-        if self.created_run_dir and not self.args.keep_logs:
+        if self.created_run_dir and self.args.remove_logs:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        print("DPLB: stopped; sockets and segment removed.", file=sys.stderr, flush=True)
+        print(f"DPLB: stopped; sockets and segment removed (logs kept in {self.run_dir}).", file=sys.stderr,
+              flush=True)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -292,7 +382,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port-base", type=int, default=None,
                    help="worker K serves metrics on BASE+K (default 30001+K; 0 disables)")
     p.add_argument("--max-start-failures", type=int, default=3, help="give up after a worker fails to start N times")
-    p.add_argument("--keep-logs", action="store_true", help="keep the run directory (logs) on exit")
+    p.add_argument("--remove-logs", action="store_true", help="remove the run directory and its logs on exit")
     p.add_argument("--emit-systemd", metavar="DIR", help="write systemd env files for this plan into DIR and exit")
     add_router_args(p)
     p.set_defaults(func=_cmd_launch)

@@ -249,10 +249,14 @@ def _seconds(d: str) -> float:
     return total
 
 
+MAX_FOR = 12  # the longest scaled for:, seconds
+
+
 def scale_for(d: str) -> str:
-    """``for:`` in the drill: one second per minute, at least 4 s (a scrape + evaluations), at most 10 s."""
+    """``for:`` in the drill: 2 s per minute, at least 4 s (a scrape + evaluations), at most 12 s. (Prometheus
+    scrapes its first target ~5 s after start, so ``absent()`` must hold longer than that before it fires.)"""
     s = _seconds(d)
-    return "0s" if s == 0 else f"{int(min(10, max(4, s / 60)))}s"
+    return "0s" if s == 0 else f"{int(min(MAX_FOR, max(4, s / 30)))}s"
 
 
 def scale_window(d: str) -> str:
@@ -269,9 +273,6 @@ def write_drill_rules(dst: Path) -> Path:
             r["expr"] = re.sub(r"\[(\d+[smhd])\]", lambda m: f"[{scale_window(m.group(1))}]", r["expr"])
     dst.write_text(yaml.safe_dump(doc, sort_keys=False))
     return dst
-
-
-MAX_FOR = 10  # the longest scaled for:, seconds
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ def _ready(url: str) -> bool:
 
 
 def _dplb_procs(tag: str) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if tag in line and "ps -eo" not in line]
 
 
@@ -90,7 +90,8 @@ def test_launch_sim_four_workers_restart_and_clean_stop(tmp_path) -> None:  # ty
         assert proc.wait(30) == 0
         assert time.monotonic() - t_stop < 30
         assert not os.path.exists(shm), "segment left in /dev/shm"
-        assert not os.path.exists(run_dir), "run dir (sockets) left behind"
+        assert not [n for n in os.listdir(run_dir) if n.endswith(".sock")], "sockets left behind"
+        assert os.path.exists(os.path.join(run_dir, "router.log")), "logs must survive the stop"
         assert _dplb_procs(tag) == [], _dplb_procs(tag)
         print(f"4 sim workers ready in {took:.1f} s")
     finally:
@@ -125,3 +126,78 @@ def test_state_without_segment(args: list[str]) -> None:
     r = subprocess.run(dplb_cmd("state", "--shm-path", "/dev/shm/dplb_state_nope", *args), capture_output=True,
                        text=True, timeout=60, env=env)
     assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_second_launch_refuses_and_leaves_the_first_untouched(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression (fresh-eyes trial): a second `dplb launch` on the same port/run dir crash-looped, then deleted
+    the first launch's sockets, leaving ready-looking workers that answered 502."""
+    tag = uuid.uuid4().hex[:10]
+    shm = f"/dev/shm/dplb_state_test_{tag}"
+    run_dir = str(tmp_path / "run")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    common = ["--num-workers", "2", "--port", str(port), "--host", "127.0.0.1", "--run-dir", run_dir,
+              "--metrics-port-base", "0"]
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen(dplb_cmd("launch", "--shm-path", shm, *common), stdout=log,
+                                 stderr=subprocess.STDOUT)
+    try:
+        _wait(lambda: _ready(url) and all(w["lifecycle"] == "ready" for w in _state(shm)["workers"]), 60,
+              "first launch ready", first)
+        second = subprocess.run(dplb_cmd("launch", "--shm-path", shm + "_2", *common), capture_output=True,
+                                text=True, timeout=60)
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        assert f"127.0.0.1:{port}" in second.stderr and "--port" in second.stderr
+        other_port = free_port()
+        third = subprocess.run(dplb_cmd("launch", "--shm-path", shm + "_3", *common[:3], str(other_port),
+                                        *common[4:]), capture_output=True, text=True, timeout=60)
+        assert third.returncode == 2 and "worker-0.sock is served by a running process" in third.stderr
+        assert not os.path.exists(shm + "_2") and not os.path.exists(shm + "_3")
+        for k in range(2):
+            assert os.path.exists(os.path.join(run_dir, f"worker-{k}.sock"))
+        for i in range(10):
+            r = httpx.post(url + "/v1/completions", json={"model": "dplb-sim", "prompt": f"{i}", "max_tokens": 1},
+                           timeout=30)
+            assert r.status_code == 200
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.wait(30)
+        if os.path.exists(shm):
+            os.unlink(shm)
+
+
+def test_launcher_killed_takes_its_children_along(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: `kill -9` on the launcher orphaned the router and workers (they kept serving, holding GPUs)."""
+    tag = uuid.uuid4().hex[:10]
+    shm = f"/dev/shm/dplb_state_test_{tag}"
+    port = free_port()
+    with open(tmp_path / "l.log", "wb") as log:
+        proc = subprocess.Popen(dplb_cmd("launch", "--num-workers", "2", "--port", str(port), "--host", "127.0.0.1",
+                                         "--shm-path", shm, "--run-dir", str(tmp_path / f"run-{tag}"),
+                                         "--metrics-port-base", "0"), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait(lambda: _ready(f"http://127.0.0.1:{port}"), 60, "ready", proc)
+        assert len(_dplb_procs(tag)) >= 3
+        proc.kill()
+        proc.wait(10)
+        _wait(lambda: _dplb_procs(tag) == [], 30, "children to exit after the launcher died")
+    finally:
+        for line in _dplb_procs(tag):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        if os.path.exists(shm):
+            os.unlink(shm)
+
+
+def test_launch_flag_errors_are_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cases = [
+        (["--num-workers", "65"], "num_workers must be 1..64"),
+        (["--run-dir", "/proc/nope/run"], "cannot create the run directory"),
+        (["--drain-timeout", "-1"], "--drain-timeout"),
+        (["--metrics-port-base", "70000"], "--metrics-port-base"),
+        (["--tensor-parallel-size", "2"], "needs GPUs"),
+    ]
+    for args, needle in cases:
+        r = subprocess.run(dplb_cmd("launch", "--port", str(free_port()), "--shm-path",
+                                    f"/dev/shm/dplb_state_test_{uuid.uuid4().hex[:8]}", *args),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

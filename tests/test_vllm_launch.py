@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def _procs(tag: str) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if tag in line and "ps -eo" not in line]
 
 
@@ -37,7 +37,7 @@ def test_launch_two_real_vllm_workers_end_to_end(tmp_path) -> None:  # type: ign
         proc = subprocess.Popen(
             dplb_cmd("launch", "--model", TINY_MODEL, "--num-workers", "2", "--port", str(port), "--host",
                      "127.0.0.1", "--shm-path", shm, "--run-dir", run_dir, "--metrics-port-base", "0",
-                     "--keep-logs", *VLLM_CPU_ARGS),
+                     *VLLM_CPU_ARGS),
             env=vllm_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         t0 = time.monotonic()
