@@ -40,7 +40,7 @@ def make_server(app: Any, *, timeout_keep_alive: int = 75, graceful_s: float | N
         loop = "asyncio"
     cfg = uvicorn.Config(
         app, loop=loop, http="httptools", lifespan="auto", log_level="info" if access_log else "warning",
-        access_log=access_log,
+        access_log=access_log, log_config=None,  # uvicorn's lines go through DPLB's logging format
         timeout_keep_alive=timeout_keep_alive, proxy_headers=False,  # DPLB is the edge: no X-Forwarded-* rewriting
         timeout_graceful_shutdown=int(graceful_s) if graceful_s is not None else None,
     )

@@ -250,8 +250,10 @@ def test_missing_socket_is_retried_on_the_next_worker(tmp_path: str) -> None:
 
         rs = asyncio.run(main())
         assert all(r.status_code == 200 and r.headers["x-sg-worker-id"] == "1" for r in rs), [r.text for r in rs]
-        retries = c.metric("dplb_upstream_retries_total")
-        assert retries is not None and retries >= 1
+        # The refused worker is skipped after the first failure (regression: each request used to waste its retry
+        # on it, and got a 502 when the retry landed on another dead socket).
+        assert c.metric("dplb_upstream_retries_total") == 1
+        assert "skipping it" in c.router_log()
 
 
 def test_worker_killed_mid_stream_ends_with_error_event_not_done(tmp_path: str) -> None:
@@ -421,3 +423,23 @@ def test_draining_worker_loses_no_request(tmp_path: str) -> None:
         assert Counter(code for code, _ in res) == {200: 240}, Counter(res)
         assert c.workers[0].wait(20) == 0
         assert {w for _, w in res} == {"0", "1"}
+
+
+def test_router_own_errors_are_openai_shaped(two: Cluster) -> None:
+    r = httpx.get(two.url + "/no/such/path")
+    assert_openai_error(r, 404, "not_found")
+    r = httpx.get(two.url + "/debug/decisions?limit=abc")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+    assert "Traceback" not in r.text and "/work" not in r.text
+
+
+def test_ready_without_segment_or_sockets_is_503(tmp_path: str) -> None:
+    """Regression: with no segment and no workers /ready said ready (and chat got 502s)."""
+    with cluster(str(tmp_path), 2, start_workers=False, wait_router_ready=False) as c:
+        os.unlink(c.shm_path)
+        t0 = time.monotonic()
+        while httpx.get(c.url + "/metrics").text.find("dplb_shm_segment_present 0.0") < 0:
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.1)
+        assert httpx.get(c.url + "/ready").status_code == 503
+        assert_openai_error(post(c, "/v1/chat/completions", CHAT), 503, "no_workers_registered")

@@ -22,6 +22,7 @@ import signal
 import time
 from typing import Any
 
+import msgspec
 from litestar import Litestar, Request, Response, get
 from litestar.exceptions import HTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -116,7 +117,7 @@ class RouterApp:
             return [{"time": t, "request_id": rid, **d.to_dict()} for t, rid, d in reversed(items)]
 
         return Litestar(route_handlers=[health, ready, metrics_endpoint, models, decisions], debug=False,
-                       logging_config=None)
+                       logging_config=None, exception_handlers={HTTPException: _openai_http_error})
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -151,6 +152,20 @@ class RouterApp:
             if n == b"authorization":
                 return hmac.compare_digest(v[:7].lower() + v[7:], self._auth)
         return False
+
+
+_HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
+
+
+def _openai_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:
+    """Litestar's own errors (unknown path, bad query parameter, …) in the OpenAI error shape, no internals."""
+    status = exc.status_code
+    code = _HTTP_CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
+    message = "internal error" if status >= 500 else (
+        f"no route {request.method} {request.url.path}" if status == 404 else str(exc.detail))
+    body = msgspec.json.encode({"error": {"message": message, "type": "server_error" if status >= 500 else
+                                          "invalid_request_error", "code": code}})
+    return Response(body, status_code=status, media_type="application/json")
 
 
 async def _json(send: Any, status: int, body: bytes) -> None:

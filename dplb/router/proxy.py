@@ -33,7 +33,7 @@ import msgspec
 from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind
 from dplb.policy import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
-from dplb.router.state import RouterState
+from dplb.router.state import UNREACHABLE_S, RouterState
 from dplb.router.upstream import ConnectFailed, UpstreamClosed, UpstreamError, UpstreamPool, UpstreamTimeout
 
 log = logging.getLogger("dplb.router.proxy")
@@ -319,7 +319,9 @@ class Proxy:
         try:
             conn = await self.pool.open(worker)
         except ConnectFailed as e:
-            log.warning("worker %d unreachable before sending (%s); retrying on another worker", worker, e)
+            log.warning("worker %d unreachable before sending (%s); skipping it for %.0f s and retrying on another "
+                        "worker", worker, e, UNREACHABLE_S)
+            self.state.mark_unreachable(worker, self.state.pid_of(worker))
             return RouterErrorKind.UPSTREAM_UNREACHABLE
         abort_cb = _on_disconnect(conn)
         watcher.add_done_callback(abort_cb)
@@ -339,8 +341,10 @@ class Proxy:
                 if disconnected.is_set():
                     outcome = "client_disconnect"
                     return None
-                await self._reject(send, RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} failed before "
-                                   f"answering: {e}", rid, worker)
+                log.warning("worker %d closed the connection before answering request %s (%s)", worker,
+                            rid.decode(), e)
+                await self._reject(send, RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} closed the connection "
+                                   "before answering", rid, worker)
                 return None
             m.upstream_ttfb.labels(wl).observe(time.perf_counter() - t0)
             if status == 503 and any(n.lower() == b"x-dplb-draining" for n, _ in up_headers):

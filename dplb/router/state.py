@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 
 from dplb.config import RouterConfig
@@ -26,6 +27,7 @@ from dplb.shm import Segment, WorkerState
 from dplb.systemd import Watchdog
 
 log = logging.getLogger("dplb.router")
+UNREACHABLE_S = 2.0  # a worker that refused a connection is skipped this long (or until it restarts)
 
 
 class RouterState:
@@ -48,6 +50,9 @@ class RouterState:
         self.decisions: collections.deque[tuple[float, str, Decision]] = collections.deque(maxlen=cfg.debug_ring)
         self._routable = [False] * n
         self._pids = [0] * n
+        # Workers whose socket refused a connection: skipped until this monotonic time (or a new pid appears).
+        self._unreachable_until = [0.0] * n
+        self._unreachable_pid = [0] * n
         metrics.init_workers(n)
         metrics.shm_present.set(1 if self.segment else 0)
 
@@ -86,7 +91,11 @@ class RouterState:
         """Pick a worker for one request (see module docstring). Never raises for a missing segment."""
         t0 = time.perf_counter()
         snap = self.snapshot()
+        if any(self._unreachable_until):
+            exclude = self._with_unreachable(exclude, snap)
         if snap is None:
+            # No state: only workers whose socket file exists are candidates (a stat per worker, fallback only).
+            exclude = exclude | {k for k in range(self.num_workers) if not os.path.exists(self.cfg.socket_path(k))}
             try:
                 k = self.policy.pick_without_state(self.inflight, exclude)
                 d = Decision(self.policy.name, k, REASON_FALLBACK, [], self.policy.baseline_s)
@@ -97,6 +106,30 @@ class RouterState:
         self.metrics.observe_decision(d, time.perf_counter() - t0)
         self.decisions.append((time.time(), request_id, d))
         return d
+
+    def mark_unreachable(self, worker: int, pid: int) -> None:
+        """``worker``'s socket refused a connection: skip it for :data:`UNREACHABLE_S` seconds, or until the
+        worker publishes a different pid (it restarted)."""
+        self._unreachable_until[worker] = time.monotonic() + UNREACHABLE_S
+        self._unreachable_pid[worker] = pid
+
+    def _with_unreachable(self, exclude: frozenset[int], snap: list[WorkerState] | None) -> frozenset[int]:
+        now = time.monotonic()
+        out = set(exclude)
+        for k, until in enumerate(self._unreachable_until):
+            if not until:
+                continue
+            restarted = snap is not None and snap[k].pid not in (0, self._unreachable_pid[k])
+            if now >= until or restarted:
+                self._unreachable_until[k] = 0.0
+            else:
+                out.add(k)
+        return frozenset(out)
+
+    def pid_of(self, worker: int) -> int:
+        """The pid worker ``worker`` published (0 without a segment)."""
+        seg = self.segment
+        return seg.read(worker).pid if seg is not None else 0
 
     def acquire(self, worker: int) -> None:
         """A request was dispatched to ``worker``."""
@@ -148,10 +181,11 @@ class RouterState:
             self._pids[k] = w.pid
 
     def routable_workers(self) -> list[int]:
-        """Worker ids that are eligible right now (for ``/ready`` and ``/v1/models``), best first."""
+        """Worker ids that are eligible right now (for ``/ready`` and ``/v1/models``). Without a segment: the
+        workers whose socket file exists."""
         snap = self.snapshot()
         if snap is None:
-            return list(range(self.num_workers))
+            return [k for k in range(self.num_workers) if os.path.exists(self.cfg.socket_path(k))]
         now = time.monotonic_ns()
         interval = self.segment.state_interval_ms if self.segment else 200
         return [w.worker_id for w in snap

@@ -91,7 +91,7 @@ class UpstreamConn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if not self._complete:
-            self._fail(UpstreamClosed("worker closed the connection mid-response"))
+            self._fail(UpstreamClosed("the worker closed the connection before the response was complete"))
 
     # ---- httptools callbacks ------------------------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
