@@ -1,4 +1,4 @@
-"""The ``dplb`` command line: ``launch``, ``worker``, ``router``, ``state``, ``doctor``, ``bench``.
+"""The ``dplb`` command line: ``launch``, ``worker``, ``router``, ``state``, ``doctor``, ``segment``.
 
 Contract: argparse parses and validates into typed ``*Config`` objects once; a :class:`dplb.errors.DPLBError` is
 printed as one clear message without a traceback (exit 2 for configuration errors, 1 otherwise). Subcommands

@@ -9,21 +9,35 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
-from dplb.errors import ShmMissingError
+from dplb.errors import DPLBError, ShmMissingError
 from dplb.shm import ENV_SHM_PATH, Segment, list_segments
 
 
 def find_segment(path: str | None) -> str:
-    """Resolve the segment path as described in the module docstring. Raises :class:`ShmMissingError`."""
+    """Resolve the segment path as described in the module docstring: the newest by its header's creation time
+    (file mtimes do not move: workers write through mmap). Warns on stderr when several segments exist.
+    Raises :class:`ShmMissingError`."""
     p = path or os.environ.get(ENV_SHM_PATH)
     if p:
         return p
-    found = list_segments()
-    if not found:
+    created = []
+    for cand in list_segments():
+        try:
+            with Segment.attach(cand, writable=False) as seg:
+                created.append((seg.header.created_unix_ns, cand))
+        except DPLBError:
+            continue
+    if not created:
         raise ShmMissingError(None)
-    return found[0]
+    created.sort(reverse=True)
+    if len(created) > 1:
+        others = ", ".join(c for _, c in created[1:])
+        print(f"dplb state: several segments exist; showing the newest, {created[0][1]} (others: {others}). "
+              "Pass --shm-path or set DPLB_SHM_PATH to pick one; `dplb doctor` finds stale ones.", file=sys.stderr)
+    return created[0][1]
 
 
 def snapshot(seg: Segment) -> dict[str, object]:
@@ -45,21 +59,24 @@ def _gib(b: object) -> str:
 
 
 def render_table(snap: dict) -> object:
-    """A rich Table of one snapshot."""
+    """A rich Table of one snapshot (fits 80 columns; "!" after the lifecycle = stale heartbeat)."""
+    from rich import box
     from rich.table import Table
 
     h = snap["header"]
     t = Table(title=f"{snap['path']}  model={h['model'] or '-'}  workers={h['num_workers']}  "
-                    f"interval={h['state_interval_ms']} ms")
-    for col in ("id", "pid", "lifecycle", "age s", "running", "waiting", "KV %", "GPU mem GiB", "avg lat s",
-                "TTFT s", "requests", "errors", "OOMs", "warm-up s"):
-        t.add_column(col, justify="right")
+                    f"interval={h['state_interval_ms']} ms",
+              caption="age, lat, TTFT, warm: seconds; lat, TTFT: mean of the last 10 requests",
+              box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0))
+    for col in ("id", "pid", "state", "age", "run", "wait", "KV%", "GPU GiB", "lat s", "TTFT", "reqs", "err",
+                "OOM", "warm s"):
+        t.add_column(col, justify="right", no_wrap=True)
     for w in snap["workers"]:
         age = w["heartbeat_age_s"]
-        life = str(w["lifecycle"]) + (" (stale)" if w["stale"] and w["pid"] else "")
-        gpu = "no GPU" if w["no_gpu"] else f"{_gib(w['gpu_memory_used_bytes'])}/{_gib(w['gpu_memory_total_bytes'])}"
+        life = str(w["lifecycle"]) + ("!" if w["stale"] and w["pid"] else "")
+        gpu = "-" if w["no_gpu"] else f"{_gib(w['gpu_memory_used_bytes'])}/{_gib(w['gpu_memory_total_bytes'])}"
         t.add_row(
-            str(w["worker"]), str(w["pid"] or "-"), life, "-" if age is None else f"{age:.2f}",
+            str(w["worker"]), str(w["pid"] or "-"), life, "-" if age is None else f"{age:.1f}",
             str(w["num_running"]), str(w["num_waiting"]), f"{100 * w['kv_cache_usage']:.1f}", gpu,
             f"{w['avg_latency_s']:.3f}", f"{w['avg_ttft_s']:.3f}", str(w["requests_total"]), str(w["errors_total"]),
             str(w["cuda_oom_total"]), f"{w['warmup_seconds']:.2f}",

@@ -296,22 +296,30 @@ def drill_prom(binary: str, tmp: Path, c: Cluster, worker_ports: list[int] | Non
         prom.stop()
 
 
-def expect_exactly(prom: Prometheus, expected: dict[str, dict[str, str]], since: float,
-                   observe: float = MAX_FOR + 2, timeout: float = 45, tolerate: frozenset[str] = frozenset()) -> None:
-    """Wait until the firing alerts are exactly ``expected`` (name -> labels each must include), for at least
-    ``observe`` s after ``since`` (so slower alerts would have had time to fire). Any other alert firing meanwhile
-    fails, except ``tolerate`` (alerts firing before the fault, allowed while they resolve)."""
-    deadline = since + timeout
+def expect_exactly(prom: Prometheus, expected: dict[str, dict[str, str]], timeout: float = 45,
+                   tolerate: frozenset[str] = frozenset(), settle: float = 3) -> None:
+    """Wait until the firing alerts are exactly ``expected`` (name -> labels each must include) and no other alert is
+    pending, for ``settle`` s in a row. Any other alert firing meanwhile fails the test, except ``tolerate`` (alerts
+    firing before the fault, allowed while they resolve)."""
+    deadline = time.monotonic() + timeout
+    good_since: float | None = None
     while True:
-        firing = prom.firing()
+        alerts = prom.alerts()
+        firing: dict[str, list[dict[str, str]]] = {}
+        for a in alerts:
+            if a["state"] == "firing":
+                firing.setdefault(a["labels"]["alertname"], []).append(a["labels"])
+        pending = {a["labels"]["alertname"] for a in alerts if a["state"] == "pending"} - set(expected)
         extra = set(firing) - set(expected) - tolerate
-        assert not extra, f"unexpected alert(s) firing: {extra}: {firing}"
-        done = set(firing) == set(expected) and all(
+        assert not extra, f"unexpected alert(s) firing: {extra}: {alerts}"
+        ok = not pending and set(firing) == set(expected) and all(
             any(all(ls.get(k) == v for k, v in want.items()) for ls in firing[name])
             for name, want in expected.items())
-        if done and time.monotonic() >= since + observe:
+        now = time.monotonic()
+        good_since = (good_since or now) if ok else None
+        if good_since is not None and now - good_since >= settle:
             return
-        assert time.monotonic() < deadline, f"expected exactly {expected}, firing: {firing}"
+        assert now < deadline, f"expected exactly {expected} firing; alerts: {alerts}"
         time.sleep(0.5)
 
 
@@ -324,7 +332,7 @@ def test_drill_healthy_cluster_under_light_load_fires_nothing(prometheus_bin: st
         try:
             with drill_prom(prometheus_bin, tmp_path, c, ports) as prom:
                 t0 = time.monotonic()
-                while time.monotonic() - t0 < 2 * MAX_FOR + 2:  # two of the longest for: + windows filling
+                while time.monotonic() - t0 < MAX_FOR + 4:  # longer than the longest for:
                     assert prom.firing() == {}, prom.alerts()
                     time.sleep(1)
                 assert [a for a in prom.alerts() if a["state"] == "pending"] == []
@@ -339,13 +347,10 @@ def test_drill_healthy_cluster_under_light_load_fires_nothing(prometheus_bin: st
 def test_drill_no_worker_registered_then_one_stuck_warming(prometheus_bin: str, tmp_path: Path) -> None:
     with cluster(str(tmp_path), 2, start_workers=False, wait_router_ready=False) as c, \
             drill_prom(prometheus_bin, tmp_path, c) as prom:
-        t0 = time.monotonic()
-        expect_exactly(prom, {"DPLBNoWorkerRegistered": {"job": "dplb-router"}}, t0, observe=0)
+        expect_exactly(prom, {"DPLBNoWorkerRegistered": {"job": "dplb-router"}})
         c.start_worker(0)  # a healthy worker: registers, warms up in well under a second, ready
         c.start_worker(1, "--sim-warmup-delay-s", "120", wait=False)  # a model load that takes 2 minutes
-        t1 = time.monotonic()
-        expect_exactly(prom, {"DPLBWorkerStuckWarming": {"worker": "1"}}, t1,
-                       tolerate=frozenset({"DPLBNoWorkerRegistered"}))
+        expect_exactly(prom, {"DPLBWorkerStuckWarming": {"worker": "1"}}, tolerate=frozenset({"DPLBNoWorkerRegistered"}))
         c.kill_worker(1, signal.SIGKILL)  # it would not act on SIGTERM before its load ends (see the README)
 
 
@@ -354,10 +359,9 @@ def test_drill_all_workers_stopped_fires_no_routable_worker(prometheus_bin: str,
         assert prom.firing() == {}
         for k in range(2):
             c.kill_worker(k, signal.SIGTERM)
-        t0 = time.monotonic()
         load = Load(c.url, pause=0.3, stream_every=0)
         try:
-            expect_exactly(prom, {"DPLBNoRoutableWorker": {"job": "dplb-router"}}, t0)
+            expect_exactly(prom, {"DPLBNoRoutableWorker": {"job": "dplb-router"}})
         finally:
             load.stop()
         assert set(load.statuses) == {503}, load.statuses
@@ -371,19 +375,18 @@ def test_drill_cuda_oom_fires_the_oom_alert(prometheus_bin: str, tmp_path: Path)
         r = httpx.post(c.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "x", "max_tokens": 2},
                        timeout=30)
         assert r.status_code == 500 and "CUDA out of memory" in r.text, r.text
-        expect_exactly(prom, {"DPLBCudaOOM": {"worker": "0"}}, time.monotonic())
+        expect_exactly(prom, {"DPLBCudaOOM": {"worker": "0"}})
 
 
 def test_drill_shm_segment_deleted_then_router_down(prometheus_bin: str, tmp_path: Path) -> None:
     with cluster(str(tmp_path), 2) as c, drill_prom(prometheus_bin, tmp_path, c) as prom:
         assert prom.firing() == {}
         os.unlink(c.shm_path)
-        expect_exactly(prom, {"DPLBShmSegmentMissing": {"job": "dplb-router"}}, time.monotonic())
+        expect_exactly(prom, {"DPLBShmSegmentMissing": {"job": "dplb-router"}})
         r = httpx.post(c.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "x", "max_tokens": 2},
                        timeout=30)
         assert r.status_code == 200  # the router still serves, on its own in-flight counts
         assert c.router is not None
         c.router.send_signal(signal.SIGTERM)
         c.router.wait(30)
-        expect_exactly(prom, {"DPLBRouterDown": {"job": "dplb-router"}}, time.monotonic(),
-                       tolerate=frozenset({"DPLBShmSegmentMissing"}))
+        expect_exactly(prom, {"DPLBRouterDown": {"job": "dplb-router"}}, tolerate=frozenset({"DPLBShmSegmentMissing"}))
