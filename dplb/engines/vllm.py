@@ -137,17 +137,39 @@ class VllmEngine:
                 total += s.value
         return total
 
+    @classmethod
+    def _value(cls, metric: Any) -> float:
+        """Sum of a labelled gauge's children, read straight from prometheus_client's value holders (cheaper
+        than ``collect()``, which builds sample objects); falls back to ``collect()`` if the internals differ."""
+        if metric is None:
+            return 0.0
+        try:
+            return float(sum(c._value.get() for c in list(metric._metrics.values())))
+        except AttributeError:
+            return cls._sum(metric)
+
+    @classmethod
+    def _hist_sum_count(cls, metric: Any) -> tuple[float, float]:
+        """(sum, count) of a labelled histogram over its children."""
+        if metric is None:
+            return 0.0, 0.0
+        try:
+            children = list(metric._metrics.values())
+            return (float(sum(c._sum.get() for c in children)),
+                    float(sum(b.get() for c in children for b in c._buckets)))
+        except AttributeError:
+            return cls._sum(metric, "_sum"), cls._sum(metric, "_count")
+
     def stats(self) -> EngineStats:
         """vLLM's scheduler gauges from the in-process registry (summed over engines)."""
         run_c, wait_c, kv_c = self._collectors or (None, None, None)
-        hist = getattr(self, "_prompt_hist", None)
-        prompt, reqs = self._sum(hist, "_sum"), self._sum(hist, "_count")
+        prompt, reqs = self._hist_sum_count(getattr(self, "_prompt_hist", None))
         if reqs > self._requests:
             self._last_prompt = int((prompt - self._prompt_tokens) / (reqs - self._requests))
             self._prompt_tokens, self._requests = prompt, reqs
         return EngineStats(
-            num_running=int(self._sum(run_c)), num_waiting=int(self._sum(wait_c)),
-            kv_cache_usage=min(1.0, max(0.0, self._sum(kv_c))), max_num_seqs=self._max_num_seqs,
+            num_running=int(self._value(run_c)), num_waiting=int(self._value(wait_c)),
+            kv_cache_usage=min(1.0, max(0.0, self._value(kv_c))), max_num_seqs=self._max_num_seqs,
             cuda_oom_total=self._oom.count, last_prompt_tokens=self._last_prompt,
         )
 
