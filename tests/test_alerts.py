@@ -201,7 +201,8 @@ def test_every_alert_is_named_labelled_annotated_and_linked() -> None:
 
 
 def test_every_alert_has_a_runbook_with_the_four_sections() -> None:
-    names = {r["alert"] for r in alert_rules()}
+    rules = {r["alert"]: r for r in alert_rules()}
+    names = set(rules)
     files = {p.stem for p in RUNBOOKS.glob("DPLB*.md")}
     assert files == names, {"without runbook": names - files, "orphan runbooks": files - names}
     for name in names:
@@ -211,7 +212,9 @@ def test_every_alert_has_a_runbook_with_the_four_sections() -> None:
         assert all(p > 0 for p in pos) and pos == sorted(pos), (name, dict(zip(SECTIONS, pos, strict=True)))
         for cmd in ("dplb state", "dplb doctor"):
             assert cmd in text, (name, cmd)
-        assert "```promql" in text or "PromQL" in text, name
+        block = re.search(r"```promql\n(.*?)```", text, re.S)
+        assert block and block.group(1).strip() == rules[name]["expr"].strip(), f"{name}: runbook shows another expr"
+        assert f"{rules[name].get('for', '0m')}" in text or "fires at once" in text, name
 
 
 def test_every_alert_has_a_firing_case_at_its_for_boundary_and_a_silent_case() -> None:
@@ -273,6 +276,17 @@ def write_drill_rules(dst: Path) -> Path:
             r["expr"] = re.sub(r"\[(\d+[smhd])\]", lambda m: f"[{scale_window(m.group(1))}]", r["expr"])
     dst.write_text(yaml.safe_dump(doc, sort_keys=False))
     return dst
+
+
+def test_drill_copy_of_the_rules_is_valid_and_fast(tmp_path: Path) -> None:
+    promtool = need("promtool")
+    path = write_drill_rules(tmp_path / "drill.rules.yml")
+    r = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    drill = [x for g in yaml.safe_load(path.read_text())["groups"] for x in g["rules"]]
+    assert [x["alert"] for x in drill] == [x["alert"] for x in alert_rules()]
+    for x in drill:
+        assert _seconds(x["for"]) <= MAX_FOR and all(_seconds(w) <= 30 for w in re.findall(r"\[(\w+)\]", x["expr"]))
 
 
 @pytest.fixture

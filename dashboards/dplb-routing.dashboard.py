@@ -1,0 +1,87 @@
+"""DPLB routing and workers: every scoring input per worker as the scorer saw it, lifecycle figures, OOMs, and the
+cost of deciding. → dplb-routing.json"""
+
+from _common import ROUTER, SEL_W, WORKERS, Layout, lifecycle_timeline, make_dashboard, quantile, r, targets, ts
+
+from dplb import metrics as M
+
+TERM_DOC = {
+    "queue": "1 − queue / max_queue (weight 0.4): falls as requests pile up on the worker.",
+    "memory": "1 − KV-cache usage (or GPU memory used/total with memory_signal=gpu) (weight 0.3).",
+    "latency": "1 − avg latency / baseline (weight 0.3); 1 until the baseline is frozen after 50 requests.",
+}
+RANGE_0_1: dict[str, int] = {"valueMin": 0, "valueMax": 1}
+
+L = Layout()
+L.row("Score").add(
+    ts("Score per worker", "none", targets((f"max by (worker) ({r(M.WORKER_SCORE)})", "worker {{worker}}")),
+       "Routing score each worker has right now (higher wins; ties rotate): 0.4·queue + 0.3·memory + 0.3·latency "
+       "terms. Recomputed at every scrape over the current shm snapshot.", w=24, **RANGE_0_1),
+)
+for term, doc in TERM_DOC.items():
+    sel = r(M.WORKER_SCORE_TERM, f'term="{term}"')
+    L.add(ts(f"Score term: {term}", "none", targets((f"max by (worker) ({sel})", "worker {{worker}}")), doc, w=8,
+             **RANGE_0_1))
+L.row("Scoring inputs").add(
+    ts("Queue vs in-flight per worker", "none",
+       targets((f"max by (worker) ({r(M.WORKER_QUEUE_LENGTH)})", "queue {{worker}}"),
+               (f"max by (worker) ({r(M.WORKER_REQUESTS_INFLIGHT)})", "in-flight {{worker}}")),
+       "queue = running + waiting from shm + requests the router sent since the worker's last snapshot; "
+       "in-flight = requests the router has open to the worker."),
+    ts("KV-cache usage per worker", "percentunit",
+       targets((f"max by (worker) ({r(M.WORKER_KV_CACHE_USAGE)})", "worker {{worker}}")),
+       "KV-cache usage the worker published (the memory term's input).", **RANGE_0_1),
+    ts("GPU memory used / total per worker", "bytes",
+       targets((f"max by (worker) ({r(M.WORKER_GPU_MEMORY_USED)})", "used {{worker}}"),
+               (f"max by (worker) ({r(M.WORKER_GPU_MEMORY_TOTAL)})", "total {{worker}}")),
+       "NVML memory summed over the worker's GPUs (0 without a GPU, e.g. the sim engine)."),
+    ts("GPU memory used ratio per worker", "percentunit",
+       targets((f"max by (worker) ({r(M.WORKER_GPU_MEMORY_USED)}) / max by (worker) ({r(M.WORKER_GPU_MEMORY_TOTAL)})",
+                "worker {{worker}}")),
+       "used / total. vLLM pre-allocates --gpu-memory-utilization (≈0.9); DPLBGPUMemoryNearFull fires above 0.97.",
+       **RANGE_0_1),
+    ts("Average latency vs baseline", "s",
+       targets((f"max by (worker) ({r(M.WORKER_LATENCY_AVG)})", "avg latency {{worker}}"),
+               (f"max({M.LATENCY_BASELINE}{{{ROUTER}}})", "baseline")),
+       "Mean E2E of each worker's last 10 successful requests vs the baseline (P95 of the first 50 requests; "
+       "empty until frozen)."),
+    ts("Worker state age", "s",
+       targets((f"time() - max by (worker) ({r(M.WORKER_STATE_LAST_UPDATE)})", "heartbeat age {{worker}}"),
+               (quantile(0.99, f"{M.STATE_READ_AGE}_bucket{{{ROUTER}}}"), "age of chosen state at decision, P99")),
+       "Seconds since each worker's last heartbeat (0.2 s normally; stale after 0.6 s; DPLBWorkerStateStale after "
+       "30 s), and how old the state was when the router decided."),
+)
+L.row("Lifecycle and faults").add(
+    lifecycle_timeline("Lifecycle per worker: starting (model load), warming (warm-up request), ready, draining, "
+                       "stopped."),
+    ts("Warm-up and first-request duration per worker", "s",
+       targets((f"max by (worker) ({r(M.WORKER_WARMUP_DURATION)})", "warm-up {{worker}}"),
+               (f"max by (worker) ({r(M.WORKER_FIRST_REQUEST_DURATION)})", "first request {{worker}}")),
+       "Warm-up request duration and the first real request after ready (0 until it happened). "
+       "DPLBWorkerColdStartSlow fires when the first request took over 10 s.", drawStyle="points", pointSize=6),
+    ts("CUDA OOMs per worker", "none",
+       targets((f"max by (worker) (increase({r(M.WORKER_CUDA_OOM + '_total')}[$__rate_interval]))",
+                "worker {{worker}}")),
+       "CUDA out-of-memory errors reported by each worker's engine (DPLBCudaOOM).", drawStyle="bars",
+       fillOpacity=80),
+    ts("Worker requests/s and errors/s (worker side)", "reqps",
+       targets((f"sum by (worker) (rate({M.WORKER_REQUESTS}_total{{{WORKERS}, {SEL_W}}}[$__rate_interval]))",
+                "requests {{worker}}"),
+               (f"sum by (worker) (rate({M.WORKER_ERRORS}_total{{{WORKERS}, {SEL_W}}}[$__rate_interval]))",
+                "errors {{worker}}")),
+       "Model requests each worker completed and those that failed (5xx or cut), from the worker's metrics port."),
+    ts("Routing decision duration P50 / P99", "s",
+       targets(*[(quantile(q, f"{M.ROUTING_DECISION_DURATION}_bucket{{{ROUTER}}}"), f"P{round(q * 100)}")
+                 for q in (0.5, 0.99)]),
+       "shm read + pick() per request (microseconds normally)."),
+    ts("Collector tick P99 per worker", "s",
+       targets((quantile(0.99, f"{M.WORKER_COLLECTOR_TICK}_bucket{{{WORKERS}, {SEL_W}}}", "worker"),
+                "worker {{worker}}")),
+       "Time one state-collector tick takes in each worker (engine stats + NVML + shm publish)."),
+)
+
+dashboard = make_dashboard(
+    "DPLB routing and workers", "dplb-routing",
+    "Every scoring input per worker as the router's scorer sees it (queue, in-flight, KV, GPU memory, latency vs "
+    "baseline, state age), the score and its terms, lifecycle, warm-up, OOMs and decision cost. "
+    "Generated from dashboards/dplb-routing.dashboard.py; do not edit the JSON.", L)

@@ -1,0 +1,214 @@
+"""Dashboards: the committed JSON is what the grafanalib sources generate, it imports into Grafana 11/12 (schema,
+data source variable, ids, grid, units), it only names real metrics, and every query works against a real
+Prometheus scraping a live sim cluster (router + 2 workers) under light load."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster import ROOT, cluster, free_port
+from test_alerts import Load, Prometheus, known_dplb, metric_names, need
+
+from dplb import metrics as M
+from dplb.engines.sim_scheduler import SimConfig, SimScheduler
+
+DASH_DIR = Path(ROOT) / "dashboards"
+DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+REQUIRED_UNITS = {"s", "bytes", "percentunit", "reqps"}
+
+
+def _generator() -> Any:
+    sys.path.insert(0, str(DASH_DIR))
+    try:
+        import generate
+    finally:
+        sys.path.remove(str(DASH_DIR))
+    return generate
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(DASH_DIR.glob("*.json"))}
+
+
+def data_panels(d: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in d["panels"] if p["type"] != "row"]
+
+
+def all_exprs() -> list[tuple[str, str, str]]:
+    """(dashboard file, panel title, expr) of every query."""
+    return [(name, p["title"], t["expr"]) for name, d in dashboards().items() for p in data_panels(d)
+            for t in p["targets"]]
+
+
+def sim_vllm_names() -> set[str]:
+    """Every vllm:* sample name the sim engine exposes."""
+    reg = SimScheduler(SimConfig()).metrics.registry
+    return {s.name for fam in reg.collect() for s in fam.samples}
+
+
+# ---- generation --------------------------------------------------------------------------------------------------
+def test_committed_json_equals_regenerated_json() -> None:
+    gen = _generator()
+    out = gen.generate()
+    assert {p.name for p in out} == {"dplb-overview.json", "dplb-routing.json", "dplb-engine.json"}
+    for path, text in out.items():
+        assert path.exists(), f"{path.name} not committed: run python dashboards/generate.py"
+        assert path.read_text() == text, f"{path.name} differs from its source: run python dashboards/generate.py"
+    r = subprocess.run([sys.executable, str(DASH_DIR / "generate.py"), "--check"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_check_mode_fails_on_any_difference(tmp_path: Path) -> None:
+    copy = tmp_path / "dashboards"
+    shutil.copytree(DASH_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    target = copy / "dplb-routing.json"
+    target.write_text(target.read_text().replace('"Score per worker"', '"Score per worker (edited by hand)"'))
+    r = subprocess.run([sys.executable, str(copy / "generate.py"), "--check"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "dplb-routing.json" in r.stderr, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, str(copy / "generate.py")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and target.read_text() == (DASH_DIR / "dplb-routing.json").read_text()
+
+
+# ---- Grafana 11/12 import rules ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["dplb-overview.json", "dplb-routing.json", "dplb-engine.json"])
+def test_dashboard_is_importable_by_current_grafana(name: str) -> None:
+    d = dashboards()[name]
+    assert d["schemaVersion"] >= 39 and d["uid"] and d["title"] and not d.get("rows")
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    ds = variables["DS_PROMETHEUS"]
+    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    w = variables["worker"]
+    assert w["type"] == "query" and w["query"] == f"label_values({M.WORKER_UP}, worker)" and w["datasource"] == DS
+    assert w["includeAll"] and w["multi"] and w["allValue"] == ".*"
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids)) and all(isinstance(i, int) and i > 0 for i in ids), ids
+    boxes = []
+    for p in d["panels"]:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["y"] >= 0 and g["w"] > 0 and g["h"] > 0 and g["x"] + g["w"] <= 24, (p["title"], g)
+        boxes.append((p["title"], g))
+    for (ta, a), (tb, b) in combinations(boxes, 2):
+        overlap = a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"] and a["y"] < b["y"] + b["h"] and \
+            b["y"] < a["y"] + a["h"]
+        assert not overlap, f"panels overlap: {ta!r} {a} and {tb!r} {b}"
+    for p in data_panels(d):
+        assert p["datasource"] == DS, p["title"]
+        assert p["targets"] and all(t["datasource"] == DS and t["expr"] for t in p["targets"]), p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)), p["title"]
+        assert p["fieldConfig"]["defaults"].get("unit"), f"{p['title']}: no unit"
+        assert p.get("description"), f"{p['title']}: no description"
+
+
+def expected_unit(expr: str) -> str | None:
+    """The unit an expression's result has, when its shape tells (None: a plain count)."""
+    expr = re.sub(r'"[^"]*"', '""', expr)  # label values (route regexes) are not operators
+    if "/" in expr or re.search(r"_(ratio|perc)\b", expr):
+        return "percentunit"
+    if "histogram_quantile" in expr or re.search(r"_seconds\b", expr):
+        return "s"
+    if re.search(r"_bytes\b", expr):
+        return "bytes"
+    if "rate(" in expr and re.search(r"(requests|decisions|rejected|retries)_total\b|_seconds_count\b", expr):
+        return "reqps"
+    return None
+
+
+def test_units_match_what_the_panels_show() -> None:
+    seen = set()
+    for d in dashboards().values():
+        for p in data_panels(d):
+            unit = p["fieldConfig"]["defaults"]["unit"]
+            seen.add(unit)
+            want = {expected_unit(t["expr"]) for t in p["targets"]}
+            if len(want) == 1 and None not in want and "increase(" not in p["targets"][0]["expr"]:
+                assert unit == want.pop(), (p["title"], unit)
+    assert seen >= REQUIRED_UNITS, REQUIRED_UNITS - seen
+
+
+def test_every_metric_name_exists() -> None:
+    vllm = sim_vllm_names()
+    for name, title, expr in all_exprs():
+        names = metric_names(expr)
+        assert names, (name, title, expr)
+        for n in names:
+            assert known_dplb(n) or n in vllm, f"{name} / {title}: unknown metric {n}"
+
+
+def test_the_issue_panels_are_all_there() -> None:
+    text = " ".join(e for _, _, e in all_exprs())
+    for needed in (M.UPSTREAM_REQUEST_DURATION + "_bucket", M.UPSTREAM_TTFB + "_bucket", M.REQUESTS_REJECTED,
+                   M.ROUTING_DECISIONS, M.HTTP_REQUESTS, M.WORKER_UP, M.WORKER_LIFECYCLE, M.SHM_SEGMENT_PRESENT,
+                   M.WORKER_SCORE, M.WORKER_SCORE_TERM, M.WORKER_QUEUE_LENGTH, M.WORKER_REQUESTS_INFLIGHT,
+                   M.WORKER_KV_CACHE_USAGE, M.WORKER_GPU_MEMORY_USED, M.WORKER_GPU_MEMORY_TOTAL, M.WORKER_LATENCY_AVG,
+                   M.LATENCY_BASELINE, M.WORKER_STATE_LAST_UPDATE, M.WORKER_WARMUP_DURATION,
+                   M.WORKER_FIRST_REQUEST_DURATION, M.WORKER_CUDA_OOM, M.ROUTING_DECISION_DURATION,
+                   "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                   "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                   "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
+        assert needed in text, needed
+    for q in ("0.5", "0.95", "0.99"):
+        assert f"histogram_quantile({q}, sum by (le) (rate({M.UPSTREAM_REQUEST_DURATION}_bucket" in text, q
+        assert f"histogram_quantile({q}, sum by (le) (rate({M.UPSTREAM_TTFB}_bucket" in text, q
+    for term in ("queue", "memory", "latency"):
+        assert f'term="{term}"' in text, term
+
+
+def test_panels_named_in_runbooks_exist() -> None:
+    titles = {p["title"] for d in dashboards().values() for p in d["panels"]}
+    named = set()
+    for rb in (Path(ROOT) / "runbooks").glob("*.md"):
+        for t in re.findall(r'panel "([^"]+)"', rb.read_text()):
+            assert t in titles, f"{rb.name} names a panel that does not exist: {t!r}"
+            named.add(t)
+    assert len(named) >= 8, named
+
+
+# ---- every query against a real Prometheus and a live cluster -----------------------------------------------------
+def substitute(expr: str, worker: str) -> str:
+    return (expr.replace("$__rate_interval", "30s").replace("$__interval", "15s").replace("$__range", "5m")
+            .replace("$worker", worker))
+
+
+def test_every_query_evaluates_and_returns_data_against_a_live_cluster(tmp_path: Path) -> None:
+    binary = need("prometheus")
+    ports = [free_port(), free_port()]
+    with cluster(str(tmp_path), 2, start_workers=False, wait_router_ready=False) as c:
+        for k in range(2):
+            c.start_worker(k, metrics_port=ports[k])
+        load = Load(c.url, pause=0.1)
+        prom = Prometheus(binary, tmp_path / "prom", {"dplb-router": [f"127.0.0.1:{c.port}"],
+                                                     "dplb-workers": [f"127.0.0.1:{p}" for p in ports]})
+        try:
+            prom.wait_up(3)
+            time.sleep(8)  # ≥ 8 scrapes of traffic in every 30 s rate window
+            failures = []
+            for worker in (".*", "1"):
+                for name, title, expr in all_exprs():
+                    q = substitute(expr, worker)
+                    try:
+                        res = prom.query(q)
+                    except AssertionError as e:
+                        failures.append(f"{name} / {title}: error {e}\n  {q}")
+                        continue
+                    if not res:
+                        failures.append(f"{name} / {title}: no data\n  {q}")
+                    elif worker == "1" and "worker" in res[0]["metric"] and \
+                            {r["metric"]["worker"] for r in res} != {"1"}:
+                        failures.append(f"{name} / {title}: $worker=1 not applied\n  {q}")
+            assert not failures, "\n".join(failures)
+        finally:
+            load.stop()
+            prom.stop()
+        assert set(load.statuses) == {200} and len(load.statuses) > 20, load.statuses
