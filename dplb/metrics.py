@@ -34,6 +34,7 @@ ROUTING_DECISION_DURATION = "dplb_routing_decision_duration_seconds"
 STATE_READ_AGE = "dplb_state_read_age_seconds"
 REQUESTS_REJECTED = "dplb_requests_rejected"  # _total
 UPSTREAM_RETRIES = "dplb_upstream_retries"  # _total
+WORKER_EJECTIONS = "dplb_worker_ejections"  # _total
 UPSTREAM_REQUEST_DURATION = "dplb_upstream_request_duration_seconds"
 UPSTREAM_TTFB = "dplb_upstream_time_to_first_byte_seconds"
 HTTP_REQUESTS = "dplb_http_requests"  # _total
@@ -123,6 +124,8 @@ class RouterMetrics:
                                            buckets=DECISION_BUCKETS, registry=reg)
         self.rejected = Counter(REQUESTS_REJECTED, "Requests the router answered itself with an error, by reason.",
                                 ["reason"], registry=reg)
+        self.ejections = Counter(WORKER_EJECTIONS, "Times a worker was ejected for a few seconds after consecutive "
+                                 "failed responses (passive health check).", ["worker"], registry=reg)
         self.retries = Counter(UPSTREAM_RETRIES, "Requests re-sent to another worker after a failure before any "
                                "byte reached the first one.", registry=reg)
         self.upstream_duration = Histogram(UPSTREAM_REQUEST_DURATION, "Proxied request duration by worker and "
@@ -152,6 +155,7 @@ class RouterMetrics:
             for r in DECISION_REASONS[:4]:
                 self.decisions.labels(str(k), r)
             self.upstream_ttfb.labels(str(k))
+            self.ejections.labels(str(k))
             for o in OUTCOMES:
                 self.upstream_duration.labels(str(k), o)
         for r in DECISION_REASONS[4:]:
@@ -245,7 +249,9 @@ class WorkerStateCollector:
                 oom.add_metric([w], s.cuda_oom_total)
         yield from fam.values()
         yield oom
-        yield GaugeMetricFamily(WORKERS_REGISTERED, "Workers that have registered in the segment.", value=registered)
+        yield GaugeMetricFamily(WORKERS_REGISTERED, "Worker slots written at least once since the segment was created "
+                                "(same notion as the router's no_workers_registered; see dplb_worker_up for routable).",
+                                value=registered)
         yield GaugeMetricFamily(LATENCY_BASELINE, "Latency baseline of the score (P95 of the first 50 requests), "
                                 "seconds; NaN until frozen.", value=float("nan") if baseline is None else baseline)
 

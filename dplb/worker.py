@@ -206,16 +206,20 @@ class Worker:
         log.info("Worker %d starting (engine %s, pid %d, socket %s)", k, self.engine.name, os.getpid(), self.cfg.uds)
         servers = []
         try:
-            await self.engine.start()
-            if self.engine.app is not None:
-                app = RequestStatsMiddleware(self.engine.app, self.req, lambda: self.accepting)
-                srv = make_server(app, graceful_s=self.cfg.drain_timeout_s)
-                servers.append((srv, asyncio.create_task(srv.serve(sockets=[bind_uds(self.cfg.uds)]))))
+            # Metrics first: the port answers (lifecycle "starting") while a model loads for minutes.
+            self.collector.set_lifecycle(Lifecycle.STARTING)
             port = self.cfg.resolved_metrics_port
             if port:
                 msrv = make_server(MetricsApp(self.engine, self.metrics), graceful_s=1)
                 servers.append((msrv, asyncio.create_task(
                     msrv.serve(sockets=[bind_tcp(self.cfg.metrics_host, port)]))))
+            if not await self._start_engine_or_stop():
+                log.info("Worker %d: stop requested while the engine was loading", k)
+                return 0
+            if self.engine.app is not None:
+                app = RequestStatsMiddleware(self.engine.app, self.req, lambda: self.accepting)
+                srv = make_server(app, graceful_s=self.cfg.drain_timeout_s)
+                servers.append((srv, asyncio.create_task(srv.serve(sockets=[bind_uds(self.cfg.uds)]))))
             self.collector.set_lifecycle(Lifecycle.WARMING)
             log.info("Worker %d warming up", k)
             if not self._stop.is_set():
@@ -248,6 +252,21 @@ class Worker:
                 os.unlink(self.cfg.uds)
             self.gpu.close()
             self.segment.close()
+
+    async def _start_engine_or_stop(self) -> bool:
+        """Load the engine, unless SIGTERM/SIGINT comes first (then cancel the load and return False): a worker
+        must stop promptly even in the middle of a minutes-long model load (systemd's TimeoutStopSec)."""
+        start = asyncio.ensure_future(self.engine.start())
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({start, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if start.done():
+            start.result()  # raises the engine's own error
+            return True
+        start.cancel()
+        with contextlib.suppress(BaseException):
+            await start
+        return False
 
     async def _wait_stop_or_failure(self) -> str | None:
         """Wait for SIGTERM/SIGINT (returns None) or for the engine to report a fatal error (returns it)."""

@@ -443,3 +443,18 @@ def test_ready_without_segment_or_sockets_is_503(tmp_path: str) -> None:
             time.sleep(0.1)
         assert httpx.get(c.url + "/ready").status_code == 503
         assert_openai_error(post(c, "/v1/chat/completions", CHAT), 503, "no_workers_registered")
+
+
+def test_failing_worker_is_ejected_instead_of_attracting_traffic(tmp_path: str) -> None:
+    """Regression (alert drill): a worker that answers every request with a fast 500 looked idle to the score
+    (no latency sample, empty queue) and got most of the traffic. Three failures in a row now eject it for 2 s."""
+    with cluster(str(tmp_path), 2, worker_args={1: ["--sim-oom-after", "2"]}) as c:
+        codes = Counter()
+        for i in range(40):
+            r = post(c, "/v1/completions", {"model": "dplb-sim", "prompt": f"{i}", "max_tokens": 2})
+            codes[(r.status_code, r.headers["x-sg-worker-id"])] += 1
+        failed = sum(n for (code, _), n in codes.items() if code == 500)
+        assert failed <= 6, codes  # ejected after 3 in a row; back after 2 s at most once or twice in this loop
+        assert codes[(200, "0")] >= 34, codes
+        assert (c.metric("dplb_worker_ejections_total", {"worker": "1"}) or 0) >= 1
+        assert "ejecting it" in c.router_log()

@@ -108,3 +108,30 @@ def test_warmup_request_is_not_a_latency_sample() -> None:
     rs.begin()
     rs.end(3.0, 0.5, False)
     assert rs.averages() == (3.0, 0.5) and rs.first_request_seconds == 3.0
+
+
+def test_sigterm_during_a_slow_engine_load_stops_promptly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression (alert drill): SIGTERM was ignored until the engine finished loading (a real model load can
+    outlast systemd's TimeoutStopSec). The metrics port also answers during the load now."""
+    port = free_port()
+    with cluster(str(tmp_path), 1, start_workers=False, wait_router_ready=False) as c:
+        assert c.segment is not None
+        c.start_worker(0, "--sim-warmup-delay-s", "30", wait=False, metrics_port=port)
+        t0 = time.monotonic()
+        while c.segment.read(0).lifecycle != Lifecycle.STARTING:
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        while True:
+            try:
+                m = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() - t0 < 10
+                time.sleep(0.1)
+        assert 'dplb_worker_lifecycle{state="starting",worker="0"} 1.0' in m
+        t_term = time.monotonic()
+        c.kill_worker(0, signal.SIGTERM)
+        assert time.monotonic() - t_term < 5
+        assert c.workers[0].returncode == 0
+        assert c.segment.read(0).lifecycle == Lifecycle.STOPPED

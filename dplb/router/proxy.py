@@ -327,6 +327,7 @@ class Proxy:
         watcher.add_done_callback(abort_cb)
         started = False
         outcome = "upstream_error"
+        status = 0
         t0 = time.perf_counter()
         try:
             conn.send_request(head, body)
@@ -348,7 +349,7 @@ class Proxy:
                 return None
             m.upstream_ttfb.labels(wl).observe(time.perf_counter() - t0)
             if status == 503 and any(n.lower() == b"x-dplb-draining" for n, _ in up_headers):
-                conn.abort()  # the worker refused before doing anything: safe to send elsewhere
+                outcome = "draining"  # the worker refused before doing anything: safe to send elsewhere
                 return RouterErrorKind.NONE_ROUTABLE
             extra = _connection_tokens(up_headers)
             out = [(n, v) for n, v in up_headers if n.lower() not in _RESP_OWN and n.lower() not in extra]
@@ -390,7 +391,10 @@ class Proxy:
                 self.pool.release(conn)  # complete response: keep the connection if it is keep-alive
             else:
                 conn.abort()
-            if started or outcome != "upstream_error":
+            if started or outcome in ("upstream_error", "timeout"):
+                failed = outcome in ("upstream_error", "timeout") or (outcome == "upstream_5xx" and status != 503)
+                self.state.record_outcome(worker, failed)
+            if started or outcome not in ("upstream_error", "draining"):
                 m.upstream_duration.labels(wl, outcome).observe(time.perf_counter() - t0, self._exemplar())
 
 

@@ -28,6 +28,7 @@ from dplb.systemd import Watchdog
 
 log = logging.getLogger("dplb.router")
 UNREACHABLE_S = 2.0  # a worker that refused a connection is skipped this long (or until it restarts)
+MAX_FAILS = 3  # consecutive failed responses that eject a worker for UNREACHABLE_S
 
 
 class RouterState:
@@ -53,6 +54,7 @@ class RouterState:
         # Workers whose socket refused a connection: skipped until this monotonic time (or a new pid appears).
         self._unreachable_until = [0.0] * n
         self._unreachable_pid = [0] * n
+        self._consecutive_failures = [0] * n
         metrics.init_workers(n)
         metrics.shm_present.set(1 if self.segment else 0)
 
@@ -112,6 +114,22 @@ class RouterState:
         worker publishes a different pid (it restarted)."""
         self._unreachable_until[worker] = time.monotonic() + UNREACHABLE_S
         self._unreachable_pid[worker] = pid
+
+    def record_outcome(self, worker: int, failed: bool) -> None:
+        """Passive health check (like nginx's max_fails): :data:`MAX_FAILS` responses in a row that the worker
+        failed (5xx other than 503, or a broken connection) eject it for :data:`UNREACHABLE_S` seconds. A worker
+        that fails fast looks idle to the score (no latency sample, empty queue) and would otherwise attract
+        traffic. 503 (full) and 4xx are not failures."""
+        if not failed:
+            self._consecutive_failures[worker] = 0
+            return
+        self._consecutive_failures[worker] += 1
+        if self._consecutive_failures[worker] >= MAX_FAILS:
+            self._consecutive_failures[worker] = 0
+            log.warning("worker %d failed %d requests in a row; ejecting it for %.0f s", worker, MAX_FAILS,
+                        UNREACHABLE_S)
+            self.metrics.ejections.labels(str(worker)).inc()
+            self.mark_unreachable(worker, self.pid_of(worker))
 
     def _with_unreachable(self, exclude: frozenset[int], snap: list[WorkerState] | None) -> frozenset[int]:
         now = time.monotonic()
