@@ -458,3 +458,22 @@ def test_failing_worker_is_ejected_instead_of_attracting_traffic(tmp_path: str) 
         assert codes[(200, "0")] >= 34, codes
         assert (c.metric("dplb_worker_ejections_total", {"worker": "1"}) or 0) >= 1
         assert "ejecting it" in c.router_log()
+
+
+def test_segment_deleted_at_runtime_router_keeps_serving_on_its_own_counts(tmp_path: str) -> None:
+    with cluster(str(tmp_path), 2) as c:
+        assert post(c, "/v1/completions", {"model": "dplb-sim", "prompt": "a", "max_tokens": 1}).status_code == 200
+        os.unlink(c.shm_path)
+        t0 = time.monotonic()
+        while c.metric("dplb_shm_segment_present") != 0:
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.1)
+        seen = Counter()
+        for i in range(10):
+            r = post(c, "/v1/completions", {"model": "dplb-sim", "prompt": f"{i}", "max_tokens": 1})
+            assert r.status_code == 200
+            seen[r.headers["x-sg-worker-id"]] += 1
+        assert set(seen) == {"0", "1"}
+        d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
+        assert d["reason"] == "fallback"
+        assert c.router_log().count("was removed or replaced") == 1
