@@ -64,7 +64,7 @@ import mmap
 import os
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmSpaceError, ShmWorkerIdError
 
@@ -182,16 +182,7 @@ class SegmentHeader:
 
     def to_dict(self) -> dict[str, object]:
         """JSON-friendly dict."""
-        return {
-            "layout_version": self.layout_version,
-            "num_workers": self.num_workers,
-            "slot_size": self.slot_size,
-            "state_interval_ms": self.state_interval_ms,
-            "created_unix_ns": self.created_unix_ns,
-            "creator_pid": self.creator_pid,
-            "model": self.model,
-            "gpu_map": [list(g) for g in self.gpu_map],
-        }
+        return {**asdict(self), "gpu_map": [list(g) for g in self.gpu_map]}
 
 
 def segment_size(num_workers: int) -> int:
