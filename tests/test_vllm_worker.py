@@ -134,10 +134,11 @@ def test_published_load_under_32_concurrent_requests(worker: VllmWorker) -> None
     assert codes == [200] * 40
     assert seen_busy > 0, "the collector never published a non-zero queue while 40 requests ran"
     t0 = time.monotonic()
-    while (s := worker.seg.read(0)).num_running + s.num_waiting > 0:
+    # The engine's queue empties before the last responses have left the worker and been counted: wait for both.
+    while (s := worker.seg.read(0)).num_running + s.num_waiting > 0 or s.requests_total < 41:
         assert time.monotonic() - t0 < 5, s
         time.sleep(0.05)
-    assert s.avg_latency_s > 0 and s.requests_total >= 40 and s.last_prompt_tokens > 0
+    assert s.avg_latency_s > 0 and s.last_prompt_tokens > 0
 
 
 def test_vllm_llm_request_span_nests_under_dplb_client_span(worker: VllmWorker, receiver: OtlpReceiver) -> None:
