@@ -485,3 +485,17 @@ def test_segment_deleted_at_runtime_router_keeps_serving_on_its_own_counts(tmp_p
         d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
         assert d["reason"] == "fallback"
         assert c.router_log().count("was removed or replaced") == 1
+
+
+def test_affinity_prefix_bytes_flag(tmp_path: str) -> None:
+    """A shared system prompt sticks to one worker by default; --affinity-prefix-bytes 0 turns affinity off."""
+    body = {"model": "dplb-sim", "max_tokens": 1, "messages": [
+        {"role": "system", "content": "You are a careful assistant. " * 20}, {"role": "user", "content": "hi"}]}
+    with cluster(str(tmp_path), 2) as c:
+        post(c, "/v1/chat/completions", body)
+        d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
+        assert d["reason"] == "affinity" and d["preferred"] is not None
+    with cluster(str(tmp_path) + "-off", 2, router_args=["--affinity-prefix-bytes", "0"]) as c:
+        post(c, "/v1/chat/completions", body)
+        d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
+        assert d["reason"] == "score" and d["preferred"] is None

@@ -18,6 +18,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hard-queue-cap", type=int, default=0, help="per-worker queue that makes it ineligible (0 = off)")
     g.add_argument("--memory-signal", choices=("kv", "gpu"), default="kv", help="KV-cache usage or NVML used/total")
     g.add_argument("--affinity-margin", type=float, default=0.1, help="prefix affinity margin, score units (0 = off)")
+    g.add_argument("--affinity-prefix-bytes", type=int, default=256,
+                   help="leading bytes of messages/prompt that form the affinity key (0 = no affinity)")
     g.add_argument("--baseline-window", type=int, default=50, help="requests whose P95 is the latency baseline")
     g.add_argument("--seed", type=int, default=0, help="RNG seed of random/power_of_two")
 
@@ -53,7 +55,7 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         policy=policy_config(args, state_interval_ms), run_dir=run_dir, num_workers=num_workers, shm_path=shm_path,
         host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         connect_timeout_s=args.connect_timeout, first_byte_timeout_s=args.first_byte_timeout,
-        idle_timeout_s=args.idle_timeout, access_log=args.access_log,
+        idle_timeout_s=args.idle_timeout, access_log=args.access_log, affinity_prefix_bytes=args.affinity_prefix_bytes,
     )
 
 
