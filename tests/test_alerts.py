@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -25,10 +24,10 @@ import httpx
 import pytest
 import yaml
 from cluster import ROOT, Cluster, cluster, free_port
+from tools import need
 
 from dplb import metrics as M
 
-IN_CI = os.environ.get("CI") == "true"
 RULES = Path(ROOT) / "alerts" / "dplb.rules.yml"
 RULE_TESTS = Path(ROOT) / "alerts" / "dplb.rules.test.yml"
 RUNBOOKS = Path(ROOT) / "runbooks"
@@ -40,16 +39,6 @@ SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_info", "_created")
 
 
 # ---- helpers shared with test_dashboards.py ----------------------------------------------------------------------
-def need(tool: str) -> str:
-    """Path of ``tool``; skip locally without it, fail in CI (CI=true) where it must be installed."""
-    path = shutil.which(tool)
-    if path is None:
-        if IN_CI:
-            pytest.fail(f"{tool} must be installed in CI (.ci/run: apt-get install prometheus)")
-        pytest.skip(f"{tool} not installed (apt-get install prometheus); CI runs this")
-    return path
-
-
 def metric_names(expr: str) -> set[str]:
     """The dplb_* and vllm:* metric names an expression reads."""
     return set(re.findall(r"\b(?:dplb_[a-z0-9_]+|vllm:[a-z0-9_:]+)", expr))

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 from cluster import ROOT, cluster, free_port
-from test_alerts import Load, Prometheus, known_dplb, metric_names, need
+from test_alerts import Load, Prometheus, known_dplb, metric_names
+from tools import need
 
 from dplb import metrics as M
 from dplb.engines.sim_scheduler import SimConfig, SimScheduler

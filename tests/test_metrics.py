@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 import uuid
@@ -13,10 +12,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from cluster import Cluster, cluster, dplb_cmd, free_port
+from tools import need
 
 from dplb import metrics as M
-
-IN_CI = os.environ.get("CI") == "true"
 
 ROUTER_FAMILIES = [
     M.WORKER_QUEUE_LENGTH, M.WORKER_REQUESTS_INFLIGHT, M.WORKER_KV_CACHE_USAGE, M.WORKER_GPU_MEMORY_USED,
@@ -37,12 +35,7 @@ WORKER_FAMILIES = [M.WORKER_WARMUP_DURATION, M.WORKER_CUDA_OOM + "_total", M.NVM
 
 @pytest.fixture
 def prometheus_bin() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        if IN_CI:
-            pytest.fail("prometheus must be installed in CI (.ci/run: apt-get install prometheus)")
-        pytest.skip("prometheus not installed (apt-get install prometheus); CI runs this")
-    return path
+    return need("prometheus")
 
 
 class Prom:

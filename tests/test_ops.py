@@ -12,26 +12,17 @@ import sys
 
 import pytest
 from cluster import ROOT, cluster, dplb_cmd, free_port
+from tools import need
 
 from dplb import doctor
 from dplb.gpu import GpuInfo
 from dplb.shm import Segment
 
-IN_CI = os.environ.get("CI") == "true"
 UNITS = ["dplb.target", "dplb-segment.service", "dplb-router.service", "dplb-worker@.service"]
 
 
-def _need(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        if IN_CI:
-            pytest.fail(f"{tool} must be installed in CI (.ci/run installs it)")
-        pytest.skip(f"{tool} not installed (apt-get install systemd); CI runs this")
-    return path
-
-
 def test_systemd_units_verify_without_any_output(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    sa = _need("systemd-analyze")
+    sa = need("systemd-analyze")
     dplb_bin = shutil.which("dplb") or os.path.join(os.path.dirname(sys.executable), "dplb")
     assert os.access(dplb_bin, os.X_OK), dplb_bin
     for u in UNITS:
