@@ -282,12 +282,8 @@ class Launcher:
                     continue
                 if w.next_start == 0.0:  # just exited: schedule a restart
                     rc = w.proc.returncode if w.proc else None
-                    if not w.ever_ready:
-                        w.start_failures += 1
-                        if w.start_failures >= self.args.max_start_failures:
-                            print(f"DPLB: {w.name} failed to start {w.start_failures} time(s) (exit {rc}); "
-                                  f"giving up. Last log lines ({w.log_path}):\n{w.log_tail()}", file=sys.stderr)
-                            return 1
+                    if self._gives_up(w, rc):
+                        return 1
                     if now - w.started_at > STABLE_S:
                         w.backoff_s = BACKOFF_START_S
                     log.warning("%s exited unexpectedly (code %s); restarting in %.0f s (log: %s)", w.name, rc,
@@ -303,12 +299,8 @@ class Launcher:
             r = self.router
             if not r.alive() and not self.stopping:
                 rc = r.proc.returncode if r.proc else None
-                if not r.ever_ready:
-                    r.start_failures += 1
-                    if r.start_failures >= self.args.max_start_failures:
-                        print(f"DPLB: the router failed to start {r.start_failures} time(s) (exit {rc}); giving up. "
-                              f"Last log lines ({r.log_path}):\n{r.log_tail()}", file=sys.stderr)
-                        return 1
+                if self._gives_up(r, rc):
+                    return 1
                 log.warning("router exited (code %s); restarting (log: %s)", rc, r.log_path)
                 time.sleep(min(r.backoff_s, 5))
                 r.backoff_s = min(BACKOFF_MAX_S, r.backoff_s * 2)
@@ -323,6 +315,18 @@ class Launcher:
                       file=sys.stderr, flush=True)
             time.sleep(0.1)
         return 0
+
+    def _gives_up(self, c: Child, rc: int | None) -> bool:
+        """Count an exit before ``c`` ever became ready; True (after printing its log tail) once that happened
+        ``--max-start-failures`` times in a row."""
+        if c.ever_ready:
+            return False
+        c.start_failures += 1
+        if c.start_failures < self.args.max_start_failures:
+            return False
+        print(f"DPLB: {c.name} failed to start {c.start_failures} time(s) (exit {rc}); giving up. "
+              f"Last log lines ({c.log_path}):\n{c.log_tail()}", file=sys.stderr)
+        return True
 
     def _shutdown(self) -> None:
         self.stopping = True
