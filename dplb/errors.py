@@ -93,6 +93,7 @@ class RouterErrorKind(enum.Enum):
     UPSTREAM_UNREACHABLE = (502, "upstream_error", "worker_unreachable")
     UPSTREAM_TIMEOUT = (504, "upstream_error", "worker_timeout")
     UPSTREAM_FAILED = (502, "upstream_error", "worker_failed")
+    INTERNAL = (500, "server_error", "internal_error")  # a router bug: logged with its traceback, never sent
 
     @property
     def status(self) -> int:

@@ -47,6 +47,23 @@ def make_server(app: Any, *, timeout_keep_alive: int = 75, graceful_s: float | N
     return Server(cfg)
 
 
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit and return ``(old_soft, new_soft)``.
+
+    Every proxied request holds two descriptors (client + worker connection), so a shell's usual soft limit of
+    1024 caps the router near 500 concurrent requests with ``EMFILE`` accept errors; servers raise it themselves
+    (systemd units also set ``LimitNOFILE``). Never lowers it; errors leave it unchanged."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            return soft, want
+    return soft, soft
+
+
 def bind_uds(path: str, mode: int = 0o600) -> socket.socket:
     """Bind and listen on a Unix socket at ``path`` with ``mode``.
 

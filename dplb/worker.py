@@ -10,6 +10,9 @@ Contract (DESIGN §2, §5)
   NO_GPU flag without a GPU).
 - The worker's own metrics and the engine's ``vllm:*`` metrics are served on ``127.0.0.1:metrics_port``.
 - A missing segment is a :class:`dplb.errors.ShmMissingError` before anything starts (the CLI prints it).
+- A segment removed or replaced at runtime (a cleanup, ``dplb segment create`` again) does not stop the worker: it
+  keeps serving, the collector notices at its next tick (one ``stat``), logs once, and re-attaches to the segment
+  that appears at the same path, re-publishing its whole slot (pid, lifecycle, figures); one log line each way.
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb import __version__
 from dplb.engines.base import Engine, RequestStats, RequestStatsMiddleware, Scope
-from dplb.errors import ConfigError
+from dplb.errors import ConfigError, ShmError, ShmMissingError
 from dplb.gpu import GpuReader, visible_gpu_indices
 from dplb.metrics import LIFECYCLE_STATES, WorkerMetrics, worker_metrics
-from dplb.serving import bind_tcp, bind_uds, make_server
+from dplb.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
 from dplb.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, Lifecycle, Segment, SlotWriter, WorkerState
 from dplb.systemd import Watchdog, notify
 
@@ -92,6 +95,13 @@ class Collector:
         self._wid = str(writer.worker_id)
         self._last_oom = 0
         self._watchdog = Watchdog()
+        self._detached = False  # the segment file was removed/replaced; publishing waits for a new one
+        self._attach_error = ""
+
+    @property
+    def segment(self) -> Segment:
+        """The segment currently written (it changes when a recreated segment is re-attached)."""
+        return self.writer.segment
 
     def start(self) -> None:
         """Publish once now, then every interval."""
@@ -145,7 +155,8 @@ class Collector:
                     "more tensor parallelism (--tensor-parallel-size).", self._wid, es.cuda_oom_total)
                 self._last_oom = es.cuda_oom_total
             s.cuda_oom_total = es.cuda_oom_total
-            self.writer.publish_now(s)
+            if self._segment_usable():
+                self.writer.publish_now(s)
         self._watchdog.maybe_ping()  # systemd: the heartbeat thread is alive
         m, w = self.metrics, self._wid
         m.cuda_oom.labels(w).set(es.cuda_oom_total)
@@ -154,6 +165,41 @@ class Collector:
         m.errors.labels(w).set(self.req.errors_total)
         m.first_request.labels(w).set(self.req.first_request_seconds)
         m.collector_tick.labels(w).observe(time.perf_counter() - t0)
+
+    def _segment_usable(self) -> bool:
+        """True when the slot can be written: our segment file is still in place, or a segment that reappeared at
+        the same path was just attached (caller holds the lock). One ``stat`` per tick."""
+        seg = self.writer.segment
+        if not self._detached:
+            if seg.still_present():
+                return True
+            self._detached = True
+            log.warning("Worker %s: state segment %s was removed or replaced; serving continues, state is published "
+                        "again once a segment exists at that path (dplb segment create / dplb launch)", self._wid,
+                        seg.path)
+        try:
+            new = Segment.attach(seg.path)
+        except ShmError as e:
+            self._attach_failed(e)
+            return False
+        try:
+            writer = new.writer(self.writer.worker_id)
+        except ShmError as e:  # the new segment has too few slots for this worker id
+            new.close()
+            self._attach_failed(e)
+            return False
+        self.writer, self._detached, self._attach_error = writer, False, ""
+        seg.close()
+        log.info("Worker %s re-attached to state segment %s; slot re-published (pid %d, %s)", self._wid, new.path,
+                 self.state.pid, self.state.lifecycle.name.lower())
+        return True
+
+    def _attach_failed(self, e: ShmError) -> None:
+        msg = str(e)
+        if msg != self._attach_error:  # once per distinct problem; "missing" is the expected wait, not an error
+            self._attach_error = msg
+            if not isinstance(e, ShmMissingError):
+                log.error("Worker %s: cannot re-attach the state segment: %s", self._wid, e)
 
 
 class MetricsApp:
@@ -202,6 +248,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
+        raise_fd_limit()  # one descriptor per router connection; the router keeps up to 256 pooled per worker
         self.collector.start()
         log.info("Worker %d starting (engine %s, pid %d, socket %s)", k, self.engine.name, os.getpid(), self.cfg.uds)
         servers = []
@@ -251,7 +298,7 @@ class Worker:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.cfg.uds)
             self.gpu.close()
-            self.segment.close()
+            self.collector.segment.close()
 
     async def _start_engine_or_stop(self) -> bool:
         """Load the engine, unless SIGTERM/SIGINT comes first (then cancel the load and return False): a worker

@@ -158,13 +158,14 @@ class Cluster:
 @contextlib.contextmanager
 def cluster(tmp_path: str, num_workers: int, worker_args: dict[int, list[str]] | None = None,
             router_args: list[str] | None = None, start_workers: bool = True,
-            wait_router_ready: bool = True) -> Iterator[Cluster]:
-    """Segment + ``num_workers`` sim workers (``worker_args[k]`` extra args) + router; all stopped afterwards."""
+            wait_router_ready: bool = True, state_interval_ms: int = 200) -> Iterator[Cluster]:
+    """Segment + ``num_workers`` sim workers (``worker_args[k]`` extra args) + router; all stopped afterwards.
+    ``state_interval_ms``: the segment's publish interval (workers and router take it from the segment)."""
     shm = f"/dev/shm/dplb_state_test_{uuid.uuid4().hex[:10]}"
     run_dir = os.path.join(tmp_path, "run")
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     c = Cluster(run_dir=run_dir, shm_path=shm, num_workers=num_workers)
-    c.segment = Segment.create(shm, num_workers, state_interval_ms=200, model="dplb-sim")
+    c.segment = Segment.create(shm, num_workers, state_interval_ms=state_interval_ms, model="dplb-sim")
     try:
         if start_workers:
             for k in range(num_workers):

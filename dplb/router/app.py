@@ -36,7 +36,7 @@ from dplb.metrics import RouterMetrics, WorkerStateCollector
 from dplb.router.proxy import PROXY_PATHS, Proxy, error_body
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamError, UpstreamPool, fetch
-from dplb.serving import bind_tcp, make_server
+from dplb.serving import bind_tcp, make_server, raise_fd_limit
 from dplb.systemd import notify
 from dplb.tracing import make_tracer
 from dplb.tracing import shutdown as tracing_shutdown
@@ -117,7 +117,8 @@ class RouterApp:
             return [{"time": t, "request_id": rid, **d.to_dict()} for t, rid, d in reversed(items)]
 
         return Litestar(route_handlers=[health, ready, metrics_endpoint, models, decisions], debug=False,
-                       logging_config=None, exception_handlers={HTTPException: _openai_http_error})
+                       logging_config=None, exception_handlers={HTTPException: _openai_http_error,
+                                                                Exception: _internal_error})
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -134,7 +135,16 @@ class RouterApp:
 
         try:
             if path in PROXY_PATHS:
-                await self.proxy(scope, receive, send_wrapper)
+                try:
+                    await self.proxy(scope, receive, send_wrapper)
+                except Exception:
+                    # A router bug must not leak a traceback or a non-OpenAI body: log it, answer a bare 500
+                    # when nothing was sent yet (else the connection is cut mid-response).
+                    log.exception("internal error handling %s %s", scope.get("method"), path)
+                    if status[0]:
+                        raise
+                    self.metrics.rejected.labels(RouterErrorKind.INTERNAL.code).inc()
+                    await _json(send_wrapper, 500, error_body(RouterErrorKind.INTERNAL, "internal error"))
             elif self._auth is not None and path not in self.cfg.public_paths and not self._authorized(scope):
                 self.metrics.rejected.labels(RouterErrorKind.UNAUTHORIZED.code).inc()
                 await _json(send_wrapper, 401, error_body(RouterErrorKind.UNAUTHORIZED, "missing or wrong API key"))
@@ -168,6 +178,13 @@ def _openai_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> R
     return Response(body, status_code=status, media_type="application/json")
 
 
+def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """Any other exception in a local route: logged with its traceback, answered without internals."""
+    log.error("internal error handling %s %s", request.method, request.url.path, exc_info=exc)
+    return Response(error_body(RouterErrorKind.INTERNAL, "internal error"), status_code=500,
+                    media_type="application/json")
+
+
 async def _json(send: Any, status: int, body: bytes) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
@@ -176,6 +193,9 @@ async def _json(send: Any, status: int, body: bytes) -> None:
 
 async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     """Serve until SIGTERM/SIGINT. ``ready_cb()`` is called once the socket listens. Returns the exit code."""
+    old, new = raise_fd_limit()
+    if new != old:
+        log.info("raised the open-file limit from %d to %d (two descriptors per proxied request)", old, new)
     app = RouterApp(cfg)
     server = make_server(app, graceful_s=5.0, access_log=cfg.access_log)
     server.config.server_header = False  # upstream Server/Date headers pass through instead

@@ -6,6 +6,11 @@ import argparse
 import os
 
 from dplb.config import POLICIES, PolicyConfig, RouterConfig, default_run_dir, parse_weights
+from dplb.errors import ConfigError
+
+#: Local routes that ``--api-key-exempt`` may open without a key (the proxied model routes never are).
+EXEMPTABLE = ("/health", "/ready", "/metrics", "/v1/models", "/debug/decisions")
+DEFAULT_EXEMPT = "/health,/ready,/metrics"
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +45,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=30000, help="bind port (default 30000)")
     p.add_argument("--api-key", default=os.environ.get("DPLB_API_KEY"),
                    help="require Authorization: Bearer KEY (default: $DPLB_API_KEY)")
+    p.add_argument("--api-key-exempt", default=DEFAULT_EXEMPT, metavar="PATHS",
+                   help=f"comma-separated paths served without the API key (default {DEFAULT_EXEMPT}; '' = none; "
+                   f"allowed: {', '.join(EXEMPTABLE)})")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
     p.add_argument("--first-byte-timeout", type=float, default=600.0, help="seconds to wait for a response head")
     p.add_argument("--idle-timeout", type=float, default=120.0, help="seconds of silence allowed mid-response")
@@ -48,12 +56,24 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     add_policy_args(p)
 
 
+def parse_exempt(text: str) -> tuple[str, ...]:
+    """``"/health,/metrics"`` → ``("/health", "/metrics")``; ``""`` → ``()``. Raises :class:`ConfigError` for a
+    path that is not one of :data:`EXEMPTABLE`."""
+    paths = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in paths if p not in EXEMPTABLE]
+    if bad:
+        raise ConfigError(f"--api-key-exempt: {', '.join(bad)} cannot be exempt; choose among {', '.join(EXEMPTABLE)} "
+                          "(model routes always need the key)")
+    return paths
+
+
 def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | None, num_workers: int | None,
                   state_interval_ms: int = 200) -> RouterConfig:
     """Build and validate the router configuration from parsed flags."""
     return RouterConfig(
         policy=policy_config(args, state_interval_ms), run_dir=run_dir, num_workers=num_workers, shm_path=shm_path,
         host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        public_paths=parse_exempt(getattr(args, "api_key_exempt", DEFAULT_EXEMPT)),
         connect_timeout_s=args.connect_timeout, first_byte_timeout_s=args.first_byte_timeout,
         idle_timeout_s=args.idle_timeout, access_log=args.access_log, affinity_prefix_bytes=args.affinity_prefix_bytes,
     )

@@ -7,6 +7,8 @@ Contract
   router never re-serialises it.
 - Every proxied response carries ``X-SG-Worker-ID: <k>`` and ``X-Request-Id``. Status, body and end-to-end headers
   pass through unchanged; hop-by-hop headers (RFC 9110 §7.6.1 + those named in ``Connection``) are never copied.
+  A client's ``X-Request-Id`` is kept only when it is 1–128 characters of ``[A-Za-z0-9._:-]``; anything else (control
+  characters, non-ASCII, too long) is replaced by a generated 32-hex-digit id, never echoed or logged.
 - Router-made errors are OpenAI-shaped JSON with a bounded code (:class:`dplb.errors.RouterErrorKind`) and keep
   their real status (never wrapped in a 200 stream); 503s carry ``Retry-After``.
 - Retry: once, on the next-best worker, only when nothing was generated: connect failure (no request byte sent),
@@ -46,7 +48,7 @@ HOP_BY_HOP = frozenset({
 # Request headers the router sets itself; response headers the worker must not set for us.
 _REQ_OWN = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
 _RESP_OWN = HOP_BY_HOP | {b"x-sg-worker-id", b"x-request-id", b"x-dplb-draining"}
-_REQUEST_ID_RE = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
+_REQUEST_ID_RE = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: "$" would accept a trailing "\n"
 _JSON_TYPES = (b"application/json",)
 
 
@@ -163,7 +165,7 @@ class Proxy:
                 ctype = v
             elif n == b"authorization":
                 auth = v
-        if not _REQUEST_ID_RE.match(rid):
+        if not _REQUEST_ID_RE.fullmatch(rid):
             rid = os.urandom(16).hex().encode()  # 32 hex chars, like uuid4().hex, cheaper
         if self._auth is not None and not _ct_equal(auth.lower()[:7] + auth[7:], self._auth):
             await self._reject(send, RouterErrorKind.UNAUTHORIZED, "missing or wrong API key (Authorization: "

@@ -9,6 +9,14 @@ Contract
 - In-flight counts per worker are the router's own: incremented by :meth:`acquire`, decremented by
   :meth:`release` on every exit path of a proxied request.
 - One log line per worker registration (becomes routable) and deregistration (with the reason).
+- Hysteresis on heartbeats: a worker whose heartbeat went stale (older than 3 × state interval; the policy then
+  skips it) stays out after its heartbeat is fresh again until it has been fresh at every observation for
+  :data:`READMIT_INTERVALS` state intervals (a worker restarted under a new pid is exempt: its lifecycle gates it).
+  A single late heartbeat (shorter than the stale limit) changes nothing; a worker flapping stale/fresh stays out
+  instead of flapping in and out. One log line each way.
+- A segment that comes back after it was lost is attached at once but routed on only when one of its workers is
+  routable (or after :data:`PROMOTE_GRACE_S`): a freshly recreated segment is empty until the workers re-publish,
+  and routing on it meanwhile would answer 503 ``no_workers_registered`` although every worker is serving.
 """
 
 from __future__ import annotations
@@ -23,12 +31,15 @@ from dplb.config import RouterConfig
 from dplb.errors import ShmError
 from dplb.metrics import RouterMetrics
 from dplb.policy import REASON_FALLBACK, REASON_NO_WORKERS, Decision, Policy, make_policy
-from dplb.shm import Segment, WorkerState
+from dplb.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
 from dplb.systemd import Watchdog
 
 log = logging.getLogger("dplb.router")
 UNREACHABLE_S = 2.0  # a worker that refused a connection is skipped this long (or until it restarts)
 MAX_FAILS = 3  # consecutive failed responses that eject a worker for UNREACHABLE_S
+READMIT_INTERVALS = 5  # state intervals a once-stale worker must stay fresh before it is routed to again
+PROMOTE_GRACE_S = 5.0  # a returned segment without any routable worker is routed on after this long anyway
+_READY = Lifecycle.READY
 
 
 class RouterState:
@@ -55,6 +66,15 @@ class RouterState:
         self._unreachable_until = [0.0] * n
         self._unreachable_pid = [0] * n
         self._consecutive_failures = [0] * n
+        # Heartbeat hysteresis: workers out for a stale heartbeat, the pid they had, and since when (monotonic ns)
+        # they have been fresh at every observation (0 = not fresh yet).
+        self._stale_out = [False] * n
+        self._stale_pid = [0] * n
+        self._fresh_since = [0] * n
+        self._any_out = False
+        self._had_segment = self.segment is not None
+        self._pending: Segment | None = None  # a returned segment not routed on yet (see module docstring)
+        self._pending_since = 0.0
         metrics.init_workers(n)
         metrics.shm_present.set(1 if self.segment else 0)
 
@@ -64,14 +84,18 @@ class RouterState:
             seg = Segment.attach(self.cfg.shm_path, writable=False)
         except ShmError as e:
             err = type(e).__name__ if type(e).__name__ in ("ShmMissingError", "ShmLayoutError") else "ShmError"
-            if err != self._attach_error:
+            if err != self._attach_error:  # once per kind of failure, not every check
                 self.metrics.shm_errors.labels("attach", err).inc()
-                (log.warning if initial else log.info)("state segment unavailable: %s", e)
+                (log.warning if initial or err != "ShmMissingError" else log.info)("state segment unavailable: %s", e)
             self._attach_error = err
             return False
         if self.cfg.num_workers and seg.num_workers < self.cfg.num_workers:
-            log.error("segment %s has %d slots, fewer than --num-workers %d; ignoring it", seg.path,
-                      seg.num_workers, self.cfg.num_workers)
+            if self._attach_error != "too_few_slots":
+                log.error("segment %s has %d slots, fewer than --num-workers %d; ignoring it (recreate it with "
+                          "`dplb segment create --num-workers %d`)", seg.path, seg.num_workers,
+                          self.cfg.num_workers, self.cfg.num_workers)
+                self.metrics.shm_errors.labels("attach", "ShmLayoutError").inc()
+            self._attach_error = "too_few_slots"
             seg.close()
             return False
         self.segment = seg
@@ -79,6 +103,10 @@ class RouterState:
         log.info("attached state segment %s (%d workers, %d ms interval)", seg.path, seg.num_workers,
                  seg.state_interval_ms)
         return True
+
+    def _interval_ms(self) -> int:
+        seg = self.segment
+        return seg.state_interval_ms if seg is not None else self.cfg.policy.state_interval_ms
 
     def snapshot(self) -> list[WorkerState] | None:
         """Every worker's state from shm, or None without a segment."""
@@ -104,10 +132,54 @@ class RouterState:
             except LookupError:
                 d = Decision(self.policy.name, None, REASON_NO_WORKERS, [], self.policy.baseline_s)
         else:
-            d = self.policy.pick(snap, time.monotonic_ns(), prefix_hash, exclude)
+            now = time.monotonic_ns()
+            out = self._track_staleness(snap, now)
+            d = self.policy.pick(snap, now, prefix_hash, exclude | out if out else exclude)
         self.metrics.observe_decision(d, time.perf_counter() - t0)
         self.decisions.append((time.time(), request_id, d))
         return d
+
+    # ---- heartbeat hysteresis ---------------------------------------------------------------------------------
+    def _track_staleness(self, snap: list[WorkerState], now: int) -> frozenset[int]:
+        """Update the stale/probation state from one snapshot taken at ``now`` (monotonic ns); return the workers
+        that are fresh again but still on probation (the policy itself skips the stale ones)."""
+        interval_ns = self._interval_ms() * 1_000_000
+        stale_ns = STALE_INTERVALS * interval_ns
+        out = self._stale_out
+        for w in snap:
+            k = w.worker_id
+            if w.pid == 0 or w.torn:
+                continue
+            age = now - w.heartbeat_mono_ns
+            if not out[k]:
+                if age > stale_ns and w.lifecycle == _READY:
+                    out[k] = self._any_out = True
+                    self._stale_pid[k] = w.pid
+                    self._fresh_since[k] = 0
+                    log.warning("worker %d heartbeat is stale (%.2f s old, limit %.2f s); not routing to it until "
+                                "it has been fresh for %.2f s", k, age / 1e9, stale_ns / 1e9,
+                                READMIT_INTERVALS * interval_ns / 1e9)
+            elif w.pid != self._stale_pid[k]:
+                out[k] = False  # restarted: a new process, gated by its own lifecycle
+                log.info("worker %d restarted (pid %d → %d); its stale-heartbeat hold is lifted", k,
+                         self._stale_pid[k], w.pid)
+            elif age > stale_ns:
+                self._fresh_since[k] = 0
+            elif not self._fresh_since[k]:
+                self._fresh_since[k] = now
+            elif now - self._fresh_since[k] >= READMIT_INTERVALS * interval_ns:
+                out[k] = False
+                log.info("worker %d heartbeat has been fresh for %.2f s; routing to it again", k,
+                         (now - self._fresh_since[k]) / 1e9)
+        if not self._any_out:
+            return frozenset()
+        held = frozenset(k for k, o in enumerate(out) if o)
+        self._any_out = bool(held)
+        return held
+
+    def held_out(self) -> frozenset[int]:
+        """Workers kept out by the heartbeat hysteresis right now (stale, or fresh again but on probation)."""
+        return frozenset(k for k, o in enumerate(self._stale_out) if o)
 
     def mark_unreachable(self, worker: int, pid: int) -> None:
         """``worker``'s socket refused a connection: skip it for :data:`UNREACHABLE_S` seconds, or until the
@@ -167,10 +239,13 @@ class RouterState:
                 self.check_once()
             except Exception:  # keep watching whatever happens
                 log.exception("router monitor step failed")
-            await asyncio.sleep(self.cfg.shm_check_interval_s)
+            # While a worker is on probation, look at every state interval so "steadily fresh" means it.
+            await asyncio.sleep(min(self.cfg.shm_check_interval_s, self._interval_ms() / 1000)
+                                if self._any_out or self._pending is not None else self.cfg.shm_check_interval_s)
 
     def check_once(self) -> None:
-        """One monitor step (also called by tests)."""
+        """One monitor step (also called by tests): segment presence (``dplb_shm_segment_present`` is 1 while the
+        router routes on a segment), re-attachment, heartbeat hysteresis, (de)registration logs."""
         seg = self.segment
         if seg is not None and not seg.still_present():
             log.warning("state segment %s was removed or replaced; routing on the router's in-flight counts "
@@ -179,24 +254,55 @@ class RouterState:
             self.segment = None
             seg.close()
             self._attach_error = "segment_removed"
-        if self.segment is None and self._try_attach():
-            log.info("state segment is back; routing on shm state again")
+        if self.segment is None:
+            self._reattach()
         self.metrics.shm_present.set(1 if self.segment else 0)
         snap = self.snapshot()
         if snap is None:
             return
         now = time.monotonic_ns()
+        held = self._track_staleness(snap, now)
+        interval = self._interval_ms()
         for w in snap:
             k = w.worker_id
-            stale = w.is_stale(self.segment.state_interval_ms if self.segment else 200, now)
-            routable = w.registered and not stale and w.lifecycle.name == "READY"
+            stale = w.is_stale(interval, now)
+            routable = w.registered and not stale and w.lifecycle.name == "READY" and k not in held
             if routable and not self._routable[k]:
                 log.info("worker %d registered (pid %d, %s)", k, w.pid, w.lifecycle.name.lower())
-            elif not routable and self._routable[k]:
+            elif not routable and self._routable[k] and k not in held:  # hysteresis logs its own transitions
                 why = "stale heartbeat" if stale else w.lifecycle.name.lower()
                 log.warning("worker %d deregistered (%s)", k, why)
             self._routable[k] = routable
             self._pids[k] = w.pid
+
+    def _reattach(self) -> None:
+        """Without a segment: attach one that (re)appeared. After a loss, route on it only once one of its workers
+        is routable or :data:`PROMOTE_GRACE_S` passed (module docstring)."""
+        if self._pending is None:
+            if not self._try_attach():
+                return
+            if not self._had_segment:
+                self._had_segment = True
+                log.info("state segment is here; routing on shm state")
+                return
+            self._pending, self.segment = self.segment, None
+            self._pending_since = time.monotonic()
+        pending = self._pending
+        assert pending is not None
+        if not pending.still_present():
+            pending.close()
+            self._pending = None
+            return
+        now = time.monotonic_ns()
+        interval = pending.state_interval_ms
+        snap = pending.read_all()[: self.num_workers]
+        ready = [w.worker_id for w in snap if w.registered and not w.is_stale(interval, now)
+                 and w.lifecycle == _READY]
+        waited = time.monotonic() - self._pending_since
+        if ready or waited >= PROMOTE_GRACE_S:
+            self.segment, self._pending = pending, None
+            log.info("state segment is back; routing on shm state again (%s)",
+                     f"workers {ready} re-published" if ready else f"no worker re-published within {waited:.1f} s")
 
     def routable_workers(self) -> list[int]:
         """Worker ids that are eligible right now (for ``/ready`` and ``/v1/models``). Without a segment: the
@@ -205,7 +311,8 @@ class RouterState:
         if snap is None:
             return [k for k in range(self.num_workers) if os.path.exists(self.cfg.socket_path(k))]
         now = time.monotonic_ns()
-        interval = self.segment.state_interval_ms if self.segment else 200
-        return [w.worker_id for w in snap
-                if w.registered and not w.is_stale(interval, now) and w.lifecycle.name == "READY"]
+        interval = self._interval_ms()
+        held = self.held_out()
+        return [w.worker_id for w in snap if w.registered and not w.is_stale(interval, now)
+                and w.lifecycle.name == "READY" and w.worker_id not in held]
 
