@@ -11,8 +11,9 @@ Contract (DESIGN §2, §5)
 - The worker's own metrics and the engine's ``vllm:*`` metrics are served on ``127.0.0.1:metrics_port``.
 - A missing segment is a :class:`dplb.errors.ShmMissingError` before anything starts (the CLI prints it).
 - A segment removed or replaced at runtime (a cleanup, ``dplb segment create`` again) does not stop the worker: it
-  keeps serving, the collector notices at its next tick (one ``stat``), logs once, and re-attaches to the segment
-  that appears at the same path, re-publishing its whole slot (pid, lifecycle, figures); one log line each way.
+  keeps serving (and publishing into its old mapping), the collector notices at its next tick (one ``stat``), logs
+  once, and re-attaches to the segment that appears at the same path, re-publishing its whole slot (pid,
+  lifecycle, figures); one log line each way.
 """
 
 from __future__ import annotations
@@ -155,8 +156,8 @@ class Collector:
                     "more tensor parallelism (--tensor-parallel-size).", self._wid, es.cuda_oom_total)
                 self._last_oom = es.cuda_oom_total
             s.cuda_oom_total = es.cuda_oom_total
-            if self._segment_usable():
-                self.writer.publish_now(s)
+            self._follow_segment()
+            self.writer.publish_now(s)
         self._watchdog.maybe_ping()  # systemd: the heartbeat thread is alive
         m, w = self.metrics, self._wid
         m.cuda_oom.labels(w).set(es.cuda_oom_total)
@@ -166,17 +167,19 @@ class Collector:
         m.first_request.labels(w).set(self.req.first_request_seconds)
         m.collector_tick.labels(w).observe(time.perf_counter() - t0)
 
-    def _segment_usable(self) -> bool:
-        """True when the slot can be written: our segment file is still in place, or a segment that reappeared at
-        the same path was just attached (caller holds the lock). One ``stat`` per tick."""
+    def _follow_segment(self) -> bool:
+        """Switch to a segment that replaced ours at the same path (caller holds the lock); one ``stat`` per tick.
+        Until one appears the worker keeps publishing into its old mapping: a router that has not noticed the
+        removal yet still reads it, and would otherwise see every heartbeat go stale and stop routing.
+        Returns True when the writer points at the segment file now at the path."""
         seg = self.writer.segment
         if not self._detached:
             if seg.still_present():
                 return True
             self._detached = True
-            log.warning("Worker %s: state segment %s was removed or replaced; serving continues, state is published "
-                        "again once a segment exists at that path (dplb segment create / dplb launch)", self._wid,
-                        seg.path)
+            log.warning("Worker %s: state segment %s was removed or replaced; serving continues, and the state is "
+                        "published into it again once a segment exists at that path (dplb segment create / dplb "
+                        "launch)", self._wid, seg.path)
         try:
             new = Segment.attach(seg.path)
         except ShmError as e:

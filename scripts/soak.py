@@ -248,7 +248,8 @@ class LaunchedCluster:
 class Result:
     """One request of a :class:`SteadyLoad`: monotonic start/end (s), HTTP status (0 = none), the serving worker
     (``X-SG-Worker-ID``, None when absent), ``outcome`` (``ok``, ``http_error``, ``stream_error`` (error event or
-    no ``[DONE]``), ``short`` (fewer tokens than asked), ``conn_error``), completion tokens, detail."""
+    no ``[DONE]``), ``short`` (fewer tokens than asked), ``conn_error``), completion tokens, detail (error body or
+    exception), whether a stream ended with ``[DONE]`` and the code of its SSE error event ("" if none)."""
 
     t0: float
     t1: float = 0.0
@@ -257,6 +258,8 @@ class Result:
     outcome: str = ""
     tokens: int = 0
     detail: str = ""
+    done: bool = False
+    error_event: str = ""
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Result:
@@ -268,22 +271,21 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
             async with client.stream("POST", url + "/v1/completions", json=body) as r:
                 res.status = r.status_code
                 res.worker = int(r.headers["x-sg-worker-id"]) if "x-sg-worker-id" in r.headers else None
-                done = errored = False
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
                         continue
                     data = line[6:]
                     if data == "[DONE]":
-                        done = True
+                        res.done = True
                         continue
                     obj = json.loads(data)
                     if "error" in obj:
-                        errored = True
-                        res.detail = str(obj["error"].get("code"))
+                        res.error_event = str(obj["error"].get("code"))
                     elif obj.get("usage"):
                         res.tokens = int(obj["usage"]["completion_tokens"])
-                res.outcome = ("http_error" if r.status_code != 200 else "stream_error" if errored or not done
-                               else "short" if want and res.tokens != want else "ok")
+                res.outcome = ("http_error" if r.status_code != 200 else
+                               "stream_error" if res.error_event or not res.done else
+                               "short" if want and res.tokens != want else "ok")
         else:
             r = await client.post(url + "/v1/completions", json=body)
             res.status = r.status_code

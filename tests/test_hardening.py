@@ -1,0 +1,242 @@
+"""Hardening, the fault matrix (issue 9): real workers, router and launcher, real signals, real shm.
+
+Each test drives load while a fault happens and checks what clients saw (status, ``X-SG-Worker-ID``, SSE ends),
+what the router logged and exported, and what the engines recorded. Times are client-side ``time.monotonic()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+
+import httpx
+from cluster import Cluster, cluster, dplb_cmd
+from hardening_support import LaunchedCluster, Result, SteadyLoad, completion, log_count, sim_get, wait_for
+
+from dplb.router.state import READMIT_INTERVALS
+from dplb.shm import Lifecycle, Segment
+
+
+def _clean_failure(r: Result, codes: tuple[str, ...]) -> bool:
+    """A failed request ended cleanly: a stream with an error event (one of ``codes``) and no [DONE], or a
+    non-stream 5xx whose body is an OpenAI error with one of ``codes``."""
+    if r.outcome == "stream_error":
+        return r.error_event in codes and not r.done
+    if r.outcome == "http_error" and r.status >= 500:
+        return json.loads(r.detail)["error"]["code"] in codes
+    return False
+
+
+def _fresh_ready(seg: Segment, k: int, old_pid: int) -> bool:
+    w = seg.read(k)
+    return w.pid not in (0, old_pid) and w.lifecycle == Lifecycle.READY and not w.is_stale(seg.state_interval_ms)
+
+
+# ---- SIGKILL --------------------------------------------------------------------------------------------------
+def test_sigkill_one_of_four_under_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Worker 2 of 4 is SIGKILLed under steady load: only its in-flight requests fail, each cleanly; nothing is sent
+    to it once its heartbeat is stale; the launcher restarts it and it takes traffic again."""
+    interval = 0.1
+    with LaunchedCluster(4, ["--sim-chunk-delay-s", "0.02", "--drain-timeout", "5"], state_interval_ms=100,
+                         workdir=str(tmp_path)) as lc:
+        seg = lc.seg()
+        assert seg is not None
+        load = SteadyLoad(lc.url, 24, lambda i: completion(i, max_tokens=16)).start()
+        try:
+            time.sleep(1.5)
+            old = lc.worker_pid(2)
+            t_kill = time.monotonic()
+            os.kill(old, signal.SIGKILL)
+            wait_for(lambda: seg.read(2).pid not in (0, old), 30, "the launcher to restart worker 2")
+            t_new = time.monotonic()
+            wait_for(lambda: _fresh_ready(seg, 2, old), 30, "the restarted worker 2 to be ready")
+            t_ready = time.monotonic()
+            wait_for(lambda: any(r.worker == 2 and r.t0 > t_ready and r.outcome == "ok" for r in load.results), 10,
+                     "the restarted worker 2 to serve a request")
+        finally:
+            results = load.stop()
+        failed = [r for r in results if r.outcome != "ok"]
+        assert failed, "no request was in flight on the killed worker: the test did not exercise the fault"
+        for r in failed:  # only the killed worker's in-flight requests, each with a clean error
+            assert r.worker == 2 and r.t0 < t_kill, r
+            assert _clean_failure(r, ("worker_failed",)), r
+        assert not [r for r in results if r.outcome == "short"], "a truncated answer passed as complete"
+        # No request reached worker 2 after its heartbeat went stale, until the restarted one registered.
+        late = [r for r in results if r.worker == 2 and t_kill + 3 * interval < r.t0 < t_new]
+        assert not late, late
+        assert Counter(r.worker for r in results if r.t0 > t_ready)[2] > 0
+        wait_for(lambda: not any(lc.inflight()), 5, "router in-flight back to 0")
+        assert "worker 2 exited unexpectedly" in open(lc.log_path).read() or "worker 2" in lc.tail()
+
+
+# ---- SIGSTOP ---------------------------------------------------------------------------------------------------
+def test_sigstop_excludes_worker_times_out_its_requests_and_sigcont_readmits(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """SIGSTOP (alive, silent): excluded within 3 intervals, its in-flight requests fail by timeout (504 / SSE
+    error event), SIGCONT brings it back after READMIT_INTERVALS of fresh heartbeats, one log line each way."""
+    interval = 0.1
+    with cluster(str(tmp_path), 3, worker_args={k: ["--sim-chunk-delay-s", "0.02"] for k in range(3)},
+                 router_args=["--idle-timeout", "1", "--first-byte-timeout", "1.5"], state_interval_ms=100) as c:
+        load = SteadyLoad(c.url, 20, lambda i: completion(i, max_tokens=12)).start()
+        try:
+            time.sleep(1.0)
+            t_stop = time.monotonic()
+            os.kill(c.workers[1].pid, signal.SIGSTOP)
+            time.sleep(2.5)
+            t_cont = time.monotonic()
+            os.kill(c.workers[1].pid, signal.SIGCONT)
+            wait_for(lambda: any(r.worker == 1 and r.t0 > t_cont for r in load.results), 10,
+                     "worker 1 to take traffic after SIGCONT")
+            time.sleep(0.5)
+        finally:
+            results = load.stop()
+        failed = [r for r in results if r.outcome != "ok"]
+        assert failed, "nothing was in flight on the stopped worker"
+        for r in failed:
+            assert r.worker == 1 and r.t0 < t_stop + 3 * interval, r
+            assert _clean_failure(r, ("worker_timeout",)), r
+        on1 = sorted(r.t0 for r in results if r.worker == 1)
+        hole = [t for t in on1 if t_stop + 3 * interval < t < t_cont + (READMIT_INTERVALS - 1) * interval]
+        assert not hole, [round(t - t_stop, 3) for t in hole]
+        log = c.router_log()
+        assert log_count(log, "worker 1 heartbeat is stale") == 1, log
+        assert log_count(log, "worker 1 heartbeat has been fresh") == 1, log
+        wait_for(lambda: all(c.metric("dplb_worker_requests_inflight", {"worker": str(k)}) == 0 for k in range(3)),
+                 5, "router in-flight back to 0")
+
+
+def test_heartbeat_hysteresis_late_once_is_fine_flapping_stays_out(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """One late heartbeat (SIGSTOP for 1.5 intervals) changes nothing. A worker flapping stale/fresh (fresh windows
+    shorter than READMIT_INTERVALS) gets no request until it is steadily fresh: one "stale" line, one "again" line."""
+    interval = 0.2
+    with cluster(str(tmp_path), 2, state_interval_ms=200) as c:
+        pid = c.workers[0].pid
+        load = SteadyLoad(c.url, 12, lambda i: completion(i, max_tokens=2, stream=False)).start()
+        try:
+            time.sleep(1.0)
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(1.5 * interval)
+            os.kill(pid, signal.SIGCONT)
+            t_late = time.monotonic()
+            wait_for(lambda: any(r.worker == 0 and r.t0 > t_late + 0.05 for r in load.results), 3,
+                     "worker 0 to keep serving after one late heartbeat")
+            time.sleep(1.0)
+            assert "worker 0 heartbeat is stale" not in c.router_log()
+            # Flapping: stale for 1 s, then fresh windows of 0.3 s (< READMIT_INTERVALS · 0.2 s) between stops.
+            t_flap = time.monotonic()
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(1.0)
+            for _ in range(3):
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(0.3)
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.8)
+            os.kill(pid, signal.SIGCONT)
+            t_steady = time.monotonic()
+            wait_for(lambda: any(r.worker == 0 and r.t0 > t_steady for r in load.results), 5,
+                     "worker 0 back once steadily fresh")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            results = load.stop()
+        assert Counter(r.outcome for r in results) == {"ok": len(results)}, Counter(r.outcome for r in results)
+        during = [round(r.t0 - t_flap, 2) for r in results
+                  if r.worker == 0 and t_flap + 3 * interval + 0.1 < r.t0 < t_steady + (READMIT_INTERVALS - 1) * interval]
+        assert not during, f"requests reached the flapping worker at {during}"
+        log = c.router_log()
+        assert log_count(log, "worker 0 heartbeat is stale") == 1, log
+        assert log_count(log, "worker 0 heartbeat has been fresh") == 1, log
+
+
+# ---- router restart --------------------------------------------------------------------------------------------
+def test_router_killed_and_restarted_resumes_on_the_same_segment(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with cluster(str(tmp_path), 2) as c:
+        assert httpx.post(c.url + "/v1/completions", json=completion(0, stream=False), timeout=10).status_code == 200
+        assert c.router is not None
+        c.router.kill()
+        c.router.wait(10)
+        c.start_router(wait_ready=False)  # returns as soon as /health answers: the new router is up
+        t_up = time.monotonic()
+        r = wait_for(lambda: (lambda r: r if r.status_code == 200 else None)(
+            httpx.post(c.url + "/v1/completions", json=completion(1, stream=False), timeout=10)), 5, "a routed request")
+        assert time.monotonic() - t_up < 1.0
+        assert r.headers["x-sg-worker-id"] in ("0", "1")
+        seen = {httpx.post(c.url + "/v1/completions", json=completion(i, stream=False), timeout=10
+                           ).headers["x-sg-worker-id"] for i in range(8)}
+        assert seen == {"0", "1"}
+        d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
+        assert d["reason"] != "fallback" and all(x["state_age_s"] < 0.6 for x in d["candidates"])
+        assert f"attached state segment {c.shm_path}" in c.router_log().split("DPLB router listening")[-2]
+
+
+# ---- shm segment deleted, recreated, corrupted --------------------------------------------------------------------
+def _state_json(shm: str) -> dict:  # type: ignore[type-arg]
+    out = subprocess.run(dplb_cmd("state", "--json", "--shm-path", shm), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def _present(c: Cluster) -> float | None:
+    return c.metric("dplb_shm_segment_present")
+
+
+def test_segment_deleted_then_bad_then_recreated_workers_and_router_reattach(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Delete the segment under load: served on the router's own counts (present 0). A file with a bad magic at the
+    path: clear errors naming it. `dplb segment create`: workers re-publish, the router routes on shm again
+    (present 1) — and no request fails at any point."""
+    with cluster(str(tmp_path), 2, state_interval_ms=100) as c:
+        pids = {k: c.workers[k].pid for k in range(2)}
+        load = SteadyLoad(c.url, 25, lambda i: completion(i, max_tokens=4)).start()
+        try:
+            time.sleep(0.5)
+            os.unlink(c.shm_path)
+            wait_for(lambda: _present(c) == 0, 5, "dplb_shm_segment_present 0")
+            time.sleep(0.5)
+            with open(c.shm_path, "wb") as f:  # not a DPLB segment
+                f.write(b"JUNK" + bytes(8192))
+            wait_for(lambda: "is not a usable DPLB state segment" in c.router_log(), 5, "the router's layout error")
+            wait_for(lambda: all("is not a usable DPLB state segment" in open(os.path.join(c.run_dir, f"worker-{k}.log"))
+                                 .read() for k in range(2)), 5, "the workers' layout errors")
+            assert _present(c) == 0
+            r = subprocess.run(dplb_cmd("segment", "create", "--shm-path", c.shm_path, "--num-workers", "2",
+                                        "--state-interval-ms", "100", "--model", "dplb-sim"),
+                               capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, r.stderr
+            t_new = time.monotonic()
+            wait_for(lambda: _present(c) == 1, 3, "dplb_shm_segment_present 1")
+            took = time.monotonic() - t_new
+            st = _state_json(c.shm_path)
+            assert [(w["pid"], w["lifecycle"]) for w in st["workers"]] == [(pids[0], "ready"), (pids[1], "ready")]
+            time.sleep(0.5)
+        finally:
+            results = load.stop()
+        assert Counter(r.outcome for r in results) == {"ok": len(results)}, [r for r in results if r.outcome != "ok"]
+        assert took < 1.5, took
+        d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
+        assert d["reason"] != "fallback" and all(x["state_age_s"] < 0.3 for x in d["candidates"]), d
+        log = c.router_log()
+        assert log_count(log, "was removed or replaced") == 1
+        assert log_count(log, "state segment is back") == 1
+        assert log_count(log, "is not a usable DPLB state segment") == 1  # once, not every check
+        for k in range(2):
+            wlog = open(os.path.join(c.run_dir, f"worker-{k}.log")).read()
+            assert log_count(wlog, "was removed or replaced") == 1, wlog
+            assert log_count(wlog, f"Worker {k} re-attached to state segment {c.shm_path}") == 1, wlog
+            assert log_count(wlog, "is not a usable DPLB state segment") == 1, wlog
+
+
+def test_bad_segment_at_the_cli_names_the_file_and_the_fix(tmp_path, shm_path: str) -> None:  # type: ignore[no-untyped-def]
+    with Segment.create(shm_path, 1):
+        pass
+    with open(shm_path, "r+b") as f:
+        f.seek(4)
+        f.write((99).to_bytes(2, "little"))  # layout version 99
+    env = {**os.environ, "DPLB_SHM_PATH": shm_path}
+    for args in (["worker", "--worker-id", "0", "--uds", str(tmp_path / "w.sock")], ["router", "--port", "0"]):
+        r = subprocess.run(dplb_cmd(*args), capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode != 0, r
+        assert shm_path in r.stderr and f"rm '{shm_path}'" in r.stderr and "layout version 99" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
