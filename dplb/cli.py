@@ -1,4 +1,4 @@
-"""The ``dplb`` command line: ``launch``, ``worker``, ``router``, ``state``, ``doctor``, ``segment``.
+"""The ``dplb`` command line: ``launch``, ``worker``, ``router``, ``state``, ``doctor``, ``segment``, ``bench``.
 
 Contract: argparse parses and validates into typed ``*Config`` objects once; a :class:`dplb.errors.DPLBError` is
 printed as one clear message without a traceback (exit 2 for configuration errors, 1 otherwise). Subcommands
@@ -124,11 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_state(sub)
     _add_segment(sub)
     from dplb import doctor, launcher
+    from dplb.bench import cli as bench_cli
     from dplb.router import cli as router_cli
 
     launcher.add_parser(sub)
     router_cli.add_parser(sub)
     doctor.add_parser(sub)
+    bench_cli.add_parser(sub)
     return p
 
 

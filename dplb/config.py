@@ -27,7 +27,7 @@ def default_run_dir() -> str:
     return f"/tmp/dplb-{os.getuid()}"
 
 
-POLICIES = ("dplb", "round_robin", "random", "least_loaded", "power_of_two")
+POLICIES = ("dplb", "round_robin", "random", "least_loaded", "power_of_two", "prefix_hash")
 MemorySignal = Literal["kv", "gpu"]
 
 

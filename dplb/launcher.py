@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -117,6 +118,23 @@ def _dplb(*args: str) -> list[str]:
     return [sys.executable, "-m", "dplb.cli", *args]
 
 
+def parse_worker_args(items: list[str], num_workers: int) -> dict[int, list[str]]:
+    """``["K=ARGS", ...]`` → ``{K: shlex-split ARGS}`` (several items for one K add up). Raises
+    :class:`ConfigError` for a malformed item or K outside 0..num_workers−1."""
+    out: dict[int, list[str]] = {}
+    for item in items:
+        k_s, sep, rest = item.partition("=")
+        try:
+            k = int(k_s)
+            words = shlex.split(rest)
+        except ValueError as e:
+            raise ConfigError(f"--worker-args {item!r}: expected K=ARGS, e.g. '3=--sim-speed 0.5' ({e})") from e
+        if not sep or not 0 <= k < num_workers:
+            raise ConfigError(f"--worker-args {item!r}: expected K=ARGS with K in 0..{num_workers - 1}")
+        out.setdefault(k, []).extend(words)
+    return out
+
+
 class Launcher:
     """Runs the whole stack in the foreground until a signal."""
 
@@ -138,6 +156,7 @@ class Launcher:
                               f"workers, got {args.metrics_port_base}")
         if args.max_start_failures < 1:
             raise ConfigError("--max-start-failures must be ≥ 1")
+        self.per_worker_args = parse_worker_args(args.worker_args or [], len(self.plan))
         self.run_dir = args.run_dir or default_run_dir()
         self.shm_path = args.shm_path or default_segment_path()
         self.stopping = False
@@ -199,7 +218,8 @@ class Launcher:
                 argv += ["--metrics-port", str(self.args.metrics_port_base + k if self.args.metrics_port_base else 0)]
             if self.engine == "vllm" and len(group) > 1:
                 argv += ["--tensor-parallel-size", str(len(group))]
-            self.workers.append(Child(f"worker {k}", argv + self.engine_args, wenv,
+            argv += self.engine_args + self.per_worker_args.get(k, [])
+            self.workers.append(Child(f"worker {k}", argv, wenv,
                                       os.path.join(self.run_dir, f"worker-{k}.log")))
         rargv = _dplb("--log-level", self.args.log_level, "router", "--run-dir", self.run_dir, "--shm-path",
                       self.shm_path, "--num-workers", str(len(self.plan)), *self._router_flags())
@@ -388,6 +408,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="worker K serves metrics on BASE+K (default 30001+K; 0 disables)")
     p.add_argument("--max-start-failures", type=int, default=3, help="give up after a worker fails to start N times")
     p.add_argument("--remove-logs", action="store_true", help="remove the run directory and its logs on exit")
+    p.add_argument("--worker-args", action="append", metavar="K=ARGS",
+                   help="extra engine arguments for worker K only, after the shared ones (repeatable), e.g. "
+                   "--worker-args '3=--sim-speed 0.5' (a throttled GPU) or '0=--max-num-seqs 128'")
     p.add_argument("--emit-systemd", metavar="DIR", help="write systemd env files for this plan into DIR and exit")
     add_router_args(p)
     p.set_defaults(func=_cmd_launch)

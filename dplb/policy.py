@@ -25,24 +25,29 @@ The seed score (seed article; DESIGN §3), higher is better, each term clamped t
 
 Ties: the shorter queue wins (this still separates workers once every queue is past ``max_queue``, where the clamped
 queue term is 0 for all), then rotation: the scan starts one worker later on every pick.
-Prefix affinity: a 64-bit hash of the prompt prefix picks a preferred worker by rendezvous (highest-random-weight)
-hashing over the eligible workers (Thaler & Ravishankar, 1998); it wins while its score ≥ best − ``affinity_margin``.
-It keeps no table, so its memory is O(1) whatever the number of prefixes.
+Prefix affinity (dplb policy): a 64-bit hash of the prompt prefix; the worker that first served a prefix is remembered
+(bounded LRU) and wins later requests with that prefix while its score ≥ best − ``affinity_margin`` (see
+:class:`ScorePolicy`). The ``prefix_hash`` policy is pure affinity by rendezvous (highest-random-weight) hashing
+(Thaler & Ravishankar, 1998), blind to load.
 
 Other policies behind the same interface: ``round_robin``, ``random``, ``least_loaded`` (vLLM DP: minimum of
 4·waiting + running, the correction counted as waiting), ``power_of_two`` (two random eligible workers, the
-shorter queue wins).
+shorter queue wins), ``prefix_hash`` (pure prefix affinity, blind to load: the hit-rate reference).
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import ClassVar, Final
 
 from dplb.config import PolicyConfig
 from dplb.shm import STALE_INTERVALS, Lifecycle, WorkerState
+
+#: Prompt prefixes whose worker the dplb policy remembers (LRU; ~100 bytes each, so ~1.6 MB at most).
+AFFINITY_PREFIXES: Final = 16384
 
 # Eligibility ("why") values: a closed set.
 OK = "ok"
@@ -374,9 +379,22 @@ def rendezvous_weight(prefix_hash: int, worker_id: int) -> int:
 
 
 class ScorePolicy(Policy):
-    """The DPLB default: best seed score, ties rotating, with prefix affinity inside a margin."""
+    """The DPLB default: best seed score, ties rotating, with prefix affinity inside a margin.
+
+    Affinity remembers, for each recent prompt prefix, the worker that first served it (where its KV blocks are
+    cached): an LRU of :data:`AFFINITY_PREFIXES` prefix hashes → worker id, so memory is bounded whatever the
+    number of prefixes. A prefix seen for the first time goes to the best score (load decides where a new prefix
+    lives, so prefixes spread by load instead of by hash); later requests with it go back to its worker while that
+    worker's score is within ``affinity_margin`` of the best. A request whose prefix is unique (no shared system
+    prompt) therefore never trades load for affinity. If the remembered worker is not eligible (stopped, draining,
+    restarted), the prefix moves to the best-scored worker.
+    """
 
     name = "dplb"
+
+    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
+        super().__init__(cfg, num_workers)
+        self._owner: OrderedDict[int, int] = OrderedDict()
 
     def _choose(self, eligible: list[_Row], prefix_hash: int | None) -> tuple[int, str, int | None]:
         best = eligible[0]
@@ -387,14 +405,22 @@ class ScorePolicy(Policy):
             # the shorter queue wins, then rotation.
             if s > best_score + 1e-12 or (s > best_score - 1e-12 and r[_QUEUE] < best[_QUEUE]):
                 best, best_score = r, s
-        margin = self.cfg.affinity_margin
-        if prefix_hash is not None and margin > 0.0 and len(eligible) > 1:
-            pref = max(eligible, key=lambda r: hash((prefix_hash, r[0].worker_id)))
-            pid = pref[_STATE].worker_id
-            if pref[_SCORE] >= best_score - margin:
-                return pid, REASON_AFFINITY, pid
-            return best[_STATE].worker_id, REASON_SCORE, pid
-        return best[_STATE].worker_id, REASON_SCORE, None
+        best_id = best[_STATE].worker_id
+        if prefix_hash is None or self.cfg.affinity_margin <= 0.0:
+            return best_id, REASON_SCORE, None
+        owners = self._owner
+        owner = owners.get(prefix_hash)
+        if owner is not None:
+            owners.move_to_end(prefix_hash)
+            for r in eligible:
+                if r[_STATE].worker_id == owner:
+                    if r[_SCORE] >= best_score - self.cfg.affinity_margin:
+                        return owner, REASON_AFFINITY, owner
+                    return best_id, REASON_SCORE, owner
+        owners[prefix_hash] = best_id  # new prefix, or its worker is gone: it now lives where load sends it
+        if len(owners) > AFFINITY_PREFIXES:
+            owners.popitem(last=False)
+        return best_id, REASON_SCORE, best_id
 
 
 class RoundRobinPolicy(Policy):
@@ -446,8 +472,23 @@ class PowerOfTwoPolicy(Policy):
         return (b if b[_QUEUE] < a[_QUEUE] else a)[_STATE].worker_id, REASON_POLICY, None
 
 
+class PrefixHashPolicy(Policy):
+    """Pure prefix affinity, blind to load: the rendezvous-preferred worker of the prompt prefix (what a consistent
+    hash on the prompt does, e.g. Nginx ``hash … consistent``). The reference for the best prefix-cache hit rate in
+    ``dplb bench compare``; requests without a prefix key go to the next worker in rotation."""
+
+    name = "prefix_hash"
+
+    def _choose(self, eligible: list[_Row], prefix_hash: int | None) -> tuple[int, str, int | None]:
+        if prefix_hash is None:
+            return eligible[0][_STATE].worker_id, REASON_POLICY, None
+        pid = max(eligible, key=lambda r: hash((prefix_hash, r[_STATE].worker_id)))[_STATE].worker_id
+        return pid, REASON_AFFINITY, pid
+
+
 _POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (ScorePolicy, RoundRobinPolicy, RandomPolicy, LeastLoadedPolicy, PowerOfTwoPolicy)
+    p.name: p
+    for p in (ScorePolicy, RoundRobinPolicy, RandomPolicy, LeastLoadedPolicy, PowerOfTwoPolicy, PrefixHashPolicy)
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import socket
 import time
 
@@ -61,12 +62,14 @@ class Watchdog:
 def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
     """Write ``dplb.env`` and ``worker-K.env`` for the GPU plan into ``args.emit_systemd``. Returns 0."""
     from dplb.gpu import discover_gpus, visible_gpu_indices
+    from dplb.launcher import parse_worker_args
     from dplb.plan import cuda_visible_devices, plan_gpus
 
     gpus = visible_gpu_indices()
     if gpus is None:
         gpus = [g.index for g in discover_gpus()]
     plan = plan_gpus(gpus, args.num_workers, args.tensor_parallel_size)
+    per_worker = parse_worker_args(getattr(args, "worker_args", None) or [], len(plan))
     out = args.emit_systemd
     os.makedirs(out, exist_ok=True)
     engine = "vllm" if args.model else "sim"
@@ -88,7 +91,7 @@ def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
         lines = [
             f"# worker {k}: {('GPUs ' + cuda_visible_devices(group)) if group else 'CPU'}",
             f"CUDA_VISIBLE_DEVICES={cuda_visible_devices(group)}",
-            f"DPLB_WORKER_ARGS=--engine {engine} {model}{tp}{' '.join(engine_args)}".rstrip(),
+            f"DPLB_WORKER_ARGS=--engine {engine} {model}{tp}{shlex.join(engine_args + per_worker.get(k, []))}".rstrip(),
         ]
         with open(os.path.join(out, f"worker-{k}.env"), "w") as f:
             f.write("\n".join(lines) + "\n")

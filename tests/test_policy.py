@@ -207,23 +207,61 @@ def test_affinity_sticks_within_margin_and_yields_beyond_it() -> None:
     p = policy(n=4, affinity_margin=0.1)
     snap = [ws(k) for k in range(4)]
     first = p.pick(snap, NOW, prefix_hash=42)
-    assert first.reason == REASON_AFFINITY
+    assert first.reason == REASON_SCORE  # a new prefix goes where the score says, and is remembered there
     pref = first.worker
     assert first.preferred == pref
     # stays while within the margin: 0.1 of score = 0.25 of the queue term = 4 requests on max_queue 16
     later = [p.pick([ws(k, hb=NOW - i) for k in range(4)], NOW, prefix_hash=42) for i in range(1, 5)]
-    assert all(d.worker == pref for d in later)
+    assert all(d.worker == pref and d.reason == REASON_AFFINITY for d in later)
     loaded = [ws(k, run=(5 if k == pref else 0)) for k in range(4)]  # preferred now 0.125 behind
     d = p.pick(loaded, NOW, prefix_hash=42)
     assert d.worker != pref and d.reason == REASON_SCORE and d.preferred == pref
+    # the prefix still lives on its first worker: back there once it is within the margin again
+    assert p.pick([ws(k, hb=NOW - 9) for k in range(4)], NOW, prefix_hash=42).worker == pref
 
 
-def test_affinity_spreads_prefixes_and_is_stable_across_instances() -> None:
-    a, b = policy(n=4), policy(n=4)
+def test_unique_prefixes_never_trade_load_for_affinity() -> None:
+    """Requests whose prefix was never seen (no shared system prompt) go to the best score, exactly as without
+    affinity: 49 distinct prefixes, each on a fresh snapshot where worker 2 is less loaded, all go to worker 2."""
+    fresh = policy(n=4, affinity_margin=0.1)
+    picks = [fresh.pick([ws(k, run=(0 if k == 2 else 3), hb=NOW + h) for k in range(4)], NOW + h, prefix_hash=h)
+             for h in range(1, 50)]
+    assert all(d.worker == 2 and d.reason == REASON_SCORE for d in picks)
+
+
+def test_affinity_spreads_new_prefixes_by_load_and_memory_is_bounded() -> None:
+    from dplb.policy import AFFINITY_PREFIXES
+
+    p = policy(n=4)
+    snap = [ws(k) for k in range(4)]
+    prefs = [p.pick(snap, NOW, prefix_hash=h).worker for h in range(400)]  # one snapshot: the correction spreads
+    assert all(c == 100 for c in Counter(prefs).values()), Counter(prefs)
+    # each prefix returns to its worker
+    again = [p.pick([ws(k, hb=NOW + 1) for k in range(4)], NOW + 1, prefix_hash=h).worker for h in range(400)]
+    assert again == prefs
+    for h in range(10_000, 10_000 + 2 * AFFINITY_PREFIXES):
+        p.pick(snap, NOW, prefix_hash=h)
+    assert len(p._owner) == AFFINITY_PREFIXES  # type: ignore[attr-defined]
+
+
+def test_owner_gone_moves_the_prefix() -> None:
+    p = policy(n=3)
+    first = p.pick([ws(k) for k in range(3)], NOW, prefix_hash=7).worker
+    gone = [ws(k, life=(Lifecycle.DRAINING if k == first else Lifecycle.READY), hb=NOW + 1) for k in range(3)]
+    moved = p.pick(gone, NOW + 1, prefix_hash=7)
+    assert moved.worker != first
+    back = [ws(k, hb=NOW + 2) for k in range(3)]
+    assert p.pick(back, NOW + 2, prefix_hash=7).worker == moved.worker  # it now lives on the new worker
+
+
+def test_prefix_hash_policy_is_pure_affinity() -> None:
+    a, b = policy("prefix_hash", n=4), policy("prefix_hash", n=4)
     snap = [ws(k) for k in range(4)]
     prefs = [a.pick(snap, NOW, prefix_hash=h).worker for h in range(400)]
-    assert prefs == [b.pick(snap, NOW, prefix_hash=h).worker for h in range(400)]
+    assert prefs == [b.pick(snap, NOW, prefix_hash=h).worker for h in range(400)]  # same in every process
     assert all(60 <= c <= 140 for c in Counter(prefs).values()), Counter(prefs)
+    loaded = [ws(k, run=(12 if k == prefs[0] else 0)) for k in range(4)]
+    assert a.pick(loaded, NOW, prefix_hash=0).worker == prefs[0]  # blind to load
 
 
 def test_affinity_disabled_with_zero_margin() -> None:

@@ -492,9 +492,11 @@ def test_affinity_prefix_bytes_flag(tmp_path: str) -> None:
     body = {"model": "dplb-sim", "max_tokens": 1, "messages": [
         {"role": "system", "content": "You are a careful assistant. " * 20}, {"role": "user", "content": "hi"}]}
     with cluster(str(tmp_path), 2) as c:
-        post(c, "/v1/chat/completions", body)
+        first = post(c, "/v1/chat/completions", body).headers["x-sg-worker-id"]
+        for _ in range(3):  # the prefix is remembered on the worker that first served it
+            assert post(c, "/v1/chat/completions", body).headers["x-sg-worker-id"] == first
         d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
-        assert d["reason"] == "affinity" and d["preferred"] is not None
+        assert d["reason"] == "affinity" and d["preferred"] == int(first)
     with cluster(str(tmp_path) + "-off", 2, router_args=["--affinity-prefix-bytes", "0"]) as c:
         post(c, "/v1/chat/completions", body)
         d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]

@@ -1,0 +1,271 @@
+"""``dplb bench compare``: the same seeded workload against each policy, each on a fresh ``dplb launch`` sim
+cluster (DESIGN §8, issue #8).
+
+Contract
+- :func:`run_compare` runs every (scenario, policy) pair: it starts ``dplb launch`` with the scenario's sim flags
+  and the policy's flags on a free port, a private run directory and a private segment, waits until every worker
+  is ready, sends the workload (warm-up requests first, not counted), reads each worker's prefix-cache counters
+  over its socket, stops the cluster with SIGINT and returns a JSON-able dict:
+  ``{machine, command, scenarios: {name: {description, workload, policies: {label: summary + prefix_cache_hit_rate
+  + ratios}}}, targets: [...]}``.
+- A *policy* is a name from :data:`dplb.config.POLICIES` or a variant ``LABEL=LAUNCH FLAGS`` (e.g.
+  ``dplb-500ms=--policy dplb --state-interval-ms 500``) for parameter sweeps. The first policy is the reference
+  of every ``p99_vs_<first>`` ratio; ratios to round_robin and least_loaded are added when they ran.
+- :func:`evaluate_targets` turns the results into the issue's pass/fail lines; nothing here asserts.
+- Raises :class:`~dplb.errors.DPLBError` when a cluster does not start (with the launcher's log tail).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from dplb.bench.client import RequestResult, Target, run_workload
+from dplb.bench.report import summarize
+from dplb.bench.scenarios import SCENARIOS, SIM_ARGS, Scenario
+from dplb.bench.workload import build_workload
+from dplb.config import POLICIES
+from dplb.errors import ConfigError, DPLBError
+
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 20.0
+
+
+def parse_policies(names: str, variants: list[str]) -> dict[str, list[str]]:
+    """``"dplb,round_robin"`` plus ``["LABEL=FLAGS", ...]`` → ``{label: launch flags}``, in order.
+    Raises :class:`ConfigError` for an unknown policy or a malformed variant."""
+    out: dict[str, list[str]] = {}
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        if name not in POLICIES:
+            raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)} (or use --variant)")
+        out[name] = ["--policy", name]
+    for v in variants:
+        label, sep, flags = v.partition("=")
+        if not sep or not label.strip() or "=" in label:
+            raise ConfigError(f"--variant {v!r}: expected LABEL=LAUNCH FLAGS, e.g. "
+                              "'dplb-500ms=--state-interval-ms 500'")
+        out[label.strip()] = shlex.split(flags)
+    if not out:
+        raise ConfigError("no policy to compare")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SimCluster:
+    """A ``dplb launch`` sim cluster in a private run dir and segment; a context manager that stops it."""
+
+    def __init__(self, num_workers: int, scenario: Scenario, launch_flags: list[str], workdir: str) -> None:
+        self.port = _free_port()
+        self.run_dir = tempfile.mkdtemp(prefix="cluster-", dir=workdir)
+        self.shm_path = f"/dev/shm/dplb_bench_{os.getpid()}_{self.port}"
+        self.num_workers = num_workers
+        argv = [sys.executable, "-m", "dplb.cli", "--log-level", "warning", "launch", "--num-workers",
+                str(num_workers), "--port", str(self.port), "--host", "127.0.0.1", "--run-dir", self.run_dir,
+                "--shm-path", self.shm_path, "--metrics-port-base", "0", "--drain-timeout", "2", *launch_flags]
+        for k, flags in scenario.worker_args.items():
+            argv += ["--worker-args", f"{k % num_workers}={flags}"]
+        argv += shlex.split(SIM_ARGS) + shlex.split(scenario.sim_args)
+        self.argv = argv
+        self.log_path = os.path.join(self.run_dir, "launch.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> SimCluster:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DPLBError(f"dplb launch exited with {self.proc.returncode}:\n{self._tail()}")
+            with open(self.log_path, "rb") as f:
+                if b"worker(s) ready; serving" in f.read():
+                    return self
+            time.sleep(0.1)
+        self.__exit__(None, None, None)
+        raise DPLBError(f"the sim cluster was not ready within {READY_TIMEOUT_S:.0f} s:\n{self._tail()}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def _tail(self, n: int = 30) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+        return ""
+
+    def prefix_cache_tokens(self) -> tuple[float, float]:
+        """(hits, queries) in tokens summed over the workers' ``vllm:prefix_cache_*`` counters (over their UDS)."""
+        hits = queries = 0.0
+        for k in range(self.num_workers):
+            text = _uds_get(os.path.join(self.run_dir, f"worker-{k}.sock"), "/metrics")
+            for line in text.splitlines():
+                if line.startswith("vllm:prefix_cache_hits_total"):
+                    hits += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:prefix_cache_queries_total"):
+                    queries += float(line.rsplit(" ", 1)[1])
+        return hits, queries
+
+
+def _uds_get(path: str, target: str) -> str:
+    """GET ``target`` over the Unix socket ``path`` (HTTP/1.0, whole body); '' when the worker does not answer."""
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(path)
+            s.sendall(f"GET {target} HTTP/1.0\r\nHost: worker\r\n\r\n".encode())
+            chunks = []
+            while data := s.recv(65536):
+                chunks.append(data)
+    except OSError:
+        return ""
+    return b"".join(chunks).partition(b"\r\n\r\n")[2].decode(errors="replace")
+
+
+def _router_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def run_one(scenario: Scenario, label: str, flags: list[str], *, num_workers: int, quick: bool, seed: int,
+            workdir: str, stream: bool = True) -> tuple[list[RequestResult], dict[str, Any]]:
+    """One (scenario, policy) run on a fresh cluster. Returns (measured results, summary with
+    ``prefix_cache_hit_rate`` and ``policy_flags``)."""
+    spec = scenario.workload(num_workers, quick, seed)
+    requests = build_workload(spec)
+    with SimCluster(num_workers, scenario, flags, workdir) as cluster:
+        while not _router_ready(cluster.url):
+            time.sleep(0.05)
+        target = Target(cluster.url, "dplb-sim", "chat", stream)
+        hits0 = queries0 = 0.0
+        results: list[RequestResult] = []
+        if scenario.warmup:
+            _warm, _ = asyncio.run(run_workload(target, requests[:scenario.warmup]))
+            hits0, queries0 = cluster.prefix_cache_tokens()
+            t_shift = requests[scenario.warmup].send_at_s
+            for r in requests[scenario.warmup:]:
+                r.send_at_s -= t_shift
+        measured = requests[scenario.warmup:]
+        results, wall = asyncio.run(run_workload(target, measured))
+        hits1, queries1 = cluster.prefix_cache_tokens()
+    summary = summarize(results, wall, workers=[str(k) for k in range(num_workers)])
+    q = queries1 - queries0
+    summary["prefix_cache_hit_rate"] = (hits1 - hits0) / q if q > 0 else None
+    summary["policy_flags"] = flags
+    summary["label"] = label
+    return results, summary
+
+
+def run_compare(scenario_names: list[str], policies: dict[str, list[str]], *, num_workers: int = 4,
+                quick: bool = False, seed: int = 0,
+                progress: Callable[[str], None] = lambda s: None,
+                ) -> tuple[dict[str, Any], dict[str, dict[str, tuple[list[RequestResult], dict]]]]:
+    """Run the matrix. Returns (the JSON-able result dict, ``runs[scenario][label] = (results, summary)`` for
+    plots). ``progress`` gets one line per finished run."""
+    for name in scenario_names:
+        if name not in SCENARIOS:
+            raise ConfigError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+    if num_workers < 2:
+        raise ConfigError("--workers must be ≥ 2 to compare routing")
+    out: dict[str, Any] = {"machine": machine(), "quick": quick, "seed": seed, "num_workers": num_workers,
+                           "scenarios": {}}
+    runs: dict[str, dict[str, tuple[list[RequestResult], dict]]] = {}
+    with tempfile.TemporaryDirectory(prefix="dplb-bench-") as workdir:
+        for name in scenario_names:
+            sc = SCENARIOS[name]
+            spec = sc.workload(num_workers, quick, seed)
+            labels = dict(policies)
+            for extra in sc.extra_policies:
+                labels.setdefault(extra, ["--policy", extra])
+            entry: dict[str, Any] = {"description": sc.description, "workload": asdict(spec),
+                                     "warmup_requests": sc.warmup, "sim_args": f"{SIM_ARGS} {sc.sim_args}".strip(),
+                                     "worker_args": {str(k % num_workers): v for k, v in sc.worker_args.items()},
+                                     "policies": {}}
+            runs[name] = {}
+            for label, flags in labels.items():
+                t = time.monotonic()
+                results, summary = run_one(sc, label, flags, num_workers=num_workers, quick=quick, seed=seed,
+                                           workdir=workdir)
+                runs[name][label] = (results, summary)
+                entry["policies"][label] = summary
+                progress(f"{name:14s} {label:14s} P99 E2E {summary['e2e_ms']['p99']:8.0f} ms  "
+                         f"failed {summary['failed']}  ({time.monotonic() - t:.0f} s)")
+            _add_ratios(entry["policies"], next(iter(policies)))
+            out["scenarios"][name] = entry
+    out["targets"] = evaluate_targets(out)
+    return out, runs
+
+
+def _add_ratios(by_policy: dict[str, dict], reference: str) -> None:
+    for s in by_policy.values():
+        for ref in dict.fromkeys((reference, "round_robin", "least_loaded")):
+            if ref in by_policy:
+                base = by_policy[ref]["e2e_ms"]["p99"]
+                s[f"p99_vs_{ref}"] = s["e2e_ms"]["p99"] / base if base and base == base else None
+
+
+def evaluate_targets(result: dict[str, Any], default: str = "dplb") -> list[dict[str, Any]]:
+    """The issue's targets as ``{scenario, target, value, limit, passed}`` rows (only those whose runs exist)."""
+    rows: list[dict[str, Any]] = []
+
+    def add(scenario: str, target: str, value: float | None, limit: float, higher_is_better: bool = False) -> None:
+        passed = value is not None and (value >= limit if higher_is_better else value <= limit)
+        rows.append({"scenario": scenario, "target": target, "value": value, "limit": limit, "passed": passed})
+
+    for name, entry in result["scenarios"].items():
+        p = entry["policies"]
+        if default not in p:
+            continue
+        d = p[default]
+        if name == "heterogeneous" and "round_robin" in p:
+            add(name, f"P99 E2E {default} / round_robin ≤ 0.63 (seed: 37 % better)", d.get("p99_vs_round_robin"), 0.63)
+        if "least_loaded" in p:
+            add(name, f"P99 E2E {default} / least_loaded ≤ 1.0 (vLLM DP's rule)", d.get("p99_vs_least_loaded"), 1.0)
+        if name == "burst-herd":
+            add(name, f"{default} per-worker max/min share ≤ 1.25", d["worker_share_max_min"], 1.25)
+        if name == "shared-prefix" and "prefix_hash" in p:
+            ref, got = p["prefix_hash"]["prefix_cache_hit_rate"], d["prefix_cache_hit_rate"]
+            ratio = got / ref if ref and got is not None else None
+            add(name, f"prefix-cache hit rate {default} / prefix_hash (pure affinity) ≥ 0.9", ratio, 0.9, True)
+        if any(s["failed"] for s in p.values()):
+            add(name, "no failed request in any run", float(sum(s["failed"] for s in p.values())), 0.0)
+    return rows
+
+
+def machine() -> dict[str, Any]:
+    """Where the benchmark ran: CPU model and count, OS, Python."""
+    cpu = platform.processor() or ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": cpu, "cpus": os.cpu_count(), "os": platform.platform(), "python": platform.python_version()}

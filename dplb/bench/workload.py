@@ -1,0 +1,182 @@
+"""Seeded benchmark workloads: what each request asks for and when it is sent.
+
+Contract
+- :func:`build_workload` turns a :class:`WorkloadSpec` into a list of :class:`BenchRequest` (prompt, output length,
+  send offset in seconds from the start), sorted by offset. The same spec (including ``seed``) always gives the
+  same list, so every policy in a comparison sees exactly the same requests at the same times.
+- Prompts are words from a fixed vocabulary; one word ≈ one token for the sim engine (it tokenises on whitespace),
+  roughly 1–2 tokens for a real tokenizer. Lengths are in those words/tokens.
+- Arrivals: Poisson at ``request_rate`` requests/s (exponential gaps, as vLLM's benchmark_serving), all at t=0 for
+  ``inf``, or bursts of ``burst_size`` requests arriving together every ``burst_interval_s``, after ``idle_s``.
+- Datasets: ``synthetic`` (lengths drawn uniformly within ``[len·(1−range_ratio), len·(1+range_ratio)]``; a
+  ``long_fraction`` of requests use the long lengths; a ``shared_prefix_fraction`` of requests start with one of
+  ``num_prefixes`` system prompts of ``prefix_len`` words), or a JSONL file of ShareGPT-style conversations
+  (``{"conversations": [{"from": "human", "value": …}, {"from": "gpt", "value": …}]}``), ``{"messages": [...]}``
+  or ``{"prompt": "…", "max_tokens": N}`` lines; the output length is the reply's word count unless
+  ``output_len`` is forced. Raises :class:`~dplb.errors.ConfigError` for bad specs or unreadable datasets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+
+from dplb.errors import ConfigError
+
+_VOCAB = (
+    "able", "acid", "aged", "also", "area", "army", "away", "baby", "back", "ball", "band", "bank", "base", "bath",
+    "bear", "beat", "been", "beer", "bell", "belt", "best", "bill", "bird", "blow", "blue", "boat", "body", "bomb",
+    "bond", "bone", "book", "boom", "born", "boss", "both", "bowl", "bulk", "burn", "bush", "busy", "call", "calm",
+    "came", "camp", "card", "care", "case", "cash", "cast", "cell", "chat", "chip", "city", "club", "coal", "coat",
+    "code", "cold", "come", "cook", "cool", "cope", "copy", "core", "cost", "crew", "crop", "dark", "data", "date",
+    "dawn", "days", "dead", "deal", "dean", "dear", "debt", "deep", "deny", "desk", "dial", "diet", "disc", "disk",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """What to send. Lengths in words (≈ tokens), times in seconds, fractions in [0, 1]."""
+
+    num_prompts: int = 200
+    request_rate: float = math.inf  # requests/s (Poisson); inf = all at once
+    burst_size: int = 0  # > 0: bursts of this many requests together instead of Poisson arrivals
+    burst_interval_s: float = 2.0
+    idle_s: float = 0.0  # quiet time before the first request
+    input_len: int = 128
+    output_len: int = 32
+    range_ratio: float = 0.0
+    long_fraction: float = 0.0
+    long_input_len: int = 1024
+    long_output_len: int = 256
+    shared_prefix_fraction: float = 0.0
+    num_prefixes: int = 4
+    prefix_len: int = 512
+    dataset: str = "synthetic"  # or a path to a .jsonl file
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1:
+            raise ConfigError(f"--num-prompts must be ≥ 1, got {self.num_prompts}")
+        if not (self.request_rate > 0):
+            raise ConfigError(f"--request-rate must be > 0 requests/s (or inf), got {self.request_rate}")
+        for name in ("input_len", "output_len", "long_input_len", "long_output_len", "num_prefixes", "prefix_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
+        for name in ("range_ratio", "long_fraction", "shared_prefix_fraction"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0 or (name == "range_ratio" and v >= 1.0):
+                raise ConfigError(f"{name.replace('_', '-')} must be a fraction in [0, 1), got {v}")
+        if self.burst_size < 0 or self.burst_interval_s <= 0 or self.idle_s < 0:
+            raise ConfigError("burst size must be ≥ 0, burst interval > 0 and idle time ≥ 0 seconds")
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    """One request: ``messages`` (chat) or the same text as ``prompt`` (completions); ``max_tokens`` output tokens;
+    ``send_at_s``: seconds after the start of the run; ``prefix_id``: which shared system prompt (−1 = none)."""
+
+    index: int
+    messages: list[dict[str, str]]
+    max_tokens: int
+    send_at_s: float
+    prefix_id: int = -1
+    prompt_words: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def prompt(self) -> str:
+        """The messages' contents joined by newlines (what a completions request sends)."""
+        return "\n".join(m["content"] for m in self.messages)
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_VOCAB) for _ in range(n))
+
+
+def _length(rng: random.Random, base: int, ratio: float) -> int:
+    if ratio <= 0.0:
+        return base
+    return max(1, rng.randint(math.floor(base * (1 - ratio)), math.ceil(base * (1 + ratio))))
+
+
+def arrival_times(spec: WorkloadSpec, n: int, rng: random.Random) -> list[float]:
+    """Send offsets (seconds from start) for ``n`` requests, non-decreasing."""
+    if spec.burst_size > 0:
+        return [spec.idle_s + (i // spec.burst_size) * spec.burst_interval_s for i in range(n)]
+    if math.isinf(spec.request_rate):
+        return [spec.idle_s] * n
+    t, out = spec.idle_s, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(spec.request_rate)
+    return out
+
+
+def _synthetic(spec: WorkloadSpec, rng: random.Random) -> list[BenchRequest]:
+    prefixes = [f"You are assistant number {p}. " + _words(random.Random(spec.seed * 1000 + p), spec.prefix_len)
+                for p in range(spec.num_prefixes)] if spec.shared_prefix_fraction > 0 else []
+    out = []
+    for i in range(spec.num_prompts):
+        long = rng.random() < spec.long_fraction
+        in_len = _length(rng, spec.long_input_len if long else spec.input_len, spec.range_ratio)
+        out_len = _length(rng, spec.long_output_len if long else spec.output_len, spec.range_ratio)
+        messages, pid = [], -1
+        if prefixes and rng.random() < spec.shared_prefix_fraction:
+            pid = rng.randrange(len(prefixes))
+            messages.append({"role": "system", "content": prefixes[pid]})
+        # A unique head makes every non-shared prompt (and every request's user turn) distinct.
+        messages.append({"role": "user", "content": f"request {i} {rng.getrandbits(32):08x}: " + _words(rng, in_len)})
+        out.append(BenchRequest(i, messages, out_len, 0.0, pid, in_len + (spec.prefix_len if pid >= 0 else 0)))
+    return out
+
+
+def _from_jsonl(spec: WorkloadSpec, rng: random.Random, forced_output: int | None) -> list[BenchRequest]:
+    try:
+        with open(spec.dataset, encoding="utf-8") as f:
+            lines = [ln for ln in f if ln.strip()]
+    except OSError as e:
+        raise ConfigError(f"cannot read the dataset {spec.dataset}: {e.strerror or e}") from e
+    rows: list[tuple[list[dict[str, str]], int]] = []
+    for no, line in enumerate(lines, 1):
+        try:
+            rows.append(_parse_row(json.loads(line)))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{spec.dataset}:{no}: not a ShareGPT/messages/prompt row ({e})") from e
+    if not rows:
+        raise ConfigError(f"{spec.dataset} has no rows")
+    out = []
+    for i in range(spec.num_prompts):
+        messages, reply_words = rows[rng.randrange(len(rows))] if len(rows) < spec.num_prompts else rows[i]
+        n = forced_output or max(1, reply_words)
+        words = sum(len(m["content"].split()) for m in messages)
+        out.append(BenchRequest(i, [dict(m) for m in messages], n, 0.0, -1, words))
+    return out
+
+
+def _parse_row(row: dict) -> tuple[list[dict[str, str]], int]:
+    """(messages up to the last user turn, words in the reply that followed) of one JSONL row."""
+    if "prompt" in row:
+        return [{"role": "user", "content": str(row["prompt"])}], int(row.get("max_tokens") or 0)
+    if "messages" in row:
+        turns = [{"role": str(m["role"]), "content": str(m["content"])} for m in row["messages"]]
+    else:
+        roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+        turns = [{"role": roles[str(t["from"])], "content": str(t["value"])} for t in row["conversations"]]
+    last_user = max(i for i, t in enumerate(turns) if t["role"] == "user")
+    reply = turns[last_user + 1]["content"] if last_user + 1 < len(turns) else ""
+    return turns[:last_user + 1], len(reply.split())
+
+
+def build_workload(spec: WorkloadSpec, *, force_output_len: bool = False) -> list[BenchRequest]:
+    """The requests of ``spec``, sorted by send time. ``force_output_len``: a JSONL dataset's requests ask for
+    ``spec.output_len`` tokens instead of their reply's length. Raises :class:`ConfigError`."""
+    rng = random.Random(spec.seed)
+    if spec.dataset == "synthetic":
+        reqs = _synthetic(spec, rng)
+    else:
+        reqs = _from_jsonl(spec, rng, spec.output_len if force_output_len else None)
+    for r, t in zip(reqs, arrival_times(spec, len(reqs), random.Random(spec.seed + 1)), strict=True):
+        r.send_at_s = t
+    return reqs

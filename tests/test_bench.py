@@ -1,0 +1,219 @@
+"""`dplb bench`: workloads, figures, and the run/compare tools against real sim clusters."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import subprocess
+
+import numpy as np
+import pytest
+
+from dplb.bench.client import RequestResult
+from dplb.bench.compare import evaluate_targets, parse_policies
+from dplb.bench.report import percentile, summarize
+from dplb.bench.scenarios import SCENARIOS, capacity_rps
+from dplb.bench.workload import WorkloadSpec, build_workload
+from dplb.errors import ConfigError
+from dplb.launcher import parse_worker_args
+from tests.cluster import ROOT, cluster, dplb_cmd
+
+
+# ---- workloads --------------------------------------------------------------------------------------------------
+def test_workload_is_seeded_and_poisson_at_the_rate() -> None:
+    spec = WorkloadSpec(num_prompts=4000, request_rate=20.0, input_len=10, output_len=5, seed=3)
+    a, b = build_workload(spec), build_workload(spec)
+    assert [(r.messages, r.max_tokens, r.send_at_s) for r in a] == [(r.messages, r.max_tokens, r.send_at_s) for r in b]
+    assert build_workload(WorkloadSpec(num_prompts=5, seed=4))[0].messages != a[0].messages
+    gaps = [y.send_at_s - x.send_at_s for x, y in itertools.pairwise(a)]
+    assert all(g >= 0 for g in gaps)
+    assert 0.045 < sum(gaps) / len(gaps) < 0.055  # mean gap 1/20 s
+    cv = float(np.std(gaps) / np.mean(gaps))
+    assert 0.9 < cv < 1.1  # exponential gaps: coefficient of variation 1
+    assert all(len(r.messages[-1]["content"].split()) == 10 + 3 for r in a)  # "request i xxxxxxxx:" + 10 words
+    assert {r.max_tokens for r in a} == {5}
+
+
+def test_bursts_inf_and_lengths() -> None:
+    bursts = build_workload(WorkloadSpec(num_prompts=10, burst_size=4, burst_interval_s=2.0, idle_s=1.0))
+    assert [r.send_at_s for r in bursts] == [1.0] * 4 + [3.0] * 4 + [5.0] * 2
+    assert {r.send_at_s for r in build_workload(WorkloadSpec(num_prompts=7))} == {0.0}
+    mixed = build_workload(WorkloadSpec(num_prompts=2000, input_len=100, output_len=10, range_ratio=0.5,
+                                        long_fraction=0.2, long_input_len=1000, long_output_len=200, seed=1))
+    outs = [r.max_tokens for r in mixed]
+    assert min(outs) >= 5 and max(outs) <= 300
+    long = sum(1 for o in outs if o >= 100)
+    assert 340 < long < 460  # ~20 %
+
+
+def test_shared_prefixes() -> None:
+    reqs = build_workload(WorkloadSpec(num_prompts=1000, shared_prefix_fraction=0.9, num_prefixes=8, prefix_len=50))
+    shared = [r for r in reqs if r.prefix_id >= 0]
+    assert 850 < len(shared) < 950
+    assert {r.prefix_id for r in shared} == set(range(8))
+    by_id: dict[int, set[str]] = {}
+    for r in shared:
+        assert r.messages[0]["role"] == "system"
+        by_id.setdefault(r.prefix_id, set()).add(r.messages[0]["content"])
+    assert all(len(v) == 1 for v in by_id.values())  # one text per prefix
+    assert len({next(iter(v)) for v in by_id.values()}) == 8
+    assert len({r.messages[-1]["content"] for r in reqs}) == 1000  # every user turn is distinct
+
+
+def test_jsonl_datasets(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    p = tmp_path / "data.jsonl"
+    rows = [
+        {"conversations": [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "a b c d"}]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why"},
+                      {"role": "assistant", "content": "x y"}]},
+        {"prompt": "complete this", "max_tokens": 7},
+    ]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    reqs = build_workload(WorkloadSpec(num_prompts=3, dataset=str(p)))
+    assert [r.max_tokens for r in reqs] == [4, 2, 7]
+    assert reqs[0].messages == [{"role": "user", "content": "hello there"}]
+    assert [m["role"] for m in reqs[1].messages] == ["system", "user"]
+    forced = build_workload(WorkloadSpec(num_prompts=3, dataset=str(p), output_len=9), force_output_len=True)
+    assert [r.max_tokens for r in forced] == [9, 9, 9]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"conversations": [{"from": "alien", "value": "?"}]}\n')
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:1"):
+        build_workload(WorkloadSpec(num_prompts=1, dataset=str(bad)))
+    with pytest.raises(ConfigError, match="cannot read"):
+        build_workload(WorkloadSpec(num_prompts=1, dataset=str(tmp_path / "missing.jsonl")))
+
+
+@pytest.mark.parametrize("kw", [{"num_prompts": 0}, {"request_rate": 0.0}, {"range_ratio": 1.0},
+                                {"shared_prefix_fraction": 1.5}, {"input_len": 0}, {"burst_size": -1}])
+def test_bad_specs_are_refused(kw: dict) -> None:
+    with pytest.raises(ConfigError):
+        WorkloadSpec(**kw)
+
+
+# ---- figures ----------------------------------------------------------------------------------------------------
+def test_percentile_matches_numpy() -> None:
+    rng = random.Random(0)
+    for n in (1, 2, 5, 101, 1000):
+        v = sorted(rng.random() for _ in range(n))
+        for q in (0, 50, 95, 99, 100):
+            assert math.isclose(percentile(v, q), float(np.percentile(v, q)), rel_tol=1e-12)
+    assert math.isnan(percentile([], 50))
+
+
+def test_summarize_shares_errors_and_tpot() -> None:
+    res = [RequestResult(i, ok=True, status=200, worker=str(i % 3), start_s=i * 0.5, ttft_s=0.1, e2e_s=1.1,
+                         itl_s=[0.1] * 9, output_tokens=11) for i in range(9)]
+    res.append(RequestResult(9, ok=False, status=503, worker="1", start_s=1.0, error="full"))
+    res.append(RequestResult(10, ok=False, status="stream_error", worker="2", start_s=2.0))
+    s = summarize(res, wall_s=5.0, workers=["0", "1", "2", "3"])
+    assert s["completed"] == 9 and s["failed"] == 2
+    assert s["errors_by_status"] == {"503": 1, "stream_error": 1}
+    assert s["worker_requests"] == {"0": 3, "1": 4, "2": 4, "3": 0}
+    assert math.isinf(s["worker_share_max_min"])  # worker 3 got nothing
+    assert math.isclose(sum(s["worker_share"].values()), 1.0)
+    assert math.isclose(s["tpot_ms"]["p50"], 100.0) and math.isclose(s["e2e_ms"]["p99"], 1100.0)
+    assert math.isclose(s["requests_per_s"], 9 / 5.0) and s["output_tokens"] == 99
+    assert s["worker_over_time"]["counts"]["0"][:2] == [1, 1]  # starts 0.0 and 1.5 s in 1-s buckets
+
+
+def test_targets_and_policy_parsing() -> None:
+    assert parse_policies("dplb,least_loaded", ["slow=--state-interval-ms 500"]) == {
+        "dplb": ["--policy", "dplb"], "least_loaded": ["--policy", "least_loaded"],
+        "slow": ["--state-interval-ms", "500"]}
+    with pytest.raises(ConfigError, match="unknown policy"):
+        parse_policies("dplb,nginx", [])
+    with pytest.raises(ConfigError, match="LABEL=LAUNCH FLAGS"):
+        parse_policies("dplb", ["no-equals-sign"])
+
+    def summ(p99: float, **kw: object) -> dict:
+        return {"e2e_ms": {"p99": p99}, "failed": 0, "worker_share_max_min": 1.0, "prefix_cache_hit_rate": None,
+                **kw}
+
+    result = {"scenarios": {
+        "heterogeneous": {"policies": {"dplb": summ(500, p99_vs_round_robin=0.5, p99_vs_least_loaded=1.02),
+                                       "round_robin": summ(1000), "least_loaded": summ(490)}},
+        "shared-prefix": {"policies": {"dplb": summ(100, prefix_cache_hit_rate=0.7),
+                                       "prefix_hash": summ(300, prefix_cache_hit_rate=0.85)}},
+    }}
+    rows = evaluate_targets(result)
+    assert [(r["scenario"], r["passed"]) for r in rows] == [
+        ("heterogeneous", True), ("heterogeneous", False), ("shared-prefix", False)]
+    assert math.isclose(rows[2]["value"], 0.7 / 0.85) and rows[2]["limit"] == 0.9
+
+
+def test_capacity_model() -> None:
+    # 8 sequences, each 32 steps of (20 + 2.5·8) ms plus 128 prefill tokens at 0.2 ms: 8 / 1.3056 s
+    assert math.isclose(capacity_rps(128, 32), 8 / (32 * 0.04 + 128 * 0.0002))
+    assert math.isclose(capacity_rps(128, 32, speed=0.5), capacity_rps(128, 32) / 2)
+    assert set(SCENARIOS) == {"homogeneous", "heterogeneous", "bursty", "mixed-lengths", "shared-prefix",
+                              "burst-herd"}
+
+
+def test_worker_args_parsing() -> None:
+    assert parse_worker_args(["3=--sim-speed 0.5", "3=--sim-seed 2", "0=--x 'a b'"], 4) == {
+        3: ["--sim-speed", "0.5", "--sim-seed", "2"], 0: ["--x", "a b"]}
+    for bad in ("4=--x", "x=--y", "--sim-speed 0.5", "-1=--x"):
+        with pytest.raises(ConfigError, match="--worker-args"):
+            parse_worker_args([bad], 4)
+
+
+# ---- against real clusters --------------------------------------------------------------------------------------
+def test_bench_run_against_the_router(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two sim workers (one at half speed) behind a real router: every figure is there and consistent."""
+    out = tmp_path / "run.json"
+    with cluster(str(tmp_path / "c"), 2, worker_args={1: ["--sim-speed", "0.5"]}) as c:
+        r = subprocess.run(dplb_cmd("bench", "run", "--base-url", c.url, "--num-prompts", "40", "--request-rate",
+                                    "40", "--input-len", "20", "--output-len", "8", "--seed", "1", "--output",
+                                    str(out), "--plot", str(tmp_path / "plots"), "--no-progress"),
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 0, r.stderr + r.stdout
+        assert "E2E ms" in r.stdout and "per-worker share" in r.stdout
+        bad = subprocess.run(dplb_cmd("bench", "run", "--base-url", c.url, "--model", "nope", "--num-prompts", "3",
+                                      "--no-progress", "--output", str(tmp_path / "bad.json")),
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+    data = json.loads(out.read_text())
+    s = data["summary"]
+    assert s["completed"] == 40 and s["failed"] == 0
+    assert set(s["worker_requests"]) == {"0", "1"} and all(v > 0 for v in s["worker_requests"].values())
+    assert s["output_tokens"] == 40 * 8
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        d = s[key]
+        assert 0 < d["p50"] <= d["p95"] <= d["p99"] <= d["max"], (key, d)
+    assert s["ttft_ms"]["p50"] < s["e2e_ms"]["p50"]
+    assert all(len(rec) and rec["worker"] in ("0", "1") for rec in data["requests"])
+    assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 1000
+    assert (tmp_path / "plots" / "worker_load.png").stat().st_size > 1000
+    # a wrong model: every request fails with the worker's 404, counted by status, exit 1
+    assert bad.returncode == 1
+    assert json.loads((tmp_path / "bad.json").read_text())["summary"]["errors_by_status"] == {"404": 3}
+
+
+def test_bench_compare_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The whole tool on one scenario, two policies, tiny counts (what CI runs to keep it working)."""
+    out = tmp_path / "cmp.json"
+    r = subprocess.run(dplb_cmd("bench", "compare", "--scenario", "heterogeneous", "--policies",
+                                "dplb,round_robin", "--prompts", "12", "--workers", "2", "--output", str(out),
+                                "--plot", str(tmp_path / "plots")),
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    assert "P99 E2E dplb / round_robin" in r.stdout
+    data = json.loads(out.read_text())
+    pol = data["scenarios"]["heterogeneous"]["policies"]
+    assert set(pol) == {"dplb", "round_robin"}
+    for s in pol.values():
+        assert s["completed"] == 12 and s["failed"] == 0
+        assert set(s["worker_requests"]) == {"0", "1"}
+    assert pol["dplb"]["p99_vs_dplb"] == 1.0
+    assert data["scenarios"]["heterogeneous"]["worker_args"] == {"1": "--sim-speed 0.5"}
+    assert (tmp_path / "plots" / "heterogeneous_e2e_cdf.png").exists()
+    assert {row["scenario"] for row in data["targets"]} == {"heterogeneous"}
+    assert data["machine"]["cpus"] and data["wall_s"] > 0
+
+
+def test_bench_flags_are_checked(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for args in (["run", "--num-prompts", "0"], ["run", "--max-concurrency", "0"],
+                 ["compare", "--scenario", "nope"], ["compare", "--policies", "nginx"]):
+        r = subprocess.run(dplb_cmd("bench", *args), capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "error:" in r.stderr, (args, r.stderr)
