@@ -20,6 +20,7 @@ LaunchedCluster = soak.LaunchedCluster
 SteadyLoad = soak.SteadyLoad
 Result = soak.Result
 proc_stats = soak.proc_stats
+one_request = soak.one_request
 
 
 def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, step_s: float = 0.02) -> Any:
@@ -55,6 +56,12 @@ def completion(i: int, max_tokens: int = 8, stream: bool | None = None, prompt: 
     if s:
         b.update(stream=True, stream_options={"include_usage": True})
     return b
+
+
+def read(path: str) -> str:
+    """The text of ``path`` (undecodable bytes replaced)."""
+    with open(path, errors="replace") as f:
+        return f.read()
 
 
 def log_count(text: str, needle: str) -> int:

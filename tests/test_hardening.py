@@ -9,14 +9,27 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 
 import httpx
 from cluster import Cluster, cluster, dplb_cmd
-from hardening_support import LaunchedCluster, Result, SteadyLoad, completion, log_count, sim_get, wait_for
+from hardening_support import (
+    LaunchedCluster,
+    Result,
+    SteadyLoad,
+    completion,
+    log_count,
+    one_request,
+    read,
+    sim_aborts,
+    sim_get,
+    wait_for,
+)
 
 from dplb.router.state import READMIT_INTERVALS
 from dplb.shm import Lifecycle, Segment
@@ -71,7 +84,7 @@ def test_sigkill_one_of_four_under_load(tmp_path) -> None:  # type: ignore[no-un
         assert not late, late
         assert Counter(r.worker for r in results if r.t0 > t_ready)[2] > 0
         wait_for(lambda: not any(lc.inflight()), 5, "router in-flight back to 0")
-        assert "worker 2 exited unexpectedly" in open(lc.log_path).read() or "worker 2" in lc.tail()
+        assert "worker 2 exited unexpectedly (code -9)" in read(lc.log_path)
 
 
 # ---- SIGSTOP ---------------------------------------------------------------------------------------------------
@@ -198,8 +211,8 @@ def test_segment_deleted_then_bad_then_recreated_workers_and_router_reattach(tmp
             with open(c.shm_path, "wb") as f:  # not a DPLB segment
                 f.write(b"JUNK" + bytes(8192))
             wait_for(lambda: "is not a usable DPLB state segment" in c.router_log(), 5, "the router's layout error")
-            wait_for(lambda: all("is not a usable DPLB state segment" in open(os.path.join(c.run_dir, f"worker-{k}.log"))
-                                 .read() for k in range(2)), 5, "the workers' layout errors")
+            wait_for(lambda: all("is not a usable DPLB state segment" in read(os.path.join(c.run_dir, f"worker-{k}.log"))
+                                 for k in range(2)), 5, "the workers' layout errors")
             assert _present(c) == 0
             r = subprocess.run(dplb_cmd("segment", "create", "--shm-path", c.shm_path, "--num-workers", "2",
                                         "--state-interval-ms", "100", "--model", "dplb-sim"),
@@ -222,7 +235,7 @@ def test_segment_deleted_then_bad_then_recreated_workers_and_router_reattach(tmp
         assert log_count(log, "state segment is back") == 1
         assert log_count(log, "is not a usable DPLB state segment") == 1  # once, not every check
         for k in range(2):
-            wlog = open(os.path.join(c.run_dir, f"worker-{k}.log")).read()
+            wlog = read(os.path.join(c.run_dir, f"worker-{k}.log"))
             assert log_count(wlog, "was removed or replaced") == 1, wlog
             assert log_count(wlog, f"Worker {k} re-attached to state segment {c.shm_path}") == 1, wlog
             assert log_count(wlog, "is not a usable DPLB state segment") == 1, wlog
@@ -240,3 +253,185 @@ def test_bad_segment_at_the_cli_names_the_file_and_the_fix(tmp_path, shm_path: s
         assert r.returncode != 0, r
         assert shm_path in r.stderr and f"rm '{shm_path}'" in r.stderr and "layout version 99" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+
+
+# ---- full worker, client errors ----------------------------------------------------------------------------------
+def _ejections(c: Cluster) -> float:
+    return sum(c.metric("dplb_worker_ejections_total", {"worker": str(k)}) or 0 for k in range(c.num_workers))
+
+
+def test_full_worker_503_and_a_storm_of_client_errors_never_eject(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A full worker's 503 passes through (it is not a failure) while the other keeps serving; 400 requests that
+    are the client's fault (404 wrong model, 400 bad max_tokens) never eject or deregister a worker."""
+    with cluster(str(tmp_path), 2, worker_args={0: ["--sim-max-inflight-503", "1"]}) as c:
+        async def burst(bodies: list[dict]) -> list[httpx.Response]:  # type: ignore[type-arg]
+            async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=50)) as cl:
+                return await asyncio.gather(*[cl.post(c.url + "/v1/completions", json=b) for b in bodies])
+
+        rs = asyncio.run(burst([completion(i, max_tokens=10, stream=False) for i in range(16)]))
+        by = Counter((r.status_code, r.headers.get("x-sg-worker-id")) for r in rs)
+        assert by[(503, "0")] >= 1 and by[(200, "1")] >= 1 and set(by) <= {(200, "0"), (503, "0"), (200, "1")}, by
+        for r in rs:
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "server_overloaded" and r.headers["retry-after"] == "1"
+        bad = [{"model": "no-such-model", "prompt": "x", "max_tokens": 2}] * 300 + \
+              [{"model": "dplb-sim", "prompt": "x", "max_tokens": -5}] * 100
+        rs = asyncio.run(burst(bad))
+        got = Counter((r.status_code, r.headers.get("x-sg-worker-id")) for r in rs)
+        assert sum(n for (s, _), n in got.items() if s == 404) == 300, got
+        assert sum(n for (s, _), n in got.items() if s == 400) == 100, got
+        assert {w for _, w in got} == {"0", "1"}, got
+        assert _ejections(c) == 0
+        assert "ejecting" not in c.router_log()
+        assert httpx.get(c.url + "/ready").json()["routable_workers"] == [0, 1]
+        seen = Counter(httpx.post(c.url + "/v1/completions", json=completion(i, max_tokens=2, stream=False),
+                                  timeout=10).headers["x-sg-worker-id"] for i in range(10))
+        assert set(seen) == {"0", "1"}, seen
+
+
+# ---- 500 clients disconnecting ----------------------------------------------------------------------------------
+def test_500_clients_disconnecting_mid_stream_release_everything(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """500 streams cut by their clients after the first token: router in-flight and every published queue back to
+    0, each engine saw its aborts (500 in all). The processes start with a shell-like soft limit of 256 open files:
+    1000 descriptors are needed, so this also proves the router raises its limit."""
+    n = 500
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        with cluster(str(tmp_path), 3, state_interval_ms=100, worker_args={k: [
+                "--sim-max-num-seqs", "256", "--sim-kv-blocks", "16384", "--sim-chunk-delay-s", "0.01"]
+                for k in range(3)}) as c:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            socks = [c.sock(k) for k in range(3)]
+            before = sum(sim_aborts(s) for s in socks)
+
+            async def client(i: int) -> bytes:
+                body = json.dumps({"model": "dplb-sim", "prompt": f"cut {i}", "max_tokens": 200,
+                                   "stream": True}).encode()
+                r, w = await asyncio.open_connection("127.0.0.1", c.port)
+                w.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                        b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                got = b""
+                while b"data:" not in got:
+                    chunk = await asyncio.wait_for(r.read(65536), 30)
+                    assert chunk, got
+                    got += chunk
+                w.transport.abort()  # gone mid-stream
+                return got.split(b"\r\n", 1)[0]
+
+            async def main() -> list[bytes]:
+                return await asyncio.gather(*[client(i) for i in range(n)])
+
+            heads = asyncio.run(main())
+            assert Counter(heads) == {b"HTTP/1.1 200 OK": n}, Counter(heads)
+            wait_for(lambda: all(c.metric("dplb_worker_requests_inflight", {"worker": str(k)}) == 0
+                                 for k in range(3)), 15, "router in-flight back to 0")
+            assert c.segment is not None
+            wait_for(lambda: all(w.num_running + w.num_waiting == 0 for w in c.segment.read_all()), 15,
+                     "every published queue back to 0")
+            wait_for(lambda: sum(sim_aborts(s) for s in socks) - before == n, 15, f"{n} aborts in the engines")
+            log = c.router_log()
+            assert "Too many open files" not in log and "raised the open-file limit from 256" in log
+            assert httpx.post(c.url + "/v1/completions", json=completion(0, stream=False), timeout=10).status_code == 200
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# ---- graceful drain ------------------------------------------------------------------------------------------------
+def _run_batch(url: str, bodies: list[dict]) -> list[Result]:  # type: ignore[type-arg]
+    async def main() -> list[Result]:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as cl:
+            return await asyncio.gather(*[one_request(cl, url, b) for b in bodies])
+    return asyncio.run(main())
+
+
+def test_sigterm_with_16_streams_open_finishes_them_and_takes_no_new_request(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    prefix = "You are the drain test assistant. " * 10  # one prefix: affinity (margin 1) pins it to one worker
+    with cluster(str(tmp_path), 2, state_interval_ms=100, router_args=["--affinity-margin", "1.0"],
+                 worker_args={k: ["--sim-chunk-delay-s", "0.03"] for k in range(2)}) as c:
+        assert c.segment is not None
+        box: list[list[Result]] = []
+        streams = threading.Thread(target=lambda: box.append(_run_batch(c.url, [
+            completion(i, max_tokens=40, stream=True, prompt=prefix + f"stream {i}") for i in range(16)])))
+        streams.start()
+        [k] = wait_for(lambda: [w.worker_id for w in c.segment.read_all() if w.num_running == 16], 10,
+                       "16 streams running on one worker")
+        other = 1 - k
+        os.kill(c.workers[k].pid, signal.SIGTERM)
+        wait_for(lambda: c.segment.read(k).lifecycle == Lifecycle.DRAINING, 5, f"worker {k} draining")
+        t_drain = time.time()
+        assert c.segment.read(k).num_running == 16, "the streams must still be open when the drain starts"
+        new = _run_batch(c.url, [completion(100 + i, max_tokens=2, prompt=prefix + f"new {i}") for i in range(20)])
+        streams.join(60)
+        assert Counter((r.outcome, r.worker) for r in new) == {("ok", other): 20}
+        old = box[0]
+        assert Counter((r.outcome, r.worker, r.done, r.tokens) for r in old) == {("ok", k, True, 40): 16}
+        assert c.workers[k].wait(20) == 0
+        chosen_after = [d["worker"] for d in httpx.get(c.url + "/debug/decisions?limit=256").json()
+                        if d["time"] > t_drain]
+        assert chosen_after and k not in chosen_after, chosen_after
+        assert f"Worker {k} draining: 16 request(s) in flight" in read(os.path.join(c.run_dir, f"worker-{k}.log"))
+
+
+def test_rolling_restart_under_launch_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM each of 4 workers in turn under steady load, waiting for the launcher's restart to be ready: 0
+    failed requests, every worker replaced, every worker serving at the end."""
+    with LaunchedCluster(4, ["--sim-chunk-delay-s", "0.01", "--drain-timeout", "10"], state_interval_ms=100,
+                         workdir=str(tmp_path)) as lc:
+        seg = lc.seg()
+        assert seg is not None
+        load = SteadyLoad(lc.url, 16, lambda i: completion(i, max_tokens=8)).start()
+        old = [lc.worker_pid(k) for k in range(4)]
+        try:
+            time.sleep(0.5)
+            for k in range(4):
+                os.kill(old[k], signal.SIGTERM)
+                wait_for(lambda k=k: _fresh_ready(seg, k, old[k]), 30, f"worker {k} restarted and ready")
+            t_all = time.monotonic()
+            wait_for(lambda: {r.worker for r in load.results if r.t0 > t_all} == {0, 1, 2, 3}, 10,
+                     "all four restarted workers serving")
+        finally:
+            results = load.stop()
+        assert len(results) > 100
+        assert Counter(r.outcome for r in results) == {"ok": len(results)}, [r for r in results if r.outcome != "ok"]
+        assert all(lc.worker_pid(k) != old[k] for k in range(4))
+        wait_for(lambda: not any(lc.inflight()), 5, "router in-flight back to 0")
+
+
+# ---- cold start ---------------------------------------------------------------------------------------------------
+def test_cold_start_no_traffic_to_warming_workers_and_ready_only_with_one_ready(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with cluster(str(tmp_path), 2, start_workers=False, wait_router_ready=False, state_interval_ms=100) as c:
+        assert c.segment is not None
+        seg = c.segment
+        r = httpx.get(c.url + "/ready")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_routable_worker"
+        c.start_worker(0, "--sim-warmup-delay-s", "1.0", wait=False)
+        c.start_worker(1, "--sim-warmup-delay-s", "3.0", wait=False)
+        last_not_ready = {0: 0.0, 1: 0.0}  # wall time of the last observation before each was ready
+        ready_codes: list[tuple[int, bool]] = []
+        served: Counter[tuple[int, str | None]] = Counter()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20:
+            now = time.time()
+            states = [seg.read(k).lifecycle for k in range(2)]
+            for k in range(2):
+                if states[k] != Lifecycle.READY:
+                    last_not_ready[k] = now
+            code = httpx.get(c.url + "/ready", timeout=5).status_code
+            ready_codes.append((code, any(seg.read(k).lifecycle == Lifecycle.READY for k in range(2))))
+            resp = httpx.post(c.url + "/v1/completions", json=completion(len(ready_codes), max_tokens=1, stream=False),
+                              timeout=10)
+            served[(resp.status_code, resp.headers.get("x-sg-worker-id"))] += 1
+            if resp.status_code == 503:
+                assert resp.json()["error"]["code"] in ("no_workers_registered", "no_routable_worker")
+                assert resp.headers["retry-after"] == "1"
+            if all(s == Lifecycle.READY for s in states) and served[(200, "1")] >= 3:
+                break
+            time.sleep(0.01)
+        assert ready_codes[0][0] == 503 and served[(503, None)] >= 1, (ready_codes[:3], served)
+        assert all(ok for code, ok in ready_codes if code == 200), "/ready said 200 before any worker was ready"
+        assert served[(200, "0")] >= 3 and served[(200, "1")] >= 3, served
+        for k in range(2):  # every routed request reached the engine after it was ready (the warm-up has no id)
+            recs = [e for e in sim_get(c.sock(k), "/debug/requests").json() if e.get("x_request_id")]
+            early = [e for e in recs if e["time_unix"] < last_not_ready[k]]
+            assert recs and not early, (k, early)
