@@ -29,6 +29,7 @@ def default_run_dir() -> str:
 
 POLICIES = ("dplb", "round_robin", "random", "least_loaded", "power_of_two", "prefix_hash")
 MemorySignal = Literal["kv", "gpu"]
+LatencySignal = Literal["e2e", "ttft"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,8 @@ class PolicyConfig:
     - ``baseline_window``: the latency baseline is the P95 of the first ``baseline_window`` completed requests.
     - ``memory_signal``: ``"kv"`` (KV-cache usage, default: vLLM pre-allocates ~90 % of GPU memory so NVML "used"
       is flat) or ``"gpu"`` (NVML used/total as in the seed).
+    - ``latency_signal``: ``"e2e"`` (seed: mean E2E latency of the worker's last 10 requests against the P95 E2E of
+      the first ``baseline_window`` requests) or ``"ttft"`` (the same with time to first token).
     - ``affinity_margin``: prefix affinity keeps the preferred worker while its score is within this margin of the
       best (score units 0–1); 0 disables affinity.
     - ``state_interval_ms``: publish interval; slots older than 3× are stale.
@@ -57,6 +60,7 @@ class PolicyConfig:
     hard_queue_cap: int = 0
     baseline_window: int = 50
     memory_signal: MemorySignal = "kv"
+    latency_signal: LatencySignal = "e2e"
     affinity_margin: float = 0.1
     state_interval_ms: int = 200
     seed: int = 0
@@ -79,6 +83,8 @@ class PolicyConfig:
             raise ConfigError(f"hard_queue_cap must be ≥ 0 (0 disables it), got {self.hard_queue_cap}")
         if self.baseline_window <= 0:
             raise ConfigError(f"baseline_window must be a positive number of requests, got {self.baseline_window}")
+        if self.latency_signal not in ("e2e", "ttft"):
+            raise ConfigError(f"latency_signal must be 'e2e' or 'ttft', got {self.latency_signal!r}")
         if self.memory_signal not in ("kv", "gpu"):
             raise ConfigError(f"memory_signal must be 'kv' or 'gpu', got {self.memory_signal!r}")
         if not 0.0 <= self.affinity_margin <= 1.0:

@@ -232,12 +232,13 @@ class Launcher:
     def _router_flags(self) -> list[str]:
         a = self.args
         out = ["--host", a.host, "--port", str(a.port), "--policy", a.policy, "--weights", a.weights,
-               "--max-queue", str(a.max_queue), "--hard-queue-cap", str(a.hard_queue_cap), "--memory-signal",
-               a.memory_signal, "--affinity-margin", str(a.affinity_margin), "--affinity-prefix-bytes",
-               str(a.affinity_prefix_bytes), "--baseline-window",
-               str(a.baseline_window), "--seed", str(a.seed), "--max-body-bytes", str(a.max_body_bytes),
-               "--first-byte-timeout", str(a.first_byte_timeout), "--idle-timeout", str(a.idle_timeout),
-               "--connect-timeout", str(a.connect_timeout), "--state-interval-ms", str(a.state_interval_ms)]
+               "--max-queue", str(a.max_queue), "--hard-queue-cap", str(a.hard_queue_cap),
+               "--memory-signal", a.memory_signal, "--latency-signal", a.latency_signal,
+               "--affinity-margin", str(a.affinity_margin), "--affinity-prefix-bytes", str(a.affinity_prefix_bytes),
+               "--baseline-window", str(a.baseline_window), "--seed", str(a.seed),
+               "--max-body-bytes", str(a.max_body_bytes), "--first-byte-timeout", str(a.first_byte_timeout),
+               "--idle-timeout", str(a.idle_timeout), "--connect-timeout", str(a.connect_timeout),
+               "--state-interval-ms", str(a.state_interval_ms)]
         if a.max_queue_from_worker:
             out.append("--max-queue-from-worker")
         if a.access_log:

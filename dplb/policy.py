@@ -222,9 +222,14 @@ class Policy:
         self.baseline_s: float | None = None
 
     # ---- feedback ------------------------------------------------------------------------------------------
-    def observe_latency(self, seconds: float) -> None:
-        """Feed one completed request's E2E latency (seconds). After ``baseline_window`` of them the baseline is
-        frozen at their P95 (nearest rank)."""
+    def observe_latency(self, seconds: float, ttft_s: float | None = None) -> None:
+        """Feed one completed request's E2E latency and time to first body byte (seconds; TTFT of a stream).
+        After ``baseline_window`` of them the baseline is frozen at the P95 (nearest rank) of the configured
+        ``latency_signal``."""
+        if self.cfg.latency_signal == "ttft":
+            if ttft_s is None:
+                return
+            seconds = ttft_s
         if self.baseline_s is not None or not math.isfinite(seconds) or seconds <= 0:
             return
         self._latencies.append(seconds)
@@ -259,6 +264,7 @@ class Policy:
         cap = cfg.hard_queue_cap
         wq, wm, wl = cfg.weights
         kv_signal = cfg.memory_signal == "kv"
+        ttft_signal = cfg.latency_signal == "ttft"
         mq_default = cfg.max_queue
         mq_worker = cfg.max_queue_from_worker
         base = self.baseline_s
@@ -303,7 +309,7 @@ class Policy:
                 mr = w.gpu_memory_used_bytes / total if total > 0 else 0.0
             tm = 1.0 - mr
             tm = 0.0 if tm < 0.0 else (1.0 if tm > 1.0 else tm)
-            lat = w.avg_latency_s
+            lat = w.avg_ttft_s if ttft_signal else w.avg_latency_s
             if base is None:
                 tl = 1.0
             elif lat <= 0.0:

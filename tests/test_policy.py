@@ -368,3 +368,20 @@ def test_fresh_worker_latency_term_is_the_peers_mean() -> None:
     d = p.pick([ws(0, lat=1.0), ws(1, lat=1.5), ws(2)], NOW)
     assert [c.term_latency for c in d.candidates] == pytest.approx([0.5, 0.25, 0.375])
     assert d.candidates[2].score == pytest.approx(0.4 + 0.3 + 0.3 * 0.375)
+
+
+def test_ttft_latency_signal_uses_ttft_and_its_own_baseline() -> None:
+    """--latency-signal ttft: the term is 1 − avg_ttft/baseline, the baseline the P95 of observed TTFTs."""
+    p = make_policy(PolicyConfig(latency_signal="ttft"), 2)
+    for _ in range(50):
+        p.observe_latency(9.0)  # E2E only (no body byte): not a TTFT sample
+    assert p.baseline_s is None
+    for _ in range(50):
+        p.observe_latency(9.0, 0.2)
+    assert p.baseline_s == 0.2
+    snap = [WorkerState(k, pid=1000 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW, avg_latency_s=1.0,
+                        avg_ttft_s=0.05 * (k + 1)) for k in range(2)]
+    terms = [c.term_latency for c in p.pick(snap, NOW).candidates]
+    assert terms == pytest.approx([0.75, 0.5])
+    with pytest.raises(ConfigError):
+        PolicyConfig(latency_signal="tpot")  # type: ignore[arg-type]

@@ -360,10 +360,13 @@ class Proxy:
             is_sse = any(n.lower() == b"content-type" and v.startswith(b"text/event-stream") for n, v in up_headers)
             await send({"type": "http.response.start", "status": status, "headers": out})
             started = True
+            t_first = None
             try:
                 async for chunk in conn.chunks(cfg.idle_timeout_s):
                     if disconnected.is_set():
                         break
+                    if t_first is None:
+                        t_first = time.perf_counter()
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except UpstreamError as e:
                 if disconnected.is_set():
@@ -385,7 +388,8 @@ class Proxy:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             outcome = "ok" if status < 400 else ("upstream_4xx" if status < 500 else "upstream_5xx")
             if status < 400:
-                self.state.policy.observe_latency(time.perf_counter() - t_start)
+                self.state.policy.observe_latency(time.perf_counter() - t_start,
+                                                  None if t_first is None else t_first - t_start)
             return None
         finally:
             watcher.remove_done_callback(abort_cb)
