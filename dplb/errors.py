@@ -87,6 +87,8 @@ class RouterErrorKind(enum.Enum):
     INVALID_JSON = (400, "invalid_request_error", "invalid_json")
     NOT_AN_OBJECT = (400, "invalid_request_error", "body_not_object")
     BODY_TOO_LARGE = (413, "invalid_request_error", "body_too_large")
+    HEADERS_TOO_LARGE = (431, "invalid_request_error", "headers_too_large")
+    INVALID_HTTP = (400, "invalid_request_error", "invalid_http")
     METHOD_NOT_ALLOWED = (405, "invalid_request_error", "method_not_allowed")
     UNSUPPORTED_MEDIA = (415, "invalid_request_error", "unsupported_media_type")
     UNAUTHORIZED = (401, "authentication_error", "invalid_api_key")

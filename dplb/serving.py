@@ -3,17 +3,21 @@
 Contract: :func:`bind_uds` creates a Unix socket with a private mode (uvicorn's own ``uds=`` makes it 0666) and
 refuses to steal a socket another live process is serving; :class:`Server` is uvicorn's server minus its signal
 handling, so the worker/router decide what SIGTERM means (drain first) and stop the server with
-``server.should_exit = True``.
+``server.should_exit = True``. ``make_server(max_head_bytes=N)`` (the router's edge) caps each request head (request
+line + headers): uvicorn/httptools buffer a head without limit and concatenate it piece by piece, so one client
+sending a 50 MB header cost the router 5 s of CPU and 50 MB of memory; over the cap the client gets a 431 and the
+connection is closed. Malformed HTTP gets a 400 in the same OpenAI error shape as every other router error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
 import stat
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import uvicorn
@@ -29,17 +33,80 @@ class Server(uvicorn.Server):
         yield
 
 
+def _error_response(status: int, reason: bytes, kind_code: str, message: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": kind_code}}).encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (status, reason, len(body)) + body)
+
+
+def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | None = None) -> type:
+    """uvicorn's httptools protocol with request heads capped at ``max_head_bytes`` (431 + close above it) and
+    OpenAI-shaped 400s for malformed HTTP. ``on_reject(code)`` is called for each (metrics)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    too_large = _error_response(431, b"Request Header Fields Too Large", "headers_too_large",
+                                f"request line and headers exceed {max_head_bytes} bytes")
+    bad_http = _error_response(400, b"Bad Request", "invalid_http", "malformed HTTP request")
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        _head_bytes = 0  # request line + header bytes parsed so far (exact)
+        _raw_bytes = 0  # bytes read while the head is incomplete (bounds memory before a header completes)
+        _in_head = True
+        _too_large = False
+
+        def on_message_begin(self) -> None:
+            self._in_head, self._head_bytes, self._raw_bytes = True, 0, 0
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._head_bytes += len(url)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._head_bytes += len(name) + len(value) + 4
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            if self._head_bytes > max_head_bytes:
+                self._too_large = True
+                raise ValueError("request head too large")  # httptools stops parsing; send_400_response below
+            super().on_headers_complete()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if not self._in_head or self.transport.is_closing():
+                return
+            self._raw_bytes += len(data)
+            if self._raw_bytes > max_head_bytes:  # a head still incomplete past the cap: stop reading it now
+                self._too_large = True
+                self.send_400_response("")
+
+        def send_400_response(self, msg: str) -> None:
+            code = "headers_too_large" if self._too_large else "invalid_http"
+            if on_reject is not None:
+                on_reject(code)
+            if self.cycle is None or self.cycle.response_complete:  # else a pipelined request mid-response: close
+                self.transport.write(too_large if self._too_large else bad_http)
+            self.transport.close()
+
+    return BoundedHttpToolsProtocol
+
+
 def make_server(app: Any, *, timeout_keep_alive: int = 75, graceful_s: float | None = 5.0,
-                access_log: bool = False) -> Server:
-    """A :class:`Server` for ``app`` with uvloop + httptools when available, lifespan on, quiet logs."""
+                access_log: bool = False, max_head_bytes: int | None = None,
+                on_reject: Callable[[str], None] | None = None) -> Server:
+    """A :class:`Server` for ``app`` with uvloop + httptools when available, lifespan on, quiet logs.
+    ``max_head_bytes``: cap request heads (see the module docstring); ``on_reject(code)`` counts those refusals."""
     try:
         import uvloop  # noqa: F401
 
         loop = "uvloop"
     except ImportError:  # pragma: no cover
         loop = "asyncio"
+    http: Any = "httptools" if max_head_bytes is None else bounded_protocol(max_head_bytes, on_reject)
     cfg = uvicorn.Config(
-        app, loop=loop, http="httptools", lifespan="auto", log_level="info" if access_log else "warning",
+        app, loop=loop, http=http, lifespan="auto", log_level="info" if access_log else "warning",
         access_log=access_log, log_config=None,  # uvicorn's lines go through DPLB's logging format
         timeout_keep_alive=timeout_keep_alive, proxy_headers=False,  # DPLB is the edge: no X-Forwarded-* rewriting
         timeout_graceful_shutdown=int(graceful_s) if graceful_s is not None else None,

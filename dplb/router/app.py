@@ -10,6 +10,10 @@ Contract (DESIGN §4)
 - With an API key, every path except ``public_paths`` needs ``Authorization: Bearer <key>`` (constant-time
   compare); failures are OpenAI-shaped 401s.
 - The router starts before any worker is ready and answers 503 until one is.
+- The HTTP edge is bounded: request heads over :data:`MAX_HEAD_BYTES` get 431 ``headers_too_large`` and malformed
+  HTTP gets 400 ``invalid_http`` (both OpenAI-shaped, connection closed); an unexpected exception is logged with its
+  traceback and answered with a bare OpenAI-shaped 500 ``internal_error`` — no traceback or path reaches a client.
+- The open-file soft limit is raised to the hard limit at start (two descriptors per proxied request).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from dplb.tracing import make_tracer
 from dplb.tracing import shutdown as tracing_shutdown
 
 log = logging.getLogger("dplb.router")
+MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more gets 431 (nginx allows 32 KiB, Node 16 KiB)
 _METHODS = frozenset({"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"})
 _ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/debug/decisions"}) | PROXY_PATHS
 
@@ -197,7 +202,8 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     if new != old:
         log.info("raised the open-file limit from %d to %d (two descriptors per proxied request)", old, new)
     app = RouterApp(cfg)
-    server = make_server(app, graceful_s=5.0, access_log=cfg.access_log)
+    server = make_server(app, graceful_s=5.0, access_log=cfg.access_log, max_head_bytes=MAX_HEAD_BYTES,
+                         on_reject=lambda code: app.metrics.rejected.labels(code).inc())
     server.config.server_header = False  # upstream Server/Date headers pass through instead
     server.config.date_header = False
     sock = bind_tcp(cfg.host, cfg.port)

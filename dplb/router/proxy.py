@@ -3,7 +3,8 @@
 
 Contract
 - The request body is read whole (bounded: 413 from Content-Length before reading, or as soon as the bytes read
-  exceed the limit), peeked with msgspec for ``stream`` and the prefix key, and forwarded **byte for byte**: the
+  exceed the limit; a rejection sent before the body was read closes the connection, so the rest of the upload is
+  not read), peeked with msgspec for ``stream`` and the prefix key, and forwarded **byte for byte**: the
   router never re-serialises it.
 - Every proxied response carries ``X-SG-Worker-ID: <k>`` and ``X-Request-Id``. Status, body and end-to-end headers
   pass through unchanged; hop-by-hop headers (RFC 9110 §7.6.1 + those named in ``Connection``) are never copied.
@@ -50,6 +51,9 @@ _REQ_OWN = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
 _RESP_OWN = HOP_BY_HOP | {b"x-sg-worker-id", b"x-request-id", b"x-dplb-draining"}
 _REQUEST_ID_RE = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: "$" would accept a trailing "\n"
 _JSON_TYPES = (b"application/json",)
+# Rejections answered before the request body was read.
+_BODY_UNREAD = frozenset({RouterErrorKind.UNAUTHORIZED, RouterErrorKind.METHOD_NOT_ALLOWED,
+                          RouterErrorKind.UNSUPPORTED_MEDIA, RouterErrorKind.BODY_TOO_LARGE})
 
 
 class _Peek(msgspec.Struct):
@@ -102,6 +106,10 @@ class Proxy:
             headers.append((b"retry-after", str(self.cfg.retry_after_s).encode()))
         if worker is not None:
             headers.append((b"x-sg-worker-id", str(worker).encode()))
+        if kind in _BODY_UNREAD:
+            # Close instead of keep-alive: uvicorn would otherwise read and discard the rest of the body, however
+            # large (a 100 MB upload was consumed whole after its 413).
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": kind.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 

@@ -9,9 +9,10 @@ Contract
 - In-flight counts per worker are the router's own: incremented by :meth:`acquire`, decremented by
   :meth:`release` on every exit path of a proxied request.
 - One log line per worker registration (becomes routable) and deregistration (with the reason).
-- Hysteresis on heartbeats: a worker whose heartbeat went stale (older than 3 × state interval; the policy then
-  skips it) stays out after its heartbeat is fresh again until it has been fresh at every observation for
-  :data:`READMIT_INTERVALS` state intervals (a worker restarted under a new pid is exempt: its lifecycle gates it).
+- Hysteresis on heartbeats: a worker seen routable whose heartbeat then went stale (older than 3 × state interval;
+  the policy then skips it) stays out after its heartbeat is fresh again until it has been fresh at every
+  observation for :data:`READMIT_INTERVALS` state intervals (a worker restarted under a new pid is exempt: its
+  lifecycle gates it).
   A single late heartbeat (shorter than the stale limit) changes nothing; a worker flapping stale/fresh stays out
   instead of flapping in and out. One log line each way.
 - A segment that comes back after it was lost is attached at once but routed on only when one of its workers is
@@ -69,6 +70,7 @@ class RouterState:
         # Heartbeat hysteresis: workers out for a stale heartbeat, the pid they had, and since when (monotonic ns)
         # they have been fresh at every observation (0 = not fresh yet).
         self._stale_out = [False] * n
+        self._fresh_pid = [0] * n  # pid last seen fresh and ready
         self._stale_pid = [0] * n
         self._fresh_since = [0] * n
         self._any_out = False
@@ -152,7 +154,10 @@ class RouterState:
                 continue
             age = now - w.heartbeat_mono_ns
             if not out[k]:
-                if age > stale_ns and w.lifecycle == _READY:
+                if age <= stale_ns:
+                    if w.lifecycle == _READY:
+                        self._fresh_pid[k] = w.pid  # seen routable: going stale from here is a flap
+                elif w.lifecycle == _READY and self._fresh_pid[k] == w.pid:
                     out[k] = self._any_out = True
                     self._stale_pid[k] = w.pid
                     self._fresh_since[k] = 0
