@@ -20,6 +20,7 @@ LaunchedCluster = soak.LaunchedCluster
 SteadyLoad = soak.SteadyLoad
 Result = soak.Result
 proc_stats = soak.proc_stats
+fd_kinds = soak.fd_kinds
 one_request = soak.one_request
 
 

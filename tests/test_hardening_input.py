@@ -1,0 +1,365 @@
+"""Hardening, bad input and security (issue 9): a hypothesis fuzz of the router's HTTP surface, oversized heads and
+bodies, absurd values, request-id sanitising, API-key exemptions, file modes and other users, and the soak smoke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import pwd
+import re
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+from urllib.parse import quote
+
+import httpx
+import pytest
+from cluster import Cluster, cluster, dplb_cmd
+from hardening_support import ROOT, LaunchedCluster, fd_kinds, proc_stats, sim_get, wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dplb.config import PolicyConfig, RouterConfig
+from dplb.errors import RouterErrorKind
+from dplb.router.app import RouterApp
+from dplb.router.proxy import _REQUEST_ID_RE
+
+#: Error codes the router itself may answer with (RouterErrorKind + Litestar's mapped errors); never internal_error.
+ROUTER_CODES = {k.code for k in RouterErrorKind} - {"internal_error"} | {"invalid_request", "not_found",
+                                                                          "method_not_allowed"}
+INTERNALS = re.compile(r"Traceback|File \"|/root|/tmp/|/work/|/dev/shm|site-packages|\.py\b")
+BODY_LIMIT = 65536
+
+
+def assert_no_internals(text: str) -> None:
+    """No stack trace, source file or internal path in a response body."""
+    m = INTERNALS.search(text)
+    assert m is None, f"internal detail {m.group(0)!r} in {text[:300]!r}"
+
+
+@pytest.fixture(scope="module")
+def fuzz(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Two fast sim workers (64-token context, 1 ms steps) and a router with a 64 KiB body limit."""
+    fast = ["--sim-max-model-len", "64", "--sim-decode-step-s", "0.001", "--sim-decode-step-s-per-seq", "0"]
+    with cluster(str(tmp_path_factory.mktemp("fuzz")), 2, worker_args={0: fast, 1: fast},
+                 router_args=["--max-body-bytes", str(BODY_LIMIT)]) as c:
+        yield c
+
+
+# ---- the fuzz ------------------------------------------------------------------------------------------------------
+PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/ready", "/metrics",
+         "/debug/decisions", "/debug/decisions?limit=-1", "/debug/decisions?limit=99999999999999999999999",
+         "/v1/chat/completions?x=1", "/v1/../v1/models", "/%00", "/v1/chat/completions/", "//v1/completions", "/"]
+junk = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**80), max_value=2**80) | st.floats(allow_nan=False)
+    | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+request_like = st.fixed_dictionaries({
+    "model": st.sampled_from(["dplb-sim", "nope", ""]) | junk,
+}, optional={
+    "prompt": st.text(max_size=40) | junk, "messages": st.just([{"role": "user", "content": "hi"}]) | junk,
+    "max_tokens": st.integers(min_value=-3, max_value=70) | st.integers() | junk, "n": st.integers(-2, 3) | junk,
+    "stream": st.booleans() | junk, "stream_options": st.just({"include_usage": True}) | junk, "extra": junk,
+})
+bodies = st.one_of(
+    request_like.map(lambda d: json.dumps(d).encode()),
+    junk.map(lambda v: json.dumps(v).encode()),
+    st.binary(max_size=200),  # mostly invalid UTF-8 / invalid JSON
+    request_like.map(lambda d: json.dumps(d).encode()[: max(1, len(json.dumps(d)) // 2)]),  # truncated
+    st.just(b"{" * 5000 + b"}" * 5000), st.just(b'{"model": 1e999}'), st.just(b"x" * (BODY_LIMIT + 1)),
+    st.just(b""),
+)
+header_value = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=60).map(str.strip)
+headers = st.dictionaries(
+    st.sampled_from(["content-type", "x-request-id", "authorization", "accept", "content-encoding", "connection",
+                     "traceparent", "x-sg-worker-id", "expect", "accept-encoding", "te", "upgrade"])
+    | st.from_regex(r"\Ax-[a-z0-9-]{1,20}\Z"),
+    st.sampled_from(["application/json", "text/plain", "application/json; charset=utf-8", "multipart/form-data",
+                     "close", "keep-alive", "gzip", "100-continue"]) | header_value,
+    max_size=5)
+methods = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD", "FOO"])
+random_path = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=30).map(
+    lambda t: "/" + quote(t, safe="/?=&"))
+
+
+def _check(r: httpx.Response) -> str:
+    """One response: no router-made 5xx, router errors OpenAI-shaped with a known code, nothing internal."""
+    text = r.text
+    assert_no_internals(text)
+    if "x-sg-worker-id" in r.headers:
+        return "worker"
+    assert r.status_code < 500, (r.status_code, text[:300])
+    if r.status_code >= 400 and r.request.method != "HEAD":
+        err = json.loads(text)["error"]
+        assert err["code"] in ROUTER_CODES and isinstance(err["message"], str) and err["type"], err
+    return "router"
+
+
+def test_fuzz_the_router_http_surface(fuzz: Cluster) -> None:
+    """Random methods, paths, headers and bodies: never a router-made 5xx, only OpenAI-shaped errors with known
+    codes, no internals; the router stays up, in-flight returns to 0, RSS and descriptors do not grow."""
+    pid = fuzz.router.pid  # type: ignore[union-attr]
+    seen: Counter[tuple[str, int]] = Counter()
+    clients = [httpx.Client(timeout=15)]
+
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(method=methods, path=st.sampled_from(PATHS) | random_path, hdrs=headers, body=bodies)
+    def one(method: str, path: str, hdrs: dict[str, str], body: bytes) -> None:
+        try:
+            r = clients[-1].request(method, fuzz.url + path, headers=hdrs, content=body if method != "GET" else None)
+        except httpx.RemoteProtocolError:
+            # A rejection before the body was read closes the connection; the client may see that close first.
+            assert path.split("?")[0] in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings") or \
+                "100-continue" in hdrs.values(), (method, path, hdrs)
+            return
+        seen[(_check(r), r.status_code)] += 1
+
+    def quiet() -> tuple[int, dict[str, int]]:
+        wait_for(lambda: all(fuzz.metric("dplb_worker_requests_inflight", {"worker": str(k)}) == 0
+                             for k in range(2)), 10, "in-flight back to 0")
+        clients[-1].close()  # drop keep-alive connections so descriptors can be compared
+        clients.append(httpx.Client(timeout=15))
+        time.sleep(0.3)
+        return proc_stats(pid)[0], fd_kinds(pid)
+
+    one()
+    rss0, fds0 = quiet()
+    one()  # the same 300 requests again: nothing may accumulate
+    rss1, fds1 = quiet()
+    assert fuzz.router is not None and fuzz.router.poll() is None
+    assert httpx.get(fuzz.url + "/health").status_code == 200
+    assert fds1["other"] == fds0["other"], (fds0, fds1)
+    assert rss1 - rss0 < 4 * 2**20, (rss0, rss1)
+    assert {s for (who, s) in seen if who == "worker"} and {s for (who, s) in seen if who == "router"}, seen
+    assert "Traceback" not in fuzz.router_log()
+    clients[-1].close()
+
+
+# ---- explicit bad input -----------------------------------------------------------------------------------------------
+def _raw(c: Cluster, data: bytes, timeout: float = 5) -> bytes:
+    with socket.create_connection(("127.0.0.1", c.port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
+def test_oversized_heads_get_431_and_malformed_http_400(fuzz: Cluster) -> None:
+    pid = fuzz.router.pid  # type: ignore[union-attr]
+    rss0 = proc_stats(pid)[0]
+    for head in (b"x-big: " + b"a" * 100_000, b"\r\n".join(b"x-h%d: %s" % (i, b"b" * 1000) for i in range(100)),
+                 b"x-ok: 1"):
+        resp = _raw(fuzz, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" + head + b"\r\n\r\n")
+        if head == b"x-ok: 1":
+            assert resp.startswith(b"HTTP/1.1 200"), resp[:100]
+            continue
+        assert resp.startswith(b"HTTP/1.1 431"), resp[:100]
+        assert json.loads(resp.partition(b"\r\n\r\n")[2])["error"]["code"] == "headers_too_large"
+    # A 20 MB header trickled in: the router stops reading it early instead of buffering it.
+    sent = 0
+    with socket.create_connection(("127.0.0.1", fuzz.port), timeout=5) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-huge: ")
+        with pytest.raises(OSError):
+            for _ in range(20 * 16):
+                s.sendall(b"a" * 65536)
+                sent += 65536
+    assert sent < 10 * 2**20, sent
+    assert proc_stats(pid)[0] - rss0 < 4 * 2**20
+    for bad in (b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                b"content-length: 99999999999999999999999\r\n\r\n"):
+        resp = _raw(fuzz, bad)
+        assert resp.startswith(b"HTTP/1.1 400"), resp[:100]
+        assert json.loads(resp.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_http"
+    assert (fuzz.metric("dplb_requests_rejected_total", {"reason": "headers_too_large"}) or 0) >= 3
+    assert httpx.get(fuzz.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_100_mb_body_is_refused_without_being_read(fuzz: Cluster, framing: str) -> None:
+    """A real 100 MB upload: 413 arrives while the client is still sending, and the router closes instead of
+    draining the rest (the client cannot push the 100 MB through)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" + (
+        b"content-length: 104857600\r\n\r\n" if framing == "content-length" else b"transfer-encoding: chunked\r\n\r\n")
+    chunk = b"x" * 2**20
+    piece = chunk if framing == "content-length" else b"100000\r\n" + chunk + b"\r\n"
+    s = socket.create_connection(("127.0.0.1", fuzz.port), timeout=10)
+    got = bytearray()
+
+    def reader() -> None:
+        while b"\r\n\r\n" not in got or b"}" not in got:
+            try:
+                data = s.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            got.extend(data)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    sent = 0
+    try:
+        s.sendall(head)
+        for _ in range(100):
+            s.sendall(piece)
+            sent += len(chunk)
+    except OSError:
+        pass
+    t.join(10)
+    s.close()
+    assert bytes(got).startswith(b"HTTP/1.1 413"), bytes(got[:200])
+    assert b"body_too_large" in got and b"connection: close" in got
+    assert sent < 50 * 2**20, f"the router read {sent >> 20} MB of a rejected body"
+
+
+@pytest.mark.parametrize("body", [
+    {"max_tokens": 10**30}, {"max_tokens": -1}, {"n": -1}, {"n": 0}, {"max_tokens": "many"}, {"stream": 12},
+])
+def test_absurd_values_get_the_workers_400(fuzz: Cluster, body: dict[str, Any]) -> None:
+    r = httpx.post(fuzz.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "x", **body}, timeout=10)
+    assert r.status_code == 400 and r.headers["x-sg-worker-id"] in ("0", "1"), r.text
+    assert "error" in r.json()
+
+
+# ---- request ids, internals ------------------------------------------------------------------------------------------
+def test_request_ids_are_sanitised(fuzz: Cluster) -> None:
+    assert _REQUEST_ID_RE.fullmatch(b"abc\n") is None and _REQUEST_ID_RE.fullmatch(b"a-b.c:d_1") is not None
+    body = json.dumps({"model": "dplb-sim", "prompt": "x", "max_tokens": 1}).encode()
+    cases = {b"good-id_1.2:3": True, b"a" * 129: False, b"r\xc3\xa9q": False, b"has space": False,
+             b"semi;colon": False, b"a" * 128: True, b"\xff\xfe": False}
+    for rid, kept in cases.items():
+        resp = _raw(fuzz, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: "
+                    b"application/json\r\ncontent-length: %d\r\nx-request-id: %s\r\n\r\n%s" % (len(body), rid, body))
+        head = resp.partition(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 200"), resp[:200]
+        echoed = re.search(rb"\r\nx-request-id: ([^\r]*)", head).group(1)  # type: ignore[union-attr]
+        if kept:
+            assert echoed == rid.lower()
+        else:
+            assert re.fullmatch(rb"[0-9a-f]{32}", echoed), echoed
+        worker = int(re.search(rb"\r\nx-sg-worker-id: (\d)", head).group(1))  # type: ignore[union-attr]
+        recs = sim_get(fuzz.sock(worker), "/debug/requests").json()
+        assert any(e["x_request_id"] and e["x_request_id"].lower() == echoed.decode() for e in recs), echoed
+
+
+def test_router_bug_is_an_openai_500_without_internals(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """In-process: a proxy or local route that raises gives a bare OpenAI-shaped 500 (the traceback is logged)."""
+    app = RouterApp(RouterConfig(PolicyConfig(), run_dir=str(tmp_path), num_workers=1,
+                                 shm_path=str(tmp_path / "absent")))
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as cl:
+            with mock.patch.object(app.proxy, "_handle", side_effect=RuntimeError("boom at /root/secret.py")), \
+                    mock.patch.object(app.state, "routable_workers", side_effect=KeyError("/tmp/x.py")):
+                return [await cl.post("/v1/completions", json={"model": "m"}), await cl.get("/ready")]
+
+    for r in asyncio.run(main()):
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+        assert_no_internals(r.text)
+
+
+# ---- security -----------------------------------------------------------------------------------------------------------
+def test_api_key_exemptions_are_configurable_and_compared_in_constant_time(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with cluster(str(tmp_path), 1, router_args=["--api-key", "s3cret", "--api-key-exempt", "/health"],
+                 wait_router_ready=False) as c:
+        key = {"authorization": "Bearer s3cret"}
+        assert httpx.get(c.url + "/health").status_code == 200
+        for path in ("/metrics", "/ready", "/v1/models", "/debug/decisions"):
+            r = httpx.get(c.url + path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+            assert httpx.get(c.url + path, headers=key).status_code == 200, path
+        assert c.router is not None
+        c.router.terminate()
+        c.router.wait(10)
+        # `--api-key-exempt ''`: nothing is open, not even /health (start_router would wait for /health 200).
+        c.router = subprocess.Popen(dplb_cmd("router", "--host", "127.0.0.1", "--port", str(c.port), "--run-dir",
+                                             c.run_dir, "--api-key", "s3cret", "--api-key-exempt", ""), env=c.env(),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: _status(c.url + "/health") == 401, 30, "the router without exemptions")
+        assert httpx.get(c.url + "/health", headers=key).status_code == 200
+    r = subprocess.run(dplb_cmd("router", "--api-key", "k", "--api-key-exempt", "/v1/chat/completions"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "cannot be exempt" in r.stderr and "Traceback" not in r.stderr
+    app = RouterApp(RouterConfig(PolicyConfig(), run_dir=str(tmp_path), num_workers=1, shm_path=str(tmp_path / "x"),
+                                 api_key="s3cret"))
+    with mock.patch("hmac.compare_digest", wraps=hmac.compare_digest) as cmp:
+        assert app._authorized({"headers": [(b"authorization", b"Bearer s3cret")]})
+        assert not app._authorized({"headers": [(b"authorization", b"Bearer s3cres")]})
+    assert cmp.call_count == 2
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=1).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+_PROBE = """
+import errno, socket, sys
+res = []
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1]); res.append("connected")
+except OSError as e:
+    res.append(errno.errorcode.get(e.errno, str(e.errno)))
+try:
+    open(sys.argv[2], "rb").read(4); res.append("read")
+except OSError as e:
+    res.append(errno.errorcode.get(e.errno, str(e.errno)))
+print(" ".join(res))
+"""
+
+
+def _probe_as_nobody(sock: str, seg: str) -> str:
+    nobody = pwd.getpwnam("nobody")
+    r = subprocess.run(["/usr/bin/python3", "-c", _PROBE, sock, seg], user=nobody.pw_uid, group=nobody.pw_gid,
+                       extra_groups=[], capture_output=True, text=True, timeout=30, cwd="/")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_modes_and_other_users_cannot_reach_workers_or_segment(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another user (nobody)")
+    with LaunchedCluster(1, [], workdir=str(tmp_path)) as lc:
+        sock = os.path.join(lc.run_dir, "worker-0.sock")
+        mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+        assert (mode(lc.run_dir), mode(sock), mode(lc.shm_path)) == (0o700, 0o600, 0o600)
+        assert _probe_as_nobody(sock, lc.shm_path) == "EACCES EACCES"
+        os.chmod(lc.run_dir, 0o711)  # even with a traversable directory the socket's own mode refuses
+        try:
+            assert _probe_as_nobody(sock, lc.shm_path) == "EACCES EACCES"
+        finally:
+            os.chmod(lc.run_dir, 0o700)
+        assert sim_get(sock, "/health").status_code == 200  # the owner can
+
+
+# ---- soak smoke ---------------------------------------------------------------------------------------------------------
+def test_soak_script_smoke() -> None:
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "soak.py"), "--duration-s", "12",
+                        "--warmup-s", "4", "--rate", "15", "--sample-s", "3", "--json"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and "soak: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    fig = json.loads(r.stdout.strip().splitlines()[-2])
+    assert fig["errors"] == 0 and fig["requests"] >= 200 and fig["inflight_after"] == [0.0] * 4
+    assert fig["rss_growth_pct"] < 5 and fig["fd_growth"] <= 0
