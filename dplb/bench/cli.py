@@ -129,6 +129,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", metavar="FILE.json", help="write every figure here")
     p.add_argument("--plot", metavar="DIR", help="write per-scenario CDF and per-worker load PNGs here")
+    p.add_argument("--markdown", metavar="FILE.md", help="write the table, targets, machine and command as markdown")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     p.set_defaults(func=_cmd_compare)
 
@@ -171,6 +172,10 @@ def _cmd_compare(args: argparse.Namespace, rest: list[str]) -> int:
     if args.output:
         _write_json(args.output, result)
         out.print(f"wrote {args.output}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(compare_markdown(result))
+        out.print(f"wrote {args.markdown}")
     if args.plot:
         from dplb.bench.plots import plot_compare
 
@@ -202,6 +207,36 @@ def compare_table(result: dict[str, Any]) -> Any:
             first = False
         t.add_section()
     return t
+
+
+def compare_markdown(result: dict[str, Any]) -> str:
+    """The compare result as markdown: machine, command, one table (latencies in ms), the targets."""
+    m = result["machine"]
+    lines = [f"Machine: {m['cpu']} × {m['cpus']} CPUs, {m['os']}, Python {m['python']}. "
+             f"{result['num_workers']} sim workers; matrix wall time {result.get('wall_s', 0):.0f} s.", "",
+             f"Command: `{result.get('command', 'dplb bench compare')}`", "",
+             "| scenario | policy | E2E P50 | E2E P95 | E2E P99 | TTFT P50 | TTFT P99 | req/s | tok/s | max/min share "
+             "| prefix hit | failed | P99 / first | P99 / round_robin | P99 / least_loaded |",
+             "|---|---|" + "---:|" * 13]
+
+    def f(x: Any, fmt: str) -> str:
+        return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+    for name, entry in result["scenarios"].items():
+        ref = next(iter(entry["policies"]))
+        for label, s in entry["policies"].items():
+            e, t = s["e2e_ms"], s["ttft_ms"]
+            lines.append(
+                f"| {name} | {label} | {f(e['p50'], '.0f')} | {f(e['p95'], '.0f')} | {f(e['p99'], '.0f')} | "
+                f"{f(t['p50'], '.0f')} | {f(t['p99'], '.0f')} | {f(s['requests_per_s'], '.2f')} | "
+                f"{f(s['output_tokens_per_s'], '.0f')} | {f(s['worker_share_max_min'], '.2f')} | "
+                f"{f(s.get('prefix_cache_hit_rate'), '.2f')} | {s['failed']} | {f(s.get(f'p99_vs_{ref}'), '.2f')} | "
+                f"{f(s.get('p99_vs_round_robin'), '.2f')} | {f(s.get('p99_vs_least_loaded'), '.2f')} |")
+    lines += ["", "Targets:", ""]
+    for row in result["targets"]:
+        v = "n/a" if row["value"] is None else f"{row['value']:.2f}"
+        lines.append(f"- **{'PASS' if row['passed'] else 'FAIL'}** {row['scenario']}: {row['target']} (got {v})")
+    return "\n".join(lines) + "\n"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -157,26 +157,34 @@ def _router_ready(url: str) -> bool:
 
 def run_one(scenario: Scenario, label: str, flags: list[str], *, num_workers: int, quick: bool, seed: int,
             workdir: str, stream: bool = True) -> tuple[list[RequestResult], dict[str, Any]]:
-    """One (scenario, policy) run on a fresh cluster. Returns (measured results, summary with
-    ``prefix_cache_hit_rate`` and ``policy_flags``)."""
+    """One (scenario, policy) run on a fresh cluster. The warm-up requests and the measured ones are one
+    continuous arrival stream (the measured phase starts in steady state, not from idle); only the measured ones
+    count, and the prefix-cache counters are read when the first measured request is sent. Returns (measured
+    results, summary with ``prefix_cache_hit_rate`` and ``policy_flags``)."""
     spec = scenario.workload(num_workers, quick, seed)
     requests = build_workload(spec)
+    warm = scenario.warmup
+    t_measure = requests[warm].send_at_s
     with SimCluster(num_workers, scenario, flags, workdir) as cluster:
         while not _router_ready(cluster.url):
             time.sleep(0.05)
         target = Target(cluster.url, "dplb-sim", "chat", stream)
-        hits0 = queries0 = 0.0
-        results: list[RequestResult] = []
-        if scenario.warmup:
-            _warm, _ = asyncio.run(run_workload(target, requests[:scenario.warmup]))
-            hits0, queries0 = cluster.prefix_cache_tokens()
-            t_shift = requests[scenario.warmup].send_at_s
-            for r in requests[scenario.warmup:]:
-                r.send_at_s -= t_shift
-        measured = requests[scenario.warmup:]
-        results, wall = asyncio.run(run_workload(target, measured))
+
+        async def go() -> tuple[list[RequestResult], float, tuple[float, float]]:
+            async def counters_at_start() -> tuple[float, float]:
+                await asyncio.sleep(t_measure)
+                return await asyncio.to_thread(cluster.prefix_cache_tokens)
+
+            before = asyncio.create_task(counters_at_start())
+            results, wall = await run_workload(target, requests)
+            return results, wall, await before
+
+        results, wall, (hits0, queries0) = asyncio.run(go())
         hits1, queries1 = cluster.prefix_cache_tokens()
-    summary = summarize(results, wall, workers=[str(k) for k in range(num_workers)])
+    results = results[warm:]
+    for r in results:
+        r.start_s -= t_measure
+    summary = summarize(results, wall - t_measure, workers=[str(k) for k in range(num_workers)])
     q = queries1 - queries0
     summary["prefix_cache_hit_rate"] = (hits1 - hits0) / q if q > 0 else None
     summary["policy_flags"] = flags

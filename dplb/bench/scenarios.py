@@ -81,7 +81,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              WorkloadSpec(input_len=128, output_len=32, range_ratio=0.5), worker_args={-1: "--sim-speed 0.5"}),
     Scenario("bursty", "idle, then bursts of 24 requests arriving together every 3 s",
              WorkloadSpec(input_len=128, output_len=32, range_ratio=0.5, burst_size=24, burst_interval_s=3.0,
-                          idle_s=1.0), load=None, warmup=0, quick_prompts=120, full_prompts=480),
+                          idle_s=1.0), load=None, warmup=0, quick_prompts=96, full_prompts=480),
     Scenario("mixed-lengths", "80 % short chat turns, 20 % long prompts with long generations, 70 % load",
              WorkloadSpec(input_len=48, output_len=16, range_ratio=0.5, long_fraction=0.2, long_input_len=1024,
                           long_output_len=96)),
