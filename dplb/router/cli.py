@@ -24,7 +24,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-signal", choices=("kv", "gpu"), default="kv", help="KV-cache usage or NVML used/total")
     g.add_argument("--latency-signal", choices=("e2e", "ttft"), default="e2e",
                    help="latency term input: mean E2E (seed) or mean TTFT of each worker's last 10 requests")
-    g.add_argument("--affinity-margin", type=float, default=0.1, help="prefix affinity margin, score units (0 = off)")
+    g.add_argument("--affinity-margin", type=float, default=0.2,
+                   help="prefix affinity margin, score units (0 = off; 0.2 = 8 queued requests at max_queue 16)")
     g.add_argument("--affinity-prefix-bytes", type=int, default=256,
                    help="leading bytes of messages/prompt that form the affinity key (0 = no affinity)")
     g.add_argument("--baseline-window", type=int, default=50, help="requests whose P95 is the latency baseline")
