@@ -7,10 +7,14 @@ Usage::
     python scripts/soak.py                    # 10 minutes at 20 req/s against 4 sim workers
     python scripts/soak.py --duration-s 20    # a short smoke run
 
-Every ``--sample-s`` seconds the router's RSS (``VmRSS``) and open descriptors (``/proc/<pid>/fd``) are sampled.
-The report compares the end of the run with the end of the warm-up (``--warmup-s``, default 10 % of the run, at
-least 5 s). Exit status 1 when RSS grew ≥ ``--max-rss-growth-pct`` (5 %), any request failed, the descriptor
-count grew (beyond ``--fd-slack``, default 0), or an in-flight gauge is not 0 after the run; 0 otherwise.
+Requests are completions (half of them streamed) over ``--prompts`` distinct prompt prefixes (200; 0 makes every
+prompt unique, which also fills the router's bounded prefix-affinity table). Every ``--sample-s`` seconds the
+router's RSS (``VmRSS``) and open descriptors (``/proc/<pid>/fd``) are printed. The figures compare two quiet
+points: after the warm-up (``--warmup-s``, default 10 % of the run, 5..60 s; load stopped, in-flight 0) and after
+the run. Descriptors are split into Unix sockets (the router's pool of worker connections, bounded by design) and
+everything else (client sockets, files, pipes), whose growth is what a leak looks like. Exit status 1 when RSS grew
+≥ ``--max-rss-growth-pct`` (5 %), any request failed, non-pool descriptors grew (beyond ``--fd-slack``, 0), or a
+router in-flight gauge or a worker's published queue is not 0 after the run; 0 otherwise.
 
 The helpers here (:class:`LaunchedCluster`, :class:`SteadyLoad`, :func:`proc_stats`) are also used by the test
 suite's hardening tests.
@@ -386,16 +390,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="load before the baseline is taken (default 10%% of the duration, 5..60 s)")
     ap.add_argument("--max-rss-growth-pct", type=float, default=5.0, help="allowed RSS growth after warm-up (5)")
     ap.add_argument("--fd-slack", type=int, default=0, help="allowed non-pool descriptor growth (default 0)")
+    ap.add_argument("--prompts", type=int, default=200,
+                    help="distinct prompt prefixes (default 200; 0 = every prompt unique, which also fills the "
+                    "router's bounded prefix-affinity table: 16384 entries, about 2.8 MiB)")
     ap.add_argument("--launch-arg", action="append", default=[], help="extra `dplb launch` argument (repeatable)")
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     a = ap.parse_args(argv)
-    if a.duration_s <= 0 or a.rate <= 0 or a.workers < 1 or a.sample_s <= 0 or not 0 <= a.stream_share <= 1:
-        ap.error("--duration-s, --rate, --sample-s must be > 0, --workers ≥ 1, --stream-share within 0..1")
+    if a.duration_s <= 0 or a.rate <= 0 or a.workers < 1 or a.sample_s <= 0 or not 0 <= a.stream_share <= 1 \
+            or a.prompts < 0:
+        ap.error("--duration-s, --rate, --sample-s must be > 0, --workers ≥ 1, --stream-share within 0..1, "
+                 "--prompts ≥ 0")
     warmup = a.warmup_s if a.warmup_s is not None else min(60.0, max(5.0, 0.1 * a.duration_s))
     every = max(1, round(1 / a.stream_share)) if a.stream_share > 0 else 0
 
     def body(i: int) -> dict[str, Any]:
-        b: dict[str, Any] = {"model": "dplb-sim", "prompt": f"soak request {i} " + "lorem ipsum " * (i % 7),
+        key = i % a.prompts if a.prompts > 0 else i
+        b: dict[str, Any] = {"model": "dplb-sim", "prompt": f"soak prompt {key} " + "lorem ipsum " * (i % 7),
                              "max_tokens": a.max_tokens}
         if every and i % every == 0:
             b.update(stream=True, stream_options={"include_usage": True})

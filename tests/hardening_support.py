@@ -4,6 +4,7 @@ and the soak script's launcher/load helpers (``scripts/soak.py``)."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -22,6 +23,15 @@ Result = soak.Result
 proc_stats = soak.proc_stats
 fd_kinds = soak.fd_kinds
 one_request = soak.one_request
+
+
+INTERNALS = re.compile(r"Traceback|File \"|/root|/tmp/|/work/|/dev/shm|site-packages|\.py\b")
+
+
+def assert_no_internals(text: str) -> None:
+    """No stack trace, source file or internal path in a response body (AssertionError naming what leaked)."""
+    m = INTERNALS.search(text)
+    assert m is None, f"internal detail {m.group(0)!r} in {text[:300]!r}"
 
 
 def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, step_s: float = 0.02) -> Any:

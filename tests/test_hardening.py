@@ -22,6 +22,7 @@ from hardening_support import (
     LaunchedCluster,
     Result,
     SteadyLoad,
+    assert_no_internals,
     completion,
     log_count,
     one_request,
@@ -41,6 +42,7 @@ def _clean_failure(r: Result, codes: tuple[str, ...]) -> bool:
     if r.outcome == "stream_error":
         return r.error_event in codes and not r.done
     if r.outcome == "http_error" and r.status >= 500:
+        assert_no_internals(r.detail)
         return json.loads(r.detail)["error"]["code"] in codes
     return False
 
@@ -423,6 +425,7 @@ def test_cold_start_no_traffic_to_warming_workers_and_ready_only_with_one_ready(
                               timeout=10)
             served[(resp.status_code, resp.headers.get("x-sg-worker-id"))] += 1
             if resp.status_code == 503:
+                assert_no_internals(resp.text)
                 assert resp.json()["error"]["code"] in ("no_workers_registered", "no_routable_worker")
                 assert resp.headers["retry-after"] == "1"
             if all(s == Lifecycle.READY for s in states) and served[(200, "1")] >= 3:

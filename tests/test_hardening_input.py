@@ -25,7 +25,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 from cluster import Cluster, cluster, dplb_cmd
-from hardening_support import ROOT, LaunchedCluster, fd_kinds, proc_stats, sim_get, wait_for
+from hardening_support import ROOT, LaunchedCluster, assert_no_internals, fd_kinds, proc_stats, sim_get, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,14 +37,7 @@ from dplb.router.proxy import _REQUEST_ID_RE
 #: Error codes the router itself may answer with (RouterErrorKind + Litestar's mapped errors); never internal_error.
 ROUTER_CODES = {k.code for k in RouterErrorKind} - {"internal_error"} | {"invalid_request", "not_found",
                                                                           "method_not_allowed"}
-INTERNALS = re.compile(r"Traceback|File \"|/root|/tmp/|/work/|/dev/shm|site-packages|\.py\b")
 BODY_LIMIT = 65536
-
-
-def assert_no_internals(text: str) -> None:
-    """No stack trace, source file or internal path in a response body."""
-    m = INTERNALS.search(text)
-    assert m is None, f"internal detail {m.group(0)!r} in {text[:300]!r}"
 
 
 @pytest.fixture(scope="module")
