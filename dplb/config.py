@@ -45,6 +45,13 @@ class PolicyConfig:
     - ``baseline_window``: the latency baseline is the P95 of the first ``baseline_window`` completed requests.
     - ``memory_signal``: ``"kv"`` (KV-cache usage, default: vLLM pre-allocates ~90 % of GPU memory so NVML "used"
       is flat) or ``"gpu"`` (NVML used/total as in the seed).
+    - ``waiting_weight``: in the queue term, each request that will *wait* for a batch slot counts this many times
+      (requests the worker reports waiting, plus router-sent requests beyond its free ``max_num_seqs`` slots): a
+      waiting request waits for a whole running request to finish, a running one only shares decode steps. 4, as
+      vLLM's DP balancer (4·waiting + running); 1 = the seed's plain ``running + waiting``. Evidence in
+      benchmarks/README.md.
+    - ``latency_deadband``: workers whose mean latency is within this fraction of the eligible workers' mean all get
+      the mean's latency term (equal workers differ by noise only); 0 = off. Evidence in benchmarks/README.md.
     - ``latency_signal``: ``"e2e"`` (seed: mean E2E latency of the worker's last 10 requests against the P95 E2E of
       the first ``baseline_window`` requests) or ``"ttft"`` (the same with time to first token).
     - ``affinity_margin``: prefix affinity keeps the preferred worker while its score is within this margin of the
@@ -63,6 +70,8 @@ class PolicyConfig:
     baseline_window: int = 50
     memory_signal: MemorySignal = "kv"
     latency_signal: LatencySignal = "e2e"
+    waiting_weight: float = 1.0
+    latency_deadband: float = 0.25
     affinity_margin: float = 0.2
     state_interval_ms: int = 200
     seed: int = 0
@@ -85,6 +94,11 @@ class PolicyConfig:
             raise ConfigError(f"hard_queue_cap must be ≥ 0 (0 disables it), got {self.hard_queue_cap}")
         if self.baseline_window <= 0:
             raise ConfigError(f"baseline_window must be a positive number of requests, got {self.baseline_window}")
+        if not (math.isfinite(self.waiting_weight) and self.waiting_weight >= 1.0):
+            raise ConfigError(f"waiting_weight must be a number ≥ 1 (1 = the seed's plain queue), got "
+                              f"{self.waiting_weight}")
+        if not (math.isfinite(self.latency_deadband) and 0.0 <= self.latency_deadband < 1.0):
+            raise ConfigError(f"latency_deadband must be a fraction in [0, 1), got {self.latency_deadband}")
         if self.latency_signal not in ("e2e", "ttft"):
             raise ConfigError(f"latency_signal must be 'e2e' or 'ttft', got {self.latency_signal!r}")
         if self.memory_signal not in ("kv", "gpu"):

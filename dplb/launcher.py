@@ -234,6 +234,7 @@ class Launcher:
         out = ["--host", a.host, "--port", str(a.port), "--policy", a.policy, "--weights", a.weights,
                "--max-queue", str(a.max_queue), "--hard-queue-cap", str(a.hard_queue_cap),
                "--memory-signal", a.memory_signal, "--latency-signal", a.latency_signal,
+               "--waiting-weight", str(a.waiting_weight), "--latency-deadband", str(a.latency_deadband),
                "--affinity-margin", str(a.affinity_margin), "--affinity-prefix-bytes", str(a.affinity_prefix_bytes),
                "--baseline-window", str(a.baseline_window), "--seed", str(a.seed),
                "--max-body-bytes", str(a.max_body_bytes), "--first-byte-timeout", str(a.first_byte_timeout),

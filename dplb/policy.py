@@ -265,6 +265,7 @@ class Policy:
         wq, wm, wl = cfg.weights
         kv_signal = cfg.memory_signal == "kv"
         ttft_signal = cfg.latency_signal == "ttft"
+        ww1 = cfg.waiting_weight - 1.0
         mq_default = cfg.max_queue
         mq_worker = cfg.max_queue_from_worker
         base = self.baseline_s
@@ -300,7 +301,13 @@ class Policy:
                 any_registered = True
             # Seed terms, each clamped to [0, 1].
             mq = w.max_num_seqs if mq_worker and w.max_num_seqs > 0 else mq_default
-            tq = 1.0 - queue / mq
+            qt: float = queue
+            if ww1 > 0.0:  # requests that will wait for a batch slot weigh more (see PolicyConfig.waiting_weight)
+                if w.num_waiting > 0:
+                    qt += ww1 * (w.num_waiting + corr)
+                elif w.max_num_seqs > 0 and w.num_running + corr > w.max_num_seqs:
+                    qt += ww1 * (w.num_running + corr - w.max_num_seqs)
+            tq = 1.0 - qt / mq
             tq = 0.0 if tq < 0.0 else tq
             if kv_signal:
                 mr = w.kv_cache_usage
@@ -324,6 +331,8 @@ class Policy:
                 eligible.append(row)
         if no_lat:
             eligible = self._neutral_latency(rows, eligible)
+        if base is not None and cfg.latency_deadband > 0.0 and len(eligible) > 1:
+            eligible = self._deadband(rows, eligible, base, ttft_signal)
         if not eligible:
             if not any_registered:
                 reason = REASON_NO_WORKERS
@@ -348,6 +357,25 @@ class Policy:
         for i, r in enumerate(rows):
             if r[_TL] < 0.0:
                 rows[i] = (*r[:_TL], neutral, wq * r[_TQ] + wm * r[_TM] + wl * neutral)
+        return [rows[r[_STATE].worker_id] for r in eligible]
+
+    def _deadband(self, rows: list[_Row], eligible: list[_Row], base: float, ttft: bool) -> list[_Row]:
+        """Give every eligible worker whose mean latency is within ``latency_deadband`` (a fraction) of the
+        eligible workers' mean the latency term of that mean: between equal workers the mean of 10 requests
+        differs by noise (output lengths, batch luck), which would otherwise outweigh a difference of one queued
+        request; a really slower worker (beyond the band) keeps its own term. Returns the rebuilt eligible list."""
+        lats = [(r[_STATE].avg_ttft_s if ttft else r[_STATE].avg_latency_s) for r in eligible]
+        have = [x for x in lats if x > 0.0]
+        if len(have) < 2:
+            return eligible
+        mean = sum(have) / len(have)
+        band = self.cfg.latency_deadband * mean
+        tl = 1.0 - mean / base
+        tl = 0.0 if tl < 0.0 else tl
+        wq, wm, wl = self.cfg.weights
+        for r, lat in zip(eligible, lats, strict=True):
+            if lat > 0.0 and abs(lat - mean) <= band:
+                rows[r[_STATE].worker_id] = (*r[:_TL], tl, wq * r[_TQ] + wm * r[_TM] + wl * tl)
         return [rows[r[_STATE].worker_id] for r in eligible]
 
     def _choose(self, eligible: list[_Row], prefix_hash: int | None) -> tuple[int, str, int | None]:

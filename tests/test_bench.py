@@ -195,7 +195,7 @@ def test_bench_compare_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "cmp.json"
     r = subprocess.run(dplb_cmd("bench", "compare", "--scenario", "heterogeneous", "--policies",
                                 "dplb,round_robin", "--prompts", "12", "--workers", "2", "--output", str(out),
-                                "--plot", str(tmp_path / "plots")),
+                                "--plot", str(tmp_path / "plots"), "--markdown", str(tmp_path / "cmp.md")),
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     assert "P99 E2E dplb / round_robin" in r.stdout
@@ -210,6 +210,8 @@ def test_bench_compare_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert (tmp_path / "plots" / "heterogeneous_e2e_cdf.png").exists()
     assert {row["scenario"] for row in data["targets"]} == {"heterogeneous"}
     assert data["machine"]["cpus"] and data["wall_s"] > 0
+    md = (tmp_path / "cmp.md").read_text()
+    assert "| heterogeneous | dplb |" in md and "| heterogeneous | round_robin |" in md and "P99 E2E dplb" in md
 
 
 def test_bench_flags_are_checked(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -217,3 +219,33 @@ def test_bench_flags_are_checked(tmp_path) -> None:  # type: ignore[no-untyped-d
                  ["compare", "--scenario", "nope"], ["compare", "--policies", "nginx"]):
         r = subprocess.run(dplb_cmd("bench", *args), capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.returncode == 2 and "Traceback" not in r.stderr and "error:" in r.stderr, (args, r.stderr)
+
+
+def test_compare_stopped_mid_run_leaves_nothing_behind(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM (or Ctrl-C) during a run stops that run's cluster: no process, socket or segment is left."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen(dplb_cmd("bench", "compare", "--scenario", "homogeneous", "--policies", "dplb",
+                                     "--prompts", "2000", "--workers", "2"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True)
+    segment_prefix = f"dplb_bench_{proc.pid}_"
+
+    def cluster_pids() -> list[str]:
+        out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+        return [ln.split()[0] for ln in out.splitlines() if "dplb-bench-" in ln and "dplb.cli" in ln]
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(f.startswith(segment_prefix) for f in os.listdir("/dev/shm")):
+        time.sleep(0.2)
+    assert any(f.startswith(segment_prefix) for f in os.listdir("/dev/shm")), "the cluster never started"
+    time.sleep(3)
+    assert len(cluster_pids()) >= 4  # launcher, 2 workers, router
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and cluster_pids():
+        time.sleep(0.2)
+    assert cluster_pids() == []
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(segment_prefix)]

@@ -137,6 +137,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 def _cmd_compare(args: argparse.Namespace, rest: list[str]) -> int:
     import dataclasses
     import shlex
+    import signal
     import time
 
     from rich.console import Console
@@ -157,6 +158,13 @@ def _cmd_compare(args: argparse.Namespace, rest: list[str]) -> int:
                 sc_mod.SCENARIOS[n] = dataclasses.replace(s, quick_prompts=args.prompts, full_prompts=args.prompts,
                                                           warmup=min(s.warmup, args.prompts))
     console = Console(stderr=True)
+
+    def _terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the running cluster's context manager, which stops it
+
+    signal.signal(signal.SIGTERM, _terminate)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background by a shell
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     t0 = time.monotonic()
     result, runs = run_compare(names, policies, num_workers=args.workers, quick=args.quick, seed=args.seed,
                                progress=lambda line: console.print(line, highlight=False))

@@ -94,15 +94,23 @@ class SimCluster:
     def __enter__(self) -> SimCluster:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            self._wait_ready()
+        except BaseException:  # Ctrl-C or SIGTERM while starting: stop what was started
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise DPLBError(f"dplb launch exited with {self.proc.returncode}:\n{self._tail()}")
             with open(self.log_path, "rb") as f:
                 if b"worker(s) ready; serving" in f.read():
-                    return self
+                    return
             time.sleep(0.1)
-        self.__exit__(None, None, None)
         raise DPLBError(f"the sim cluster was not ready within {READY_TIMEOUT_S:.0f} s:\n{self._tail()}")
 
     def __exit__(self, *exc: object) -> None:

@@ -22,6 +22,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue-from-worker", action="store_true", help="use each worker's max_num_seqs instead")
     g.add_argument("--hard-queue-cap", type=int, default=0, help="per-worker queue that makes it ineligible (0 = off)")
     g.add_argument("--memory-signal", choices=("kv", "gpu"), default="kv", help="KV-cache usage or NVML used/total")
+    g.add_argument("--latency-deadband", type=float, default=0.25,
+                   help="latencies within this fraction of the workers' mean count as equal (0 = off)")
+    g.add_argument("--waiting-weight", type=float, default=1.0,
+                   help="queue-term weight of a request that must wait for a batch slot (1 = seed's plain queue)")
     g.add_argument("--latency-signal", choices=("e2e", "ttft"), default="e2e",
                    help="latency term input: mean E2E (seed) or mean TTFT of each worker's last 10 requests")
     g.add_argument("--affinity-margin", type=float, default=0.2,
@@ -38,7 +42,8 @@ def policy_config(args: argparse.Namespace, state_interval_ms: int = 200) -> Pol
         name=args.policy, weights=parse_weights(args.weights), max_queue=args.max_queue,
         max_queue_from_worker=args.max_queue_from_worker, hard_queue_cap=args.hard_queue_cap,
         baseline_window=args.baseline_window, memory_signal=args.memory_signal,
-        latency_signal=args.latency_signal, affinity_margin=args.affinity_margin,
+        latency_signal=args.latency_signal, waiting_weight=args.waiting_weight,
+        latency_deadband=args.latency_deadband, affinity_margin=args.affinity_margin,
         state_interval_ms=state_interval_ms, seed=args.seed,
     )
 
