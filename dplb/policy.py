@@ -21,7 +21,9 @@ The seed score (seed article; DESIGN §3), higher is better, each term clamped t
 - ``baseline`` = P95 (nearest-rank: the ⌈0.95·n⌉-th smallest) of the first ``baseline_window`` (50) completed
   request latencies fed to :meth:`Policy.observe_latency`; then frozen. Until it exists the latency term is 1 for
   every worker; a worker with no latency sample yet (just started or restarted; the warm-up request does not count)
-  gets the mean latency term of its peers — neutral, so a fresh worker does not attract a whole burst.
+  or with nothing queued (idle: its mean is old news and would never change without new requests, so a once-slow
+  worker would starve) gets the mean latency term of its peers — neutral, so a fresh worker does not attract a
+  whole burst and an idle one is not shunned.
 
 Ties: the shorter queue wins (this still separates workers once every queue is past ``max_queue``, where the clamped
 queue term is 0 for all), then rotation: the scan starts one worker later on every pick.
@@ -319,8 +321,11 @@ class Policy:
             lat = w.avg_ttft_s if ttft_signal else w.avg_latency_s
             if base is None:
                 tl = 1.0
-            elif lat <= 0.0:
-                tl = -1.0  # no latency sample yet: filled with the peers' mean below
+            elif lat <= 0.0 or queue == 0:
+                # No latency sample yet, or idle: an idle worker's mean is of requests that finished before and it
+                # only changes when it gets new ones, so a once-slow worker would starve. Filled with the peers'
+                # mean below.
+                tl = -1.0
                 no_lat = True
             else:
                 tl = 1.0 - lat / base
@@ -329,10 +334,10 @@ class Policy:
             rows[k] = row
             if why is OK:
                 eligible.append(row)
-        if no_lat:
-            eligible = self._neutral_latency(rows, eligible)
         if base is not None and cfg.latency_deadband > 0.0 and len(eligible) > 1:
             eligible = self._deadband(rows, eligible, base, ttft_signal)
+        if no_lat:
+            eligible = self._neutral_latency(rows, eligible)
         if not eligible:
             if not any_registered:
                 reason = REASON_NO_WORKERS
@@ -364,7 +369,8 @@ class Policy:
         eligible workers' mean the latency term of that mean: between equal workers the mean of 10 requests
         differs by noise (output lengths, batch luck), which would otherwise outweigh a difference of one queued
         request; a really slower worker (beyond the band) keeps its own term. Returns the rebuilt eligible list."""
-        lats = [(r[_STATE].avg_ttft_s if ttft else r[_STATE].avg_latency_s) for r in eligible]
+        lats = [(r[_STATE].avg_ttft_s if ttft else r[_STATE].avg_latency_s) if r[_TL] >= 0.0 else 0.0
+                for r in eligible]
         have = [x for x in lats if x > 0.0]
         if len(have) < 2:
             return eligible

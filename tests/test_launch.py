@@ -201,3 +201,40 @@ def test_launch_flag_errors_are_one_line(tmp_path) -> None:  # type: ignore[no-u
                                     f"/dev/shm/dplb_state_test_{uuid.uuid4().hex[:8]}", *args),
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: `dplb launch --api-key-exempt` was accepted but never reached the router. Also checks that
+    `--worker-args` reaches only its worker (the heterogeneous benchmark's half-speed worker)."""
+    tag = uuid.uuid4().hex[:10]
+    shm = f"/dev/shm/dplb_state_test_{tag}"
+    port = free_port()
+    env = {**os.environ, "DPLB_API_KEY": "k3y"}
+    with open(tmp_path / "l.log", "wb") as log:
+        proc = subprocess.Popen(dplb_cmd("launch", "--num-workers", "2", "--port", str(port), "--host", "127.0.0.1",
+                                         "--shm-path", shm, "--run-dir", str(tmp_path / f"run-{tag}"),
+                                         "--metrics-port-base", "0", "--api-key-exempt", "/metrics",
+                                         "--worker-args", "1=--sim-speed 0.5"),
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready_with_key() -> bool:
+        try:
+            return httpx.get(url + "/ready", headers={"Authorization": "Bearer k3y"}, timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        _wait(ready_with_key, 60, "ready", proc)
+        assert httpx.get(url + "/health").status_code == 401  # not exempt any more
+        assert httpx.get(url + "/metrics").status_code == 200
+        procs = _dplb_procs(tag)
+        w1 = [p for p in procs if "--worker-id 1" in p]
+        w0 = [p for p in procs if "--worker-id 0" in p]
+        assert len(w1) == 1 and w1[0].rstrip().endswith("--sim-speed 0.5")
+        assert len(w0) == 1 and "--sim-speed" not in w0[0]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        if os.path.exists(shm):
+            os.unlink(shm)

@@ -85,12 +85,12 @@ def test_gpu_memory_signal_uses_nvml_ratio() -> None:
 
 def test_best_score_wins() -> None:
     p = policy(n=3, baseline=1.0)
-    snap = [ws(0, run=8, kv=0.5, lat=0.5), ws(1, run=1, kv=0.2, lat=0.4), ws(2, run=0, kv=0.9, lat=2.0)]
+    snap = [ws(0, run=8, kv=0.5, lat=0.5), ws(1, run=1, kv=0.2, lat=0.4), ws(2, run=1, kv=0.9, lat=2.0)]
     d = p.pick(snap, NOW)
     scores = [c.score for c in d.candidates]
     assert scores == pytest.approx([0.4 * 0.5 + 0.3 * 0.5 + 0.3 * 0.5, 0.4 * 15 / 16 + 0.3 * 0.8 + 0.3 * 0.6,
-                                    0.4 + 0.3 * 0.1 + 0.0])
-    assert d.worker == 1 and d.ranked() == [1, 0, 2]  # 0.795 > 0.5 > 0.43
+                                    0.4 * 15 / 16 + 0.3 * 0.1 + 0.0])
+    assert d.worker == 1 and d.ranked() == [1, 0, 2]  # 0.795 > 0.5 > 0.405
 
 
 def test_max_queue_from_worker() -> None:
@@ -191,7 +191,7 @@ def test_baseline_is_p95_nearest_rank_and_freezes_after_50() -> None:
     for _ in range(100):
         p.observe_latency(1000.0)
     assert p.baseline_s == 48.0
-    d = p.pick([ws(0, lat=24.0)], NOW)
+    d = p.pick([ws(0, run=1, lat=24.0)], NOW)
     assert d.baseline_s == 48.0 and d.candidates[0].term_latency == pytest.approx(0.5)
 
 
@@ -365,9 +365,9 @@ def test_equal_scores_past_the_soft_cap_prefer_the_shorter_queue() -> None:
 
 def test_fresh_worker_latency_term_is_the_peers_mean() -> None:
     p = policy(n=3, baseline=2.0, latency_deadband=0.0)
-    d = p.pick([ws(0, lat=1.0), ws(1, lat=1.5), ws(2)], NOW)
+    d = p.pick([ws(0, run=1, lat=1.0), ws(1, run=1, lat=1.5), ws(2)], NOW)
     assert [c.term_latency for c in d.candidates] == pytest.approx([0.5, 0.25, 0.375])
-    assert d.candidates[2].score == pytest.approx(0.4 + 0.3 + 0.3 * 0.375)
+    assert d.candidates[2].score == pytest.approx(0.4 + 0.3 + 0.3 * 0.375)  # idle and sample-less: neutral
 
 
 def test_ttft_latency_signal_uses_ttft_and_its_own_baseline() -> None:
@@ -380,7 +380,7 @@ def test_ttft_latency_signal_uses_ttft_and_its_own_baseline() -> None:
         p.observe_latency(9.0, 0.2)
     assert p.baseline_s == 0.2
     snap = [WorkerState(k, pid=1000 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW, avg_latency_s=1.0,
-                        avg_ttft_s=0.05 * (k + 1)) for k in range(2)]
+                        avg_ttft_s=0.05 * (k + 1), num_running=1) for k in range(2)]
     terms = [c.term_latency for c in p.pick(snap, NOW).candidates]
     assert terms == pytest.approx([0.75, 0.5])
     with pytest.raises(ConfigError):
@@ -391,7 +391,7 @@ def test_latency_deadband_equal_workers_share_a_burst_evenly() -> None:
     """Equal workers whose mean latencies differ by noise (±20 %) split a 24-request burst 6/6/6/6 with the
     default deadband; without it the luckiest worker takes more (the bursty benchmark's P99 suffered)."""
     lats = (1.0, 1.25, 0.8, 1.1)
-    snap = [ws(k, lat=lat) for k, lat in enumerate(lats)]
+    snap = [ws(k, run=1, lat=lat) for k, lat in enumerate(lats)]
     with_band = policy(n=4, baseline=2.0)
     assert Counter(with_band.pick(snap, NOW).worker for _ in range(24)) == {0: 6, 1: 6, 2: 6, 3: 6}
     no_band = policy(n=4, baseline=2.0, latency_deadband=0.0)
@@ -400,10 +400,23 @@ def test_latency_deadband_equal_workers_share_a_burst_evenly() -> None:
 
 def test_latency_deadband_keeps_a_really_slower_worker_apart() -> None:
     p = policy(n=4, baseline=2.0)
-    d = p.pick([ws(0, lat=1.0), ws(1, lat=1.1), ws(2, lat=0.95), ws(3, lat=2.0)], NOW)
+    d = p.pick([ws(0, run=1, lat=1.0), ws(1, run=1, lat=1.1), ws(2, run=1, lat=0.95), ws(3, run=1, lat=2.0)], NOW)
     terms = [c.term_latency for c in d.candidates]
     mean = (1.0 + 1.1 + 0.95 + 2.0) / 4  # 1.2625: band ±0.316 holds workers 0–2, not the half-speed worker 3
     assert terms[:3] == pytest.approx([1 - mean / 2.0] * 3)
     assert terms[3] == pytest.approx(0.0)
     with pytest.raises(ConfigError):
         PolicyConfig(latency_deadband=1.0)
+
+
+def test_idle_worker_with_an_old_slow_mean_is_not_starved() -> None:
+    """Regression (hardening): a worker whose last requests were slow kept that mean while idle (it only changes
+    with new requests), so under light load it got no traffic at all. Idle, it now gets the peers' latency term."""
+    p = policy(n=3, baseline=2.0)
+    snap = [ws(0, lat=4.0), ws(1, run=1, lat=1.0), ws(2, run=1, lat=1.0)]
+    d = p.pick(snap, NOW)
+    assert d.worker == 0
+    assert [c.term_latency for c in d.candidates] == pytest.approx([0.5, 0.5, 0.5])
+    busy = p.pick([ws(0, run=1, lat=4.0, hb=NOW + 1), ws(1, run=1, lat=1.0, hb=NOW + 1),
+                   ws(2, run=1, lat=1.0, hb=NOW + 1)], NOW + 1)
+    assert busy.worker != 0 and busy.candidates[0].term_latency == 0.0  # with work queued, its own mean counts
