@@ -20,6 +20,7 @@ from dplb.policy import (
 from dplb.shm import Lifecycle, WorkerState
 
 NOW = 10**12  # monotonic ns used as "now" in every test
+STEP = 10**9  # 1 s: a snapshot this much later counts every request sent before it (grace: half an interval)
 GiB = 1 << 30
 
 
@@ -174,10 +175,16 @@ def test_correction_counts_until_a_newer_snapshot() -> None:
     assert p.correction(0) == 3
     d = p.pick(snap, NOW)  # tied at 3: rotation decides
     assert d.candidates[0].queue == 3 and d.candidates[0].correction == 3
-    # A newer snapshot from worker 0 (heartbeat moved) replaces the correction by what it published.
-    fresh = [ws(0, run=1, hb=NOW + 1), ws(1, run=3)]
-    d = p.pick(fresh, NOW + 1)
+    # A snapshot taken right after the sends may not count them yet (in a socket, being parsed): they stay.
+    c0 = p.correction(0)
+    assert c0 >= 3
+    just_after = [ws(0, run=1, hb=NOW + 1), ws(1, run=3, hb=NOW + 1)]
+    assert p.pick(just_after, NOW + 1).candidates[0].correction == c0
+    # One taken more than half a state interval (100 ms) after them counts them: the correction is forgotten.
+    later = NOW + STEP
+    d = p.pick([ws(0, run=1, hb=later), ws(1, run=3, hb=later)], later)
     assert d.candidates[0].correction == 0 and d.candidates[0].queue == 1 and d.worker == 0
+    assert p.correction(0) == 1  # that last pick, sent after the snapshot
 
 
 # ---- latency baseline ----------------------------------------------------------------------------------------
@@ -211,21 +218,21 @@ def test_affinity_sticks_within_margin_and_yields_beyond_it() -> None:
     pref = first.worker
     assert first.preferred == pref
     # stays while within the margin: 0.1 of score = 0.25 of the queue term = 4 requests on max_queue 16
-    later = [p.pick([ws(k, hb=NOW - i) for k in range(4)], NOW, prefix_hash=42) for i in range(1, 5)]
+    later = [p.pick([ws(k, hb=NOW + i * STEP) for k in range(4)], NOW + i * STEP, prefix_hash=42) for i in range(1, 5)]
     assert all(d.worker == pref and d.reason == REASON_AFFINITY for d in later)
-    loaded = [ws(k, run=(5 if k == pref else 0)) for k in range(4)]  # preferred now 0.125 behind
-    d = p.pick(loaded, NOW, prefix_hash=42)
+    loaded = [ws(k, run=(5 if k == pref else 0), hb=NOW + 6 * STEP) for k in range(4)]  # preferred 0.125 behind
+    d = p.pick(loaded, NOW + 6 * STEP, prefix_hash=42)
     assert d.worker != pref and d.reason == REASON_SCORE and d.preferred == pref
     # the prefix still lives on its first worker: back there once it is within the margin again
-    assert p.pick([ws(k, hb=NOW - 9) for k in range(4)], NOW, prefix_hash=42).worker == pref
+    assert p.pick([ws(k, hb=NOW + 7 * STEP) for k in range(4)], NOW + 7 * STEP, prefix_hash=42).worker == pref
 
 
 def test_unique_prefixes_never_trade_load_for_affinity() -> None:
     """Requests whose prefix was never seen (no shared system prompt) go to the best score, exactly as without
     affinity: 49 distinct prefixes, each on a fresh snapshot where worker 2 is less loaded, all go to worker 2."""
     fresh = policy(n=4, affinity_margin=0.1)
-    picks = [fresh.pick([ws(k, run=(0 if k == 2 else 3), hb=NOW + h) for k in range(4)], NOW + h, prefix_hash=h)
-             for h in range(1, 50)]
+    picks = [fresh.pick([ws(k, run=(0 if k == 2 else 3), hb=NOW + h * STEP) for k in range(4)], NOW + h * STEP,
+                        prefix_hash=h) for h in range(1, 50)]
     assert all(d.worker == 2 and d.reason == REASON_SCORE for d in picks)
 
 
@@ -285,7 +292,8 @@ def test_least_loaded_uses_four_waiting_plus_running() -> None:
 
 def test_power_of_two_takes_the_shorter_of_two() -> None:
     p = policy("power_of_two", n=2, seed=3)
-    assert {p.pick([ws(0, run=9), ws(1, run=1, hb=NOW - i)], NOW).worker for i in range(20)} == {1}
+    assert {p.pick([ws(0, run=9, hb=NOW + i * STEP), ws(1, run=1, hb=NOW + i * STEP)], NOW + i * STEP).worker
+            for i in range(20)} == {1}
 
 
 def test_random_is_seeded_and_uses_all() -> None:
