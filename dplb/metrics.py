@@ -148,8 +148,8 @@ class RouterMetrics:
 
     def init_workers(self, n: int) -> None:
         """Pre-create every known label value at zero."""
+        from dplb.decision import DECISION_REASONS
         from dplb.errors import RouterErrorKind
-        from dplb.policy import DECISION_REASONS
 
         for k in range(n):
             for r in DECISION_REASONS[:4]:

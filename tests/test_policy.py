@@ -7,16 +7,16 @@ from collections import Counter
 import pytest
 
 from dplb.config import PolicyConfig, parse_weights
-from dplb.errors import ConfigError
-from dplb.policy import (
+from dplb.decision import (
     REASON_AFFINITY,
     REASON_ALL_OVER_CAP,
     REASON_NO_WORKERS,
     REASON_NONE_ROUTABLE,
     REASON_POLICY,
     REASON_SCORE,
-    make_policy,
 )
+from dplb.errors import ConfigError
+from dplb.policy import make_policy
 from dplb.shm import Lifecycle, WorkerState
 
 NOW = 10**12  # monotonic ns used as "now" in every test

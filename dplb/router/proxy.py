@@ -34,8 +34,8 @@ from typing import Any
 import msgspec
 
 from dplb.config import RouterConfig
+from dplb.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
 from dplb.errors import RouterErrorKind
-from dplb.policy import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
 from dplb.router.state import UNREACHABLE_S, RouterState
 from dplb.router.upstream import ConnectFailed, UpstreamClosed, UpstreamError, UpstreamPool, UpstreamTimeout
 

@@ -29,9 +29,10 @@ import os
 import time
 
 from dplb.config import RouterConfig
+from dplb.decision import REASON_FALLBACK, REASON_NO_WORKERS, Decision
 from dplb.errors import ShmError
 from dplb.metrics import RouterMetrics
-from dplb.policy import REASON_FALLBACK, REASON_NO_WORKERS, Decision, Policy, make_policy
+from dplb.policy import Policy, make_policy
 from dplb.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
 from dplb.systemd import Watchdog
 
