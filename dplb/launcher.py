@@ -42,6 +42,9 @@ log = logging.getLogger("dplb.launch")
 BACKOFF_START_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
 
 
+_RUN_MARK = "=== dplb launch"
+
+
 @dataclass
 class Child:
     """One supervised process."""
@@ -61,6 +64,9 @@ class Child:
 
     def start(self) -> None:
         with open(self.log_path, "ab") as f:
+            if self.started_at == 0.0:  # first start by this launcher: mark where its lines begin (logs are kept)
+                f.write(f"{_RUN_MARK} {time.strftime('%Y-%m-%dT%H:%M:%S')} pid {os.getpid()}\n".encode())
+                f.flush()
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=f, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
                                          preexec_fn=_die_with_parent)
@@ -76,11 +82,14 @@ class Child:
                 os.kill(self.proc.pid, sig)
 
     def log_tail(self, n: int = 20) -> str:
+        """The last ``n`` lines this launcher's run wrote (earlier runs in the same run dir are left out)."""
         try:
             with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
+                lines = f.readlines()
         except OSError:
             return ""
+        starts = [i for i, ln in enumerate(lines) if ln.startswith(_RUN_MARK)]
+        return "".join(lines[starts[-1] + 1 if starts else 0:][-n:])
 
 
 def _die_with_parent() -> None:
@@ -260,6 +269,7 @@ class Launcher:
         plan = ", ".join(f"worker {k}: {('GPUs ' + cuda_visible_devices(g)) if g else 'CPU'}"
                          for k, g in enumerate(self.plan))
         model = self.args.served_model_name or self.args.model or "dplb-sim"
+        auth = '-H "Authorization: Bearer $DPLB_API_KEY" ' if self.args.api_key else ""
         print(f"DPLB: {len(self.plan)} {self.engine} worker(s) [{plan}]\n"
               f"  router:  {url}  (policy {self.args.policy}; listening on {self.args.host}:{self.args.port}"
               f"{', all interfaces' if self.args.host in ('0.0.0.0', '::') else ''}"
@@ -267,6 +277,7 @@ class Launcher:
               f"  segment: {self.shm_path}   (dplb state --shm-path {self.shm_path})\n"
               f"  logs:    {self.run_dir}/worker-K.log, {self.run_dir}/router.log (kept after exit)\n"
               f"  try:     curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"{auth}"
               f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
               f"\"max_tokens\": 16}}'", file=sys.stderr, flush=True)
 

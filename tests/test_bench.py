@@ -78,9 +78,18 @@ def test_jsonl_datasets(tmp_path) -> None:  # type: ignore[no-untyped-def]
     forced = build_workload(WorkloadSpec(num_prompts=3, dataset=str(p), output_len=9), force_output_len=True)
     assert [r.max_tokens for r in forced] == [9, 9, 9]
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"conversations": [{"from": "alien", "value": "?"}]}\n')
-    with pytest.raises(ConfigError, match=r"bad\.jsonl:1"):
+    bad.write_text('{"prompt": "ok"}\n\n{"conversations": [{"from": "alien", "value": "?"}]}\n')
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:3: unknown speaker 'alien'"):  # physical line numbers
         build_workload(WorkloadSpec(num_prompts=1, dataset=str(bad)))
+    for text, why in (('[{"prompt": "x"}]', "a JSON list"), ('{"messages": [{"role": "system", "content": "s"}]}',
+                                                              "no user turn"), ('{"foo": 1}', "missing key"),
+                      ("{not json", "not JSON")):
+        bad.write_text(text + "\n")
+        with pytest.raises(ConfigError, match=why):
+            build_workload(WorkloadSpec(num_prompts=1, dataset=str(bad)))
+    # a row without a reply or max_tokens asks for --output-len, not 1 token
+    p.write_text('{"prompt": "no length given"}\n')
+    assert build_workload(WorkloadSpec(num_prompts=1, dataset=str(p), output_len=21))[0].max_tokens == 21
     with pytest.raises(ConfigError, match="cannot read"):
         build_workload(WorkloadSpec(num_prompts=1, dataset=str(tmp_path / "missing.jsonl")))
 
@@ -126,6 +135,14 @@ def test_targets_and_policy_parsing() -> None:
         parse_policies("dplb,nginx", [])
     with pytest.raises(ConfigError, match="LABEL=LAUNCH FLAGS"):
         parse_policies("dplb", ["no-equals-sign"])
+    # regressions (fresh-eyes trial): each was a hang, a silent swap, a traceback or a late failure
+    for variant, why in (("x=--port 31050", "set by compare"), ("dplb=--policy round_robin", "already a policy"),
+                         ("x=--weights 'open", "No closing quotation"), ("x=--no-such-flag 3", "unknown"),
+                         ("x=--policy nope", "invalid choice")):
+        with pytest.raises(ConfigError, match=why):
+            parse_policies("dplb", [variant])
+    with pytest.raises(ConfigError, match="already a policy or variant"):
+        parse_policies("dplb", ["a=--seed 1", "a=--seed 2"])
 
     def summ(p99: float, **kw: object) -> dict:
         return {"e2e_ms": {"p99": p99}, "failed": 0, "worker_share_max_min": 1.0, "prefix_cache_hit_rate": None,
@@ -173,6 +190,13 @@ def test_bench_run_against_the_router(tmp_path) -> None:  # type: ignore[no-unty
         bad = subprocess.run(dplb_cmd("bench", "run", "--base-url", c.url, "--model", "nope", "--num-prompts", "3",
                                       "--no-progress", "--output", str(tmp_path / "bad.json")),
                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        plain = subprocess.run(dplb_cmd("bench", "run", "--base-url", c.url + "/v1/", "--num-prompts", "5",
+                                        "--no-stream", "--no-progress", "--output", str(tmp_path / "plain.json")),
+                               capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert plain.returncode == 0, plain.stderr
+    ps = json.loads((tmp_path / "plain.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+    assert ps["summary"]["completed"] == 5 and ps["summary"]["tpot_ms"]["n"] == 0  # no TPOT without streaming
+    assert ps["summary"]["itl_ms"]["p50"] is None
     data = json.loads(out.read_text())
     s = data["summary"]
     assert s["completed"] == 40 and s["failed"] == 0
@@ -215,8 +239,15 @@ def test_bench_compare_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_bench_flags_are_checked(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    for args in (["run", "--num-prompts", "0"], ["run", "--max-concurrency", "0"],
-                 ["compare", "--scenario", "nope"], ["compare", "--policies", "nginx"]):
+    from tests.cluster import free_port
+
+    nobody = f"http://127.0.0.1:{free_port()}"
+    for args in (["run", "--num-prompts", "0"], ["run", "--max-concurrency", "0"], ["run", "--timeout", "0"],
+                 ["run", "--base-url", "127.0.0.1:30000"], ["run", "--base-url", "ftp://x"],
+                 ["run", "--base-url", nobody, "--num-prompts", "3"],  # nothing listening: fails before sending
+                 ["run", "--base-url", nobody, "--output", str(tmp_path)],  # a directory, refused up front
+                 ["compare", "--scenario", "nope"], ["compare", "--policies", "nginx"],
+                 ["compare", "--variant", "x=--port 1"]):
         r = subprocess.run(dplb_cmd("bench", *args), capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.returncode == 2 and "Traceback" not in r.stderr and "error:" in r.stderr, (args, r.stderr)
 

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -238,3 +239,17 @@ def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[n
         proc.wait(30)
         if os.path.exists(shm):
             os.unlink(shm)
+
+
+def test_log_tail_shows_only_this_launchers_lines(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression (fresh-eyes trial): logs are kept across runs in one --run-dir, and a worker's "last log lines"
+    mixed in an earlier run's error."""
+    from dplb.launcher import Child
+
+    log = tmp_path / "worker-0.log"
+    log.write_text("old run: argument --sim-speed: expected one argument\n")
+    c = Child("worker 0", [sys.executable, "-c", "print('this run')"], dict(os.environ), str(log))
+    c.start()
+    assert c.proc is not None and c.proc.wait(10) == 0
+    assert c.log_tail() == "this run\n"
+    assert "old run" in log.read_text()  # kept, just not shown

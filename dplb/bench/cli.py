@@ -67,6 +67,10 @@ def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError(f"unknown argument(s): {' '.join(rest)}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ConfigError("--max-concurrency must be ≥ 1")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    _check_url(args.base_url)
+    _check_outputs(args.output, args.plot)
     spec = WorkloadSpec(
         num_prompts=args.num_prompts, request_rate=args.request_rate, burst_size=args.burst_size,
         burst_interval_s=args.burst_interval, input_len=args.input_len, output_len=args.output_len,
@@ -75,6 +79,9 @@ def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, dataset=args.dataset, seed=args.seed)
     requests = build_workload(spec, force_output_len=args.force_output_len)
     target = Target(args.base_url, args.model, args.endpoint, args.stream, args.api_key, args.timeout)
+    from dplb.bench.client import preflight
+
+    asyncio.run(preflight(target))
     bar = tqdm(total=len(requests), unit="req", disable=args.no_progress, file=sys.stderr)
     results, wall = asyncio.run(run_workload(target, requests, max_concurrency=args.max_concurrency,
                                              on_done=lambda r: bar.update(1)))
@@ -97,6 +104,51 @@ def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
     return 0 if summary["completed"] else 1
 
 
+def _check_url(url: str) -> None:
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        ok = u.scheme in ("http", "https") and bool(u.hostname)
+        u.port  # noqa: B018  (raises ValueError for a bad port)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"--base-url {url!r}: expected http(s)://HOST[:PORT], e.g. http://127.0.0.1:30000")
+
+
+def _check_outputs(output: str | None, plot: str | None) -> None:
+    """Refuse output paths that cannot be written before the run, not after it."""
+    if output:
+        if os.path.isdir(output):
+            raise ConfigError(f"--output {output} is a directory; give a file name, e.g. {output}/run.json")
+        d = os.path.dirname(os.path.abspath(output))
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--output {output}: cannot create {d}: {e.strerror or e}") from None
+        if not os.access(d, os.W_OK):
+            raise ConfigError(f"--output {output}: {d} is not writable")
+    if plot:
+        try:
+            os.makedirs(plot, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--plot {plot}: cannot create it: {e.strerror or e}") from None
+        if not os.access(plot, os.W_OK):
+            raise ConfigError(f"--plot {plot} is not writable")
+
+
+def _json_safe(x: Any) -> Any:
+    """NaN and ±inf → null (they are not JSON), recursively."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
 def _record(r: Any) -> dict[str, Any]:
     return {"index": r.index, "ok": r.ok, "status": r.status, "error": r.error, "worker": r.worker,
             "start_s": r.start_s, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s, "output_tokens": r.output_tokens,
@@ -107,7 +159,7 @@ def _write_json(path: str, obj: Any) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     with open(path, "w") as f:
-        json.dump(obj, f, indent=1, default=lambda x: None)
+        json.dump(_json_safe(obj), f, indent=1, default=lambda x: None, allow_nan=False)
         f.write("\n")
 
 
@@ -147,6 +199,9 @@ def _cmd_compare(args: argparse.Namespace, rest: list[str]) -> int:
 
     if rest:
         raise ConfigError(f"unknown argument(s): {' '.join(rest)}")
+    _check_outputs(args.output, args.plot)
+    if args.markdown:
+        _check_outputs(args.markdown, None)
     names = list(sc_mod.SCENARIOS) if args.scenario == "all" else [s.strip() for s in args.scenario.split(",")]
     policies = parse_policies(args.policies, args.variant)
     if args.prompts is not None:
@@ -173,7 +228,7 @@ def _cmd_compare(args: argparse.Namespace, rest: list[str]) -> int:
     out = Console(width=None if sys.stdout.isatty() else 200)
     out.print(compare_table(result))
     for row in result["targets"]:
-        v = "n/a" if row["value"] is None else f"{row['value']:.2f}"
+        v = "n/a" if row["value"] is None else f"{row['value']:.3f}"
         out.print(f"{'PASS' if row['passed'] else 'FAIL'}  {row['scenario']}: {row['target']}  (got {v})",
                   highlight=False)
     out.print(f"matrix finished in {result['wall_s']:.0f} s")
@@ -242,7 +297,7 @@ def compare_markdown(result: dict[str, Any]) -> str:
                 f"{f(s.get('p99_vs_round_robin'), '.2f')} | {f(s.get('p99_vs_least_loaded'), '.2f')} |")
     lines += ["", "Targets:", ""]
     for row in result["targets"]:
-        v = "n/a" if row["value"] is None else f"{row['value']:.2f}"
+        v = "n/a" if row["value"] is None else f"{row['value']:.3f}"
         lines.append(f"- **{'PASS' if row['passed'] else 'FAIL'}** {row['scenario']}: {row['target']} (got {v})")
     return "\n".join(lines) + "\n"
 

@@ -45,11 +45,12 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int = 0
     prefix_id: int = -1
+    streamed: bool = True
 
     @property
     def tpot_s(self) -> float | None:
         """Time per output token after the first: (E2E − TTFT) / (tokens − 1); None below 2 tokens."""
-        if not self.ok or self.e2e_s is None or self.ttft_s is None or self.output_tokens < 2:
+        if not self.ok or not self.streamed or self.e2e_s is None or self.ttft_s is None or self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
@@ -96,7 +97,7 @@ def _chunk_text(obj: dict, chat: bool) -> str:
 
 
 async def _one(session: aiohttp.ClientSession, t: Target, r: BenchRequest, t0: float) -> RequestResult:
-    res = RequestResult(r.index, prefix_id=r.prefix_id)
+    res = RequestResult(r.index, prefix_id=r.prefix_id, streamed=t.stream)
     chat = t.endpoint == "chat"
     start = time.perf_counter()
     res.start_s = start - t0
@@ -155,10 +156,30 @@ async def _one(session: aiohttp.ClientSession, t: Target, r: BenchRequest, t0: f
                 res.status, res.error = "stream_error", "no generated text in the stream"
             return res
     except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError, OSError) as e:
-        res.status = "connection_error" if res.status in (0, 200) or isinstance(res.status, str) else res.status
-        res.error = f"{type(e).__name__}: {e}"[:300]
+        if isinstance(e, TimeoutError):
+            res.status, res.error = "timeout", f"no complete answer within --timeout {t.timeout_s:g} s"
+        else:
+            res.status = "connection_error" if res.status in (0, 200) or isinstance(res.status, str) else res.status
+            res.error = f"{type(e).__name__}: {e}"[:300]
         res.e2e_s = time.perf_counter() - start
         return res
+
+
+async def preflight(target: Target) -> None:
+    """Fail fast when nothing answers at ``target.base_url``: one GET of ``/v1/models`` (any HTTP status is an
+    answer). Raises :class:`~dplb.errors.ConfigError` naming the URL and the reason."""
+    from dplb.errors import ConfigError
+
+    url = target.url.rsplit("/v1/", 1)[0] + "/v1/models"
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, \
+                s.get(url, headers=headers) as resp:
+            await resp.read()
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        reason = getattr(e, "os_error", None) or e
+        raise ConfigError(f"cannot reach {url}: {reason or type(e).__name__} (is the router running? --base-url)")\
+            from None
 
 
 async def run_workload(

@@ -54,13 +54,49 @@ def parse_policies(names: str, variants: list[str]) -> dict[str, list[str]]:
         out[name] = ["--policy", name]
     for v in variants:
         label, sep, flags = v.partition("=")
-        if not sep or not label.strip() or "=" in label:
+        label = label.strip()
+        if not sep or not label or "=" in label:
             raise ConfigError(f"--variant {v!r}: expected LABEL=LAUNCH FLAGS, e.g. "
                               "'dplb-500ms=--state-interval-ms 500'")
-        out[label.strip()] = shlex.split(flags)
+        if label in out or label in POLICIES:
+            raise ConfigError(f"--variant {v!r}: the label {label!r} is already a policy or variant; pick another")
+        try:
+            words = shlex.split(flags)
+        except ValueError as e:
+            raise ConfigError(f"--variant {v!r}: {e}") from e
+        _check_launch_flags(label, words)
+        out[label] = words
     if not out:
         raise ConfigError("no policy to compare")
     return out
+
+
+#: `dplb launch` flags that compare sets itself for every cluster.
+_OWN_FLAGS = ("--port", "--host", "--run-dir", "--shm-path", "--num-workers", "--metrics-port-base", "--model",
+              "--served-model-name", "--emit-systemd", "--remove-logs")
+
+
+def _check_launch_flags(label: str, words: list[str]) -> None:
+    """Refuse flags compare owns and anything `dplb launch` (or the sim engine) would reject, before any run."""
+    import contextlib
+    import io
+
+    from dplb.cli import build_parser
+    from dplb.engines import sim_arg_parser
+
+    own = [w for w in words if w.split("=", 1)[0] in _OWN_FLAGS]
+    if own:
+        raise ConfigError(f"--variant {label}: {', '.join(own)} is set by compare for every cluster")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            _ns, rest = build_parser().parse_known_args(["launch", *words])
+            _, unknown = sim_arg_parser().parse_known_args(rest)
+    except SystemExit:
+        msg = err.getvalue().strip().splitlines()
+        raise ConfigError(f"--variant {label}: {msg[-1] if msg else 'bad dplb launch flags'}") from None
+    if unknown:
+        raise ConfigError(f"--variant {label}: unknown dplb launch / sim engine flag(s): {' '.join(unknown)}")
 
 
 def _free_port() -> int:
@@ -174,7 +210,10 @@ def run_one(scenario: Scenario, label: str, flags: list[str], *, num_workers: in
     warm = scenario.warmup
     t_measure = requests[warm].send_at_s
     with SimCluster(num_workers, scenario, flags, workdir) as cluster:
+        deadline = time.monotonic() + READY_TIMEOUT_S
         while not _router_ready(cluster.url):
+            if time.monotonic() > deadline:
+                raise DPLBError(f"{label}: the router at {cluster.url} never answered /ready")
             time.sleep(0.05)
         target = Target(cluster.url, "dplb-sim", "chat", stream)
 

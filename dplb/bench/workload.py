@@ -135,36 +135,58 @@ def _synthetic(spec: WorkloadSpec, rng: random.Random) -> list[BenchRequest]:
 def _from_jsonl(spec: WorkloadSpec, rng: random.Random, forced_output: int | None) -> list[BenchRequest]:
     try:
         with open(spec.dataset, encoding="utf-8") as f:
-            lines = [ln for ln in f if ln.strip()]
-    except OSError as e:
-        raise ConfigError(f"cannot read the dataset {spec.dataset}: {e.strerror or e}") from e
+            lines = [(no, ln) for no, ln in enumerate(f, 1) if ln.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the dataset {spec.dataset}: {getattr(e, 'strerror', None) or e}") from e
     rows: list[tuple[list[dict[str, str]], int]] = []
-    for no, line in enumerate(lines, 1):
+    for no, line in lines:
         try:
-            rows.append(_parse_row(json.loads(line)))
+            row = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"{spec.dataset}:{no}: not JSON ({e.args[0] if e.args else e}); one JSON object per "
+                              "line is expected (convert a ShareGPT .json array with jq -c '.[]')") from None
+        try:
+            rows.append(_parse_row(row))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{spec.dataset}:{no}: not a ShareGPT/messages/prompt row ({e})") from e
+            raise ConfigError(f"{spec.dataset}:{no}: {_row_problem(e)}; expected {{\"conversations\": [{{\"from\": "
+                              "\"human\", \"value\": ...}, ...]}, {\"messages\": [...]} or {\"prompt\": ...}") from None
     if not rows:
         raise ConfigError(f"{spec.dataset} has no rows")
     out = []
     for i in range(spec.num_prompts):
         messages, reply_words = rows[rng.randrange(len(rows))] if len(rows) < spec.num_prompts else rows[i]
-        n = forced_output or max(1, reply_words)
+        n = forced_output or reply_words or spec.output_len  # no reply or max_tokens: --output-len
         words = sum(len(m["content"].split()) for m in messages)
         out.append(BenchRequest(i, [dict(m) for m in messages], n, 0.0, -1, words))
     return out
 
 
+def _row_problem(e: Exception) -> str:
+    if isinstance(e, KeyError):
+        return f"missing key {e.args[0]!r}"
+    return str(e) or type(e).__name__
+
+
 def _parse_row(row: dict) -> tuple[list[dict[str, str]], int]:
-    """(messages up to the last user turn, words in the reply that followed) of one JSONL row."""
+    """(messages up to the last user turn, words in the reply that followed; 0 = unknown) of one JSONL row.
+    Raises ValueError/KeyError/TypeError for a row of none of the three shapes."""
+    if not isinstance(row, dict):
+        raise TypeError(f"a JSON {type(row).__name__}, not an object")
     if "prompt" in row:
         return [{"role": "user", "content": str(row["prompt"])}], int(row.get("max_tokens") or 0)
     if "messages" in row:
         turns = [{"role": str(m["role"]), "content": str(m["content"])} for m in row["messages"]]
     else:
         roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-        turns = [{"role": roles[str(t["from"])], "content": str(t["value"])} for t in row["conversations"]]
-    last_user = max(i for i, t in enumerate(turns) if t["role"] == "user")
+        turns = []
+        for t in row["conversations"]:
+            if str(t["from"]) not in roles:
+                raise ValueError(f"unknown speaker {t['from']!r} (human, gpt, system)")
+            turns.append({"role": roles[str(t["from"])], "content": str(t["value"])})
+    users = [i for i, t in enumerate(turns) if t["role"] == "user"]
+    if not users:
+        raise ValueError("no user turn")
+    last_user = users[-1]
     reply = turns[last_user + 1]["content"] if last_user + 1 < len(turns) else ""
     return turns[:last_user + 1], len(reply.split())
 
