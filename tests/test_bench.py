@@ -244,6 +244,7 @@ def test_bench_flags_are_checked(tmp_path) -> None:  # type: ignore[no-untyped-d
     nobody = f"http://127.0.0.1:{free_port()}"
     for args in (["run", "--num-prompts", "0"], ["run", "--max-concurrency", "0"], ["run", "--timeout", "0"],
                  ["run", "--base-url", "127.0.0.1:30000"], ["run", "--base-url", "ftp://x"],
+                 ["run", "--burst-size", "4", "--request-rate", "5"],
                  ["run", "--base-url", nobody, "--num-prompts", "3"],  # nothing listening: fails before sending
                  ["run", "--base-url", nobody, "--output", str(tmp_path)],  # a directory, refused up front
                  ["compare", "--scenario", "nope"], ["compare", "--policies", "nginx"],

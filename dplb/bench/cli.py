@@ -22,12 +22,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="load-test one OpenAI endpoint (router, worker or anything else)",
                        description="A benchmark_serving-style client: sends a seeded workload, reports TTFT, ITL, "
                        "TPOT and E2E percentiles, throughput, errors by status and the per-worker share "
-                       "(X-SG-Worker-ID).")
-    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="endpoint (default the local router)")
-    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
-    p.add_argument("--model", default="dplb-sim", help="model name to send (default dplb-sim)")
-    p.add_argument("--api-key", default=os.environ.get("DPLB_API_KEY"), help="bearer token (default $DPLB_API_KEY)")
-    p.add_argument("--num-prompts", type=int, default=200)
+                       "(X-SG-Worker-ID).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="endpoint")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat", help="OpenAI route")
+    p.add_argument("--model", default="dplb-sim", help="model name to send")
+    p.add_argument("--api-key", help="bearer token (when omitted: $DPLB_API_KEY)")
+    p.add_argument("--num-prompts", type=int, default=200, help="requests to send")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson requests/s; inf = all at once")
     p.add_argument("--max-concurrency", type=int, help="most requests in flight at once (default unlimited)")
     p.add_argument("--burst-size", type=int, default=0, help="send bursts of N requests together (instead of Poisson)")
@@ -37,14 +37,14 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=32, help="max_tokens per request")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len·(1 ± ratio)")
     p.add_argument("--long-fraction", type=float, default=0.0, help="fraction of long requests")
-    p.add_argument("--long-input-len", type=int, default=1024)
-    p.add_argument("--long-output-len", type=int, default=256)
+    p.add_argument("--long-input-len", type=int, default=1024, help="prompt words of a long request")
+    p.add_argument("--long-output-len", type=int, default=256, help="max_tokens of a long request")
     p.add_argument("--shared-prefix-fraction", type=float, default=0.0,
                    help="fraction of requests that start with a shared system prompt")
     p.add_argument("--num-prefixes", type=int, default=4, help="distinct shared system prompts")
     p.add_argument("--prefix-len", type=int, default=512, help="words per shared system prompt")
     p.add_argument("--force-output-len", action="store_true", help="JSONL: ask for --output-len, not the reply's")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE streaming (default on)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--output", metavar="FILE.json", help="write every figure (and per-request records) here")
@@ -67,6 +67,8 @@ def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError(f"unknown argument(s): {' '.join(rest)}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ConfigError("--max-concurrency must be ≥ 1")
+    if args.burst_size and not math.isinf(args.request_rate):
+        raise ConfigError("--burst-size and --request-rate are two arrival patterns; give one")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
     _check_url(args.base_url)
@@ -78,7 +80,8 @@ def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
         long_output_len=args.long_output_len, shared_prefix_fraction=args.shared_prefix_fraction,
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, dataset=args.dataset, seed=args.seed)
     requests = build_workload(spec, force_output_len=args.force_output_len)
-    target = Target(args.base_url, args.model, args.endpoint, args.stream, args.api_key, args.timeout)
+    target = Target(args.base_url, args.model, args.endpoint, args.stream,
+                    args.api_key or os.environ.get("DPLB_API_KEY"), args.timeout)
     from dplb.bench.client import preflight
 
     asyncio.run(preflight(target))
@@ -169,16 +172,17 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="run scenarios × policies on fresh sim clusters and print one table",
                        description="For each scenario and policy: start a fresh sim cluster with `dplb launch`, "
                        "send the same seeded workload, stop it; print P50/P95/P99 E2E and TTFT, throughput, "
-                       "per-worker share and errors, each policy's P99 ratio to the first, and the targets.")
+                       "per-worker share and errors, each policy's P99 ratio to the first, and the targets.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--scenario", default="all", help=f"comma-separated: {', '.join(SCENARIOS)} (default all)")
     p.add_argument("--policies", default="dplb,round_robin,least_loaded,power_of_two,random",
                    help="comma-separated policies; the first is the reference of the ratios")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
                    help="an extra run with these `dplb launch` flags, e.g. 'dplb-500ms=--state-interval-ms 500'")
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=int, default=4, help="sim workers per cluster")
     p.add_argument("--quick", action="store_true", help="fewer requests per run (the whole matrix in minutes)")
     p.add_argument("--prompts", type=int, help="override the measured requests per run (a smoke test)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (the same for every policy)")
     p.add_argument("--output", metavar="FILE.json", help="write every figure here")
     p.add_argument("--plot", metavar="DIR", help="write per-scenario CDF and per-worker load PNGs here")
     p.add_argument("--markdown", metavar="FILE.md", help="write the table, targets, machine and command as markdown")
