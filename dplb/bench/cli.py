@@ -133,6 +133,9 @@ def _check_outputs(output: str | None, plot: str | None) -> None:
         if not os.access(d, os.W_OK):
             raise ConfigError(f"--output {output}: {d} is not writable")
     if plot:
+        from dplb.bench.plots import require_matplotlib
+
+        require_matplotlib()
         try:
             os.makedirs(plot, exist_ok=True)
         except OSError as e:

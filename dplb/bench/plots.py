@@ -28,6 +28,11 @@ def _pyplot() -> Any:
     return plt
 
 
+def require_matplotlib() -> None:
+    """Raise :class:`ConfigError` (with the install command) now if matplotlib is missing, before a long run."""
+    _pyplot()
+
+
 def _cdf(ax: Any, values_s: Sequence[float], label: str) -> None:
     v = sorted(x * 1000.0 for x in values_s)
     if v:
