@@ -245,11 +245,15 @@ class Policy:
         every pick while its peers are loaded, and herd a burst onto it. Returns the rebuilt eligible list."""
         have = [r[_TL] for r in rows if r[_TL] >= 0.0 and r[_STATE].pid]
         neutral = sum(have) / len(have) if have else 1.0
-        wq, wm, wl = self.cfg.weights
         for i, r in enumerate(rows):
             if r[_TL] < 0.0:
-                rows[i] = (*r[:_TL], neutral, wq * r[_TQ] + wm * r[_TM] + wl * neutral)
+                rows[i] = self._with_latency_term(r, neutral)
         return [rows[r[_STATE].worker_id] for r in eligible]
+
+    def _with_latency_term(self, r: _Row, tl: float) -> _Row:
+        """``r`` with its latency term replaced by ``tl`` and its score recomputed."""
+        wq, wm, wl = self.cfg.weights
+        return (*r[:_TL], tl, wq * r[_TQ] + wm * r[_TM] + wl * tl)
 
     def _deadband(self, rows: list[_Row], eligible: list[_Row], base: float, ttft: bool) -> list[_Row]:
         """Give every eligible worker whose mean latency is within ``latency_deadband`` (a fraction) of the
@@ -265,10 +269,9 @@ class Policy:
         band = self.cfg.latency_deadband * mean
         tl = 1.0 - mean / base
         tl = 0.0 if tl < 0.0 else tl
-        wq, wm, wl = self.cfg.weights
         for r, lat in zip(eligible, lats, strict=True):
             if lat > 0.0 and abs(lat - mean) <= band:
-                rows[r[_STATE].worker_id] = (*r[:_TL], tl, wq * r[_TQ] + wm * r[_TM] + wl * tl)
+                rows[r[_STATE].worker_id] = self._with_latency_term(r, tl)
         return [rows[r[_STATE].worker_id] for r in eligible]
 
     def _choose(self, eligible: list[_Row], prefix_hash: int | None) -> tuple[int, str, int | None]:

@@ -234,10 +234,8 @@ def _cmd_compare(args: argparse.Namespace, rest: list[str]) -> int:
     result["wall_s"] = time.monotonic() - t0
     out = Console(width=None if sys.stdout.isatty() else 200)
     out.print(compare_table(result))
-    for row in result["targets"]:
-        v = "n/a" if row["value"] is None else f"{row['value']:.3f}"
-        out.print(f"{'PASS' if row['passed'] else 'FAIL'}  {row['scenario']}: {row['target']}  (got {v})",
-                  highlight=False)
+    for ok, text in _target_lines(result):
+        out.print(f"{'PASS' if ok else 'FAIL'}  {text}", highlight=False)
     out.print(f"matrix finished in {result['wall_s']:.0f} s")
     if args.output:
         _write_json(args.output, result)
@@ -253,6 +251,29 @@ def _cmd_compare(args: argparse.Namespace, rest: list[str]) -> int:
     return 1 if args.strict and not all(r["passed"] for r in result["targets"]) else 0
 
 
+def _fmt(x: Any, fmt: str, dash: str) -> str:
+    return dash if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _cells(s: dict[str, Any], ref: str, dash: str, extra_refs: tuple[str, ...] = ()) -> list[str]:
+    """One policy's figures as table cells, E2E P50 … P99 ratio to ``ref`` (then to each of ``extra_refs``)."""
+    e, t = s["e2e_ms"], s["ttft_ms"]
+    cells = [_fmt(e["p50"], ".0f", dash), _fmt(e["p95"], ".0f", dash), _fmt(e["p99"], ".0f", dash),
+             _fmt(t["p50"], ".0f", dash), _fmt(t["p99"], ".0f", dash), _fmt(s["requests_per_s"], ".2f", dash),
+             _fmt(s["output_tokens_per_s"], ".0f", dash), _fmt(s["worker_share_max_min"], ".2f", dash),
+             _fmt(s.get("prefix_cache_hit_rate"), ".2f", dash), str(s["failed"])]
+    return cells + [_fmt(s.get(f"p99_vs_{r}"), ".2f", dash) for r in (ref, *extra_refs)]
+
+
+def _target_lines(result: dict[str, Any]) -> list[tuple[bool, str]]:
+    """(passed, "scenario: target (got value)") per target row."""
+    out = []
+    for row in result["targets"]:
+        v = "n/a" if row["value"] is None else f"{row['value']:.3f}"
+        out.append((row["passed"], f"{row['scenario']}: {row['target']} (got {v})"))
+    return out
+
+
 def compare_table(result: dict[str, Any]) -> Any:
     """A rich table: one row per scenario × policy."""
     from rich.table import Table
@@ -263,18 +284,9 @@ def compare_table(result: dict[str, Any]) -> Any:
                 "max/min", "prefix hit", "failed", "P99 ratio"):
         t.add_column(col, justify="left" if col in ("scenario", "policy") else "right")
     for name, entry in result["scenarios"].items():
-        first = True
         ref = next(iter(entry["policies"]))
-        for label, s in entry["policies"].items():
-            e, f = s["e2e_ms"], s["ttft_ms"]
-            hit = s.get("prefix_cache_hit_rate")
-            ratio = s.get(f"p99_vs_{ref}")
-            t.add_row(name if first else "", label, f"{e['p50']:.0f}", f"{e['p95']:.0f}", f"{e['p99']:.0f}",
-                      f"{f['p50']:.0f}", f"{f['p99']:.0f}", f"{s['requests_per_s']:.2f}",
-                      f"{s['output_tokens_per_s']:.0f}", f"{s['worker_share_max_min']:.2f}",
-                      "-" if hit is None else f"{hit:.2f}", str(s["failed"]),
-                      "-" if ratio is None else f"{ratio:.2f}")
-            first = False
+        for i, (label, s) in enumerate(entry["policies"].items()):
+            t.add_row(name if i == 0 else "", label, *_cells(s, ref, "-"))
         t.add_section()
     return t
 
@@ -288,24 +300,13 @@ def compare_markdown(result: dict[str, Any]) -> str:
              "| scenario | policy | E2E P50 | E2E P95 | E2E P99 | TTFT P50 | TTFT P99 | req/s | tok/s | max/min share "
              "| prefix hit | failed | P99 / first | P99 / round_robin | P99 / least_loaded |",
              "|---|---|" + "---:|" * 13]
-
-    def f(x: Any, fmt: str) -> str:
-        return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-
     for name, entry in result["scenarios"].items():
         ref = next(iter(entry["policies"]))
         for label, s in entry["policies"].items():
-            e, t = s["e2e_ms"], s["ttft_ms"]
-            lines.append(
-                f"| {name} | {label} | {f(e['p50'], '.0f')} | {f(e['p95'], '.0f')} | {f(e['p99'], '.0f')} | "
-                f"{f(t['p50'], '.0f')} | {f(t['p99'], '.0f')} | {f(s['requests_per_s'], '.2f')} | "
-                f"{f(s['output_tokens_per_s'], '.0f')} | {f(s['worker_share_max_min'], '.2f')} | "
-                f"{f(s.get('prefix_cache_hit_rate'), '.2f')} | {s['failed']} | {f(s.get(f'p99_vs_{ref}'), '.2f')} | "
-                f"{f(s.get('p99_vs_round_robin'), '.2f')} | {f(s.get('p99_vs_least_loaded'), '.2f')} |")
+            cells = _cells(s, ref, "–", ("round_robin", "least_loaded"))
+            lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
     lines += ["", "Targets:", ""]
-    for row in result["targets"]:
-        v = "n/a" if row["value"] is None else f"{row['value']:.3f}"
-        lines.append(f"- **{'PASS' if row['passed'] else 'FAIL'}** {row['scenario']}: {row['target']} (got {v})")
+    lines += [f"- **{'PASS' if ok else 'FAIL'}** {text}" for ok, text in _target_lines(result)]
     return "\n".join(lines) + "\n"
 
 
