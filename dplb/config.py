@@ -30,14 +30,23 @@ def default_run_dir() -> str:
 POLICIES = ("dplb", "round_robin", "random", "least_loaded", "power_of_two", "prefix_hash")
 MemorySignal = Literal["kv", "gpu"]
 LatencySignal = Literal["e2e", "ttft"]
+Weights = tuple[tuple[str, float], ...]
+
+#: The seed article's weights (prefix scoring off).
+SEED_WEIGHTS: Weights = (("queue", 0.4), ("memory", 0.3), ("latency", 0.3))
+#: Default with prefix scoring on (``prefix_block_bytes`` > 0): the seed's 4:3:3 between the load terms, scaled to
+#: leave 0.3 for the prefix term. Chosen by the multi-turn / shared-prefix / heterogeneous sweep in
+#: benchmarks/README.md ("Prefix weight").
+PREFIX_WEIGHTS: Weights = (("queue", 0.3), ("memory", 0.2), ("latency", 0.2), ("prefix", 0.3))
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
     """Scoring policy configuration (DESIGN §3).
 
-    - ``weights``: (queue, memory, latency) weights of the seed score, each ≥ 0, summing to 1 (±1e-6).
-      Seed article: 0.4 / 0.3 / 0.3.
+    - ``weights``: ``((scorer name, weight), …)``, each weight ≥ 0, summing to 1 (±1e-6); names are checked against
+      the scorer registry when the policy is built. None (default): :data:`PREFIX_WEIGHTS` when prefix scoring is
+      on, else the seed's :data:`SEED_WEIGHTS` (0.4 / 0.3 / 0.3).
     - ``max_queue``: soft queue cap, requests (> 0); the queue term is ``1 − queue/max_queue`` clamped to [0, 1].
       ``max_queue_from_worker=True`` uses each worker's published ``max_num_seqs`` instead (when it is > 0).
     - ``hard_queue_cap``: a worker whose queue is ≥ this is not eligible (0 = no hard cap). When every ready
@@ -54,16 +63,19 @@ class PolicyConfig:
       the mean's latency term (equal workers differ by noise only); 0 = off. Evidence in benchmarks/README.md.
     - ``latency_signal``: ``"e2e"`` (seed: mean E2E latency of the worker's last 10 requests against the P95 E2E of
       the first ``baseline_window`` requests) or ``"ttft"`` (the same with time to first token).
-    - ``affinity_margin``: prefix affinity keeps the preferred worker while its score is within this margin of the
-      best (score units 0–1; 0.2 = 8 queued requests at ``max_queue`` 16); 0 disables affinity. 0.2 from the
-      ``shared-prefix`` benchmark sweep (benchmarks/README.md): prefix-cache hit rate 0.78 at 0.1, 0.84 at 0.15,
-      0.88 at 0.2 with the same P99 E2E; 0.3 raised P99 by 13 %.
+    - ``prefix_block_bytes``: prefix-cache routing block size, bytes of the prompt (0 = no prefix scoring). 128:
+      ~32 tokens, two vLLM blocks of 16; 64-byte blocks cost twice the hashing (benchmarks/bench_pick.py).
+    - ``prefix_index_blocks``: capacity of the prefix index (LRU), blocks; memory ≈ 180 bytes each
+      (65,536 ≈ 12 MB, covering 8 MiB of distinct prompt text ≈ 2M tokens across all workers).
+    - ``prefix_ttl_s``: a block not sent to a worker for this long is forgotten, seconds.
     - ``state_interval_ms``: publish interval; slots older than 3× are stale.
     - ``seed``: RNG seed of the ``random`` and ``power_of_two`` policies (deterministic runs).
+    - ``plugins``: modules imported before the policy is built (user scorers/pickers; see
+      :mod:`dplb.policy.plugins`).
     """
 
     name: str = "dplb"
-    weights: tuple[float, float, float] = (0.4, 0.3, 0.3)
+    weights: Weights | None = None
     max_queue: int = 16
     max_queue_from_worker: bool = False
     hard_queue_cap: int = 0
@@ -72,22 +84,30 @@ class PolicyConfig:
     latency_signal: LatencySignal = "e2e"
     waiting_weight: float = 1.0
     latency_deadband: float = 0.25
-    affinity_margin: float = 0.2
+    prefix_block_bytes: int = 128
+    prefix_index_blocks: int = 65536
+    prefix_ttl_s: float = 300.0
     state_interval_ms: int = 200
     seed: int = 0
+    plugins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
             raise ConfigError(f"policy '{self.name}' is unknown; choose one of {', '.join(POLICIES)}")
-        if len(self.weights) != 3:
-            raise ConfigError(f"weights must be three numbers (queue, memory, latency), got {self.weights!r}")
-        if any(not math.isfinite(w) or w < 0 for w in self.weights):
-            raise ConfigError(f"weights must be finite and ≥ 0, got {self.weights!r}")
-        if abs(sum(self.weights) - 1.0) > 1e-6:
-            raise ConfigError(
-                f"weights must sum to 1 (queue + memory + latency), got {self.weights!r} = {sum(self.weights):g}; "
-                "the seed values are 0.4,0.3,0.3"
-            )
+        if self.weights is not None:
+            ws = self.weights
+            names = [n for n, _ in ws]
+            if not ws or len(set(names)) != len(names):
+                raise ConfigError(f"weights must name each scorer once, got {format_weights(ws)!r}")
+            if any(not math.isfinite(w) or w < 0 for _, w in ws):
+                raise ConfigError(f"weights must be finite and ≥ 0, got {format_weights(ws)!r}")
+            if abs(sum(w for _, w in ws) - 1.0) > 1e-6:
+                raise ConfigError(
+                    f"weights must sum to 1, got {format_weights(ws)} = {sum(w for _, w in ws):g}; the seed values "
+                    "are queue=0.4,memory=0.3,latency=0.3")
+            if "prefix" in names and self.prefix_block_bytes == 0:
+                raise ConfigError("weights give the prefix scorer a weight but --prefix-block-bytes is 0 (prefix "
+                                  "scoring off); drop prefix=… or set a block size")
         if self.max_queue <= 0:
             raise ConfigError(f"max_queue must be a positive number of requests, got {self.max_queue}")
         if self.hard_queue_cap < 0:
@@ -103,21 +123,55 @@ class PolicyConfig:
             raise ConfigError(f"latency_signal must be 'e2e' or 'ttft', got {self.latency_signal!r}")
         if self.memory_signal not in ("kv", "gpu"):
             raise ConfigError(f"memory_signal must be 'kv' or 'gpu', got {self.memory_signal!r}")
-        if not 0.0 <= self.affinity_margin <= 1.0:
-            raise ConfigError(f"affinity_margin must be within 0..1 (score units), got {self.affinity_margin}")
+        if not 0 <= self.prefix_block_bytes <= 65536:
+            raise ConfigError(f"--prefix-block-bytes must be 0 (off) or a block size up to 65536 bytes, got "
+                              f"{self.prefix_block_bytes}")
+        if self.prefix_index_blocks <= 0:
+            raise ConfigError(f"--prefix-index-blocks must be > 0, got {self.prefix_index_blocks}")
+        if not (math.isfinite(self.prefix_ttl_s) and self.prefix_ttl_s > 0):
+            raise ConfigError(f"--prefix-ttl must be > 0 seconds, got {self.prefix_ttl_s}")
         if self.state_interval_ms <= 0:
             raise ConfigError(f"state_interval_ms must be > 0, got {self.state_interval_ms}")
 
+    def effective_weights(self) -> Weights:
+        """The weights in force: ``weights``, else the default for prefix scoring on/off."""
+        if self.weights is not None:
+            return self.weights
+        return PREFIX_WEIGHTS if self.prefix_block_bytes else SEED_WEIGHTS
 
-def parse_weights(text: str) -> tuple[float, float, float]:
-    """Parse ``"0.4,0.3,0.3"`` into a weights tuple. Raises :class:`ConfigError` on anything else."""
+    @property
+    def prefix_on(self) -> bool:
+        """True when the prefix scorer is weighted (the router then hashes prompts into blocks)."""
+        return any(n == "prefix" and w > 0 for n, w in self.effective_weights())
+
+
+def format_weights(weights: Weights) -> str:
+    """``"queue=0.4,memory=0.3,latency=0.3"``."""
+    return ",".join(f"{n}={w:g}" for n, w in weights)
+
+
+def parse_weights(text: str) -> Weights:
+    """Parse ``"queue=0.4,memory=0.3,latency=0.3"`` (any registered scorer names) or the seed's positional
+    ``"0.4,0.3,0.3"`` (queue, memory, latency). Raises :class:`ConfigError` on anything else."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    hint = "like queue=0.4,memory=0.3,latency=0.3 (or 0.4,0.3,0.3)"
     try:
-        parts = tuple(float(p) for p in text.split(","))
+        if parts and all("=" not in p for p in parts):
+            if len(parts) != 3:
+                raise ConfigError(f"positional weights are three numbers (queue, memory, latency); use name=weight "
+                                  f"pairs {hint}, got {text!r}")
+            return tuple(zip(("queue", "memory", "latency"), (float(p) for p in parts), strict=True))
+        out = []
+        for p in parts:
+            name, sep, val = p.partition("=")
+            if not sep or not name.strip():
+                raise ConfigError(f"weights must be name=weight pairs {hint}, got {text!r}")
+            out.append((name.strip(), float(val)))
     except ValueError as e:
-        raise ConfigError(f"weights must be three comma-separated numbers like 0.4,0.3,0.3, got {text!r}") from e
-    if len(parts) != 3:
-        raise ConfigError(f"weights must be three comma-separated numbers like 0.4,0.3,0.3, got {text!r}")
-    return parts[0], parts[1], parts[2]
+        raise ConfigError(f"weights must be numbers, {hint}; got {text!r}") from e
+    if not out:
+        raise ConfigError(f"weights must not be empty; {hint}")
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +182,6 @@ class RouterConfig:
       head (generous: long prefills are normal); ``idle_timeout_s``: silence between two body chunks.
     - ``max_body_bytes``: larger request bodies get 413 (decided from Content-Length before reading when given).
     - ``retry_after_s``: the ``Retry-After`` of the router's own 503s.
-    - ``affinity_prefix_bytes``: how many leading bytes of ``messages``/``prompt`` form the prefix-affinity key.
     - ``debug_ring``: how many decisions ``/debug/decisions`` keeps.
     - ``api_key``: when set, proxied and ``/v1/models`` requests need ``Authorization: Bearer <key>``;
       ``public_paths`` are exempt.
@@ -147,7 +200,6 @@ class RouterConfig:
     first_byte_timeout_s: float = 600.0
     idle_timeout_s: float = 120.0
     retry_after_s: int = 1
-    affinity_prefix_bytes: int = 256
     debug_ring: int = 256
     shm_check_interval_s: float = 0.5
     access_log: bool = False
@@ -162,8 +214,8 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_body_bytes <= 0:
             raise ConfigError(f"--max-body-bytes must be > 0, got {self.max_body_bytes}")
-        if self.affinity_prefix_bytes < 0 or self.debug_ring <= 0 or self.retry_after_s < 0:
-            raise ConfigError("affinity_prefix_bytes ≥ 0, debug_ring > 0 and retry_after_s ≥ 0 are required")
+        if self.debug_ring <= 0 or self.retry_after_s < 0:
+            raise ConfigError("debug_ring > 0 and retry_after_s ≥ 0 are required")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
 

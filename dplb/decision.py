@@ -1,32 +1,39 @@
 """Routing decisions as data: the closed sets of eligibility and reason values, and :class:`Decision` /
 :class:`Candidate`, the record of one pick (DESIGN §3, §7).
 
-Contract: :mod:`dplb.policy` builds decisions; traces, ``/debug/decisions`` and metrics read them. A
-:class:`Decision` holds the hot loop's raw rows (plain tuples, indexed by the ``_STATE`` … ``_SCORE`` constants)
-and builds its :class:`Candidate` objects only when someone looks, so an uninspected decision costs nothing extra.
+Contract: :mod:`dplb.policy` builds decisions; traces, ``/debug/decisions`` and metrics read them, and loop over
+``Decision.term_names`` / ``Candidate.terms`` generically, so a new scorer shows up everywhere without edits there
+(like vLLM's ``StatLoggerBase.record()``: decisions are data, loggers consume them). Building the JSON view of a
+decision (:meth:`Decision.to_dict`) asks each scorer what it read (``Scorer.inputs``) — only when someone looks.
 Units: requests, fractions 0–1, bytes, seconds.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Final
+from typing import Any
 
 from dplb.shm import Lifecycle, WorkerState
 
-# Eligibility ("why") values: a closed set.
+# Eligibility ("why") values: a closed set. The first group is about the worker's health (decides /ready,
+# dplb_worker_up, dplb state); the second about one request.
 OK = "ok"
 WHY_UNREGISTERED = "unregistered"
 WHY_TORN = "torn"
 WHY_STALE = "stale"
 WHY_DRAINING = "draining"
 WHY_NOT_READY = "not_ready"
+WHY_HELD_OUT = "held_out"  # heartbeat hysteresis: fresh again, on probation
+WHY_EJECTED = "ejected"  # refused a connection / failed responses in a row
+WHY_EXCLUDED = "excluded"  # failed this request already (retry goes elsewhere)
 WHY_OVER_CAP = "over_cap"
-WHY_EXCLUDED = "excluded"
+HEALTH_WHYS = frozenset({WHY_UNREGISTERED, WHY_TORN, WHY_STALE, WHY_DRAINING, WHY_NOT_READY, WHY_HELD_OUT,
+                         WHY_EJECTED})
+WHYS = (OK, *sorted(HEALTH_WHYS), WHY_EXCLUDED, WHY_OVER_CAP)
 
 # Decision reasons: a closed set (metric label values).
 REASON_SCORE = "score"
-REASON_AFFINITY = "affinity"
+REASON_AFFINITY = "affinity"  # prefix_hash: the prefix's rendezvous worker
 REASON_POLICY = "policy"  # round_robin / random / least_loaded / power_of_two made the choice
 REASON_FALLBACK = "fallback"  # shm missing: router's own in-flight counts
 REASON_NO_WORKERS = "no_workers"
@@ -36,132 +43,129 @@ DECISION_REASONS = (
     REASON_SCORE, REASON_AFFINITY, REASON_POLICY, REASON_FALLBACK, REASON_NO_WORKERS, REASON_NONE_ROUTABLE,
     REASON_ALL_OVER_CAP,
 )
-TERMS = ("queue", "memory", "latency")
+# Prefix outcome of a routed decision (dplb_prefix_routed_total): the longest-match worker got it, another one did
+# (spill: load won), or no worker had any block of the prompt.
+PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS = "hit", "spill", "miss"
+PREFIX_OUTCOMES = (PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS)
 
 
 class Candidate:
-    """One worker as the policy saw it in one decision. Units: requests, fractions 0–1, bytes, seconds.
+    """One worker as the policy saw it in one decision. Units: requests, ns, fractions 0–1.
 
-    ``state`` is the :class:`WorkerState` read from shm; ``queue`` = running + waiting + ``correction``;
-    ``term_*`` and ``score`` are the seed terms (computed for every worker, eligible or not, for visibility).
+    ``state``: the :class:`WorkerState` read from shm; ``correction``: requests this router sent that the snapshot
+    may not count yet; ``queue`` = running + waiting + correction; ``age_ns``: heartbeat age; ``why``: ``ok`` or
+    the first filter that rejected it; ``score`` = Σ weight·term (every worker is scored, eligible or not, for
+    visibility; its terms are in :meth:`Decision.terms`).
     """
 
-    __slots__ = (
-        "age_s", "correction", "eligible", "max_queue", "memory_ratio", "queue", "score", "state",
-        "term_latency", "term_memory", "term_queue", "why",
-    )
+    __slots__ = ("age_ns", "correction", "queue", "score", "state", "why", "worker_id")
 
-    def __init__(
-        self, state: WorkerState, why: str, correction: int, queue: int, age_s: float, max_queue: int,
-        memory_ratio: float, term_queue: float, term_memory: float, term_latency: float, score: float,
-    ) -> None:
+    def __init__(self, state: WorkerState, correction: int, queue: int, age_ns: int) -> None:
         self.state = state
-        self.why = why
-        self.eligible = why is OK
+        self.worker_id = state.worker_id
         self.correction = correction
         self.queue = queue
-        self.age_s = age_s
-        self.max_queue = max_queue
-        self.memory_ratio = memory_ratio
-        self.term_queue = term_queue
-        self.term_memory = term_memory
-        self.term_latency = term_latency
-        self.score = score
+        self.age_ns = age_ns
+        self.why = OK
+        self.score = 0.0
 
     @property
-    def worker_id(self) -> int:
-        """Worker id (slot index)."""
-        return self.state.worker_id
+    def eligible(self) -> bool:
+        """True when no filter rejected it."""
+        return self.why == OK
 
     @property
-    def num_running(self) -> int:
-        """Engine running requests, from shm."""
-        return self.state.num_running
+    def routable(self) -> bool:
+        """True when no health filter rejected it (a request-level rejection like ``over_cap`` still counts as
+        routable: the worker is up)."""
+        return self.why not in HEALTH_WHYS
 
     @property
-    def num_waiting(self) -> int:
-        """Engine waiting requests, from shm."""
-        return self.state.num_waiting
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-friendly view (for ``/debug/decisions`` and trace events)."""
-        w = self.state
-        return {
-            "worker": w.worker_id, "eligible": self.eligible, "why": self.why,
-            "lifecycle": Lifecycle(w.lifecycle).name.lower(), "state_age_s": _finite(self.age_s),
-            "num_running": w.num_running, "num_waiting": w.num_waiting, "correction": self.correction,
-            "queue": self.queue, "max_queue": self.max_queue, "kv_cache_usage": w.kv_cache_usage,
-            "gpu_memory_used_bytes": w.gpu_memory_used_bytes,
-            "gpu_memory_total_bytes": w.gpu_memory_total_bytes, "memory_ratio": self.memory_ratio,
-            "avg_latency_s": w.avg_latency_s, "term_queue": self.term_queue, "term_memory": self.term_memory,
-            "term_latency": self.term_latency, "score": self.score,
-        }
-
-
-# One candidate as computed in the hot loop: a plain tuple (cheap to build); Decision.candidates wraps them.
-_Row = tuple[WorkerState, str, int, int, int, int, float, float, float, float, float]
-_STATE: Final = 0
-_WHY: Final = 1
-_CORR: Final = 2
-_QUEUE: Final = 3
-_AGE_NS: Final = 4
-_MAXQ: Final = 5
-_MEM: Final = 6
-_TQ: Final = 7
-_TM: Final = 8
-_TL: Final = 9
-_SCORE: Final = 10
+    def age_s(self) -> float:
+        """Heartbeat age in seconds (inf if never written)."""
+        return self.age_ns / 1e9 if self.state.heartbeat_mono_ns else math.inf
 
 
 class Decision:
-    """The outcome of one :meth:`dplb.policy.Policy.pick`: ``worker`` (id or None), ``reason`` and every candidate.
+    """The outcome of one :meth:`dplb.policy.Policy.pick`: ``worker`` (id or None), ``reason`` and every candidate
+    (``candidates``, in worker-id order: candidate k is worker k). ``term_names``/``weights``: the scorers;
+    ``columns[j][k]``: scorer j's term for worker k. ``preferred``: the worker with the longest prefix match
+    (None: no match / no prefix scorer).
+    ``scorers`` and ``ctx`` are kept for the lazy JSON view."""
 
-    ``candidates`` (a list of :class:`Candidate`, in worker-id order) is built lazily from the raw rows the
-    hot loop produced, so a decision nobody inspects costs nothing extra.
-    """
-
-    __slots__ = ("_cands", "_rows", "baseline_s", "policy", "preferred", "reason", "worker")
+    __slots__ = ("baseline_s", "candidates", "columns", "ctx", "policy", "preferred", "reason", "scorers",
+                 "term_names", "weights", "worker")
 
     def __init__(
-        self, policy: str, worker: int | None, reason: str, rows: list[_Row], baseline_s: float | None,
-        preferred: int | None = None,
+        self, policy: str, worker: int | None, reason: str, candidates: list[Candidate], baseline_s: float | None,
+        term_names: tuple[str, ...] = (), weights: tuple[float, ...] = (), preferred: int | None = None,
+        scorers: tuple[Any, ...] = (), ctx: Any = None, columns: list[list[float]] | None = None,
     ) -> None:
         self.policy = policy
         self.worker = worker
         self.reason = reason
-        self._rows = rows
-        self._cands: list[Candidate] | None = None
+        self.candidates = candidates
         self.baseline_s = baseline_s
+        self.term_names = term_names
+        self.weights = weights
         self.preferred = preferred
-
-    @property
-    def candidates(self) -> list[Candidate]:
-        """Every worker as the policy saw it, in worker-id order."""
-        if self._cands is None:
-            self._cands = [
-                Candidate(r[0], r[1], r[2], r[3], r[4] / 1e9 if r[0].heartbeat_mono_ns else math.inf, r[5],
-                          r[6], r[7], r[8], r[9], r[10])
-                for r in self._rows
-            ]
-        return self._cands
+        self.scorers = scorers
+        self.ctx = ctx
+        self.columns = columns or []
 
     def chosen_age_s(self) -> float | None:
         """Age of the chosen worker's state in seconds (None when nobody was chosen or without shm)."""
-        if self.worker is None or self.worker >= len(self._rows):
+        if self.worker is None or self.worker >= len(self.candidates):
             return None
-        return self._rows[self.worker][_AGE_NS] / 1e9
+        return self.candidates[self.worker].age_ns / 1e9
 
     def ranked(self) -> list[int]:
         """Eligible worker ids, best score first (then shorter queue, then id) — the retry order."""
-        el = [r for r in self._rows if r[_WHY] is OK]
-        el.sort(key=lambda r: (-r[_SCORE], r[_QUEUE], r[_STATE].worker_id))
-        return [r[_STATE].worker_id for r in el]
+        el = [c for c in self.candidates if c.why == OK]
+        el.sort(key=lambda c: (-c.score, c.queue, c.worker_id))
+        return [c.worker_id for c in el]
+
+    def terms(self, c: Candidate) -> dict[str, float]:
+        """``{scorer name: term}`` of candidate ``c``."""
+        k = c.worker_id
+        return {name: col[k] for name, col in zip(self.term_names, self.columns, strict=False)}
+
+    def prefix_outcome(self) -> str | None:
+        """:data:`PREFIX_HIT` / :data:`PREFIX_SPILL` / :data:`PREFIX_MISS` for a routed request with a prefix key;
+        None otherwise."""
+        ctx = self.ctx
+        if self.worker is None or ctx is None or ctx.request.prefix_depth is None or not ctx.request.blocks:
+            return None
+        if self.preferred is None:
+            return PREFIX_MISS
+        return PREFIX_HIT if ctx.request.prefix_depth[self.worker] >= ctx.request.prefix_depth[self.preferred] \
+            else PREFIX_SPILL
+
+    def candidate_dict(self, c: Candidate) -> dict[str, object]:
+        """JSON-friendly view of one candidate: health, shm inputs, every scorer's inputs and terms, score."""
+        w = c.state
+        out: dict[str, object] = {
+            "worker": w.worker_id, "eligible": c.eligible, "why": c.why,
+            "lifecycle": Lifecycle(w.lifecycle).name.lower(), "state_age_s": _finite(c.age_s),
+            "num_running": w.num_running, "num_waiting": w.num_waiting, "correction": c.correction,
+            "queue": c.queue, "kv_cache_usage": w.kv_cache_usage, "gpu_memory_used_bytes": w.gpu_memory_used_bytes,
+            "gpu_memory_total_bytes": w.gpu_memory_total_bytes, "avg_latency_s": w.avg_latency_s,
+            "avg_ttft_s": w.avg_ttft_s,
+        }
+        if self.ctx is not None:
+            for s in self.scorers:
+                out.update(s.inputs(c, self.ctx))
+        out["terms"] = self.terms(c)
+        out["score"] = c.score
+        return out
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-friendly view."""
+        """JSON-friendly view (``/debug/decisions``)."""
         return {
             "policy": self.policy, "worker": self.worker, "reason": self.reason, "preferred": self.preferred,
-            "baseline_s": self.baseline_s, "candidates": [c.to_dict() for c in self.candidates],
+            "prefix_outcome": self.prefix_outcome(), "baseline_s": self.baseline_s,
+            "weights": dict(zip(self.term_names, self.weights, strict=False)),
+            "candidates": [self.candidate_dict(c) for c in self.candidates],
         }
 
 

@@ -34,7 +34,7 @@ from dplb.config import default_run_dir
 from dplb.errors import ConfigError
 from dplb.gpu import discover_gpus, visible_gpu_indices
 from dplb.plan import cuda_visible_devices, plan_gpus
-from dplb.router.cli import add_router_args, router_config
+from dplb.router.cli import add_router_args, policy_argv, router_config
 from dplb.serving import bind_tcp
 from dplb.shm import ENV_SHM_PATH, Lifecycle, Segment, default_segment_path
 
@@ -240,17 +240,10 @@ class Launcher:
 
     def _router_flags(self) -> list[str]:
         a = self.args
-        out = ["--host", a.host, "--port", str(a.port), "--policy", a.policy, "--weights", a.weights,
-               "--max-queue", str(a.max_queue), "--hard-queue-cap", str(a.hard_queue_cap),
-               "--memory-signal", a.memory_signal, "--latency-signal", a.latency_signal,
-               "--waiting-weight", str(a.waiting_weight), "--latency-deadband", str(a.latency_deadband),
-               "--affinity-margin", str(a.affinity_margin), "--affinity-prefix-bytes", str(a.affinity_prefix_bytes),
-               "--baseline-window", str(a.baseline_window), "--seed", str(a.seed),
+        out = ["--host", a.host, "--port", str(a.port), *policy_argv(a),
                "--max-body-bytes", str(a.max_body_bytes), "--first-byte-timeout", str(a.first_byte_timeout),
                "--idle-timeout", str(a.idle_timeout), "--connect-timeout", str(a.connect_timeout),
                "--state-interval-ms", str(a.state_interval_ms), "--api-key-exempt", a.api_key_exempt]
-        if a.max_queue_from_worker:
-            out.append("--max-queue-from-worker")
         if a.access_log:
             out.append("--access-log")
         return out  # the API key travels in DPLB_API_KEY, never on a command line (ps shows those)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 # ---- names (dashboards/alerts import these) --------------------------------------------------------------------
 WORKER_QUEUE_LENGTH = "dplb_worker_queue_length"
@@ -21,7 +21,21 @@ WORKER_REQUESTS_INFLIGHT = "dplb_worker_requests_inflight"
 WORKER_KV_CACHE_USAGE = "dplb_worker_kv_cache_usage_ratio"
 WORKER_GPU_MEMORY_USED = "dplb_worker_gpu_memory_used_bytes"
 WORKER_GPU_MEMORY_TOTAL = "dplb_worker_gpu_memory_total_bytes"
-WORKER_LATENCY_AVG = "dplb_worker_latency_avg_seconds"
+WORKER_LATENCY_AVG = "dplb_worker_latency_avg_seconds"  # what the latency scorer uses (E2E or TTFT)
+WORKER_E2E_AVG = "dplb_worker_e2e_avg_seconds"
+WORKER_TTFT_AVG = "dplb_worker_ttft_avg_seconds"
+WORKER_REQUESTS_RUNNING = "dplb_worker_requests_running"
+WORKER_REQUESTS_WAITING = "dplb_worker_requests_waiting"
+WORKER_INFLIGHT_CORRECTION = "dplb_worker_inflight_correction"
+WORKER_MAX_QUEUE = "dplb_worker_max_queue"
+POLICY_INFO = "dplb_policy"  # exposed as dplb_policy_info
+POLICY_WEIGHT = "dplb_policy_weight"
+PREFIX_INDEX_BLOCKS = "dplb_prefix_index_blocks"
+PREFIX_INDEX_CAPACITY = "dplb_prefix_index_capacity_blocks"
+PREFIX_INDEX_BYTES = "dplb_prefix_index_bytes"
+PREFIX_ROUTED = "dplb_prefix_routed"  # _total, by outcome (hit / spill / miss)
+PREFIX_QUERY_BLOCKS = "dplb_prefix_query_blocks"  # _total, per chosen worker
+PREFIX_HIT_BLOCKS = "dplb_prefix_hit_blocks"  # _total, per chosen worker: blocks the index says it has cached
 LATENCY_BASELINE = "dplb_latency_baseline_seconds"
 WORKER_SCORE = "dplb_worker_score"
 WORKER_SCORE_TERM = "dplb_worker_score_term"
@@ -144,6 +158,15 @@ class RouterMetrics:
         self.state_age = Histogram(STATE_READ_AGE, "Age of the chosen worker's published state when the router "
                                    "decided, seconds.", buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.6, 1, 2, 5),
                                    registry=reg)
+        self.prefix_routed = Counter(PREFIX_ROUTED, "Routed requests with a prefix key by outcome: hit (the worker "
+                                     "with the longest cached prefix got it), spill (load sent it elsewhere), miss "
+                                     "(no worker had any block).", ["outcome"], registry=reg)
+        self.prefix_query_blocks = Counter(PREFIX_QUERY_BLOCKS, "Prompt blocks of routed requests, by chosen worker "
+                                           "(the router's analogue of vllm:prefix_cache_queries).", ["worker"],
+                                           registry=reg)
+        self.prefix_hit_blocks = Counter(PREFIX_HIT_BLOCKS, "Prompt blocks the prefix index predicted the chosen "
+                                         "worker has cached (predicted hit rate = this / "
+                                         f"{PREFIX_QUERY_BLOCKS}_total).", ["worker"], registry=reg)
         self._decision_children: dict[tuple[int | None, str], object] = {}
 
     def init_workers(self, n: int) -> None:
@@ -164,6 +187,13 @@ class RouterMetrics:
             self.rejected.labels(kind.code)
         for op, err in SHM_ERROR_LABELS:
             self.shm_errors.labels(op, err)
+        from dplb.decision import PREFIX_OUTCOMES
+
+        for o in PREFIX_OUTCOMES:
+            self.prefix_routed.labels(o)
+        for k in range(n):
+            self.prefix_query_blocks.labels(str(k))
+            self.prefix_hit_blocks.labels(str(k))
 
     def observe_decision(self, d: object, seconds: float) -> None:
         """Count one decision (``d`` a :class:`dplb.policy.Decision`) and its duration."""
@@ -177,52 +207,66 @@ class RouterMetrics:
         age = d.chosen_age_s()  # type: ignore[attr-defined]
         if age is not None:
             self.state_age.observe(age)
+        outcome = d.prefix_outcome()  # type: ignore[attr-defined]
+        if outcome is not None:
+            self.prefix_routed.labels(outcome).inc()
+            req = d.ctx.request  # type: ignore[attr-defined]
+            w = str(d.worker)  # type: ignore[attr-defined]
+            self.prefix_query_blocks.labels(w).inc(len(req.blocks))
+            self.prefix_hit_blocks.labels(w).inc(req.prefix_depth[d.worker])  # type: ignore[attr-defined]
 
 
 class WorkerStateCollector:
     """Scrape-time collector of the per-worker scoring inputs, as the scorer sees them right now.
 
-    ``source()`` returns ``(decision, inflight, registered, baseline_s)``: a dry-run
-    :class:`dplb.policy.Decision` over the current snapshot (None without a segment), the router's in-flight count
-    per worker, the number of registered workers, and the latency baseline (None until frozen).
+    ``source()`` returns ``(decision, inflight, registered, baseline_s, policy)``: a dry-run
+    :class:`dplb.decision.Decision` over the current snapshot (None without a segment), the router's in-flight count
+    per worker, the number of registered workers, the latency baseline (None until frozen) and the
+    :class:`dplb.policy.Policy` (its settings and the prefix index). Terms are exported generically by scorer name
+    (``dplb_worker_score_term{term=…}``), so a new scorer needs no edit here.
     """
 
-    def __init__(self, source: Callable[[], tuple[Any, list[int], int, float | None]]) -> None:
+    def __init__(self, source: Callable[[], tuple[Any, list[int], int, float | None, Any]]) -> None:
         self.source = source
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        d, inflight, registered, baseline = self.source()
+        d, inflight, registered, baseline, policy = self.source()
+
+        def g(name: str, doc: str, labels: tuple[str, ...] = ("worker",)) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=list(labels))
+
         fam = {
-            WORKER_QUEUE_LENGTH: GaugeMetricFamily(WORKER_QUEUE_LENGTH, "Queue the scorer sees: running + waiting "
-                                                   "+ router correction, requests.", labels=["worker"]),
-            WORKER_REQUESTS_INFLIGHT: GaugeMetricFamily(WORKER_REQUESTS_INFLIGHT, "Requests the router has in "
-                                                        "flight to the worker.", labels=["worker"]),
-            WORKER_KV_CACHE_USAGE: GaugeMetricFamily(WORKER_KV_CACHE_USAGE, "KV-cache usage, ratio 0-1.",
-                                                     labels=["worker"]),
-            WORKER_GPU_MEMORY_USED: GaugeMetricFamily(WORKER_GPU_MEMORY_USED, "NVML GPU memory used, bytes.",
-                                                      labels=["worker"]),
-            WORKER_GPU_MEMORY_TOTAL: GaugeMetricFamily(WORKER_GPU_MEMORY_TOTAL, "NVML GPU memory total, bytes.",
-                                                       labels=["worker"]),
-            WORKER_LATENCY_AVG: GaugeMetricFamily(WORKER_LATENCY_AVG, "Mean E2E latency of the worker's last 10 "
-                                                  "requests, seconds.", labels=["worker"]),
-            WORKER_SCORE: GaugeMetricFamily(WORKER_SCORE, "Routing score (higher is better), 0-1.",
-                                            labels=["worker"]),
-            WORKER_SCORE_TERM: GaugeMetricFamily(WORKER_SCORE_TERM, "Each score term before weighting, 0-1.",
-                                                 labels=["worker", "term"]),
-            WORKER_UP: GaugeMetricFamily(WORKER_UP, "1 when the worker is routable (ready, fresh heartbeat).",
-                                         labels=["worker"]),
-            WORKER_LIFECYCLE: GaugeMetricFamily(WORKER_LIFECYCLE, "Worker lifecycle, one-hot.",
-                                                labels=["worker", "state"]),
-            WORKER_STATE_LAST_UPDATE: GaugeMetricFamily(WORKER_STATE_LAST_UPDATE, "Wall time of the worker's last "
-                                                        "heartbeat, unix seconds.", labels=["worker"]),
-            WORKER_WARMUP_DURATION: GaugeMetricFamily(WORKER_WARMUP_DURATION, "Duration of the worker's warm-up "
-                                                      "request, seconds (0 until warmed).", labels=["worker"]),
-            WORKER_FIRST_REQUEST_DURATION: GaugeMetricFamily(WORKER_FIRST_REQUEST_DURATION, "E2E of the first real "
-                                                             "request after ready, seconds (0 until served).",
-                                                             labels=["worker"]),
+            WORKER_QUEUE_LENGTH: g(WORKER_QUEUE_LENGTH, "Queue the scorer sees: running + waiting + router "
+                                   "correction, requests."),
+            WORKER_REQUESTS_RUNNING: g(WORKER_REQUESTS_RUNNING, "Requests the engine is running (its batch), from "
+                                       "shm."),
+            WORKER_REQUESTS_WAITING: g(WORKER_REQUESTS_WAITING, "Requests waiting in the engine's queue, from shm."),
+            WORKER_INFLIGHT_CORRECTION: g(WORKER_INFLIGHT_CORRECTION, "Requests the router sent that the worker's "
+                                          "last snapshot may not count yet (the optimistic correction)."),
+            WORKER_MAX_QUEUE: g(WORKER_MAX_QUEUE, "Soft queue cap of the queue term for this worker, requests."),
+            WORKER_REQUESTS_INFLIGHT: g(WORKER_REQUESTS_INFLIGHT, "Requests the router has in flight to the worker."),
+            WORKER_KV_CACHE_USAGE: g(WORKER_KV_CACHE_USAGE, "KV-cache usage, ratio 0-1."),
+            WORKER_GPU_MEMORY_USED: g(WORKER_GPU_MEMORY_USED, "NVML GPU memory used, bytes."),
+            WORKER_GPU_MEMORY_TOTAL: g(WORKER_GPU_MEMORY_TOTAL, "NVML GPU memory total, bytes."),
+            WORKER_LATENCY_AVG: g(WORKER_LATENCY_AVG, "Latency the score uses (mean E2E or mean TTFT of the "
+                                  "worker's last 10 requests, per --latency-signal), seconds."),
+            WORKER_E2E_AVG: g(WORKER_E2E_AVG, "Mean E2E latency of the worker's last 10 requests, seconds."),
+            WORKER_TTFT_AVG: g(WORKER_TTFT_AVG, "Mean time to first token of the worker's last 10 requests, "
+                               "seconds."),
+            WORKER_SCORE: g(WORKER_SCORE, "Routing score (higher is better), 0-1."),
+            WORKER_SCORE_TERM: g(WORKER_SCORE_TERM, "Each score term before weighting, 0-1, by scorer name (the "
+                                 "prefix term is 0 here: a scrape has no prompt).", ("worker", "term")),
+            WORKER_UP: g(WORKER_UP, "1 when the worker is routable (no health filter rejects it)."),
+            WORKER_LIFECYCLE: g(WORKER_LIFECYCLE, "Worker lifecycle, one-hot.", ("worker", "state")),
+            WORKER_STATE_LAST_UPDATE: g(WORKER_STATE_LAST_UPDATE, "Wall time of the worker's last heartbeat, unix "
+                                        "seconds."),
+            WORKER_WARMUP_DURATION: g(WORKER_WARMUP_DURATION, "Duration of the worker's warm-up request, seconds "
+                                      "(0 until warmed)."),
+            WORKER_FIRST_REQUEST_DURATION: g(WORKER_FIRST_REQUEST_DURATION, "E2E of the first real request after "
+                                             "ready, seconds (0 until served)."),
         }
         oom = CounterMetricFamily(WORKER_CUDA_OOM, "CUDA out-of-memory errors the worker reported.",
                                   labels=["worker"])
@@ -231,21 +275,26 @@ class WorkerStateCollector:
         if d is not None:
             for c in d.candidates:
                 w, s = str(c.worker_id), c.state
-                fam[WORKER_QUEUE_LENGTH].add_metric([w], c.queue)
-                fam[WORKER_KV_CACHE_USAGE].add_metric([w], s.kv_cache_usage)
-                fam[WORKER_GPU_MEMORY_USED].add_metric([w], s.gpu_memory_used_bytes)
-                fam[WORKER_GPU_MEMORY_TOTAL].add_metric([w], s.gpu_memory_total_bytes)
-                fam[WORKER_LATENCY_AVG].add_metric([w], s.avg_latency_s)
-                fam[WORKER_SCORE].add_metric([w], c.score)
-                for term, v in (("queue", c.term_queue), ("memory", c.term_memory), ("latency", c.term_latency)):
+                view = d.candidate_dict(c)
+                for name, v in ((WORKER_QUEUE_LENGTH, c.queue), (WORKER_REQUESTS_RUNNING, s.num_running),
+                                (WORKER_REQUESTS_WAITING, s.num_waiting), (WORKER_INFLIGHT_CORRECTION, c.correction),
+                                (WORKER_KV_CACHE_USAGE, s.kv_cache_usage),
+                                (WORKER_GPU_MEMORY_USED, s.gpu_memory_used_bytes),
+                                (WORKER_GPU_MEMORY_TOTAL, s.gpu_memory_total_bytes),
+                                (WORKER_LATENCY_AVG, view.get("latency_s", s.avg_latency_s)),
+                                (WORKER_E2E_AVG, s.avg_latency_s), (WORKER_TTFT_AVG, s.avg_ttft_s),
+                                (WORKER_SCORE, c.score), (WORKER_UP, 1 if c.routable else 0),
+                                (WORKER_STATE_LAST_UPDATE, s.heartbeat_unix_ns / 1e9),
+                                (WORKER_WARMUP_DURATION, s.warmup_seconds),
+                                (WORKER_FIRST_REQUEST_DURATION, s.first_request_seconds)):
+                    fam[name].add_metric([w], v)
+                if "max_queue" in view:
+                    fam[WORKER_MAX_QUEUE].add_metric([w], view["max_queue"])
+                for term, v in view["terms"].items():
                     fam[WORKER_SCORE_TERM].add_metric([w, term], v)
-                fam[WORKER_UP].add_metric([w], 1 if c.eligible or c.why in ("over_cap", "excluded") else 0)
                 life = LIFECYCLE_STATES[int(s.lifecycle)] if int(s.lifecycle) < len(LIFECYCLE_STATES) else "unset"
                 for st in LIFECYCLE_STATES:
                     fam[WORKER_LIFECYCLE].add_metric([w, st], 1 if st == life else 0)
-                fam[WORKER_STATE_LAST_UPDATE].add_metric([w], s.heartbeat_unix_ns / 1e9)
-                fam[WORKER_WARMUP_DURATION].add_metric([w], s.warmup_seconds)
-                fam[WORKER_FIRST_REQUEST_DURATION].add_metric([w], s.first_request_seconds)
                 oom.add_metric([w], s.cuda_oom_total)
         yield from fam.values()
         yield oom
@@ -254,6 +303,31 @@ class WorkerStateCollector:
                                 value=registered)
         yield GaugeMetricFamily(LATENCY_BASELINE, "Latency baseline of the score (P95 of the first 50 requests), "
                                 "seconds; NaN until frozen.", value=float("nan") if baseline is None else baseline)
+        yield from _policy_families(policy)
+
+
+def _policy_families(policy: Any) -> Iterator[Metric]:
+    """The policy's settings (an info metric and one weight per scorer) and its prefix index size."""
+    cfg = policy.cfg
+    info = InfoMetricFamily(POLICY_INFO, "Routing policy settings.", value={
+        "policy": cfg.name, "memory_signal": cfg.memory_signal, "latency_signal": cfg.latency_signal,
+        "max_queue": str(cfg.max_queue), "max_queue_from_worker": str(cfg.max_queue_from_worker).lower(),
+        "hard_queue_cap": str(cfg.hard_queue_cap), "waiting_weight": f"{cfg.waiting_weight:g}",
+        "latency_deadband": f"{cfg.latency_deadband:g}", "prefix_block_bytes": str(cfg.prefix_block_bytes),
+        "baseline_window": str(cfg.baseline_window)})
+    yield info
+    wf = GaugeMetricFamily(POLICY_WEIGHT, "Weight of each scorer in the score.", labels=["term"])
+    for name, w in zip(policy.term_names, policy.weights, strict=False):
+        wf.add_metric([name], w)
+    yield wf
+    prefix = policy.scorer("prefix")
+    if prefix is not None:
+        idx = prefix.index
+        yield GaugeMetricFamily(PREFIX_INDEX_BLOCKS, "Blocks in the prefix index.", value=len(idx))
+        yield GaugeMetricFamily(PREFIX_INDEX_CAPACITY, "Capacity of the prefix index (LRU), blocks.",
+                                value=idx.capacity)
+        yield GaugeMetricFamily(PREFIX_INDEX_BYTES, "Estimated memory of the prefix index, bytes.",
+                                value=idx.approx_bytes)
 
 
 __all__ = [

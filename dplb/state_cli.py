@@ -12,7 +12,9 @@ import os
 import sys
 import time
 
+from dplb.config import PolicyConfig
 from dplb.errors import DPLBError, ShmMissingError
+from dplb.policy import routable
 from dplb.shm import ENV_SHM_PATH, Segment, list_segments
 
 
@@ -44,12 +46,15 @@ def snapshot(seg: Segment) -> dict[str, object]:
     """The segment's header and every worker, JSON-friendly."""
     now = time.monotonic_ns()
     workers = []
-    for s in seg.read_all():
+    snap = seg.read_all()
+    health = routable(snap, now, PolicyConfig(state_interval_ms=seg.state_interval_ms))  # the router's filters
+    for s, c in zip(snap, health, strict=True):
         d = s.to_dict()
         age = s.age_s(now)
         d["worker"] = d.pop("worker_id")
         d["heartbeat_age_s"] = round(age, 3) if age != float("inf") else None
         d["stale"] = s.is_stale(seg.state_interval_ms, now)
+        d["routable"], d["why"] = c.why == "ok", c.why
         workers.append(d)
     return {"path": seg.path, "header": seg.header.to_dict(), "workers": workers}
 

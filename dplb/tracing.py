@@ -72,14 +72,18 @@ def shutdown(tracer: Any) -> None:
         provider.shutdown()
 
 
-def candidate_event_attributes(c: Any) -> dict[str, Any]:
-    """Attributes of one ``dplb.candidate`` event (a :class:`dplb.policy.Candidate`)."""
-    s = c.state
-    return {
-        "dplb.worker.id": c.worker_id, "dplb.eligible": c.eligible, "dplb.why": c.why,
-        "dplb.queue": c.queue, "dplb.correction": c.correction, "dplb.num_running": s.num_running,
-        "dplb.num_waiting": s.num_waiting, "dplb.kv_cache_usage": s.kv_cache_usage,
-        "dplb.gpu_memory_used_bytes": s.gpu_memory_used_bytes, "dplb.avg_latency_s": s.avg_latency_s,
-        "dplb.term.queue": c.term_queue, "dplb.term.memory": c.term_memory, "dplb.term.latency": c.term_latency,
-        "dplb.score": c.score,
-    }
+def candidate_event_attributes(d: Any, c: Any) -> dict[str, Any]:
+    """Attributes of one ``dplb.candidate`` event: candidate ``c`` of decision ``d`` (a
+    :class:`dplb.decision.Decision`) — health, every input the scorers read, each term by scorer name
+    (``dplb.term.<name>``) and the score. Values that are None (e.g. no baseline yet) are left out (OTel attributes
+    cannot be null)."""
+    out: dict[str, Any] = {}
+    for k, v in d.candidate_dict(c).items():
+        if k == "terms":
+            for name, t in v.items():
+                out[f"dplb.term.{name}"] = t
+        elif k == "worker":
+            out["dplb.worker.id"] = v
+        elif v is not None:
+            out[f"dplb.{k}"] = v
+    return out

@@ -348,8 +348,8 @@ def _run_batch(url: str, bodies: list[dict]) -> list[Result]:  # type: ignore[ty
 
 
 def test_sigterm_with_16_streams_open_finishes_them_and_takes_no_new_request(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    prefix = "You are the drain test assistant. " * 10  # one prefix: affinity (margin 1) pins it to one worker
-    with cluster(str(tmp_path), 2, state_interval_ms=100, router_args=["--affinity-margin", "1.0"],
+    prefix = "You are the drain test assistant. " * 10  # one prefix: prefix scoring alone pins it to one worker
+    with cluster(str(tmp_path), 2, state_interval_ms=100, router_args=["--weights", "prefix=1", "--max-queue", "64"],
                  worker_args={k: ["--sim-chunk-delay-s", "0.03"] for k in range(2)}) as c:
         assert c.segment is not None
         box: list[list[Result]] = []

@@ -1,4 +1,5 @@
-"""Scoring policy: hand-computed score tables, filters, ties, in-flight correction, affinity, baseline, config."""
+"""The policy end to end (seed weights): hand-computed score tables, filters, ties, in-flight correction, baseline,
+profiles, config. Per-plugin tables are beside it: tests/test_filters.py, tests/test_scorers.py, tests/test_prefix.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from dplb.config import PolicyConfig, parse_weights
+from dplb.config import PREFIX_WEIGHTS, SEED_WEIGHTS, PolicyConfig, parse_weights
 from dplb.decision import (
     REASON_AFFINITY,
     REASON_ALL_OVER_CAP,
@@ -14,9 +15,11 @@ from dplb.decision import (
     REASON_NONE_ROUTABLE,
     REASON_POLICY,
     REASON_SCORE,
+    Decision,
 )
 from dplb.errors import ConfigError
-from dplb.policy import make_policy
+from dplb.policy import RouteRequest, make_policy
+from dplb.prefix import block_hashes
 from dplb.shm import Lifecycle, WorkerState
 
 NOW = 10**12  # monotonic ns used as "now" in every test
@@ -37,12 +40,17 @@ def ws(k: int, *, run: int = 0, wait: int = 0, kv: float = 0.0, lat: float = 0.0
 
 
 def policy(name: str = "dplb", n: int = 4, baseline: float | None = None, **kw: object):  # type: ignore[no-untyped-def]
+    kw.setdefault("prefix_block_bytes", 0)  # the seed's three terms and weights unless a test asks for prefixes
     p = make_policy(PolicyConfig(name=name, **kw), n)  # type: ignore[arg-type]
     if baseline is not None:
         for _ in range(50):
             p.observe_latency(baseline)
         assert p.baseline_s == baseline
     return p
+
+
+def latency_terms(d: Decision) -> list[float]:
+    return [d.terms(c)["latency"] for c in d.candidates]
 
 
 # ---- hand-computed scores ------------------------------------------------------------------------------------
@@ -67,7 +75,7 @@ def test_score_table(inputs: tuple, want: tuple) -> None:  # type: ignore[type-a
     p = policy(n=1, baseline=base)
     d = p.pick([ws(0, run=run, wait=wait, kv=kv, lat=lat)], NOW)
     c = d.candidates[0]
-    assert (c.term_queue, c.term_memory, c.term_latency) == pytest.approx(want[:3])
+    assert list(d.terms(c).values()) == pytest.approx(want[:3])
     assert c.score == pytest.approx(want[3])
     assert d.worker == 0 and d.reason == REASON_SCORE
 
@@ -75,13 +83,13 @@ def test_score_table(inputs: tuple, want: tuple) -> None:  # type: ignore[type-a
 def test_gpu_memory_signal_uses_nvml_ratio() -> None:
     p = policy(n=2, memory_signal="gpu")
     d = p.pick([ws(0, kv=0.0, used=72 * GiB, total=80 * GiB), ws(1, kv=0.9, used=40 * GiB, total=80 * GiB)], NOW)
-    c0, c1 = d.candidates
-    assert c0.memory_ratio == pytest.approx(0.9) and c0.term_memory == pytest.approx(0.1)
-    assert c1.term_memory == pytest.approx(0.5)
+    c0, c1 = d.to_dict()["candidates"]  # type: ignore[misc]
+    assert c0["memory_ratio"] == pytest.approx(0.9) and c0["terms"]["memory"] == pytest.approx(0.1)
+    assert c1["terms"]["memory"] == pytest.approx(0.5)
     assert d.worker == 1  # KV says worker 0, NVML says worker 1
     # no GPU (total 0): neutral memory term
     d = policy(n=1, memory_signal="gpu").pick([ws(0)], NOW)
-    assert d.candidates[0].term_memory == 1.0
+    assert d.terms(d.candidates[0])["memory"] == 1.0
 
 
 def test_best_score_wins() -> None:
@@ -96,8 +104,8 @@ def test_best_score_wins() -> None:
 
 def test_max_queue_from_worker() -> None:
     p = policy(n=1, max_queue_from_worker=True)
-    c = p.pick([ws(0, run=64, max_seqs=256)], NOW).candidates[0]
-    assert c.max_queue == 256 and c.term_queue == pytest.approx(0.75)
+    c = p.pick([ws(0, run=64, max_seqs=256)], NOW).to_dict()["candidates"][0]  # type: ignore[index]
+    assert c["max_queue"] == 256 and c["terms"]["queue"] == pytest.approx(0.75)
 
 
 # ---- filters and no-choice reasons ---------------------------------------------------------------------------
@@ -145,7 +153,7 @@ def test_hard_cap_excludes_and_reports_all_over_cap() -> None:
 
 def test_exclude_for_retry() -> None:
     p = policy(n=3)
-    d = p.pick([ws(0), ws(1, run=5), ws(2, run=9)], NOW, exclude={0})
+    d = p.pick([ws(0), ws(1, run=5), ws(2, run=9)], NOW, RouteRequest(exclude=frozenset({0})))
     assert d.worker == 1 and d.candidates[0].why == "excluded"
 
 
@@ -199,7 +207,7 @@ def test_baseline_is_p95_nearest_rank_and_freezes_after_50() -> None:
         p.observe_latency(1000.0)
     assert p.baseline_s == 48.0
     d = p.pick([ws(0, run=1, lat=24.0)], NOW)
-    assert d.baseline_s == 48.0 and d.candidates[0].term_latency == pytest.approx(0.5)
+    assert d.baseline_s == 48.0 and latency_terms(d) == pytest.approx([0.5])
 
 
 def test_baseline_ignores_nonsense() -> None:
@@ -209,71 +217,50 @@ def test_baseline_ignores_nonsense() -> None:
     assert p.baseline_s is None
 
 
-# ---- prefix affinity -----------------------------------------------------------------------------------------
-def test_affinity_sticks_within_margin_and_yields_beyond_it() -> None:
-    p = policy(n=4, affinity_margin=0.1)
-    snap = [ws(k) for k in range(4)]
-    first = p.pick(snap, NOW, prefix_hash=42)
-    assert first.reason == REASON_SCORE  # a new prefix goes where the score says, and is remembered there
-    pref = first.worker
-    assert first.preferred == pref
-    # stays while within the margin: 0.1 of score = 0.25 of the queue term = 4 requests on max_queue 16
-    later = [p.pick([ws(k, hb=NOW + i * STEP) for k in range(4)], NOW + i * STEP, prefix_hash=42) for i in range(1, 5)]
-    assert all(d.worker == pref and d.reason == REASON_AFFINITY for d in later)
-    loaded = [ws(k, run=(5 if k == pref else 0), hb=NOW + 6 * STEP) for k in range(4)]  # preferred 0.125 behind
-    d = p.pick(loaded, NOW + 6 * STEP, prefix_hash=42)
-    assert d.worker != pref and d.reason == REASON_SCORE and d.preferred == pref
-    # the prefix still lives on its first worker: back there once it is within the margin again
-    assert p.pick([ws(k, hb=NOW + 7 * STEP) for k in range(4)], NOW + 7 * STEP, prefix_hash=42).worker == pref
+# ---- prefix profiles ------------------------------------------------------------------------------------------
+def blocks(conv: int, turns: int = 1) -> list[int]:
+    """Block keys of a chat prompt: one 1 KB system prompt shared by every conversation, then ``turns`` turns."""
+    body = b'[{"role":"system","content":"' + b"You are helpful. " * 60 + b'"}'
+    for t in range(turns):
+        body += f',{{"role":"user","content":"conversation {conv} turn {t} '.encode() + b"words " * 40 + b'"}'
+    return block_hashes(body + b"]", 128)
 
 
-def test_unique_prefixes_never_trade_load_for_affinity() -> None:
-    """Requests whose prefix was never seen (no shared system prompt) go to the best score, exactly as without
-    affinity: 49 distinct prefixes, each on a fresh snapshot where worker 2 is less loaded, all go to worker 2."""
-    fresh = policy(n=4, affinity_margin=0.1)
-    picks = [fresh.pick([ws(k, run=(0 if k == 2 else 3), hb=NOW + h * STEP) for k in range(4)], NOW + h * STEP,
-                        prefix_hash=h) for h in range(1, 50)]
-    assert all(d.worker == 2 and d.reason == REASON_SCORE for d in picks)
+def test_dplb_profile_sends_a_conversations_next_turn_to_its_history() -> None:
+    """40 conversations × 3 turns on 4 equal workers; each turn's 40 requests are in flight together (every
+    snapshot publishes the queue so far). Turn 1: the shared system prompt first pulls new conversations to the
+    worker that has it, until its queue makes it spill (the headroom rule), so every worker soon has it and load
+    decides. Later turns go back to the worker holding their history; queues stay within the spill bound."""
+    p = policy(n=4, prefix_block_bytes=128)
+    home: dict[int, int] = {}
+    hb = NOW
+    outcomes: Counter[str] = Counter()
+    for turn in range(1, 4):
+        queue = [0, 0, 0, 0]
+        for conv in range(40):
+            hb += STEP
+            d = p.pick([ws(k, run=queue[k], hb=hb) for k in range(4)], hb, RouteRequest(blocks(conv, turn)))
+            assert d.worker is not None
+            queue[d.worker] += 1
+            if turn > 1:  # home: where its history (the previous turn) went
+                outcomes["home" if d.worker == home[conv] else "moved"] += 1
+                outcomes[str(d.prefix_outcome())] += 1
+            home[conv] = d.worker
+        assert max(queue) - min(queue) <= 8, (turn, queue)  # ~7 queued is where a full match spills
+    assert outcomes["home"] >= 72 and outcomes["hit"] >= 72, outcomes  # ≥ 90 % of the 80 later turns
 
 
-def test_affinity_spreads_new_prefixes_by_load_and_memory_is_bounded() -> None:
-    from dplb.policy import AFFINITY_PREFIXES
-
-    p = policy(n=4)
-    snap = [ws(k) for k in range(4)]
-    prefs = [p.pick(snap, NOW, prefix_hash=h).worker for h in range(400)]  # one snapshot: the correction spreads
-    assert all(c == 100 for c in Counter(prefs).values()), Counter(prefs)
-    # each prefix returns to its worker
-    again = [p.pick([ws(k, hb=NOW + 1) for k in range(4)], NOW + 1, prefix_hash=h).worker for h in range(400)]
-    assert again == prefs
-    for h in range(10_000, 10_000 + 2 * AFFINITY_PREFIXES):
-        p.pick(snap, NOW, prefix_hash=h)
-    assert len(p._owner) == AFFINITY_PREFIXES  # type: ignore[attr-defined]
-
-
-def test_owner_gone_moves_the_prefix() -> None:
-    p = policy(n=3)
-    first = p.pick([ws(k) for k in range(3)], NOW, prefix_hash=7).worker
-    gone = [ws(k, life=(Lifecycle.DRAINING if k == first else Lifecycle.READY), hb=NOW + 1) for k in range(3)]
-    moved = p.pick(gone, NOW + 1, prefix_hash=7)
-    assert moved.worker != first
-    back = [ws(k, hb=NOW + 2) for k in range(3)]
-    assert p.pick(back, NOW + 2, prefix_hash=7).worker == moved.worker  # it now lives on the new worker
-
-
-def test_prefix_hash_policy_is_pure_affinity() -> None:
+def test_prefix_hash_profile_is_pure_affinity() -> None:
     a, b = policy("prefix_hash", n=4), policy("prefix_hash", n=4)
     snap = [ws(k) for k in range(4)]
-    prefs = [a.pick(snap, NOW, prefix_hash=h).worker for h in range(400)]
-    assert prefs == [b.pick(snap, NOW, prefix_hash=h).worker for h in range(400)]  # same in every process
+    reqs = [block_hashes(f"prompt {h} ".encode() * 40, 128) for h in range(400)]
+    prefs = [a.pick(snap, NOW, RouteRequest(r)).worker for r in reqs]
+    assert prefs == [b.pick(snap, NOW, RouteRequest(r)).worker for r in reqs]  # same in every process
     assert all(60 <= c <= 140 for c in Counter(prefs).values()), Counter(prefs)
     loaded = [ws(k, run=(12 if k == prefs[0] else 0)) for k in range(4)]
-    assert a.pick(loaded, NOW, prefix_hash=0).worker == prefs[0]  # blind to load
-
-
-def test_affinity_disabled_with_zero_margin() -> None:
-    p = policy(n=2, affinity_margin=0.0)
-    assert p.pick([ws(0), ws(1)], NOW, prefix_hash=7).reason == REASON_SCORE
+    d = a.pick(loaded, NOW, RouteRequest(reqs[0]))
+    assert d.worker == prefs[0] and d.reason == REASON_AFFINITY and d.preferred == prefs[0]  # blind to load
+    assert a.pick(snap, NOW).reason == REASON_POLICY  # no prefix key: rotation
 
 
 # ---- other policies ------------------------------------------------------------------------------------------
@@ -317,8 +304,11 @@ def test_decision_to_dict_has_every_input() -> None:
     out = d.to_dict()
     c0 = out["candidates"][0]  # type: ignore[index]
     for key in ("num_running", "num_waiting", "correction", "queue", "kv_cache_usage", "gpu_memory_used_bytes",
-                "avg_latency_s", "term_queue", "term_memory", "term_latency", "score", "why", "state_age_s"):
+                "avg_latency_s", "avg_ttft_s", "max_queue", "memory_ratio", "latency_s", "baseline_s", "score", "why",
+                "state_age_s", "lifecycle"):
         assert key in c0
+    assert set(c0["terms"]) == {"queue", "memory", "latency"}  # type: ignore[index]
+    assert out["weights"] == {"queue": 0.4, "memory": 0.3, "latency": 0.3}
     assert out["worker"] == 0 and out["baseline_s"] == 1.0
     assert out["candidates"][1]["lifecycle"] == "warming"  # type: ignore[index]
 
@@ -327,14 +317,18 @@ def test_decision_to_dict_has_every_input() -> None:
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [
-        ({"weights": (0.5, 0.3, 0.3)}, "sum to 1"),
-        ({"weights": (1.2, -0.1, -0.1)}, "≥ 0"),
+        ({"weights": (("queue", 0.5), ("memory", 0.3), ("latency", 0.3))}, "sum to 1"),
+        ({"weights": (("queue", 1.2), ("memory", -0.1), ("latency", -0.1))}, "≥ 0"),
+        ({"weights": (("queue", 0.5), ("queue", 0.5))}, "once"),
+        ({"weights": (("queue", 0.5), ("prefix", 0.5)), "prefix_block_bytes": 0}, "prefix-block-bytes"),
+        ({"prefix_block_bytes": -1}, "prefix-block-bytes"),
+        ({"prefix_index_blocks": 0}, "prefix-index-blocks"),
+        ({"prefix_ttl_s": 0.0}, "prefix-ttl"),
         ({"max_queue": -1}, "max_queue"),
         ({"max_queue": 0}, "max_queue"),
         ({"hard_queue_cap": -3}, "hard_queue_cap"),
         ({"baseline_window": 0}, "baseline_window"),
         ({"memory_signal": "nvml"}, "memory_signal"),
-        ({"affinity_margin": 2.0}, "affinity_margin"),
         ({"name": "fastest"}, "unknown"),
         ({"state_interval_ms": 0}, "state_interval_ms"),
     ],
@@ -345,10 +339,26 @@ def test_invalid_config_refused(kw: dict, needle: str) -> None:  # type: ignore[
 
 
 def test_parse_weights() -> None:
-    assert parse_weights("0.5,0.25,0.25") == (0.5, 0.25, 0.25)
-    for bad in ("0.4,0.3", "a,b,c", ""):
+    seed = (("queue", 0.5), ("memory", 0.25), ("latency", 0.25))
+    assert parse_weights("0.5,0.25,0.25") == seed  # positional: the seed's three terms
+    assert parse_weights("queue=0.5, memory=0.25,latency=0.25") == seed
+    assert parse_weights("queue=0.3,memory=0.2,latency=0.2,prefix=0.3")[-1] == ("prefix", 0.3)
+    for bad in ("0.4,0.3", "a,b,c", "", "queue=x", "=0.5", "queue=0.5,0.5"):
         with pytest.raises(ConfigError):
             parse_weights(bad)
+
+
+def test_unknown_scorer_is_refused_when_the_policy_is_built() -> None:
+    with pytest.raises(ConfigError, match=r"unknown scorer 'speed'.*known: latency, memory, prefix, queue"):
+        make_policy(PolicyConfig(weights=(("queue", 0.5), ("speed", 0.5))), 2)
+
+
+def test_default_weights_follow_prefix_scoring() -> None:
+    assert PolicyConfig().effective_weights() == PREFIX_WEIGHTS and PolicyConfig().prefix_on
+    off = PolicyConfig(prefix_block_bytes=0)
+    assert off.effective_weights() == SEED_WEIGHTS == (("queue", 0.4), ("memory", 0.3), ("latency", 0.3))
+    assert not off.prefix_on
+    assert abs(sum(w for _, w in PREFIX_WEIGHTS) - 1.0) < 1e-9
 
 
 # ---- regressions -------------------------------------------------------------------------------------------------
@@ -374,13 +384,13 @@ def test_equal_scores_past_the_soft_cap_prefer_the_shorter_queue() -> None:
 def test_fresh_worker_latency_term_is_the_peers_mean() -> None:
     p = policy(n=3, baseline=2.0, latency_deadband=0.0)
     d = p.pick([ws(0, run=1, lat=1.0), ws(1, run=1, lat=1.5), ws(2)], NOW)
-    assert [c.term_latency for c in d.candidates] == pytest.approx([0.5, 0.25, 0.375])
+    assert latency_terms(d) == pytest.approx([0.5, 0.25, 0.375])
     assert d.candidates[2].score == pytest.approx(0.4 + 0.3 + 0.3 * 0.375)  # idle and sample-less: neutral
 
 
 def test_ttft_latency_signal_uses_ttft_and_its_own_baseline() -> None:
     """--latency-signal ttft: the term is 1 − avg_ttft/baseline, the baseline the P95 of observed TTFTs."""
-    p = make_policy(PolicyConfig(latency_signal="ttft"), 2)
+    p = make_policy(PolicyConfig(latency_signal="ttft", prefix_block_bytes=0), 2)
     for _ in range(50):
         p.observe_latency(9.0)  # E2E only (no body byte): not a TTFT sample
     assert p.baseline_s is None
@@ -389,8 +399,7 @@ def test_ttft_latency_signal_uses_ttft_and_its_own_baseline() -> None:
     assert p.baseline_s == 0.2
     snap = [WorkerState(k, pid=1000 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW, avg_latency_s=1.0,
                         avg_ttft_s=0.05 * (k + 1), num_running=1) for k in range(2)]
-    terms = [c.term_latency for c in p.pick(snap, NOW).candidates]
-    assert terms == pytest.approx([0.75, 0.5])
+    assert latency_terms(p.pick(snap, NOW)) == pytest.approx([0.75, 0.5])
     with pytest.raises(ConfigError):
         PolicyConfig(latency_signal="tpot")  # type: ignore[arg-type]
 
@@ -409,7 +418,7 @@ def test_latency_deadband_equal_workers_share_a_burst_evenly() -> None:
 def test_latency_deadband_keeps_a_really_slower_worker_apart() -> None:
     p = policy(n=4, baseline=2.0)
     d = p.pick([ws(0, run=1, lat=1.0), ws(1, run=1, lat=1.1), ws(2, run=1, lat=0.95), ws(3, run=1, lat=2.0)], NOW)
-    terms = [c.term_latency for c in d.candidates]
+    terms = latency_terms(d)
     mean = (1.0 + 1.1 + 0.95 + 2.0) / 4  # 1.2625: band ±0.316 holds workers 0–2, not the half-speed worker 3
     assert terms[:3] == pytest.approx([1 - mean / 2.0] * 3)
     assert terms[3] == pytest.approx(0.0)
@@ -424,7 +433,7 @@ def test_idle_worker_with_an_old_slow_mean_is_not_starved() -> None:
     snap = [ws(0, lat=4.0), ws(1, run=1, lat=1.0), ws(2, run=1, lat=1.0)]
     d = p.pick(snap, NOW)
     assert d.worker == 0
-    assert [c.term_latency for c in d.candidates] == pytest.approx([0.5, 0.5, 0.5])
+    assert latency_terms(d) == pytest.approx([0.5, 0.5, 0.5])
     busy = p.pick([ws(0, run=1, lat=4.0, hb=NOW + 1), ws(1, run=1, lat=1.0, hb=NOW + 1),
                    ws(2, run=1, lat=1.0, hb=NOW + 1)], NOW + 1)
-    assert busy.worker != 0 and busy.candidates[0].term_latency == 0.0  # with work queued, its own mean counts
+    assert busy.worker != 0 and latency_terms(busy)[0] == 0.0  # with work queued, its own mean counts

@@ -401,8 +401,10 @@ def test_debug_decisions_show_every_candidate(two: Cluster) -> None:
     mine = next(x for x in d if x["request_id"] == "dbg-1")
     assert mine["policy"] == "dplb" and mine["worker"] in (0, 1)
     assert [c["worker"] for c in mine["candidates"]] == [0, 1]
+    assert mine["weights"] == {"queue": 0.3, "memory": 0.2, "latency": 0.2, "prefix": 0.3}
     for cand in mine["candidates"]:
-        assert {"score", "term_queue", "term_memory", "term_latency", "queue", "kv_cache_usage"} <= set(cand)
+        assert {"score", "terms", "queue", "kv_cache_usage", "max_queue", "prefix_match", "latency_s"} <= set(cand)
+        assert set(cand["terms"]) == {"queue", "memory", "latency", "prefix"}
 
 
 def test_draining_worker_loses_no_request(tmp_path: str) -> None:
@@ -487,17 +489,33 @@ def test_segment_deleted_at_runtime_router_keeps_serving_on_its_own_counts(tmp_p
         assert c.router_log().count("was removed or replaced") == 1
 
 
-def test_affinity_prefix_bytes_flag(tmp_path: str) -> None:
-    """A shared system prompt sticks to one worker by default; --affinity-prefix-bytes 0 turns affinity off."""
-    body = {"model": "dplb-sim", "max_tokens": 1, "messages": [
-        {"role": "system", "content": "You are a careful assistant. " * 20}, {"role": "user", "content": "hi"}]}
+def test_conversation_turns_follow_their_history_and_prefix_scoring_can_be_off(tmp_path: str) -> None:
+    """Two conversations sharing a system prompt: each next turn goes to the worker that served its history
+    (prefix_outcome hit, preferred = that worker); with --prefix-block-bytes 0 the seed's three terms decide."""
+    system = {"role": "system", "content": "You are a careful assistant. " * 20}
+
+    def turn(conv: int, n: int) -> dict:  # type: ignore[type-arg]
+        msgs = [system]
+        for t in range(n):
+            msgs += [{"role": "user", "content": f"conversation {conv} question {t} " * 8},
+                     {"role": "assistant", "content": f"answer {t} " * 8}]
+        return {"model": "dplb-sim", "max_tokens": 1, "messages": msgs[:-1]}
+
     with cluster(str(tmp_path), 2) as c:
-        first = post(c, "/v1/chat/completions", body).headers["x-sg-worker-id"]
-        for _ in range(3):  # the prefix is remembered on the worker that first served it
-            assert post(c, "/v1/chat/completions", body).headers["x-sg-worker-id"] == first
+        home = {conv: post(c, "/v1/chat/completions", turn(conv, 1)).headers["x-sg-worker-id"] for conv in (1, 2)}
+        for n in (2, 3):
+            for conv in (1, 2):
+                assert post(c, "/v1/chat/completions", turn(conv, n)).headers["x-sg-worker-id"] == home[conv]
+                d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
+                assert d["prefix_outcome"] == "hit" and d["preferred"] == int(home[conv]), d
+        text = httpx.get(c.url + "/metrics").text
+        # conversation 1's first turn found nothing cached; conversation 2's found the system prompt (hit or not,
+        # depending on load); every later turn was a hit
+        assert 'dplb_prefix_routed_total{outcome="miss"} 1.0' in text
+        assert 'dplb_prefix_routed_total{outcome="hit"} 4.0' in text or 'outcome="hit"} 5.0' in text
+        assert "dplb_prefix_index_blocks " in text and 'dplb_policy_weight{term="prefix"} 0.3' in text
+    with cluster(str(tmp_path) + "-off", 2, router_args=["--prefix-block-bytes", "0"]) as c:
+        post(c, "/v1/chat/completions", turn(1, 2))
         d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
-        assert d["reason"] == "affinity" and d["preferred"] == int(first)
-    with cluster(str(tmp_path) + "-off", 2, router_args=["--affinity-prefix-bytes", "0"]) as c:
-        post(c, "/v1/chat/completions", body)
-        d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
-        assert d["reason"] == "score" and d["preferred"] is None
+        assert d["reason"] == "score" and d["preferred"] is None and d["prefix_outcome"] is None
+        assert d["weights"] == {"queue": 0.4, "memory": 0.3, "latency": 0.3}

@@ -73,12 +73,12 @@ class RouterApp:
         self._auth = ("bearer " + cfg.api_key).encode() if cfg.api_key else None
         self.litestar = self._build_litestar()
 
-    def _scrape_source(self) -> tuple[Any, list[int], int, float | None]:
+    def _scrape_source(self) -> tuple[Any, list[int], int, float | None, Any]:
         st = self.state
         snap = st.snapshot()
-        d = st.policy.pick(snap, time.monotonic_ns(), dry_run=True) if snap is not None else None
+        d = st.dry_run(snap)
         registered = sum(1 for w in snap if w.registered) if snap is not None else 0
-        return d, list(st.inflight), registered, st.policy.baseline_s
+        return d, list(st.inflight), registered, st.policy.baseline_s, st.policy
 
     def _build_litestar(self) -> Litestar:
         state, cfg, metrics, pool = self.state, self.cfg, self.metrics, self.pool

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 
-from dplb.config import POLICIES, PolicyConfig, RouterConfig, default_run_dir, parse_weights
+from dplb.config import (
+    POLICIES,
+    PREFIX_WEIGHTS,
+    SEED_WEIGHTS,
+    PolicyConfig,
+    RouterConfig,
+    default_run_dir,
+    format_weights,
+    parse_weights,
+)
 from dplb.errors import ConfigError
 
 #: Local routes that ``--api-key-exempt`` may open without a key (the proxied model routes never are).
@@ -13,38 +22,74 @@ EXEMPTABLE = ("/health", "/ready", "/metrics", "/v1/models", "/debug/decisions")
 DEFAULT_EXEMPT = "/health,/ready,/metrics"
 
 
+_POLICY_DEFAULTS = PolicyConfig()
+
+
 def add_policy_args(p: argparse.ArgumentParser) -> None:
-    """Scoring flags shared by ``dplb router`` and ``dplb launch``."""
+    """Scoring flags shared by ``dplb router`` and ``dplb launch``; defaults are :class:`PolicyConfig`'s."""
+    d = _POLICY_DEFAULTS
     g = p.add_argument_group("routing policy")
-    g.add_argument("--policy", choices=POLICIES, default="dplb", help="routing policy (default: dplb score)")
-    g.add_argument("--weights", default="0.4,0.3,0.3", help="queue,memory,latency weights; sum 1 (seed: 0.4,0.3,0.3)")
-    g.add_argument("--max-queue", type=int, default=16, help="soft queue cap of the queue term (requests)")
+    g.add_argument("--policy", choices=POLICIES, default=d.name, help="routing policy profile (default: %(default)s)")
+    g.add_argument("--weights", default=None, metavar="NAME=W,…",
+                   help=f"scorer weights, summing to 1 (default: {format_weights(PREFIX_WEIGHTS)} with prefix "
+                   f"scoring on, the seed's {format_weights(SEED_WEIGHTS)} with --prefix-block-bytes 0; "
+                   "positional 0.4,0.3,0.3 = queue,memory,latency)")
+    g.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="soft queue cap of the queue term, requests (default: %(default)s)")
     g.add_argument("--max-queue-from-worker", action="store_true", help="use each worker's max_num_seqs instead")
-    g.add_argument("--hard-queue-cap", type=int, default=0, help="per-worker queue that makes it ineligible (0 = off)")
-    g.add_argument("--memory-signal", choices=("kv", "gpu"), default="kv", help="KV-cache usage or NVML used/total")
-    g.add_argument("--latency-deadband", type=float, default=0.25,
-                   help="latencies within this fraction of the workers' mean count as equal (0 = off)")
-    g.add_argument("--waiting-weight", type=float, default=1.0,
+    g.add_argument("--hard-queue-cap", type=int, default=d.hard_queue_cap,
+                   help="per-worker queue that makes it ineligible (0 = off; default: %(default)s)")
+    g.add_argument("--memory-signal", choices=("kv", "gpu"), default=d.memory_signal,
+                   help="KV-cache usage or NVML used/total (default: %(default)s)")
+    g.add_argument("--latency-deadband", type=float, default=d.latency_deadband,
+                   help="latencies within this fraction of the workers' mean count as equal (0 = off; default: "
+                   "%(default)s)")
+    g.add_argument("--waiting-weight", type=float, default=d.waiting_weight,
                    help="queue-term weight of a request that must wait for a batch slot (1 = seed's plain queue)")
-    g.add_argument("--latency-signal", choices=("e2e", "ttft"), default="e2e",
+    g.add_argument("--latency-signal", choices=("e2e", "ttft"), default=d.latency_signal,
                    help="latency term input: mean E2E (seed) or mean TTFT of each worker's last 10 requests")
-    g.add_argument("--affinity-margin", type=float, default=0.2,
-                   help="prefix affinity margin, score units (0 = off; 0.2 = 8 queued requests at max_queue 16)")
-    g.add_argument("--affinity-prefix-bytes", type=int, default=256,
-                   help="leading bytes of messages/prompt that form the affinity key (0 = no affinity)")
-    g.add_argument("--baseline-window", type=int, default=50, help="requests whose P95 is the latency baseline")
-    g.add_argument("--seed", type=int, default=0, help="RNG seed of random/power_of_two")
+    g.add_argument("--prefix-block-bytes", type=int, default=d.prefix_block_bytes,
+                   help="prefix-cache routing: prompt block size in bytes (0 = off; default: %(default)s)")
+    g.add_argument("--prefix-index-blocks", type=int, default=d.prefix_index_blocks,
+                   help="prefix index capacity, blocks (~180 bytes each; default: %(default)s)")
+    g.add_argument("--prefix-ttl", type=float, default=d.prefix_ttl_s,
+                   help="forget a prefix block not sent for this long, seconds (default: %(default)s)")
+    g.add_argument("--baseline-window", type=int, default=d.baseline_window,
+                   help="requests whose P95 is the latency baseline (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=d.seed, help="RNG seed of random/power_of_two (default: %(default)s)")
+    g.add_argument("--policy-plugin", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first: it registers extra scorers for --weights (repeatable)")
+
+
+def policy_argv(args: argparse.Namespace) -> list[str]:
+    """The policy flags of ``args`` as a command line (what ``dplb launch`` hands its router): every flag that
+    :func:`add_policy_args` defines, so none can be forgotten."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_policy_args(probe)
+    out: list[str] = []
+    for action in probe._actions:
+        value = getattr(args, action.dest)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            out += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction):
+            for v in value or ():
+                out += [flag, str(v)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
 
 
 def policy_config(args: argparse.Namespace, state_interval_ms: int = 200) -> PolicyConfig:
-    """Build and validate the policy configuration from parsed flags."""
+    """Build and validate the policy configuration from parsed flags. Raises :class:`ConfigError`."""
     return PolicyConfig(
-        name=args.policy, weights=parse_weights(args.weights), max_queue=args.max_queue,
+        name=args.policy, weights=parse_weights(args.weights) if args.weights else None, max_queue=args.max_queue,
         max_queue_from_worker=args.max_queue_from_worker, hard_queue_cap=args.hard_queue_cap,
         baseline_window=args.baseline_window, memory_signal=args.memory_signal,
         latency_signal=args.latency_signal, waiting_weight=args.waiting_weight,
-        latency_deadband=args.latency_deadband, affinity_margin=args.affinity_margin,
-        state_interval_ms=state_interval_ms, seed=args.seed,
+        latency_deadband=args.latency_deadband, prefix_block_bytes=args.prefix_block_bytes,
+        prefix_index_blocks=args.prefix_index_blocks, prefix_ttl_s=args.prefix_ttl,
+        state_interval_ms=state_interval_ms, seed=args.seed, plugins=tuple(args.policy_plugin),
     )
 
 
@@ -84,7 +129,7 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         public_paths=parse_exempt(getattr(args, "api_key_exempt", DEFAULT_EXEMPT)),
         connect_timeout_s=args.connect_timeout, first_byte_timeout_s=args.first_byte_timeout,
-        idle_timeout_s=args.idle_timeout, access_log=args.access_log, affinity_prefix_bytes=args.affinity_prefix_bytes,
+        idle_timeout_s=args.idle_timeout, access_log=args.access_log,
     )
 
 

@@ -24,7 +24,6 @@ Contract
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import re
@@ -36,6 +35,8 @@ import msgspec
 from dplb.config import RouterConfig
 from dplb.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
 from dplb.errors import RouterErrorKind
+from dplb.policy import RouteRequest
+from dplb.prefix import MAX_PREFIX_BLOCKS, block_hashes
 from dplb.router.state import UNREACHABLE_S, RouterState
 from dplb.router.upstream import ConnectFailed, UpstreamClosed, UpstreamError, UpstreamPool, UpstreamTimeout
 
@@ -62,7 +63,7 @@ class _Peek(msgspec.Struct):
     stream: Any = False
     model: Any = None
     messages: msgspec.Raw = msgspec.Raw(b"")
-    prompt: msgspec.Raw = msgspec.Raw(b"")
+    prompt: msgspec.Raw = msgspec.Raw(b"")  # Raw supports the buffer protocol: hashed without a copy
     input: msgspec.Raw = msgspec.Raw(b"")
 
 
@@ -94,6 +95,7 @@ class Proxy:
         self._auth = b"bearer " + cfg.api_key.encode() if cfg.api_key else None
         self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.tracing.make_tracer)
         self._req_skip = _REQ_OWN
+        self._block_bytes = cfg.policy.prefix_block_bytes if cfg.policy.prefix_on else 0
 
     # ---- helpers -------------------------------------------------------------------------------------------------
     async def _reject(self, send: Any, kind: RouterErrorKind, message: str, request_id: bytes,
@@ -113,14 +115,13 @@ class Proxy:
         await send({"type": "http.response.start", "status": kind.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    def _prefix_hash(self, peek: _Peek) -> int | None:
-        n = self.cfg.affinity_prefix_bytes
-        if n == 0:
-            return None
-        raw = bytes(peek.messages) or bytes(peek.prompt)
-        if not raw:
-            return None
-        return int.from_bytes(hashlib.blake2b(raw[:n], digest_size=8).digest(), "little")
+    def _route_request(self, peek: _Peek) -> RouteRequest:
+        """The policy's view of the request: the chained block keys of its prompt bytes (raw ``messages`` JSON
+        for chat, raw ``prompt`` for completions, as sent; see :mod:`dplb.prefix`), when prefix scoring is on."""
+        if not self._block_bytes:
+            return RouteRequest()
+        raw = peek.messages or peek.prompt
+        return RouteRequest(block_hashes(raw, self._block_bytes, MAX_PREFIX_BLOCKS) if raw else None)
 
     # ---- the handler -------------------------------------------------------------------------------------------
     def enable_tracing(self, tracer: Any) -> None:
@@ -214,7 +215,8 @@ class Proxy:
         state = self.state
         rid_s = rid.decode()
         t_decide = time.time_ns()
-        d = state.decide(self._prefix_hash(peek), rid_s)
+        req = self._route_request(peek)
+        d = state.decide(req, rid_s)
         if span is not None:
             self._route_span(d, t_decide)
         if d.worker is None:
@@ -246,7 +248,8 @@ class Proxy:
                     await self._reject(send, retry, "no worker could take the request", rid)
                     return
                 self.metrics.retries.inc()
-                d2 = state.decide(self._prefix_hash(peek), rid_s, exclude=frozenset(tried))
+                req.exclude = frozenset(tried)
+                d2 = state.decide(req, rid_s)
                 if d2.worker is None:
                     await self._reject(send, retry, "the chosen worker was unreachable and no other is ready", rid)
                     return
@@ -272,9 +275,11 @@ class Proxy:
         chosen = next((c for c in d.candidates if c.worker_id == d.worker), None)
         rs = self.tracer.start_span("dplb.route", start_time=start_ns, attributes={
             "dplb.worker.id": -1 if d.worker is None else d.worker, "dplb.policy": d.policy,
-            "dplb.reason": d.reason, "dplb.state_age_s": chosen.age_s if chosen is not None else -1.0})
+            "dplb.reason": d.reason, "dplb.state_age_s": chosen.age_s if chosen is not None else -1.0,
+            "dplb.preferred": -1 if d.preferred is None else d.preferred,
+            "dplb.prefix_outcome": d.prefix_outcome() or ""})
         for c in d.candidates:
-            rs.add_event("dplb.candidate", candidate_event_attributes(c))
+            rs.add_event("dplb.candidate", candidate_event_attributes(d, c))
         rs.end()
 
     def _request_head(self, scope: dict[str, Any], length: int, rid: bytes) -> bytes:

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import os
 import time
 
-from dplb.config import RouterConfig
-from dplb.decision import REASON_FALLBACK, REASON_NO_WORKERS, Decision
+from dplb.config import PolicyConfig, RouterConfig
+from dplb.decision import OK, REASON_FALLBACK, REASON_NO_WORKERS, WHY_HELD_OUT, WHY_STALE, Decision
 from dplb.errors import ShmError
 from dplb.metrics import RouterMetrics
-from dplb.policy import Policy, make_policy
+from dplb.policy import Policy, RouteRequest, make_policy, routable
 from dplb.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
 from dplb.systemd import Watchdog
 
@@ -120,15 +121,15 @@ class RouterState:
         return snap[: self.num_workers]
 
     # ---- hot path --------------------------------------------------------------------------------------------
-    def decide(self, prefix_hash: int | None, request_id: str, exclude: frozenset[int] = frozenset()) -> Decision:
+    def decide(self, request: RouteRequest, request_id: str) -> Decision:
         """Pick a worker for one request (see module docstring). Never raises for a missing segment."""
         t0 = time.perf_counter()
         snap = self.snapshot()
-        if any(self._unreachable_until):
-            exclude = self._with_unreachable(exclude, snap)
+        ejected = self._ejected(snap) if any(self._unreachable_until) else frozenset()
         if snap is None:
             # No state: only workers whose socket file exists are candidates (a stat per worker, fallback only).
-            exclude = exclude | {k for k in range(self.num_workers) if not os.path.exists(self.cfg.socket_path(k))}
+            exclude = request.exclude | ejected | {
+                k for k in range(self.num_workers) if not os.path.exists(self.cfg.socket_path(k))}
             try:
                 k = self.policy.pick_without_state(self.inflight, exclude)
                 d = Decision(self.policy.name, k, REASON_FALLBACK, [], self.policy.baseline_s)
@@ -136,11 +137,19 @@ class RouterState:
                 d = Decision(self.policy.name, None, REASON_NO_WORKERS, [], self.policy.baseline_s)
         else:
             now = time.monotonic_ns()
-            out = self._track_staleness(snap, now)
-            d = self.policy.pick(snap, now, prefix_hash, exclude | out if out else exclude)
+            held = self._track_staleness(snap, now)
+            d = self.policy.pick(snap, now, request, held=held, ejected=ejected)
         self.metrics.observe_decision(d, time.perf_counter() - t0)
         self.decisions.append((time.time(), request_id, d))
         return d
+
+    def dry_run(self, snap: list[WorkerState] | None) -> Decision | None:
+        """What the policy would see right now for a request without a prompt (a metrics scrape): every
+        candidate's inputs, terms and health; None without a segment. Chooses nothing."""
+        if snap is None:
+            return None
+        return self.policy.pick(snap, time.monotonic_ns(), held=self.held_out(), ejected=self._ejected(snap),
+                                dry_run=True)
 
     # ---- heartbeat hysteresis ---------------------------------------------------------------------------------
     def _track_staleness(self, snap: list[WorkerState], now: int) -> frozenset[int]:
@@ -209,9 +218,10 @@ class RouterState:
             self.metrics.ejections.labels(str(worker)).inc()
             self.mark_unreachable(worker, self.pid_of(worker))
 
-    def _with_unreachable(self, exclude: frozenset[int], snap: list[WorkerState] | None) -> frozenset[int]:
+    def _ejected(self, snap: list[WorkerState] | None) -> frozenset[int]:
+        """Workers skipped for a refused connection or failed responses right now (expired ones are cleared)."""
         now = time.monotonic()
-        out = set(exclude)
+        out: set[int] = set()
         for k, until in enumerate(self._unreachable_until):
             if not until:
                 continue
@@ -268,17 +278,14 @@ class RouterState:
             return
         now = time.monotonic_ns()
         held = self._track_staleness(snap, now)
-        interval = self._interval_ms()
-        for w in snap:
-            k = w.worker_id
-            stale = w.is_stale(interval, now)
-            routable = w.registered and not stale and w.lifecycle.name == "READY" and k not in held
-            if routable and not self._routable[k]:
+        for c in routable(snap, now, self._policy_cfg(), held):  # ejection is not a (de)registration
+            k, w = c.worker_id, c.state
+            ok = c.why is OK
+            if ok and not self._routable[k]:
                 log.info("worker %d registered (pid %d, %s)", k, w.pid, w.lifecycle.name.lower())
-            elif not routable and self._routable[k] and k not in held:  # hysteresis logs its own transitions
-                why = "stale heartbeat" if stale else w.lifecycle.name.lower()
-                log.warning("worker %d deregistered (%s)", k, why)
-            self._routable[k] = routable
+            elif not ok and self._routable[k] and c.why != WHY_HELD_OUT:  # hysteresis logs its own transitions
+                log.warning("worker %d deregistered (%s)", k, "stale heartbeat" if c.why == WHY_STALE else c.why)
+            self._routable[k] = ok
             self._pids[k] = w.pid
 
     def _reattach(self) -> None:
@@ -316,9 +323,12 @@ class RouterState:
         snap = self.snapshot()
         if snap is None:
             return [k for k in range(self.num_workers) if os.path.exists(self.cfg.socket_path(k))]
-        now = time.monotonic_ns()
-        interval = self._interval_ms()
-        held = self.held_out()
-        return [w.worker_id for w in snap if w.registered and not w.is_stale(interval, now)
-                and w.lifecycle.name == "READY" and w.worker_id not in held]
+        return [c.worker_id for c in routable(snap, time.monotonic_ns(), self._policy_cfg(), self.held_out(),
+                                              self._ejected(snap)) if c.why is OK]
+
+    def _policy_cfg(self) -> PolicyConfig:
+        """The policy configuration with the segment's state interval (what staleness is measured against)."""
+        iv = self._interval_ms()
+        cfg = self.cfg.policy
+        return cfg if cfg.state_interval_ms == iv else dataclasses.replace(cfg, state_interval_ms=iv)
 

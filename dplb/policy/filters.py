@@ -1,0 +1,167 @@
+"""Eligibility filters: the one definition of "may this worker take this request" (DESIGN §2–§4).
+
+Contract: :data:`HEALTH_FILTERS` (about the worker: registered, consistent slot, fresh heartbeat, lifecycle
+``ready``, not held out by the router's heartbeat hysteresis, not ejected by its passive health check) then
+:data:`REQUEST_FILTERS` (about this request: not already tried, under the hard queue cap). The policy runs both
+(:func:`apply_filters`); ``/ready``, ``dplb_worker_up`` and ``dplb state`` ask :func:`routable`, which runs the
+health filters on the same :class:`~dplb.decision.Candidate` objects, so the four can never disagree. Each filter
+sets the first ``why`` that rejects a candidate (values in :mod:`dplb.decision`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dplb.config import PolicyConfig
+from dplb.decision import (
+    OK,
+    WHY_DRAINING,
+    WHY_EJECTED,
+    WHY_EXCLUDED,
+    WHY_HELD_OUT,
+    WHY_NOT_READY,
+    WHY_OVER_CAP,
+    WHY_STALE,
+    WHY_TORN,
+    WHY_UNREGISTERED,
+    Candidate,
+)
+from dplb.policy.framework import Filter, PickContext, RouteRequest
+from dplb.shm import STALE_INTERVALS, Lifecycle, WorkerState
+
+_READY = Lifecycle.READY
+_DRAINING = Lifecycle.DRAINING
+
+
+class Registered(Filter):
+    """The worker wrote its slot at least once (pid ≠ 0)."""
+
+    reasons = (WHY_UNREGISTERED,)
+
+    def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
+        for c in cands:
+            if c.why is OK and c.state.pid == 0:
+                c.why = WHY_UNREGISTERED
+
+
+class Consistent(Filter):
+    """The slot read was not torn (seqlock retries exhausted)."""
+
+    reasons = (WHY_TORN,)
+
+    def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
+        for c in cands:
+            if c.why is OK and c.state.torn:
+                c.why = WHY_TORN
+
+
+class Fresh(Filter):
+    """Heartbeat younger than ``STALE_INTERVALS`` (3) × the state interval."""
+
+    reasons = (WHY_STALE,)
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        super().__init__(cfg)
+        self.stale_ns = STALE_INTERVALS * cfg.state_interval_ms * 1_000_000
+
+    def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
+        lim = self.stale_ns
+        for c in cands:
+            if c.why is OK and c.age_ns > lim:
+                c.why = WHY_STALE
+
+
+class Ready(Filter):
+    """Lifecycle ``ready`` (not starting, warming, draining or stopped)."""
+
+    reasons = (WHY_DRAINING, WHY_NOT_READY)
+
+    def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
+        for c in cands:
+            if c.why is OK and c.state.lifecycle != _READY:
+                c.why = WHY_DRAINING if c.state.lifecycle == _DRAINING else WHY_NOT_READY
+
+
+class NotHeldOut(Filter):
+    """Not on heartbeat probation (the router's hysteresis: once stale, fresh again for 5 intervals first)."""
+
+    reasons = (WHY_HELD_OUT,)
+
+    def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
+        held = ctx.held
+        if held:
+            for c in cands:
+                if c.why is OK and c.worker_id in held:
+                    c.why = WHY_HELD_OUT
+
+
+class NotEjected(Filter):
+    """Not ejected by the router (refused a connection, or failed 3 responses in a row: a few seconds out)."""
+
+    reasons = (WHY_EJECTED,)
+
+    def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
+        ej = ctx.ejected
+        if ej:
+            for c in cands:
+                if c.why is OK and c.worker_id in ej:
+                    c.why = WHY_EJECTED
+
+
+class NotTried(Filter):
+    """Not already tried for this request (a retry goes to another worker)."""
+
+    reasons = (WHY_EXCLUDED,)
+    health = False
+
+    def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
+        ex = ctx.request.exclude
+        if ex:
+            for c in cands:
+                if c.why is OK and c.worker_id in ex:
+                    c.why = WHY_EXCLUDED
+
+
+class UnderHardCap(Filter):
+    """Queue (with the in-flight correction) below ``hard_queue_cap`` (0 = no cap)."""
+
+    reasons = (WHY_OVER_CAP,)
+    health = False
+
+    def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
+        cap = self.cfg.hard_queue_cap
+        if cap:
+            for c in cands:
+                if c.why is OK and c.queue >= cap:
+                    c.why = WHY_OVER_CAP
+
+
+HEALTH_FILTERS: tuple[type[Filter], ...] = (Registered, Consistent, Fresh, Ready, NotHeldOut, NotEjected)
+REQUEST_FILTERS: tuple[type[Filter], ...] = (NotTried, UnderHardCap)
+
+
+def build_filters(cfg: PolicyConfig, health_only: bool = False) -> list[Filter]:
+    """The filter chain for ``cfg``, health filters first."""
+    classes = HEALTH_FILTERS if health_only else HEALTH_FILTERS + REQUEST_FILTERS
+    return [cls(cfg) for cls in classes]
+
+
+def apply_filters(filters: Sequence[Filter], cands: list[Candidate], ctx: PickContext) -> None:
+    """Run ``filters`` in order; each candidate keeps the first rejection."""
+    for f in filters:
+        f.apply(cands, ctx)
+
+
+def routable(
+    snapshot: Sequence[WorkerState], now_ns: int, cfg: PolicyConfig, held: frozenset[int] = frozenset(),
+    ejected: frozenset[int] = frozenset(),
+) -> list[Candidate]:
+    """Every worker of ``snapshot`` with its health verdict (``why``; ``ok`` = routable), in snapshot order.
+
+    The same health filters as the policy, without request-level ones: what ``/ready``, ``dplb_worker_up`` and
+    ``dplb state`` show. ``held``/``ejected``: the router's own verdicts (empty outside the router).
+    """
+    cands = [Candidate(w, 0, w.num_running + w.num_waiting, now_ns - w.heartbeat_mono_ns) for w in snapshot]
+    apply_filters(build_filters(cfg, health_only=True), cands, PickContext(now_ns, RouteRequest(), None, held,
+                                                                           ejected))
+    return cands

@@ -1,0 +1,114 @@
+"""The built-in pickers: how a worker is chosen among the eligible candidates (DESIGN §3).
+
+Every picker gets the eligible candidates in rotated order (the scan starts one worker later on every pick, so
+"first among equals" rotates) and returns ``(candidate, reason)``.
+
+- ``max_score`` (policy ``dplb``): best score; equal scores (e.g. every queue past ``max_queue``, where the clamped
+  queue term no longer tells them apart) go to the shorter queue, then to rotation.
+- ``round_robin``: next eligible worker in id order (a Kubernetes Service, Nginx).
+- ``random``: uniformly random (seeded).
+- ``least_loaded``: vLLM DP's rule, minimum ``4·waiting + running`` with the router's correction counted as waiting.
+- ``power_of_two``: two distinct random eligible workers, the shorter queue wins (Mitzenmacher 2001).
+- ``prefix_hash``: pure prefix affinity, blind to load: the rendezvous (highest-random-weight, Thaler &
+  Ravishankar 1998) worker of the prompt's first :data:`AFFINITY_BLOCKS` blocks — what a consistent hash on the
+  prompt does. The hit-rate reference of ``dplb bench compare``.
+"""
+
+from __future__ import annotations
+
+import random
+
+from dplb.config import PolicyConfig
+from dplb.decision import REASON_AFFINITY, REASON_POLICY, REASON_SCORE, Candidate
+from dplb.policy.framework import PickContext, Picker
+
+#: Blocks of the prompt that form ``prefix_hash``'s key (2 × 128 bytes: the 256-byte key of DPLB v1).
+AFFINITY_BLOCKS = 2
+
+
+class MaxScore(Picker):
+    """Best score, then shorter queue, then rotation."""
+
+    name = "max_score"
+
+    def pick(self, eligible: list[Candidate], ctx: PickContext) -> tuple[Candidate, str]:
+        best = eligible[0]
+        bs = best.score
+        for c in eligible:
+            s = c.score
+            if s > bs + 1e-12 or (s > bs - 1e-12 and c.queue < best.queue):
+                best, bs = c, s
+        return best, REASON_SCORE
+
+
+class RoundRobin(Picker):
+    """Next eligible worker in id order."""
+
+    name = "round_robin"
+
+    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
+        super().__init__(cfg, num_workers)
+        self._next = 0
+
+    def pick(self, eligible: list[Candidate], ctx: PickContext) -> tuple[Candidate, str]:
+        nxt = self._next % self.num_workers
+        ordered = sorted(eligible, key=lambda c: c.worker_id)
+        c = next((c for c in ordered if c.worker_id >= nxt), ordered[0])
+        self._next = c.worker_id + 1
+        return c, REASON_POLICY
+
+
+class Random(Picker):
+    """Uniformly random eligible worker (seeded by ``cfg.seed``)."""
+
+    name = "random"
+
+    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
+        super().__init__(cfg, num_workers)
+        self._rng = random.Random(cfg.seed)
+
+    def pick(self, eligible: list[Candidate], ctx: PickContext) -> tuple[Candidate, str]:
+        return self._rng.choice(sorted(eligible, key=lambda c: c.worker_id)), REASON_POLICY
+
+
+class LeastLoaded(Picker):
+    """Minimum ``4·(waiting + correction) + running`` (vLLM DP), first in rotation on a tie."""
+
+    name = "least_loaded"
+
+    def pick(self, eligible: list[Candidate], ctx: PickContext) -> tuple[Candidate, str]:
+        return min(eligible, key=lambda c: 4 * (c.state.num_waiting + c.correction) + c.state.num_running), \
+            REASON_POLICY
+
+
+class PowerOfTwo(Picker):
+    """Two distinct random eligible workers; the shorter queue wins (the first sampled on a tie)."""
+
+    name = "power_of_two"
+
+    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
+        super().__init__(cfg, num_workers)
+        self._rng = random.Random(cfg.seed)
+
+    def pick(self, eligible: list[Candidate], ctx: PickContext) -> tuple[Candidate, str]:
+        if len(eligible) == 1:
+            return eligible[0], REASON_POLICY
+        a, b = self._rng.sample(sorted(eligible, key=lambda c: c.worker_id), 2)
+        return (b if b.queue < a.queue else a), REASON_POLICY
+
+
+class PrefixHash(Picker):
+    """Rendezvous worker of the prompt's first blocks; without a prefix key, the first in rotation."""
+
+    name = "prefix_hash"
+
+    def pick(self, eligible: list[Candidate], ctx: PickContext) -> tuple[Candidate, str]:
+        blocks = ctx.request.blocks
+        if not blocks:
+            return eligible[0], REASON_POLICY
+        key = blocks[min(len(blocks), AFFINITY_BLOCKS) - 1]
+        # CPython's tuple hash of two ints: ints are not salted, so the same worker in every process and run.
+        c = max(eligible, key=lambda c: hash((key, c.worker_id)))
+        ctx.request.preferred = c.worker_id
+        return c, REASON_AFFINITY
+

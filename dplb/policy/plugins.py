@@ -1,0 +1,40 @@
+"""The plugin registry: one line per built-in scorer and picker (like the Inference Extension's
+``plugins/registry.go``), and loading of user plugin modules.
+
+Adding a scorer to DPLB: write the class in its own module under ``dplb/policy/`` and add one
+``register_scorer(...)`` line here. Outside the package: put the class and its ``register_scorer(...)`` line in any
+importable module and start the router with ``--policy-plugin MODULE`` (``dplb launch`` forwards it); then name it in
+``--weights``. Its term appears in ``/debug/decisions``, traces and ``dplb_worker_score_term{term=…}`` unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from dplb.errors import ConfigError
+from dplb.policy.framework import register_picker, register_scorer
+from dplb.policy.pickers import LeastLoaded, MaxScore, PowerOfTwo, PrefixHash, Random, RoundRobin
+from dplb.policy.scorers import LatencyScorer, MemoryScorer, PrefixScorer, QueueScorer
+
+register_scorer(QueueScorer)
+register_scorer(MemoryScorer)
+register_scorer(LatencyScorer)
+register_scorer(PrefixScorer)
+
+register_picker(MaxScore)
+register_picker(RoundRobin)
+register_picker(Random)
+register_picker(LeastLoaded)
+register_picker(PowerOfTwo)
+register_picker(PrefixHash)
+
+
+def load_plugins(modules: tuple[str, ...]) -> None:
+    """Import each user plugin module (its import registers its scorers/pickers). Raises :class:`ConfigError`
+    naming the module when it cannot be imported."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # any failure of a user's module is a configuration error to report
+            raise ConfigError(f"--policy-plugin {name}: cannot import it ({type(e).__name__}: {e}); it must be an "
+                              "importable module (on PYTHONPATH) that calls register_scorer()") from e

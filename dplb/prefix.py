@@ -1,0 +1,156 @@
+"""Approximate prefix-cache routing state: prompt bytes → chained block hashes, and a bounded index block → workers.
+
+Contract
+- :func:`block_hashes` cuts a prompt's bytes into fixed blocks of ``block_bytes`` (a trailing partial block is
+  dropped, as vLLM only caches full blocks) and hashes them as a **chain**: block i's key covers every byte of
+  blocks 0..i, like vLLM's block hashes (``vllm/v1/core/kv_cache_utils.py``, ``hash_block_tokens`` with the parent
+  hash). Equal keys at depth i mean equal prefixes of ``(i+1)·block_bytes`` bytes (up to hash collisions).
+- What is hashed (the router decides, see :func:`dplb.router.proxy`): for chat, the raw JSON bytes of ``messages``
+  exactly as the client sent them; for completions, the raw bytes of ``prompt``. Raw bytes, not a canonical
+  rendering: a client re-sends a conversation's history serialised the same way every turn, so turn k+1's bytes
+  start with turn k's bytes minus the closing ``]``; decoding ``messages`` to render them canonically would cost
+  ~40 µs for a 32 KB history and only helps clients that re-order keys between turns.
+- Hash: CRC-32 continued over the blocks (``zlib.crc32(block, previous)`` is the CRC of all bytes so far), with
+  the block index in the high bits: one C call per block (32 KB at 128-byte blocks: ~45 µs on the 2-core dev
+  machine; at 64-byte blocks ~95 µs, hence the default of 128). Not cryptographic: a client can forge a prefix
+  that collides with another's, which can at most bias where its own request is routed (load terms still apply).
+- :class:`PrefixIndex` maps block key → bitmask of the workers that were sent that block, with the last time it was
+  sent. It is an LRU of at most ``capacity`` blocks (one entry ≈ :data:`ENTRY_BYTES` bytes: 65,536 blocks ≈ 12 MB),
+  and an entry older than ``ttl_s`` counts as absent and is evicted. :meth:`PrefixIndex.match` walks the request's
+  keys from the first block and returns, per worker, how many leading blocks it was sent; :meth:`record` adds a
+  routed request's blocks for its worker; :meth:`forget_worker` drops a worker (restart: its cache is empty).
+
+How stale the index may be: it remembers what was *sent*, not what the engine still holds. An engine evicts cached
+blocks under KV pressure (vLLM: LRU of free blocks) long before ``ttl_s``; until the LRU capacity or the TTL drops
+them, the index may believe a worker still holds a prefix it lost. A wrong belief costs one routing preference (the
+request pays its prefill on that worker), never a failure; ``dplb bench compare`` prints the index's predicted hit
+rate next to the engines' measured ``vllm:prefix_cache_*`` hit rate.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from typing import Any, Final
+
+#: Most blocks hashed per request (128 KiB at 128-byte blocks): a longer prompt is told apart by then, and hashing
+#: a 32 MB body whole would cost ~50 ms of the event loop.
+MAX_PREFIX_BLOCKS: Final = 1024
+_REFRESH_NS: Final = 1_000_000_000  # LRU position is refreshed at most once a second per block
+#: Measured size of one index entry (key int, [mask, time] list, OrderedDict slot), bytes; see tests/test_prefix.py.
+ENTRY_BYTES: Final = 180
+
+
+def block_hashes(data: bytes | memoryview | Any, block_bytes: int, max_blocks: int = 0) -> list[int]:
+    """Chained keys of the full ``block_bytes``-byte blocks of ``data`` (``max_blocks`` > 0: at most that many).
+
+    Returns a list of non-negative ints below 2**48: ``(block_index << 32) | crc32(data[: (i+1)·block_bytes])``.
+    Empty when ``data`` is shorter than one block or ``block_bytes`` is 0.
+    """
+    if block_bytes <= 0:
+        return []
+    if type(data) is not bytes:
+        data = bytes(data)  # msgspec.Raw / memoryview: one copy, then cheap slices
+    n = len(data) // block_bytes
+    if max_blocks and n > max_blocks:
+        n = max_blocks
+    crc = zlib.crc32
+    h = 0
+    out: list[int] = []
+    append = out.append
+    end = 0
+    for i in range(n):
+        start, end = end, end + block_bytes
+        h = crc(data[start:end], h)
+        append((i << 32) | h)
+    return out
+
+
+class PrefixIndex:
+    """Bounded LRU: block key → (bitmask of workers sent that block, last-sent CLOCK_MONOTONIC ns).
+
+    ``capacity``: most entries kept (blocks, > 0); ``ttl_s``: an entry not sent for this long counts as absent;
+    ``num_workers``: worker ids 0..n−1 (a bit each). Not thread-safe (one router event loop).
+    """
+
+    __slots__ = ("_all", "_map", "_ttl_ns", "capacity", "num_workers")
+
+    def __init__(self, capacity: int, ttl_s: float, num_workers: int) -> None:
+        self.capacity = capacity
+        self.num_workers = num_workers
+        self._ttl_ns = int(ttl_s * 1e9)
+        self._all = (1 << num_workers) - 1
+        self._map: OrderedDict[int, list[int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    @property
+    def approx_bytes(self) -> int:
+        """Estimated memory of the entries, bytes (entries × :data:`ENTRY_BYTES`)."""
+        return len(self._map) * ENTRY_BYTES
+
+    def match(self, keys: list[int], now_ns: int) -> list[int]:
+        """Leading blocks of ``keys`` each worker was sent (list indexed by worker id; 0 = no match).
+
+        Walks from the first block and stops as soon as no worker has the next one, so an unmatched prompt costs
+        one lookup. Entries older than ``ttl_s`` count as absent.
+        """
+        depth = [0] * self.num_workers
+        if not keys:
+            return depth
+        get = self._map.get
+        cutoff = now_ns - self._ttl_ns
+        cur = self._all
+        i = 0
+        for i, key in enumerate(keys):
+            e = get(key)
+            nxt = cur & e[0] if e is not None and e[1] >= cutoff else 0
+            if nxt != cur:
+                gone = cur & ~nxt
+                while gone:
+                    b = gone & -gone
+                    depth[b.bit_length() - 1] = i
+                    gone ^= b
+                cur = nxt
+                if not cur:
+                    return depth
+        while cur:  # workers that have every block
+            b = cur & -cur
+            depth[b.bit_length() - 1] = i + 1
+            cur ^= b
+        return depth
+
+    def record(self, keys: list[int], worker: int, now_ns: int) -> None:
+        """``keys`` were sent to ``worker`` at ``now_ns``: mark them (most recent in the LRU), then evict the oldest
+        entries beyond ``capacity`` and any older than ``ttl_s``."""
+        m = self._map
+        bit = 1 << worker
+        move = m.move_to_end
+        stale = now_ns - _REFRESH_NS
+        for key in keys:
+            e = m.get(key)
+            if e is None:
+                m[key] = [bit, now_ns]
+            else:
+                e[0] |= bit
+                if e[1] < stale:  # LRU order to within _REFRESH_NS: a hot block is not moved on every request
+                    move(key)
+                e[1] = now_ns
+        cutoff = now_ns - self._ttl_ns
+        while m and (len(m) > self.capacity or next(iter(m.values()))[1] < cutoff):
+            m.popitem(last=False)
+
+    def forget_worker(self, worker: int) -> int:
+        """Drop ``worker`` from every entry (it restarted: its prefix cache is empty). O(entries); called once per
+        restart. Returns how many entries lost the worker."""
+        bit = 1 << worker
+        dropped = 0
+        m = self._map
+        for key in [k for k, e in m.items() if e[0] & bit]:
+            e = m[key]
+            e[0] &= ~bit
+            dropped += 1
+            if not e[0]:
+                del m[key]
+        return dropped
