@@ -62,6 +62,32 @@ def test_shared_prefixes() -> None:
     assert len({r.messages[-1]["content"] for r in reqs}) == 1000  # every user turn is distinct
 
 
+def test_multi_turn_conversations() -> None:
+    """Each turn sends the whole history (system, earlier turns with a reply, the new user turn), waits for the
+    previous turn, and conversations start by Poisson arrivals at request_rate / turns."""
+    spec = WorkloadSpec(num_prompts=400 * 5, conversations=400, turns=5, request_rate=10.0, input_len=20,
+                        output_len=8, prefix_len=500, think_s=2.0, seed=1)
+    reqs = build_workload(spec)
+    assert len(reqs) == 2000 and reqs == build_workload(spec)
+    first = [r for r in reqs if r.after < 0]
+    assert len(first) == 400 and all(r.index % 5 == 0 for r in first)
+    assert {r.messages[0]["content"] for r in reqs} == {reqs[0].messages[0]["content"]}  # one system prompt
+    assert len(reqs[0].messages[0]["content"].split()) >= 500
+    for r in reqs:
+        t = r.index % 5
+        assert len(r.messages) == 2 + 2 * t and r.messages[-1]["role"] == "user"
+        if t:
+            prev = reqs[r.index - 1]
+            assert r.after == prev.index and r.messages[: len(prev.messages)] == prev.messages  # history extends
+            assert r.messages[len(prev.messages)]["role"] == "assistant" and r.send_at_s == prev.send_at_s
+    gaps = [y.send_at_s - x.send_at_s for x, y in itertools.pairwise(first)]
+    assert 0.45 < sum(gaps) / len(gaps) < 0.55  # 2 conversations/s = 10 requests/s over 5 turns
+    thinks = [r.think_s for r in reqs if r.after >= 0]
+    assert 1.8 < sum(thinks) / len(thinks) < 2.2
+    with pytest.raises(ConfigError, match="conversations × turns"):
+        WorkloadSpec(num_prompts=7, conversations=2, turns=5)
+
+
 def test_jsonl_datasets(tmp_path) -> None:  # type: ignore[no-untyped-def]
     p = tmp_path / "data.jsonl"
     rows = [
@@ -165,7 +191,12 @@ def test_capacity_model() -> None:
     assert math.isclose(capacity_rps(128, 32), 8 / (32 * 0.04 + 128 * 0.0002))
     assert math.isclose(capacity_rps(128, 32, speed=0.5), capacity_rps(128, 32) / 2)
     assert set(SCENARIOS) == {"homogeneous", "heterogeneous", "bursty", "mixed-lengths", "shared-prefix",
-                              "burst-herd"}
+                              "multi-turn", "multi-turn-slow", "burst-herd"}
+    mt = SCENARIOS["multi-turn"]
+    # mean over 5 turns of the history: 600 system + 200·(t+1) user + 32·t replies, t = 0..4
+    assert mt.mean_lengths() == (600 + 200 * 3 + 32 * 2, 32.0)
+    spec = mt.workload(4, quick=True)
+    assert spec.conversations * spec.turns == spec.num_prompts == 250 and spec.conversations >= 40 + 10
 
 
 def test_worker_args_parsing() -> None:

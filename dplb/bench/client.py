@@ -2,7 +2,8 @@
 
 Contract
 - :func:`run_workload` sends each :class:`~dplb.bench.workload.BenchRequest` at its ``send_at_s`` (or as soon as
-  a slot is free under ``max_concurrency``), over one aiohttp session with keep-alive, and returns one
+  a slot is free under ``max_concurrency``; a request with ``after`` ≥ 0 waits for that request to complete, then
+  its ``think_s``: the next turn of a conversation), over one aiohttp session with keep-alive, and returns one
   :class:`RequestResult` per request, in request order. It never raises for a failed request: HTTP errors,
   broken streams and connection errors are recorded in the result (``status``, ``error``).
 - Streaming (``stream=True``): TTFT = time to the first chunk with generated text; ITL = gaps between successive
@@ -198,14 +199,20 @@ async def run_workload(
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
                                      timeout=timeout, headers=headers) as session:
         t0 = time.perf_counter()
+        done = {r.after: asyncio.Event() for r in requests if r.after >= 0}
 
         async def go(i: int, r: BenchRequest) -> None:
+            if r.after >= 0:
+                await done[r.after].wait()
+                await asyncio.sleep(r.think_s)
             if sem is not None:
                 async with sem:
                     res = await _one(session, target, r, t0)
             else:
                 res = await _one(session, target, r, t0)
             results[i] = res
+            if i in done:
+                done[i].set()
             if on_done is not None:
                 on_done(res)
 

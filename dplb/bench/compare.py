@@ -163,6 +163,18 @@ class SimCluster:
             return "".join(f.readlines()[-n:])
         return ""
 
+    def predicted_blocks(self) -> tuple[float, float]:
+        """(hit, query) blocks the router's prefix index predicted (``dplb_prefix_*_blocks_total`` summed over
+        workers), from the router's /metrics; (0, 0) when prefix scoring is off."""
+        hits = queries = 0.0
+        with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("dplb_prefix_hit_blocks_total{"):
+                    hits += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("dplb_prefix_query_blocks_total{"):
+                    queries += float(line.rsplit(" ", 1)[1])
+        return hits, queries
+
     def prefix_cache_tokens(self) -> tuple[float, float]:
         """(hits, queries) in tokens summed over the workers' ``vllm:prefix_cache_*`` counters (over their UDS)."""
         hits = queries = 0.0
@@ -217,23 +229,26 @@ def run_one(scenario: Scenario, label: str, flags: list[str], *, num_workers: in
             time.sleep(0.05)
         target = Target(cluster.url, "dplb-sim", "chat", stream)
 
-        async def go() -> tuple[list[RequestResult], float, tuple[float, float]]:
-            async def counters_at_start() -> tuple[float, float]:
+        async def go() -> tuple[list[RequestResult], float, tuple[float, float, float, float]]:
+            async def counters_at_start() -> tuple[float, float, float, float]:
                 await asyncio.sleep(t_measure)
-                return await asyncio.to_thread(cluster.prefix_cache_tokens)
+                return (*await asyncio.to_thread(cluster.prefix_cache_tokens),
+                        *await asyncio.to_thread(cluster.predicted_blocks))
 
             before = asyncio.create_task(counters_at_start())
             results, wall = await run_workload(target, requests)
             return results, wall, await before
 
-        results, wall, (hits0, queries0) = asyncio.run(go())
+        results, wall, (hits0, queries0, phits0, pq0) = asyncio.run(go())
         hits1, queries1 = cluster.prefix_cache_tokens()
+        phits1, pq1 = cluster.predicted_blocks()
     results = results[warm:]
     for r in results:
         r.start_s -= t_measure
     summary = summarize(results, wall - t_measure, workers=[str(k) for k in range(num_workers)])
     q = queries1 - queries0
     summary["prefix_cache_hit_rate"] = (hits1 - hits0) / q if q > 0 else None
+    summary["prefix_index_hit_rate"] = (phits1 - phits0) / (pq1 - pq0) if pq1 > pq0 else None
     summary["policy_flags"] = flags
     summary["label"] = label
     return results, summary
@@ -310,6 +325,14 @@ def evaluate_targets(result: dict[str, Any], default: str = "dplb") -> list[dict
             ref, got = p["prefix_hash"]["prefix_cache_hit_rate"], d["prefix_cache_hit_rate"]
             ratio = got / ref if ref and got is not None else None
             add(name, f"prefix-cache hit rate {default} / prefix_hash (pure affinity) ≥ 0.9", ratio, 0.9, True)
+        if name.startswith("multi-turn"):
+            rates = {k: s["prefix_cache_hit_rate"] for k, s in p.items() if s.get("prefix_cache_hit_rate") is not None}
+            best = max(rates, key=rates.__getitem__) if rates else None
+            got = d.get("prefix_cache_hit_rate")
+            ratio = got / rates[best] if best and rates[best] and got is not None else None
+            add(name, f"prefix-cache hit rate {default} / best ({best}) ≥ 0.9", ratio, 0.9, True)
+            if "least_loaded" in p:
+                add(name, f"P99 E2E {default} / least_loaded ≤ 0.9", d.get("p99_vs_least_loaded"), 0.9)
         if any(s["failed"] for s in p.values()):
             add(name, "no failed request in any run", float(sum(s["failed"] for s in p.values())), 0.0)
     return rows

@@ -53,8 +53,12 @@ class Scenario:
     extra_policies: tuple[str, ...] = ()
 
     def mean_lengths(self) -> tuple[float, float]:
-        """(mean input, mean output) tokens per request of this workload."""
+        """(mean input, mean output) tokens per request of this workload (multi-turn: over the turns, with the
+        whole history as input; prefix-cache hits not deducted, so "70 % load" is 70 % without any cache)."""
         b = self.base
+        if b.conversations:
+            t = b.turns
+            return b.prefix_len + b.input_len * (t + 1) / 2 + b.output_len * (t - 1) / 2, float(b.output_len)
         lf = b.long_fraction
         inp = (1 - lf) * b.input_len + lf * b.long_input_len + b.shared_prefix_fraction * b.prefix_len
         out = (1 - lf) * b.output_len + lf * b.long_output_len
@@ -69,10 +73,17 @@ class Scenario:
     def workload(self, num_workers: int, quick: bool, seed: int = 0) -> WorkloadSpec:
         """The seeded workload, warm-up requests included (the first :attr:`warmup` of them)."""
         n = (self.quick_prompts if quick else self.full_prompts) + self.warmup
+        if self.base.conversations:
+            conv = n // self.base.turns
+            return replace(self.base, conversations=conv, num_prompts=conv * self.base.turns,
+                           request_rate=self.rate_rps(num_workers), seed=seed)
         if self.base.burst_size:
             return replace(self.base, num_prompts=n, seed=seed)
         return replace(self.base, num_prompts=n, request_rate=self.rate_rps(num_workers), seed=seed)
 
+
+MULTI_TURN = WorkloadSpec(input_len=200, output_len=32, range_ratio=0.5, prefix_len=600, conversations=1, turns=5,
+                          num_prompts=5)
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("homogeneous", "identical workers, Poisson arrivals at 70 % of capacity",
@@ -90,6 +101,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              WorkloadSpec(input_len=32, output_len=24, range_ratio=0.5, shared_prefix_fraction=0.9, num_prefixes=8,
                           prefix_len=512), sim_args="--sim-prefix-cache-blocks 160",
              extra_policies=("prefix_hash",)),
+    Scenario("multi-turn", "RAG-style chat: one app-wide system prompt of 600 words, conversations of 5 turns whose "
+             "user turns carry ~200 words of context (each turn sends the whole history; the next turn 1 s after "
+             "the answer on average), prefix cache of 4096 blocks per worker, 70 % load",
+             MULTI_TURN, sim_args="--sim-prefix-cache-blocks 4096", quick_prompts=200, full_prompts=600,
+             extra_policies=("prefix_hash",)),
+    Scenario("multi-turn-slow", "multi-turn with the last worker at half speed", MULTI_TURN,
+             sim_args="--sim-prefix-cache-blocks 4096", worker_args={-1: "--sim-speed 0.5"}, quick_prompts=200,
+             full_prompts=600, extra_policies=("prefix_hash",)),
     Scenario("burst-herd", "64 requests at once to idle workers (per-worker max/min share)",
              WorkloadSpec(input_len=128, output_len=32, burst_size=64, burst_interval_s=1.0), load=None, warmup=0,
              quick_prompts=64, full_prompts=64),

@@ -8,6 +8,12 @@ Contract
   roughly 1–2 tokens for a real tokenizer. Lengths are in those words/tokens.
 - Arrivals: Poisson at ``request_rate`` requests/s (exponential gaps, as vLLM's benchmark_serving), all at t=0 for
   ``inf``, or bursts of ``burst_size`` requests arriving together every ``burst_interval_s``, after ``idle_s``.
+- Multi-turn (``conversations`` > 0): ``conversations`` chats of ``turns`` turns each, all opening with one shared
+  system prompt of ``prefix_len`` words; turn t's messages are the whole history (system, then every earlier user
+  turn and a synthetic assistant reply of ``output_len`` words) plus a new user turn of ``input_len`` words.
+  Conversations start by Poisson arrivals at ``request_rate / turns`` (so the request rate is ``request_rate``);
+  each later turn is sent when the previous one has completed plus a think time (exponential, mean ``think_s``):
+  ``BenchRequest.after`` names the request it waits for. Requests are ordered by (conversation, turn).
 - Datasets: ``synthetic`` (lengths drawn uniformly within ``[len·(1−range_ratio), len·(1+range_ratio)]``; a
   ``long_fraction`` of requests use the long lengths; a ``shared_prefix_fraction`` of requests start with one of
   ``num_prefixes`` system prompts of ``prefix_len`` words), or a JSONL file of ShareGPT-style conversations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dplb.errors import ConfigError
 
@@ -54,6 +60,9 @@ class WorkloadSpec:
     num_prefixes: int = 4
     prefix_len: int = 512
     dataset: str = "synthetic"  # or a path to a .jsonl file
+    conversations: int = 0  # > 0: multi-turn chats (see the module docstring); num_prompts = conversations · turns
+    turns: int = 5
+    think_s: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -68,6 +77,11 @@ class WorkloadSpec:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0 or (name == "range_ratio" and v >= 1.0):
                 raise ConfigError(f"{name.replace('_', '-')} must be a fraction in [0, 1), got {v}")
+        if self.conversations < 0 or self.turns < 1 or not self.think_s >= 0:
+            raise ConfigError("conversations must be ≥ 0, turns ≥ 1 and think time ≥ 0 seconds")
+        if self.conversations and self.num_prompts != self.conversations * self.turns:
+            raise ConfigError(f"a multi-turn workload has conversations × turns = {self.conversations * self.turns} "
+                              f"requests, not {self.num_prompts}")
         if self.burst_size < 0 or self.burst_interval_s <= 0 or self.idle_s < 0:
             raise ConfigError("burst size must be ≥ 0, burst interval > 0 and idle time ≥ 0 seconds")
 
@@ -75,7 +89,8 @@ class WorkloadSpec:
 @dataclass(slots=True)
 class BenchRequest:
     """One request: ``messages`` (chat) or the same text as ``prompt`` (completions); ``max_tokens`` output tokens;
-    ``send_at_s``: seconds after the start of the run; ``prefix_id``: which shared system prompt (−1 = none)."""
+    ``send_at_s``: seconds after the start of the run; ``prefix_id``: which shared system prompt (−1 = none);
+    ``after``: index of the request that must complete first (−1 = none), then ``think_s`` seconds pass."""
 
     index: int
     messages: list[dict[str, str]]
@@ -84,6 +99,8 @@ class BenchRequest:
     prefix_id: int = -1
     prompt_words: int = 0
     extra: dict[str, object] = field(default_factory=dict)
+    after: int = -1
+    think_s: float = 0.0
 
     @property
     def prompt(self) -> str:
@@ -129,6 +146,26 @@ def _synthetic(spec: WorkloadSpec, rng: random.Random) -> list[BenchRequest]:
         # A unique head makes every non-shared prompt (and every request's user turn) distinct.
         messages.append({"role": "user", "content": f"request {i} {rng.getrandbits(32):08x}: " + _words(rng, in_len)})
         out.append(BenchRequest(i, messages, out_len, 0.0, pid, in_len + (spec.prefix_len if pid >= 0 else 0)))
+    return out
+
+
+def _multi_turn(spec: WorkloadSpec, rng: random.Random) -> list[BenchRequest]:
+    system = {"role": "system", "content": "You are the assistant of one shared app. "
+              + _words(random.Random(spec.seed * 1000 + 7), spec.prefix_len)}
+    starts = arrival_times(replace(spec, request_rate=spec.request_rate / spec.turns), spec.conversations,
+                           random.Random(spec.seed + 1))
+    out: list[BenchRequest] = []
+    for c in range(spec.conversations):
+        history: list[dict[str, str]] = [system]
+        for t in range(spec.turns):
+            in_len = _length(rng, spec.input_len, spec.range_ratio)
+            out_len = _length(rng, spec.output_len, spec.range_ratio)
+            history = [*history, {"role": "user", "content": f"conversation {c} turn {t}: " + _words(rng, in_len)}]
+            words = sum(len(m["content"].split()) for m in history)
+            i = len(out)
+            out.append(BenchRequest(i, history, out_len, starts[c], 0, words, after=i - 1 if t else -1,
+                                    think_s=rng.expovariate(1.0 / spec.think_s) if t and spec.think_s else 0.0))
+            history = [*history, {"role": "assistant", "content": _words(rng, out_len)}]
     return out
 
 
@@ -195,6 +232,8 @@ def build_workload(spec: WorkloadSpec, *, force_output_len: bool = False) -> lis
     """The requests of ``spec``, sorted by send time. ``force_output_len``: a JSONL dataset's requests ask for
     ``spec.output_len`` tokens instead of their reply's length. Raises :class:`ConfigError`."""
     rng = random.Random(spec.seed)
+    if spec.conversations:
+        return _multi_turn(spec, rng)
     if spec.dataset == "synthetic":
         reqs = _synthetic(spec, rng)
     else:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import importlib
 
+from dplb.config import PolicyConfig
 from dplb.errors import ConfigError
-from dplb.policy.framework import register_picker, register_scorer
+from dplb.policy.framework import SCORERS, register_picker, register_scorer
 from dplb.policy.pickers import LeastLoaded, MaxScore, PowerOfTwo, PrefixHash, Random, RoundRobin
 from dplb.policy.scorers import LatencyScorer, MemoryScorer, PrefixScorer, QueueScorer
 
@@ -27,6 +28,15 @@ register_picker(Random)
 register_picker(LeastLoaded)
 register_picker(PowerOfTwo)
 register_picker(PrefixHash)
+
+
+def validate(cfg: PolicyConfig) -> None:
+    """Load ``cfg.plugins`` and check that every weighted scorer is registered: what start-up calls once, so a
+    typo fails before any process starts. Raises :class:`ConfigError`."""
+    load_plugins(cfg.plugins)
+    unknown = [n for n, _ in cfg.effective_weights() if n not in SCORERS]
+    if unknown:
+        raise ConfigError(f"--weights names an unknown scorer {unknown[0]!r}; known: {', '.join(sorted(SCORERS))}")
 
 
 def load_plugins(modules: tuple[str, ...]) -> None:

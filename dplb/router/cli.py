@@ -16,6 +16,7 @@ from dplb.config import (
     parse_weights,
 )
 from dplb.errors import ConfigError
+from dplb.policy.plugins import validate as validate_policy
 
 #: Local routes that ``--api-key-exempt`` may open without a key (the proxied model routes never are).
 EXEMPTABLE = ("/health", "/ready", "/metrics", "/v1/models", "/debug/decisions")
@@ -81,8 +82,9 @@ def policy_argv(args: argparse.Namespace) -> list[str]:
 
 
 def policy_config(args: argparse.Namespace, state_interval_ms: int = 200) -> PolicyConfig:
-    """Build and validate the policy configuration from parsed flags. Raises :class:`ConfigError`."""
-    return PolicyConfig(
+    """Build and validate the policy configuration from parsed flags (plugins loaded, scorer names checked).
+    Raises :class:`ConfigError`."""
+    cfg = PolicyConfig(
         name=args.policy, weights=parse_weights(args.weights) if args.weights else None, max_queue=args.max_queue,
         max_queue_from_worker=args.max_queue_from_worker, hard_queue_cap=args.hard_queue_cap,
         baseline_window=args.baseline_window, memory_signal=args.memory_signal,
@@ -91,6 +93,8 @@ def policy_config(args: argparse.Namespace, state_interval_ms: int = 200) -> Pol
         prefix_index_blocks=args.prefix_index_blocks, prefix_ttl_s=args.prefix_ttl,
         state_interval_ms=state_interval_ms, seed=args.seed, plugins=tuple(args.policy_plugin),
     )
+    validate_policy(cfg)
+    return cfg
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:

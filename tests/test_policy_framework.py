@@ -1,0 +1,124 @@
+"""The policy framework's extension point: a user adds a scorer in one file plus one registration line, and its
+term shows up in decisions, /debug/decisions, traces and metrics without edits there."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+from cluster import cluster
+
+from dplb.config import PolicyConfig
+from dplb.decision import Candidate
+from dplb.errors import ConfigError
+from dplb.metrics import WorkerStateCollector
+from dplb.policy import PickContext, Scorer, make_policy, register_scorer
+from dplb.router.cli import policy_argv
+from dplb.shm import Lifecycle, WorkerState
+from dplb.tracing import candidate_event_attributes
+
+NOW = 10**12
+
+
+class OddWorkers(Scorer):
+    """Toy scorer: odd worker ids score 1, even ones 0."""
+
+    name = "odd_inproc"
+
+    def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
+        return [float(c.worker_id % 2) for c in cands]
+
+    def inputs(self, c: Candidate, ctx: PickContext) -> dict[str, Any]:
+        return {"odd": bool(c.worker_id % 2)}
+
+
+register_scorer(OddWorkers)  # the one registration line
+
+
+def test_a_registered_toy_scorer_shows_up_everywhere() -> None:
+    p = make_policy(PolicyConfig(weights=(("queue", 0.5), ("odd_inproc", 0.5))), 4)
+    snap = [WorkerState(k, pid=1 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW) for k in range(4)]
+    picks = Counter(p.pick(snap, NOW).worker for _ in range(8))
+    assert set(picks) == {1, 3}  # the toy term decides between equal loads
+    d = p.pick(snap, NOW)
+    view = d.to_dict()
+    c1 = view["candidates"][1]  # type: ignore[index]
+    assert c1["terms"] == {"queue": pytest.approx(1 - c1["queue"] / 16), "odd_inproc": 1.0} and c1["odd"] is True
+    attrs = candidate_event_attributes(d, d.candidates[1])
+    assert attrs["dplb.term.odd_inproc"] == 1.0 and attrs["dplb.odd"] is True
+    fams = {m.name: m for m in WorkerStateCollector(lambda: (p.pick(snap, NOW, dry_run=True), [0] * 4, 4, None,
+                                                             p)).collect()}
+    terms = {(s.labels["worker"], s.labels["term"]): s.value for s in fams["dplb_worker_score_term"].samples}
+    assert terms[("1", "odd_inproc")] == 1.0 and terms[("0", "odd_inproc")] == 0.0
+    weights = {s.labels["term"]: s.value for s in fams["dplb_policy_weight"].samples}
+    assert weights == {"queue": 0.5, "odd_inproc": 0.5}
+
+
+def test_name_clash_and_bad_names_are_refused() -> None:
+    class Other(Scorer):
+        name = "queue"
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_scorer(Other)
+    Other.name = "not an identifier"
+    with pytest.raises(ValueError, match="identifier"):
+        register_scorer(Other)
+
+
+def test_a_plugin_module_on_a_real_router(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The same from outside the package: one file with the class and its registration line, loaded by
+    ``--policy-plugin``; every request goes to the worker the toy scorer prefers, and /debug/decisions and /metrics
+    carry its term. A plugin that cannot be imported, or a weight for an unregistered scorer, stops start-up with
+    a message naming it."""
+    plugdir = tmp_path / "plug"
+    plugdir.mkdir()
+    (plugdir / "last_worker_scorer.py").write_text(textwrap.dedent('''
+        from dplb.policy import Scorer, register_scorer
+
+        class LastWorker(Scorer):
+            name = "last_worker"
+
+            def score(self, cands, ctx):
+                return [1.0 if c.worker_id == self.num_workers - 1 else 0.0 for c in cands]
+
+        register_scorer(LastWorker)
+    '''))
+    monkeypatch.setenv("PYTHONPATH", f"{plugdir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    args = ["--policy-plugin", "last_worker_scorer", "--weights", "queue=0.5,last_worker=0.5"]
+    with cluster(str(tmp_path), 2, router_args=args) as c:
+        body = {"model": "dplb-sim", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+        got = {httpx.post(c.url + "/v1/chat/completions", json=body, timeout=30).headers["x-sg-worker-id"]
+               for _ in range(5)}
+        assert got == {"1"}
+        d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
+        assert d["candidates"][1]["terms"]["last_worker"] == 1.0
+        assert 'dplb_worker_score_term{term="last_worker",worker="1"} 1.0' in httpx.get(c.url + "/metrics").text
+    import subprocess
+    import sys
+
+    for extra, needle in ((["--policy-plugin", "no_such_module"], "--policy-plugin no_such_module: cannot import"),
+                          (["--weights", "queue=0.5,speed=0.5"], "unknown scorer 'speed'")):
+        r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--num-workers", "1", "--port", "0",
+                            "--run-dir", str(tmp_path / "run2"), *extra], capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0 and needle in r.stderr, r.stderr
+
+
+def test_launch_forwards_every_policy_flag() -> None:
+    """``dplb launch`` hands its router every flag of the policy group (a new flag cannot be forgotten)."""
+    import argparse
+
+    from dplb.router.cli import add_policy_args
+
+    p = argparse.ArgumentParser()
+    add_policy_args(p)
+    dests = {a.dest for a in p._actions if a.dest != "help"}
+    args = p.parse_args(["--policy", "least_loaded", "--weights", "queue=1", "--max-queue-from-worker",
+                         "--policy-plugin", "a", "--policy-plugin", "b", "--prefix-block-bytes", "64"])
+    argv = policy_argv(args)
+    again = p.parse_args(argv)
+    assert vars(again) == vars(args)
+    assert {a.dest for a in p._actions if a.option_strings and a.option_strings[0] in argv} == dests
