@@ -6,17 +6,18 @@ from _common import ROUTER, SEL_W, WORKERS, Layout, lifecycle_timeline, make_das
 from dplb import metrics as M
 
 TERM_DOC = {
-    "queue": "1 − queue / max_queue (weight 0.4): falls as requests pile up on the worker.",
-    "memory": "1 − KV-cache usage (or GPU memory used/total with memory_signal=gpu) (weight 0.3).",
-    "latency": "1 − avg latency / baseline (weight 0.3); 1 until the baseline is frozen after 50 requests.",
+    "queue": "1 − queue / max_queue: falls as requests pile up on the worker (weights: dplb_policy_weight).",
+    "memory": "1 − KV-cache usage (or GPU memory used/total with memory_signal=gpu).",
+    "latency": "1 − avg latency / baseline; 1 until the baseline is frozen after 50 requests.",
 }
 RANGE_0_1: dict[str, int] = {"valueMin": 0, "valueMax": 1}
 
 L = Layout()
 L.row("Score").add(
     ts("Score per worker", "none", targets((f"max by (worker) ({r(M.WORKER_SCORE)})", "worker {{worker}}")),
-       "Routing score each worker has right now (higher wins; ties rotate): 0.4·queue + 0.3·memory + 0.3·latency "
-       "terms. Recomputed at every scrape over the current shm snapshot.", w=24, **RANGE_0_1),
+       "Routing score each worker has right now for a request without a cached prefix (higher wins; ties rotate): "
+       "the weighted sum of the terms below (default 0.3·queue + 0.2·memory + 0.2·latency + 0.3·prefix). "
+       "Recomputed at every scrape over the current shm snapshot.", w=24, **RANGE_0_1),
 )
 for term, doc in TERM_DOC.items():
     sel = r(M.WORKER_SCORE_TERM, f'term="{term}"')
@@ -78,6 +79,26 @@ L.row("Lifecycle and faults").add(
        targets((quantile(0.99, f"{M.WORKER_COLLECTOR_TICK}_bucket{{{WORKERS}, {SEL_W}}}", "worker"),
                 "worker {{worker}}")),
        "Time one state-collector tick takes in each worker (engine stats + NVML + shm publish)."),
+)
+
+L.row("Prefix cache routing").add(
+    ts("Prefix routing outcomes", "reqps",
+       targets((f"sum by (outcome) (rate({M.PREFIX_ROUTED}_total{{{ROUTER}}}[$__rate_interval]))", "{{outcome}}")),
+       "Requests with a prompt prefix key: hit = sent to the worker with the longest cached prefix; spill = load "
+       "sent it elsewhere (the prefix term shrinks as that worker's queue grows); miss = no worker had any block.",
+       w=8),
+    ts("Predicted prefix hit rate per worker", "percentunit",
+       targets((f"sum by (worker) (rate({r(M.PREFIX_HIT_BLOCKS + '_total')}[$__rate_interval])) / "
+                f"sum by (worker) (rate({r(M.PREFIX_QUERY_BLOCKS + '_total')}[$__rate_interval]))",
+                "worker {{worker}}")),
+       "Prompt blocks the router's prefix index predicted the chosen worker has cached / blocks routed to it. Compare "
+       "with the engines' measured vllm:prefix_cache_hits / queries: a prediction well above it means the engines "
+       "evict sooner than the index forgets (lower --prefix-index-blocks or --prefix-ttl).", w=8, **RANGE_0_1),
+    ts("Prefix index size", "none",
+       targets((f"max({M.PREFIX_INDEX_BLOCKS}{{{ROUTER}}})", "blocks"),
+               (f"max({M.PREFIX_INDEX_CAPACITY}{{{ROUTER}}})", "capacity")),
+       "Blocks in the router's prefix index (LRU) and its capacity; memory ≈ 180 bytes a block "
+       f"({M.PREFIX_INDEX_BYTES}).", w=8),
 )
 
 dashboard = make_dashboard(

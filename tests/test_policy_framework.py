@@ -14,7 +14,6 @@ from cluster import cluster
 
 from dplb.config import PolicyConfig
 from dplb.decision import Candidate
-from dplb.errors import ConfigError
 from dplb.metrics import WorkerStateCollector
 from dplb.policy import PickContext, Scorer, make_policy, register_scorer
 from dplb.router.cli import policy_argv
