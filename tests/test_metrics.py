@@ -20,14 +20,17 @@ ROUTER_FAMILIES = [
     M.WORKER_QUEUE_LENGTH, M.WORKER_REQUESTS_INFLIGHT, M.WORKER_KV_CACHE_USAGE, M.WORKER_GPU_MEMORY_USED,
     M.WORKER_GPU_MEMORY_TOTAL, M.WORKER_LATENCY_AVG, M.WORKER_SCORE, M.WORKER_SCORE_TERM, M.WORKER_UP,
     M.WORKER_LIFECYCLE, M.WORKER_STATE_LAST_UPDATE, M.WORKER_WARMUP_DURATION, M.WORKER_FIRST_REQUEST_DURATION,
-    M.WORKER_CUDA_OOM + "_total",
+    M.WORKER_CUDA_OOM + "_total", M.WORKER_REQUESTS_RUNNING, M.WORKER_REQUESTS_WAITING, M.WORKER_INFLIGHT_CORRECTION,
+    M.WORKER_MAX_QUEUE, M.WORKER_E2E_AVG, M.WORKER_TTFT_AVG, M.PREFIX_QUERY_BLOCKS + "_total",
+    M.PREFIX_HIT_BLOCKS + "_total",
 ]
 ROUTER_GLOBAL = [
     M.WORKERS_REGISTERED, M.LATENCY_BASELINE, M.ROUTING_DECISIONS + "_total",
     M.ROUTING_DECISION_DURATION + "_bucket", M.STATE_READ_AGE + "_bucket", M.REQUESTS_REJECTED + "_total",
     M.UPSTREAM_RETRIES + "_total", M.UPSTREAM_REQUEST_DURATION + "_bucket", M.UPSTREAM_TTFB + "_bucket",
     M.HTTP_REQUESTS + "_total", M.HTTP_REQUEST_DURATION + "_bucket", M.SHM_SEGMENT_PRESENT,
-    M.SHM_ERRORS + "_total", M.BUILD_INFO + "_info",
+    M.SHM_ERRORS + "_total", M.BUILD_INFO + "_info", M.POLICY_INFO + "_info", M.POLICY_WEIGHT,
+    M.PREFIX_INDEX_BLOCKS, M.PREFIX_INDEX_CAPACITY, M.PREFIX_INDEX_BYTES, M.PREFIX_ROUTED + "_total",
 ]
 WORKER_FAMILIES = [M.WORKER_WARMUP_DURATION, M.WORKER_CUDA_OOM + "_total", M.NVML_ERRORS + "_total",
                    "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:e2e_request_latency_seconds_bucket"]
@@ -114,6 +117,8 @@ def test_real_prometheus_scrapes_every_family_and_values_agree(prometheus_bin: s
             ready = prom.query(f'{M.WORKER_LIFECYCLE}{{job="dplb-router",worker="{k}",state="ready"}}')
             assert ready[0]["value"][1] == "1" and w["lifecycle"] == "ready"
             assert prom.query(f'{M.WORKER_REQUESTS_INFLIGHT}{{worker="{k}"}}')[0]["value"][1] == "0"
+            up = prom.query(f'{M.WORKER_UP}{{job="dplb-router",worker="{k}"}}')[0]["value"][1]
+            assert (up == "1") == w["routable"] and w["why"] == "ok"  # one eligibility rule for both
         assert prom.query(M.WORKERS_REGISTERED)[0]["value"][1] == str(sum(1 for w in st["workers"] if w["pid"]))
         decisions = httpx.get(c.url + "/debug/decisions?limit=1000").json()
         total = float(prom.query(f'sum({M.ROUTING_DECISIONS}_total{{job="dplb-router"}})')[0]["value"][1])

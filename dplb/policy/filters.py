@@ -82,44 +82,47 @@ class Ready(Filter):
                 c.why = WHY_DRAINING if c.state.lifecycle == _DRAINING else WHY_NOT_READY
 
 
-class NotHeldOut(Filter):
+class _NotIn(Filter):
+    """Rejects candidates whose worker id is in a set of ids the context carries (:meth:`ids`)."""
+
+    def ids(self, ctx: PickContext) -> frozenset[int]:
+        raise NotImplementedError
+
+    def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
+        ids = self.ids(ctx)
+        if ids:
+            why = self.reasons[0]
+            for c in cands:
+                if c.why is OK and c.worker_id in ids:
+                    c.why = why
+
+
+class NotHeldOut(_NotIn):
     """Not on heartbeat probation (the router's hysteresis: once stale, fresh again for 5 intervals first)."""
 
     reasons = (WHY_HELD_OUT,)
 
-    def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
-        held = ctx.held
-        if held:
-            for c in cands:
-                if c.why is OK and c.worker_id in held:
-                    c.why = WHY_HELD_OUT
+    def ids(self, ctx: PickContext) -> frozenset[int]:
+        return ctx.held
 
 
-class NotEjected(Filter):
+class NotEjected(_NotIn):
     """Not ejected by the router (refused a connection, or failed 3 responses in a row: a few seconds out)."""
 
     reasons = (WHY_EJECTED,)
 
-    def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
-        ej = ctx.ejected
-        if ej:
-            for c in cands:
-                if c.why is OK and c.worker_id in ej:
-                    c.why = WHY_EJECTED
+    def ids(self, ctx: PickContext) -> frozenset[int]:
+        return ctx.ejected
 
 
-class NotTried(Filter):
+class NotTried(_NotIn):
     """Not already tried for this request (a retry goes to another worker)."""
 
     reasons = (WHY_EXCLUDED,)
     health = False
 
-    def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
-        ex = ctx.request.exclude
-        if ex:
-            for c in cands:
-                if c.why is OK and c.worker_id in ex:
-                    c.why = WHY_EXCLUDED
+    def ids(self, ctx: PickContext) -> frozenset[int]:
+        return ctx.request.exclude
 
 
 class UnderHardCap(Filter):

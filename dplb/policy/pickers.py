@@ -58,14 +58,18 @@ class RoundRobin(Picker):
         return c, REASON_POLICY
 
 
-class Random(Picker):
-    """Uniformly random eligible worker (seeded by ``cfg.seed``)."""
-
-    name = "random"
+class _Seeded(Picker):
+    """A picker with its own RNG seeded by ``cfg.seed`` (deterministic runs)."""
 
     def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
         super().__init__(cfg, num_workers)
         self._rng = random.Random(cfg.seed)
+
+
+class Random(_Seeded):
+    """Uniformly random eligible worker."""
+
+    name = "random"
 
     def pick(self, eligible: list[Candidate], ctx: PickContext) -> tuple[Candidate, str]:
         return self._rng.choice(sorted(eligible, key=lambda c: c.worker_id)), REASON_POLICY
@@ -81,14 +85,10 @@ class LeastLoaded(Picker):
             REASON_POLICY
 
 
-class PowerOfTwo(Picker):
+class PowerOfTwo(_Seeded):
     """Two distinct random eligible workers; the shorter queue wins (the first sampled on a tie)."""
 
     name = "power_of_two"
-
-    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
-        super().__init__(cfg, num_workers)
-        self._rng = random.Random(cfg.seed)
 
     def pick(self, eligible: list[Candidate], ctx: PickContext) -> tuple[Candidate, str]:
         if len(eligible) == 1:
