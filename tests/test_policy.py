@@ -246,7 +246,7 @@ def test_dplb_profile_sends_a_conversations_next_turn_to_its_history() -> None:
                 outcomes["home" if d.worker == home[conv] else "moved"] += 1
                 outcomes[str(d.prefix_outcome())] += 1
             home[conv] = d.worker
-        assert max(queue) - min(queue) <= 8, (turn, queue)  # ~7 queued is where a full match spills
+        assert max(queue) - min(queue) <= 6, (turn, queue)  # ~5 queued is where a full match spills
     assert outcomes["home"] >= 72 and outcomes["hit"] >= 72, outcomes  # ≥ 90 % of the 80 later turns
 
 
@@ -349,7 +349,7 @@ def test_parse_weights() -> None:
 
 
 def test_unknown_scorer_is_refused_when_the_policy_is_built() -> None:
-    with pytest.raises(ConfigError, match=r"unknown scorer 'speed'.*known: latency, memory, prefix, queue"):
+    with pytest.raises(ConfigError, match=r"unknown scorer 'speed'; known: (.*, )?latency, memory, (.*, )?prefix, queue"):
         make_policy(PolicyConfig(weights=(("queue", 0.5), ("speed", 0.5))), 2)
 
 
