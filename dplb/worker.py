@@ -32,6 +32,7 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb import __version__
+from dplb.config import METRICS_HOST, METRICS_PORT_BASE
 from dplb.engines.base import Engine, RequestStats, RequestStatsMiddleware, Scope
 from dplb.errors import ConfigError, ShmError, ShmMissingError
 from dplb.gpu import GpuReader, visible_gpu_indices
@@ -41,7 +42,6 @@ from dplb.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, Lifecycle, Segment, SlotWriter,
 from dplb.systemd import Watchdog, notify
 
 log = logging.getLogger("dplb.worker")
-METRICS_PORT_BASE = 30001
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,7 @@ class WorkerConfig:
     shm_path: str | None = None
     state_interval_ms: int | None = None  # None: the segment's
     metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
+    metrics_host: str = METRICS_HOST
     drain_timeout_s: float = 30.0
     warmup_timeout_s: float = 900.0
 

@@ -41,6 +41,7 @@ from dplb.router.proxy import PROXY_PATHS, Proxy, error_body
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamError, UpstreamPool, fetch
 from dplb.serving import bind_tcp, make_server, raise_fd_limit
+from dplb.shm_layout import unregister_router
 from dplb.systemd import notify
 from dplb.tracing import make_tracer
 from dplb.tracing import shutdown as tracing_shutdown
@@ -226,6 +227,8 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
         await asyncio.wait_for(serve, 10)
     monitor.cancel()
     stopped.cancel()
+    if app.state.segment is not None:
+        unregister_router(app.state.segment.path)
     app.pool.close()
     if app.tracer is not None:
         tracing_shutdown(app.tracer)
