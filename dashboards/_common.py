@@ -28,7 +28,7 @@ PROXY_ROUTES = 'route=~"/v1/(chat/completions|completions|embeddings)"'
 
 # Engine (vllm:*) series come from the worker's metrics port: one instance per worker, no worker label.
 WORKER_JOIN = (f" * on (instance) group_left (worker) group by (instance, worker) "
-               f"({M.WORKER_LIFECYCLE}{{{WORKERS}, {SEL_W}}})")
+               f"({M.WORKER_INFO}_info{{{WORKERS}, {SEL_W}}})")
 
 
 def r(name: str, extra: str = "") -> str:

@@ -46,7 +46,8 @@ Byte layout (little-endian; offsets in bytes)::
       112 f64  warmup_seconds        duration of the warm-up request (0 until warmed)
       120 f64  first_request_seconds duration of the first real request after ready (0 until served)
       128 u64  started_unix_ns       worker process start (a change means the worker restarted)
-      136..191 reserved (zeros)
+      136 f64  model_load_seconds    engine load (process start of the engine → engine up), seconds (0 until loaded)
+      144..191 reserved (zeros)
 
 Seqlock protocol. Writer: ``seq += 1`` (odd), write the body, ``seq += 1`` (even). Reader: load ``seq`` (retry if
 odd), copy the slot in one slice, load ``seq`` again; retry if it changed; after ``READ_RETRIES`` failed tries the
@@ -103,10 +104,10 @@ READ_RETRIES = 64
 FLAG_NO_GPU = 0x01
 FLAG_GPU_BUSY = 0x02
 
-# Slot body without seq: from offset 8 to 136.
-_BODY = struct.Struct("<IBBHQQIIIIdQQddQQQddQ")
+# Slot body without seq: from offset 8 to 144.
+_BODY = struct.Struct("<IBBHQQIIIIdQQddQQQddQd")
 _SLOT = struct.Struct("<Q" + _BODY.format[1:])  # seq + body, for one-slice decoding
-assert _SLOT.size == 136 <= SLOT_SIZE and SLOT_SIZE % 64 == 0
+assert _SLOT.size == 144 <= SLOT_SIZE and SLOT_SIZE % 64 == 0
 
 
 class Lifecycle(enum.IntEnum):
@@ -145,6 +146,7 @@ class WorkerState:
     warmup_seconds: float = 0.0
     first_request_seconds: float = 0.0
     started_unix_ns: int = 0
+    model_load_seconds: float = 0.0
     seq: int = 0
     torn: bool = False
 
@@ -371,7 +373,7 @@ class Segment:
             return WorkerState(
                 worker_id, v[1], _LIFECYCLES[v[2]] if v[2] < len(_LIFECYCLES) else Lifecycle.UNSET, v[3],
                 v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18],
-                v[19], v[20], v[21], seq,
+                v[19], v[20], v[21], v[22], seq,
             )
         return WorkerState(worker_id, torn=True)
 
@@ -397,7 +399,7 @@ class Segment:
             v = unpack(raw, k * SLOT_SIZE)
             out.append(WorkerState(
                 k, v[1], lifes[v[2]] if v[2] < nl else Lifecycle.UNSET, v[3], v[5], v[6], v[7], v[8], v[9], v[10],
-                v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18], v[19], v[20], v[21], seq,
+                v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18], v[19], v[20], v[21], v[22], seq,
             ))
         return out
 
@@ -447,7 +449,7 @@ class SlotWriter:
             state.last_prompt_tokens, state.kv_cache_usage, state.gpu_memory_used_bytes,
             state.gpu_memory_total_bytes, state.avg_latency_s, state.avg_ttft_s, state.requests_total,
             state.errors_total, state.cuda_oom_total, state.warmup_seconds, state.first_request_seconds,
-            state.started_unix_ns,
+            state.started_unix_ns, state.model_load_seconds,
         )
         seq += 1
         seqs[self._si] = seq  # even: consistent again

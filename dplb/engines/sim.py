@@ -343,6 +343,8 @@ class SimEngine:
                                     "server_overloaded")
                 p = parse_request(body, chat, cfg)
                 self.requests_total += 1
+                if cfg.first_request_delay_s and self.requests_total == 2:  # the first after the warm-up request
+                    await asyncio.sleep(cfg.first_request_delay_s)
                 if cfg.oom_after and self.requests_total >= cfg.oom_after:
                     self.cuda_oom_total += 1
                     raise HTTPError(500, "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "

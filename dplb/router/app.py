@@ -48,6 +48,7 @@ from dplb.tracing import shutdown as tracing_shutdown
 
 log = logging.getLogger("dplb.router")
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more gets 431 (nginx allows 32 KiB, Node 16 KiB)
+_TEXT_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
 _METHODS = frozenset({"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"})
 _ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/debug/decisions"}) | PROXY_PATHS
 
@@ -101,7 +102,8 @@ class RouterApp:
             # trace-id exemplars.
             if "application/openmetrics-text" in request.headers.get("accept", ""):
                 return Response(om_generate_latest(metrics.registry), media_type=OM_CONTENT_TYPE)
-            return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            # Litestar appends "; charset=utf-8" to text/* types itself: hand it the type without one (issue 16).
+            return Response(generate_latest(metrics.registry), media_type=_TEXT_TYPE)
 
         @get("/v1/models")
         async def models() -> Response[Any]:
