@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import httpx
 from cluster import ROOT, dplb_cmd, free_port
+from tools import need
 
 from dplb import doctor
 from dplb.launch_checks import root_cause
@@ -178,13 +180,20 @@ def test_launch_from_a_shadowing_cwd_heals_and_cleans_up_honestly(tmp_path: Path
     log_path = tmp_path / "launch.log"
     log = open(log_path, "wb")  # noqa: SIM115
     # -P: like the `dplb` console script, the launcher itself does not put the cwd on sys.path
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "dplb.cli", *_launch_args(tmp_path, port, "--shm-path", shm)],
+    mport = free_port()
+    args = _launch_args(tmp_path, port, "--shm-path", shm)
+    args[args.index("--metrics-port-base") + 1] = str(mport)
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "dplb.cli", *args],
                             cwd=cwd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    prom = None
     try:
         _wait_ready(url, proc, log_path)
-        # the launcher writes a Prometheus file_sd file of its targets
-        groups = json.loads((tmp_path / "run" / "prometheus-targets.json").read_text())
-        assert {"targets": [f"127.0.0.1:{port}"], "labels": {"job": "dplb-router"}} in groups
+        # the launcher writes a Prometheus file_sd file of its targets; the shipped scrape config reads it
+        targets = tmp_path / "run" / "prometheus-targets.json"
+        groups = json.loads(targets.read_text())
+        assert groups == [{"targets": [f"127.0.0.1:{port}"], "labels": {"job": "dplb-router"}},
+                          {"targets": [f"127.0.0.1:{mport}"], "labels": {"job": "dplb-workers"}}]
+        prom = _prometheus_from_shipped_config(tmp_path, targets)
         # heal a deleted segment the documented way: `dplb segment create --shm-path <same> --num-workers N`
         os.unlink(shm)
         t0 = time.monotonic()
@@ -209,7 +218,10 @@ def test_launch_from_a_shadowing_cwd_heals_and_cleans_up_honestly(tmp_path: Path
             assert time.monotonic() - t0 < 20, log_path.read_text()
             time.sleep(0.1)
         assert "worker 0 exited unexpectedly" not in log_path.read_text()
+        prom.wait_up({"dplb-router": f"127.0.0.1:{port}", "dplb-workers": f"127.0.0.1:{mport}"})
     finally:
+        if prom is not None:
+            prom.stop()
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
         log.close()
@@ -217,6 +229,55 @@ def test_launch_from_a_shadowing_cwd_heals_and_cleans_up_honestly(tmp_path: Path
     assert proc.returncode == 0, text
     assert "shadowed" not in text and f"segment {shm} (recreated while running) removed" in text, text
     assert not os.path.exists(shm)
+    # the runbook's journal greps find what the router and the worker really logged during this heal
+    runbook = (Path(ROOT) / "runbooks" / "DPLBShmSegmentMissing.md").read_text()
+    for unit, log_name in (("dplb-router", "router.log"), ("dplb-worker@0", "worker-0.log")):
+        m = re.search(rf'journalctl -u {re.escape(unit)}\b[^|\n]*\| grep -E "([^"]+)"', runbook)
+        assert m, unit
+        logged = (tmp_path / "run" / log_name).read_text()
+        hits = [ln for ln in logged.splitlines() if re.search(m.group(1), ln)]
+        assert len(hits) >= 2, (unit, m.group(1), logged[-2000:])  # the removal and the re-attachment
+
+
+class _Prom:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+        self.proc, self.url, self.log = proc, url, log
+
+    def wait_up(self, want: dict[str, str], timeout: float = 60) -> None:
+        """Until ``up`` is 1 for exactly these job -> instance targets."""
+        t0 = time.monotonic()
+        got: object = None
+        while time.monotonic() - t0 < timeout:
+            assert self.proc.poll() is None, self.log.read_text()[-2000:]
+            try:
+                res = httpx.get(self.url + "/api/v1/query", params={"query": "up"}, timeout=5).json()["data"]["result"]
+                got = {r["metric"]["job"]: (r["metric"]["instance"], r["value"][1]) for r in res}
+                if got == {job: (inst, "1") for job, inst in want.items()}:
+                    return
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"scrape targets from file_sd: {got}, wanted {want}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def _prometheus_from_shipped_config(tmp: Path, targets: Path) -> _Prom:
+    """A real Prometheus running deploy/prometheus/dplb-scrape.yml, its file_sd glob pointed at ``targets``."""
+    binary = need("prometheus")
+    cfg = (Path(ROOT) / "deploy" / "prometheus" / "dplb-scrape.yml").read_text()
+    assert "/etc/prometheus/dplb/*.json" in cfg
+    cfg = cfg.replace("/etc/prometheus/dplb/*.json", str(targets)).replace("scrape_interval: 15s", "scrape_interval: 1s")
+    cfg = cfg.replace("/etc/prometheus/rules/dplb.rules.yml", str(Path(ROOT) / "alerts" / "dplb.rules.yml"))
+    (tmp / "prometheus.yml").write_text(cfg)
+    port = free_port()
+    log = tmp / "prometheus.log"
+    proc = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=open(log, "wb"),  # noqa: SIM115
+                            stderr=subprocess.STDOUT)
+    return _Prom(proc, f"http://127.0.0.1:{port}", log)
 
 
 def _ready_body(url: str) -> dict[str, object]:
