@@ -418,8 +418,6 @@ def _exit_text(rc: int | None) -> str:
     """How a child ended, for the supervisor's log."""
     if rc == 0:
         return "exited cleanly (code 0: it was stopped, e.g. drained after a SIGTERM not sent by this launcher)"
-    if rc is not None and rc < 0:
-        return f"was killed by {signal.Signals(-rc).name}"
     return f"exited unexpectedly (code {rc})"
 
 

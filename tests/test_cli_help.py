@@ -53,6 +53,10 @@ def test_emit_systemd_enables_the_target_and_writes_scrape_targets(tmp_path: Pat
     host = groups[1]["targets"][0].rsplit(":", 1)[0]
     assert host not in ("0.0.0.0", "") and groups[1]["targets"] == [f"{host}:32001", f"{host}:32002"]
     assert groups[1]["labels"] == {"job": "dplb-workers"}
+    # the workers bind what the targets file says
+    for k in range(2):
+        env = (tmp_path / f"worker-{k}.env").read_text()
+        assert f"--metrics-host 0.0.0.0 --metrics-port {32001 + k}\n" in env, env
 
 
 def test_state_watch_into_a_file_writes_frames_and_the_heading_does_not_wrap(tmp_path: Path) -> None:
