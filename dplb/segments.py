@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from dplb.errors import DPLBError, ShmPathError
 from dplb.shm import SHM_DIR, Segment, SegmentHeader, list_segments
-from dplb.shm_layout import pid_alive, removable
+from dplb.shm_layout import pid_alive
 
 
 @dataclass
@@ -63,15 +63,6 @@ def segments(directory: str = SHM_DIR) -> list[SegmentInfo]:
     """Every ``dplb_state_*`` file in ``directory``, newest header first (unreadable ones last)."""
     infos = [inspect(p) for p in list_segments(directory)]
     return sorted(infos, key=lambda i: -(i.header.created_unix_ns if i.header else 0))
-
-
-def stale_removable(directory: str = SHM_DIR) -> list[SegmentInfo]:
-    """Segments that are stale and safe to remove (DPLB magic, under /dev/shm or ``directory``)."""
-    out = []
-    for i in segments(directory):
-        if i.stale and (removable(i.path) or os.path.dirname(os.path.abspath(i.path)) == os.path.abspath(directory)):
-            out.append(i)
-    return out
 
 
 def check_takeover(path: str) -> None:

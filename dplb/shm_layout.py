@@ -5,7 +5,8 @@ the run directory) and the path-safety rules every command shares:
 
 - A path is a DPLB segment only when it is a regular file whose first bytes are the magic ``DPLB``
   (:func:`is_dplb_segment`). DPLB never overwrites, truncates or unlinks anything else.
-- Removal is advised (``rm …``) only for a DPLB segment under ``/dev/shm`` (:func:`removable`).
+- Removal is advised (``rm …``) only for a DPLB segment under ``/dev/shm`` (:class:`dplb.errors.ShmLayoutError`,
+  ``dplb doctor``).
 - Routers record themselves in the header (:func:`register_router`: pid + port, under ``flock``), so a segment
   used by a live router is never called stale, even when its creator (systemd's oneshot) has exited.
 """
@@ -97,11 +98,6 @@ def is_dplb_segment(path: str) -> bool:
             return f.read(len(MAGIC)) == MAGIC
     except OSError:
         return False
-
-
-def removable(path: str) -> bool:
-    """True when advising ``rm path`` is safe: a DPLB segment (magic) directly under ``/dev/shm``."""
-    return os.path.dirname(os.path.abspath(path)) == SHM_DIR and is_dplb_segment(path)
 
 
 def check_not_foreign(path: str) -> None:
