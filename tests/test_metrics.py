@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -133,6 +134,9 @@ def test_real_prometheus_scrapes_every_family_and_values_agree(prometheus_bin: s
             jobs.setdefault(r["metric"]["__name__"], set()).add(r["metric"]["job"])
         both = {n for n, js in jobs.items() if len(js) > 1}
         assert both == {M.BUILD_INFO + "_info"}, both
+        worker_side = {re.sub(r"_(total|info|bucket|count|sum|created)$", "", n) for n, js in jobs.items()
+                       if "dplb-workers" in js}
+        assert worker_side == set(M.WORKER_SIDE), worker_side ^ set(M.WORKER_SIDE)
         assert {n for n, js in jobs.items() if js == {"dplb-workers"}} >= {f + "_total" for f in (
             M.WORKER_REQUESTS, M.WORKER_ERRORS, M.NVML_ERRORS)}
         meta = httpx.get(prom.url + "/api/v1/metadata", timeout=10).json()["data"]
