@@ -2,8 +2,9 @@
 
 Conventions every dashboard follows (tests/test_dashboards.py checks them):
 - schemaVersion 39 (Grafana 11/12); the data source is a ``DS_PROMETHEUS`` datasource variable and every panel and
-  query names it as ``{"type": "prometheus", "uid": "${DS_PROMETHEUS}"}``; a ``worker`` variable
-  (``label_values(dplb_worker_up, worker)``, multi, All = ``.*``).
+  query names it as ``{"type": "prometheus", "uid": "${DS_PROMETHEUS}"}``; an ``instance`` variable (one router),
+  a hidden ``host`` variable (that router's host: its workers' targets) and a ``worker`` variable
+  (``label_values(dplb_worker_up{…router…}, worker)``, multi, All = ``.*``; ``worker="none"`` never shown).
 - Metric names come from :mod:`dplb.metrics` (never typed here), engine metrics are the ``vllm:*`` names the sim
   engine and vLLM both expose. Router series are scoped ``job="dplb-router"``, worker metrics ports
   ``job="dplb-workers"``; engine series carry no ``worker`` label, so :data:`WORKER_JOIN` adds it by ``instance``.
@@ -20,15 +21,18 @@ from grafanalib.core import GridPos, RowPanel, Stat, StateTimeline, Template, Te
 from dplb import metrics as M
 
 DS: dict[str, str] = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
-ROUTER = 'job="dplb-router"'
-WORKERS = 'job="dplb-workers"'
-SEL_W = 'worker=~"$worker"'
+# One router (host) at a time: $instance picks the router, $host (hidden, derived from it) its workers' targets, so
+# several routers never add up (three routers summed to 7 "routable workers" of 3).
+ROUTER = 'job="dplb-router", instance=~"$instance"'
+WORKERS = 'job="dplb-workers", instance=~"$host:.*"'
+# worker="none" (decisions that found no worker) is not a worker: never a per-worker series.
+SEL_W = 'worker=~"$worker", worker!="none"'
 RI = "$__rate_interval"
 PROXY_ROUTES = 'route=~"/v1/(chat/completions|completions|embeddings)"'
 
 # Engine (vllm:*) series come from the worker's metrics port: one instance per worker, no worker label.
 WORKER_JOIN = (f" * on (instance) group_left (worker) group by (instance, worker) "
-               f"({M.WORKER_LIFECYCLE}{{{WORKERS}, {SEL_W}}})")
+               f"({M.WORKER_INFO}_info{{{WORKERS}, {SEL_W}}})")
 
 
 def r(name: str, extra: str = "") -> str:
@@ -122,13 +126,22 @@ class Layout:
 
 
 def variables() -> Templating:
+    """DS_PROMETHEUS (current = the default data source, as @grafana/schema's VariableOption needs text and value),
+    instance (one router), host (hidden: the router's host, selects its workers' targets), worker (multi, All)."""
     ds = Template(name="DS_PROMETHEUS", label="Data source", query="prometheus", type="datasource", refresh=1,
                   regex="")
-    ds._current = {}
-    worker = Template(name="worker", label="Worker", query=f"label_values({M.WORKER_UP}, worker)", dataSource=DS,
-                      includeAll=True, multi=True, allValue=".*", refresh=2, sort=3, regex="")
+    ds._current = {"selected": False, "text": "default", "value": "default"}
+    build = f'{M.BUILD_INFO}_info{{job="dplb-router"}}'
+    instance = Template(name="instance", label="Router", query=f"label_values({build}, instance)", dataSource=DS,
+                        includeAll=False, multi=False, refresh=2, sort=1, regex="")
+    instance._current = {}
+    host = Template(name="host", label="Host", query=f'label_values({build[:-1]}, instance=~"$instance"}}, instance)',
+                    dataSource=DS, includeAll=False, multi=False, refresh=2, sort=1, regex="/^(.*):[0-9]+$/", hide=2)
+    host._current = {}
+    worker = Template(name="worker", label="Worker", query=f"label_values({M.WORKER_UP}{{{ROUTER}}}, worker)",
+                      dataSource=DS, includeAll=True, multi=True, allValue=".*", refresh=2, sort=3, regex="")
     worker._current = {"selected": True, "text": ["All"], "value": ["$__all"]}
-    return Templating(list=[ds, worker])
+    return Templating(list=[ds, instance, host, worker])
 
 
 def make_dashboard(title: str, uid: str, description: str, layout: Layout) -> _Dashboard:

@@ -58,7 +58,8 @@ L.row("Traffic").add(
     ts("Decision share per worker", "percentunit",
        targets((f"sum by (worker) ({rate(r(DEC))}) / on () group_left () sum(rate({DEC}{{{ROUTER}}}"
                 "[$__rate_interval]))", "worker {{worker}}")),
-       "Share of routing decisions that chose each worker (worker 'none': no worker could be chosen). "
+       "Share of routing decisions that chose each worker (decisions that found no worker are not a worker: "
+       "see 'Decisions/s by reason'). "
        "A lasting skew is DPLBLoadImbalance.", stacking={"mode": "normal", "group": "A"}, fillOpacity=30),
     ts("Decisions/s by reason", "reqps",
        targets((f"sum by (reason) (rate({DEC}{{{ROUTER}}}[$__rate_interval]))", "{{reason}}")),

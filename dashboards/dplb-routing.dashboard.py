@@ -1,7 +1,20 @@
 """DPLB routing and workers: every scoring input per worker as the scorer saw it, lifecycle figures, OOMs, and the
 cost of deciding. → dplb-routing.json"""
 
-from _common import ROUTER, SEL_W, WORKERS, Layout, lifecycle_timeline, make_dashboard, quantile, r, targets, ts
+from _common import (
+    ROUTER,
+    SEL_W,
+    WORKERS,
+    Layout,
+    engine,
+    lifecycle_timeline,
+    make_dashboard,
+    quantile,
+    r,
+    rate,
+    targets,
+    ts,
+)
 
 from dplb import metrics as M
 
@@ -11,6 +24,8 @@ TERM_DOC = {
     "latency": "1 − avg latency / baseline; 1 until the baseline is frozen after 50 requests.",
 }
 RANGE_0_1: dict[str, int] = {"valueMin": 0, "valueMax": 1}
+HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+W = f"{{{WORKERS}}}"
 
 L = Layout()
 L.row("Score").add(
@@ -37,10 +52,17 @@ L.row("Scoring inputs").add(
                (f"max by (worker) ({r(M.WORKER_GPU_MEMORY_TOTAL)})", "total {{worker}}")),
        "NVML memory summed over the worker's GPUs (0 without a GPU, e.g. the sim engine)."),
     ts("GPU memory used ratio per worker", "percentunit",
-       targets((f"max by (worker) ({r(M.WORKER_GPU_MEMORY_USED)}) / max by (worker) ({r(M.WORKER_GPU_MEMORY_TOTAL)})",
-                "worker {{worker}}")),
-       "used / total. vLLM pre-allocates --gpu-memory-utilization (≈0.9); DPLBGPUMemoryNearFull fires above 0.97.",
-       **RANGE_0_1),
+       targets((f"max by (worker) ({r(M.WORKER_GPU_MEMORY_USED)}) / max by (worker) ({r(M.WORKER_GPU_MEMORY_TOTAL)}"
+                " > 0)", "worker {{worker}}")),
+       "used / total. vLLM pre-allocates --gpu-memory-utilization (≈0.9); DPLBGPUMemoryNearFull fires above 0.97. "
+       "Workers without a GPU (total 0: CPU, sim) have no ratio and are left out instead of showing NaN.",
+       extraJson={"fieldConfig": {"defaults": {"noValue": "no GPU"}}}, **RANGE_0_1),
+    ts("Prefix cache hit rate per worker", "percentunit",
+       targets((f"{engine(rate(HITS + W))} / ({engine(rate(QUERIES + W))} > 0)", "worker {{worker}}")),
+       "Prompt tokens the engine served from its prefix cache / prompt tokens it looked up (vllm:prefix_cache_hits "
+       "/ vllm:prefix_cache_queries, from the workers' metrics ports). Prefix affinity (--affinity-margin) routes a "
+       "conversation's next turn to the worker that holds its history, so this stays high; a drop on one worker "
+       "after a restart is its empty cache refilling. No data while a worker gets no prompts.", **RANGE_0_1),
     ts("Average latency vs baseline", "s",
        targets((f"max by (worker) ({r(M.WORKER_LATENCY_AVG)})", "avg latency {{worker}}"),
                (f"max({M.LATENCY_BASELINE}{{{ROUTER}}})", "baseline")),
@@ -58,8 +80,13 @@ L.row("Lifecycle and faults").add(
     ts("Warm-up and first-request duration per worker", "s",
        targets((f"max by (worker) ({r(M.WORKER_WARMUP_DURATION)})", "warm-up {{worker}}"),
                (f"max by (worker) ({r(M.WORKER_FIRST_REQUEST_DURATION)})", "first request {{worker}}")),
-       "Warm-up request duration and the first real request after ready (0 until it happened). "
+       "Warm-up request duration and the first real request after ready (0 until it happened). Model load time "
+       "(dplb_worker_model_load_duration_seconds) is the separate panel beside it. "
        "DPLBWorkerColdStartSlow fires when the first request took over 10 s.", drawStyle="points", pointSize=6),
+    ts("Model load duration per worker", "s",
+       targets((f"max by (worker) ({r(M.WORKER_MODEL_LOAD_DURATION)})", "load {{worker}}")),
+       "Engine load time of each worker's current process (model load until the engine is up; the warm-up request "
+       "comes after). A 12-minute start shows here, not in the warm-up duration.", drawStyle="points", pointSize=6),
     ts("CUDA OOMs per worker", "none",
        targets((f"max by (worker) (increase({r(M.WORKER_CUDA_OOM + '_total')}[$__rate_interval]))",
                 "worker {{worker}}")),

@@ -30,7 +30,8 @@ def output_of(src: Path) -> Path:
 
 #: Keys grafanalib still emits for pre-v8 Grafana; current Grafana ignores them, so they are left out.
 LEGACY = {"rows", "style", "hideControls", "sharedCrosshair", "span", "minSpan", "height", "error", "repeatDirection",
-          "auto", "auto_count", "auto_min", "useTags", "tagsQuery", "tagValuesQuery"}
+          "auto", "auto_count", "auto_min", "useTags", "tagsQuery", "tagValuesQuery",
+          "time_options"}  # timepicker.time_options: removed from Grafana's dashboard schema (@grafana/schema)
 
 
 def _clean(obj: Any, key: str = "") -> Any:

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from dplb import __version__
+from dplb.config import METRICS_HOST, METRICS_PORT_BASE
 from dplb.errors import DPLBError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -24,6 +25,24 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT, stream=sys.stderr)
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class _HelpEngine(argparse.Action):
+    """``--help-engine sim|vllm``: print that engine's arguments and exit (like ``--help``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        if values == "sim":
+            from dplb.engines import sim_arg_parser
+
+            sp = sim_arg_parser()
+            sp.description = ("Sim engine knobs (pass after the worker's own flags, or to `dplb launch`; "
+                              "units and faults: dplb/engines/sim_scheduler.py SimConfig).")
+            sp.print_help()
+        else:
+            print("The vllm engine passes every argument it does not know to vLLM's OpenAI server unchanged; see "
+                  "`vllm serve --help` (or `python -m vllm.entrypoints.openai.api_server --help`).")
+        parser.exit(0)
 
 
 # ---- worker ----------------------------------------------------------------------------------------------------
@@ -39,7 +58,11 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model path/name (vllm) or served model name (sim)")
     p.add_argument("--shm-path", help="state segment (default: $DPLB_SHM_PATH)")
     p.add_argument("--state-interval-ms", type=int, help="publish interval (default: the segment's, 200)")
-    p.add_argument("--metrics-port", type=int, help="metrics port on 127.0.0.1 (default 30001+K; 0 = off)")
+    p.add_argument("--metrics-port", type=int, help=f"metrics port (default {METRICS_PORT_BASE}+K; 0 = off)")
+    p.add_argument("--metrics-host", default=METRICS_HOST,
+                   help=f"address the metrics port binds (default {METRICS_HOST}; 0.0.0.0 for a remote Prometheus)")
+    p.add_argument("--help-engine", choices=("sim", "vllm"), action=_HelpEngine,
+                   help="show the engine's own arguments (the sim's --sim-* knobs; vLLM's server flags) and exit")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.set_defaults(func=_cmd_worker)
 
@@ -50,7 +73,7 @@ def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
 
     cfg = WorkerConfig(
         worker_id=args.worker_id, uds=args.uds, shm_path=args.shm_path, state_interval_ms=args.state_interval_ms,
-        metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_timeout_s=args.drain_timeout,
     )
     engine = build_engine(args.engine, rest, model=args.model)
     worker = Worker(cfg, engine)
@@ -69,7 +92,9 @@ def _run_async(coro) -> int:
 # ---- state -----------------------------------------------------------------------------------------------------
 def _add_state(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("state", help="show the shared-memory state segment (one row per worker)")
-    p.add_argument("--shm-path", help="segment (default: $DPLB_SHM_PATH, else the newest /dev/shm/dplb_state_*)")
+    p.add_argument("--shm-path", help="segment (default: $DPLB_SHM_PATH, else the only /dev/shm/dplb_state_*; with "
+                   "several, they are listed and one must be chosen)")
+    p.add_argument("--shm-dir", default=None, help=argparse.SUPPRESS)  # tests: where to look instead of /dev/shm
     p.add_argument("--json", action="store_true", help="print JSON: {header, workers: [...]}")
     p.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
     p.add_argument("--interval", type=float, default=1.0, help="--watch refresh period, seconds")
@@ -79,7 +104,8 @@ def _add_state(sub: argparse._SubParsersAction) -> None:
 def _cmd_state(args: argparse.Namespace, rest: list[str]) -> int:
     from dplb.state_cli import run_state
 
-    return run_state(args.shm_path, as_json=args.json, watch=args.watch, interval_s=args.interval)
+    return run_state(args.shm_path, as_json=args.json, watch=args.watch, interval_s=args.interval,
+                     directory=args.shm_dir)
 
 
 # ---- segment (for systemd's dplb-segment.service) ----------------------------------------------------------
@@ -98,8 +124,10 @@ def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
 
     from dplb.errors import ConfigError
     from dplb.shm import Segment, resolve_path
+    from dplb.shm_layout import check_not_foreign
 
     path = resolve_path(args.shm_path)
+    check_not_foreign(path)  # never overwrite or remove a file that is not a DPLB segment
     if args.action == "remove":
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -108,7 +136,8 @@ def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
     if n <= 0:
         raise ConfigError("--num-workers (or DPLB_NUM_WORKERS) must be > 0")
     interval = args.state_interval_ms or int(os.environ.get("DPLB_STATE_INTERVAL_MS", "200"))
-    Segment.create(path, n, state_interval_ms=interval, model=args.model, replace=True).close()
+    Segment.create(path, n, state_interval_ms=interval, model=args.model, replace=True,
+                   run_dir=os.environ.get("DPLB_RUN_DIR", "")).close()
     print(f"created {path} ({n} workers, {interval} ms)")
     return 0
 

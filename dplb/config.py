@@ -27,6 +27,18 @@ def default_run_dir() -> str:
     return f"/tmp/dplb-{os.getuid()}"
 
 
+#: Worker K serves its metrics on METRICS_PORT_BASE + K unless told otherwise (the router's default port is 30000).
+METRICS_PORT_BASE = 30001
+#: Where worker metrics listen by default (loopback: they carry no auth). ``--metrics-host`` changes it.
+METRICS_HOST = "127.0.0.1"
+
+
+def worker_metrics_ports(base: int | None, num_workers: int) -> list[int]:
+    """TCP ports the workers' metrics servers bind: ``base + K`` (``None`` = :data:`METRICS_PORT_BASE`; 0 = none)."""
+    b = METRICS_PORT_BASE if base is None else base
+    return [b + k for k in range(num_workers)] if b else []
+
+
 POLICIES = ("dplb", "round_robin", "random", "least_loaded", "power_of_two", "prefix_hash")
 MemorySignal = Literal["kv", "gpu"]
 LatencySignal = Literal["e2e", "ttft"]

@@ -22,11 +22,13 @@ import os
 import socket
 from dataclasses import dataclass
 
-from dplb.config import default_run_dir
+from dplb.config import METRICS_PORT_BASE, default_run_dir, worker_metrics_ports
 from dplb.errors import ConfigError
 from dplb.gpu import GpuInfo, discover_gpus, visible_gpu_indices
 from dplb.plan import plan_gpus
-from dplb.shm import SHM_DIR, Segment, list_segments
+from dplb.segments import segments
+from dplb.shm import SHM_DIR
+from dplb.shm_layout import is_dplb_segment
 
 MIN_SHM_BYTES = 256 * 1024 * 1024  # below this, warn (vLLM's own IPC also uses /dev/shm)
 DOCKER_DEFAULT_SHM = 64 * 1024 * 1024
@@ -83,6 +85,10 @@ def check_model_memory(model: str | None, gpus: list[GpuInfo], tp: int) -> Check
     """Model weights vs per-GPU memory; says when tensor parallelism is needed."""
     if not model:
         return Check("model_memory", "pass", "no --model given (sim engine): nothing to load")
+    problem = model_path_problem(model)
+    if problem:
+        return Check("model_memory", "fail", problem, "pass an existing local model directory (with config.json) "
+                     "or a Hugging Face model id (org/name)")
     path = os.path.join(model, "config.json")
     if not os.path.exists(path):
         return Check("model_memory", "warn", f"no config.json at {path} (a hub name?): cannot estimate",
@@ -106,6 +112,22 @@ def check_model_memory(model: str | None, gpus: list[GpuInfo], tp: int) -> Check
     return Check("model_memory", "pass", f"weights ≈ {need / 2**30:.1f} GiB fit {tp} × {per_gpu / 2**30:.0f} GiB")
 
 
+def model_path_problem(model: str) -> str:
+    """Why ``model`` cannot be loaded, checked before any worker starts ("" when it looks loadable): a path
+    (absolute, ``./``, ``~`` or existing) must be a directory holding ``config.json``; ``org/name`` is a hub id."""
+    looks_local = model.startswith(("/", ".", "~")) or os.path.exists(model) or model.count("/") > 1
+    if not looks_local:
+        return ""
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        return f"--model {model}: no such directory"
+    if not os.path.isdir(path):
+        return f"--model {model}: not a directory (vLLM needs the model directory, not a file)"
+    if not os.path.exists(os.path.join(path, "config.json")):
+        return f"--model {model}: no config.json in the directory (not a Hugging Face model directory)"
+    return ""
+
+
 def check_shm(directory: str = SHM_DIR) -> Check:
     """/dev/shm size and free space."""
     try:
@@ -121,34 +143,25 @@ def check_shm(directory: str = SHM_DIR) -> Check:
     return Check("shm", "pass", detail)
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def check_stale_segments(directory: str = SHM_DIR) -> Check:
-    """``dplb_state_*`` segments whose creator and workers are all dead."""
-    stale = []
-    for p in list_segments(directory):
-        try:
-            with Segment.attach(p, writable=False) as seg:
-                pids = [seg.header.creator_pid] + [w.pid for w in seg.read_all()]
-        except Exception:
-            stale.append(p)
-            continue
-        if not any(_pid_alive(pid) for pid in pids):
-            stale.append(p)
-    if stale:
-        return Check("stale_segments", "warn", f"{len(stale)} segment(s) with no live owner: {', '.join(stale)}",
-                     "remove them: rm " + " ".join(stale))
-    return Check("stale_segments", "pass", "no stale dplb_state_* segments")
+    """``dplb_state_*`` segments none of whose recorded processes (creator, routers, workers) is alive. A segment
+    a live router records is never stale, even after its creator (systemd's oneshot) exited. Removal is suggested
+    only for files that carry DPLB's magic; other ``dplb_state_*`` files are named but left alone."""
+    found = segments(directory)
+    stale = [i.path for i in found if i.stale]
+    foreign = [i.path for i in found if i.header is None and not is_dplb_segment(i.path)]
+    broken = [i.path for i in found if i.header is None and is_dplb_segment(i.path)]  # old layout, truncated
+    if stale or broken:
+        detail = f"{len(stale + broken)} segment(s) with no live owner: {', '.join(stale + broken)}"
+        if foreign:
+            detail += f"; not DPLB segments (left alone): {', '.join(foreign)}"
+        return Check("stale_segments", "warn", detail, "remove them: rm " + " ".join(stale + broken))
+    if foreign:
+        return Check("stale_segments", "warn", f"dplb_state_* file(s) that are not DPLB segments: {', '.join(foreign)}",
+                     "DPLB does not touch them; find out what wrote them")
+    live = [i.describe() for i in found]
+    return Check("stale_segments", "pass", "no stale dplb_state_* segments" + (f"; live: {'; '.join(live)}"
+                                                                                if live else ""))
 
 
 def check_ports(host: str, ports: list[int]) -> Check:
@@ -163,7 +176,8 @@ def check_ports(host: str, ports: list[int]) -> Check:
                 busy.append(port)
     if busy:
         return Check("ports", "fail", f"port(s) in use on {host}: {busy}",
-                     "stop what holds them (ss -ltnp | grep PORT) or pick --port / --metrics-port-base")
+                     "stop what holds them (ss -ltnp | grep PORT), or move the stack: --port for the router, "
+                     "--metrics-port-base for the workers' metrics ports")
     return Check("ports", "pass", f"ports free on {host}: {ports}")
 
 
@@ -185,7 +199,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         gpus = [g for g in gpus if g.index in visible]
     indices = [g.index for g in gpus]
     n = args.num_workers or (len(indices) // args.tensor_parallel_size if indices else 2)
-    ports = [args.port] + [30001 + k for k in range(n)]
+    ports = [args.port, *worker_metrics_ports(args.metrics_port_base, n)]
     return [
         check_gpus(gpus),
         check_plan(indices, args.num_workers, args.tensor_parallel_size),
@@ -204,7 +218,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-workers", type=int)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--port", type=int, default=30000, help="router port to check (default 30000)")
+    p.add_argument("--metrics-port-base", type=int, default=None,
+                   help=f"worker metrics ports to check: BASE+K (default {METRICS_PORT_BASE}+K; 0 = none)")
     p.add_argument("--run-dir")
     p.add_argument("--shm-dir", default=SHM_DIR, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")

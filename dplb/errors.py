@@ -11,6 +11,7 @@ The router's own HTTP errors (OpenAI-shaped JSON bodies with bounded reason code
 from __future__ import annotations
 
 import enum
+import os
 
 
 class DPLBError(Exception):
@@ -47,15 +48,26 @@ class ShmMissingError(ShmError):
 
 
 class ShmLayoutError(ShmError):
-    """The file exists but is not a DPLB segment of this layout (wrong magic, version or size)."""
+    """The file exists but is not a DPLB segment of this layout (wrong magic, version or size).
 
-    def __init__(self, path: str, detail: str) -> None:
-        super().__init__(
-            f"'{path}' is not a usable DPLB state segment: {detail}. It was probably written by another program "
-            "or another DPLB version. Stop the DPLB processes that use it, remove it "
-            f"(rm '{path}'), and let `dplb launch` create a new one.",
-            path,
-        )
+    Removal is advised only for a file that carries DPLB's magic directly under ``/dev/shm`` (``dplb_magic``):
+    anything else may be the user's file and is never suggested for ``rm``."""
+
+    def __init__(self, path: str, detail: str, *, dplb_magic: bool = True) -> None:
+        if dplb_magic and os.path.dirname(os.path.abspath(path)) == "/dev/shm":
+            advice = ("It was probably written by another DPLB version. Stop the DPLB processes that use it, remove "
+                      f"it (rm '{path}'), and let `dplb launch` create a new one.")
+        else:
+            advice = ("It is not a DPLB state segment, and DPLB will not touch it: set DPLB_SHM_PATH (or pass "
+                      "--shm-path) to the segment `dplb launch` created (ls /dev/shm | grep dplb_state_).")
+        super().__init__(f"'{path}' is not a usable DPLB state segment: {detail}. {advice}", path)
+
+
+class ShmPathError(ShmError):
+    """A segment path DPLB refuses to use: a directory, a file that is not a DPLB segment, or a segment that a live
+    stack uses. Nothing was written or removed."""
+
+    exit_code = 2
 
 
 class ShmSpaceError(ShmError):

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import logging
 import os
-import shlex
 import shutil
 import signal
 import socket
@@ -30,13 +29,22 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from dplb.config import default_run_dir
+from dplb.config import METRICS_HOST, METRICS_PORT_BASE, default_run_dir, worker_metrics_ports
 from dplb.errors import ConfigError
 from dplb.gpu import discover_gpus, visible_gpu_indices
+from dplb.launch_checks import (
+    check_model,
+    check_ports,
+    child_argv,
+    parse_worker_args,
+    root_cause,
+    scrape_targets,
+    write_scrape_targets,
+)
 from dplb.plan import cuda_visible_devices, plan_gpus
 from dplb.router.cli import add_router_args, policy_argv, router_config
-from dplb.serving import bind_tcp
-from dplb.shm import ENV_SHM_PATH, Lifecycle, Segment, default_segment_path
+from dplb.segments import check_takeover, inspect
+from dplb.shm import ENV_SHM_PATH, MAX_WORKERS, Lifecycle, Segment, default_segment_path
 
 log = logging.getLogger("dplb.launch")
 BACKOFF_START_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
@@ -123,25 +131,7 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def _dplb(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dplb.cli", *args]
-
-
-def parse_worker_args(items: list[str], num_workers: int) -> dict[int, list[str]]:
-    """``["K=ARGS", ...]`` → ``{K: shlex-split ARGS}`` (several items for one K add up). Raises
-    :class:`ConfigError` for a malformed item or K outside 0..num_workers−1."""
-    out: dict[int, list[str]] = {}
-    for item in items:
-        k_s, sep, rest = item.partition("=")
-        try:
-            k = int(k_s)
-            words = shlex.split(rest)
-        except ValueError as e:
-            raise ConfigError(f"--worker-args {item!r}: expected K=ARGS, e.g. '3=--sim-speed 0.5' ({e})") from e
-        if not sep or not 0 <= k < num_workers:
-            raise ConfigError(f"--worker-args {item!r}: expected K=ARGS with K in 0..{num_workers - 1}")
-        out.setdefault(k, []).extend(words)
-    return out
+_dplb = child_argv
 
 
 class Launcher:
@@ -167,8 +157,11 @@ class Launcher:
             raise ConfigError("--max-start-failures must be ≥ 1")
         self.per_worker_args = parse_worker_args(args.worker_args or [], len(self.plan))
         self.run_dir = args.run_dir or default_run_dir()
-        self.shm_path = args.shm_path or default_segment_path()
+        # Same resolution as `dplb state`: --shm-path, else $DPLB_SHM_PATH, else a new default path.
+        self.shm_path = args.shm_path or os.environ.get(ENV_SHM_PATH) or default_segment_path()
+        self.metrics_ports = worker_metrics_ports(args.metrics_port_base, len(self.plan))
         self.stopping = False
+        self.targets_path = ""
         self.created_run_dir = False
         self.segment: Segment | None = None
         self.workers: list[Child] = []
@@ -179,13 +172,13 @@ class Launcher:
 
     # ---- start ---------------------------------------------------------------------------------------------
     def preflight(self) -> None:
-        """Refuse to start next to a running deployment: the router port and worker sockets must be free.
-        Raises :class:`ConfigError` naming what is in use (nothing has been started or touched yet)."""
-        try:
-            bind_tcp(self.args.host, self.args.port).close()
-        except OSError as e:
-            raise ConfigError(f"cannot listen on {self.args.host}:{self.args.port}: {e.strerror or e}. Another "
-                              "DPLB (or another server) uses it: stop it, or pass --port") from e
+        """Refuse to start next to a running deployment or on a path DPLB must not touch: every port the stack binds
+        (router, workers' metrics) must be free, the worker sockets unserved, ``--model`` a model, and the segment
+        path missing or a stale DPLB segment. Raises :class:`ConfigError`/:class:`ShmError` naming the problem and
+        the flag to change (nothing has been started or touched yet)."""
+        check_model(self.args.model)
+        check_takeover(self.shm_path)
+        check_ports(self.args.host, self.args.port, self.args.metrics_host, self.metrics_ports)
         for k in range(len(self.plan)):
             path = self.router_cfg.socket_path(k)
             if os.path.exists(path) and _socket_answers(path):
@@ -204,7 +197,8 @@ class Launcher:
         model_name = self.args.served_model_name or self.args.model or "dplb-sim"
         try:
             self.segment = Segment.create(self.shm_path, len(self.plan), state_interval_ms=self.args.state_interval_ms,
-                                          model=model_name, gpu_map=self.plan, replace=bool(self.args.shm_path))
+                                          model=model_name, gpu_map=self.plan, run_dir=self.run_dir,
+                                          replace=os.path.exists(self.shm_path))  # a stale DPLB segment (preflight)
         except ValueError as e:
             raise ConfigError(str(e)) from e
         env = {k: v for k, v in os.environ.items() if k != "DPLB_API_KEY"}
@@ -223,8 +217,8 @@ class Launcher:
             if self.args.served_model_name:
                 argv += (["--model", self.args.served_model_name] if self.engine == "sim"
                          else ["--served-model-name", self.args.served_model_name])
-            if self.args.metrics_port_base is not None:
-                argv += ["--metrics-port", str(self.args.metrics_port_base + k if self.args.metrics_port_base else 0)]
+            argv += ["--metrics-port", str(self.metrics_ports[k] if self.metrics_ports else 0),
+                     "--metrics-host", self.args.metrics_host]
             if self.engine == "vllm" and len(group) > 1:
                 argv += ["--tensor-parallel-size", str(len(group))]
             argv += self.engine_args + self.per_worker_args.get(k, [])
@@ -269,6 +263,7 @@ class Launcher:
               f"{', API key required' if self.args.api_key else ''})\n"
               f"  segment: {self.shm_path}   (dplb state --shm-path {self.shm_path})\n"
               f"  logs:    {self.run_dir}/worker-K.log, {self.run_dir}/router.log (kept after exit)\n"
+              f"  scrape:  {self.targets_path} (Prometheus file_sd: jobs dplb-router, dplb-workers)\n"
               f"  try:     curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
               f"{auth}"
               f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
@@ -281,6 +276,8 @@ class Launcher:
         self.preflight()
         try:
             self._prepare()
+            self.targets_path = write_scrape_targets(self.run_dir, scrape_targets(
+                self.args.host, self.args.port, self.args.metrics_host, self.metrics_ports))
             self._banner()
             for w in self.workers:
                 w.start()
@@ -312,8 +309,8 @@ class Launcher:
                         return 1
                     if now - w.started_at > STABLE_S:
                         w.backoff_s = BACKOFF_START_S
-                    log.warning("%s exited unexpectedly (code %s); restarting in %.0f s (log: %s)", w.name, rc,
-                                w.backoff_s, w.log_path)
+                    log.warning("%s %s; restarting in %.0f s (log: %s)", w.name, _exit_text(rc), w.backoff_s,
+                                w.log_path)
                     w.next_start = now + w.backoff_s
                     w.backoff_s = min(BACKOFF_MAX_S, w.backoff_s * 2)
                 elif now >= w.next_start:
@@ -327,7 +324,7 @@ class Launcher:
                 rc = r.proc.returncode if r.proc else None
                 if self._gives_up(r, rc):
                     return 1
-                log.warning("router exited (code %s); restarting (log: %s)", rc, r.log_path)
+                log.warning("router %s; restarting (log: %s)", _exit_text(rc), r.log_path)
                 time.sleep(min(r.backoff_s, 5))
                 r.backoff_s = min(BACKOFF_MAX_S, r.backoff_s * 2)
                 r.ever_ready = False
@@ -350,16 +347,17 @@ class Launcher:
         c.start_failures += 1
         if c.start_failures < self.args.max_start_failures:
             return False
-        print(f"DPLB: {c.name} failed to start {c.start_failures} time(s) (exit {rc}); giving up. "
-              f"Last log lines ({c.log_path}):\n{c.log_tail()}", file=sys.stderr)
+        tail = c.log_tail()
+        cause = root_cause(c.log_tail(100_000))
+        print(f"DPLB: {c.name} failed to start {c.start_failures} time(s) (exit {rc}); giving up.\n"
+              + (f"Root cause: {cause}\n" if cause else "")
+              + f"Last log lines ({c.log_path}):\n{tail}", file=sys.stderr)
         return True
 
     def _shutdown(self) -> None:
         self.stopping = True
         if self.router is None:  # nothing was started
-            if self.segment is not None:
-                self.segment.unlink()
-                self.segment.close()
+            self._remove_segment()
             return
         for w in self.workers:
             w.signal(signal.SIGTERM)
@@ -384,14 +382,36 @@ class Launcher:
         for k in range(len(self.plan)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.router_cfg.socket_path(k))
-        if self.segment is not None:
-            self.segment.unlink()
-            self.segment.close()
-            self.segment = None
+        seg_msg = self._remove_segment()
         if self.created_run_dir and self.args.remove_logs:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        print(f"DPLB: stopped; sockets and segment removed (logs kept in {self.run_dir}).", file=sys.stderr,
+        print(f"DPLB: stopped; sockets removed, {seg_msg} (logs kept in {self.run_dir}).", file=sys.stderr,
               flush=True)
+
+    def _remove_segment(self) -> str:
+        """Remove our segment, or the one that replaced it at our path (`dplb segment create` heals a deleted one)
+        when no live process uses it; anything else is left. Returns what happened, for the stop message."""
+        if self.segment is None:
+            return "no segment"
+        seg, self.segment = self.segment, None
+        removed = seg.unlink()
+        seg.close()
+        if removed:
+            return f"segment {seg.path} removed"
+        if not os.path.lexists(seg.path):
+            return f"segment {seg.path} was already gone"
+        info = inspect(seg.path)
+        if info.stale:
+            os.unlink(seg.path)
+            return f"segment {seg.path} (recreated while running) removed"
+        return f"segment at {seg.path} left in place (not ours: {info.describe()})"
+
+
+def _exit_text(rc: int | None) -> str:
+    """How a child ended, for the supervisor's log."""
+    if rc == 0:
+        return "exited cleanly (code 0: it was stopped, e.g. drained after a SIGTERM not sent by this launcher)"
+    return f"exited unexpectedly (code {rc})"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -404,15 +424,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", help="model path or name for vLLM (omit for the sim engine)")
     p.add_argument("--served-model-name", help="model name clients use (default: --model, or dplb-sim)")
-    p.add_argument("--num-workers", type=int, help="data-parallel workers (default: GPUs / TP; 2 on CPU)")
+    p.add_argument("--num-workers", type=int,
+                   help=f"data-parallel workers, 1..{MAX_WORKERS} (default: GPUs / TP; 2 on CPU)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per worker (default 1)")
     p.add_argument("--state-interval-ms", type=int, default=200, help="worker publish interval (default 200)")
     p.add_argument("--run-dir", help=f"sockets and logs (default {default_run_dir()})")
-    p.add_argument("--shm-path", help="state segment path (default /dev/shm/dplb_state_<unix seconds>)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds workers get to finish on stop")
+    p.add_argument("--shm-path", help="state segment path (default $DPLB_SHM_PATH, else "
+                   "/dev/shm/dplb_state_<unix seconds>); an existing path must be a stale DPLB segment")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds workers get to finish in-flight requests on stop (default 30)")
     p.add_argument("--metrics-port-base", type=int, default=None,
-                   help="worker K serves metrics on BASE+K (default 30001+K; 0 disables)")
-    p.add_argument("--max-start-failures", type=int, default=3, help="give up after a worker fails to start N times")
+                   help=f"worker K serves metrics on BASE+K (default {METRICS_PORT_BASE}+K; 0 disables)")
+    p.add_argument("--metrics-host", default=METRICS_HOST,
+                   help=f"address the workers' metrics ports bind (default {METRICS_HOST}; 0.0.0.0 for a remote "
+                   "Prometheus)")
+    p.add_argument("--max-start-failures", type=int, default=3,
+                   help="give up after a worker fails to start N times in a row before becoming ready (default 3)")
     p.add_argument("--remove-logs", action="store_true", help="remove the run directory and its logs on exit")
     p.add_argument("--worker-args", action="append", metavar="K=ARGS",
                    help="extra engine arguments for worker K only, after the shared ones (repeatable), e.g. "

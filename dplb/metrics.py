@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 # ---- names (dashboards/alerts import these) --------------------------------------------------------------------
@@ -63,6 +63,14 @@ BUILD_INFO = "dplb_build"  # exposed as dplb_build_info
 WORKER_REQUESTS = "dplb_worker_requests"  # _total (worker side)
 WORKER_ERRORS = "dplb_worker_errors"  # _total (worker side)
 WORKER_COLLECTOR_TICK = "dplb_worker_collector_tick_seconds"
+WORKER_INFO = "dplb_worker"  # exposed as dplb_worker_info{worker, engine} (worker side; joins engine series)
+WORKER_MODEL_LOAD_DURATION = "dplb_worker_model_load_duration_seconds"
+
+#: One owner per name (issue 16): the router exports every per-worker figure that travels through the shm slot
+#: (lifecycle, warm-up, first request, model load, CUDA OOMs, scoring inputs) for all workers, even those whose
+#: metrics port is off; a worker's own port exports only what the slot does not carry. No name is in both jobs
+#: except dplb_build_info (told apart by its ``component`` label), so an unfiltered ``sum`` never double-counts.
+WORKER_SIDE = frozenset({BUILD_INFO, WORKER_INFO, WORKER_REQUESTS, WORKER_ERRORS, NVML_ERRORS, WORKER_COLLECTOR_TICK})
 
 # (operation, error) label pairs of dplb_shm_errors_total: a closed set.
 SHM_ERROR_LABELS = (("attach", "ShmMissingError"), ("attach", "ShmLayoutError"), ("attach", "ShmError"),
@@ -78,46 +86,48 @@ WARMUP_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200)
 
 @dataclass
 class WorkerMetrics:
-    """The metrics a worker process exports on its metrics port (beside the engine's ``vllm:*`` metrics)."""
+    """The metrics a worker process exports on its metrics port (beside the engine's ``vllm:*`` metrics): only
+    :data:`WORKER_SIDE` names. The counters are read at scrape time from ``counters()`` (the collector's running
+    totals: requests completed, requests failed, NVML read errors), typed as counters."""
 
     registry: CollectorRegistry
-    warmup: Gauge
-    first_request: Gauge
-    cuda_oom: Gauge
-    nvml_errors: Gauge
-    lifecycle: Gauge
-    requests: Gauge
-    errors: Gauge
     collector_tick: Histogram
 
 
-def worker_metrics(worker_id: int, version: str) -> WorkerMetrics:
-    """Build a worker's metrics in a fresh registry. Counters read from the engine are exported as gauges
-    mirroring the worker's own running totals (the collector owns the numbers, Prometheus just reads them)."""
+class _WorkerCounters:
+    """Scrape-time counters of one worker: ``source()`` returns (requests_total, errors_total, nvml_errors_total)."""
+
+    def __init__(self, worker: str, source: Callable[[], tuple[int, int, int]]) -> None:
+        self.worker, self.source = worker, source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        req, err, nvml = self.source()
+        for name, doc, v in ((WORKER_REQUESTS, "Model requests the worker completed.", req),
+                             (WORKER_ERRORS, "Model requests the engine failed (5xx or cut).", err),
+                             (NVML_ERRORS, "Failed NVML reads of the worker's GPU memory.", nvml)):
+            fam = CounterMetricFamily(name, doc, labels=["worker"])
+            fam.add_metric([self.worker], v)
+            yield fam
+
+
+def worker_metrics(worker_id: int, version: str, engine: str = "sim",
+                   counters: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)) -> WorkerMetrics:
+    """Build a worker's metrics in a fresh registry (see :data:`WORKER_SIDE`). ``counters()`` returns the running
+    totals (requests completed, requests failed, NVML errors) exported as counters at scrape time."""
     reg = CollectorRegistry(auto_describe=True)
     w = str(worker_id)
     Info(BUILD_INFO, "DPLB build", registry=reg).info({"version": version, "component": "worker"})
+    Info(WORKER_INFO, "This worker's id and engine (joins the engine's vllm:* series to a worker id by instance).",
+         registry=reg).info({"worker": w, "engine": engine})
+    reg.register(_WorkerCounters(w, counters))
     m = WorkerMetrics(
         registry=reg,
-        warmup=Gauge(WORKER_WARMUP_DURATION, "Duration of the worker's warm-up request, seconds.", ["worker"],
-                     registry=reg),
-        first_request=Gauge(WORKER_FIRST_REQUEST_DURATION,
-                            "E2E duration of the first real request after the worker became ready, seconds.",
-                            ["worker"], registry=reg),
-        cuda_oom=Gauge(WORKER_CUDA_OOM + "_total", "CUDA out-of-memory errors reported by the engine.", ["worker"],
-                       registry=reg),
-        nvml_errors=Gauge(NVML_ERRORS + "_total", "Failed NVML reads.", ["worker"], registry=reg),
-        lifecycle=Gauge(WORKER_LIFECYCLE, "Worker lifecycle, one-hot.", ["worker", "state"], registry=reg),
-        requests=Gauge(WORKER_REQUESTS + "_total", "Model requests the worker completed.", ["worker"], registry=reg),
-        errors=Gauge(WORKER_ERRORS + "_total", "Model requests the engine failed (5xx or cut).", ["worker"],
-                     registry=reg),
         collector_tick=Histogram(WORKER_COLLECTOR_TICK, "Time one collector tick takes, seconds.", ["worker"],
                                  buckets=(*DECISION_BUCKETS[3:], 0.05, 0.1), registry=reg),
     )
-    for g in (m.warmup, m.first_request, m.cuda_oom, m.nvml_errors, m.requests, m.errors):
-        g.labels(w).set(0)
-    for s in LIFECYCLE_STATES:
-        m.lifecycle.labels(w, s).set(0)
     m.collector_tick.labels(w)
     return m
 
@@ -131,6 +141,7 @@ class RouterMetrics:
 
     def __init__(self, version: str) -> None:
         reg = self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=reg)  # process_* (RSS, open fds, CPU seconds, start time) of the router
         Info(BUILD_INFO, "DPLB build", registry=reg).info({"version": version, "component": "router"})
         self.decisions = Counter(ROUTING_DECISIONS, "Routing decisions by chosen worker and reason.",
                                  ["worker", "reason"], registry=reg)
@@ -267,6 +278,8 @@ class WorkerStateCollector:
                                       "(0 until warmed)."),
             WORKER_FIRST_REQUEST_DURATION: g(WORKER_FIRST_REQUEST_DURATION, "E2E of the first real request after "
                                              "ready, seconds (0 until served)."),
+            WORKER_MODEL_LOAD_DURATION: g(WORKER_MODEL_LOAD_DURATION, "Engine load time of the worker's current "
+                                          "process (model load up to the warm-up), seconds (0 until loaded)."),
         }
         oom = CounterMetricFamily(WORKER_CUDA_OOM, "CUDA out-of-memory errors the worker reported.",
                                   labels=["worker"])
@@ -286,7 +299,8 @@ class WorkerStateCollector:
                                 (WORKER_SCORE, c.score), (WORKER_UP, 1 if c.routable else 0),
                                 (WORKER_STATE_LAST_UPDATE, s.heartbeat_unix_ns / 1e9),
                                 (WORKER_WARMUP_DURATION, s.warmup_seconds),
-                                (WORKER_FIRST_REQUEST_DURATION, s.first_request_seconds)):
+                                (WORKER_FIRST_REQUEST_DURATION, s.first_request_seconds),
+                                (WORKER_MODEL_LOAD_DURATION, s.model_load_seconds)):
                     fam[name].add_metric([w], v)
                 if "max_queue" in view:
                     fam[WORKER_MAX_QUEUE].add_metric([w], view["max_queue"])

@@ -6,7 +6,7 @@ The full path is handed to every process as ``DPLB_SHM_PATH``. Mode 0600 unless 
 
 Byte layout (little-endian; offsets in bytes)::
 
-    Header, HEADER_SIZE = 4096 bytes (one page), written once by the creator, read-only afterwards
+    Header, HEADER_SIZE = 4096 bytes (one page), written once by the creator (except the router registry)
       0   4s   magic                 b"DPLB"
       4   u16  layout_version        LAYOUT_VERSION (1)
       6   u16  header_size           4096
@@ -18,7 +18,10 @@ Byte layout (little-endian; offsets in bytes)::
       28  u32  reserved (0)
       32  128s model                 UTF-8, NUL-padded (served model name; may be empty)
       160 64 × 16 bytes GPU map      per worker w at 160 + 16·w: u8 count (0..15), then 15 × u8 GPU indices
-      1184..4095 reserved (zeros)
+      1184 8 × 8 bytes routers       u32 pid, u16 TCP port, u16 reserved (0 pid = free); written by each router
+                                     under flock (dplb.shm_layout.register_router), cleared when it stops
+      1248 256s run_dir              UTF-8, NUL-padded: the run directory of the worker sockets (may be empty)
+      1504..4095 reserved (zeros)
 
     Slot w at HEADER_SIZE + w·SLOT_SIZE (64-byte cache-line aligned), written only by worker w
       0   u64  seq                   seqlock counter: odd while the writer is mid-update
@@ -43,7 +46,8 @@ Byte layout (little-endian; offsets in bytes)::
       112 f64  warmup_seconds        duration of the warm-up request (0 until warmed)
       120 f64  first_request_seconds duration of the first real request after ready (0 until served)
       128 u64  started_unix_ns       worker process start (a change means the worker restarted)
-      136..191 reserved (zeros)
+      136 f64  model_load_seconds    engine load (process start of the engine → engine up), seconds (0 until loaded)
+      144..191 reserved (zeros)
 
 Seqlock protocol. Writer: ``seq += 1`` (odd), write the body, ``seq += 1`` (even). Reader: load ``seq`` (retry if
 odd), copy the slot in one slice, load ``seq`` again; retry if it changed; after ``READ_RETRIES`` failed tries the
@@ -62,35 +66,48 @@ import enum
 import errno
 import mmap
 import os
+import stat
 import struct
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
-from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmSpaceError, ShmWorkerIdError
+from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError, ShmSpaceError, ShmWorkerIdError
+from dplb.shm_layout import (
+    ENV_SHM_PATH,
+    GPU_ENTRY,
+    GPU_MAP_OFFSET,
+    HEADER,
+    HEADER_READ,
+    HEADER_SIZE,
+    LAYOUT_VERSION,
+    MAGIC,
+    MAX_GPUS_PER_WORKER,
+    MAX_WORKERS,
+    MODEL_NAME_BYTES,
+    RUN_DIR_OFFSET,
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    SLOT_SIZE,
+    SegmentHeader,
+    check_not_foreign,
+    decode_header,
+    default_segment_path,
+    encode_run_dir,
+    list_segments,
+    resolve_path,
+    segment_size,
+)
 
-MAGIC = b"DPLB"
-LAYOUT_VERSION = 1
-HEADER_SIZE = 4096
-SLOT_SIZE = 192
-MAX_WORKERS = 64
-MAX_GPUS_PER_WORKER = 15
-MODEL_NAME_BYTES = 128
 STALE_INTERVALS = 3
 READ_RETRIES = 64
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "dplb_state_"
-ENV_SHM_PATH = "DPLB_SHM_PATH"
 
 FLAG_NO_GPU = 0x01
 FLAG_GPU_BUSY = 0x02
 
-_HEADER = struct.Struct("<4sHHHHIQII128s")  # 160 bytes
-_GPU_ENTRY = struct.Struct("<B15s")
-_GPU_MAP_OFFSET = 160
-# Slot body without seq: from offset 8 to 136.
-_BODY = struct.Struct("<IBBHQQIIIIdQQddQQQddQ")
+# Slot body without seq: from offset 8 to 144.
+_BODY = struct.Struct("<IBBHQQIIIIdQQddQQQddQd")
 _SLOT = struct.Struct("<Q" + _BODY.format[1:])  # seq + body, for one-slice decoding
-assert _HEADER.size == 160 and _SLOT.size == 136 <= SLOT_SIZE and SLOT_SIZE % 64 == 0
+assert _SLOT.size == 144 <= SLOT_SIZE and SLOT_SIZE % 64 == 0
 
 
 class Lifecycle(enum.IntEnum):
@@ -129,6 +146,7 @@ class WorkerState:
     warmup_seconds: float = 0.0
     first_request_seconds: float = 0.0
     started_unix_ns: int = 0
+    model_load_seconds: float = 0.0
     seq: int = 0
     torn: bool = False
 
@@ -167,42 +185,6 @@ class WorkerState:
 _FIELD_NAMES = [f for f in WorkerState.__dataclass_fields__ if f not in ("seq", "torn")]
 
 
-@dataclass(frozen=True, slots=True)
-class SegmentHeader:
-    """Decoded segment header."""
-
-    layout_version: int
-    num_workers: int
-    slot_size: int
-    state_interval_ms: int
-    created_unix_ns: int
-    creator_pid: int
-    model: str
-    gpu_map: tuple[tuple[int, ...], ...] = field(default=())
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-friendly dict."""
-        return {**asdict(self), "gpu_map": [list(g) for g in self.gpu_map]}
-
-
-def segment_size(num_workers: int) -> int:
-    """Total bytes of a segment with ``num_workers`` slots."""
-    return HEADER_SIZE + num_workers * SLOT_SIZE
-
-
-def default_segment_path(now_s: int | None = None) -> str:
-    """``/dev/shm/dplb_state_<unix seconds>`` (DESIGN §2)."""
-    return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{int(time.time() if now_s is None else now_s)}")
-
-
-def resolve_path(path: str | None) -> str:
-    """The segment path from ``path``, else ``$DPLB_SHM_PATH``. Raises :class:`ShmMissingError` when neither."""
-    p = path or os.environ.get(ENV_SHM_PATH)
-    if not p:
-        raise ShmMissingError(None)
-    return p
-
-
 class Segment:
     """An open (mapped) state segment. Create with :meth:`create`, open with :meth:`attach`.
 
@@ -237,12 +219,15 @@ class Segment:
         gpu_map: list[list[int]] | None = None,
         mode: int = 0o600,
         replace: bool = False,
+        run_dir: str = "",
     ) -> Segment:
         """Create a segment file at ``path`` and map it.
 
         The file is written under a temporary name in the same directory and renamed into place, so a reader
         never sees a half-written header. ``replace=True`` atomically replaces an existing file (e.g. a segment
-        left by a crashed launcher); otherwise an existing file raises :class:`FileExistsError`.
+        left by a crashed launcher) — but only a DPLB segment: a directory or any other file raises
+        :class:`ShmError` and is left untouched; otherwise an existing file raises :class:`FileExistsError`.
+        ``run_dir`` (the sockets' directory) is recorded for ``dplb state``/``dplb doctor``.
         Raises :class:`ShmSpaceError` when the filesystem has no room, ``ValueError`` for bad arguments.
         """
         if not 1 <= num_workers <= MAX_WORKERS:
@@ -256,6 +241,8 @@ class Segment:
             if len(g) > MAX_GPUS_PER_WORKER or any(not 0 <= i < 256 for i in g):
                 raise ValueError(f"gpu_map entry {g} must hold at most {MAX_GPUS_PER_WORKER} indices 0..255")
         model_b = model.encode()[:MODEL_NAME_BYTES]
+        run_dir_b = encode_run_dir(run_dir)
+        check_not_foreign(path)
         if not replace and os.path.exists(path):
             raise FileExistsError(f"segment '{path}' already exists (use replace=True to take it over)")
         size = segment_size(num_workers)
@@ -275,12 +262,13 @@ class Segment:
                     raise
                 os.ftruncate(fd, size)
             buf = bytearray(HEADER_SIZE)
-            _HEADER.pack_into(
+            HEADER.pack_into(
                 buf, 0, MAGIC, LAYOUT_VERSION, HEADER_SIZE, num_workers, SLOT_SIZE, state_interval_ms,
                 time.time_ns(), os.getpid(), 0, model_b,
             )
             for w, g in enumerate(gmap):
-                _GPU_ENTRY.pack_into(buf, _GPU_MAP_OFFSET + 16 * w, len(g), bytes(g))
+                GPU_ENTRY.pack_into(buf, GPU_MAP_OFFSET + 16 * w, len(g), bytes(g))
+            buf[RUN_DIR_OFFSET:RUN_DIR_OFFSET + len(run_dir_b)] = run_dir_b
             os.pwrite(fd, bytes(buf), 0)
             os.rename(tmp, path)
         except BaseException:
@@ -295,9 +283,18 @@ class Segment:
     def attach(cls, path: str | None = None, *, writable: bool = True) -> Segment:
         """Map an existing segment (``path`` or ``$DPLB_SHM_PATH``) and validate its header.
 
-        Raises :class:`ShmMissingError` (no file), :class:`ShmLayoutError` (wrong magic/version/size).
+        Raises :class:`ShmMissingError` (no file), :class:`ShmLayoutError` (wrong magic/version/size, not a regular
+        file), :class:`ShmError` (a directory, no permission).
         """
         p = resolve_path(path)
+        with contextlib.suppress(OSError):
+            mode = os.stat(p).st_mode
+            if stat.S_ISDIR(mode):
+                raise ShmPathError(f"segment path '{p}' is a directory, not a DPLB segment; set DPLB_SHM_PATH (or pass "
+                               "--shm-path) to the segment file `dplb launch` created (ls /dev/shm | grep dplb_state_)",
+                               p)
+            if not stat.S_ISREG(mode):  # a device or FIFO: never opened (a FIFO would block)
+                raise ShmLayoutError(p, "not a regular file", dplb_magic=False)
         try:
             fd = os.open(p, os.O_RDWR if writable else os.O_RDONLY)
         except FileNotFoundError as e:
@@ -310,10 +307,11 @@ class Segment:
             ) from e
         try:
             st = os.fstat(fd)
+            raw = os.pread(fd, HEADER_READ, 0)
             if st.st_size < HEADER_SIZE:
-                raise ShmLayoutError(p, f"file is {st.st_size} bytes, smaller than the {HEADER_SIZE}-byte header")
-            raw = os.pread(fd, _HEADER.size + 16 * MAX_WORKERS, 0)
-            header = _decode_header(p, raw, st.st_size)
+                raise ShmLayoutError(p, f"file is {st.st_size} bytes, smaller than the {HEADER_SIZE}-byte header",
+                                     dplb_magic=raw[:4] == MAGIC)
+            header = decode_header(p, raw, st.st_size)
             mm = mmap.mmap(
                 fd, segment_size(header.num_workers),
                 access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ,
@@ -334,13 +332,15 @@ class Segment:
         os.close(self._fd)
         self._fd = -1
 
-    def unlink(self) -> None:
-        """Remove the file if it is still this segment (same inode). Idempotent."""
+    def unlink(self) -> bool:
+        """Remove the file if it is still this segment (same inode). Idempotent. Returns True when it removed it."""
         try:
             if os.stat(self.path).st_ino == self.inode:
                 os.unlink(self.path)
+                return True
         except FileNotFoundError:
             pass
+        return False
 
     def __enter__(self) -> Segment:
         return self
@@ -373,7 +373,7 @@ class Segment:
             return WorkerState(
                 worker_id, v[1], _LIFECYCLES[v[2]] if v[2] < len(_LIFECYCLES) else Lifecycle.UNSET, v[3],
                 v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18],
-                v[19], v[20], v[21], seq,
+                v[19], v[20], v[21], v[22], seq,
             )
         return WorkerState(worker_id, torn=True)
 
@@ -399,7 +399,7 @@ class Segment:
             v = unpack(raw, k * SLOT_SIZE)
             out.append(WorkerState(
                 k, v[1], lifes[v[2]] if v[2] < nl else Lifecycle.UNSET, v[3], v[5], v[6], v[7], v[8], v[9], v[10],
-                v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18], v[19], v[20], v[21], seq,
+                v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18], v[19], v[20], v[21], v[22], seq,
             ))
         return out
 
@@ -449,7 +449,7 @@ class SlotWriter:
             state.last_prompt_tokens, state.kv_cache_usage, state.gpu_memory_used_bytes,
             state.gpu_memory_total_bytes, state.avg_latency_s, state.avg_ttft_s, state.requests_total,
             state.errors_total, state.cuda_oom_total, state.warmup_seconds, state.first_request_seconds,
-            state.started_unix_ns,
+            state.started_unix_ns, state.model_load_seconds,
         )
         seq += 1
         seqs[self._si] = seq  # even: consistent again
@@ -466,34 +466,8 @@ class SlotWriter:
         self.publish(WorkerState(self.worker_id))
 
 
-def _decode_header(path: str, raw: bytes, file_size: int) -> SegmentHeader:
-    magic, version, hsize, n, ssize, interval, created, cpid, _r, model_b = _HEADER.unpack_from(raw, 0)
-    if magic != MAGIC:
-        raise ShmLayoutError(path, f"bad magic {magic!r} (expected {MAGIC!r})")
-    if version != LAYOUT_VERSION:
-        raise ShmLayoutError(path, f"layout version {version}, this DPLB reads version {LAYOUT_VERSION}")
-    if hsize != HEADER_SIZE or ssize != SLOT_SIZE:
-        raise ShmLayoutError(path, f"header/slot size {hsize}/{ssize}, expected {HEADER_SIZE}/{SLOT_SIZE}")
-    if not 1 <= n <= MAX_WORKERS:
-        raise ShmLayoutError(path, f"num_workers {n} outside 1..{MAX_WORKERS}")
-    if file_size < segment_size(n):
-        raise ShmLayoutError(path, f"file is {file_size} bytes, {n} workers need {segment_size(n)}")
-    if interval <= 0:
-        raise ShmLayoutError(path, f"state_interval_ms {interval} must be > 0")
-    gmap = []
-    for w in range(n):
-        cnt, idx = _GPU_ENTRY.unpack_from(raw, _GPU_MAP_OFFSET + 16 * w)
-        gmap.append(tuple(idx[: min(cnt, MAX_GPUS_PER_WORKER)]))
-    return SegmentHeader(
-        version, n, ssize, interval, created, cpid, model_b.rstrip(b"\0").decode(errors="replace"), tuple(gmap)
-    )
-
-
-def list_segments(directory: str = SHM_DIR) -> list[str]:
-    """Paths of ``dplb_state_*`` files in ``directory``, newest (by mtime) first. Ignores temp files."""
-    try:
-        names = [n for n in os.listdir(directory) if n.startswith(SEGMENT_PREFIX) and ".tmp." not in n]
-    except FileNotFoundError:
-        return []
-    paths = [os.path.join(directory, n) for n in names]
-    return sorted(paths, key=lambda p: os.stat(p).st_mtime if os.path.exists(p) else 0, reverse=True)
+__all__ = [
+    "ENV_SHM_PATH", "FLAG_GPU_BUSY", "FLAG_NO_GPU", "MAX_WORKERS", "SEGMENT_PREFIX", "SHM_DIR", "STALE_INTERVALS",
+    "Lifecycle", "Segment", "SegmentHeader", "SlotWriter", "WorkerState", "default_segment_path", "list_segments",
+    "resolve_path", "segment_size",
+]

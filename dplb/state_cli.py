@@ -1,7 +1,10 @@
 """``dplb state``: the shared-memory segment as a table or JSON (what the seed did with ``cat | jq``).
 
-Contract: read-only; the segment comes from ``--shm-path``, else ``$DPLB_SHM_PATH``, else the newest
-``/dev/shm/dplb_state_*``. ``--json`` prints ``{"path", "header": {...}, "workers": [{...}, ...]}`` where each
+Contract: read-only; the segment comes from ``--shm-path``, else ``$DPLB_SHM_PATH`` (as for ``dplb launch``), else
+the only ``/dev/shm/dplb_state_*``; with several it refuses and lists them. The table's heading is its own line (it
+never wraps into the table's width); ``--watch`` redraws in place on a terminal and, when stdout is a file or a
+pipe, appends one flushed frame per interval (JSON lines with ``--json``).
+``--json`` prints ``{"path", "header": {...}, "workers": [{...}, ...]}`` where each
 worker has every slot field plus ``worker``, ``heartbeat_age_s`` (null if never written) and ``stale``.
 """
 
@@ -9,37 +12,33 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+import signal
 import time
 
 from dplb.config import PolicyConfig
-from dplb.errors import DPLBError, ShmMissingError
+from dplb.errors import ConfigError, ShmMissingError
 from dplb.policy import routable
-from dplb.shm import ENV_SHM_PATH, Segment, list_segments
+from dplb.segments import segments
+from dplb.shm import ENV_SHM_PATH, SHM_DIR, Segment
 
 
-def find_segment(path: str | None) -> str:
-    """Resolve the segment path as described in the module docstring: the newest by its header's creation time
-    (file mtimes do not move: workers write through mmap). Warns on stderr when several segments exist.
-    Raises :class:`ShmMissingError`."""
+def find_segment(path: str | None, directory: str = SHM_DIR) -> str:
+    """Resolve the segment path as described in the module docstring. With several segments and neither
+    ``--shm-path`` nor ``$DPLB_SHM_PATH``, refuse (showing another stack's workers as yours is how one gets killed)
+    and list each with its creator pid, routers and ports, run dir and liveness.
+    Raises :class:`ShmMissingError` (none) or :class:`ConfigError` (several)."""
     p = path or os.environ.get(ENV_SHM_PATH)
     if p:
         return p
-    created = []
-    for cand in list_segments():
-        try:
-            with Segment.attach(cand, writable=False) as seg:
-                created.append((seg.header.created_unix_ns, cand))
-        except DPLBError:
-            continue
-    if not created:
+    found = segments(directory)
+    readable = [i for i in found if i.header is not None]
+    if not readable:
         raise ShmMissingError(None)
-    created.sort(reverse=True)
-    if len(created) > 1:
-        others = ", ".join(c for _, c in created[1:])
-        print(f"dplb state: several segments exist; showing the newest, {created[0][1]} (others: {others}). "
-              "Pass --shm-path or set DPLB_SHM_PATH to pick one; `dplb doctor` finds stale ones.", file=sys.stderr)
-    return created[0][1]
+    if len(found) > 1:
+        lines = "\n".join("  " + i.describe() for i in found)
+        raise ConfigError(f"{len(found)} state segments exist; pass --shm-path (or set DPLB_SHM_PATH) to pick one:\n"
+                          f"{lines}\n`dplb doctor` lists the stale ones and how to remove them.")
+    return readable[0].path
 
 
 def snapshot(seg: Segment) -> dict[str, object]:
@@ -64,14 +63,19 @@ def _gib(b: object) -> str:
 
 
 def render_table(snap: dict) -> object:
-    """A rich Table of one snapshot (fits 80 columns; "!" after the lifecycle = stale heartbeat)."""
+    """One snapshot as a rich renderable: a heading line, then the table (fits 80 columns; "!" after the
+    lifecycle = stale heartbeat)."""
     from rich import box
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     h = snap["header"]
-    t = Table(title=f"{snap['path']}  model={h['model'] or '-'}  workers={h['num_workers']}  "
-                    f"interval={h['state_interval_ms']} ms",
-              caption="age, lat, TTFT, warm: seconds; lat, TTFT: mean of the last 10 requests",
+    routers = " ".join(f"{r['pid']}:{r['port']}" for r in h.get("routers", [])) or "-"
+    heading = Text(f"{snap['path']}  model={h['model'] or '-'}  workers={h['num_workers']}  "
+                   f"interval={h['state_interval_ms']} ms  routers(pid:port)={routers}", style="bold",
+                   no_wrap=True, overflow="fold")
+    t = Table(caption="age, lat, TTFT, warm: seconds; lat, TTFT: mean of the last 10 requests",
               box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0))
     for col in ("id", "pid", "state", "age", "run", "wait", "KV%", "GPU GiB", "lat s", "TTFT", "reqs", "err",
                 "OOM", "warm s"):
@@ -86,12 +90,19 @@ def render_table(snap: dict) -> object:
             f"{w['avg_latency_s']:.3f}", f"{w['avg_ttft_s']:.3f}", str(w["requests_total"]), str(w["errors_total"]),
             str(w["cuda_oom_total"]), f"{w['warmup_seconds']:.2f}",
         )
-    return t
+    return Group(heading, t)
 
 
-def run_state(path: str | None, *, as_json: bool, watch: bool, interval_s: float) -> int:
-    """Print the segment once, or refresh it in place with ``watch``. Returns the exit code."""
-    seg = Segment.attach(find_segment(path), writable=False)
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_state(path: str | None, *, as_json: bool, watch: bool, interval_s: float, directory: str | None = None) -> int:
+    """Print the segment once, or refresh it with ``watch`` until Ctrl-C/SIGTERM. Returns the exit code."""
+    if interval_s <= 0:
+        raise ConfigError(f"--interval must be > 0 seconds, got {interval_s}")
+    seg = Segment.attach(find_segment(path, directory or SHM_DIR), writable=False)
+    signal.signal(signal.SIGTERM, _interrupt)  # `timeout 3 dplb state --watch` ends like Ctrl-C
     try:
         if as_json and not watch:
             print(json.dumps(snapshot(seg), indent=2))
@@ -103,15 +114,20 @@ def run_state(path: str | None, *, as_json: bool, watch: bool, interval_s: float
         if not watch:
             console.print(render_table(snapshot(seg)))
             return 0
-        with Live(render_table(snapshot(seg)), console=console, refresh_per_second=4) as live:  # type: ignore[arg-type]
-            try:
+        try:
+            if as_json or not console.is_terminal:  # a file or a pipe: one flushed frame per interval
+                while True:
+                    if as_json:
+                        print(json.dumps(snapshot(seg)), flush=True)
+                    else:
+                        console.print(render_table(snapshot(seg)))
+                        console.file.flush()
+                    time.sleep(interval_s)
+            with Live(render_table(snapshot(seg)), console=console, refresh_per_second=4) as live:  # type: ignore[arg-type]
                 while True:
                     time.sleep(interval_s)
-                    if as_json:
-                        console.print_json(json.dumps(snapshot(seg)))
-                    else:
-                        live.update(render_table(snapshot(seg)))  # type: ignore[arg-type]
-            except KeyboardInterrupt:
-                return 0
+                    live.update(render_table(snapshot(seg)))  # type: ignore[arg-type]
+        except KeyboardInterrupt:
+            return 0
     finally:
         seg.close()

@@ -62,7 +62,7 @@ class Watchdog:
 def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
     """Write ``dplb.env`` and ``worker-K.env`` for the GPU plan into ``args.emit_systemd``. Returns 0."""
     from dplb.gpu import discover_gpus, visible_gpu_indices
-    from dplb.launcher import parse_worker_args
+    from dplb.launch_checks import parse_worker_args
     from dplb.plan import cuda_visible_devices, plan_gpus
 
     gpus = visible_gpu_indices()
@@ -85,17 +85,26 @@ def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
     ]
     with open(os.path.join(out, "dplb.env"), "w") as f:
         f.write("\n".join(common) + "\n")
+    from dplb.config import METRICS_HOST, worker_metrics_ports
+    from dplb.launch_checks import scrape_targets, write_scrape_targets
+
+    mhost = getattr(args, "metrics_host", METRICS_HOST)
+    mports = worker_metrics_ports(getattr(args, "metrics_port_base", None), len(plan))
     model = f"--model {args.model} " if args.model else ""
     tp = f"--tensor-parallel-size {args.tensor_parallel_size} " if args.tensor_parallel_size > 1 else ""
     for k, group in enumerate(plan):
         lines = [
             f"# worker {k}: {('GPUs ' + cuda_visible_devices(group)) if group else 'CPU'}",
             f"CUDA_VISIBLE_DEVICES={cuda_visible_devices(group)}",
-            f"DPLB_WORKER_ARGS=--engine {engine} {model}{tp}{shlex.join(engine_args + per_worker.get(k, []))}".rstrip(),
+            f"DPLB_WORKER_ARGS=--engine {engine} {model}{tp}{shlex.join(engine_args + per_worker.get(k, []))}".rstrip()
+            + f" --metrics-host {mhost} --metrics-port {mports[k] if mports else 0}",  # what the targets file says
         ]
         with open(os.path.join(out, f"worker-{k}.env"), "w") as f:
             f.write("\n".join(lines) + "\n")
+    targets = write_scrape_targets(out, scrape_targets(args.host, args.port, mhost, mports))
     print(f"wrote {out}/dplb.env and worker-0..{len(plan) - 1}.env; install them in /etc/dplb/ and run: "
-          f"systemctl enable --now dplb-segment.service "
-          + " ".join(f"dplb-worker@{k}.service" for k in range(len(plan))) + " dplb-router.service")
+          f"systemctl enable --now dplb.target dplb-segment.service "
+          + " ".join(f"dplb-worker@{k}.service" for k in range(len(plan))) + " dplb-router.service"
+          + f"\nwrote {targets}: Prometheus file_sd targets (jobs dplb-router, dplb-workers); copy it where a "
+          "file_sd_configs entry reads it (deploy/prometheus/dplb-scrape.yml)")
     return 0

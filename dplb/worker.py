@@ -8,7 +8,9 @@ Contract (DESIGN §2, §5)
 - The collector thread publishes every ``state_interval_ms`` (heartbeat written every tick even when nothing
   changed): engine scheduler state, per-request figures from :class:`RequestStats`, NVML memory (zeros + the
   NO_GPU flag without a GPU).
-- The worker's own metrics and the engine's ``vllm:*`` metrics are served on ``127.0.0.1:metrics_port``.
+- The worker's own metrics (:data:`dplb.metrics.WORKER_SIDE`: what the slot does not carry) and the engine's
+  ``vllm:*`` metrics are served on ``metrics_host:metrics_port`` (127.0.0.1 unless ``--metrics-host``).
+- ``model_load_seconds`` (engine start until the engine is up, i.e. the model load) is published with ``warming``.
 - A missing segment is a :class:`dplb.errors.ShmMissingError` before anything starts (the CLI prints it).
 - A segment removed or replaced at runtime (a cleanup, ``dplb segment create`` again) does not stop the worker: it
   keeps serving (and publishing into its old mapping), the collector notices at its next tick (one ``stat``), logs
@@ -32,16 +34,16 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb import __version__
+from dplb.config import METRICS_HOST, METRICS_PORT_BASE
 from dplb.engines.base import Engine, RequestStats, RequestStatsMiddleware, Scope
 from dplb.errors import ConfigError, ShmError, ShmMissingError
 from dplb.gpu import GpuReader, visible_gpu_indices
-from dplb.metrics import LIFECYCLE_STATES, WorkerMetrics, worker_metrics
+from dplb.metrics import WorkerMetrics, worker_metrics
 from dplb.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
 from dplb.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, Lifecycle, Segment, SlotWriter, WorkerState
 from dplb.systemd import Watchdog, notify
 
 log = logging.getLogger("dplb.worker")
-METRICS_PORT_BASE = 30001
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +55,7 @@ class WorkerConfig:
     shm_path: str | None = None
     state_interval_ms: int | None = None  # None: the segment's
     metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
+    metrics_host: str = METRICS_HOST
     drain_timeout_s: float = 30.0
     warmup_timeout_s: float = 900.0
 
@@ -121,9 +123,6 @@ class Collector:
             self.state.lifecycle = lc
             for k, v in fields.items():
                 setattr(self.state, k, v)
-        m = self.metrics
-        for s in LIFECYCLE_STATES:
-            m.lifecycle.labels(self._wid, s).set(1 if s == lc.name.lower() else 0)
         self.tick()
 
     def _run(self) -> None:
@@ -159,13 +158,7 @@ class Collector:
             self._follow_segment()
             self.writer.publish_now(s)
         self._watchdog.maybe_ping()  # systemd: the heartbeat thread is alive
-        m, w = self.metrics, self._wid
-        m.cuda_oom.labels(w).set(es.cuda_oom_total)
-        m.nvml_errors.labels(w).set(self.gpu.errors_total)
-        m.requests.labels(w).set(self.req.requests_total)
-        m.errors.labels(w).set(self.req.errors_total)
-        m.first_request.labels(w).set(self.req.first_request_seconds)
-        m.collector_tick.labels(w).observe(time.perf_counter() - t0)
+        self.metrics.collector_tick.labels(self._wid).observe(time.perf_counter() - t0)
 
     def _follow_segment(self) -> bool:
         """Switch to a segment that replaced ours at the same path (caller holds the lock); one ``stat`` per tick.
@@ -234,8 +227,9 @@ class Worker:
         self.segment = Segment.attach(cfg.shm_path)  # raises ShmMissingError / ShmLayoutError first
         self.interval_ms = cfg.state_interval_ms or self.segment.state_interval_ms
         self.req = RequestStats()
-        self.metrics = worker_metrics(cfg.worker_id, __version__)
         self.gpu = GpuReader(visible_gpu_indices())
+        self.metrics = worker_metrics(cfg.worker_id, __version__, engine.name, lambda: (
+            self.req.requests_total, self.req.errors_total, self.gpu.errors_total))
         self.collector = Collector(self.segment.writer(cfg.worker_id), engine, self.req, self.gpu,
                                    self.interval_ms / 1000, self.metrics)
         self.accepting = True
@@ -263,19 +257,20 @@ class Worker:
                 msrv = make_server(MetricsApp(self.engine, self.metrics), graceful_s=1)
                 servers.append((msrv, asyncio.create_task(
                     msrv.serve(sockets=[bind_tcp(self.cfg.metrics_host, port)]))))
+            t_load = time.perf_counter()
             if not await self._start_engine_or_stop():
                 log.info("Worker %d: stop requested while the engine was loading", k)
                 return 0
+            load_s = time.perf_counter() - t_load
             if self.engine.app is not None:
                 app = RequestStatsMiddleware(self.engine.app, self.req, lambda: self.accepting)
                 srv = make_server(app, graceful_s=self.cfg.drain_timeout_s)
                 servers.append((srv, asyncio.create_task(srv.serve(sockets=[bind_uds(self.cfg.uds)]))))
-            self.collector.set_lifecycle(Lifecycle.WARMING)
-            log.info("Worker %d warming up", k)
+            self.collector.set_lifecycle(Lifecycle.WARMING, model_load_seconds=load_s)
+            log.info("Worker %d warming up (engine loaded in %.1f s)", k, load_s)
             if not self._stop.is_set():
                 warm = await self._warmup()
                 self.collector.set_lifecycle(Lifecycle.READY, warmup_seconds=warm)
-                self.metrics.warmup.labels(str(k)).set(warm)
                 self.req.counting_first = True
                 log.info("Worker %d registered. State: %s", k, json.dumps(self.collector.state.to_dict()))
                 notify(f"READY=1\nSTATUS=worker {k} ready (warm-up {warm:.2f} s)")

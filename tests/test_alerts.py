@@ -184,9 +184,20 @@ def test_every_alert_is_named_labelled_annotated_and_linked() -> None:
         assert set(r["annotations"]) == {"summary", "description", "runbook_url"}, name
         assert r["annotations"]["runbook_url"] == pattern.replace("<AlertName>", name), name
         used = metric_names(r["expr"])
-        assert used or 'up{job="dplb-router"}' in r["expr"], name
+        assert used or re.search(r'up\{job="dplb-(router|workers)"\}', r["expr"]), name
         assert all(known_dplb(n) for n in used), (name, [n for n in used if not known_dplb(n)])
-        assert 'job="dplb-router"' in r["expr"], f"{name}: scope the expression to the router's job"
+        assert 'job="dplb-router"' in r["expr"] or r["expr"].strip() == 'up{job="dplb-workers"} == 0', \
+            f"{name}: scope the expression to the router's job"
+
+
+def test_requests_rejected_excludes_exactly_the_client_errors_and_worker_timeouts() -> None:
+    from dplb.errors import RouterErrorKind
+
+    expr = next(r["expr"] for r in alert_rules() if r["alert"] == "DPLBRequestsRejected")
+    m = re.search(r'dplb_requests_rejected_total\{job="dplb-router", reason!~"([^"]+)"\}', expr)
+    assert m, expr
+    client = {k.code for k in RouterErrorKind if 400 <= k.status < 500}
+    assert set(m.group(1).split("|")) == client | {RouterErrorKind.UPSTREAM_TIMEOUT.code}
 
 
 def test_every_alert_has_a_runbook_with_the_four_sections() -> None:
@@ -300,10 +311,12 @@ def drill_prom(binary: str, tmp: Path, c: Cluster, worker_ports: list[int] | Non
 
 
 def expect_exactly(prom: Prometheus, expected: dict[str, dict[str, str]], timeout: float = 45,
-                   tolerate: frozenset[str] = frozenset(), settle: float = 3) -> None:
+                   tolerate: frozenset[str] = frozenset(), settle: float = 3,
+                   optional: frozenset[str] = frozenset()) -> None:
     """Wait until the firing alerts are exactly ``expected`` (name -> labels each must include) and no other alert is
     pending, for ``settle`` s in a row. Any other alert firing meanwhile fails the test, except ``tolerate`` (alerts
-    firing before the fault, allowed while they resolve)."""
+    firing before the fault, allowed while they resolve) and ``optional`` (a legitimate side effect of the fault
+    that may or may not fire; ignored)."""
     deadline = time.monotonic() + timeout
     good_since: float | None = None
     while True:
@@ -312,7 +325,9 @@ def expect_exactly(prom: Prometheus, expected: dict[str, dict[str, str]], timeou
         for a in alerts:
             if a["state"] == "firing":
                 firing.setdefault(a["labels"]["alertname"], []).append(a["labels"])
-        pending = {a["labels"]["alertname"] for a in alerts if a["state"] == "pending"} - set(expected)
+        for name in optional:
+            firing.pop(name, None)
+        pending = {a["labels"]["alertname"] for a in alerts if a["state"] == "pending"} - set(expected) - optional
         extra = set(firing) - set(expected) - tolerate
         assert not extra, f"unexpected alert(s) firing: {extra}: {alerts}"
         ok = not pending and set(firing) == set(expected) and all(
@@ -379,6 +394,37 @@ def test_drill_cuda_oom_fires_the_oom_alert(prometheus_bin: str, tmp_path: Path)
                        timeout=30)
         assert r.status_code == 500 and "CUDA out of memory" in r.text, r.text
         expect_exactly(prom, {"DPLBCudaOOM": {"worker": "0"}})
+
+
+def test_drill_failing_worker_fires_upstream_errors(prometheus_bin: str, tmp_path: Path) -> None:
+    """A worker whose engine fails every request (CUDA OOM) beside a healthy one: the client-visible failure rate
+    pages (DPLBUpstreamErrors), not only the OOM counter (DPLBCudaOOM)."""
+    with cluster(str(tmp_path), 2, worker_args={0: ["--sim-oom-after", "2"]}) as c, \
+            drill_prom(prometheus_bin, tmp_path, c) as prom:
+        assert prom.firing() == {}
+        load = Load(c.url, pause=0.1, stream_every=0)
+        try:
+            # the router ejects the failing worker for 2 s after 3 failures in a row, so it also gets fewer
+            # requests: DPLBLoadImbalance may rightly fire too
+            expect_exactly(prom, {"DPLBUpstreamErrors": {"job": "dplb-router"}, "DPLBCudaOOM": {"worker": "0"}},
+                           optional=frozenset({"DPLBLoadImbalance"}))
+        finally:
+            load.stop()
+        failed = sum(1 for s in load.statuses if s == 500)
+        assert failed and set(load.statuses) <= {200, 500}, load.statuses
+        print(f"drill: {failed}/{len(load.statuses)} requests failed with a CUDA OOM")
+
+
+def test_drill_worker_metrics_port_gone_fires_scrape_down(prometheus_bin: str, tmp_path: Path) -> None:
+    ports = [free_port(), free_port()]
+    with cluster(str(tmp_path), 2, start_workers=False, wait_router_ready=False) as c:
+        for k in range(2):
+            c.start_worker(k, metrics_port=ports[k])
+        with drill_prom(prometheus_bin, tmp_path, c, ports) as prom:
+            assert prom.firing() == {}
+            c.kill_worker(1, signal.SIGKILL)  # its metrics port goes with it
+            expect_exactly(prom, {"DPLBWorkerScrapeDown": {"job": "dplb-workers", "instance": f"127.0.0.1:{ports[1]}"}},
+                           timeout=25)
 
 
 def test_drill_shm_segment_deleted_then_router_down(prometheus_bin: str, tmp_path: Path) -> None:

@@ -89,8 +89,18 @@ def test_dashboard_is_importable_by_current_grafana(name: str) -> None:
     variables = {v["name"]: v for v in d["templating"]["list"]}
     ds = variables["DS_PROMETHEUS"]
     assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    # @grafana/schema VariableOption: current needs text and value; TimePickerConfig has no time_options any more
+    assert ds["current"] == {"selected": False, "text": "default", "value": "default"}
+    assert "time_options" not in d.get("timepicker", {}) and set(d.get("timepicker", {})) <= {
+        "hidden", "refresh_intervals", "nowDelay"}
+    assert list(variables) == ["DS_PROMETHEUS", "instance", "host", "worker"]
+    inst, host = variables["instance"], variables["host"]
+    assert inst["query"] == f'label_values({M.BUILD_INFO}_info{{job="dplb-router"}}, instance)'
+    assert not inst["multi"] and not inst["includeAll"]  # one router at a time: several never add up
+    assert host["hide"] == 2 and host["regex"] == "/^(.*):[0-9]+$/" and "$instance" in host["query"]
     w = variables["worker"]
-    assert w["type"] == "query" and w["query"] == f"label_values({M.WORKER_UP}, worker)" and w["datasource"] == DS
+    assert w["type"] == "query" and w["datasource"] == DS
+    assert w["query"] == f'label_values({M.WORKER_UP}{{job="dplb-router", instance=~"$instance"}}, worker)'
     assert w["includeAll"] and w["multi"] and w["allValue"] == ".*"
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids)) and all(isinstance(i, int) and i > 0 for i in ids), ids
@@ -106,6 +116,11 @@ def test_dashboard_is_importable_by_current_grafana(name: str) -> None:
     for p in data_panels(d):
         assert p["datasource"] == DS, p["title"]
         assert p["targets"] and all(t["datasource"] == DS and t["expr"] for t in p["targets"]), p["title"]
+        for t in p["targets"]:  # every series is scoped to the chosen router / its host
+            for sel in re.findall(r'\{([^{}]*job="dplb-[a-z]+"[^{}]*)\}', t["expr"]):
+                assert 'instance=~"$instance"' in sel or 'instance=~"$host:.*"' in sel, (p["title"], sel)
+            if 'worker=~"$worker"' in t["expr"]:
+                assert t["expr"].count('worker=~"$worker"') == t["expr"].count('worker!="none"'), p["title"]
         refs = [t["refId"] for t in p["targets"]]
         assert len(refs) == len(set(refs)), p["title"]
         assert p["fieldConfig"]["defaults"].get("unit"), f"{p['title']}: no unit"
@@ -177,9 +192,23 @@ def test_panels_named_in_runbooks_exist() -> None:
 
 
 # ---- every query against a real Prometheus and a live cluster -----------------------------------------------------
-def substitute(expr: str, worker: str) -> str:
+def substitute(expr: str, worker: str, instance: str) -> str:
     return (expr.replace("$__rate_interval", "30s").replace("$__interval", "15s").replace("$__range", "5m")
-            .replace("$worker", worker))
+            .replace("$worker", worker).replace("$instance", instance)
+            .replace("$host", instance.rsplit(":", 1)[0]))
+
+
+def no_value_text(name: str, title: str) -> str:
+    """The panel's noValue text ("" when it has none)."""
+    p = next(p for p in data_panels(dashboards()[name]) if p["title"] == title)
+    return str(p["fieldConfig"]["defaults"].get("noValue", ""))
+
+
+def test_routing_dashboard_has_the_prefix_cache_hit_rate_panel() -> None:
+    p = next(p for p in data_panels(dashboards()["dplb-routing.json"]) if p["title"] == "Prefix cache hit rate per worker")
+    expr = p["targets"][0]["expr"]
+    assert "vllm:prefix_cache_hits_total" in expr and "vllm:prefix_cache_queries_total" in expr and "> 0)" in expr
+    assert p["fieldConfig"]["defaults"]["unit"] == "percentunit" and "worker" in p["targets"][0]["legendFormat"]
 
 
 def test_every_query_evaluates_and_returns_data_against_a_live_cluster(tmp_path: Path) -> None:
@@ -195,17 +224,22 @@ def test_every_query_evaluates_and_returns_data_against_a_live_cluster(tmp_path:
             prom.wait_up(3)
             time.sleep(8)  # ≥ 8 scrapes of traffic in every 30 s rate window
             failures = []
+            instance = f"127.0.0.1:{c.port}"
             for worker in (".*", "1"):
                 for name, title, expr in all_exprs():
-                    q = substitute(expr, worker)
+                    q = substitute(expr, worker, instance)
                     try:
                         res = prom.query(q)
                     except AssertionError as e:
                         failures.append(f"{name} / {title}: error {e}\n  {q}")
                         continue
-                    if not res:
+                    if "/" in expr and any(r["value"][1] in ("NaN", "+Inf", "-Inf") for r in res):
+                        failures.append(f"{name} / {title}: NaN/Inf (a division by zero)\n  {q}")
+                    if any(r["metric"].get("worker") == "none" for r in res):
+                        failures.append(f"{name} / {title}: a worker=\"none\" series\n  {q}")
+                    if not res and not (no_value_text(name, title) == "no GPU" and M.WORKER_GPU_MEMORY_TOTAL in expr):
                         failures.append(f"{name} / {title}: no data\n  {q}")
-                    elif worker == "1" and "worker" in res[0]["metric"] and \
+                    elif res and worker == "1" and "worker" in res[0]["metric"] and \
                             {r["metric"]["worker"] for r in res} != {"1"}:
                         failures.append(f"{name} / {title}: $worker=1 not applied\n  {q}")
             assert not failures, "\n".join(failures)

@@ -216,9 +216,15 @@ def test_segment_deleted_then_bad_then_recreated_workers_and_router_reattach(tmp
             wait_for(lambda: all("is not a usable DPLB state segment" in read(os.path.join(c.run_dir, f"worker-{k}.log"))
                                  for k in range(2)), 5, "the workers' layout errors")
             assert _present(c) == 0
-            r = subprocess.run(dplb_cmd("segment", "create", "--shm-path", c.shm_path, "--num-workers", "2",
-                                        "--state-interval-ms", "100", "--model", "dplb-sim"),
-                               capture_output=True, text=True, timeout=30)
+            create = dplb_cmd("segment", "create", "--shm-path", c.shm_path, "--num-workers", "2",
+                              "--state-interval-ms", "100", "--model", "dplb-sim")
+            r = subprocess.run(create, capture_output=True, text=True, timeout=30)
+            # never overwritten: it is not DPLB's file (issue 16); the operator removes it, then create heals
+            assert r.returncode == 2 and "not a DPLB segment" in r.stderr, r.stderr
+            with open(c.shm_path, "rb") as f:
+                assert f.read(4) == b"JUNK"
+            os.unlink(c.shm_path)
+            r = subprocess.run(create, capture_output=True, text=True, timeout=30)
             assert r.returncode == 0, r.stderr
             t_new = time.monotonic()
             wait_for(lambda: _present(c) == 1, 3, "dplb_shm_segment_present 1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -22,7 +23,7 @@ ROUTER_FAMILIES = [
     M.WORKER_LIFECYCLE, M.WORKER_STATE_LAST_UPDATE, M.WORKER_WARMUP_DURATION, M.WORKER_FIRST_REQUEST_DURATION,
     M.WORKER_CUDA_OOM + "_total", M.WORKER_REQUESTS_RUNNING, M.WORKER_REQUESTS_WAITING, M.WORKER_INFLIGHT_CORRECTION,
     M.WORKER_MAX_QUEUE, M.WORKER_E2E_AVG, M.WORKER_TTFT_AVG, M.PREFIX_QUERY_BLOCKS + "_total",
-    M.PREFIX_HIT_BLOCKS + "_total",
+    M.PREFIX_HIT_BLOCKS + "_total", M.WORKER_MODEL_LOAD_DURATION,
 ]
 ROUTER_GLOBAL = [
     M.WORKERS_REGISTERED, M.LATENCY_BASELINE, M.ROUTING_DECISIONS + "_total",
@@ -31,8 +32,10 @@ ROUTER_GLOBAL = [
     M.HTTP_REQUESTS + "_total", M.HTTP_REQUEST_DURATION + "_bucket", M.SHM_SEGMENT_PRESENT,
     M.SHM_ERRORS + "_total", M.BUILD_INFO + "_info", M.POLICY_INFO + "_info", M.POLICY_WEIGHT,
     M.PREFIX_INDEX_BLOCKS, M.PREFIX_INDEX_CAPACITY, M.PREFIX_INDEX_BYTES, M.PREFIX_ROUTED + "_total",
+    "process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds_total",
 ]
-WORKER_FAMILIES = [M.WORKER_WARMUP_DURATION, M.WORKER_CUDA_OOM + "_total", M.NVML_ERRORS + "_total",
+WORKER_FAMILIES = [M.WORKER_INFO + "_info", M.WORKER_REQUESTS + "_total", M.WORKER_ERRORS + "_total",
+                   M.NVML_ERRORS + "_total",
                    "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:e2e_request_latency_seconds_bucket"]
 
 
@@ -129,8 +132,51 @@ def test_real_prometheus_scrapes_every_family_and_values_agree(prometheus_bin: s
             assert per.get(k, 0) == sum(1 for d in decisions if str(d["worker"]) == k)
         rej = prom.query(f'{M.REQUESTS_REJECTED}_total{{reason="invalid_json"}}')
         assert rej[0]["value"][1] == "1"
+        # One name, one type, one owner: no dplb_* name in both jobs (so an unfiltered sum never double-counts),
+        # and every dplb_* name has a single type and help text across the jobs.
+        jobs: dict[str, set[str]] = {}
+        for r in prom.query('count by (__name__, job) ({__name__=~"dplb_.+"})'):
+            jobs.setdefault(r["metric"]["__name__"], set()).add(r["metric"]["job"])
+        both = {n for n, js in jobs.items() if len(js) > 1}
+        assert both == {M.BUILD_INFO + "_info"}, both
+        worker_side = {re.sub(r"_(total|info|bucket|count|sum|created)$", "", n) for n, js in jobs.items()
+                       if "dplb-workers" in js}
+        assert worker_side == set(M.WORKER_SIDE), worker_side ^ set(M.WORKER_SIDE)
+        assert {n for n, js in jobs.items() if js == {"dplb-workers"}} >= {f + "_total" for f in (
+            M.WORKER_REQUESTS, M.WORKER_ERRORS, M.NVML_ERRORS)}
+        meta = httpx.get(prom.url + "/api/v1/metadata", timeout=10).json()["data"]
+        for name, entries in meta.items():
+            if name.startswith("dplb_"):
+                assert len(entries) == 1, (name, entries)
+        for name in (M.WORKER_REQUESTS, M.WORKER_ERRORS, M.NVML_ERRORS, M.WORKER_CUDA_OOM):
+            entries = meta.get(name + "_total") or meta.get(name)
+            assert [e["type"] for e in entries or []] == ["counter"], (name, sorted(meta))
+        served = float(prom.query(f'sum({M.WORKER_REQUESTS}_total)')[0]["value"][1])
+        assert served == 20 + 2  # 20 requests + one warm-up per worker, counted once
     finally:
         prom.stop()
+
+
+def test_router_metrics_content_type_process_series_and_start_durations(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    args = ["--sim-warmup-delay-s", "1.0", "--sim-first-request-delay-s", "1.0"]
+    with cluster(str(tmp_path), 1, worker_args={0: args}) as c:
+        r = httpx.get(c.url + "/metrics", timeout=10)
+        assert r.headers["content-type"] == CONTENT_TYPE_LATEST, r.headers["content-type"]  # one charset
+        assert r.headers["content-type"].count("charset") == 1
+        assert c.metric("process_resident_memory_bytes") and c.metric("process_open_fds")
+        load = c.metric(M.WORKER_MODEL_LOAD_DURATION, {"worker": "0"})
+        warm = c.metric(M.WORKER_WARMUP_DURATION, {"worker": "0"})
+        assert load is not None and warm is not None and load >= 1.0 > warm, (load, warm)  # the load, not warm-up
+        assert c.metric(M.WORKER_FIRST_REQUEST_DURATION, {"worker": "0"}) == 0
+        r = httpx.post(c.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "x", "max_tokens": 1},
+                       timeout=30)
+        assert r.status_code == 200
+        t0 = time.monotonic()
+        while not (c.metric(M.WORKER_FIRST_REQUEST_DURATION, {"worker": "0"}) or 0) >= 1.0:
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.1)
 
 
 def _series(c: Cluster) -> set[str]:

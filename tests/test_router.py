@@ -32,7 +32,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def post(c: Cluster, path: str, body: bytes | dict, headers: dict[str, str | bytes] | None = None,  # type: ignore[type-arg]
          timeout: float = 30) -> httpx.Response:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    h = {"content-type": "application/json", **(headers or {})}
+    h = {"content-type": "application/json", "x-sim-debug": "body-sha256", **(headers or {})}
     return httpx.post(c.url + path, content=data, headers=h, timeout=timeout)
 
 

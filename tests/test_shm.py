@@ -165,7 +165,7 @@ def test_missing_segment_names_env_and_remedy(shm_path: str, monkeypatch: pytest
 @pytest.mark.parametrize(
     ("offset", "data", "needle"),
     [
-        (0, b"XXXX", "bad magic"),
+        (0, b"XXXX", "no DPLB magic"),
         (4, struct.pack("<H", 99), "layout version 99"),
         (10, struct.pack("<H", 128), "slot size"),
         (8, struct.pack("<H", 0), "num_workers 0"),
@@ -178,7 +178,9 @@ def test_bad_header_errors(shm_path: str, offset: int, data: bytes, needle: str)
         f.write(data)
     with pytest.raises(ShmLayoutError) as e:
         Segment.attach(shm_path)
-    assert needle in str(e.value) and shm_path in str(e.value) and "rm " in str(e.value)
+    assert needle in str(e.value) and shm_path in str(e.value)
+    # rm is advised only for a file that carries DPLB's magic under /dev/shm (never for somebody else's file)
+    assert ("rm " in str(e.value)) == (offset != 0 and shm_path.startswith("/dev/shm/")), str(e.value)
 
 
 def test_truncated_file_is_a_size_error(shm_path: str) -> None:

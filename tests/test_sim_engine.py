@@ -178,7 +178,8 @@ def test_raw_stream_done_last_headers_and_body_hash(sim: Callable[..., Served]) 
     s = sim(**FAST)
     body = b'{"model":"dplb-sim","prompt":"a b c","max_tokens":4,"stream":true,"vendor_param":{"x":1},' \
            b'"stream_options":{"include_usage":true}}'
-    with s.client.stream("POST", "/v1/completions", content=body, headers={"X-Request-Id": "rid-42"}) as r:
+    with s.client.stream("POST", "/v1/completions", content=body, headers={"X-Request-Id": "rid-42",
+                                                                               "x-sim-debug": "body-sha256"}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-request-id"] == "rid-42"
         assert r.headers["x-sim-body-sha256"] == hashlib.sha256(body).hexdigest()
@@ -191,7 +192,7 @@ def test_raw_stream_done_last_headers_and_body_hash(sim: Callable[..., Served]) 
 
     # error responses carry the body hash too; batch prompts x n give len(prompts) * n choices
     bad = b"not json at all"
-    r = s.client.post("/v1/completions", content=bad)
+    r = s.client.post("/v1/completions", content=bad, headers={"x-sim-debug": "body-sha256"})
     assert r.status_code == 400 and r.headers["x-sim-body-sha256"] == hashlib.sha256(bad).hexdigest()
     r = s.client.post("/v1/completions", json=_comp(3, prompt=["a b", "c d e"], n=2))
     assert r.status_code == 200
@@ -482,7 +483,7 @@ def test_endpoints_metrics_and_debug(sim: Callable[..., Served]) -> None:
     assert s.client.get("/nope").status_code == 404 and s.client.get("/v1/completions").status_code == 405
     tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     r = s.client.post("/v1/completions", json={"model": "tiny", "prompt": "p q", "max_tokens": 3},
-                      headers={"x-request-id": "abc", "traceparent": tp})
+                      headers={"x-request-id": "abc", "traceparent": tp, "x-sim-debug": "body-sha256"})
     assert r.status_code == 200 and r.json()["id"] == "cmpl-abc" and r.json()["model"] == "tiny"
     rec = s.client.get("/debug/requests").json()[-1]
     assert rec["x_request_id"] == "abc" and rec["traceparent"] == tp and rec["status"] == 200

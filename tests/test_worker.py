@@ -63,9 +63,11 @@ def test_oom_is_published_counted_and_logged_with_remedy(tmp_path) -> None:  # t
         log = Path(c.logs[-1]).read_text()
         assert "CUDA out of memory" in log and "--gpu-memory-utilization" in log
         m = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert 'dplb_worker_cuda_oom_total{worker="0"} 1.0' in m
-        assert "vllm:num_requests_running" in m and "dplb_worker_warmup_duration_seconds" in m
-        assert 'dplb_worker_lifecycle{state="ready",worker="0"} 1.0' in m
+        assert 'dplb_worker_errors_total{worker="0"} 1.0' in m and "# TYPE dplb_worker_errors_total counter" in m
+        assert "vllm:num_requests_running" in m and 'dplb_worker_info{engine="sim",worker="0"} 1.0' in m
+        # the slot's figures (OOMs, lifecycle, warm-up) have one owner: the router
+        assert "dplb_worker_cuda_oom_total" not in m and "dplb_worker_lifecycle" not in m
+        assert c.metric("dplb_worker_cuda_oom_total", {"worker": "0"}) == 1
 
 
 def test_published_queue_and_latency_follow_load(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -129,7 +131,7 @@ def test_sigterm_during_a_slow_engine_load_stops_promptly(tmp_path) -> None:  # 
             except httpx.HTTPError:
                 assert time.monotonic() - t0 < 10
                 time.sleep(0.1)
-        assert 'dplb_worker_lifecycle{state="starting",worker="0"} 1.0' in m
+        assert 'dplb_worker_info{engine="sim",worker="0"} 1.0' in m
         t_term = time.monotonic()
         c.kill_worker(0, signal.SIGTERM)
         assert time.monotonic() - t_term < 5

@@ -14,8 +14,10 @@ Contract
 - ``/debug/requests`` records per request: ``request_id``, ``x_request_id``, ``traceparent``, ``path``,
   ``body_sha256``, ``prompt_tokens``, ``completion_tokens`` (sent), ``cached_tokens``, ``status``, ``aborted``,
   ``time_unix``, ``header_names`` (the lower-case request header names received; the router's hop-by-hop tests).
-- Every response to a model request carries ``x-sim-body-sha256`` (hex SHA-256 of the exact request body bytes) and
-  echoes ``X-Request-Id``; the response id is ``chatcmpl-<X-Request-Id>``/``cmpl-<…>`` (random when absent), as vLLM.
+- A model request sent with ``x-sim-debug: body-sha256`` gets ``x-sim-body-sha256`` (hex SHA-256 of the exact
+  request body bytes) in its response (tests of byte-for-byte forwarding); no other response carries an ``x-sim-*``
+  header. Responses echo ``X-Request-Id``; the response id is ``chatcmpl-<X-Request-Id>``/``cmpl-<…>`` (random
+  when absent), as vLLM.
 - Tokens: the prompt's whitespace-separated words (chat: messages rendered as ``"role: content\\n"`` lines). Output:
   ``max_tokens`` words drawn by a PRNG seeded from (``seed``, prompt hash, choice index), so the same request gives
   the same text; ``finish_reason`` is always ``"length"``.
@@ -61,6 +63,7 @@ from dplb.engines.sim_scheduler import (
 
 __all__ = ["SimConfig", "SimEngine", "main"]
 
+DEBUG_HEADER = b"x-sim-debug"  # request header: "body-sha256" asks for x-sim-body-sha256 in the response
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20  # request bodies above this get 413
 DEBUG_RECORDS = 256
@@ -314,7 +317,7 @@ class SimEngine:
         cfg = self.config
         self.inflight += 1
         try:
-            hdr = {k: v for k, v in scope["headers"] if k in (b"x-request-id", b"traceparent")}
+            hdr = {k: v for k, v in scope["headers"] if k in (b"x-request-id", b"traceparent", DEBUG_HEADER)}
             xrid, tp = hdr.get(b"x-request-id"), hdr.get(b"traceparent")
             rid = ("chatcmpl-" if chat else "cmpl-") + (xrid.decode("latin-1") if xrid else uuid.uuid4().hex)
             rec: dict[str, Any] = {
@@ -330,7 +333,8 @@ class SimEngine:
                     rec["aborted"] = True
                     return
                 rec["body_sha256"] = sha = hashlib.sha256(body).hexdigest()
-                headers.append((b"x-sim-body-sha256", sha.encode()))
+                if hdr.get(DEBUG_HEADER) == b"body-sha256":  # opt-in: never reaches a client that did not ask
+                    headers.append((b"x-sim-body-sha256", sha.encode()))
                 if cfg.max_inflight_503 and self.inflight > cfg.max_inflight_503:
                     self.overloaded_total += 1
                     headers.append((b"retry-after", b"1"))
@@ -339,6 +343,8 @@ class SimEngine:
                                     "server_overloaded")
                 p = parse_request(body, chat, cfg)
                 self.requests_total += 1
+                if cfg.first_request_delay_s and self.requests_total == 2:  # the first after the warm-up request
+                    await asyncio.sleep(cfg.first_request_delay_s)
                 if cfg.oom_after and self.requests_total >= cfg.oom_after:
                     self.cuda_oom_total += 1
                     raise HTTPError(500, "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "

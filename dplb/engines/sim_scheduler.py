@@ -80,6 +80,8 @@ class SimConfig:
     - ``oom_after``: the Nth and every later model request fails with HTTP 500 "CUDA out of memory".
     - ``max_inflight_503``: with more than N model requests in flight, answer 503 ``server_overloaded`` at once.
     - ``chunk_delay_s``: extra delay after each streamed token chunk.
+    - ``first_request_delay_s``: the second model request (the first after the worker's warm-up one) waits this
+      long before it is scheduled: a cold first request (CUDA graphs, cold caches); drills DPLBWorkerColdStartSlow.
     """
 
     model: str = "dplb-sim"
@@ -98,6 +100,7 @@ class SimConfig:
     crash_after: int = 0
     hang_after: int = 0
     oom_after: int = 0
+    first_request_delay_s: float = 0.0
     max_inflight_503: int = 0
     chunk_delay_s: float = 0.0
 
@@ -118,7 +121,8 @@ class SimConfig:
             if getattr(self, name) < lo:
                 raise ConfigError(f"sim engine: {name} must be at least {lo}, got {getattr(self, name)}")
         for name in ("prefix_cache_blocks", "crash_after", "hang_after", "oom_after", "max_inflight_503",
-                     "prefill_s_per_token", "decode_step_s_per_seq", "warmup_delay_s", "chunk_delay_s"):
+                     "prefill_s_per_token", "decode_step_s_per_seq", "warmup_delay_s", "chunk_delay_s",
+                     "first_request_delay_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"sim engine: {name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
         for name in ("speed", "decode_step_s"):

@@ -41,12 +41,14 @@ from dplb.router.proxy import PROXY_PATHS, Proxy, error_body
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamError, UpstreamPool, fetch
 from dplb.serving import bind_tcp, make_server, raise_fd_limit
+from dplb.shm_layout import unregister_router
 from dplb.systemd import notify
 from dplb.tracing import make_tracer
 from dplb.tracing import shutdown as tracing_shutdown
 
 log = logging.getLogger("dplb.router")
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more gets 431 (nginx allows 32 KiB, Node 16 KiB)
+_TEXT_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
 _METHODS = frozenset({"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"})
 _ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/debug/decisions"}) | PROXY_PATHS
 
@@ -100,7 +102,8 @@ class RouterApp:
             # trace-id exemplars.
             if "application/openmetrics-text" in request.headers.get("accept", ""):
                 return Response(om_generate_latest(metrics.registry), media_type=OM_CONTENT_TYPE)
-            return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            # Litestar appends "; charset=utf-8" to text/* types itself: hand it the type without one (issue 16).
+            return Response(generate_latest(metrics.registry), media_type=_TEXT_TYPE)
 
         @get("/v1/models")
         async def models() -> Response[Any]:
@@ -226,6 +229,8 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
         await asyncio.wait_for(serve, 10)
     monitor.cancel()
     stopped.cancel()
+    if app.state.segment is not None:
+        unregister_router(app.state.segment.path)
     app.pool.close()
     if app.tracer is not None:
         tracing_shutdown(app.tracer)

@@ -106,10 +106,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-exempt", default=DEFAULT_EXEMPT, metavar="PATHS",
                    help=f"comma-separated paths served without the API key (default {DEFAULT_EXEMPT}; '' = none; "
                    f"allowed: {', '.join(EXEMPTABLE)})")
-    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
+                   help="larger request bodies get 413 body_too_large (default 33554432 = 32 MiB)")
     p.add_argument("--first-byte-timeout", type=float, default=600.0, help="seconds to wait for a response head")
     p.add_argument("--idle-timeout", type=float, default=120.0, help="seconds of silence allowed mid-response")
-    p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument("--connect-timeout", type=float, default=5.0,
+                   help="seconds to connect to a worker's socket before trying the next worker (default 5)")
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
     add_policy_args(p)
 

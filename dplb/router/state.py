@@ -35,6 +35,7 @@ from dplb.errors import ShmError
 from dplb.metrics import RouterMetrics
 from dplb.policy import Policy, RouteRequest, make_policy, routable
 from dplb.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
+from dplb.shm_layout import register_router
 from dplb.systemd import Watchdog
 
 log = logging.getLogger("dplb.router")
@@ -104,8 +105,9 @@ class RouterState:
             return False
         self.segment = seg
         self._attach_error = None
-        log.info("attached state segment %s (%d workers, %d ms interval)", seg.path, seg.num_workers,
-                 seg.state_interval_ms)
+        registered = register_router(seg.path, self.cfg.port)  # so `dplb doctor` never calls this segment stale
+        log.info("attached state segment %s (%d workers, %d ms interval%s)", seg.path, seg.num_workers,
+                 seg.state_interval_ms, "" if registered else "; router pid not recorded: segment not writable")
         return True
 
     def _interval_ms(self) -> int:

@@ -1,0 +1,112 @@
+"""What ``dplb launch`` checks and writes around the stack (split out of :mod:`dplb.launcher`).
+
+- :func:`check_ports`: every TCP port the stack will bind (router, each worker's metrics port) is free, before
+  anything starts; the error names the port, its owner in the stack and the flag that moves it.
+- :func:`check_model`: a local ``--model`` path exists and is a model directory (not found after 3 start attempts).
+- :func:`root_cause`: the line of a worker log that says why it failed (vLLM's ``ValueError … decrease
+  --gpu-memory-utilization`` sits above a page of shutdown tracebacks).
+- :func:`scrape_targets`: Prometheus ``file_sd`` target groups of the stack (jobs ``dplb-router``, ``dplb-workers``,
+  the names the alert rules expect), written by ``dplb launch`` and ``--emit-systemd``.
+- :func:`child_argv`: how children are started: ``python -P -m dplb.cli`` (``-P``: the current directory is not put
+  first on ``sys.path``, so a ``dplb/`` folder there cannot shadow the installed package; ``PYTHONPATH`` still
+  applies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import sys
+
+from dplb.doctor import model_path_problem
+from dplb.errors import ConfigError
+from dplb.serving import bind_tcp
+
+#: The scrape jobs the alert rules and dashboards expect.
+ROUTER_JOB, WORKERS_JOB = "dplb-router", "dplb-workers"
+TARGETS_FILE = "prometheus-targets.json"
+_ERROR_LINE = re.compile(r"^(?:\S+ )*?(\w*(?:Error|Exception)|error): (.+)$")
+_WRAPPERS = ("See root cause above", "Engine core initialization failed")
+
+
+def child_argv(*args: str) -> list[str]:
+    """``[python, -P, -m, dplb.cli, *args]``: the cwd cannot shadow the package (see the module docstring)."""
+    return [sys.executable, "-P", "-m", "dplb.cli", *args]
+
+
+def check_ports(host: str, port: int, metrics_host: str, metrics_ports: list[int]) -> None:
+    """Bind-test the router port and every worker metrics port. Raises :class:`ConfigError` for the first one in
+    use, naming what would have used it and the flag that changes it."""
+    wanted = [(host, port, "the router", "--port")]
+    wanted += [(metrics_host, p, f"worker {k}'s metrics", "--metrics-port-base (e.g. 31001; 0 = no worker metrics)")
+               for k, p in enumerate(metrics_ports)]
+    for h, p, who, flag in wanted:
+        try:
+            bind_tcp(h, p).close()
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {h}:{p} for {who}: {e.strerror or e}. Another DPLB (or another "
+                              f"server) uses it: stop it, or pass {flag}") from e
+
+
+def check_model(model: str | None) -> None:
+    """Refuse a ``--model`` that is a missing or non-model local path. Raises :class:`ConfigError`."""
+    if model:
+        problem = model_path_problem(model)
+        if problem:
+            raise ConfigError(f"{problem}. Pass the model directory (with config.json) or a Hugging Face id")
+
+
+def root_cause(log_text: str) -> str:
+    """The first ``SomeError: message`` line of a log that is not a wrapper pointing elsewhere ("" when none)."""
+    for line in log_text.splitlines():
+        m = _ERROR_LINE.match(line.strip())
+        if m and not any(w in line for w in _WRAPPERS):
+            return line.strip()
+    return ""
+
+
+def _target_host(host: str) -> str:
+    return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+
+
+def scrape_targets(host: str, port: int, metrics_host: str, metrics_ports: list[int]) -> list[dict[str, object]]:
+    """``file_sd`` target groups: the router (``host:port``) and each worker's metrics port, with ``job`` labels
+    (a wildcard bind address is written as this host's FQDN)."""
+    groups: list[dict[str, object]] = [{"targets": [f"{_target_host(host)}:{port}"], "labels": {"job": ROUTER_JOB}}]
+    if metrics_ports:
+        groups.append({"targets": [f"{_target_host(metrics_host)}:{p}" for p in metrics_ports],
+                       "labels": {"job": WORKERS_JOB}})
+    return groups
+
+
+def write_scrape_targets(directory: str, groups: list[dict[str, object]]) -> str:
+    """Write ``groups`` to ``directory``/:data:`TARGETS_FILE` atomically (Prometheus re-reads file_sd files on
+    change). Returns the path."""
+    path = os.path.join(directory, TARGETS_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(groups, f, indent=2)
+        f.write("\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return path
+
+
+def parse_worker_args(items: list[str], num_workers: int) -> dict[int, list[str]]:
+    """``["K=ARGS", ...]`` → ``{K: shlex-split ARGS}`` (several items for one K add up). Raises
+    :class:`ConfigError` for a malformed item or K outside 0..num_workers−1."""
+    out: dict[int, list[str]] = {}
+    for item in items:
+        k_s, sep, rest = item.partition("=")
+        try:
+            k = int(k_s)
+            words = shlex.split(rest)
+        except ValueError as e:
+            raise ConfigError(f"--worker-args {item!r}: expected K=ARGS, e.g. '3=--sim-speed 0.5' ({e})") from e
+        if not sep or not 0 <= k < num_workers:
+            raise ConfigError(f"--worker-args {item!r}: expected K=ARGS with K in 0..{num_workers - 1}")
+        out.setdefault(k, []).extend(words)
+    return out

@@ -1,0 +1,79 @@
+"""Finding state segments and telling live ones from stale ones (``dplb state``, ``dplb doctor``, ``dplb launch``).
+
+A segment is *live* while any process it records is alive: its creator (the launcher, or ``dplb segment create``
+under systemd, which exits at once), a router in its router registry, or a worker that wrote its slot. Only a
+segment with no live process is stale, and only a stale DPLB segment under ``/dev/shm`` is ever suggested for removal.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from dplb.errors import DPLBError, ShmPathError
+from dplb.shm import SHM_DIR, Segment, SegmentHeader, list_segments
+from dplb.shm_layout import pid_alive
+
+
+@dataclass
+class SegmentInfo:
+    """What one segment file says about its users. ``error`` is set (and ``header`` None) when it cannot be read."""
+
+    path: str
+    header: SegmentHeader | None = None
+    error: str = ""
+    worker_pids: list[int] = field(default_factory=list)
+
+    @property
+    def live_pids(self) -> list[int]:
+        """Recorded processes (creator, routers, workers) that are alive now."""
+        if self.header is None:
+            return []
+        pids = [self.header.creator_pid] + [p for p, _ in self.header.routers] + self.worker_pids
+        return sorted({p for p in pids if p and pid_alive(p)})
+
+    @property
+    def stale(self) -> bool:
+        """A readable segment none of whose recorded processes is alive."""
+        return self.header is not None and not self.live_pids
+
+    def describe(self) -> str:
+        """One line: path, creator pid, router pids and ports, run dir, live or stale."""
+        h = self.header
+        if h is None:
+            return f"{self.path}: unreadable ({self.error})"
+        routers = ", ".join(f"pid {p} port {port}" + ("" if pid_alive(p) else " (dead)") for p, port in h.routers)
+        state = f"live (pids {', '.join(map(str, self.live_pids))})" if self.live_pids else "stale (no live process)"
+        return (f"{self.path}: {h.num_workers} workers, creator pid {h.creator_pid}, "
+                f"router(s) {routers or 'none'}, run dir {h.run_dir or '?'}, {state}")
+
+
+def inspect(path: str) -> SegmentInfo:
+    """Read ``path``'s header and worker pids. Never raises for a bad file (``error`` says what is wrong)."""
+    try:
+        with Segment.attach(path, writable=False) as seg:
+            return SegmentInfo(path, seg.header, worker_pids=[w.pid for w in seg.read_all() if w.pid])
+    except DPLBError as e:
+        return SegmentInfo(path, error=str(e).split(". ")[0].split(": ", 1)[-1])
+    except OSError as e:
+        return SegmentInfo(path, error=e.strerror or str(e))
+
+
+def segments(directory: str = SHM_DIR) -> list[SegmentInfo]:
+    """Every ``dplb_state_*`` file in ``directory``, newest header first (unreadable ones last)."""
+    infos = [inspect(p) for p in list_segments(directory)]
+    return sorted(infos, key=lambda i: -(i.header.created_unix_ns if i.header else 0))
+
+
+def check_takeover(path: str) -> None:
+    """Refuse to (re)create a segment over ``path`` when it is used by live processes or is not a DPLB segment.
+    A missing path or a stale DPLB segment passes. Raises :class:`ShmError` naming the processes and what to do."""
+    if not os.path.lexists(path):
+        return
+    info = inspect(path)
+    if info.header is None:
+        raise ShmPathError(f"'{path}' exists and is not a DPLB segment ({info.error}); DPLB will not overwrite or "
+                           "remove it. Pass another --shm-path (or unset DPLB_SHM_PATH)", path)
+    if info.live_pids:
+        raise ShmPathError(f"segment {info.describe()}: another DPLB stack uses it. Stop that stack, or pass "
+                           "another --shm-path (or unset DPLB_SHM_PATH)", path)

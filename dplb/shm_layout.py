@@ -1,0 +1,222 @@
+"""Segment header layout, path rules and the router registry of the state segment (split out of :mod:`dplb.shm`).
+
+The byte layout is documented in :mod:`dplb.shm`; this module owns the header (decode, the router registry entries,
+the run directory) and the path-safety rules every command shares:
+
+- A path is a DPLB segment only when it is a regular file whose first bytes are the magic ``DPLB``
+  (:func:`is_dplb_segment`). DPLB never overwrites, truncates or unlinks anything else.
+- Removal is advised (``rm …``) only for a DPLB segment under ``/dev/shm`` (:class:`dplb.errors.ShmLayoutError`,
+  ``dplb doctor``).
+- Routers record themselves in the header (:func:`register_router`: pid + port, under ``flock``), so a segment
+  used by a live router is never called stale, even when its creator (systemd's oneshot) has exited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import stat
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError
+
+MAGIC = b"DPLB"
+LAYOUT_VERSION = 1
+HEADER_SIZE = 4096
+SLOT_SIZE = 192
+MAX_WORKERS = 64
+MAX_GPUS_PER_WORKER = 15
+MODEL_NAME_BYTES = 128
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "dplb_state_"
+ENV_SHM_PATH = "DPLB_SHM_PATH"
+
+HEADER = struct.Struct("<4sHHHHIQII128s")  # 160 bytes
+GPU_ENTRY = struct.Struct("<B15s")
+GPU_MAP_OFFSET = 160
+#: Router registry: MAX_ROUTERS entries {u32 pid, u16 port, u16 reserved} at ROUTERS_OFFSET (0 pid = free).
+ROUTER_ENTRY = struct.Struct("<IHH")
+ROUTERS_OFFSET = 1184
+MAX_ROUTERS = 8
+#: Run directory of the worker sockets (UTF-8, NUL-padded; empty when the creator did not know it).
+RUN_DIR_OFFSET = ROUTERS_OFFSET + MAX_ROUTERS * ROUTER_ENTRY.size  # 1248
+RUN_DIR_BYTES = 256
+HEADER_READ = RUN_DIR_OFFSET + RUN_DIR_BYTES  # 1504: the bytes a header decode needs
+assert HEADER.size == 160 and HEADER_READ <= HEADER_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    """Decoded segment header. ``routers``: (pid, port) of each registered router (live or not)."""
+
+    layout_version: int
+    num_workers: int
+    slot_size: int
+    state_interval_ms: int
+    created_unix_ns: int
+    creator_pid: int
+    model: str
+    gpu_map: tuple[tuple[int, ...], ...] = field(default=())
+    routers: tuple[tuple[int, int], ...] = field(default=())
+    run_dir: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-friendly dict."""
+        return {**asdict(self), "gpu_map": [list(g) for g in self.gpu_map],
+                "routers": [{"pid": p, "port": port} for p, port in self.routers]}
+
+
+def segment_size(num_workers: int) -> int:
+    """Total bytes of a segment with ``num_workers`` slots."""
+    return HEADER_SIZE + num_workers * SLOT_SIZE
+
+
+def default_segment_path(now_s: int | None = None) -> str:
+    """``/dev/shm/dplb_state_<unix seconds>`` (DESIGN §2)."""
+    return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{int(time.time() if now_s is None else now_s)}")
+
+
+def resolve_path(path: str | None) -> str:
+    """The segment path from ``path``, else ``$DPLB_SHM_PATH``. Raises :class:`ShmMissingError` when neither."""
+    p = path or os.environ.get(ENV_SHM_PATH)
+    if not p:
+        raise ShmMissingError(None)
+    return p
+
+
+def is_dplb_segment(path: str) -> bool:
+    """True when ``path`` is a regular file that starts with DPLB's magic (never follows into devices or FIFOs)."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+def check_not_foreign(path: str) -> None:
+    """Refuse a path DPLB must not touch: a directory, a device/FIFO/socket, or a file that is not a DPLB segment.
+    A missing path passes. Raises :class:`ShmError` naming the path and what to do."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ShmError(f"cannot inspect the segment path '{path}': {e.strerror}", path) from e
+    if stat.S_ISDIR(st.st_mode):
+        raise ShmPathError(f"segment path '{path}' is a directory, not a DPLB segment; pass a file path such as "
+                       f"{SHM_DIR}/{SEGMENT_PREFIX}mystack", path)
+    if not is_dplb_segment(path):
+        raise ShmPathError(f"'{path}' exists and is not a DPLB segment (no DPLB magic); DPLB will not overwrite or "
+                       f"remove it. Pass another --shm-path (e.g. {SHM_DIR}/{SEGMENT_PREFIX}mystack) or unset "
+                       f"{ENV_SHM_PATH}", path)
+
+
+def decode_header(path: str, raw: bytes, file_size: int) -> SegmentHeader:
+    """Decode and validate a header from its first :data:`HEADER_READ` bytes. Raises :class:`ShmLayoutError`."""
+    if len(raw) < HEADER_READ:
+        raise ShmLayoutError(path, f"file is {file_size} bytes, smaller than the {HEADER_SIZE}-byte header",
+                             dplb_magic=raw[:4] == MAGIC)
+    magic, version, hsize, n, ssize, interval, created, cpid, _r, model_b = HEADER.unpack_from(raw, 0)
+    if magic != MAGIC:
+        raise ShmLayoutError(path, f"no DPLB magic ({magic!r}, expected {MAGIC!r})", dplb_magic=False)
+    if version != LAYOUT_VERSION:
+        raise ShmLayoutError(path, f"layout version {version}, this DPLB reads version {LAYOUT_VERSION}")
+    if hsize != HEADER_SIZE or ssize != SLOT_SIZE:
+        raise ShmLayoutError(path, f"header/slot size {hsize}/{ssize}, expected {HEADER_SIZE}/{SLOT_SIZE}")
+    if not 1 <= n <= MAX_WORKERS:
+        raise ShmLayoutError(path, f"num_workers {n} outside 1..{MAX_WORKERS}")
+    if file_size < segment_size(n):
+        raise ShmLayoutError(path, f"file is {file_size} bytes, {n} workers need {segment_size(n)}")
+    if interval <= 0:
+        raise ShmLayoutError(path, f"state_interval_ms {interval} must be > 0")
+    gmap = []
+    for w in range(n):
+        cnt, idx = GPU_ENTRY.unpack_from(raw, GPU_MAP_OFFSET + 16 * w)
+        gmap.append(tuple(idx[: min(cnt, MAX_GPUS_PER_WORKER)]))
+    routers = tuple((pid, port) for pid, port, _ in (ROUTER_ENTRY.unpack_from(raw, ROUTERS_OFFSET + i * 8)
+                                                     for i in range(MAX_ROUTERS)) if pid)
+    run_dir = raw[RUN_DIR_OFFSET:RUN_DIR_OFFSET + RUN_DIR_BYTES].rstrip(b"\0").decode(errors="replace")
+    return SegmentHeader(version, n, ssize, interval, created, cpid, model_b.rstrip(b"\0").decode(errors="replace"),
+                         tuple(gmap), routers, run_dir)
+
+
+def encode_run_dir(run_dir: str) -> bytes:
+    """The run-directory field; raises ``ValueError`` when it does not fit :data:`RUN_DIR_BYTES`."""
+    b = run_dir.encode()
+    if len(b) > RUN_DIR_BYTES:
+        raise ValueError(f"run directory path is {len(b)} bytes; at most {RUN_DIR_BYTES} fit the segment header")
+    return b
+
+
+def pid_alive(pid: int) -> bool:
+    """True when process ``pid`` exists (also when it belongs to another user)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _locked_fd(path: str) -> Iterator[int]:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def register_router(path: str, port: int, pid: int | None = None) -> bool:
+    """Record router ``pid`` (default: this process) and its TCP ``port`` in the segment's router registry: its own
+    entry, else a free one, else one whose process is gone. Returns False (and records nothing) when the segment
+    cannot be written or all :data:`MAX_ROUTERS` entries belong to live processes."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        with _locked_fd(path) as fd:
+            if os.pread(fd, 4, 0) != MAGIC:
+                return False
+            raw = os.pread(fd, MAX_ROUTERS * ROUTER_ENTRY.size, ROUTERS_OFFSET)
+            entries = [ROUTER_ENTRY.unpack_from(raw, i * ROUTER_ENTRY.size) for i in range(MAX_ROUTERS)]
+            slot = next((i for i, e in enumerate(entries) if e[0] == pid), None)
+            if slot is None:
+                slot = next((i for i, e in enumerate(entries) if e[0] == 0 or not pid_alive(e[0])), None)
+            if slot is None:
+                return False
+            os.pwrite(fd, ROUTER_ENTRY.pack(pid, port & 0xFFFF, 0), ROUTERS_OFFSET + slot * ROUTER_ENTRY.size)
+            return True
+    except OSError:
+        return False
+
+
+def unregister_router(path: str, pid: int | None = None) -> None:
+    """Clear router ``pid``'s registry entry (default: this process). Never raises."""
+    pid = os.getpid() if pid is None else pid
+    with contextlib.suppress(OSError), _locked_fd(path) as fd:
+        if os.pread(fd, 4, 0) != MAGIC:
+            return
+        for i in range(MAX_ROUTERS):
+            off = ROUTERS_OFFSET + i * ROUTER_ENTRY.size
+            if ROUTER_ENTRY.unpack(os.pread(fd, ROUTER_ENTRY.size, off))[0] == pid:
+                os.pwrite(fd, bytes(ROUTER_ENTRY.size), off)
+
+
+def list_segments(directory: str = SHM_DIR) -> list[str]:
+    """Paths of ``dplb_state_*`` files in ``directory``, newest (by mtime) first. Ignores temp files."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(SEGMENT_PREFIX) and ".tmp." not in n]
+    except FileNotFoundError:
+        return []
+    paths = [os.path.join(directory, n) for n in names]
+    return sorted(paths, key=lambda p: os.stat(p).st_mtime if os.path.exists(p) else 0, reverse=True)

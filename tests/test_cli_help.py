@@ -1,0 +1,91 @@
+"""What a new user reads (issue 16): help texts that state limits and defaults, ``--help-engine``, ``--emit-systemd``
+output, ``dplb state --watch`` into a file, and no sim-internal header reaching a client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+from cluster import cluster, dplb_cmd
+
+from dplb.state_cli import render_table, snapshot
+
+
+def _help(*args: str) -> str:
+    r = subprocess.run(dplb_cmd(*args, "--help"), capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    return " ".join(r.stdout.split())
+
+
+def test_help_texts_state_limits_and_defaults() -> None:
+    launch = _help("launch")
+    for needle in ("1..64", "32 MiB", "to connect to a worker's socket", "on stop (default 30)",
+                   "becoming ready (default 3)", "--metrics-host", "default 30001+K"):
+        assert needle in launch, needle
+    worker = _help("worker")
+    assert "--help-engine {sim,vllm}" in worker and "--metrics-host" in worker
+
+
+def test_help_engine_sim_lists_every_sim_knob() -> None:
+    r = subprocess.run(dplb_cmd("worker", "--help-engine", "sim"), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for knob in ("--sim-max-num-seqs", "--sim-speed", "--sim-warmup-delay-s", "--sim-oom-after"):
+        assert knob in r.stdout, knob
+    r = subprocess.run(dplb_cmd("worker", "--worker-id", "0", "--uds", "/tmp/x.sock", "--sim-bogus", "1"),
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "DPLB_SHM_PATH": "/nonexistent"})
+    assert r.returncode == 2 and "`dplb worker --help-engine sim`" in r.stderr, r.stderr  # advertised, and it exists
+
+
+def test_emit_systemd_enables_the_target_and_writes_scrape_targets(tmp_path: Path) -> None:
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--host", "10.0.0.5", "--port", "31000",
+                                "--metrics-host", "0.0.0.0", "--metrics-port-base", "32001", "--emit-systemd",
+                                str(tmp_path)), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "systemctl enable --now dplb.target " in r.stdout, r.stdout
+    groups = json.loads((tmp_path / "prometheus-targets.json").read_text())
+    assert groups[0] == {"targets": ["10.0.0.5:31000"], "labels": {"job": "dplb-router"}}
+    host = groups[1]["targets"][0].rsplit(":", 1)[0]
+    assert host not in ("0.0.0.0", "") and groups[1]["targets"] == [f"{host}:32001", f"{host}:32002"]
+    assert groups[1]["labels"] == {"job": "dplb-workers"}
+    # the workers bind what the targets file says
+    for k in range(2):
+        env = (tmp_path / f"worker-{k}.env").read_text()
+        assert f"--metrics-host 0.0.0.0 --metrics-port {32001 + k}\n" in env, env
+
+
+def test_state_watch_into_a_file_writes_frames_and_the_heading_does_not_wrap(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    with cluster(str(tmp_path), 1) as c:
+        out = tmp_path / "watch.txt"
+        with open(out, "w") as f:
+            p = subprocess.Popen(dplb_cmd("state", "--watch", "--interval", "0.2"), stdout=f,
+                                 stderr=subprocess.PIPE, env=c.env())
+            time.sleep(3)
+            p.send_signal(signal.SIGTERM)  # what `timeout 3 dplb state --watch > f` does
+            _, err = p.communicate(timeout=20)
+        assert p.returncode == 0, err
+        text = out.read_text()
+        assert text.count(c.shm_path) >= 3 and text.count("ready") >= 3, text  # one frame per interval, flushed
+        assert c.segment is not None
+        console = Console(width=120, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+        console.print(render_table(snapshot(c.segment)))
+        first = console.export_text().splitlines()[0]
+        assert c.shm_path in first and "interval=200 ms" in first and "routers(pid:port)=" in first, first
+
+
+def test_sim_internal_header_never_reaches_a_client(tmp_path: Path) -> None:
+    with cluster(str(tmp_path), 1) as c:
+        for stream in (False, True):
+            r = httpx.post(c.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "a b", "max_tokens": 2,
+                                                            "stream": stream}, timeout=30)
+            assert r.status_code == 200 and not [h for h in r.headers if h.lower().startswith("x-sim-")], r.headers
+        r = httpx.post(c.url + "/v1/completions", content=b"{bad", timeout=30,
+                       headers={"content-type": "application/json"})
+        assert not [h for h in r.headers if h.lower().startswith("x-sim-")], r.headers
