@@ -60,7 +60,7 @@ L.row("Scoring inputs").add(
     ts("Prefix cache hit rate per worker", "percentunit",
        targets((f"{engine(rate(HITS + W))} / ({engine(rate(QUERIES + W))} > 0)", "worker {{worker}}")),
        "Prompt tokens the engine served from its prefix cache / prompt tokens it looked up (vllm:prefix_cache_hits "
-       "/ vllm:prefix_cache_queries, from the workers' metrics ports). Prefix affinity (--affinity-margin) routes a "
+       "/ vllm:prefix_cache_queries, from the workers' metrics ports). The router's prefix term routes a "
        "conversation's next turn to the worker that holds its history, so this stays high; a drop on one worker "
        "after a restart is its empty cache refilling. No data while a worker gets no prompts.", **RANGE_0_1),
     ts("Average latency vs baseline", "s",
@@ -116,11 +116,12 @@ L.row("Prefix cache routing").add(
        w=8),
     ts("Predicted prefix hit rate per worker", "percentunit",
        targets((f"sum by (worker) (rate({r(M.PREFIX_HIT_BLOCKS + '_total')}[$__rate_interval])) / "
-                f"sum by (worker) (rate({r(M.PREFIX_QUERY_BLOCKS + '_total')}[$__rate_interval]))",
+                f"(sum by (worker) (rate({r(M.PREFIX_QUERY_BLOCKS + '_total')}[$__rate_interval])) > 0)",
                 "worker {{worker}}")),
        "Prompt blocks the router's prefix index predicted the chosen worker has cached / blocks routed to it. Compare "
        "with the engines' measured vllm:prefix_cache_hits / queries: a prediction well above it means the engines "
-       "evict sooner than the index forgets (lower --prefix-index-blocks or --prefix-ttl).", w=8, **RANGE_0_1),
+       "evict sooner than the index forgets (lower --prefix-index-blocks or --prefix-ttl). No data while no prompt "
+       "is long enough for a block (128 bytes).", w=8, **RANGE_0_1),
     ts("Prefix index size", "none",
        targets((f"max({M.PREFIX_INDEX_BLOCKS}{{{ROUTER}}})", "blocks"),
                (f"max({M.PREFIX_INDEX_CAPACITY}{{{ROUTER}}})", "capacity")),

@@ -126,7 +126,8 @@ class Load:
             i = 0
             while not self._stop.is_set():
                 i += 1
-                words = f"request {i} {uuid.uuid4().hex} about routing and caches"
+                # a shared 150-byte head then a unique tail: prompts span prefix blocks, some of them cached
+                words = "You are the DPLB test assistant; answer briefly. " * 3 + f"request {i} {uuid.uuid4().hex}"
                 stream = self.stream_every > 0 and i % self.stream_every == 0
                 try:
                     if i % 2:

@@ -195,6 +195,21 @@ def test_correction_counts_until_a_newer_snapshot() -> None:
     assert p.correction(0) == 1  # that last pick, sent after the snapshot
 
 
+def test_correction_never_exceeds_the_routers_own_inflight() -> None:
+    """Regression: three quick sequential requests inside one state interval counted as three queued requests
+    although all had completed (the router's in-flight was 0), so a conversation's next turn spilled away from the
+    worker holding its history. The correction is capped by the router's own in-flight count."""
+    p = policy(n=2)
+    snap = [ws(0), ws(1)]
+    for _ in range(3):
+        p.pick(snap, NOW, inflight=[0, 0])
+    assert p.correction(0) + p.correction(1) == 3  # the send log still has them
+    d = p.pick(snap, NOW, inflight=[0, 0])
+    assert [c.correction for c in d.candidates] == [0, 0]  # nothing is open: nothing uncounted can be queued
+    d = p.pick(snap, NOW, inflight=[1, 0])
+    assert d.candidates[0].correction == 1 and d.candidates[0].queue == 1
+
+
 # ---- latency baseline ----------------------------------------------------------------------------------------
 def test_baseline_is_p95_nearest_rank_and_freezes_after_50() -> None:
     p = policy(n=1)

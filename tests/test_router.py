@@ -505,7 +505,8 @@ def test_conversation_turns_follow_their_history_and_prefix_scoring_can_be_off(t
         home = {conv: post(c, "/v1/chat/completions", turn(conv, 1)).headers["x-sg-worker-id"] for conv in (1, 2)}
         for n in (2, 3):
             for conv in (1, 2):
-                assert post(c, "/v1/chat/completions", turn(conv, n)).headers["x-sg-worker-id"] == home[conv]
+                got = post(c, "/v1/chat/completions", turn(conv, n)).headers["x-sg-worker-id"]
+                assert got == home[conv], json.dumps(httpx.get(c.url + "/debug/decisions?limit=1").json()[0])
                 d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
                 assert d["prefix_outcome"] == "hit" and d["preferred"] == int(home[conv]), d
         text = httpx.get(c.url + "/metrics").text

@@ -11,7 +11,9 @@ Contract
 - In-flight correction: requests this router sent to a worker that its last published snapshot may not count yet —
   those sent after that snapshot's heartbeat minus half a state interval. A request sent just before a snapshot is
   often still in a socket or being parsed when the worker counts its queue; forgetting it then made bursts of 64
-  split up to 20/14/15/15 in the burst-herd benchmark.
+  split up to 20/14/15/15 in the burst-herd benchmark. It is capped by the router's own in-flight count for the
+  worker: short requests that already completed within the interval are in no queue (counting them made a
+  conversation's quick next turn spill away from the worker holding its history).
 - Latency baseline: P95 (nearest rank: the ⌈0.95·n⌉-th smallest) of the first ``baseline_window`` (50) completed
   requests fed to :meth:`Policy.observe_latency`; then frozen.
 - A worker whose pid changed (restarted) is forgotten by every scorer that learns (the prefix index).
@@ -108,13 +110,15 @@ class Policy:
     def pick(
         self, snapshot: Sequence[WorkerState], now_mono_ns: int, request: RouteRequest | None = None, *,
         held: frozenset[int] = frozenset(), ejected: frozenset[int] = frozenset(), dry_run: bool = False,
+        inflight: Sequence[int] | None = None,
     ) -> Decision:
         """Choose a worker for one request.
 
         ``snapshot``: one :class:`WorkerState` per worker (ids 0..n−1), as read from shm just now.
         ``now_mono_ns``: CLOCK_MONOTONIC ns (staleness). ``request``: the request's prefix blocks and the workers
         it must not go to (None: no prefix, nothing excluded). ``held``/``ejected``: the router's heartbeat
-        hysteresis and passive-health verdicts. Returns a :class:`Decision`; ``worker`` is None when nobody is
+        hysteresis and passive-health verdicts. ``inflight``: the router's own open requests per worker; the
+        correction never exceeds it (a request that already completed is in no queue). Returns a :class:`Decision`; ``worker`` is None when nobody is
         eligible (``reason`` says why). The chosen worker's in-flight correction is incremented and the scorers'
         ``on_pick`` hooks run. ``dry_run=True`` evaluates without choosing (no rotation, no correction, no hooks):
         what a metrics scrape uses.
@@ -132,6 +136,8 @@ class Policy:
             if hb != seen[k]:
                 self._new_snapshot(w, q)
             corr = len(q)
+            if inflight is not None and inflight[k] < corr:
+                corr = inflight[k]
             append(Candidate(w, corr, w.num_running + w.num_waiting + corr, now_mono_ns - hb))
         ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected)
         for f in self.filters:

@@ -140,7 +140,7 @@ class RouterState:
         else:
             now = time.monotonic_ns()
             held = self._track_staleness(snap, now)
-            d = self.policy.pick(snap, now, request, held=held, ejected=ejected)
+            d = self.policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight)
         self.metrics.observe_decision(d, time.perf_counter() - t0)
         self.decisions.append((time.time(), request_id, d))
         return d
@@ -151,7 +151,7 @@ class RouterState:
         if snap is None:
             return None
         return self.policy.pick(snap, time.monotonic_ns(), held=self.held_out(), ejected=self._ejected(snap),
-                                dry_run=True)
+                                dry_run=True, inflight=self.inflight)
 
     # ---- heartbeat hysteresis ---------------------------------------------------------------------------------
     def _track_staleness(self, snap: list[WorkerState], now: int) -> frozenset[int]:
