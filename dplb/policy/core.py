@@ -118,7 +118,8 @@ class Policy:
         ``now_mono_ns``: CLOCK_MONOTONIC ns (staleness). ``request``: the request's prefix blocks and the workers
         it must not go to (None: no prefix, nothing excluded). ``held``/``ejected``: the router's heartbeat
         hysteresis and passive-health verdicts. ``inflight``: the router's own open requests per worker; the
-        correction never exceeds it (a request that already completed is in no queue). Returns a :class:`Decision`; ``worker`` is None when nobody is
+        correction never exceeds it (a request that already completed is in no queue).
+        Returns a :class:`Decision`; ``worker`` is None when nobody is
         eligible (``reason`` says why). The chosen worker's in-flight correction is incremented and the scorers'
         ``on_pick`` hooks run. ``dry_run=True`` evaluates without choosing (no rotation, no correction, no hooks):
         what a metrics scrape uses.
