@@ -248,7 +248,11 @@ class Launcher:
                "--baseline-window", str(a.baseline_window), "--seed", str(a.seed),
                "--max-body-bytes", str(a.max_body_bytes), "--first-byte-timeout", str(a.first_byte_timeout),
                "--idle-timeout", str(a.idle_timeout), "--connect-timeout", str(a.connect_timeout),
-               "--state-interval-ms", str(a.state_interval_ms), "--api-key-exempt", a.api_key_exempt]
+               "--state-interval-ms", str(a.state_interval_ms), "--api-key-exempt", a.api_key_exempt,
+               "--cors-allowed-origins", a.cors_allowed_origins, "--sse-keepalive", str(a.sse_keepalive),
+               "--models-refresh", str(a.models_refresh)]
+        if a.allow_runtime_lora:
+            out.append("--allow-runtime-lora")
         if a.max_queue_from_worker:
             out.append("--max-queue-from-worker")
         if a.access_log:
