@@ -132,27 +132,27 @@ class RouterApp:
             return Response(msgspec.json.encode({"object": "list", "data": list(seen.values())}),
                             media_type="application/json", headers={"x-sg-worker-id": workers})
 
-        async def lora(request: Request[Any, Any, Any], workers: str | None) -> Response[bytes]:
+        async def lora(request: Request[Any, Any, Any]) -> Response[bytes]:
             if not cfg.allow_runtime_lora:
                 return _error(RouterErrorKind.ROUTE_DISABLED, f"{request.url.path} is off; start the router with "
                               "--allow-runtime-lora (and the vLLM workers with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
             try:
-                chosen = parse_workers(workers, state.num_workers)
+                chosen = parse_workers(request.query_params.get("workers"), state.num_workers)
             except ValueError as e:
                 raise HTTPException(status_code=400, detail=str(e)) from None
-            ks = [k for k in (chosen if chosen is not None else state.routable_workers())]
+            ks = chosen if chosen is not None else state.routable_workers()
             if not ks:
                 return _error(RouterErrorKind.NONE_ROUTABLE, "no worker is ready", cfg.retry_after_s)
             status, body = await fan_out(pool, served, ks, request.url.path, await request.body(), state.pid_of)
             return Response(body, status_code=status, media_type="application/json")
 
         @post("/v1/load_lora_adapter", status_code=200)
-        async def load_lora(request: Request[Any, Any, Any], workers: str | None = None) -> Response[bytes]:
-            return await lora(request, workers)
+        async def load_lora(request: Request[Any, Any, Any]) -> Response[bytes]:
+            return await lora(request)
 
         @post("/v1/unload_lora_adapter", status_code=200)
-        async def unload_lora(request: Request[Any, Any, Any], workers: str | None = None) -> Response[bytes]:
-            return await lora(request, workers)
+        async def unload_lora(request: Request[Any, Any, Any]) -> Response[bytes]:
+            return await lora(request)
 
         @get("/debug/decisions", sync_to_thread=False)
         def decisions(limit: int = 50) -> list[dict[str, Any]]:

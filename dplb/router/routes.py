@@ -68,6 +68,8 @@ NOT_ROUTED: dict[str, str] = {
     "/scale_elastic_ep": "elastic expert-parallel administration of one engine",
     "/is_scaling_elastic_ep": "elastic expert-parallel administration of one engine",
     "/inference/v1/abort_requests": "needs the worker of each request id; abort by closing the client connection",
+    "/adapters": "SageMaker's adapter API; use /v1/load_lora_adapter (fanned out to every worker)",
+    "/adapters/{adapter_name}": "SageMaker's adapter API; use /v1/unload_lora_adapter (fanned out)",
 }
 _RESP_ID = re.compile(r"[A-Za-z0-9._:\-]{1,256}")
 
