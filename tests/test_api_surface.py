@@ -266,3 +266,34 @@ def test_no_keepalive_by_default(lora: Cluster) -> None:
             "model": "dplb-sim", "prompt": prompt, "max_tokens": 2, "stream": True}) as r:
         raw = b"".join(r.iter_bytes())
     assert b"keep-alive" not in raw and raw.endswith(b"data: [DONE]\n\n")
+
+
+# ---- the pieces, without processes -------------------------------------------------------------------------
+def test_served_models_table_keeps_requests_off_workers_not_known_to_serve() -> None:
+    from dplb.router.models import MAX_NAMES_PER_WORKER, ServedModels
+
+    t = ServedModels(3)
+    assert t.workers_not_serving("m") == frozenset() and not t.none_serves("m")  # nothing known: no filter
+    t.update(0, 100, ["m", "a"])
+    assert t.workers_not_serving("a") == {1, 2}  # worker 1 and 2 not known yet: kept off a name worker 0 has
+    assert t.workers_not_serving("b") == {0}  # a name nobody known has: the unknown workers may answer for it
+    t.update(1, 101, ["m", "b"])
+    t.update(2, 102, [f"n{i}" for i in range(MAX_NAMES_PER_WORKER + 10)] + ["x" * 300])
+    assert t.workers_not_serving("m") == {2} and t.workers_not_serving("b") == {0, 2}
+    assert t.none_serves("zzz") and not t.none_serves("b") and "x" * 300 not in t.names()
+    assert f"n{MAX_NAMES_PER_WORKER - 1}" in t.names() and f"n{MAX_NAMES_PER_WORKER}" not in t.names()
+    assert not t.due(0, 100, 5.0, time.monotonic()) and t.due(0, 999, 5.0, time.monotonic())  # restart: ask again
+
+
+def test_response_ids_are_bounded_and_codings_stack() -> None:
+    from dplb.router.intake import Rejected, decode_body
+    from dplb.router.routes import ResponseIds
+
+    ids = ResponseIds(2)
+    for i in range(3):
+        ids.remember(f"r{i}", i)
+    assert ids.worker_of("r0") is None and ids.worker_of("r2") == 2 and len(ids) == 2
+    assert decode_body(gzip.compress(zlib.compress(b"{}")), b"deflate, gzip", 10) == b"{}"
+    with pytest.raises(Rejected) as e:
+        decode_body(gzip.compress(b"x" * 11), b"gzip", 10)
+    assert e.value.kind.code == "body_too_large"

@@ -58,16 +58,15 @@ class ServedModels:
         self._pid = [0] * num_workers
         self._fetched_at = [0.0] * num_workers
         self._index: dict[str, frozenset[int]] = {}
+        self._not_serving: dict[str, frozenset[int]] = {}  # name → every worker not serving it (known or not)
         self._known: frozenset[int] = frozenset()
         self._warned = False
 
     # ---- hot path --------------------------------------------------------------------------------------------
     def workers_not_serving(self, model: str) -> frozenset[int]:
         """Workers the request for ``model`` must not go to (module docstring). O(1) lookups, no I/O."""
-        serving = self._index.get(model)
-        if serving is not None:
-            return self._all - serving
-        return self._known
+        excl = self._not_serving.get(model)
+        return excl if excl is not None else self._known
 
     def none_serves(self, model: str) -> bool:
         """True when every worker's list is known and none has ``model``."""
@@ -106,6 +105,7 @@ class ServedModels:
             for n in ns or ():
                 index.setdefault(n, set()).add(k)
         self._index = {n: frozenset(ws) for n, ws in index.items()}
+        self._not_serving = {n: self._all - ws for n, ws in self._index.items()}
         self._known = frozenset(k for k, ns in enumerate(self._names) if ns is not None)
 
     def due(self, worker: int, pid: int, refresh_s: float, now: float) -> bool:

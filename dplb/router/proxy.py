@@ -403,7 +403,7 @@ class Proxy:
                         t_first = time.perf_counter()
                     if capture is not False:
                         capture = self._capture_id(capture + chunk, worker)
-                    at_boundary = chunk.endswith(b"\n\n")
+                    at_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except UpstreamError as e:
                 if disconnected.is_set():
