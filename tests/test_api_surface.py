@@ -297,3 +297,32 @@ def test_response_ids_are_bounded_and_codings_stack() -> None:
     with pytest.raises(Rejected) as e:
         decode_body(gzip.compress(b"x" * 11), b"gzip", 10)
     assert e.value.kind.code == "body_too_large"
+
+
+def test_a_draining_worker_refuses_every_generating_route() -> None:
+    """The worker's drain gate covers the new model routes (the router then retries elsewhere), not the tokenizer."""
+    import asyncio
+
+    from dplb.engines.base import RequestStats, RequestStatsMiddleware
+
+    async def engine(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def call(path: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+        sent: list[dict] = []  # type: ignore[type-arg]
+
+        async def send(m: dict) -> None:  # type: ignore[type-arg]
+            sent.append(m)
+
+        async def receive() -> dict:  # type: ignore[type-arg]
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        mw = RequestStatsMiddleware(engine, RequestStats(), lambda: False)
+        await mw({"type": "http", "path": path, "method": "POST", "headers": []}, receive, send)
+        return sent[0]["status"], dict(sent[0]["headers"])
+
+    for path in ("/v1/responses", "/v1/audio/transcriptions", "/v1/rerank", "/pooling", "/v1/messages"):
+        status, headers = asyncio.run(call(path))
+        assert status == 503 and headers[b"x-dplb-draining"] == b"1", path
+    assert asyncio.run(call("/tokenize"))[0] == 200
