@@ -142,7 +142,9 @@ class Proxy:
         carrier = {n.decode("latin-1"): v.decode("latin-1") for n, v in scope["headers"]
                    if n in (b"traceparent", b"tracestate")}
         parent = TraceContextTextMapPropagator().extract(carrier)
-        route = f"POST {scope['path']}"
+        found = match(scope["method"], scope["path"])  # the route's pattern: span names stay bounded
+        pattern = found[0].path if found is not None else "other"
+        route = f"{scope['method']} {pattern}"
         status = [0]
 
         async def send_status(message: dict[str, Any]) -> None:
@@ -151,7 +153,7 @@ class Proxy:
             await send(message)
 
         with self.tracer.start_as_current_span(route, context=parent, kind=SpanKind.SERVER, attributes={
-                "http.request.method": scope["method"], "http.route": scope["path"], "url.path": scope["path"]},
+                "http.request.method": scope["method"], "http.route": pattern, "url.path": scope["path"]},
                 ) as span:
             await self._handle(scope, receive, send_status, span)
             span.set_attribute("http.response.status_code", status[0])
