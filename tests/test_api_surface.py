@@ -110,11 +110,13 @@ def test_responses_stream_and_id_map_pins_follow_ups(lora: Cluster) -> None:
         assert g.status_code == 200 and g.headers["x-sg-worker-id"] == worker and g.json()["id"] == rid
         assert g.json()["status"] == "completed"
         assert httpx.get(lora.url + f"/v1/responses/{plain['id']}", timeout=10).json()["id"] == plain["id"]
-        f = post(lora, "/v1/responses", {"model": "dplb-sim", "input": "more", "previous_response_id": rid})
+        f = post(lora, "/v1/responses", {"model": "dplb-sim", "input": "more", "previous_response_id": rid,
+                                         "max_output_tokens": 1})
         assert f.status_code == 200 and f.headers["x-sg-worker-id"] == worker, f.text
     c = httpx.post(lora.url + f"/v1/responses/{rid}/cancel", timeout=10)
     assert c.status_code == 400 and c.headers["x-sg-worker-id"] == worker  # the owner's answer (others: 404)
-    chosen = post(lora, "/v1/responses", {"model": "dplb-sim", "input": "x", "request_id": "resp_mine-1"})
+    chosen = post(lora, "/v1/responses", {"model": "dplb-sim", "input": "x", "request_id": "resp_mine-1",
+                                          "max_output_tokens": 1})
     assert httpx.get(lora.url + "/v1/responses/resp_mine-1").headers["x-sg-worker-id"] == \
         chosen.headers["x-sg-worker-id"]
     unknown = httpx.get(lora.url + "/v1/responses/resp_unknown", timeout=10)
@@ -135,11 +137,22 @@ def test_openai_sdk_responses_create(lora: Cluster) -> None:
 
 
 def test_model_filtering_no_request_misrouted(lora: Cluster) -> None:
-    seen: Counter[tuple[str, str, int]] = Counter()
-    for i in range(200):
-        model = ("sql-lora", "chat-lora", "dplb-sim")[i % 3]
-        r = post(lora, "/v1/completions", {"model": model, "prompt": f"q {i}", "max_tokens": 1})
-        seen[(model, r.headers.get("x-sg-worker-id", "-"), r.status_code)] += 1
+    import asyncio
+
+    models = [("sql-lora", "chat-lora", "dplb-sim")[i % 3] for i in range(200)]
+
+    async def burst() -> list[httpx.Response]:
+        sem = asyncio.Semaphore(16)
+        async with httpx.AsyncClient(timeout=30) as cl:
+            async def one(i: int) -> httpx.Response:
+                async with sem:
+                    return await cl.post(lora.url + "/v1/completions",
+                                         json={"model": models[i], "prompt": f"q {i}", "max_tokens": 1})
+            return await asyncio.gather(*(one(i) for i in range(200)))
+
+    seen: Counter[tuple[str, str, int]] = Counter(
+        (m, r.headers.get("x-sg-worker-id", "-"), r.status_code) for m, r in zip(models, asyncio.run(burst()),
+                                                                               strict=True))
     assert seen == {("sql-lora", "0", 200): 67, ("chat-lora", "1", 200): 67, ("dplb-sim", "0", 200): seen[
         ("dplb-sim", "0", 200)], ("dplb-sim", "1", 200): seen[("dplb-sim", "1", 200)]}, seen
     assert seen[("dplb-sim", "0", 200)] and seen[("dplb-sim", "1", 200)]  # the base model still spreads

@@ -198,7 +198,8 @@ class RouterApp:
                     await _json(send_wrapper, 500, error_body(RouterErrorKind.INTERNAL, "internal error"))
             elif self._auth is not None and path not in self.cfg.public_paths and not self._authorized(scope):
                 self.metrics.rejected.labels(RouterErrorKind.UNAUTHORIZED.code).inc()
-                await _json(send_wrapper, 401, error_body(RouterErrorKind.UNAUTHORIZED, "missing or wrong API key"))
+                await _json(self._cors_send(send_wrapper, origin) if origin else send_wrapper, 401,
+                            error_body(RouterErrorKind.UNAUTHORIZED, "missing or wrong API key"))
             else:
                 await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]
         finally:
