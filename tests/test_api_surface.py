@@ -339,3 +339,15 @@ def test_a_draining_worker_refuses_every_generating_route() -> None:
         status, headers = asyncio.run(call(path))
         assert status == 503 and headers[b"x-dplb-draining"] == b"1", path
     assert asyncio.run(call("/tokenize"))[0] == 200
+
+
+def test_multipart_model_field_is_found_in_linear_time() -> None:
+    from dplb.router.intake import multipart_model
+
+    body, _ = multipart("sql-lora")
+    assert multipart_model(body) == "sql-lora"
+    assert multipart_model(body.replace(b'name="model"', b'name="model_x"')) is None
+    hostile = b"Content-Disposition: x " + b'name="model" ' * 6000  # one 64 KiB line, no CRLF
+    t0 = time.perf_counter()
+    assert multipart_model(hostile) is None
+    assert time.perf_counter() - t0 < 0.5

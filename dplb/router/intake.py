@@ -14,7 +14,6 @@ Contract
 
 from __future__ import annotations
 
-import re
 import zlib
 from typing import Any
 
@@ -90,14 +89,23 @@ def _inflate(data: bytes, wbits: int, limit: int, raw_fallback: bool) -> bytes:
     return out
 
 
-_FORM_MODEL = re.compile(rb'content-disposition:[^\r\n]*name="model"[^\r\n]*\r\n(?:[^\r\n]+\r\n)*\r\n'
-                         rb'([^\r\n]{1,256})\r\n', re.IGNORECASE)
+_NAME_MODEL = b'name="model"'
 
 
 def multipart_model(body: bytes) -> str | None:
-    """The ``model`` field of a ``multipart/form-data`` body (searched in its first 64 KiB), or None."""
-    m = _FORM_MODEL.search(body, 0, 65536)
-    return m.group(1).decode("utf-8", "replace") if m else None
+    """The ``model`` field of a ``multipart/form-data`` body (searched in its first 64 KiB; linear, no regex
+    backtracking on hostile input), or None."""
+    head = body[:65536]
+    low = head.lower()
+    i = low.find(_NAME_MODEL)
+    while i != -1:
+        line = low.rfind(b"\n", 0, i) + 1
+        if low.startswith(b"content-disposition:", line):
+            start = head.find(b"\r\n\r\n", i) + 4
+            end = head.find(b"\r\n", start) if start >= 4 else -1
+            return head[start:end].decode("utf-8", "replace") if 0 < end - start <= 256 else None
+        i = low.find(_NAME_MODEL, i + 1)
+    return None
 
 
 def check_head(route: Route, ctype: bytes, encoding: bytes) -> None:
