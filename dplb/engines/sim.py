@@ -95,8 +95,7 @@ class ParsedRequest:
 
 
 def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str] = frozenset()) -> ParsedRequest:
-    """Validate a model request body like vLLM does; raises :class:`HTTPError` (400, or 404 for a model that is
-    neither ``cfg.model`` nor in ``served``)."""
+    """Validate a model request body like vLLM; raises :class:`HTTPError` (400; 404: model not served)."""
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
