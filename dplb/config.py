@@ -198,6 +198,13 @@ class RouterConfig:
     - ``debug_ring``: how many decisions ``/debug/decisions`` keeps.
     - ``api_key``: when set, proxied and ``/v1/models`` requests need ``Authorization: Bearer <key>``;
       ``public_paths`` are exempt.
+    - ``models_refresh_s``: how often each ready worker's ``/v1/models`` is asked again (model/LoRA-aware routing;
+      a worker that becomes ready or restarts is asked at once).
+    - ``cors_allowed_origins``: origins answered with CORS headers and preflights (empty = CORS off; ``*`` = any).
+    - ``sse_keepalive_s``: on an SSE response, send ``: keep-alive`` comments after this many seconds without a
+      worker byte (0 = off); ``--idle-timeout`` still bounds the worker's silence.
+    - ``allow_runtime_lora``: serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (fan-out).
+    - ``response_ids``: how many ``/v1/responses`` ids the router remembers (id → worker, LRU).
     """
 
     policy: PolicyConfig
@@ -216,6 +223,11 @@ class RouterConfig:
     debug_ring: int = 256
     shm_check_interval_s: float = 0.5
     access_log: bool = False
+    models_refresh_s: float = 5.0
+    cors_allowed_origins: tuple[str, ...] = ()
+    sse_keepalive_s: float = 0.0
+    allow_runtime_lora: bool = False
+    response_ids: int = 65536
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -231,6 +243,15 @@ class RouterConfig:
             raise ConfigError("debug_ring > 0 and retry_after_s ≥ 0 are required")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
+        if not (math.isfinite(self.models_refresh_s) and self.models_refresh_s > 0):
+            raise ConfigError(f"--models-refresh must be > 0 seconds, got {self.models_refresh_s}")
+        if not (math.isfinite(self.sse_keepalive_s) and self.sse_keepalive_s >= 0):
+            raise ConfigError(f"--sse-keepalive must be ≥ 0 seconds (0 = off), got {self.sse_keepalive_s}")
+        if self.response_ids <= 0:
+            raise ConfigError(f"response_ids must be > 0, got {self.response_ids}")
+        bad = [o for o in self.cors_allowed_origins if not o or o != o.strip() or "," in o]
+        if bad:
+            raise ConfigError(f"--cors-allowed-origins: {bad!r} are not origins (e.g. https://app.example.com or *)")
 
     def socket_path(self, worker_id: int) -> str:
         """Worker ``worker_id``'s Unix socket: ``<run_dir>/worker-<id>.sock``."""

@@ -237,7 +237,11 @@ class Launcher:
         out = ["--host", a.host, "--port", str(a.port), *policy_argv(a),
                "--max-body-bytes", str(a.max_body_bytes), "--first-byte-timeout", str(a.first_byte_timeout),
                "--idle-timeout", str(a.idle_timeout), "--connect-timeout", str(a.connect_timeout),
-               "--state-interval-ms", str(a.state_interval_ms), "--api-key-exempt", a.api_key_exempt]
+               "--state-interval-ms", str(a.state_interval_ms), "--api-key-exempt", a.api_key_exempt,
+               "--cors-allowed-origins", a.cors_allowed_origins, "--sse-keepalive", str(a.sse_keepalive),
+               "--models-refresh", str(a.models_refresh)]
+        if a.allow_runtime_lora:
+            out.append("--allow-runtime-lora")
         if a.access_log:
             out.append("--access-log")
         return out  # the API key travels in DPLB_API_KEY, never on a command line (ps shows those)

@@ -24,10 +24,6 @@ from dplb import __version__
 
 log = logging.getLogger("dplb.tracing")
 
-GEN_AI_OPERATION = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
-                    "/v1/embeddings": "embeddings"}
-
-
 def tracing_requested(env: dict[str, str] | None = None) -> bool:
     """True when the standard OpenTelemetry variables ask for trace export."""
     e = os.environ if env is None else env

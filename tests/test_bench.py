@@ -240,7 +240,7 @@ def test_bench_run_against_the_router(tmp_path) -> None:  # type: ignore[no-unty
     assert all(len(rec) and rec["worker"] in ("0", "1") for rec in data["requests"])
     assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 1000
     assert (tmp_path / "plots" / "worker_load.png").stat().st_size > 1000
-    # a wrong model: every request fails with the worker's 404, counted by status, exit 1
+    # a wrong model: every request fails with the router's 404 model_not_found, counted by status, exit 1
     assert bad.returncode == 1
     assert json.loads((tmp_path / "bad.json").read_text())["summary"]["errors_by_status"] == {"404": 3}
 

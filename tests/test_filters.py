@@ -37,6 +37,8 @@ TABLE = [
     ("NotHeldOut", cand(k=1), {"held": frozenset({2})}, "ok"),
     ("NotEjected", cand(k=3), {"ejected": frozenset({3})}, "ejected"),
     ("NotEjected", cand(k=3), {}, "ok"),
+    ("CanServe", cand(k=2), {"cannot_serve": frozenset({2})}, "cannot_serve"),
+    ("CanServe", cand(k=1), {"cannot_serve": frozenset({2})}, "ok"),
     ("NotTried", cand(k=1), {"exclude": frozenset({1})}, "excluded"),
     ("NotTried", cand(k=0), {"exclude": frozenset({1})}, "ok"),
     ("UnderHardCap", cand(queue=7), {}, "ok"),
@@ -47,7 +49,7 @@ TABLE = [
 @pytest.mark.parametrize(("name", "c", "ctx_kw", "want"), TABLE)
 def test_filter_table(name: str, c: Candidate, ctx_kw: dict, want: str) -> None:  # type: ignore[type-arg]
     f = next(f for f in build_filters(CFG) if type(f).__name__ == name)
-    req = RouteRequest(exclude=ctx_kw.pop("exclude", frozenset()))
+    req = RouteRequest(exclude=ctx_kw.pop("exclude", frozenset()), cannot_serve=ctx_kw.pop("cannot_serve", frozenset()))
     f.apply([c], PickContext(NOW, req, None, **ctx_kw))
     assert c.why == want
     assert want == "ok" or want in f.reasons

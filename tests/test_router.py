@@ -248,7 +248,10 @@ def test_missing_socket_is_retried_on_the_next_worker(tmp_path: str) -> None:
             hb = asyncio.create_task(fake_heartbeat())
             await asyncio.sleep(0.3)
             async with httpx.AsyncClient(timeout=30) as cl:
-                rs = [await cl.post(c.url + "/v1/chat/completions", json=CHAT) for _ in range(6)]
+                # No "model": the model filter would keep the request off worker 0 (its /v1/models never
+                # answered), and this test is about the connect-failure retry.
+                body = {k: v for k, v in CHAT.items() if k != "model"}
+                rs = [await cl.post(c.url + "/v1/chat/completions", json=body) for _ in range(6)]
             stop = True
             await hb
             return rs

@@ -23,21 +23,25 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 class VllmWorker:
-    def __init__(self, tmp: str, otlp_endpoint: str) -> None:
+    """One real vLLM CPU worker (worker 0 of its own 1-slot segment) serving the tiny model as "tiny"; ``extra``
+    vLLM flags and ``env`` variables on top (tests/test_vllm_lora.py)."""
+
+    def __init__(self, tmp: str, otlp_endpoint: str | None, extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
         self.shm = f"/dev/shm/dplb_state_test_{uuid.uuid4().hex[:10]}"
         self.seg = Segment.create(self.shm, 1, model="tiny")
         self.sock = os.path.join(tmp, "worker-0.sock")
         self.log = os.path.join(tmp, "worker-0.log")
-        env = vllm_env()
-        env["DPLB_SHM_PATH"] = self.shm
-        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # vLLM's own tracing, to the test receiver
+        penv = {**vllm_env(), **(env or {})}
+        penv["DPLB_SHM_PATH"] = self.shm
+        penv["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # vLLM's own tracing, to the test receiver
+        otlp = ("--otlp-traces-endpoint", otlp_endpoint + "/v1/traces") if otlp_endpoint else ()
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(
                 dplb_cmd("worker", "--worker-id", "0", "--engine", "vllm", "--uds", self.sock, "--model", TINY_MODEL,
-                         "--metrics-port", "0", "--drain-timeout", "60", *VLLM_CPU_ARGS,
-                         "--otlp-traces-endpoint", otlp_endpoint + "/v1/traces"),
-                env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+                         "--metrics-port", "0", "--drain-timeout", "60", *VLLM_CPU_ARGS, *otlp, *extra),
+                env=penv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         t0 = time.monotonic()
         while self.seg.read(0).lifecycle != Lifecycle.READY:
             if self.proc.poll() is not None:

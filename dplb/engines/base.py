@@ -112,8 +112,14 @@ class RequestStats:
         return lat, tt
 
 
-# Paths that are requests to the model (timed and counted); everything else (health, metrics, models) is not.
-TIMED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# Paths that are requests to the model (timed and counted, refused while draining); everything else (health,
+# metrics, models, tokenizer and render routes, reading a stored response) is not. Keep in step with the
+# generating/pooling routes of dplb.router.routes.
+TIMED_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages", "/pooling",
+    "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/v2/embed",
+    "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/chat/completions/batch", "/inference/v1/generate",
+    "/generative_scoring", "/v1/systemone", "/invocations"})
 
 
 class RequestStatsMiddleware:

@@ -9,8 +9,9 @@ Contract
   streaming, ``n``, ``stream_options.include_usage``/``continuous_usage_stats``; sampling parameters are accepted
   and ignored), ``GET /v1/models``, ``/health`` (200, empty), ``/load`` (``{"num_running", "num_waiting",
   "kv_cache_usage"}``), ``/metrics`` (``vllm:*`` Prometheus text), ``/debug/requests`` (the last 256 model
-  requests). Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``; a ``model`` other than
-  the served one is a 404 like vLLM's.
+  requests); LoRA adapters, ``/v1/responses`` and the pooling/scoring/tokenizer/audio routes are
+  :mod:`dplb.engines.sim_api`. Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``; a
+  ``model`` that is neither the served one nor a loaded adapter is a 404 like vLLM's.
 - ``/debug/requests`` records per request: ``request_id``, ``x_request_id``, ``traceparent``, ``path``,
   ``body_sha256``, ``prompt_tokens``, ``completion_tokens`` (sent), ``cached_tokens``, ``status``, ``aborted``,
   ``time_unix``, ``header_names`` (the lower-case request header names received; the router's hop-by-hop tests).
@@ -49,6 +50,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb.engines.base import ASGIApp, EngineStats, Receive, Scope, Send
+from dplb.engines.sim_api import SimApi
 from dplb.engines.sim_scheduler import (
     WORDS,
     SimConfig,
@@ -95,8 +97,8 @@ class ParsedRequest:
     continuous_usage: bool
 
 
-def parse_request(body: bytes, chat: bool, cfg: SimConfig) -> ParsedRequest:
-    """Validate a model request body like vLLM does; raises :class:`HTTPError` (400, or 404 for another model)."""
+def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str] = frozenset()) -> ParsedRequest:
+    """Validate a model request body like vLLM; raises :class:`HTTPError` (400; 404: model not served)."""
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
@@ -104,7 +106,7 @@ def parse_request(body: bytes, chat: bool, cfg: SimConfig) -> ParsedRequest:
     if not isinstance(data, dict):
         raise HTTPError(400, "The request body must be a JSON object")
     model = data.get("model")
-    if model is not None and model != cfg.model:
+    if model is not None and model != cfg.model and model not in served:
         raise HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError")
 
     def int_field(name: str, value: Any, lo: int, hi: int) -> int:
@@ -189,6 +191,7 @@ class SimEngine:
         self._release: asyncio.Event | None = None  # set at shutdown: frees parked (hung) handlers
         self._closed = False
         self._created = int(time.time())
+        self.api = SimApi(self)
 
     # ---- Engine protocol ----
     async def start(self) -> None:
@@ -262,6 +265,9 @@ class SimEngine:
             else:
                 await self._model(scope, receive, send, path == _CHAT)
             return
+        if self.api.handles(path):
+            await self.api(scope, receive, send)
+            return
         route = {"/health": self._health, "/v1/models": self._models, "/load": self._load,
                  "/metrics": self._metrics, "/debug/requests": self._debug}.get(path)
         echo = [(k, v) for k, v in scope["headers"] if k == b"x-request-id"][:1]
@@ -276,10 +282,7 @@ class SimEngine:
         await _respond(send, 200, b"", headers)
 
     async def _models(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        m = self.config.model
-        await _respond(send, 200, _json({"object": "list", "data": [{
-            "id": m, "object": "model", "created": self._created, "owned_by": "vllm", "root": m, "parent": None,
-            "max_model_len": self.config.max_model_len, "permission": []}]}), headers)
+        await _respond(send, 200, self.api.models_body(self._created), headers)
 
     async def _load(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         s = self.scheduler
@@ -341,7 +344,7 @@ class SimEngine:
                     raise HTTPError(503, f"The server is overloaded: more than {cfg.max_inflight_503} requests in "
                                          "flight. Retry later or on another worker.", "ServiceUnavailableError",
                                     "server_overloaded")
-                p = parse_request(body, chat, cfg)
+                p = parse_request(body, chat, cfg, self.api.served)
                 self.requests_total += 1
                 if cfg.first_request_delay_s and self.requests_total == 2:  # the first after the warm-up request
                     await asyncio.sleep(cfg.first_request_delay_s)

@@ -58,7 +58,8 @@ class SimConfig:
     """Knobs of the sim engine; validated on construction (raises :class:`~dplb.errors.ConfigError`).
 
     Serving and model shape
-    - ``model``: served model name (``/v1/models``, responses, the ``model_name`` metric label).
+    - ``model``: served model name (``/v1/models``, responses, the ``model_name`` metric label);
+      ``lora_adapters``: LoRA adapters served besides it, ``name`` or ``name=path``, comma-separated.
     - ``max_num_seqs``: most sequences running at once (continuous batching slots).
     - ``kv_blocks``: KV cache capacity in blocks; ``block_size``: tokens per block. ``kv_blocks * block_size`` must
       hold one ``max_model_len`` sequence (vLLM refuses to start otherwise).
@@ -85,6 +86,7 @@ class SimConfig:
     """
 
     model: str = "dplb-sim"
+    lora_adapters: str = ""
     max_num_seqs: int = 16
     speed: float = 1.0
     prefill_s_per_token: float = 0.0002

@@ -2,8 +2,8 @@
 
 Contract: :data:`HEALTH_FILTERS` (about the worker: registered, consistent slot, fresh heartbeat, lifecycle
 ``ready``, not held out by the router's heartbeat hysteresis, not ejected by its passive health check) then
-:data:`REQUEST_FILTERS` (about this request: not already tried, under the hard queue cap). The policy runs both
-(:func:`apply_filters`); ``/ready``, ``dplb_worker_up`` and ``dplb state`` ask :func:`routable`, which runs the
+:data:`REQUEST_FILTERS` (about this request: serves its model, not already tried, under the hard queue cap).
+The policy runs both (:func:`apply_filters`); ``/ready``, ``dplb_worker_up`` and ``dplb state`` ask :func:`routable`, which runs the
 health filters on the same :class:`~dplb.decision.Candidate` objects, so the four can never disagree. Each filter
 sets the first ``why`` that rejects a candidate (values in :mod:`dplb.decision`).
 """
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dplb.config import PolicyConfig
 from dplb.decision import (
     OK,
+    WHY_CANNOT_SERVE,
     WHY_DRAINING,
     WHY_EJECTED,
     WHY_EXCLUDED,
@@ -125,6 +126,16 @@ class NotTried(_NotIn):
         return ctx.request.exclude
 
 
+class CanServe(_NotIn):
+    """Serves the request's model (and holds the response it names, if any): :mod:`dplb.router.models`."""
+
+    reasons = (WHY_CANNOT_SERVE,)
+    health = False
+
+    def ids(self, ctx: PickContext) -> frozenset[int]:
+        return ctx.request.cannot_serve
+
+
 class UnderHardCap(Filter):
     """Queue (with the in-flight correction) below ``hard_queue_cap`` (0 = no cap)."""
 
@@ -140,7 +151,7 @@ class UnderHardCap(Filter):
 
 
 HEALTH_FILTERS: tuple[type[Filter], ...] = (Registered, Consistent, Fresh, Ready, NotHeldOut, NotEjected)
-REQUEST_FILTERS: tuple[type[Filter], ...] = (NotTried, UnderHardCap)
+REQUEST_FILTERS: tuple[type[Filter], ...] = (CanServe, NotTried, UnderHardCap)
 
 
 def build_filters(cfg: PolicyConfig, health_only: bool = False) -> list[Filter]:

@@ -38,15 +38,18 @@ class RouteRequest:
     ``RequestResponseCycle``).
 
     ``blocks``: the prompt's chained block keys (:func:`dplb.prefix.block_hashes`; empty = no prefix key);
-    ``exclude``: worker ids not to pick (a worker that failed this request's connect). The prefix scorer fills
-    ``prefix_depth`` (matched leading blocks per worker id) and ``preferred`` (the longest match, or None).
+    ``cannot_serve``: worker ids that cannot serve it (they do not serve its model, or it names a response another
+    worker holds: :mod:`dplb.router.models`); ``exclude``: worker ids already tried (a failed connect). The prefix
+    scorer fills ``prefix_depth`` (matched leading blocks per worker id) and ``preferred`` (the longest match).
     """
 
-    __slots__ = ("blocks", "exclude", "preferred", "prefix_depth")
+    __slots__ = ("blocks", "cannot_serve", "exclude", "preferred", "prefix_depth")
 
-    def __init__(self, blocks: list[int] | None = None, exclude: frozenset[int] = frozenset()) -> None:
+    def __init__(self, blocks: list[int] | None = None, exclude: frozenset[int] = frozenset(),
+                 cannot_serve: frozenset[int] = frozenset()) -> None:
         self.blocks = blocks or []
         self.exclude = exclude
+        self.cannot_serve = cannot_serve
         self.prefix_depth: list[int] | None = None
         self.preferred: int | None = None
 

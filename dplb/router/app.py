@@ -1,12 +1,19 @@
 """The router process: Litestar for the local endpoints, the raw-ASGI :class:`Proxy` for the proxied routes.
 
 Contract (DESIGN §4)
-- ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` → :class:`dplb.router.proxy.Proxy`
-  (dispatched before Litestar, so the hot path pays no framework cost).
-- ``GET /v1/models``: the model list of the best ready worker (the next one if it fails); 503 when none answers —
-  never a 500 because one worker is down. ``GET /health``: the process is alive. ``GET /ready``: 200 when ≥ 1
-  worker is routable, else 503. ``GET /metrics``: Prometheus text. ``GET /debug/decisions?limit=N``: the last N
-  decisions with every candidate's inputs, terms and score.
+- Every proxied route of :mod:`dplb.router.routes` (chat, completions, embeddings, responses, pooling, scoring,
+  tokenize, audio, …) → :class:`dplb.router.proxy.Proxy` (dispatched before Litestar, so the hot path pays no
+  framework cost).
+- ``GET /v1/models``: the union of every ready worker's list (deduplicated by id, first worker first; each answer
+  also refreshes the model side table); 503 when none answers — never a 500 because one worker is down.
+  ``GET /health``: the process is alive. ``GET /ready``: 200 when ≥ 1 worker is routable, else 503. ``GET
+  /metrics``: Prometheus text. ``GET /debug/decisions?limit=N``: the last N decisions with every candidate's
+  inputs, terms and score. ``HEAD`` on these four answers like ``GET`` without a body.
+- ``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: fanned out to the workers
+  (:mod:`dplb.router.fanout`) with ``--allow-runtime-lora``, else 404 ``route_disabled``.
+- CORS (``--cors-allowed-origins``, off by default): Litestar's CORS config answers preflights (``OPTIONS`` with
+  ``Origin``, before the API key check, on every path) and adds the headers to local routes; proxied responses get
+  the same headers from the same config.
 - With an API key, every path except ``public_paths`` needs ``Authorization: Bearer <key>`` (constant-time
   compare); failures are OpenAI-shaped 401s.
 - The router starts before any worker is ready and answers 503 until one is.
@@ -27,7 +34,8 @@ import time
 from typing import Any
 
 import msgspec
-from litestar import Litestar, Request, Response, get
+from litestar import Litestar, Request, Response, get, post
+from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_CONTENT_TYPE
@@ -37,9 +45,12 @@ from dplb import __version__
 from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind
 from dplb.metrics import RouterMetrics, WorkerStateCollector
-from dplb.router.proxy import PROXY_PATHS, Proxy, error_body
+from dplb.router.fanout import fan_out, parse_workers
+from dplb.router.models import ServedModels
+from dplb.router.proxy import Proxy, error_body
+from dplb.router.routes import PROXY_PATHS, RESPONSES_PREFIX, is_proxy_path
 from dplb.router.state import RouterState
-from dplb.router.upstream import UpstreamError, UpstreamPool, fetch
+from dplb.router.upstream import UpstreamPool
 from dplb.serving import bind_tcp, make_server, raise_fd_limit
 from dplb.shm_layout import unregister_router
 from dplb.systemd import notify
@@ -50,7 +61,9 @@ log = logging.getLogger("dplb.router")
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more gets 431 (nginx allows 32 KiB, Node 16 KiB)
 _TEXT_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
 _METHODS = frozenset({"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"})
-_ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/debug/decisions"}) | PROXY_PATHS
+_ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/debug/decisions", "/v1/load_lora_adapter",
+                     "/v1/unload_lora_adapter"}) | PROXY_PATHS
+_HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models"})
 
 
 def _error(kind: RouterErrorKind, message: str, retry_after: int | None = None) -> Response[bytes]:
@@ -67,7 +80,10 @@ class RouterApp:
         self.metrics = RouterMetrics(__version__)
         self.state = RouterState(cfg, self.metrics)
         self.pool = UpstreamPool([cfg.socket_path(k) for k in range(self.state.num_workers)], cfg.connect_timeout_s)
-        self.proxy = Proxy(cfg, self.state, self.pool)
+        self.models = ServedModels(self.state.num_workers)
+        self.proxy = Proxy(cfg, self.state, self.pool, self.models)
+        self.cors = CORSConfig(allow_origins=list(cfg.cors_allowed_origins), allow_methods=["*"], allow_headers=["*"],
+                               expose_headers=["x-sg-worker-id", "x-request-id"]) if cfg.cors_allowed_origins else None
         self.tracer = make_tracer()
         if self.tracer is not None:
             self.proxy.enable_tracing(self.tracer)
@@ -83,7 +99,7 @@ class RouterApp:
         return d, list(st.inflight), registered, st.policy.baseline_s, st.policy
 
     def _build_litestar(self) -> Litestar:
-        state, cfg, metrics, pool = self.state, self.cfg, self.metrics, self.pool
+        state, cfg, metrics, pool, served = self.state, self.cfg, self.metrics, self.pool, self.models
 
         @get("/health", sync_to_thread=False)
         def health() -> dict[str, str]:
@@ -107,15 +123,39 @@ class RouterApp:
 
         @get("/v1/models")
         async def models() -> Response[Any]:
-            for k in state.routable_workers():
-                try:
-                    status, body = await fetch(pool, k, "/v1/models", 5.0)
-                except UpstreamError as e:
-                    log.info("worker %d could not list models: %s", k, e)
-                    continue
-                if status == 200:
-                    return Response(body, media_type="application/json", headers={"x-sg-worker-id": str(k)})
-            return _error(RouterErrorKind.NONE_ROUTABLE, "no ready worker answered /v1/models", cfg.retry_after_s)
+            ks = state.routable_workers()
+            answers = await asyncio.gather(*(served.refresh(pool, k, state.pid_of(k)) for k in ks))
+            seen: dict[str, dict[str, object]] = {}
+            for entries in answers:
+                for e in entries or ():
+                    seen.setdefault(str(e["id"]), e)
+            if not any(a is not None for a in answers):
+                return _error(RouterErrorKind.NONE_ROUTABLE, "no ready worker answered /v1/models", cfg.retry_after_s)
+            workers = ",".join(str(k) for k, a in zip(ks, answers, strict=True) if a is not None)
+            return Response(msgspec.json.encode({"object": "list", "data": list(seen.values())}),
+                            media_type="application/json", headers={"x-sg-worker-id": workers})
+
+        async def lora(request: Request[Any, Any, Any]) -> Response[bytes]:
+            if not cfg.allow_runtime_lora:
+                return _error(RouterErrorKind.ROUTE_DISABLED, f"{request.url.path} is off; start the router with "
+                              "--allow-runtime-lora (and the vLLM workers with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
+            try:
+                chosen = parse_workers(request.query_params.get("workers"), state.num_workers)
+            except ValueError as e:
+                raise HTTPException(status_code=400, detail=str(e)) from None
+            ks = chosen if chosen is not None else state.routable_workers()
+            if not ks:
+                return _error(RouterErrorKind.NONE_ROUTABLE, "no worker is ready", cfg.retry_after_s)
+            status, body = await fan_out(pool, served, ks, request.url.path, await request.body(), state.pid_of)
+            return Response(body, status_code=status, media_type="application/json")
+
+        @post("/v1/load_lora_adapter", status_code=200)
+        async def load_lora(request: Request[Any, Any, Any]) -> Response[bytes]:
+            return await lora(request)
+
+        @post("/v1/unload_lora_adapter", status_code=200)
+        async def unload_lora(request: Request[Any, Any, Any]) -> Response[bytes]:
+            return await lora(request)
 
         @get("/debug/decisions", sync_to_thread=False)
         def decisions(limit: int = 50) -> list[dict[str, Any]]:
@@ -124,9 +164,9 @@ class RouterApp:
             items = list(state.decisions)[-limit:]
             return [{"time": t, "request_id": rid, **d.to_dict()} for t, rid, d in reversed(items)]
 
-        return Litestar(route_handlers=[health, ready, metrics_endpoint, models, decisions], debug=False,
-                       logging_config=None, exception_handlers={HTTPException: _openai_http_error,
-                                                                Exception: _internal_error})
+        return Litestar(route_handlers=[health, ready, metrics_endpoint, models, decisions, load_lora, unload_lora],
+                        debug=False, logging_config=None, cors_config=self.cors,
+                        exception_handlers={HTTPException: _openai_http_error, Exception: _internal_error})
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -135,6 +175,10 @@ class RouterApp:
         path = scope["path"]
         status = [0]
         t0 = time.perf_counter()
+        if scope["method"] == "HEAD" and path in _HEAD_PATHS:
+            scope = {**scope, "method": "GET"}
+            send = _without_body(send)
+        origin = self._origin(scope) if self.cors is not None else None
 
         async def send_wrapper(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -142,9 +186,11 @@ class RouterApp:
             await send(message)
 
         try:
-            if path in PROXY_PATHS:
+            if origin is not None and scope["method"] == "OPTIONS":
+                await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]  # CORS preflight
+            elif is_proxy_path(path):
                 try:
-                    await self.proxy(scope, receive, send_wrapper)
+                    await self.proxy(scope, receive, self._cors_send(send_wrapper, origin) if origin else send_wrapper)
                 except Exception:
                     # A router bug must not leak a traceback or a non-OpenAI body: log it, answer a bare 500
                     # when nothing was sent yet (else the connection is cut mid-response).
@@ -155,14 +201,39 @@ class RouterApp:
                     await _json(send_wrapper, 500, error_body(RouterErrorKind.INTERNAL, "internal error"))
             elif self._auth is not None and path not in self.cfg.public_paths and not self._authorized(scope):
                 self.metrics.rejected.labels(RouterErrorKind.UNAUTHORIZED.code).inc()
-                await _json(send_wrapper, 401, error_body(RouterErrorKind.UNAUTHORIZED, "missing or wrong API key"))
+                await _json(self._cors_send(send_wrapper, origin) if origin else send_wrapper, 401,
+                            error_body(RouterErrorKind.UNAUTHORIZED, "missing or wrong API key"))
             else:
                 await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]
         finally:
-            route = path if path in _ROUTES else "other"
+            route = path if path in _ROUTES else (RESPONSES_PREFIX + "{id}" if path.startswith(RESPONSES_PREFIX)
+                                                  else "other")
             method = scope["method"] if scope["method"] in _METHODS else "other"
             self.metrics.http_requests.labels(route, method, str(status[0])).inc()
             self.metrics.http_duration.labels(route, method).observe(time.perf_counter() - t0)
+
+    @staticmethod
+    def _origin(scope: dict[str, Any]) -> str | None:
+        for n, v in scope["headers"]:
+            if n == b"origin":
+                return v.decode("latin-1")
+        return None
+
+    def _cors_send(self, send: Any, origin: str) -> Any:
+        """``send`` that adds the CORS response headers of :attr:`cors` (Litestar's own rules) to a proxied
+        response for ``origin``."""
+        cors = self.cors
+        assert cors is not None
+        extra = [(k.lower().encode(), v.encode()) for k, v in cors.simple_headers.items()]
+        if not cors.is_allow_all_origins and cors.is_origin_allowed(origin):
+            extra += [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+
+        async def wrapped(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        return wrapped
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
         assert self._auth is not None
@@ -193,6 +264,17 @@ def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response
                     media_type="application/json")
 
 
+def _without_body(send: Any) -> Any:
+    """``send`` for a HEAD answered as GET: the same status and headers (Content-Length included), no body."""
+
+    async def wrapped(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            message = {"type": "http.response.body", "body": b"", "more_body": message.get("more_body", False)}
+        await send(message)
+
+    return wrapped
+
+
 async def _json(send: Any, status: int, body: bytes) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
@@ -215,6 +297,8 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     monitor = asyncio.create_task(app.state.monitor())
+    refresher = asyncio.create_task(app.models.refresh_loop(app.pool, app.state.routable_workers, app.state.pid_of,
+                                                            cfg.models_refresh_s))
     serve = asyncio.create_task(server.serve(sockets=[sock]))
     host, port = sock.getsockname()[:2]
     log.info("DPLB router listening on http://%s:%d (policy %s, %d workers, segment %s)", host, port,
@@ -228,6 +312,7 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     with contextlib.suppress(Exception):
         await asyncio.wait_for(serve, 10)
     monitor.cancel()
+    refresher.cancel()
     stopped.cancel()
     if app.state.segment is not None:
         unregister_router(app.state.segment.path)

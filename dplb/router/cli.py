@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+from typing import Any
 
 from dplb.config import (
     POLICIES,
@@ -113,6 +115,20 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=5.0,
                    help="seconds to connect to a worker's socket before trying the next worker (default 5)")
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+    d: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    p.add_argument("--cors-allowed-origins", default=",".join(d["cors_allowed_origins"]), metavar="ORIGINS",
+                   help="comma-separated origins allowed by CORS (answers preflights, adds the headers; '*' = any; "
+                   "default '' = CORS off)")
+    p.add_argument("--sse-keepalive", type=float, default=d["sse_keepalive_s"], metavar="S",
+                   help="send an SSE comment ': keep-alive' after S seconds without a worker byte on a stream (long "
+                   "prefills behind proxies with idle timeouts; 0 = off, the default). --first-byte-timeout bounds the "
+                   "wait for the worker's response head; --idle-timeout bounds its silence mid-stream either way")
+    p.add_argument("--models-refresh", type=float, default=d["models_refresh_s"], metavar="S",
+                   help=f"seconds between two /v1/models fetches per worker for model-aware routing (default "
+                   f"{d['models_refresh_s']:g}; a worker that becomes ready is asked at once)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, sent to every ready worker "
+                   "(or ?workers=0,2); the workers need VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
     add_policy_args(p)
 
 
@@ -136,6 +152,9 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         public_paths=parse_exempt(getattr(args, "api_key_exempt", DEFAULT_EXEMPT)),
         connect_timeout_s=args.connect_timeout, first_byte_timeout_s=args.first_byte_timeout,
         idle_timeout_s=args.idle_timeout, access_log=args.access_log,
+        cors_allowed_origins=tuple(o.strip() for o in args.cors_allowed_origins.split(",") if o.strip()),
+        sse_keepalive_s=args.sse_keepalive, models_refresh_s=args.models_refresh,
+        allow_runtime_lora=args.allow_runtime_lora,
     )
 
 

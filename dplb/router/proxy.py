@@ -1,5 +1,5 @@
-"""The proxy hot path: one raw ASGI handler for ``POST /v1/chat/completions``, ``/v1/completions``,
-``/v1/embeddings`` (DESIGN §4).
+"""The proxy hot path: one raw ASGI handler for every proxied route of :mod:`dplb.router.routes` (chat,
+completions, embeddings, responses, pooling, scoring, tokenize, audio, …; DESIGN §4).
 
 Contract
 - The request body is read whole (bounded: 413 from Content-Length before reading, or as soon as the bytes read
@@ -19,6 +19,14 @@ Contract
   bodies are cut (the client sees the short read).
 - A client that disconnects makes the router abort the worker connection at once (the engine aborts the request).
 - In-flight counts are released on every exit path (``finally``).
+- ``Content-Encoding: gzip``/``deflate`` bodies are decoded (bounded by ``max_body_bytes``: 413 past it) and the
+  worker gets the plain body without the header; other encodings get 415 ``unsupported_content_encoding``.
+- Model-aware: a request naming a ``model`` goes only to workers serving it (:mod:`dplb.router.models`); when
+  every worker's list is known and none has it: 404 ``model_not_found`` listing the served names.
+- ``/v1/responses``: the id of each created response is remembered with its worker (:class:`ResponseIds`);
+  ``GET /v1/responses/{id}``, ``POST …/{id}/cancel`` and a request with ``previous_response_id`` go to that worker.
+- With ``sse_keepalive_s``, an SSE response gets ``: keep-alive`` comment lines after that many seconds of worker
+  silence, only between events.
 """
 
 from __future__ import annotations
@@ -37,12 +45,16 @@ from dplb.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
 from dplb.errors import RouterErrorKind
 from dplb.policy import RouteRequest
 from dplb.prefix import MAX_PREFIX_BLOCKS, block_hashes
+from dplb.router.intake import Peek, Rejected, check_head, excluded, read_body
+from dplb.router.models import ServedModels
+from dplb.router.routes import PROXY_PATHS, ResponseIds, Route, match, response_id
 from dplb.router.state import UNREACHABLE_S, RouterState
 from dplb.router.upstream import ConnectFailed, UpstreamClosed, UpstreamError, UpstreamPool, UpstreamTimeout
 
 log = logging.getLogger("dplb.router.proxy")
-
-PROXY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+__all__ = ["PROXY_PATHS", "Proxy", "error_body"]
+_KEEPALIVE = b": keep-alive\n\n"
+_RESPONSES = "/v1/responses"
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
     b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
@@ -51,23 +63,10 @@ HOP_BY_HOP = frozenset({
 _REQ_OWN = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
 _RESP_OWN = HOP_BY_HOP | {b"x-sg-worker-id", b"x-request-id", b"x-dplb-draining"}
 _REQUEST_ID_RE = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: "$" would accept a trailing "\n"
-_JSON_TYPES = (b"application/json",)
 # Rejections answered before the request body was read.
 _BODY_UNREAD = frozenset({RouterErrorKind.UNAUTHORIZED, RouterErrorKind.METHOD_NOT_ALLOWED,
-                          RouterErrorKind.UNSUPPORTED_MEDIA, RouterErrorKind.BODY_TOO_LARGE})
-
-
-class _Peek(msgspec.Struct):
-    """The only fields the router reads; everything else stays opaque in the forwarded bytes."""
-
-    stream: Any = False
-    model: Any = None
-    messages: msgspec.Raw = msgspec.Raw(b"")
-    prompt: msgspec.Raw = msgspec.Raw(b"")  # Raw supports the buffer protocol: hashed without a copy
-    input: msgspec.Raw = msgspec.Raw(b"")
-
-
-_decoder = msgspec.json.Decoder(_Peek)
+                          RouterErrorKind.UNSUPPORTED_MEDIA, RouterErrorKind.BODY_TOO_LARGE,
+                          RouterErrorKind.UNSUPPORTED_ENCODING})
 
 
 def error_body(kind: RouterErrorKind, message: str) -> bytes:
@@ -87,10 +86,12 @@ def _connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
 class Proxy:
     """ASGI callable for the proxied routes. One instance per router process."""
 
-    def __init__(self, cfg: RouterConfig, state: RouterState, pool: UpstreamPool) -> None:
+    def __init__(self, cfg: RouterConfig, state: RouterState, pool: UpstreamPool, models: ServedModels) -> None:
         self.cfg = cfg
         self.state = state
         self.pool = pool
+        self.models = models
+        self.response_ids = ResponseIds(cfg.response_ids)
         self.metrics = state.metrics
         self._auth = b"bearer " + cfg.api_key.encode() if cfg.api_key else None
         self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.tracing.make_tracer)
@@ -115,13 +116,15 @@ class Proxy:
         await send({"type": "http.response.start", "status": kind.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    def _route_request(self, peek: _Peek) -> RouteRequest:
-        """The policy's view of the request: the chained block keys of its prompt bytes (raw ``messages`` JSON
-        for chat, raw ``prompt`` for completions, as sent; see :mod:`dplb.prefix`), when prefix scoring is on."""
+    def _route_request(self, peek: Peek, cannot_serve: frozenset[int]) -> RouteRequest:
+        """The policy's view of the request: the workers that cannot serve it (model, pinned response) and the
+        chained block keys of its prompt bytes (raw ``messages`` JSON for chat, ``prompt`` for completions,
+        ``input`` otherwise, as sent; see :mod:`dplb.prefix`) when prefix scoring is on."""
         if not self._block_bytes:
-            return RouteRequest()
-        raw = peek.messages or peek.prompt
-        return RouteRequest(block_hashes(raw, self._block_bytes, MAX_PREFIX_BLOCKS) if raw else None)
+            return RouteRequest(cannot_serve=cannot_serve)
+        raw = peek.messages or peek.prompt or peek.input
+        return RouteRequest(block_hashes(raw, self._block_bytes, MAX_PREFIX_BLOCKS) if raw else None,
+                            cannot_serve=cannot_serve)
 
     # ---- the handler -------------------------------------------------------------------------------------------
     def enable_tracing(self, tracer: Any) -> None:
@@ -142,7 +145,9 @@ class Proxy:
         carrier = {n.decode("latin-1"): v.decode("latin-1") for n, v in scope["headers"]
                    if n in (b"traceparent", b"tracestate")}
         parent = TraceContextTextMapPropagator().extract(carrier)
-        route = f"POST {scope['path']}"
+        found = match(scope["method"], scope["path"])  # the route's pattern: span names stay bounded
+        pattern = found[0].path if found is not None else "other"
+        route = f"{scope['method']} {pattern}"
         status = [0]
 
         async def send_status(message: dict[str, Any]) -> None:
@@ -151,7 +156,7 @@ class Proxy:
             await send(message)
 
         with self.tracer.start_as_current_span(route, context=parent, kind=SpanKind.SERVER, attributes={
-                "http.request.method": scope["method"], "http.route": scope["path"], "url.path": scope["path"]},
+                "http.request.method": scope["method"], "http.route": pattern, "url.path": scope["path"]},
                 ) as span:
             await self._handle(scope, receive, send_status, span)
             span.set_attribute("http.response.status_code", status[0])
@@ -165,6 +170,7 @@ class Proxy:
         clen = -1
         ctype = b""
         auth = b""
+        encoding = b""
         for n, v in headers:
             if n == b"x-request-id":
                 rid = v
@@ -174,19 +180,24 @@ class Proxy:
                 ctype = v
             elif n == b"authorization":
                 auth = v
+            elif n == b"content-encoding":
+                encoding = v
         if not _REQUEST_ID_RE.fullmatch(rid):
             rid = os.urandom(16).hex().encode()  # 32 hex chars, like uuid4().hex, cheaper
         if self._auth is not None and not _ct_equal(auth.lower()[:7] + auth[7:], self._auth):
             await self._reject(send, RouterErrorKind.UNAUTHORIZED, "missing or wrong API key (Authorization: "
                                "Bearer <key>)", rid)
             return
-        if scope["method"] != "POST":
+        found = match(scope["method"], scope["path"])
+        if found is None:
             await self._reject(send, RouterErrorKind.METHOD_NOT_ALLOWED, f"{scope['method']} is not allowed "
-                               "here; use POST", rid)
+                               f"on {scope['path']}", rid)
             return
-        if ctype and not ctype.split(b";", 1)[0].strip().lower().endswith(_JSON_TYPES):
-            await self._reject(send, RouterErrorKind.UNSUPPORTED_MEDIA, "Content-Type must be application/json",
-                               rid)
+        route, pin_id = found
+        try:
+            check_head(route, ctype, encoding)
+        except Rejected as e:
+            await self._reject(send, e.kind, str(e), rid)
             return
         limit = self.cfg.max_body_bytes
         if clen > limit:
@@ -199,23 +210,22 @@ class Proxy:
                                "limit", rid)
             return
         try:
-            peek = _decoder.decode(body)
-        except msgspec.ValidationError:
-            await self._reject(send, RouterErrorKind.NOT_AN_OBJECT, "request body must be a JSON object", rid)
-            return
-        except msgspec.DecodeError as e:
-            await self._reject(send, RouterErrorKind.INVALID_JSON, f"request body is not valid JSON: {e}", rid)
+            body, peek, model, decoded = read_body(route, body, encoding, limit)
+            exclude = excluded(route, peek, model, pin_id, self.models, self.response_ids, self.state.num_workers)
+        except Rejected as e:
+            await self._reject(send, e.kind, str(e), rid)
             return
         if span is not None:
             span.set_attribute("dplb.request_id", rid.decode())
-        await self._dispatch(scope, receive, send, body, peek, rid, t_start, span)
+        await self._dispatch(scope, receive, send, body, peek, rid, t_start, span, route, exclude, decoded)
 
-    async def _dispatch(self, scope: dict[str, Any], receive: Any, send: Any, body: bytes, peek: _Peek,
-                        rid: bytes, t_start: float, span: Any) -> None:
+    async def _dispatch(self, scope: dict[str, Any], receive: Any, send: Any, body: bytes, peek: Peek,
+                        rid: bytes, t_start: float, span: Any, route: Route, exclude: frozenset[int],
+                        decoded: bool) -> None:
         state = self.state
         rid_s = rid.decode()
         t_decide = time.time_ns()
-        req = self._route_request(peek)
+        req = self._route_request(peek, exclude)
         d = state.decide(req, rid_s)
         if span is not None:
             self._route_span(d, t_decide)
@@ -228,7 +238,11 @@ class Proxy:
                 kind, msg = RouterErrorKind.NONE_ROUTABLE, "no worker is ready (starting, draining or stale)"
             await self._reject(send, kind, msg, rid)
             return
-        head = self._request_head(scope, len(body), rid)
+        head = self._request_head(scope, len(body), rid, decoded)
+        # /v1/responses: the response's id is known up front when the client chose it, else read from the answer.
+        capture: Any = route.path == _RESPONSES and scope["method"] == "POST"
+        if capture and isinstance(peek.request_id, str):
+            capture = peek.request_id
         tried: set[int] = set()
         worker = d.worker
         disconnected = asyncio.Event()
@@ -238,7 +252,7 @@ class Proxy:
                 state.acquire(worker)
                 try:
                     retry = await self._forward(worker, head, body, send, rid, disconnected, watcher, t_start,
-                                                (scope["path"], peek.model) if span is not None else None)
+                                                (route.op, peek.model) if span is not None else None, capture)
                 finally:
                     state.release(worker)
                 if retry is None:
@@ -282,14 +296,17 @@ class Proxy:
             rs.add_event("dplb.candidate", candidate_event_attributes(d, c))
         rs.end()
 
-    def _request_head(self, scope: dict[str, Any], length: int, rid: bytes) -> bytes:
+    def _request_head(self, scope: dict[str, Any], length: int, rid: bytes, decoded: bool) -> bytes:
         hdrs: list[tuple[bytes, bytes]] = scope["headers"]
         extra = _connection_tokens(hdrs)
+        if decoded:
+            extra |= {b"content-encoding"}
         path = scope.get("raw_path") or scope["path"].encode()
         qs = scope.get("query_string") or b""
         if qs and b"?" not in path:
             path += b"?" + qs
-        parts = [b"POST ", path, b" HTTP/1.1\r\nhost: dplb-worker\r\ncontent-length: ", str(length).encode(),
+        parts = [scope["method"].encode(), b" ", path, b" HTTP/1.1\r\nhost: dplb-worker\r\ncontent-length: ",
+                 str(length).encode(),
                  b"\r\nx-request-id: ", rid, b"\r\n"]
         skip = self._req_skip
         for n, v in hdrs:
@@ -299,17 +316,17 @@ class Proxy:
 
     async def _forward(self, worker: int, head: bytes, body: bytes, send: Any, rid: bytes,
                        disconnected: asyncio.Event, watcher: asyncio.Future[None],
-                       t_start: float, genai: tuple[str, Any] | None) -> RouterErrorKind | None:
+                       t_start: float, genai: tuple[str, Any] | None, capture: Any) -> RouterErrorKind | None:
         """Send to ``worker`` and stream back. Returns an error kind to retry elsewhere, or None when done.
-        ``genai`` = (path, model) when tracing: a CLIENT span wraps the attempt and its context is injected."""
+        ``genai`` = (operation, model) when tracing: a CLIENT span wraps the attempt and its context is injected.
+        ``capture``: False, True (remember the response id found in the answer) or the id itself."""
         if genai is None:
-            return await self._attempt(worker, head + b"\r\n", body, send, rid, disconnected, watcher, t_start)
+            return await self._attempt(worker, head + b"\r\n", body, send, rid, disconnected, watcher, t_start,
+                                       capture)
         from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        from dplb.tracing import GEN_AI_OPERATION
-
-        op = GEN_AI_OPERATION.get(genai[0], "chat")
+        op = genai[0]
         model = genai[1] if isinstance(genai[1], str) else ""
         cs = self.tracer.start_span(f"{op} {model}".strip(), kind=SpanKind.CLIENT, attributes={
             "gen_ai.operation.name": op, "gen_ai.request.model": model, "dplb.worker.id": worker,
@@ -319,7 +336,7 @@ class Proxy:
         extra = "".join(f"{k}: {v}\r\n" for k, v in carrier.items()).encode()
         try:
             retry = await self._attempt(worker, head + extra + b"\r\n", body, send, rid, disconnected, watcher,
-                                        t_start)
+                                        t_start, capture)
             if retry is not None:
                 cs.set_status(Status(StatusCode.ERROR, retry.code))
             return retry
@@ -328,7 +345,7 @@ class Proxy:
 
     async def _attempt(self, worker: int, head: bytes, body: bytes, send: Any, rid: bytes,
                        disconnected: asyncio.Event, watcher: asyncio.Future[None],
-                       t_start: float) -> RouterErrorKind | None:
+                       t_start: float, capture: Any) -> RouterErrorKind | None:
         """One upstream attempt (see :meth:`_forward`)."""
         cfg, m, wl = self.cfg, self.metrics, str(worker)
         try:
@@ -374,12 +391,28 @@ class Proxy:
             await send({"type": "http.response.start", "status": status, "headers": out})
             started = True
             t_first = None
+            if capture and status < 300:
+                if isinstance(capture, str):
+                    self.response_ids.remember(capture, worker)
+                    capture = False
+                else:
+                    capture = b""  # the answer's first bytes, until the id is found
+            else:
+                capture = False
+            at_boundary = True  # a keep-alive comment may only go between SSE events
             try:
-                async for chunk in conn.chunks(cfg.idle_timeout_s):
+                async for chunk in conn.chunks(cfg.idle_timeout_s, cfg.sse_keepalive_s if is_sse else 0.0):
                     if disconnected.is_set():
                         break
+                    if not chunk:
+                        if at_boundary:
+                            await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
+                        continue
                     if t_first is None:
                         t_first = time.perf_counter()
+                    if capture is not False:
+                        capture = self._capture_id(capture + chunk, worker)
+                    at_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except UpstreamError as e:
                 if disconnected.is_set():
@@ -415,6 +448,16 @@ class Proxy:
                 self.state.record_outcome(worker, failed)
             if started or outcome not in ("upstream_error", "draining"):
                 m.upstream_duration.labels(wl, outcome).observe(time.perf_counter() - t0, self._exemplar())
+
+
+    def _capture_id(self, head: bytes, worker: int) -> bytes | bool:
+        """Look for the response id in ``head`` (the answer so far): remember it and return False when found or
+        after 64 KiB, else return ``head`` to keep looking."""
+        rid = response_id(head)
+        if rid is not None:
+            self.response_ids.remember(rid, worker)
+            return False
+        return head if len(head) < 65536 else False
 
 
 def _on_disconnect(conn: Any) -> Any:

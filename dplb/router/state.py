@@ -130,7 +130,7 @@ class RouterState:
         ejected = self._ejected(snap) if any(self._unreachable_until) else frozenset()
         if snap is None:
             # No state: only workers whose socket file exists are candidates (a stat per worker, fallback only).
-            exclude = request.exclude | ejected | {
+            exclude = request.exclude | request.cannot_serve | ejected | {
                 k for k in range(self.num_workers) if not os.path.exists(self.cfg.socket_path(k))}
             try:
                 k = self.policy.pick_without_state(self.inflight, exclude)

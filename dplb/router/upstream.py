@@ -156,28 +156,38 @@ class UpstreamConn(asyncio.Protocol):
             head.result()
         return self.status, self.headers
 
-    async def chunks(self, idle_timeout_s: float) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive, until the message is complete."""
+    async def chunks(self, idle_timeout_s: float, tick_s: float = 0.0) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive, until the message is complete. Raises :class:`UpstreamTimeout` after
+        ``idle_timeout_s`` seconds without a byte. With ``tick_s`` > 0, an empty ``b""`` is yielded after every
+        ``tick_s`` seconds of silence (SSE keep-alives); ticks do not extend the idle timeout."""
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + idle_timeout_s
         while True:
-            while self._chunks:
-                c = self._chunks.popleft()
-                self._buffered -= len(c)
-                if self._paused and self._buffered < LOW_WATER and self.transport is not None:
-                    self._paused = False
-                    self.transport.resume_reading()
-                yield c
+            if self._chunks:
+                while self._chunks:
+                    c = self._chunks.popleft()
+                    self._buffered -= len(c)
+                    if self._paused and self._buffered < LOW_WATER and self.transport is not None:
+                        self._paused = False
+                        self.transport.resume_reading()
+                    yield c
+                deadline = loop.time() + idle_timeout_s
             if self._complete:
                 return
             if self._error is not None:
                 raise self._error
             self._wakeup = wake = loop.create_future()
-            timer = loop.call_later(idle_timeout_s, _expire, wake, "idle", idle_timeout_s)
+            remaining = deadline - loop.time()
+            tick = 0.0 < tick_s < remaining
+            timer = (loop.call_later(tick_s, _tick, wake) if tick else
+                     loop.call_later(max(remaining, 0.0), _expire, wake, "idle", idle_timeout_s))
             try:
                 await wake
             finally:
                 timer.cancel()
                 self._wakeup = None
+            if tick and not self._chunks and not self._complete and self._error is None:
+                yield b""
 
     @property
     def reusable(self) -> bool:
@@ -190,6 +200,11 @@ class UpstreamConn(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
+
+
+def _tick(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _expire(fut: asyncio.Future[None], phase: str, seconds: float) -> None:
@@ -246,12 +261,19 @@ class UpstreamPool:
             self.drop(k)
 
 
-async def fetch(pool: UpstreamPool, worker: int, path: str, timeout_s: float) -> tuple[int, bytes]:
-    """A small ``GET path`` to ``worker`` (for ``/v1/models``): (status, body). Raises :class:`UpstreamError`."""
+async def fetch(pool: UpstreamPool, worker: int, path: str, timeout_s: float, body: bytes | None = None,
+                content_type: bytes = b"application/json") -> tuple[int, bytes]:
+    """A small ``GET path`` (or ``POST`` of ``body``) to ``worker`` (``/v1/models``, the LoRA fan-out): (status,
+    body); ``timeout_s`` per phase. Raises :class:`UpstreamError`."""
     conn = await pool.open(worker)
     ok = False
     try:
-        conn.send_request(f"GET {path} HTTP/1.1\r\nhost: dplb-worker\r\n\r\n".encode(), b"")
+        if body is None:
+            head = f"GET {path} HTTP/1.1\r\nhost: dplb-worker\r\n\r\n".encode()
+        else:
+            head = (f"POST {path} HTTP/1.1\r\nhost: dplb-worker\r\ncontent-length: {len(body)}\r\n".encode()
+                    + b"content-type: " + content_type + b"\r\n\r\n")
+        conn.send_request(head, body or b"")
         status, _ = await conn.response_head(timeout_s)
         body = b"".join([c async for c in conn.chunks(timeout_s)])
         ok = True

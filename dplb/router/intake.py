@@ -1,0 +1,159 @@
+"""Request intake of the proxy, before routing: content checks, ``Content-Encoding`` decoding, the peek at the
+few fields the router reads, and which workers may take the request (model filter, response pinning).
+
+Contract
+- Every refusal is a :class:`Rejected` carrying the :class:`~dplb.errors.RouterErrorKind` and message to answer.
+- :func:`check_head` (before the body is read): 415 for a Content-Type the route does not take or an unknown
+  ``Content-Encoding``. :func:`read_body` (after): decodes gzip/deflate bounded by ``limit`` decoded bytes (413,
+  never more than ``limit + 1`` bytes are inflated), peeks JSON (400 ``invalid_json``/``body_not_object``) or the
+  multipart ``model`` field. The body is never re-serialised: the worker gets the bytes, decoded only when they
+  were compressed.
+- :func:`excluded` (hot path; set lookups only): the workers a request must not go to, or 404
+  ``model_not_found`` (see :mod:`dplb.router.models`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import msgspec
+
+from dplb.errors import RouterErrorKind
+from dplb.router.models import ServedModels
+from dplb.router.routes import ResponseIds, Route
+
+_JSON_TYPES = (b"application/json",)
+_RESPONSES = "/v1/responses"
+
+
+class Peek(msgspec.Struct):
+    """The only fields the router reads; everything else stays opaque in the forwarded bytes."""
+
+    stream: Any = False
+    model: Any = None
+    messages: msgspec.Raw = msgspec.Raw(b"")
+    prompt: msgspec.Raw = msgspec.Raw(b"")
+    input: msgspec.Raw = msgspec.Raw(b"")
+    previous_response_id: Any = None
+    request_id: Any = None
+
+
+NO_PEEK = Peek()
+_decoder = msgspec.json.Decoder(Peek)
+
+
+class Rejected(Exception):
+    """The request is refused before it is routed; ``kind`` is the router error to answer with ``str(self)``."""
+
+    def __init__(self, kind: RouterErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+_WBITS = {b"gzip": 16 + zlib.MAX_WBITS, b"x-gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
+
+
+def decode_body(body: bytes, encoding: bytes, limit: int, check_only: bool = False) -> bytes:
+    """Undo ``Content-Encoding`` ``encoding`` (``gzip``, ``deflate`` — zlib or raw —, ``identity``, or a comma list
+    applied in order) with at most ``limit`` decoded bytes. Raises :class:`Rejected`: 415
+    ``unsupported_content_encoding`` for another coding, 413 ``body_too_large`` past ``limit`` (a zip bomb stops
+    there: decompression never produces more than ``limit + 1`` bytes), 400 ``invalid_content_encoding`` for
+    corrupt or truncated data. ``check_only``: only refuse unknown codings."""
+    codings = [c.strip().lower() for c in encoding.split(b",") if c.strip()]
+    for c in codings:
+        if c != b"identity" and c not in _WBITS:
+            raise Rejected(RouterErrorKind.UNSUPPORTED_ENCODING, f"Content-Encoding {c.decode('latin-1')!r} is not "
+                           "supported; send gzip, deflate or identity")
+    if check_only:
+        return body
+    for c in reversed(codings):
+        if c == b"identity":
+            continue
+        body = _inflate(body, _WBITS[c], limit, c == b"deflate")
+    return body
+
+
+def _inflate(data: bytes, wbits: int, limit: int, raw_fallback: bool) -> bytes:
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(data, limit + 1)
+    except zlib.error as e:
+        if raw_fallback:  # some clients send raw DEFLATE as "deflate"
+            return _inflate(data, -zlib.MAX_WBITS, limit, False)
+        raise Rejected(RouterErrorKind.BAD_ENCODING, f"request body is not valid compressed data: {e}") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise Rejected(RouterErrorKind.BODY_TOO_LARGE, f"decoded request body is over the {limit}-byte limit")
+    if not d.eof:
+        raise Rejected(RouterErrorKind.BAD_ENCODING, "compressed request body is truncated")
+    return out
+
+
+_NAME_MODEL = b'name="model"'
+
+
+def multipart_model(body: bytes) -> str | None:
+    """The ``model`` field of a ``multipart/form-data`` body (searched in its first 64 KiB; linear, no regex
+    backtracking on hostile input), or None."""
+    head = body[:65536]
+    low = head.lower()
+    i = low.find(_NAME_MODEL)
+    while i != -1:
+        line = low.rfind(b"\n", 0, i) + 1
+        if low.startswith(b"content-disposition:", line):
+            start = head.find(b"\r\n\r\n", i) + 4
+            end = head.find(b"\r\n", start) if start >= 4 else -1
+            return head[start:end].decode("utf-8", "replace") if 0 < end - start <= 256 else None
+        i = low.find(_NAME_MODEL, i + 1)
+    return None
+
+
+def check_head(route: Route, ctype: bytes, encoding: bytes) -> None:
+    """Refuse what can be refused from the headers alone (module docstring). Raises :class:`Rejected`."""
+    mtype = ctype.split(b";", 1)[0].strip().lower()
+    if route.body == "json" and ctype and not mtype.endswith(_JSON_TYPES):
+        raise Rejected(RouterErrorKind.UNSUPPORTED_MEDIA, "Content-Type must be application/json")
+    if route.body == "multipart" and mtype != b"multipart/form-data":
+        raise Rejected(RouterErrorKind.UNSUPPORTED_MEDIA, "Content-Type must be multipart/form-data")
+    if encoding:
+        decode_body(b"", encoding, -1, check_only=True)
+
+
+def read_body(route: Route, body: bytes, encoding: bytes, limit: int) -> tuple[bytes, Peek, Any, bool]:
+    """(body to forward, peek, model or None, decoded?) of a request body. Raises :class:`Rejected`."""
+    decoded = False
+    if encoding and encoding.strip().lower() != b"identity":
+        body = decode_body(body, encoding, limit)
+        decoded = True
+    if route.body == "json":
+        try:
+            peek = _decoder.decode(body)
+        except msgspec.ValidationError:
+            raise Rejected(RouterErrorKind.NOT_AN_OBJECT, "request body must be a JSON object") from None
+        except msgspec.DecodeError as e:
+            raise Rejected(RouterErrorKind.INVALID_JSON, f"request body is not valid JSON: {e}") from None
+        return body, peek, peek.model, decoded
+    return body, NO_PEEK, multipart_model(body) if route.body == "multipart" else None, decoded
+
+
+def excluded(route: Route, peek: Peek, model: Any, pin_id: str | None, models: ServedModels,
+             response_ids: ResponseIds, num_workers: int) -> frozenset[int]:
+    """Workers the request must not go to: those not serving ``model``; all but the creator of the response it
+    names (``pin_id``, or ``previous_response_id`` on ``/v1/responses``) when that worker is known. Raises
+    :class:`Rejected` (404 ``model_not_found``) when every worker is known and none serves ``model``."""
+    exclude: frozenset[int] = frozenset()
+    if isinstance(model, str):
+        if models.none_serves(model):
+            raise Rejected(RouterErrorKind.MODEL_NOT_FOUND, f"The model `{model}` does not exist. Served models: "
+                           f"{', '.join(models.names()) or '(none)'}")
+        exclude = models.workers_not_serving(model)
+    if pin_id is None and route.path == _RESPONSES and isinstance(peek.previous_response_id, str):
+        pin_id = peek.previous_response_id
+    if pin_id is not None:
+        k = response_ids.worker_of(pin_id)
+        if k is not None:
+            exclude = frozenset(range(num_workers)) - {k}
+    return exclude
+
+
+__all__ = ["NO_PEEK", "Peek", "Rejected", "check_head", "decode_body", "excluded", "multipart_model", "read_body"]

@@ -1,0 +1,135 @@
+"""The router's endpoint table: which of vLLM's OpenAI-server routes are proxied, answered locally, fanned out to
+every worker, or deliberately not routed (and why). ``tests/test_routes.py`` derives vLLM's own route table and
+fails when vLLM serves a route that is in none of these sets.
+
+Contract
+- :data:`PROXY_ROUTES`: ``(method, path)`` → :class:`Route`; routed to one worker by the policy (same scoring,
+  ``X-SG-Worker-ID``, byte-exact body, streamed back unchanged). ``path`` may contain one ``{response_id}``
+  segment (matched by :func:`match`).
+- :data:`LOCAL_ROUTES`: answered by the router itself; :data:`FANOUT_ROUTES`: sent to every selected worker
+  (``--allow-runtime-lora``); :data:`NOT_ROUTED`: vLLM routes the router does not serve, each with the reason.
+- Request bodies: ``json`` (``Content-Type`` JSON or absent), ``multipart`` (``multipart/form-data``, audio uploads;
+  the ``model`` form field is read for model filtering, the prefix key is none), ``none`` (GET).
+- :class:`ResponseIds` remembers which worker created which ``/v1/responses`` id.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One proxied route. ``body``: "json" | "multipart" | "none"; ``op``: the gen_ai operation name (traces);
+    ``pinned``: the worker is the one that created the response named in the path (``/v1/responses/{id}``)."""
+
+    path: str
+    body: str = "json"
+    op: str = "chat"
+    pinned: bool = False
+
+
+_JSON_POST = {
+    "/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/v1/embeddings": "embeddings",
+    "/v1/responses": "chat", "/pooling": "embeddings", "/classify": "embeddings", "/score": "embeddings",
+    "/v1/score": "embeddings", "/rerank": "embeddings", "/v1/rerank": "embeddings", "/v2/rerank": "embeddings",
+    "/v2/embed": "embeddings", "/tokenize": "tokenize", "/detokenize": "tokenize", "/v1/messages": "chat",
+    "/v1/messages/count_tokens": "tokenize", "/v1/chat/completions/batch": "chat",
+    "/v1/chat/completions/render": "tokenize", "/v1/completions/render": "tokenize",
+    "/v1/messages/render": "tokenize", "/v1/responses/render": "tokenize",
+    "/v1/chat/completions/derender": "tokenize", "/v1/completions/derender": "tokenize",
+    "/inference/v1/generate": "text_completion", "/generative_scoring": "embeddings", "/v1/systemone": "chat",
+    "/invocations": "chat",
+}
+PROXY_ROUTES: dict[tuple[str, str], Route] = {
+    **{("POST", p): Route(p, "json", op) for p, op in _JSON_POST.items()},
+    ("POST", "/v1/audio/transcriptions"): Route("/v1/audio/transcriptions", "multipart", "transcription"),
+    ("POST", "/v1/audio/translations"): Route("/v1/audio/translations", "multipart", "translation"),
+    ("GET", "/v1/responses/{response_id}"): Route("/v1/responses/{response_id}", "none", "chat", True),
+    ("POST", "/v1/responses/{response_id}/cancel"): Route("/v1/responses/{response_id}/cancel", "none", "chat",
+                                                           True),
+}
+#: Every proxied path (exact paths; the ``{response_id}`` ones are matched by prefix in :func:`match`).
+PROXY_PATHS = frozenset(p for (_, p) in PROXY_ROUTES if "{" not in p)
+RESPONSES_PREFIX = "/v1/responses/"
+LOCAL_ROUTES = frozenset({("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                          ("GET", "/debug/decisions")})
+FANOUT_ROUTES = frozenset({("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")})
+NOT_ROUTED: dict[str, str] = {
+    "/openapi.json": "a worker's API docs; the router's surface is this table",
+    "/docs": "a worker's API docs", "/docs/oauth2-redirect": "a worker's API docs", "/redoc": "a worker's API docs",
+    "/load": "one worker's load; the router publishes every worker's in /metrics and /debug/decisions",
+    "/version": "one worker's vLLM version; the router exports dplb_build_info",
+    "/kv_event_sources": "per-worker KV event endpoints (disaggregation); not meaningful behind one port",
+    "/ping": "SageMaker health check; use /health or /ready",
+    "/v1/realtime": "WebSocket: the router proxies HTTP only",
+    "/scale_elastic_ep": "elastic expert-parallel administration of one engine",
+    "/is_scaling_elastic_ep": "elastic expert-parallel administration of one engine",
+    "/inference/v1/abort_requests": "needs the worker of each request id; abort by closing the client connection",
+    "/adapters": "SageMaker's adapter API; use /v1/load_lora_adapter (fanned out to every worker)",
+    "/adapters/{adapter_name}": "SageMaker's adapter API; use /v1/unload_lora_adapter (fanned out)",
+}
+_RESP_ID = re.compile(r"[A-Za-z0-9._:\-]{1,256}")
+
+
+def match(method: str, path: str) -> tuple[Route, str | None] | None:
+    """The proxied route for ``method path`` and the response id named in it (or None); None when not proxied."""
+    r = PROXY_ROUTES.get((method, path))
+    if r is not None:
+        return r, None
+    if path.startswith(RESPONSES_PREFIX):
+        rest = path[len(RESPONSES_PREFIX):]
+        if rest.endswith("/cancel"):
+            rid, pattern = rest[: -len("/cancel")], ("POST", "/v1/responses/{response_id}/cancel")
+        else:
+            rid, pattern = rest, ("GET", "/v1/responses/{response_id}")
+        if method == pattern[0] and _RESP_ID.fullmatch(rid):
+            return PROXY_ROUTES[pattern], rid
+    return None
+
+
+def is_proxy_path(path: str) -> bool:
+    """True when ``path`` belongs to the proxy (any method: the proxy answers 405 for a wrong one)."""
+    return path in PROXY_PATHS or path.startswith(RESPONSES_PREFIX)
+
+
+_ID_RE = re.compile(rb'"id"\s*:\s*"([A-Za-z0-9._:\-]{1,256})"')
+
+
+def response_id(head: bytes) -> str | None:
+    """The first ``"id"`` in the first bytes of a ``/v1/responses`` answer (JSON: the response object's own id, its
+    first field in vLLM; SSE: the id in ``response.created``), or None."""
+    m = _ID_RE.search(head)
+    return m.group(1).decode() if m else None
+
+
+class ResponseIds:
+    """Bounded LRU map response id → the worker that created it (``GET /v1/responses/{id}``, ``…/cancel`` and
+    ``previous_response_id`` need that worker: vLLM keeps responses in the memory of the engine that made them).
+    ``capacity`` ids (oldest forgotten first); a forgotten or unknown id is routed by the policy like any request
+    (the worker that does not have it answers its own 404)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._map: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def remember(self, response_id: str, worker: int) -> None:
+        """``worker`` created ``response_id``."""
+        m = self._map
+        m[response_id] = worker
+        m.move_to_end(response_id)
+        if len(m) > self.capacity:
+            m.popitem(last=False)
+
+    def worker_of(self, response_id: str) -> int | None:
+        """The worker that created ``response_id``, or None when unknown."""
+        return self._map.get(response_id)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+
+__all__ = ["FANOUT_ROUTES", "LOCAL_ROUTES", "NOT_ROUTED", "PROXY_PATHS", "PROXY_ROUTES", "ResponseIds", "Route",
+           "is_proxy_path", "match", "response_id"]
