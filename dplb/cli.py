@@ -8,7 +8,6 @@ import their modules lazily so ``dplb state`` stays fast and the router never im
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import sys
@@ -77,16 +76,9 @@ def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
     )
     engine = build_engine(args.engine, rest, model=args.model)
     worker = Worker(cfg, engine)
-    return _run_async(worker.run())
+    from dplb.serving import run_async
 
-
-def _run_async(coro) -> int:
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:  # pragma: no cover
-        return asyncio.run(coro)
+    return run_async(worker.run())
 
 
 # ---- state -----------------------------------------------------------------------------------------------------

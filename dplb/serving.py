@@ -7,6 +7,7 @@ handling, so the worker/router decide what SIGTERM means (drain first) and stop 
 line + headers): uvicorn/httptools buffer a head without limit and concatenate it piece by piece, so one client
 sending a 50 MB header cost the router 5 s of CPU and 50 MB of memory; over the cap the client gets a 431 and the
 connection is closed. Malformed HTTP gets a 400 in the same OpenAI error shape as every other router error.
+:func:`run_async` runs a process's main coroutine on uvloop (asyncio without it).
 """
 
 from __future__ import annotations
@@ -174,3 +175,15 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+def run_async(coro: Any) -> int:
+    """Run ``coro`` (a process's main coroutine, returning an exit code) to completion on uvloop, or on asyncio
+    where uvloop is missing. Returns its exit code."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        import asyncio
+
+        return int(asyncio.run(coro))
+    return int(uvloop.run(coro))

@@ -78,11 +78,12 @@ _OWN_FLAGS = ("--port", "--host", "--run-dir", "--shm-path", "--num-workers", "-
 
 def _check_launch_flags(label: str, words: list[str]) -> None:
     """Refuse flags compare owns and anything `dplb launch` (or the sim engine) would reject, before any run."""
+    import argparse
     import contextlib
     import io
 
-    from dplb.cli import build_parser
     from dplb.engines import sim_arg_parser
+    from dplb.launcher import add_parser as add_launch_parser
 
     own = [w for w in words if w.split("=", 1)[0] in _OWN_FLAGS]
     if own:
@@ -90,7 +91,9 @@ def _check_launch_flags(label: str, words: list[str]) -> None:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            _ns, rest = build_parser().parse_known_args(["launch", *words])
+            parser = argparse.ArgumentParser(prog="dplb")
+            add_launch_parser(parser.add_subparsers())
+            _ns, rest = parser.parse_known_args(["launch", *words])
             _, unknown = sim_arg_parser().parse_known_args(rest)
     except SystemExit:
         msg = err.getvalue().strip().splitlines()

@@ -30,15 +30,31 @@ import random
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from typing import Any, Protocol
 
 import msgspec
 
 from dplb.engines.base import Receive, Scope, Send
-from dplb.engines.sim_scheduler import WORDS, SimRequest, block_hashes, prompt_hash, render_chat, tokenize
+from dplb.engines.sim_scheduler import (
+    WORDS,
+    SimConfig,
+    SimRequest,
+    SimScheduler,
+    block_hashes,
+    prompt_hash,
+    render_chat,
+    tokenize,
+)
 
-if TYPE_CHECKING:
-    from dplb.engines.sim import SimEngine
+
+class SimEngine(Protocol):
+    """What the extra endpoints use of :class:`dplb.engines.sim.SimEngine` (a Protocol: no import cycle)."""
+
+    config: SimConfig
+    scheduler: SimScheduler
+    debug_requests: deque[dict[str, Any]]
+    last_prompt_tokens: int
 
 STORED_RESPONSES = 1024
 _json = msgspec.json.Encoder().encode

@@ -3,9 +3,9 @@
 Contract: :data:`HEALTH_FILTERS` (about the worker: registered, consistent slot, fresh heartbeat, lifecycle
 ``ready``, not held out by the router's heartbeat hysteresis, not ejected by its passive health check) then
 :data:`REQUEST_FILTERS` (about this request: serves its model, not already tried, under the hard queue cap).
-The policy runs both (:func:`apply_filters`); ``/ready``, ``dplb_worker_up`` and ``dplb state`` ask :func:`routable`, which runs the
-health filters on the same :class:`~dplb.decision.Candidate` objects, so the four can never disagree. Each filter
-sets the first ``why`` that rejects a candidate (values in :mod:`dplb.decision`).
+The policy runs both (:func:`apply_filters`); ``/ready``, ``dplb_worker_up`` and ``dplb state`` ask
+:func:`routable`, which runs the health filters on the same :class:`~dplb.decision.Candidate` objects, so the four
+can never disagree. Each filter sets the first ``why`` that rejects a candidate (values in :mod:`dplb.decision`).
 """
 
 from __future__ import annotations

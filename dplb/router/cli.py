@@ -172,8 +172,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_router(args: argparse.Namespace, rest: list[str]) -> int:
-    from dplb.cli import _run_async
     from dplb.router.app import run_router
+    from dplb.serving import run_async
     from dplb.shm import ENV_SHM_PATH, Segment
 
     interval = args.state_interval_ms
@@ -183,4 +183,4 @@ def _cmd_router(args: argparse.Namespace, rest: list[str]) -> int:
             interval = seg.state_interval_ms
     cfg = router_config(args, run_dir=args.run_dir or default_run_dir(), shm_path=shm_path,
                         num_workers=args.num_workers, state_interval_ms=interval or 200)
-    return _run_async(run_router(cfg))
+    return run_async(run_router(cfg))
