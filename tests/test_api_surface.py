@@ -83,7 +83,8 @@ def test_every_proxied_route_reaches_a_worker_byte_for_byte(lora: Cluster) -> No
             body, ctype = multipart("dplb-sim")
         else:
             body, ctype = json.dumps(BODIES.get(path, {"model": "dplb-sim"}), indent=1).encode(), "application/json"
-        r = httpx.request(method, lora.url + path, content=body, headers={"content-type": ctype}, timeout=30)
+        r = httpx.request(method, lora.url + path, content=body, timeout=30,
+                          headers={"content-type": ctype, "x-sim-debug": "body-sha256"})
         assert r.headers.get("x-sg-worker-id") in ("0", "1"), (path, r.status_code, r.text)
         if path in BODIES or route.body == "multipart":
             assert r.status_code == 200, (path, r.text)
@@ -236,7 +237,7 @@ def test_compressed_bodies_are_decoded_with_a_bound(lora: Cluster) -> None:
     sha = hashlib.sha256(plain).hexdigest()
     for enc, data in (("gzip", gzip.compress(plain)), ("deflate", zlib.compress(plain)),
                       ("deflate", zlib.compress(plain, wbits=-15))):  # raw DEFLATE, as some clients send
-        r = post(lora, "/v1/chat/completions", data, {"content-encoding": enc})
+        r = post(lora, "/v1/chat/completions", data, {"content-encoding": enc, "x-sim-debug": "body-sha256"})
         assert r.status_code == 200 and r.headers["x-sim-body-sha256"] == sha, (enc, r.text)
         seen = _worker_saw(lora, int(r.headers["x-sg-worker-id"]), sha)
         assert "content-encoding" not in seen["header_names"]

@@ -89,3 +89,11 @@ def test_sim_internal_header_never_reaches_a_client(tmp_path: Path) -> None:
         r = httpx.post(c.url + "/v1/completions", content=b"{bad", timeout=30,
                        headers={"content-type": "application/json"})
         assert not [h for h in r.headers if h.lower().startswith("x-sim-")], r.headers
+        # the whole kind: every other endpoint the sim serves (regression: its extra endpoints sent it always)
+        for path, body in (("/tokenize", {"model": "dplb-sim", "prompt": "a b"}),
+                           ("/v1/responses", {"model": "dplb-sim", "input": "hi", "max_output_tokens": 2}),
+                           ("/v1/embeddings", {"model": "dplb-sim", "input": "a b"}),
+                           ("/v1/rerank", {"model": "dplb-sim", "query": "a", "documents": ["a", "b"]})):
+            r = httpx.post(c.url + path, json=body, timeout=30)
+            assert r.status_code < 500 and not [h for h in r.headers if h.lower().startswith("x-sim-")], \
+                (path, r.status_code, r.headers)

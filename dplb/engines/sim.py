@@ -52,6 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dplb.engines.base import ASGIApp, EngineStats, Receive, Scope, Send
 from dplb.engines.sim_api import SimApi
 from dplb.engines.sim_scheduler import (
+    DEBUG_HEADER,
     WORDS,
     SimConfig,
     SimRequest,
@@ -65,7 +66,6 @@ from dplb.engines.sim_scheduler import (
 
 __all__ = ["SimConfig", "SimEngine", "main"]
 
-DEBUG_HEADER = b"x-sim-debug"  # request header: "body-sha256" asks for x-sim-body-sha256 in the response
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20  # request bodies above this get 413
 DEBUG_RECORDS = 256

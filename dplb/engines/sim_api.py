@@ -17,7 +17,8 @@ Contract
 - The other proxied routes (``/tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``, ``/classify``,
   ``/score``, ``/rerank`` and their versions, ``/v1/messages``, audio, …) validate the JSON body (multipart for
   audio) and the model, and answer a small deterministic body of the right kind; no scheduler time.
-- Every answer to a model request carries ``x-sim-body-sha256`` and is recorded in ``/debug/requests``
+- Every model request is recorded in ``/debug/requests`` and, when sent with ``x-sim-debug: body-sha256``, answered
+  with ``x-sim-body-sha256``; each record has
   (``path``, ``status``, ``body_sha256``, ``x_request_id``, ``model``).
 """
 
@@ -37,6 +38,7 @@ import msgspec
 
 from dplb.engines.base import Receive, Scope, Send
 from dplb.engines.sim_scheduler import (
+    DEBUG_HEADER,
     WORDS,
     SimConfig,
     SimRequest,
@@ -155,7 +157,8 @@ class SimApi:
                 rec["aborted"] = True
                 return
             rec["body_sha256"] = sha = hashlib.sha256(body).hexdigest()
-            headers.append((b"x-sim-body-sha256", sha.encode()))
+            if hdr.get(DEBUG_HEADER) == b"body-sha256":  # opt-in, as in sim.py: never reaches a client that did not ask
+                headers.append((b"x-sim-body-sha256", sha.encode()))
             if path in _LORA:
                 status, out = self._lora(path, body)
                 rec["status"] = status
