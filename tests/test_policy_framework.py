@@ -121,3 +121,31 @@ def test_launch_forwards_every_policy_flag() -> None:
     again = p.parse_args(argv)
     assert vars(again) == vars(args)
     assert {a.dest for a in p._actions if a.option_strings and a.option_strings[0] in argv} == dests
+
+
+def test_exported_inputs_are_what_the_score_used() -> None:
+    """Regression (issue 16): with --latency-signal ttft the exported latency was the E2E mean. Metrics and trace
+    events now carry every input the scorers read: the latency they used, max_queue, running/waiting separately,
+    the correction, baseline, lifecycle and state age."""
+    p = make_policy(PolicyConfig(latency_signal="ttft"), 2)
+    for _ in range(50):
+        p.observe_latency(2.0, 0.2)
+    snap = [WorkerState(k, pid=1 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW - 10**8, num_running=2,
+                        num_waiting=k, avg_latency_s=1.5, avg_ttft_s=0.05 * (k + 1), max_num_seqs=8)
+            for k in range(2)]
+    d = p.pick(snap, NOW, dry_run=True)
+    fams = {m.name: {s.labels.get("worker"): s.value for s in m.samples}
+            for m in WorkerStateCollector(lambda: (d, [0, 0], 2, p.baseline_s, p)).collect()}
+    assert fams["dplb_worker_latency_avg_seconds"] == {"0": 0.05, "1": pytest.approx(0.1)}  # TTFT, as scored
+    assert fams["dplb_worker_e2e_avg_seconds"] == {"0": 1.5, "1": 1.5}
+    assert fams["dplb_worker_ttft_avg_seconds"]["1"] == pytest.approx(0.1)
+    assert fams["dplb_worker_requests_running"] == {"0": 2, "1": 2}
+    assert fams["dplb_worker_requests_waiting"] == {"0": 0, "1": 1}
+    assert fams["dplb_worker_inflight_correction"] == {"0": 0, "1": 0} and fams["dplb_worker_max_queue"]["0"] == 16
+    info = next(m for m in WorkerStateCollector(lambda: (d, [0, 0], 2, p.baseline_s, p)).collect()
+                if m.name == "dplb_policy")
+    assert info.samples[0].labels["latency_signal"] == "ttft" and info.samples[0].labels["max_queue"] == "16"
+    attrs = candidate_event_attributes(d, d.candidates[1])
+    assert attrs["dplb.latency_s"] == pytest.approx(0.1) and attrs["dplb.baseline_s"] == 0.2
+    assert attrs["dplb.max_queue"] == 16 and attrs["dplb.lifecycle"] == "ready"
+    assert attrs["dplb.state_age_s"] == pytest.approx(0.1) and attrs["dplb.num_waiting"] == 1
