@@ -275,6 +275,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
             async with client.stream("POST", url + "/v1/completions", json=body) as r:
                 res.status = r.status_code
                 res.worker = int(r.headers["x-sg-worker-id"]) if "x-sg-worker-id" in r.headers else None
+                if r.status_code != 200:  # an error answer (the router's 504 before any byte): keep its body
+                    res.detail = (await r.aread()).decode("utf-8", "replace")[:300]
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
                         continue

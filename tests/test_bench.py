@@ -295,14 +295,20 @@ def test_compare_stopped_mid_run_leaves_nothing_behind(tmp_path) -> None:  # typ
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True)
     segment_prefix = f"dplb_bench_{proc.pid}_"
 
+    def ps() -> list[str]:
+        return subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+
     def cluster_pids() -> list[str]:
-        out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
-        return [ln.split()[0] for ln in out.splitlines() if "dplb-bench-" in ln and "dplb.cli" in ln]
+        # only this run's cluster (its run dir is in every child's arguments): another benchmark on the machine
+        # must not count
+        return [ln.split()[0] for ln in ps() if run_dir in ln and "dplb.cli" in ln]
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(f.startswith(segment_prefix) for f in os.listdir("/dev/shm")):
         time.sleep(0.2)
     assert any(f.startswith(segment_prefix) for f in os.listdir("/dev/shm")), "the cluster never started"
+    launcher = next(ln.split() for ln in ps() if segment_prefix in ln and " launch " in ln)
+    run_dir = launcher[launcher.index("--run-dir") + 1]
     time.sleep(3)
     assert len(cluster_pids()) >= 4  # launcher, 2 workers, router
     proc.send_signal(signal.SIGTERM)
