@@ -31,7 +31,7 @@ L = Layout()
 L.row("Score").add(
     ts("Score per worker", "none", targets((f"max by (worker) ({r(M.WORKER_SCORE)})", "worker {{worker}}")),
        "Routing score each worker has right now for a request without a cached prefix (higher wins; ties rotate): "
-       "the weighted sum of the terms below (default 0.4·queue + 0.2·memory + 0.2·latency + 0.2·prefix). "
+       "the weighted sum of the terms below (default 0.3·queue + 0.2·memory + 0.2·latency + 0.3·prefix). "
        "Recomputed at every scrape over the current shm snapshot.", w=24, **RANGE_0_1),
 )
 for term, doc in TERM_DOC.items():

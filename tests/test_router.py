@@ -404,7 +404,7 @@ def test_debug_decisions_show_every_candidate(two: Cluster) -> None:
     mine = next(x for x in d if x["request_id"] == "dbg-1")
     assert mine["policy"] == "dplb" and mine["worker"] in (0, 1)
     assert [c["worker"] for c in mine["candidates"]] == [0, 1]
-    assert mine["weights"] == {"queue": 0.4, "memory": 0.2, "latency": 0.2, "prefix": 0.2}
+    assert mine["weights"] == {"queue": 0.3, "memory": 0.2, "latency": 0.2, "prefix": 0.3}
     for cand in mine["candidates"]:
         assert {"score", "terms", "queue", "kv_cache_usage", "max_queue", "prefix_match", "latency_s"} <= set(cand)
         assert set(cand["terms"]) == {"queue", "memory", "latency", "prefix"}
@@ -517,7 +517,7 @@ def test_conversation_turns_follow_their_history_and_prefix_scoring_can_be_off(t
         # depending on load); every later turn was a hit
         assert 'dplb_prefix_routed_total{outcome="miss"} 1.0' in text
         assert 'dplb_prefix_routed_total{outcome="hit"} 4.0' in text or 'outcome="hit"} 5.0' in text
-        assert "dplb_prefix_index_blocks " in text and "dplb_policy_weight{term=\"prefix\"} 0.2" in text
+        assert "dplb_prefix_index_blocks " in text and "dplb_policy_weight{term=\"prefix\"} 0.3" in text
     with cluster(str(tmp_path) + "-off", 2, router_args=["--prefix-block-bytes", "0"]) as c:
         post(c, "/v1/chat/completions", turn(1, 2))
         d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]

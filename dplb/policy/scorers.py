@@ -22,8 +22,8 @@ weights (seed article: ``0.4·queue + 0.3·memory + 0.3·latency``). Table-drive
   with a 600-word system prompt differs by ~0.1 between workers, less than one queued request). The headroom
   factor is the spill rule (a queue-aware weight, like SGLang's balance thresholds but continuous): a worker's
   prefix advantage shrinks as it fills, so a hot prefix spills to a second worker instead of queueing. With the
-  default weights (queue 0.4, prefix 0.2, max_queue 16) a full-match worker keeps winning against an idle one while
-  ``(0.4 + 0.2)·(1 − q/16) > 0.4``, i.e. up to 5 queued requests; see tests/test_scorers.py::test_hot_prefix_spills.
+  default weights (queue 0.3, prefix 0.3, max_queue 16) a full-match worker keeps winning against an idle one while
+  ``(0.3 + 0.3)·(1 − q/16) > 0.3``, i.e. up to 8 queued requests; see tests/test_scorers.py::test_hot_prefix_spills.
 """
 
 from __future__ import annotations
