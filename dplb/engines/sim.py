@@ -51,6 +51,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb.engines.base import ASGIApp, EngineStats, Receive, Scope, Send
 from dplb.engines.sim_api import SimApi
+from dplb.engines.sim_http import HTTPError, decode_object, read_body, respond
 from dplb.engines.sim_scheduler import (
     DEBUG_HEADER,
     WORDS,
@@ -67,22 +68,9 @@ from dplb.engines.sim_scheduler import (
 __all__ = ["SimConfig", "SimEngine", "main"]
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 64 << 20  # request bodies above this get 413
 DEBUG_RECORDS = 256
 _json = msgspec.json.Encoder().encode
 _CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-
-
-class HTTPError(Exception):
-    """An OpenAI-shaped error response: ``{"error": {"message", "type", "param": null, "code"}}``."""
-
-    def __init__(self, status: int, message: str, type_: str = "BadRequestError", code: int | str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type_
-        self.code = status if code is None else code
-
-    def body(self) -> bytes:
-        return _json({"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}})
 
 
 @dataclass(slots=True)
@@ -99,12 +87,7 @@ class ParsedRequest:
 
 def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str] = frozenset()) -> ParsedRequest:
     """Validate a model request body like vLLM; raises :class:`HTTPError` (400; 404: model not served)."""
-    try:
-        data = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise HTTPError(400, f"Invalid JSON body: {e}") from None
-    if not isinstance(data, dict):
-        raise HTTPError(400, "The request body must be a JSON object")
+    data = decode_object(body)
     model = data.get("model")
     if model is not None and model != cfg.model and model not in served:
         raise HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError")
@@ -137,32 +120,9 @@ def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str
                          bool(opts.get("include_usage") and opts.get("continuous_usage_stats")))
 
 
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole request body; None if the client disconnected first. Raises HTTPError(413) above the limit."""
-    chunks, size = [], 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return None
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise HTTPError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
-        chunks.append(chunk)
-        if not msg.get("more_body", False):
-            return b"".join(chunks)
-
-
 async def _until_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None,
-                   content_type: bytes = b"application/json") -> None:
-    h = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(headers or [])]
-    await send({"type": "http.response.start", "status": status, "headers": h})
-    await send({"type": "http.response.body", "body": body})
 
 
 class SimEngine:
@@ -259,9 +219,9 @@ class SimEngine:
         path, method = scope["path"], scope["method"]
         if path in (_CHAT, _COMPLETIONS):
             if self._closed:
-                await _respond(send, 503, HTTPError(503, "sim engine shut down", "ServiceUnavailableError").body())
+                await respond(send, 503, HTTPError(503, "sim engine shut down", "ServiceUnavailableError").body())
             elif method != "POST":
-                await _respond(send, 405, b'{"detail":"Method Not Allowed"}')
+                await respond(send, 405, b'{"detail":"Method Not Allowed"}')
             else:
                 await self._model(scope, receive, send, path == _CHAT)
             return
@@ -272,28 +232,28 @@ class SimEngine:
                  "/metrics": self._metrics, "/debug/requests": self._debug}.get(path)
         echo = [(k, v) for k, v in scope["headers"] if k == b"x-request-id"][:1]
         if route is None:
-            await _respond(send, 404, b'{"detail":"Not Found"}', echo)
+            await respond(send, 404, b'{"detail":"Not Found"}', echo)
         elif method not in ("GET", "HEAD"):
-            await _respond(send, 405, b'{"detail":"Method Not Allowed"}', echo)
+            await respond(send, 405, b'{"detail":"Method Not Allowed"}', echo)
         else:
             await route(send, echo)
 
     async def _health(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        await _respond(send, 200, b"", headers)
+        await respond(send, 200, b"", headers)
 
     async def _models(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        await _respond(send, 200, self.api.models_body(self._created), headers)
+        await respond(send, 200, self.api.models_body(self._created), headers)
 
     async def _load(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         s = self.scheduler
-        await _respond(send, 200, _json({"num_running": s.num_running, "num_waiting": s.num_waiting,
+        await respond(send, 200, _json({"num_running": s.num_running, "num_waiting": s.num_waiting,
                                          "kv_cache_usage": s.kv_cache_usage}), headers)
 
     async def _metrics(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        await _respond(send, 200, self.metrics_text(), headers, CONTENT_TYPE_LATEST.encode())
+        await respond(send, 200, self.metrics_text(), headers, CONTENT_TYPE_LATEST.encode())
 
     async def _debug(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        await _respond(send, 200, _json(list(self.debug_requests)), headers)
+        await respond(send, 200, _json(list(self.debug_requests)), headers)
 
     async def _park(self, receive: Receive, send: Send) -> None:
         """Hang fault: never answer; return when the client goes away or the engine shuts down."""
@@ -305,7 +265,7 @@ class SimEngine:
         gone.cancel()
         released.cancel()
         if not disconnected:
-            await _respond(send, 503, HTTPError(503, "sim engine shut down", "ServiceUnavailableError").body())
+            await respond(send, 503, HTTPError(503, "sim engine shut down", "ServiceUnavailableError").body())
 
     def _abort(self, req: SimRequest, rec: dict[str, Any]) -> None:
         if self.scheduler.abort(req):
@@ -331,7 +291,7 @@ class SimEngine:
             self.debug_requests.append(rec)
             headers = [(b"x-request-id", xrid)] if xrid else []
             try:
-                body = await _read_body(receive)
+                body = await read_body(receive)
                 if body is None:
                     rec["aborted"] = True
                     return
@@ -355,7 +315,7 @@ class SimEngine:
                                          f"oom_after={cfg.oom_after})", "InternalServerError")
             except HTTPError as e:
                 rec["status"] = e.status
-                await _respond(send, e.status, e.body(), headers)
+                await respond(send, e.status, e.body(), headers)
                 return
             if await self._generate(receive, send, p, rid, rec, headers, chat):
                 self._completed()
@@ -388,7 +348,7 @@ class SimEngine:
                 if req.aborted:
                     if self._closed:
                         rec["status"] = 503
-                        await _respond(send, 503, HTTPError(503, "sim engine shut down",
+                        await respond(send, 503, HTTPError(503, "sim engine shut down",
                                                             "ServiceUnavailableError").body(), headers)
                     return False
             choices: list[dict[str, Any]] = []
@@ -401,7 +361,7 @@ class SimEngine:
                 choices.append(choice)
             completion = sum(s.max_tokens for s in req.seqs)
             rec.update(status=200, completion_tokens=completion)
-            await _respond(send, 200, _json({
+            await respond(send, 200, _json({
                 "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": cfg.model, "choices": choices, "usage": {
                     "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion,

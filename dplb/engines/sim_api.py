@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import msgspec
 
 from dplb.engines.base import Receive, Scope, Send
+from dplb.engines.sim_http import HTTPError, decode_object, read_body, respond
 from dplb.engines.sim_scheduler import (
     DEBUG_HEADER,
     WORDS,
@@ -69,15 +70,6 @@ _GENERIC = frozenset({
 _FORM_MODEL = re.compile(rb'name="model"[^\r\n]*\r\n(?:[^\r\n]+\r\n)*\r\n([^\r\n]{1,256})\r\n', re.IGNORECASE)
 
 
-class _Error(Exception):
-    def __init__(self, status: int, message: str, type_: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type_
-
-    def body(self) -> bytes:
-        return _json({"error": {"message": self.message, "type": self.type, "param": None, "code": self.status}})
-
-
 def parse_adapters(text: str) -> dict[str, str]:
     """``"a,b=/p"`` → ``{"a": "/adapters/a", "b": "/p"}`` (name → path)."""
     out: dict[str, str] = {}
@@ -86,27 +78,6 @@ def parse_adapters(text: str) -> dict[str, str]:
             name, _, path = item.partition("=")
             out[name.strip()] = path.strip() or f"/adapters/{name.strip()}"
     return out
-
-
-async def _body(receive: Receive, limit: int) -> bytes | None:
-    chunks, size = [], 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return None
-        chunks.append(msg.get("body", b""))
-        size += len(chunks[-1])
-        if size > limit:
-            raise _Error(413, f"request body over {limit} bytes")
-        if not msg.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]],
-                ctype: bytes = b"application/json") -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", ctype), (b"content-length", str(len(body)).encode()), *headers]})
-    await send({"type": "http.response.body", "body": body})
 
 
 class SimApi:
@@ -151,8 +122,8 @@ class SimApi:
         want = "GET" if path.startswith(_RESPONSES_PREFIX) and not path.endswith("/cancel") else "POST"
         try:
             if method != want:
-                raise _Error(405, "Method Not Allowed")
-            body = await _body(receive, 64 << 20)
+                raise HTTPError(405, "Method Not Allowed")
+            body = await read_body(receive)
             if body is None:
                 rec["aborted"] = True
                 return
@@ -162,13 +133,13 @@ class SimApi:
             if path in _LORA:
                 status, out = self._lora(path, body)
                 rec["status"] = status
-                await _send(send, status, out, headers, b"text/plain; charset=utf-8" if status == 200 else
+                await respond(send, status, out, headers, b"text/plain; charset=utf-8" if status == 200 else
                             b"application/json")
                 return
             if path.startswith(_RESPONSES_PREFIX):
                 out = self._stored(path[len(_RESPONSES_PREFIX):])
                 rec["status"] = 200
-                await _send(send, 200, out, headers)
+                await respond(send, 200, out, headers)
                 return
             data = self._parse(path, body, hdr.get(b"content-type", b""))
             rec["model"] = data.get("model")
@@ -176,28 +147,23 @@ class SimApi:
                 await self._respond(receive, send, data, headers, rec)
                 return
             rec["status"] = 200
-            await _send(send, 200, _json(self._generic(path, data)), headers)
-        except _Error as e:
+            await respond(send, 200, _json(self._generic(path, data)), headers)
+        except HTTPError as e:
             rec["status"] = e.status
-            await _send(send, e.status, e.body(), headers)
+            await respond(send, e.status, e.body(), headers)
 
     # ---- parsing -----------------------------------------------------------------------------------------------
     def _parse(self, path: str, body: bytes, ctype: bytes) -> dict[str, Any]:
         if path in _AUDIO:
             if not ctype.lower().startswith(b"multipart/form-data"):
-                raise _Error(400, "audio endpoints take multipart/form-data")
+                raise HTTPError(400, "audio endpoints take multipart/form-data")
             m = _FORM_MODEL.search(body)
             data: Any = {"model": m.group(1).decode() if m else None, "bytes": len(body)}
         else:
-            try:
-                data = msgspec.json.decode(body)
-            except msgspec.DecodeError as e:
-                raise _Error(400, f"Invalid JSON body: {e}") from None
-            if not isinstance(data, dict):
-                raise _Error(400, "The request body must be a JSON object")
+            data = decode_object(body)
         model = data.get("model")
         if model is not None and model not in self.served:
-            raise _Error(404, f"The model `{model}` does not exist.", "NotFoundError")
+            raise HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError")
         return data
 
     # ---- LoRA --------------------------------------------------------------------------------------------------
@@ -205,21 +171,21 @@ class SimApi:
         try:
             data = msgspec.json.decode(body)
         except msgspec.DecodeError as e:
-            raise _Error(400, f"Invalid JSON body: {e}") from None
+            raise HTTPError(400, f"Invalid JSON body: {e}") from None
         name = data.get("lora_name") if isinstance(data, dict) else None
         if not isinstance(name, str) or not name:
-            raise _Error(400, "Both 'lora_name' and 'lora_path' must be provided." if path == _LORA[0]
+            raise HTTPError(400, "Both 'lora_name' and 'lora_path' must be provided." if path == _LORA[0]
                          else "'lora_name' needs to be provided to unload a LoRA adapter.")
         if path == _LORA[0]:
             lora_path = data.get("lora_path")
             if not isinstance(lora_path, str) or not lora_path:
-                raise _Error(400, "Both 'lora_name' and 'lora_path' must be provided.")
+                raise HTTPError(400, "Both 'lora_name' and 'lora_path' must be provided.")
             if name in self.adapters or name == self.engine.config.model:
-                raise _Error(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
+                raise HTTPError(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
             self.adapters[name] = lora_path
             return 200, f"Success: LoRA adapter '{name}' added successfully.".encode()
         if name not in self.adapters:
-            raise _Error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+            raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
         del self.adapters[name]
         return 200, f"Success: LoRA adapter '{name}' removed successfully.".encode()
 
@@ -261,9 +227,9 @@ class SimApi:
         rid, cancel = (rest[: -len("/cancel")], True) if rest.endswith("/cancel") else (rest, False)
         resp = self.responses.get(rid)
         if resp is None:
-            raise _Error(404, f"Response with id '{rid}' not found.", "invalid_request_error")
+            raise HTTPError(404, f"Response with id '{rid}' not found.", "invalid_request_error")
         if cancel:
-            raise _Error(400, "Cannot cancel a synchronous response.", "invalid_request_error")
+            raise HTTPError(400, "Cannot cancel a synchronous response.", "invalid_request_error")
         return _json(resp)
 
     async def _respond(self, receive: Receive, send: Send, data: dict[str, Any],
@@ -271,7 +237,7 @@ class SimApi:
         eng, cfg = self.engine, self.engine.config
         prev = data.get("previous_response_id")
         if prev is not None and prev not in self.responses:
-            raise _Error(404, f"Response with id '{prev}' not found.", "invalid_request_error")
+            raise HTTPError(404, f"Response with id '{prev}' not found.", "invalid_request_error")
         inp = data.get("input")
         try:
             msgs = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
@@ -279,10 +245,10 @@ class SimApi:
                 msgs = [{"role": "system", "content": data["instructions"]}, *(msgs or [])]
             ids = tokenize(render_chat(msgs))
         except ValueError as e:
-            raise _Error(400, str(e)) from None
+            raise HTTPError(400, str(e)) from None
         max_tokens = data.get("max_output_tokens") or cfg.default_max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise _Error(400, f"max_output_tokens must be a positive integer, got {max_tokens!r}")
+            raise HTTPError(400, f"max_output_tokens must be a positive integer, got {max_tokens!r}")
         max_tokens = min(max_tokens, cfg.max_model_len - len(ids))
         given = data.get("request_id")
         rid = given if isinstance(given, str) else f"resp_{uuid.uuid4().hex}"
@@ -352,7 +318,7 @@ class SimApi:
                 self.responses.popitem(last=False)
             rec.update(status=200, completion_tokens=len(words))
             if not stream:
-                await _send(send, 200, _json(resp), headers)
+                await respond(send, 200, _json(resp), headers)
                 return
             text = done["content"][0]
             await send({"type": "http.response.body", "more_body": False, "body": b"".join((
