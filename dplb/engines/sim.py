@@ -51,9 +51,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb.engines.base import ASGIApp, EngineStats, Receive, Scope, Send
 from dplb.engines.sim_api import SimApi
-from dplb.engines.sim_http import HTTPError, decode_object, read_body, respond
+from dplb.engines.sim_http import DEBUG_HEADER, HTTPError, decode_object, read_body, respond
 from dplb.engines.sim_scheduler import (
-    DEBUG_HEADER,
     WORDS,
     SimConfig,
     SimRequest,

@@ -37,9 +37,8 @@ from typing import Any, Protocol
 import msgspec
 
 from dplb.engines.base import Receive, Scope, Send
-from dplb.engines.sim_http import HTTPError, decode_object, read_body, respond
+from dplb.engines.sim_http import DEBUG_HEADER, HTTPError, decode_object, read_body, respond
 from dplb.engines.sim_scheduler import (
-    DEBUG_HEADER,
     WORDS,
     SimConfig,
     SimRequest,

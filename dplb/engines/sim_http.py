@@ -12,6 +12,7 @@ import msgspec
 from dplb.engines.base import Receive, Send
 
 MAX_BODY_BYTES = 64 << 20  # request bodies above this get 413
+DEBUG_HEADER = b"x-sim-debug"  # request header: "body-sha256" asks for x-sim-body-sha256 in the response
 _json = msgspec.json.Encoder().encode
 
 

@@ -44,7 +44,6 @@ from prometheus_client.registry import Collector
 from dplb.errors import ConfigError
 
 #: Output vocabulary: every generated token is one of these words.
-DEBUG_HEADER = b"x-sim-debug"  # request header: "body-sha256" asks for x-sim-body-sha256 in the response
 WORDS = (
     "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "model", "token", "batch", "cache", "prefix",
     "worker", "router", "queue", "latency", "memory", "kernel", "tensor", "shard", "block", "stream", "request",

@@ -136,6 +136,28 @@ def read_body(route: Route, body: bytes, encoding: bytes, limit: int) -> tuple[b
     return body, NO_PEEK, multipart_model(body) if route.body == "multipart" else None, decoded
 
 
+async def receive_body(receive: Any, limit: int) -> bytes | None:
+    """The whole request body from the ASGI ``receive``, or None as soon as it exceeds ``limit`` bytes (b"" if the
+    client disconnected first)."""
+    msg = await receive()
+    body = msg.get("body", b"")
+    if not msg.get("more_body", False):
+        return body if len(body) <= limit else None
+    parts = [body]
+    size = len(body)
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return b""
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(parts)
+
+
 def excluded(route: Route, peek: Peek, model: Any, pin_id: str | None, models: ServedModels,
              response_ids: ResponseIds, num_workers: int) -> frozenset[int]:
     """Workers the request must not go to: those not serving ``model``; all but the creator of the response it
@@ -156,4 +178,5 @@ def excluded(route: Route, peek: Peek, model: Any, pin_id: str | None, models: S
     return exclude
 
 
-__all__ = ["NO_PEEK", "Peek", "Rejected", "check_head", "decode_body", "excluded", "multipart_model", "read_body"]
+__all__ = ["NO_PEEK", "Peek", "Rejected", "check_head", "decode_body", "excluded", "multipart_model", "read_body",
+           "receive_body"]

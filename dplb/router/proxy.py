@@ -45,7 +45,7 @@ from dplb.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
 from dplb.errors import RouterErrorKind
 from dplb.policy import RouteRequest
 from dplb.prefix import MAX_PREFIX_BLOCKS, block_hashes
-from dplb.router.intake import Peek, Rejected, check_head, excluded, read_body
+from dplb.router.intake import Peek, Rejected, check_head, excluded, read_body, receive_body
 from dplb.router.models import ServedModels
 from dplb.router.routes import PROXY_PATHS, ResponseIds, Route, match, response_id
 from dplb.router.state import UNREACHABLE_S, RouterState
@@ -204,7 +204,7 @@ class Proxy:
             await self._reject(send, RouterErrorKind.BODY_TOO_LARGE, f"request body of {clen} bytes is over the "
                                f"{limit}-byte limit", rid)
             return
-        body = await _read_body(receive, limit)
+        body = await receive_body(receive, limit)
         if body is None:
             await self._reject(send, RouterErrorKind.BODY_TOO_LARGE, f"request body is over the {limit}-byte "
                                "limit", rid)
@@ -475,27 +475,6 @@ async def _watch_disconnect(receive: Any, flag: asyncio.Event) -> None:
         if msg["type"] == "http.disconnect":
             flag.set()
             return
-
-
-async def _read_body(receive: Any, limit: int) -> bytes | None:
-    """The whole request body, or None as soon as it exceeds ``limit`` bytes."""
-    msg = await receive()
-    body = msg.get("body", b"")
-    if not msg.get("more_body", False):
-        return body if len(body) <= limit else None
-    parts = [body]
-    size = len(body)
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return b""
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        parts.append(chunk)
-        if not msg.get("more_body", False):
-            return b"".join(parts)
 
 
 def _ct_equal(a: bytes, b: bytes) -> bool:
