@@ -14,10 +14,8 @@ import sys
 from collections.abc import Sequence
 
 from dplb import __version__
-from dplb.config import METRICS_HOST, METRICS_PORT_BASE
+from dplb.config import LOG_FORMAT, METRICS_HOST, METRICS_PORT_BASE
 from dplb.errors import DPLBError
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _setup_logging(level: str) -> None:

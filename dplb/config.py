@@ -7,6 +7,7 @@ DESIGN §3/§4 and the seed article.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Literal
 from dplb.errors import ConfigError
 
 ENV_RUN_DIR = "DPLB_RUN_DIR"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every dplb process's log lines
 
 
 def default_run_dir() -> str:
@@ -31,6 +33,20 @@ def default_run_dir() -> str:
 METRICS_PORT_BASE = 30001
 #: Where worker metrics listen by default (loopback: they carry no auth). ``--metrics-host`` changes it.
 METRICS_HOST = "127.0.0.1"
+
+
+#: Most router processes one ``dplb router`` runs (the segment has 16 router slots; this leaves room for more
+#: routers and for a replacement process registering before its dead predecessor's slot is reclaimed).
+MAX_ROUTER_PROCESSES = 8
+
+
+def default_router_processes(cpus: int | None = None) -> int:
+    """Router processes ``dplb launch`` starts by default: one per 8 CPU cores, 1..:data:`MAX_ROUTER_PROCESSES`
+    (2 cores → 1, 16 → 2, 64 → 8). One process streams ~33k tokens/s at ~30 µs of CPU per token (issue 14); the
+    other 7 of every 8 cores are left to the workers (each vLLM worker keeps an API server and an engine core busy)
+    and their tokenizers."""
+    n = cpus if cpus is not None else (os.cpu_count() or 1)
+    return max(1, min(MAX_ROUTER_PROCESSES, n // 8))
 
 
 def worker_metrics_ports(base: int | None, num_workers: int) -> list[int]:
@@ -205,6 +221,11 @@ class RouterConfig:
       worker byte (0 = off); ``--idle-timeout`` still bounds the worker's silence.
     - ``allow_runtime_lora``: serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (fan-out).
     - ``response_ids``: how many ``/v1/responses`` ids the router remembers (id → worker, LRU).
+    - ``processes``: router processes sharing ``port`` (``SO_REUSEPORT``) under one supervising parent;
+      ``process_index``: which one this process is (0..processes−1; set by the parent). With more than one, each
+      also listens on :meth:`process_socket` so a sibling can merge its metrics and decisions into one answer.
+
+    Handed from process to process as JSON (:meth:`to_json` / :meth:`from_json`), validated again on the way in.
     """
 
     policy: PolicyConfig
@@ -228,10 +249,16 @@ class RouterConfig:
     sse_keepalive_s: float = 0.0
     allow_runtime_lora: bool = False
     response_ids: int = 65536
+    processes: int = 1
+    process_index: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
+        if not 1 <= self.processes <= MAX_ROUTER_PROCESSES:
+            raise ConfigError(f"--processes must be 1..{MAX_ROUTER_PROCESSES}, got {self.processes}")
+        if not 0 <= self.process_index < self.processes:
+            raise ConfigError(f"process_index must be 0..{self.processes - 1}, got {self.process_index}")
         if self.num_workers is not None and self.num_workers <= 0:
             raise ConfigError(f"--num-workers must be > 0, got {self.num_workers}")
         for name in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "shm_check_interval_s"):
@@ -256,3 +283,25 @@ class RouterConfig:
     def socket_path(self, worker_id: int) -> str:
         """Worker ``worker_id``'s Unix socket: ``<run_dir>/worker-<id>.sock``."""
         return f"{self.run_dir}/worker-{worker_id}.sock"
+
+    def process_socket(self, index: int) -> str:
+        """Router process ``index``'s private Unix socket (metrics and decisions of that process alone):
+        ``<run_dir>/router-<port>.<index>.sock``."""
+        return f"{self.run_dir}/router-{self.port}.{index}.sock"
+
+    def to_json(self) -> bytes:
+        """This configuration as JSON (the API key left out: it travels in ``$DPLB_API_KEY``, never in a file)."""
+        import msgspec
+
+        return msgspec.json.encode(dataclasses.replace(self, api_key=None))
+
+    @classmethod
+    def from_json(cls, data: bytes, api_key: str | None = None) -> RouterConfig:
+        """Decode and validate :meth:`to_json`'s output. Raises :class:`ConfigError` naming the bad field."""
+        import msgspec
+
+        try:
+            cfg = msgspec.json.decode(data, type=cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"router configuration: {e}") from None
+        return dataclasses.replace(cfg, api_key=api_key) if api_key else cfg

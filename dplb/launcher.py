@@ -42,7 +42,9 @@ from dplb.launch_checks import (
     write_scrape_targets,
 )
 from dplb.plan import cuda_visible_devices, plan_gpus
-from dplb.router.cli import add_router_args, policy_argv, router_config
+from dplb.procs import die_with_parent
+from dplb.router.cli import add_router_args, router_config
+from dplb.router.supervisor import child_env
 from dplb.segments import check_takeover, inspect
 from dplb.shm import ENV_SHM_PATH, MAX_WORKERS, Lifecycle, Segment, default_segment_path
 
@@ -77,7 +79,7 @@ class Child:
                 f.flush()
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=f, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
         self.started_at = time.monotonic()
 
     def alive(self) -> bool:
@@ -98,17 +100,6 @@ class Child:
             return ""
         starts = [i for i, ln in enumerate(lines) if ln.startswith(_RUN_MARK)]
         return "".join(lines[starts[-1] + 1 if starts else 0:][-n:])
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM (→ drain) when the launcher dies, even by SIGKILL (Linux
-    PR_SET_PDEATHSIG), so a killed launcher leaves no orphaned workers holding GPUs."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
 
 
 def _socket_answers(path: str) -> bool:
@@ -224,27 +215,10 @@ class Launcher:
             argv += self.engine_args + self.per_worker_args.get(k, [])
             self.workers.append(Child(f"worker {k}", argv, wenv,
                                       os.path.join(self.run_dir, f"worker-{k}.log")))
-        rargv = _dplb("--log-level", self.args.log_level, "router", "--run-dir", self.run_dir, "--shm-path",
-                      self.shm_path, "--num-workers", str(len(self.plan)), *self._router_flags())
-        renv = dict(env)
-        renv.pop("DPLB_API_KEY", None)
-        if self.args.api_key:
-            renv["DPLB_API_KEY"] = self.args.api_key
+        # The router gets its validated configuration whole (JSON in $DPLB_ROUTER_CONFIG), not re-emitted flags.
+        rargv = _dplb("--log-level", self.args.log_level, "router", "--config-env")
+        renv = child_env(self.router_cfg, env)
         self.router = Child("router", rargv, renv, os.path.join(self.run_dir, "router.log"))
-
-    def _router_flags(self) -> list[str]:
-        a = self.args
-        out = ["--host", a.host, "--port", str(a.port), *policy_argv(a),
-               "--max-body-bytes", str(a.max_body_bytes), "--first-byte-timeout", str(a.first_byte_timeout),
-               "--idle-timeout", str(a.idle_timeout), "--connect-timeout", str(a.connect_timeout),
-               "--state-interval-ms", str(a.state_interval_ms), "--api-key-exempt", a.api_key_exempt,
-               "--cors-allowed-origins", a.cors_allowed_origins, "--sse-keepalive", str(a.sse_keepalive),
-               "--models-refresh", str(a.models_refresh)]
-        if a.allow_runtime_lora:
-            out.append("--allow-runtime-lora")
-        if a.access_log:
-            out.append("--access-log")
-        return out  # the API key travels in DPLB_API_KEY, never on a command line (ps shows those)
 
     def _local_url(self) -> str:
         host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::", "") else self.args.host

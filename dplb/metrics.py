@@ -65,12 +65,22 @@ WORKER_ERRORS = "dplb_worker_errors"  # _total (worker side)
 WORKER_COLLECTOR_TICK = "dplb_worker_collector_tick_seconds"
 WORKER_INFO = "dplb_worker"  # exposed as dplb_worker_info{worker, engine} (worker side; joins engine series)
 WORKER_MODEL_LOAD_DURATION = "dplb_worker_model_load_duration_seconds"
+ROUTER_PROCESSES = "dplb_router_processes"  # {state="configured"|"answered"}: a router group's processes
 
 #: One owner per name (issue 16): the router exports every per-worker figure that travels through the shm slot
 #: (lifecycle, warm-up, first request, model load, CUDA OOMs, scoring inputs) for all workers, even those whose
 #: metrics port is off; a worker's own port exports only what the slot does not carry. No name is in both jobs
 #: except dplb_build_info (told apart by its ``component`` label), so an unfiltered ``sum`` never double-counts.
 WORKER_SIDE = frozenset({BUILD_INFO, WORKER_INFO, WORKER_REQUESTS, WORKER_ERRORS, NVML_ERRORS, WORKER_COLLECTOR_TICK})
+
+#: How a router group's /metrics merges its processes (:mod:`dplb.router.siblings`): counters and histograms of
+#: each process's work are summed, and so are these gauges of per-process resources; GROUP_MIN gauges take the
+#: oldest; everything else — above all the per-worker figures every process derives from the same shm segment and
+#: router slots — is the answering process's own. GROUP_LOCAL: counters read from shm (the same in every process).
+GROUP_SUMMED_GAUGES = frozenset({"process_resident_memory_bytes", "process_virtual_memory_bytes", "process_open_fds",
+                                 PREFIX_INDEX_BLOCKS, PREFIX_INDEX_CAPACITY, PREFIX_INDEX_BYTES})
+GROUP_MIN = frozenset({"process_start_time_seconds"})
+GROUP_LOCAL = frozenset({WORKER_CUDA_OOM})
 
 # (operation, error) label pairs of dplb_shm_errors_total: a closed set.
 SHM_ERROR_LABELS = (("attach", "ShmMissingError"), ("attach", "ShmLayoutError"), ("attach", "ShmError"),
@@ -258,7 +268,8 @@ class WorkerStateCollector:
             WORKER_INFLIGHT_CORRECTION: g(WORKER_INFLIGHT_CORRECTION, "Requests the router sent that the worker's "
                                           "last snapshot may not count yet (the optimistic correction)."),
             WORKER_MAX_QUEUE: g(WORKER_MAX_QUEUE, "Soft queue cap of the queue term for this worker, requests."),
-            WORKER_REQUESTS_INFLIGHT: g(WORKER_REQUESTS_INFLIGHT, "Requests the router has in flight to the worker."),
+            WORKER_REQUESTS_INFLIGHT: g(WORKER_REQUESTS_INFLIGHT, "Requests the router has in flight to the worker "
+                                        "(every router process on the segment, from their router slots)."),
             WORKER_KV_CACHE_USAGE: g(WORKER_KV_CACHE_USAGE, "KV-cache usage, ratio 0-1."),
             WORKER_GPU_MEMORY_USED: g(WORKER_GPU_MEMORY_USED, "NVML GPU memory used, bytes."),
             WORKER_GPU_MEMORY_TOTAL: g(WORKER_GPU_MEMORY_TOTAL, "NVML GPU memory total, bytes."),

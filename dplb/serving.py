@@ -165,12 +165,15 @@ def bind_uds(path: str, mode: int = 0o600) -> socket.socket:
     return sock
 
 
-def bind_tcp(host: str, port: int) -> socket.socket:
-    """Bind and listen on ``host:port`` (IPv4 or IPv6 literal or name) with SO_REUSEADDR."""
+def bind_tcp(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """Bind and listen on ``host:port`` (IPv4 or IPv6 literal or name) with SO_REUSEADDR; ``reuse_port`` adds
+    SO_REUSEPORT (the processes of one router group listen on one port; the kernel spreads connections)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, socktype, proto, _, addr = infos[0]
     sock = socket.socket(family, socktype, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind(addr)
     sock.listen(2048)
     sock.setblocking(False)

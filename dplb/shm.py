@@ -8,7 +8,7 @@ Byte layout (little-endian; offsets in bytes)::
 
     Header, HEADER_SIZE = 4096 bytes (one page), written once by the creator (except the router registry)
       0   4s   magic                 b"DPLB"
-      4   u16  layout_version        LAYOUT_VERSION (1)
+      4   u16  layout_version        LAYOUT_VERSION (2; 1 had 8 router entries and no router slots)
       6   u16  header_size           4096
       8   u16  num_workers           1..MAX_WORKERS (64)
       10  u16  slot_size             SLOT_SIZE (192)
@@ -18,10 +18,11 @@ Byte layout (little-endian; offsets in bytes)::
       28  u32  reserved (0)
       32  128s model                 UTF-8, NUL-padded (served model name; may be empty)
       160 64 × 16 bytes GPU map      per worker w at 160 + 16·w: u8 count (0..15), then 15 × u8 GPU indices
-      1184 8 × 8 bytes routers       u32 pid, u16 TCP port, u16 reserved (0 pid = free); written by each router
-                                     under flock (dplb.shm_layout.register_router), cleared when it stops
-      1248 256s run_dir              UTF-8, NUL-padded: the run directory of the worker sockets (may be empty)
-      1504..4095 reserved (zeros)
+      1184 16 × 8 bytes routers      u32 pid, u16 TCP port, u16 reserved (0 pid = free); written by each router
+                                     process under flock (dplb.shm_layout.register_router), cleared when it stops;
+                                     entry r owns router slot r
+      1312 256s run_dir              UTF-8, NUL-padded: the run directory of the worker sockets (may be empty)
+      1568..4095 reserved (zeros)
 
     Slot w at HEADER_SIZE + w·SLOT_SIZE (64-byte cache-line aligned), written only by worker w
       0   u64  seq                   seqlock counter: odd while the writer is mid-update
@@ -48,6 +49,9 @@ Byte layout (little-endian; offsets in bytes)::
       128 u64  started_unix_ns       worker process start (a change means the worker restarted)
       136 f64  model_load_seconds    engine load (process start of the engine → engine up), seconds (0 until loaded)
       144..191 reserved (zeros)
+
+    Router slots: 16 × 1088 bytes after the last worker slot, at HEADER_SIZE + num_workers·SLOT_SIZE, one per router
+    process (its per-worker in-flight correction and in-flight count); layout in :mod:`dplb.shm_routers`.
 
 Seqlock protocol. Writer: ``seq += 1`` (odd), write the body, ``seq += 1`` (even). Reader: load ``seq`` (retry if
 odd), copy the slot in one slice, load ``seq`` again; retry if it changed; after ``READ_RETRIES`` failed tries the

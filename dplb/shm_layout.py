@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError
 
 MAGIC = b"DPLB"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: router slots after the worker slots, 16 router registry entries (issue 14)
 HEADER_SIZE = 4096
 SLOT_SIZE = 192
 MAX_WORKERS = 64
@@ -41,11 +41,13 @@ GPU_MAP_OFFSET = 160
 #: Router registry: MAX_ROUTERS entries {u32 pid, u16 port, u16 reserved} at ROUTERS_OFFSET (0 pid = free).
 ROUTER_ENTRY = struct.Struct("<IHH")
 ROUTERS_OFFSET = 1184
-MAX_ROUTERS = 8
+MAX_ROUTERS = 16
 #: Run directory of the worker sockets (UTF-8, NUL-padded; empty when the creator did not know it).
-RUN_DIR_OFFSET = ROUTERS_OFFSET + MAX_ROUTERS * ROUTER_ENTRY.size  # 1248
+RUN_DIR_OFFSET = ROUTERS_OFFSET + MAX_ROUTERS * ROUTER_ENTRY.size  # 1312
 RUN_DIR_BYTES = 256
-HEADER_READ = RUN_DIR_OFFSET + RUN_DIR_BYTES  # 1504: the bytes a header decode needs
+HEADER_READ = RUN_DIR_OFFSET + RUN_DIR_BYTES  # 1568: the bytes a header decode needs
+#: Router slots (dplb.shm_routers) after the worker slots: a 64-byte head + 16 bytes per possible worker.
+ROUTER_SLOT_SIZE = 64 + 16 * MAX_WORKERS  # 1088
 assert HEADER.size == 160 and HEADER_READ <= HEADER_SIZE
 
 
@@ -71,8 +73,8 @@ class SegmentHeader:
 
 
 def segment_size(num_workers: int) -> int:
-    """Total bytes of a segment with ``num_workers`` slots."""
-    return HEADER_SIZE + num_workers * SLOT_SIZE
+    """Total bytes of a segment with ``num_workers`` worker slots (plus the :data:`MAX_ROUTERS` router slots)."""
+    return HEADER_SIZE + num_workers * SLOT_SIZE + MAX_ROUTERS * ROUTER_SLOT_SIZE
 
 
 def default_segment_path(now_s: int | None = None) -> str:
@@ -127,7 +129,11 @@ def decode_header(path: str, raw: bytes, file_size: int) -> SegmentHeader:
     if magic != MAGIC:
         raise ShmLayoutError(path, f"no DPLB magic ({magic!r}, expected {MAGIC!r})", dplb_magic=False)
     if version != LAYOUT_VERSION:
-        raise ShmLayoutError(path, f"layout version {version}, this DPLB reads version {LAYOUT_VERSION}")
+        older = "an older" if version < LAYOUT_VERSION else "a newer"
+        raise ShmLayoutError(path, f"layout version {version}, this DPLB reads version {LAYOUT_VERSION}: the segment "
+                             f"was made by {older} DPLB. Stop the stack that uses it and start it again with this "
+                             "DPLB (`dplb launch` recreates it; or `dplb segment create`), so that every worker and "
+                             "router runs the same version")
     if hsize != HEADER_SIZE or ssize != SLOT_SIZE:
         raise ShmLayoutError(path, f"header/slot size {hsize}/{ssize}, expected {HEADER_SIZE}/{SLOT_SIZE}")
     if not 1 <= n <= MAX_WORKERS:
@@ -178,26 +184,27 @@ def _locked_fd(path: str) -> Iterator[int]:
         os.close(fd)  # releases the lock
 
 
-def register_router(path: str, port: int, pid: int | None = None) -> bool:
+def register_router(path: str, port: int, pid: int | None = None) -> int | None:
     """Record router ``pid`` (default: this process) and its TCP ``port`` in the segment's router registry: its own
-    entry, else a free one, else one whose process is gone. Returns False (and records nothing) when the segment
-    cannot be written or all :data:`MAX_ROUTERS` entries belong to live processes."""
+    entry, else a free one, else one whose process is gone. Returns the entry's index (also the index of the
+    router's slot, :mod:`dplb.shm_routers`), or None (recording nothing) when the segment cannot be written or all
+    :data:`MAX_ROUTERS` entries belong to live processes."""
     pid = os.getpid() if pid is None else pid
     try:
         with _locked_fd(path) as fd:
             if os.pread(fd, 4, 0) != MAGIC:
-                return False
+                return None
             raw = os.pread(fd, MAX_ROUTERS * ROUTER_ENTRY.size, ROUTERS_OFFSET)
             entries = [ROUTER_ENTRY.unpack_from(raw, i * ROUTER_ENTRY.size) for i in range(MAX_ROUTERS)]
             slot = next((i for i, e in enumerate(entries) if e[0] == pid), None)
             if slot is None:
                 slot = next((i for i, e in enumerate(entries) if e[0] == 0 or not pid_alive(e[0])), None)
             if slot is None:
-                return False
+                return None
             os.pwrite(fd, ROUTER_ENTRY.pack(pid, port & 0xFFFF, 0), ROUTERS_OFFSET + slot * ROUTER_ENTRY.size)
-            return True
+            return slot
     except OSError:
-        return False
+        return None
 
 
 def unregister_router(path: str, pid: int | None = None) -> None:

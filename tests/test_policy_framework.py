@@ -16,7 +16,6 @@ from dplb.config import PolicyConfig
 from dplb.decision import Candidate
 from dplb.metrics import WorkerStateCollector
 from dplb.policy import PickContext, Scorer, make_policy, register_scorer
-from dplb.router.cli import policy_argv
 from dplb.shm import Lifecycle, WorkerState
 from dplb.tracing import candidate_event_attributes
 
@@ -106,21 +105,45 @@ def test_a_plugin_module_on_a_real_router(tmp_path, monkeypatch: pytest.MonkeyPa
         assert r.returncode != 0 and needle in r.stderr, r.stderr
 
 
-def test_launch_forwards_every_policy_flag() -> None:
-    """``dplb launch`` hands its router every flag of the policy group (a new flag cannot be forgotten)."""
+# A non-default value for each router/policy flag whose default cannot simply be bumped.
+_FLAG_VALUES = {
+    "--host": "127.0.0.1", "--api-key": "sekret", "--api-key-exempt": "/health", "--weights": "queue=1",
+    "--policy-plugin": "json", "--cors-allowed-origins": "https://a.example", "--router-processes": "3",
+    "--latency-deadband": "0.5", "--waiting-weight": "2",
+}
+
+
+def test_every_router_flag_reaches_the_router_config() -> None:
+    """Issue 14: `dplb launch` hands its router the validated :class:`RouterConfig` whole (JSON in the environment)
+    instead of re-emitting flags, so a flag can only be lost where the config is built. Every flag of the router and
+    policy groups must change the config when set, and the config must survive the JSON hand-off unchanged."""
     import argparse
 
-    from dplb.router.cli import add_policy_args
+    from dplb.config import RouterConfig
+    from dplb.router.cli import add_router_args, router_config
 
     p = argparse.ArgumentParser()
-    add_policy_args(p)
-    dests = {a.dest for a in p._actions if a.dest != "help"}
-    args = p.parse_args(["--policy", "least_loaded", "--weights", "queue=1", "--max-queue-from-worker",
-                         "--policy-plugin", "a", "--policy-plugin", "b", "--prefix-block-bytes", "64"])
-    argv = policy_argv(args)
-    again = p.parse_args(argv)
-    assert vars(again) == vars(args)
-    assert {a.dest for a in p._actions if a.option_strings and a.option_strings[0] in argv} == dests
+    add_router_args(p)
+
+    def build(argv: list[str]) -> RouterConfig:
+        return router_config(p.parse_args(argv), run_dir="/tmp/x", shm_path=None, num_workers=2)
+
+    base = build([])
+    for action in p._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        flag = action.option_strings[0]
+        if action.nargs == 0:
+            argv = [flag]
+        elif action.choices:
+            argv = [flag, next(str(c) for c in action.choices if c != action.default)]
+        elif flag in _FLAG_VALUES:
+            argv = [flag, _FLAG_VALUES[flag]]
+        else:
+            argv = [flag, str(type(action.default)(action.default * 2 + 1))]  # int/float defaults
+        cfg = build(argv)
+        assert cfg != base, f"{flag} does not reach RouterConfig"
+        assert RouterConfig.from_json(cfg.to_json(), cfg.api_key) == cfg, flag
 
 
 def test_exported_inputs_are_what_the_score_used() -> None:

@@ -53,7 +53,7 @@ def test_round_trip_every_field(shm_path: str) -> None:
         assert (h.num_workers, h.state_interval_ms, h.model, h.slot_size) == (3, 150, "tiny-llama", SLOT_SIZE)
         assert h.gpu_map == ((0, 1), (2, 3), (7,))
         assert h.creator_pid == os.getpid() and abs(h.created_unix_ns - time.time_ns()) < 60e9
-        assert os.path.getsize(shm_path) == segment_size(3) == HEADER_SIZE + 3 * SLOT_SIZE
+        assert os.path.getsize(shm_path) == segment_size(3) == HEADER_SIZE + 3 * SLOT_SIZE + 16 * 1088  # + router slots
         other.close()
     finally:
         seg.close()
@@ -66,7 +66,7 @@ def test_layout_is_little_endian_at_documented_offsets(shm_path: str) -> None:
     with open(shm_path, "rb") as f:
         raw = f.read()
     assert raw[:4] == b"DPLB"
-    assert struct.unpack_from("<HHHHI", raw, 4) == (1, HEADER_SIZE, 2, SLOT_SIZE, 200)
+    assert struct.unpack_from("<HHHHI", raw, 4) == (2, HEADER_SIZE, 2, SLOT_SIZE, 200)
     slot = HEADER_SIZE + SLOT_SIZE
     assert slot % 64 == 0
     assert struct.unpack_from("<I", raw, slot + 8)[0] == 0x01020304
@@ -167,6 +167,7 @@ def test_missing_segment_names_env_and_remedy(shm_path: str, monkeypatch: pytest
     [
         (0, b"XXXX", "no DPLB magic"),
         (4, struct.pack("<H", 99), "layout version 99"),
+        (4, struct.pack("<H", 1), "made by an older DPLB. Stop the stack"),  # issue 14: v1 had no router slots
         (10, struct.pack("<H", 128), "slot size"),
         (8, struct.pack("<H", 0), "num_workers 0"),
     ],

@@ -13,7 +13,8 @@ Contract
   often still in a socket or being parsed when the worker counts its queue; forgetting it then made bursts of 64
   split up to 20/14/15/15 in the burst-herd benchmark. It is capped by the router's own in-flight count for the
   worker: short requests that already completed within the interval are in no queue (counting them made a
-  conversation's quick next turn spill away from the worker holding its history).
+  conversation's quick next turn spill away from the worker holding its history). Other router processes on the
+  same segment publish theirs in their router slots (:mod:`dplb.shm_routers`); the router adds them (``shared``).
 - Latency baseline: P95 (nearest rank: the ⌈0.95·n⌉-th smallest) of the first ``baseline_window`` (50) completed
   requests fed to :meth:`Policy.observe_latency`; then frozen.
 - A worker whose pid changed (restarted) is forgotten by every scorer that learns (the prefix index).
@@ -74,7 +75,7 @@ class Policy:
         self._pickers_hooks = [s for s in self.scorers if type(s).on_pick is not Scorer.on_pick]
         # Send times (CLOCK_MONOTONIC ns) of the requests each worker's published queue may not count yet.
         self._sent_at: list[deque[int]] = [deque() for _ in range(num_workers)]
-        self._grace_ns = cfg.state_interval_ms * 1_000_000 // 2
+        self.grace_ns = cfg.state_interval_ms * 1_000_000 // 2
         self._seen_hb = [0] * num_workers
         self._seen_pid = [0] * num_workers
         self._rot = 0
@@ -103,14 +104,14 @@ class Policy:
             self._latencies = []
 
     def correction(self, worker_id: int) -> int:
-        """Requests sent to ``worker_id`` since its last published snapshot."""
+        """Requests this router sent to ``worker_id`` since its last published snapshot (minus the grace)."""
         return len(self._sent_at[worker_id])
 
     # ---- picking -------------------------------------------------------------------------------------------
     def pick(
         self, snapshot: Sequence[WorkerState], now_mono_ns: int, request: RouteRequest | None = None, *,
         held: frozenset[int] = frozenset(), ejected: frozenset[int] = frozenset(), dry_run: bool = False,
-        inflight: Sequence[int] | None = None,
+        inflight: Sequence[int] | None = None, shared: Sequence[int] | None = None,
     ) -> Decision:
         """Choose a worker for one request.
 
@@ -118,7 +119,8 @@ class Policy:
         ``now_mono_ns``: CLOCK_MONOTONIC ns (staleness). ``request``: the request's prefix blocks and the workers
         it must not go to (None: no prefix, nothing excluded). ``held``/``ejected``: the router's heartbeat
         hysteresis and passive-health verdicts. ``inflight``: the router's own open requests per worker; the
-        correction never exceeds it (a request that already completed is in no queue).
+        correction never exceeds it (a request that already completed is in no queue). ``shared``: the other
+        router processes' correction per worker (:meth:`dplb.shm_routers.RouterSlots.peer_correction`), added.
         Returns a :class:`Decision`; ``worker`` is None when nobody is
         eligible (``reason`` says why). The chosen worker's in-flight correction is incremented and the scorers'
         ``on_pick`` hooks run. ``dry_run=True`` evaluates without choosing (no rotation, no correction, no hooks):
@@ -139,6 +141,8 @@ class Policy:
             corr = len(q)
             if inflight is not None and inflight[k] < corr:
                 corr = inflight[k]
+            if shared is not None:
+                corr += shared[k]
             append(Candidate(w, corr, w.num_running + w.num_waiting + corr, now_mono_ns - hb))
         ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected)
         for f in self.filters:
@@ -180,7 +184,7 @@ class Policy:
                 for s in self._learners:
                     s.forget_worker(k)
             self._seen_pid[k] = w.pid
-        cutoff = hb - self._grace_ns
+        cutoff = hb - self.grace_ns
         while q and q[0] < cutoff:
             q.popleft()
 

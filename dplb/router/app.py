@@ -29,14 +29,16 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import signal
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
+from litestar.params import Parameter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_CONTENT_TYPE
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
@@ -49,10 +51,10 @@ from dplb.router.fanout import fan_out, parse_workers
 from dplb.router.models import ServedModels
 from dplb.router.proxy import Proxy, error_body
 from dplb.router.routes import PROXY_PATHS, RESPONSES_PREFIX, is_proxy_path
+from dplb.router.siblings import SCOPE_PROCESS, fetch_siblings, merge_decisions, merge_metrics
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamPool
-from dplb.serving import bind_tcp, make_server, raise_fd_limit
-from dplb.shm_layout import unregister_router
+from dplb.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
 from dplb.systemd import notify
 from dplb.tracing import make_tracer
 from dplb.tracing import shutdown as tracing_shutdown
@@ -63,6 +65,8 @@ _TEXT_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
 _METHODS = frozenset({"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"})
 _ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/debug/decisions", "/v1/load_lora_adapter",
                      "/v1/unload_lora_adapter"}) | PROXY_PATHS
+#: ``?scope=process``: this router process alone (``scope`` is a reserved handler argument name in Litestar).
+_ScopeParam = Annotated[str | None, Parameter(query="scope")]
 _HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models"})
 
 
@@ -96,7 +100,7 @@ class RouterApp:
         snap = st.snapshot()
         d = st.dry_run(snap)
         registered = sum(1 for w in snap if w.registered) if snap is not None else 0
-        return d, list(st.inflight), registered, st.policy.baseline_s, st.policy
+        return d, st.inflight_all(), registered, st.policy.baseline_s, st.policy
 
     def _build_litestar(self) -> Litestar:
         state, cfg, metrics, pool, served = self.state, self.cfg, self.metrics, self.pool, self.models
@@ -112,14 +116,18 @@ class RouterApp:
                 return _error(RouterErrorKind.NONE_ROUTABLE, "no worker is ready", cfg.retry_after_s)
             return Response({"ready": True, "routable_workers": ws, "shm_segment_present": state.segment is not None})
 
-        @get("/metrics", sync_to_thread=False)
-        def metrics_endpoint(request: Request[Any, Any, Any]) -> Response[bytes]:
+        @get("/metrics")
+        async def metrics_endpoint(request: Request[Any, Any, Any], only: _ScopeParam = None) -> Response[bytes]:
+            source: Any = metrics.registry
+            if cfg.processes > 1 and only != SCOPE_PROCESS:  # the whole group (dplb.router.siblings)
+                source = merge_metrics(metrics.registry.collect(), await fetch_siblings(cfg, "/metrics"),
+                                       cfg.processes)
             # OpenMetrics when asked (Prometheus does with exemplar storage on): latency histograms then carry
             # trace-id exemplars.
             if "application/openmetrics-text" in request.headers.get("accept", ""):
-                return Response(om_generate_latest(metrics.registry), media_type=OM_CONTENT_TYPE)
+                return Response(om_generate_latest(source), media_type=OM_CONTENT_TYPE)
             # Litestar appends "; charset=utf-8" to text/* types itself: hand it the type without one (issue 16).
-            return Response(generate_latest(metrics.registry), media_type=_TEXT_TYPE)
+            return Response(generate_latest(source), media_type=_TEXT_TYPE)
 
         @get("/v1/models")
         async def models() -> Response[Any]:
@@ -157,12 +165,16 @@ class RouterApp:
         async def unload_lora(request: Request[Any, Any, Any]) -> Response[bytes]:
             return await lora(request)
 
-        @get("/debug/decisions", sync_to_thread=False)
-        def decisions(limit: int = 50) -> list[dict[str, Any]]:
+        @get("/debug/decisions")
+        async def decisions(limit: int = 50, only: _ScopeParam = None) -> list[dict[str, Any]]:
             if limit <= 0:
                 raise HTTPException(status_code=400, detail="limit must be > 0")
             items = list(state.decisions)[-limit:]
-            return [{"time": t, "request_id": rid, **d.to_dict()} for t, rid, d in reversed(items)]
+            own = [{"time": t, "request_id": rid, **d.to_dict()} for t, rid, d in reversed(items)]
+            if cfg.processes == 1 or only == SCOPE_PROCESS:
+                return own
+            return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={limit}"),
+                                   limit)
 
         return Litestar(route_handlers=[health, ready, metrics_endpoint, models, decisions, load_lora, unload_lora],
                         debug=False, logging_config=None, cors_config=self.cors,
@@ -291,7 +303,11 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
                          on_reject=lambda code: app.metrics.rejected.labels(code).inc())
     server.config.server_header = False  # upstream Server/Date headers pass through instead
     server.config.date_header = False
-    sock = bind_tcp(cfg.host, cfg.port)
+    group = cfg.processes > 1
+    sock = bind_tcp(cfg.host, cfg.port, reuse_port=group)
+    sockets = [sock]
+    if group:  # this process's own socket: siblings fetch its metrics and decisions through it
+        sockets.append(bind_uds(cfg.process_socket(cfg.process_index)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -299,11 +315,12 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     monitor = asyncio.create_task(app.state.monitor())
     refresher = asyncio.create_task(app.models.refresh_loop(app.pool, app.state.routable_workers, app.state.pid_of,
                                                             cfg.models_refresh_s))
-    serve = asyncio.create_task(server.serve(sockets=[sock]))
+    serve = asyncio.create_task(server.serve(sockets=sockets))
     host, port = sock.getsockname()[:2]
-    log.info("DPLB router listening on http://%s:%d (policy %s, %d workers, segment %s)", host, port,
-             cfg.policy.name, app.state.num_workers, app.state.segment.path if app.state.segment else "missing")
-    notify(f"READY=1\nSTATUS=routing on port {port}")
+    log.info("DPLB router%s listening on http://%s:%d (policy %s, %d workers, segment %s)",
+             f" process {cfg.process_index}/{cfg.processes}" if group else "", host, port, cfg.policy.name,
+             app.state.num_workers, app.state.segment.path if app.state.segment else "missing")
+    notify(f"READY=1\nSTATUS=routing on port {port}")  # a group's children have no NOTIFY_SOCKET: a no-op
     if ready_cb is not None:
         ready_cb()
     stopped = asyncio.create_task(stop.wait())
@@ -314,8 +331,10 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     monitor.cancel()
     refresher.cancel()
     stopped.cancel()
-    if app.state.segment is not None:
-        unregister_router(app.state.segment.path)
+    app.state.close()
+    if group:
+        with contextlib.suppress(OSError):
+            os.unlink(cfg.process_socket(cfg.process_index))
     app.pool.close()
     if app.tracer is not None:
         tracing_shutdown(app.tracer)

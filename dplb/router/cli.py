@@ -8,11 +8,14 @@ import os
 from typing import Any
 
 from dplb.config import (
+    LOG_FORMAT,
+    MAX_ROUTER_PROCESSES,
     POLICIES,
     PREFIX_WEIGHTS,
     SEED_WEIGHTS,
     PolicyConfig,
     RouterConfig,
+    default_router_processes,
     default_run_dir,
     format_weights,
     parse_weights,
@@ -64,25 +67,6 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="import MODULE first: it registers extra scorers for --weights (repeatable)")
 
 
-def policy_argv(args: argparse.Namespace) -> list[str]:
-    """The policy flags of ``args`` as a command line (what ``dplb launch`` hands its router): every flag that
-    :func:`add_policy_args` defines, so none can be forgotten."""
-    probe = argparse.ArgumentParser(add_help=False)
-    add_policy_args(probe)
-    out: list[str] = []
-    for action in probe._actions:
-        value = getattr(args, action.dest)
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            out += [flag] if value else []
-        elif isinstance(action, argparse._AppendAction):
-            for v in value or ():
-                out += [flag, str(v)]
-        elif value is not None:
-            out += [flag, str(value)]
-    return out
-
-
 def policy_config(args: argparse.Namespace, state_interval_ms: int = 200) -> PolicyConfig:
     """Build and validate the policy configuration from parsed flags (plugins loaded, scorer names checked).
     Raises :class:`ConfigError`."""
@@ -115,6 +99,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=5.0,
                    help="seconds to connect to a worker's socket before trying the next worker (default 5)")
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+    p.add_argument("--router-processes", "--processes", dest="router_processes", type=int,
+                   default=default_router_processes(),
+                   help=f"router processes sharing the port (SO_REUSEPORT) and the state segment, under one parent "
+                   f"(1..{MAX_ROUTER_PROCESSES}; default: one per 8 CPU cores, here %(default)s)")
     d: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
     p.add_argument("--cors-allowed-origins", default=",".join(d["cors_allowed_origins"]), metavar="ORIGINS",
                    help="comma-separated origins allowed by CORS (answers preflights, adds the headers; '*' = any; "
@@ -154,7 +142,7 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         idle_timeout_s=args.idle_timeout, access_log=args.access_log,
         cors_allowed_origins=tuple(o.strip() for o in args.cors_allowed_origins.split(",") if o.strip()),
         sse_keepalive_s=args.sse_keepalive, models_refresh_s=args.models_refresh,
-        allow_runtime_lora=args.allow_runtime_lora,
+        allow_runtime_lora=args.allow_runtime_lora, processes=args.router_processes,
     )
 
 
@@ -168,14 +156,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shm-path", help="state segment (default $DPLB_SHM_PATH)")
     p.add_argument("--num-workers", type=int, help="number of workers (default: the segment's)")
     p.add_argument("--state-interval-ms", type=int, default=None, help="(default: the segment's)")
+    # Set by `dplb launch` and by a router group's parent: the validated configuration is in $DPLB_ROUTER_CONFIG.
+    p.add_argument("--config-env", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--process-index", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_router)
 
 
 def _cmd_router(args: argparse.Namespace, rest: list[str]) -> int:
     from dplb.router.app import run_router
+    from dplb.router.supervisor import config_from_env, run_group
     from dplb.serving import run_async
     from dplb.shm import ENV_SHM_PATH, Segment
 
+    if args.config_env:
+        cfg = config_from_env(args.process_index or 0)
+        if args.process_index is not None:  # a group's child: say which one on every log line
+            import logging
+
+            for h in logging.getLogger().handlers:
+                h.setFormatter(logging.Formatter(LOG_FORMAT.replace("%(name)s", f"%(name)s[{args.process_index}]")))
+        if args.process_index is None and cfg.processes > 1:
+            return run_group(cfg, args.log_level)
+        return run_async(run_router(cfg))
     interval = args.state_interval_ms
     shm_path = args.shm_path or os.environ.get(ENV_SHM_PATH)
     if interval is None and shm_path and os.path.exists(shm_path):
@@ -183,4 +185,6 @@ def _cmd_router(args: argparse.Namespace, rest: list[str]) -> int:
             interval = seg.state_interval_ms
     cfg = router_config(args, run_dir=args.run_dir or default_run_dir(), shm_path=shm_path,
                         num_workers=args.num_workers, state_interval_ms=interval or 200)
+    if cfg.processes > 1:
+        return run_group(cfg, args.log_level)
     return run_async(run_router(cfg))

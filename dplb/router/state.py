@@ -7,7 +7,9 @@ Contract
   counts (reason ``fallback``), exports ``dplb_shm_segment_present 0``, logs once per transition, and re-attaches
   when the segment is back (:meth:`RouterState.monitor`, a background task).
 - In-flight counts per worker are the router's own: incremented by :meth:`acquire`, decremented by
-  :meth:`release` on every exit path of a proxied request.
+  :meth:`release` on every exit path of a proxied request. Both publish this process's correction and in-flight
+  count to its router slot (:mod:`dplb.shm_routers`), and every pick adds the other router processes' published
+  correction (N processes behind one port route like one router).
 - One log line per worker registration (becomes routable) and deregistration (with the reason).
 - Hysteresis on heartbeats: a worker seen routable whose heartbeat then went stale (older than 3 × state interval;
   the policy then skips it) stays out after its heartbeat is fresh again until it has been fresh at every
@@ -35,7 +37,7 @@ from dplb.errors import ShmError
 from dplb.metrics import RouterMetrics
 from dplb.policy import Policy, RouteRequest, make_policy, routable
 from dplb.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
-from dplb.shm_layout import register_router
+from dplb.shm_routers import RouterSlots
 from dplb.systemd import Watchdog
 
 log = logging.getLogger("dplb.router")
@@ -53,6 +55,7 @@ class RouterState:
         self.cfg = cfg
         self.metrics = metrics
         self.segment: Segment | None = None
+        self.slots: RouterSlots | None = None  # this process's router slot in ``segment`` (None: not writable)
         self._attach_error: str | None = None
         self._try_attach(initial=True)
         n = cfg.num_workers or (self.segment.num_workers if self.segment else None)
@@ -105,10 +108,25 @@ class RouterState:
             return False
         self.segment = seg
         self._attach_error = None
-        registered = register_router(seg.path, self.cfg.port)  # so `dplb doctor` never calls this segment stale
+        self._close_slots()
+        # Registered in the header too, so `dplb doctor` never calls this segment stale.
+        self.slots = RouterSlots.claim(seg.path, seg.num_workers, self.cfg.port, self.cfg.process_index)
         log.info("attached state segment %s (%d workers, %d ms interval%s)", seg.path, seg.num_workers,
-                 seg.state_interval_ms, "" if registered else "; router pid not recorded: segment not writable")
+                 seg.state_interval_ms, f"; router slot {self.slots.index}" if self.slots else
+                 "; no router slot (segment not writable or all taken): other routers cannot see this one's "
+                 "in-flight requests")
         return True
+
+    def _close_slots(self) -> None:
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None
+
+    def close(self) -> None:
+        """Give the router slot back and unmap the segment (shutdown)."""
+        self._close_slots()
+        if self.segment is not None:
+            self.segment.close()
 
     def _interval_ms(self) -> int:
         seg = self.segment
@@ -140,7 +158,8 @@ class RouterState:
         else:
             now = time.monotonic_ns()
             held = self._track_staleness(snap, now)
-            d = self.policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight)
+            d = self.policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight,
+                                 shared=self._shared(snap, now))
         self.metrics.observe_decision(d, time.perf_counter() - t0)
         self.decisions.append((time.time(), request_id, d))
         return d
@@ -150,8 +169,24 @@ class RouterState:
         candidate's inputs, terms and health; None without a segment. Chooses nothing."""
         if snap is None:
             return None
-        return self.policy.pick(snap, time.monotonic_ns(), held=self.held_out(), ejected=self._ejected(snap),
-                                dry_run=True, inflight=self.inflight)
+        now = time.monotonic_ns()
+        return self.policy.pick(snap, now, held=self.held_out(), ejected=self._ejected(snap), dry_run=True,
+                                inflight=self.inflight, shared=self._shared(snap, now))
+
+    def _shared(self, snap: list[WorkerState], now: int) -> list[int] | None:
+        """The other router processes' correction per worker (None when there are none or none sent lately)."""
+        slots = self.slots
+        if slots is None or not slots.has_peers:
+            return None
+        g = self.policy.grace_ns
+        horizon = STALE_INTERVALS * self._interval_ms() * 1_000_000 + g
+        return slots.peer_correction([w.heartbeat_mono_ns - g for w in snap], now, horizon)
+
+    def inflight_all(self) -> list[int]:
+        """Open requests per worker of every live router process on the segment (this one included)."""
+        if self.slots is None:
+            return list(self.inflight)
+        return [a + b for a, b in zip(self.inflight, self.slots.peer_inflight(), strict=False)]
 
     # ---- heartbeat hysteresis ---------------------------------------------------------------------------------
     def _track_staleness(self, snap: list[WorkerState], now: int) -> frozenset[int]:
@@ -240,12 +275,20 @@ class RouterState:
         return seg.read(worker).pid if seg is not None else 0
 
     def acquire(self, worker: int) -> None:
-        """A request was dispatched to ``worker``."""
-        self.inflight[worker] += 1
+        """A request was dispatched to ``worker`` (published to this process's router slot)."""
+        n = self.inflight[worker] = self.inflight[worker] + 1
+        slots = self.slots
+        if slots is not None and worker < slots.num_workers:
+            c = self.policy.correction(worker)
+            slots.publish(worker, c if c < n else n, n, time.monotonic_ns())
 
     def release(self, worker: int) -> None:
         """A request to ``worker`` ended (any outcome)."""
-        self.inflight[worker] -= 1
+        n = self.inflight[worker] = self.inflight[worker] - 1
+        slots = self.slots
+        if slots is not None and worker < slots.num_workers:
+            c = self.policy.correction(worker)
+            slots.publish(worker, c if c < n else n, n)
 
     # ---- background ------------------------------------------------------------------------------------------
     async def monitor(self) -> None:
@@ -270,11 +313,14 @@ class RouterState:
                         "until it is back", seg.path)
             self.metrics.shm_errors.labels("read", "segment_removed").inc()
             self.segment = None
+            self._close_slots()
             seg.close()
             self._attach_error = "segment_removed"
         if self.segment is None:
             self._reattach()
         self.metrics.shm_present.set(1 if self.segment else 0)
+        if self.slots is not None:
+            self.slots.heartbeat()
         snap = self.snapshot()
         if snap is None:
             return

@@ -1,0 +1,241 @@
+"""Router slots of the state segment: each router process publishes what it has sent to every worker (issue 14).
+
+Several router processes (``dplb router --processes N``, or separate routers on one segment) route on the same
+worker slots. Each keeps an optimistic in-flight correction for requests its workers' last snapshots may not
+count yet (:mod:`dplb.policy.core`); without sharing it, N processes each believe an idle worker idle and a burst
+lands on it N times over. So every router process owns one router slot and publishes, per worker, its own
+correction and in-flight count; every process adds the others' to its own.
+
+Byte layout (little-endian; after the worker slots, at :func:`routers_offset` = HEADER_SIZE + n·SLOT_SIZE; see
+:mod:`dplb.shm` for the header and worker slots)::
+
+    Router slot r at routers_offset(n) + r·ROUTER_SLOT_SIZE (r < MAX_ROUTERS = 16; r is also the router's entry in
+    the header's router registry, claimed under flock by dplb.shm_layout.register_router), written only by its owner
+      0   u64  seq                    seqlock counter (same protocol as a worker slot), covers the whole slot
+      8   u32  pid                    owner process (0 = free)
+      12  u16  port                   owner's TCP port
+      14  u16  process_index          index within its router group (0 for a single-process router)
+      16  u64  heartbeat_mono_ns      CLOCK_MONOTONIC ns, refreshed by the owner's monitor (every ≤ 0.5 s)
+      24  u64  last_sent_mono_ns      the owner's most recent dispatch to any worker
+      32..63 reserved (zeros)
+      64 + 16·k  per worker k < MAX_WORKERS:
+                 u32 pending          the owner's correction for k: requests sent after k's last snapshot
+                                      (minus half an interval), capped by its in-flight count to k
+                 u32 inflight         the owner's open requests to k
+                 u64 last_sent_mono_ns the owner's most recent dispatch to k
+
+How a reader counts the others (:meth:`RouterSlots.peer_correction`): for each other live router slot and worker
+k, ``min(pending, inflight)`` when that router's last dispatch to k is newer than k's current heartbeat minus half
+a state interval, else 0 (everything it sent before that is in the worker's own published queue). A router that has
+not picked since k's newest snapshot still publishes the count it had: at most one interval's sends are counted
+twice, never forgotten. A dead router stops sending, so its entries fall under the cutoff within one interval; its
+slot is skipped once its heartbeat is older than :data:`ROUTER_STALE_S` and reclaimed by the next router that
+registers. Cost on the hot path: one 8-byte load per peer, plus one seqlocked copy of a peer that sent recently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import time
+from collections.abc import Sequence
+
+from dplb.shm_layout import (
+    HEADER_SIZE,
+    MAX_ROUTERS,
+    ROUTER_SLOT_SIZE,
+    SLOT_SIZE,
+    register_router,
+    unregister_router,
+)
+
+ROUTER_HEAD = struct.Struct("<IHHQQ")  # pid, port, process_index, heartbeat, last_sent (after seq)
+ROUTER_ENTRY = struct.Struct("<IIQ")  # pending, inflight, last_sent
+ROUTER_STALE_S = 2.0  # a router slot whose heartbeat is older is ignored (its owner died or hung)
+READ_RETRIES = 64
+assert ROUTER_SLOT_SIZE % 64 == 0 and ROUTER_ENTRY.size == 16
+
+
+def routers_offset(num_workers: int) -> int:
+    """Offset of router slot 0 in a segment with ``num_workers`` worker slots, bytes."""
+    return HEADER_SIZE + num_workers * SLOT_SIZE
+
+
+def routers_size() -> int:
+    """Bytes of the router-slot area (:data:`MAX_ROUTERS` slots)."""
+    return MAX_ROUTERS * ROUTER_SLOT_SIZE
+
+
+class RouterSlots:
+    """This router process's slot (the single writer) and a reader of every other router's slot.
+
+    ``claim()`` maps the router area writable and takes a slot; without write access (a read-only segment) it
+    returns None and the router routes on its own correction alone. Not thread-safe (one event loop).
+    """
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, num_workers: int, index: int) -> None:
+        self.path, self._fd, self._mm, self.num_workers, self.index = path, fd, mm, num_workers, index
+        self._base = routers_offset(num_workers)
+        self._q = memoryview(mm).cast("Q")  # aligned 8-byte loads/stores of seq and time words
+        self._off = self._base + index * ROUTER_SLOT_SIZE
+        self._si = self._off >> 3
+        self._seq = self._q[self._si] + (self._q[self._si] & 1)
+        self._entries = struct.Struct("<" + "IIQ" * num_workers)
+        self._peers: list[int] = []
+        self._last_sent = [0] * num_workers
+        self._sent_any = 0
+        self.pid = os.getpid()
+
+    @classmethod
+    def claim(cls, path: str, num_workers: int, port: int, process_index: int = 0,
+              pid: int | None = None) -> RouterSlots | None:
+        """Register process ``pid`` (default: this one) in the segment at ``path`` (``num_workers`` worker slots)
+        and take its router slot, zeroed. Returns None when the segment cannot be written or every slot belongs to
+        a live router."""
+        pid = os.getpid() if pid is None else pid
+        index = register_router(path, port, pid)
+        if index is None:
+            return None
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return None
+        try:
+            mm = mmap.mmap(fd, routers_offset(num_workers) + routers_size(), access=mmap.ACCESS_WRITE)
+        except (OSError, ValueError):
+            os.close(fd)
+            return None
+        slots = cls(path, fd, mm, num_workers, index)
+        slots.pid = pid
+        slots._write_head(pid, port, process_index, clear=True)
+        slots.refresh_peers()
+        return slots
+
+    # ---- owner -----------------------------------------------------------------------------------------------
+    def _write_head(self, pid: int, port: int, process_index: int, clear: bool = False) -> None:
+        q, si = self._q, self._si
+        seq = self._seq + 1
+        q[si] = seq
+        if clear:
+            self._mm[self._off + 8:self._off + ROUTER_SLOT_SIZE] = bytes(ROUTER_SLOT_SIZE - 8)
+        ROUTER_HEAD.pack_into(self._mm, self._off + 8, pid, port & 0xFFFF, process_index & 0xFFFF,
+                              time.monotonic_ns(), self._sent_any)
+        q[si] = self._seq = seq + 1
+
+    def publish(self, worker: int, pending: int, inflight: int, sent_now_ns: int = 0) -> None:
+        """Publish this router's ``pending`` correction and ``inflight`` count for ``worker``; ``sent_now_ns``
+        (CLOCK_MONOTONIC ns) when a request was just dispatched to it (0: a release, the send time is kept)."""
+        q, si = self._q, self._si
+        seq = self._seq + 1
+        q[si] = seq
+        if sent_now_ns:
+            self._last_sent[worker] = self._sent_any = sent_now_ns
+            q[si + 3] = sent_now_ns
+        ROUTER_ENTRY.pack_into(self._mm, self._off + 64 + 16 * worker, pending, inflight, self._last_sent[worker])
+        q[si] = self._seq = seq + 1
+
+    def heartbeat(self) -> None:
+        """Refresh this slot's heartbeat (the monitor calls it every tick) and the list of live peers."""
+        self._q[self._si + 2] = time.monotonic_ns()
+        self.refresh_peers()
+
+    def refresh_peers(self) -> None:
+        """Recompute which other router slots are live (pid set, heartbeat within :data:`ROUTER_STALE_S`)."""
+        now = time.monotonic_ns()
+        limit = int(ROUTER_STALE_S * 1e9)
+        peers = []
+        for r in range(MAX_ROUTERS):
+            if r == self.index:
+                continue
+            si = (self._base + r * ROUTER_SLOT_SIZE) >> 3
+            pid = self._q[si + 1] & 0xFFFFFFFF
+            if pid and now - self._q[si + 2] <= limit:
+                peers.append(si)
+        self._peers = peers
+
+    def close(self) -> None:
+        """Zero this slot, leave the registry, unmap. Idempotent; never raises."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(Exception):
+            self._write_head(0, 0, 0, clear=True)
+        unregister_router(self.path, self.pid)
+        self._q.release()
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+        os.close(self._fd)
+        self._fd = -1
+
+    # ---- readers ---------------------------------------------------------------------------------------------
+    @property
+    def has_peers(self) -> bool:
+        """True when another live router shares the segment."""
+        return bool(self._peers)
+
+    def _read_entries(self, si: int) -> tuple[int, ...] | None:
+        q = self._q
+        off = si << 3
+        for _ in range(READ_RETRIES):
+            seq = q[si]
+            if seq & 1:
+                continue
+            raw = self._mm[off + 64:off + 64 + 16 * self.num_workers]
+            if q[si] == seq:
+                return self._entries.unpack(raw)
+        return None  # torn READ_RETRIES times: count nothing from it this pick
+
+    def peer_correction(self, cutoffs: Sequence[int], now_ns: int, horizon_ns: int) -> list[int] | None:
+        """Per worker k: the other routers' requests to k that k's last snapshot may not count — Σ over live peers
+        of ``min(pending, inflight)`` when the peer's last dispatch to k is ≥ ``cutoffs[k]`` (k's heartbeat minus
+        half an interval, CLOCK_MONOTONIC ns). Peers that sent nothing in the last ``horizon_ns`` are skipped with
+        one load. Returns None when no peer contributes (the common single-router case)."""
+        out: list[int] | None = None
+        q = self._q
+        n = min(self.num_workers, len(cutoffs))
+        for si in self._peers:
+            sent = q[si + 3]
+            if not sent or now_ns - sent > horizon_ns:
+                continue
+            v = self._read_entries(si)
+            if v is None:
+                continue
+            if out is None:
+                out = [0] * len(cutoffs)
+            for k in range(n):
+                if v[3 * k + 2] >= cutoffs[k]:
+                    p, i = v[3 * k], v[3 * k + 1]
+                    out[k] += p if p < i else i
+        return out
+
+    def peer_inflight(self) -> list[int]:
+        """Per worker: the open requests of the other live routers (for ``dplb_worker_requests_inflight``)."""
+        out = [0] * self.num_workers
+        self.refresh_peers()
+        for si in self._peers:
+            v = self._read_entries(si)
+            if v is not None:
+                for k in range(self.num_workers):
+                    out[k] += v[3 * k + 1]
+        return out
+
+
+def read_router_slots(mm: mmap.mmap | bytes, num_workers: int) -> list[dict[str, object]]:
+    """Decode every used router slot of a segment's bytes (``dplb state --json``): pid, port, process index,
+    heartbeat age (seconds) and per-worker pending/inflight lists. Not seqlocked: for display only."""
+    base = routers_offset(num_workers)
+    now = time.monotonic_ns()
+    out: list[dict[str, object]] = []
+    for r in range(MAX_ROUTERS):
+        off = base + r * ROUTER_SLOT_SIZE
+        if len(mm) < off + ROUTER_SLOT_SIZE:
+            break
+        pid, port, idx, hb, _ = ROUTER_HEAD.unpack_from(mm, off + 8)
+        if not pid:
+            continue
+        ent = [ROUTER_ENTRY.unpack_from(mm, off + 64 + 16 * k) for k in range(num_workers)]
+        out.append({"slot": r, "pid": pid, "port": port, "process_index": idx,
+                    "heartbeat_age_s": round((now - hb) / 1e9, 3) if hb else None,
+                    "pending": [e[0] for e in ent], "inflight": [e[1] for e in ent]})
+    return out

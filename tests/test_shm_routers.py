@@ -1,0 +1,144 @@
+"""Router slots (issue 14): several router processes share their in-flight correction through the segment.
+
+Real segment, real mmap; router processes are stood in for by slots claimed under distinct pids (live ones: this
+process and its parent), written and read exactly as two router processes would.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from dplb.config import PolicyConfig
+from dplb.policy import make_policy
+from dplb.shm import Lifecycle, Segment, WorkerState
+from dplb.shm_layout import MAX_ROUTERS, decode_header
+from dplb.shm_routers import ROUTER_SLOT_SIZE, RouterSlots, read_router_slots, routers_offset
+
+A, B = os.getpid(), os.getppid()  # two live pids: registry entries of live processes are never reclaimed
+HOUR = 3600 * 10**9
+
+
+@pytest.fixture
+def seg(shm_path: str):  # type: ignore[no-untyped-def]
+    s = Segment.create(shm_path, 4)
+    yield s
+    s.close()
+
+
+def _pair(seg: Segment) -> tuple[RouterSlots, RouterSlots]:
+    a = RouterSlots.claim(seg.path, 4, 30000, 0, pid=A)
+    b = RouterSlots.claim(seg.path, 4, 30000, 1, pid=B)
+    assert a is not None and b is not None and a.index != b.index
+    a.refresh_peers()
+    b.refresh_peers()
+    return a, b
+
+
+def test_slots_are_registered_and_laid_out_as_documented(seg: Segment) -> None:
+    a, b = _pair(seg)
+    a.publish(2, 3, 5, 123)
+    with open(seg.path, "rb") as f:
+        raw = f.read()
+    h = decode_header(seg.path, raw, len(raw))
+    assert {(pid, port) for pid, port in h.routers} == {(A, 30000), (B, 30000)}
+    off = routers_offset(4) + a.index * ROUTER_SLOT_SIZE
+    assert int.from_bytes(raw[off + 8:off + 12], "little") == A
+    assert int.from_bytes(raw[off + 64 + 32:off + 64 + 36], "little") == 3  # worker 2: pending
+    assert int.from_bytes(raw[off + 64 + 36:off + 64 + 40], "little") == 5  # inflight
+    assert int.from_bytes(raw[off + 64 + 40:off + 64 + 48], "little") == 123  # last sent
+    assert len(raw) == routers_offset(4) + MAX_ROUTERS * ROUTER_SLOT_SIZE
+    shown = {r["pid"]: r for r in read_router_slots(raw, 4)}
+    assert shown[A]["pending"] == [0, 0, 3, 0] and shown[A]["inflight"] == [0, 0, 5, 0]
+    assert shown[B]["process_index"] == 1
+    b.close()
+    a.refresh_peers()
+    with open(seg.path, "rb") as f:
+        raw = f.read()
+    assert not a.has_peers and B not in {p for p, _ in decode_header(seg.path, raw, len(raw)).routers}
+    a.close()
+
+
+@pytest.mark.parametrize(
+    ("pending", "inflight", "sent_at", "cutoff", "want"),
+    [
+        (2, 2, 1000, 900, 2),  # sent after the worker's snapshot (minus grace): not in its queue yet
+        (2, 2, 800, 900, 0),  # last send before the cutoff: the worker's own queue counts it
+        (3, 1, 1000, 900, 1),  # capped by in-flight: completed requests are in no queue
+        (0, 4, 1000, 900, 0),  # nothing pending (the snapshot already counts the open requests)
+    ],
+)
+def test_peer_correction_table(seg: Segment, pending: int, inflight: int, sent_at: int, cutoff: int,
+                               want: int) -> None:
+    a, b = _pair(seg)
+    b.publish(1, pending, inflight, sent_at)
+    got = a.peer_correction([0, cutoff, 0, 0], now_ns=sent_at, horizon_ns=HOUR)
+    assert got is not None and got[1] == want and got[0] == got[2] == got[3] == 0
+    assert b.peer_correction([0, 0, 0, 0], sent_at, HOUR) is None  # its own slot is never counted
+    a.close()
+    b.close()
+
+
+def test_idle_peer_and_dead_peer_cost_nothing(seg: Segment) -> None:
+    a, b = _pair(seg)
+    b.publish(0, 1, 1, 1000)
+    assert a.peer_correction([0] * 4, now_ns=1000 + 2 * 10**9, horizon_ns=10**9) is None  # sent nothing lately
+    # A peer whose heartbeat is older than ROUTER_STALE_S is dropped by the next refresh (its owner died or hung).
+    seg_q = memoryview(b._mm).cast("Q")
+    seg_q[b._si + 2] = time.monotonic_ns() - 10 * 10**9
+    seg_q.release()
+    a.refresh_peers()
+    assert not a.has_peers
+    a.close()
+    b.close()
+
+
+def test_a_torn_peer_slot_is_skipped(seg: Segment) -> None:
+    a, b = _pair(seg)
+    b.publish(0, 1, 1, 1000)
+    q = b._q
+    q[b._si] += 1  # the writer is mid-update (odd seq) for good
+    assert a.peer_correction([0] * 4, 1000, HOUR) is None
+    q[b._si] += 1
+    assert a.peer_correction([0] * 4, 1000, HOUR) == [1, 0, 0, 0]
+    a.close()
+    b.close()
+
+
+def test_two_routers_spread_a_burst_like_one(seg: Segment) -> None:
+    """Two router processes alternate picks over 8 idle workers whose snapshots count nothing yet: sharing the
+    correction through the router slots sends the 8 requests to 8 different workers; without it each router
+    believes the workers it did not use idle and the two pile onto the same ones."""
+    seg.close()
+    os.unlink(seg.path)
+    seg8 = Segment.create(seg.path, 8)
+    now = time.monotonic_ns()
+    snap = [WorkerState(k, pid=100 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=now - 10**7) for k in range(8)]
+    for share in (True, False):
+        ra = RouterSlots.claim(seg8.path, 8, 1, 0, pid=A)
+        rb = RouterSlots.claim(seg8.path, 8, 1, 1, pid=B)
+        assert ra is not None and rb is not None
+        ra.refresh_peers()
+        rb.refresh_peers()
+        pa, pb = make_policy(PolicyConfig(prefix_block_bytes=0), 8), make_policy(PolicyConfig(prefix_block_bytes=0), 8)
+        pb._rot = 3  # the two processes' tie rotations are unrelated
+        inflight = {A: [0] * 8, B: [0] * 8}
+        chosen = []
+        for i in range(8):
+            pol, me, pid = (pa, ra, A) if i % 2 == 0 else (pb, rb, B)
+            cutoffs = [w.heartbeat_mono_ns - pol.grace_ns for w in snap]
+            shared = me.peer_correction(cutoffs, now, HOUR) if share else None
+            k = pol.pick(snap, now, inflight=inflight[pid], shared=shared).worker
+            assert k is not None
+            inflight[pid][k] += 1
+            me.publish(k, pol.correction(k), inflight[pid][k], now)
+            chosen.append(k)
+        if share:
+            assert sorted(chosen) == list(range(8)), chosen
+        else:
+            assert len(set(chosen)) < 8, chosen
+        ra.close()
+        rb.close()
+    seg8.close()
