@@ -407,6 +407,13 @@ class Segment:
             ))
         return out
 
+    def router_slots(self) -> list[dict[str, object]]:
+        """Every used router slot (pid, port, process index, heartbeat age, per-worker pending and in-flight):
+        what each router process has sent (:mod:`dplb.shm_routers`). For display; not seqlocked."""
+        from dplb.shm_routers import read_router_slots
+
+        return read_router_slots(self._mm, self.num_workers)
+
     # ---- writing ---------------------------------------------------------------------------------------------
     def writer(self, worker_id: int) -> SlotWriter:
         """The single writer of slot ``worker_id``."""

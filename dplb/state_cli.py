@@ -4,8 +4,10 @@ Contract: read-only; the segment comes from ``--shm-path``, else ``$DPLB_SHM_PAT
 the only ``/dev/shm/dplb_state_*``; with several it refuses and lists them. The table's heading is its own line (it
 never wraps into the table's width); ``--watch`` redraws in place on a terminal and, when stdout is a file or a
 pipe, appends one flushed frame per interval (JSON lines with ``--json``).
-``--json`` prints ``{"path", "header": {...}, "workers": [{...}, ...]}`` where each
-worker has every slot field plus ``worker``, ``heartbeat_age_s`` (null if never written) and ``stale``.
+``--json`` prints ``{"path", "header": {...}, "workers": [{...}, ...], "routers": [{...}, ...]}`` where each
+worker has every slot field plus ``worker``, ``heartbeat_age_s`` (null if never written), ``stale`` and
+``router_inflight`` (open requests of every router process to it), and each router slot its pid, port, process
+index, heartbeat age and per-worker ``pending``/``inflight`` lists (:mod:`dplb.shm_routers`).
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ def snapshot(seg: Segment) -> dict[str, object]:
         d["stale"] = s.is_stale(seg.state_interval_ms, now)
         d["routable"], d["why"] = c.why == "ok", c.why
         workers.append(d)
-    return {"path": seg.path, "header": seg.header.to_dict(), "workers": workers}
+    routers = seg.router_slots()
+    for k, d in enumerate(workers):  # open requests of every router process to this worker (their router slots)
+        d["router_inflight"] = sum(list(r["inflight"])[k] for r in routers)  # type: ignore[call-overload]
+    return {"path": seg.path, "header": seg.header.to_dict(), "workers": workers, "routers": routers}
 
 
 def _gib(b: object) -> str:
@@ -75,10 +80,11 @@ def render_table(snap: dict) -> object:
     heading = Text(f"{snap['path']}  model={h['model'] or '-'}  workers={h['num_workers']}  "
                    f"interval={h['state_interval_ms']} ms  routers(pid:port)={routers}", style="bold",
                    no_wrap=True, overflow="fold")
-    t = Table(caption="age, lat, TTFT, warm: seconds; lat, TTFT: mean of the last 10 requests",
+    t = Table(caption="age, lat, TTFT, warm: seconds; lat, TTFT: mean of the last 10 requests; rtr: in flight "
+              "from the routers",
               box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0))
-    for col in ("id", "pid", "state", "age", "run", "wait", "KV%", "GPU GiB", "lat s", "TTFT", "reqs", "err",
-                "OOM", "warm s"):
+    for col in ("id", "pid", "state", "age", "run", "wait", "rtr", "KV%", "GPU GiB", "lat s", "TTFT", "reqs",
+                "err", "OOM", "warm s"):
         t.add_column(col, justify="right", no_wrap=True)
     for w in snap["workers"]:
         age = w["heartbeat_age_s"]
@@ -86,7 +92,8 @@ def render_table(snap: dict) -> object:
         gpu = "-" if w["no_gpu"] else f"{_gib(w['gpu_memory_used_bytes'])}/{_gib(w['gpu_memory_total_bytes'])}"
         t.add_row(
             str(w["worker"]), str(w["pid"] or "-"), life, "-" if age is None else f"{age:.1f}",
-            str(w["num_running"]), str(w["num_waiting"]), f"{100 * w['kv_cache_usage']:.1f}", gpu,
+            str(w["num_running"]), str(w["num_waiting"]), str(w.get("router_inflight", 0)),
+            f"{100 * w['kv_cache_usage']:.1f}", gpu,
             f"{w['avg_latency_s']:.3f}", f"{w['avg_ttft_s']:.3f}", str(w["requests_total"]), str(w["errors_total"]),
             str(w["cuda_oom_total"]), f"{w['warmup_seconds']:.2f}",
         )

@@ -81,7 +81,8 @@ def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
         f"DPLB_NUM_WORKERS={len(plan)}",
         f"DPLB_STATE_INTERVAL_MS={args.state_interval_ms}",
         "CUDA_DEVICE_ORDER=PCI_BUS_ID",
-        f"DPLB_ROUTER_ARGS=--host {args.host} --port {args.port} --policy {args.policy}",
+        f"DPLB_ROUTER_ARGS=--host {args.host} --port {args.port} --policy {args.policy} "
+        f"--processes {args.router_processes}",
     ]
     with open(os.path.join(out, "dplb.env"), "w") as f:
         f.write("\n".join(common) + "\n")

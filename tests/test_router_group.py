@@ -1,0 +1,128 @@
+"""``dplb router --processes N`` (issue 14): N real router processes on one port and one segment, real signals.
+
+What must hold: the group answers as one router (merged /metrics with nothing counted twice or lost, decisions of
+every process), a SIGKILLed process is replaced while the other's requests finish, and SIGTERM drains every
+process without dropping a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+from cluster import Cluster, cluster
+
+pytestmark = pytest.mark.timeout(120)
+BODY = {"model": "dplb-sim", "prompt": "hello", "max_tokens": 2}
+SLOW = ["--sim-decode-step-s", "0.05"]  # 30 tokens ≈ 1.5 s: long enough to kill or drain mid-stream
+
+
+def _children(c: Cluster) -> dict[int, int]:
+    """Router process index → pid of the group's children."""
+    assert c.router is not None
+    out = subprocess.run(["pgrep", "-P", str(c.router.pid), "-a"], capture_output=True, text=True).stdout
+    kids = {}
+    for line in out.splitlines():
+        pid, _, cmd = line.partition(" ")
+        if "--process-index" in cmd:
+            kids[int(cmd.rsplit(" ", 1)[1])] = int(pid)
+    return kids
+
+
+def _wait_group(c: Cluster, n: int, timeout: float = 30) -> dict[int, int]:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        kids = _children(c)
+        if len(kids) == n and c.metric("dplb_router_processes", {"state": "answered"}) == n:
+            return kids
+        time.sleep(0.1)
+    raise TimeoutError(f"group of {n} not up:\n{c.tail()}")
+
+
+async def _streams(url: str, n: int, tokens: int, started: asyncio.Event | None = None) -> list[tuple[str, int, bool]]:
+    """``n`` concurrent SSE completions, each on its own connection. Returns (request id, status, saw [DONE])."""
+
+    async def one() -> tuple[str, int, bool]:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as cl:
+            try:
+                async with cl.stream("POST", "/v1/completions",
+                                     json={**BODY, "max_tokens": tokens, "stream": True}) as r:
+                    done = False
+                    async for line in r.aiter_lines():
+                        done |= line == "data: [DONE]"
+                    return r.headers.get("x-request-id", ""), r.status_code, done
+            except httpx.HTTPError:
+                return "", 0, False
+
+    return list(await asyncio.gather(*(one() for _ in range(n))))
+
+
+def _served_by(c: Cluster) -> dict[str, int]:
+    """Request id → router process index, from the group's merged decisions."""
+    return {d["request_id"]: d["process"] for d in httpx.get(c.url + "/debug/decisions?limit=256").json()}
+
+
+def test_group_answers_as_one_router(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with cluster(str(tmp_path), 2, router_args=["--processes", "2"]) as c:
+        _wait_group(c, 2)
+        for _ in range(60):  # a new connection each: the kernel spreads them over both processes
+            assert httpx.post(c.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+        procs = set(_served_by(c).values())
+        assert procs == {0, 1}, procs
+        text = httpx.get(c.url + "/metrics").text
+        samples = {ln.rpartition(" ")[0]: float(ln.rpartition(" ")[2]) for ln in text.splitlines()
+                   if ln and not ln.startswith("#")}
+        assert samples['dplb_http_requests_total{method="POST",route="/v1/completions",status="200"}'] == 60
+        assert sum(v for k, v in samples.items() if k.startswith("dplb_routing_decisions_total")) == 60
+        # Per-worker figures from shm are not summed over processes (each process sees the whole group).
+        assert samples['dplb_worker_up{worker="0"}'] == 1 and samples['dplb_worker_up{worker="1"}'] == 1
+        assert samples['dplb_worker_requests_inflight{worker="0"}'] == 0
+        one = httpx.get(c.url + "/metrics?scope=process").text
+        assert "dplb_router_processes" not in one  # one process alone, unmerged
+        assert 'route="/v1/completions",status="200"} 60.0' not in one
+
+
+def test_sigkilled_process_is_replaced_and_the_other_finishes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with cluster(str(tmp_path), 2, worker_args={0: SLOW, 1: SLOW}, router_args=["--processes", "2"]) as c:
+        kids = _wait_group(c, 2)
+
+        async def scenario() -> list[tuple[str, int, bool]]:
+            task = asyncio.ensure_future(_streams(c.url, 8, 30))
+            await asyncio.sleep(0.6)  # every stream is under way
+            os.kill(kids[0], signal.SIGKILL)
+            return await task
+
+        results = asyncio.run(scenario())
+        served = _served_by(c)  # the survivor's ring (the killed process's ring died with it)
+        on_survivor = [r for r in results if served.get(r[0]) == 1]
+        assert on_survivor, (results, served)
+        assert all(status == 200 and done for _, status, done in on_survivor), results
+        new = _wait_group(c, 2)
+        assert new[0] != kids[0] and new[1] == kids[1]
+        assert "router process 0 exited (killed by SIGKILL); restarting" in c.router_log()
+        for _ in range(20):
+            assert httpx.post(c.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+
+
+def test_sigterm_drains_every_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with cluster(str(tmp_path), 2, worker_args={0: SLOW, 1: SLOW}, router_args=["--processes", "2"]) as c:
+        _wait_group(c, 2)
+        assert c.router is not None
+
+        async def scenario() -> list[tuple[str, int, bool]]:
+            task = asyncio.ensure_future(_streams(c.url, 8, 30))
+            await asyncio.sleep(0.6)
+            c.router.send_signal(signal.SIGTERM)
+            return await task
+
+        results = asyncio.run(scenario())
+        assert all(status == 200 and done for _, status, done in results), results
+        assert c.router.wait(30) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(c.url + "/health", timeout=2)
+        assert not os.path.exists(os.path.join(c.run_dir, f"router-{c.port}.0.sock"))
