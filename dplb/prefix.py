@@ -121,25 +121,34 @@ class PrefixIndex:
             cur ^= b
         return depth
 
-    def record(self, keys: list[int], worker: int, now_ns: int) -> None:
+    def record(self, keys: list[int], worker: int, now_ns: int) -> list[int]:
         """``keys`` were sent to ``worker`` at ``now_ns``: mark them (most recent in the LRU), then evict the oldest
-        entries beyond ``capacity`` and any older than ``ttl_s``."""
+        entries beyond ``capacity`` and any older than ``ttl_s``. Returns the keys whose entry changed beyond a
+        time stamp: new, new for ``worker``, or refreshed after ``_REFRESH_NS`` (what other router processes must
+        learn, :mod:`dplb.shm_routers`)."""
         m = self._map
         bit = 1 << worker
         move = m.move_to_end
         stale = now_ns - _REFRESH_NS
+        changed: list[int] = []
         for key in keys:
             e = m.get(key)
             if e is None:
                 m[key] = [bit, now_ns]
+                changed.append(key)
             else:
-                e[0] |= bit
+                if not e[0] & bit:
+                    e[0] |= bit
+                    changed.append(key)
+                elif e[1] < stale:
+                    changed.append(key)
                 if e[1] < stale:  # LRU order to within _REFRESH_NS: a hot block is not moved on every request
                     move(key)
                 e[1] = now_ns
         cutoff = now_ns - self._ttl_ns
         while m and (len(m) > self.capacity or next(iter(m.values()))[1] < cutoff):
             m.popitem(last=False)
+        return changed
 
     def forget_worker(self, worker: int) -> int:
         """Drop ``worker`` from every entry (it restarted: its prefix cache is empty). O(entries); called once per

@@ -51,7 +51,8 @@ Byte layout (little-endian; offsets in bytes)::
       144..191 reserved (zeros)
 
     Router slots: 16 × 1088 bytes after the last worker slot, at HEADER_SIZE + num_workers·SLOT_SIZE, one per router
-    process (its per-worker in-flight correction and in-flight count); layout in :mod:`dplb.shm_routers`.
+    process (its per-worker in-flight correction and in-flight count), then 16 prefix rings of 65600 bytes (the
+    prefix blocks each router process's index learnt, replayed by the others); layout in :mod:`dplb.shm_routers`.
 
 Seqlock protocol. Writer: ``seq += 1`` (odd), write the body, ``seq += 1`` (even). Reader: load ``seq`` (retry if
 odd), copy the slot in one slice, load ``seq`` again; retry if it changed; after ``READ_RETRIES`` failed tries the

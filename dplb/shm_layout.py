@@ -48,6 +48,9 @@ RUN_DIR_BYTES = 256
 HEADER_READ = RUN_DIR_OFFSET + RUN_DIR_BYTES  # 1568: the bytes a header decode needs
 #: Router slots (dplb.shm_routers) after the worker slots: a 64-byte head + 16 bytes per possible worker.
 ROUTER_SLOT_SIZE = 64 + 16 * MAX_WORKERS  # 1088
+#: Prefix rings (dplb.shm_routers) after the router slots, one per router slot: a 64-byte head + u64 entries.
+PREFIX_RING_ENTRIES = 8192
+PREFIX_RING_SIZE = 64 + 8 * PREFIX_RING_ENTRIES  # 65600
 assert HEADER.size == 160 and HEADER_READ <= HEADER_SIZE
 
 
@@ -73,8 +76,9 @@ class SegmentHeader:
 
 
 def segment_size(num_workers: int) -> int:
-    """Total bytes of a segment with ``num_workers`` worker slots (plus the :data:`MAX_ROUTERS` router slots)."""
-    return HEADER_SIZE + num_workers * SLOT_SIZE + MAX_ROUTERS * ROUTER_SLOT_SIZE
+    """Total bytes of a segment with ``num_workers`` worker slots (plus the :data:`MAX_ROUTERS` router slots and
+    prefix rings: about 1 MiB)."""
+    return HEADER_SIZE + num_workers * SLOT_SIZE + MAX_ROUTERS * (ROUTER_SLOT_SIZE + PREFIX_RING_SIZE)
 
 
 def default_segment_path(now_s: int | None = None) -> str:

@@ -24,6 +24,19 @@ Byte layout (little-endian; after the worker slots, at :func:`routers_offset` = 
                  u32 inflight         the owner's open requests to k
                  u64 last_sent_mono_ns the owner's most recent dispatch to k
 
+    Prefix ring r at routers_offset(n) + MAX_ROUTERS·ROUTER_SLOT_SIZE + r·PREFIX_RING_SIZE, written only by the
+    owner of router slot r
+      0   u64  head                   entries ever written (the next one goes to head mod PREFIX_RING_ENTRIES)
+      8..63 reserved
+      64 + 8·i  u64 entry             prefix block key (dplb.prefix.block_hashes, < 2^42) | (worker + 1) << 56
+
+How the prefix index is shared: each process keeps its own :class:`dplb.prefix.PrefixIndex` (the hot path reads
+only local memory) and appends to its ring every block key its index learnt from a pick (new, new for that worker,
+or refreshed after a second: :meth:`PrefixIndex.record`'s return); before each pick a process replays the entries its
+peers appended since it last looked into its own index (:meth:`RouterSlots.drain_prefix`). So every process learns
+what every other sent, one pick later at most. A reader more than PREFIX_RING_ENTRIES behind loses the oldest
+entries (counted in ``prefix_lost``). In steady multi-turn traffic a request adds only its new turn's blocks.
+
 How a reader counts the others (:meth:`RouterSlots.peer_correction`): for each other live router slot and worker
 k, ``min(pending, inflight)`` when that router's last dispatch to k is newer than k's current heartbeat minus half
 a state interval, else 0 (everything it sent before that is in the worker's own published queue). A router that has
@@ -41,10 +54,13 @@ import os
 import struct
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dplb.shm_layout import (
     HEADER_SIZE,
     MAX_ROUTERS,
+    PREFIX_RING_ENTRIES,
+    PREFIX_RING_SIZE,
     ROUTER_SLOT_SIZE,
     SLOT_SIZE,
     register_router,
@@ -57,6 +73,9 @@ ROUTER_STALE_S = 2.0  # a router slot whose heartbeat is older is ignored (its o
 READ_RETRIES = 64
 assert ROUTER_SLOT_SIZE % 64 == 0 and ROUTER_ENTRY.size == 16
 
+if TYPE_CHECKING:
+    from dplb.prefix import PrefixIndex
+
 
 def routers_offset(num_workers: int) -> int:
     """Offset of router slot 0 in a segment with ``num_workers`` worker slots, bytes."""
@@ -64,8 +83,13 @@ def routers_offset(num_workers: int) -> int:
 
 
 def routers_size() -> int:
-    """Bytes of the router-slot area (:data:`MAX_ROUTERS` slots)."""
-    return MAX_ROUTERS * ROUTER_SLOT_SIZE
+    """Bytes of the router-slot area (:data:`MAX_ROUTERS` slots and as many prefix rings)."""
+    return MAX_ROUTERS * (ROUTER_SLOT_SIZE + PREFIX_RING_SIZE)
+
+
+_RING_MASK = PREFIX_RING_ENTRIES - 1
+_KEY_MASK = (1 << 56) - 1
+assert PREFIX_RING_ENTRIES & _RING_MASK == 0
 
 
 class RouterSlots:
@@ -83,7 +107,12 @@ class RouterSlots:
         self._si = self._off >> 3
         self._seq = self._q[self._si] + (self._q[self._si] & 1)
         self._entries = struct.Struct("<" + "IIQ" * num_workers)
+        rings = self._base + MAX_ROUTERS * ROUTER_SLOT_SIZE
+        self._ring_q = [(rings + r * PREFIX_RING_SIZE) >> 3 for r in range(MAX_ROUTERS)]  # each ring's head word
+        self._ring_seen = [0] * MAX_ROUTERS  # peers' ring entries already replayed
+        self.prefix_lost = 0  # peers' entries overwritten before this process read them
         self._peers: list[int] = []
+        self._peer_rings: list[int] = []
         self._last_sent = [0] * num_workers
         self._sent_any = 0
         self.pid = os.getpid()
@@ -110,6 +139,7 @@ class RouterSlots:
         slots = cls(path, fd, mm, num_workers, index)
         slots.pid = pid
         slots._write_head(pid, port, process_index, clear=True)
+        slots._q[slots._ring_q[index]] = 0  # an empty ring (a previous owner's entries are void)
         slots.refresh_peers()
         return slots
 
@@ -145,7 +175,7 @@ class RouterSlots:
         """Recompute which other router slots are live (pid set, heartbeat within :data:`ROUTER_STALE_S`)."""
         now = time.monotonic_ns()
         limit = int(ROUTER_STALE_S * 1e9)
-        peers = []
+        peers, rings = [], []
         for r in range(MAX_ROUTERS):
             if r == self.index:
                 continue
@@ -153,7 +183,57 @@ class RouterSlots:
             pid = self._q[si + 1] & 0xFFFFFFFF
             if pid and now - self._q[si + 2] <= limit:
                 peers.append(si)
-        self._peers = peers
+                rings.append(r)
+            else:
+                self._ring_seen[r] = 0  # a later owner starts its ring at 0
+        self._peers, self._peer_rings = peers, rings
+
+    # ---- prefix rings ----------------------------------------------------------------------------------------
+    def publish_prefix(self, worker: int, keys: list[int]) -> None:
+        """Append ``keys`` (block keys this process's index learnt, sent to ``worker``) to this process's ring."""
+        q = self._q
+        h = self._ring_q[self.index]
+        head = q[h]
+        tag = (worker + 1) << 56
+        base = h + 8
+        for key in keys:
+            q[base + (head & _RING_MASK)] = key | tag
+            head += 1
+        q[h] = head  # entries first, then the head that publishes them (single 8-byte store; x86-64 TSO)
+
+    def drain_prefix(self, index: PrefixIndex, now_ns: int) -> int:
+        """Replay into ``index`` what the peers' rings gained since the last call (recorded at ``now_ns``).
+        Returns the number of entries replayed. Costs one load per peer when nothing is new."""
+        q = self._q
+        seen = self._ring_seen
+        n = 0
+        for r in self._peer_rings:
+            h = self._ring_q[r]
+            head = q[h]
+            start = seen[r]
+            if head == start:
+                continue
+            if head < start:  # a new owner restarted the ring
+                start = 0
+            if head - start > PREFIX_RING_ENTRIES:
+                self.prefix_lost += head - start - PREFIX_RING_ENTRIES
+                start = head - PREFIX_RING_ENTRIES
+            base = h + 8
+            raw = [q[base + (i & _RING_MASK)] for i in range(start, head)]
+            overwritten = q[h] - PREFIX_RING_ENTRIES - start  # entries the writer lapped while we copied
+            if overwritten > 0:
+                self.prefix_lost += overwritten
+                raw = raw[overwritten:]
+            seen[r] = head
+            by_worker: dict[int, list[int]] = {}
+            for v in raw:
+                w = (v >> 56) - 1
+                if 0 <= w < index.num_workers:
+                    by_worker.setdefault(w, []).append(v & _KEY_MASK)
+            for w, keys in by_worker.items():
+                index.record(keys, w, now_ns)
+            n += len(raw)
+        return n
 
     def close(self) -> None:
         """Zero this slot, leave the registry, unmap. Idempotent; never raises."""

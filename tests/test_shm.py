@@ -53,7 +53,7 @@ def test_round_trip_every_field(shm_path: str) -> None:
         assert (h.num_workers, h.state_interval_ms, h.model, h.slot_size) == (3, 150, "tiny-llama", SLOT_SIZE)
         assert h.gpu_map == ((0, 1), (2, 3), (7,))
         assert h.creator_pid == os.getpid() and abs(h.created_unix_ns - time.time_ns()) < 60e9
-        assert os.path.getsize(shm_path) == segment_size(3) == HEADER_SIZE + 3 * SLOT_SIZE + 16 * 1088  # + router slots
+        assert os.path.getsize(shm_path) == segment_size(3) == HEADER_SIZE + 3 * SLOT_SIZE + 16 * (1088 + 65600)  # + routers
         other.close()
     finally:
         seg.close()

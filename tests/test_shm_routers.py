@@ -14,7 +14,7 @@ import pytest
 from dplb.config import PolicyConfig
 from dplb.policy import make_policy
 from dplb.shm import Lifecycle, Segment, WorkerState
-from dplb.shm_layout import MAX_ROUTERS, decode_header
+from dplb.shm_layout import MAX_ROUTERS, PREFIX_RING_SIZE, decode_header
 from dplb.shm_routers import ROUTER_SLOT_SIZE, RouterSlots, read_router_slots, routers_offset
 
 A, B = os.getpid(), os.getppid()  # two live pids: registry entries of live processes are never reclaimed
@@ -49,7 +49,7 @@ def test_slots_are_registered_and_laid_out_as_documented(seg: Segment) -> None:
     assert int.from_bytes(raw[off + 64 + 32:off + 64 + 36], "little") == 3  # worker 2: pending
     assert int.from_bytes(raw[off + 64 + 36:off + 64 + 40], "little") == 5  # inflight
     assert int.from_bytes(raw[off + 64 + 40:off + 64 + 48], "little") == 123  # last sent
-    assert len(raw) == routers_offset(4) + MAX_ROUTERS * ROUTER_SLOT_SIZE
+    assert len(raw) == routers_offset(4) + MAX_ROUTERS * (ROUTER_SLOT_SIZE + PREFIX_RING_SIZE)
     shown = {r["pid"]: r for r in read_router_slots(raw, 4)}
     assert shown[A]["pending"] == [0, 0, 3, 0] and shown[A]["inflight"] == [0, 0, 5, 0]
     assert shown[B]["process_index"] == 1
@@ -142,3 +142,24 @@ def test_two_routers_spread_a_burst_like_one(seg: Segment) -> None:
         ra.close()
         rb.close()
     seg8.close()
+
+
+def test_prefix_rings_replay_what_a_peer_learnt(seg: Segment) -> None:
+    from dplb.prefix import PrefixIndex, block_hashes
+    from dplb.shm_layout import PREFIX_RING_ENTRIES
+
+    a, b = _pair(seg)
+    keys = block_hashes(b"x" * 128 * 20, 128)
+    ia, ib = PrefixIndex(65536, 300, 4), PrefixIndex(65536, 300, 4)
+    a.publish_prefix(2, ia.record(keys, 2, 1000))
+    assert b.drain_prefix(ib, 1000) == 20
+    assert ib.match(keys, 1000) == [0, 0, 20, 0]  # B now knows worker 2 holds the whole prefix
+    assert b.drain_prefix(ib, 1000) == 0  # nothing new: one load per peer
+    assert ia.record(keys, 2, 1000) == []  # re-sent within a second: nothing new to tell the others
+    # A reader that falls more than a ring behind loses the oldest entries and says so.
+    many = list(range(1, PREFIX_RING_ENTRIES + 101))
+    a.publish_prefix(1, many)
+    assert b.drain_prefix(ib, 2000) == PREFIX_RING_ENTRIES and b.prefix_lost == 100
+    assert ib.match([PREFIX_RING_ENTRIES + 100], 2000)[1] == 1 and ib.match([1], 2000)[1] == 0
+    a.close()
+    b.close()

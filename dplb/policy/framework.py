@@ -40,10 +40,11 @@ class RouteRequest:
     ``blocks``: the prompt's chained block keys (:func:`dplb.prefix.block_hashes`; empty = no prefix key);
     ``cannot_serve``: worker ids that cannot serve it (they do not serve its model, or it names a response another
     worker holds: :mod:`dplb.router.models`); ``exclude``: worker ids already tried (a failed connect). The prefix
-    scorer fills ``prefix_depth`` (matched leading blocks per worker id) and ``preferred`` (the longest match).
+    scorer fills ``prefix_depth`` (matched leading blocks per worker id) and ``preferred`` (the longest match), and
+    after the pick ``learned``: the block keys the index learnt from it (for the other router processes).
     """
 
-    __slots__ = ("blocks", "cannot_serve", "exclude", "preferred", "prefix_depth")
+    __slots__ = ("blocks", "cannot_serve", "exclude", "learned", "preferred", "prefix_depth")
 
     def __init__(self, blocks: list[int] | None = None, exclude: frozenset[int] = frozenset(),
                  cannot_serve: frozenset[int] = frozenset()) -> None:
@@ -52,6 +53,7 @@ class RouteRequest:
         self.cannot_serve = cannot_serve
         self.prefix_depth: list[int] | None = None
         self.preferred: int | None = None
+        self.learned: list[int] | None = None
 
 
 class PickContext:

@@ -179,7 +179,7 @@ class PrefixScorer(Scorer):
 
     def on_pick(self, request: RouteRequest, worker: int, now_ns: int) -> None:
         if request.blocks:
-            self.index.record(request.blocks, worker, now_ns)
+            request.learned = self.index.record(request.blocks, worker, now_ns)
 
     def forget_worker(self, worker: int) -> None:
         self.index.forget_worker(worker)

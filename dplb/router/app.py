@@ -51,7 +51,7 @@ from dplb.router.fanout import fan_out, parse_workers
 from dplb.router.models import ServedModels
 from dplb.router.proxy import Proxy, error_body
 from dplb.router.routes import PROXY_PATHS, RESPONSES_PREFIX, is_proxy_path
-from dplb.router.siblings import SCOPE_PROCESS, fetch_siblings, merge_decisions, merge_metrics
+from dplb.router.siblings import SCOPE_PROCESS, SingleProcess, fetch_siblings, merge_decisions, merge_metrics
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamPool
 from dplb.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
@@ -92,6 +92,8 @@ class RouterApp:
         if self.tracer is not None:
             self.proxy.enable_tracing(self.tracer)
         self.metrics.registry.register(WorkerStateCollector(self._scrape_source))
+        if cfg.processes == 1:  # a group's answer adds the merged figure instead (dplb.router.siblings)
+            self.metrics.registry.register(SingleProcess())
         self._auth = ("bearer " + cfg.api_key).encode() if cfg.api_key else None
         self.litestar = self._build_litestar()
 

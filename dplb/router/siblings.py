@@ -113,13 +113,27 @@ def merge_metrics(local: Iterable[Metric], siblings: dict[int, bytes | None], pr
             v = min(vals) if rule == "min" or s.name.endswith("_created") else sum(vals)
             merged.samples.append(Sample(s.name, s.labels, v))
         out.append(merged)
-    answered = 1 + sum(1 for b in siblings.values() if b is not None)
+    out.append(processes_family(processes, 1 + sum(1 for b in siblings.values() if b is not None)))
+    return _Merged(out)
+
+
+def processes_family(configured: int, answered: int) -> GaugeMetricFamily:
+    """``dplb_router_processes{state="configured"|"answered"}`` (a single-process router exports 1 and 1)."""
     g = GaugeMetricFamily(ROUTER_PROCESSES, "Router processes of this group: configured (--processes) and those "
                           "whose metrics this answer merges (answered).", labels=["state"])
-    g.add_metric(["configured"], processes)
+    g.add_metric(["configured"], configured)
     g.add_metric(["answered"], answered)
-    out.append(g)
-    return _Merged(out)
+    return g
+
+
+class SingleProcess:
+    """Collector of :func:`processes_family` for a router without siblings."""
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield processes_family(1, 1)
 
 
 def merge_decisions(local: list[dict[str, Any]], index: int, siblings: dict[int, bytes | None],

@@ -9,7 +9,8 @@ Contract
 - In-flight counts per worker are the router's own: incremented by :meth:`acquire`, decremented by
   :meth:`release` on every exit path of a proxied request. Both publish this process's correction and in-flight
   count to its router slot (:mod:`dplb.shm_routers`), and every pick adds the other router processes' published
-  correction (N processes behind one port route like one router).
+  correction (N processes behind one port route like one router). Likewise the prefix index: each pick first
+  replays what the others' indexes learnt (their prefix rings) and then appends what its own learnt.
 - One log line per worker registration (becomes routable) and deregistration (with the reason).
 - Hysteresis on heartbeats: a worker seen routable whose heartbeat then went stale (older than 3 × state interval;
   the policy then skips it) stays out after its heartbeat is fresh again until it has been fresh at every
@@ -65,6 +66,8 @@ class RouterState:
                 "--num-workers was not given. Start the workers' segment with `dplb launch`, or pass --num-workers.")
         self.num_workers = n
         self.policy: Policy = make_policy(cfg.policy, n)
+        prefix = self.policy.scorer("prefix")
+        self._prefix_index = getattr(prefix, "index", None)  # shared with the other router processes (shm rings)
         self.inflight = [0] * n
         self.decisions: collections.deque[tuple[float, str, Decision]] = collections.deque(maxlen=cfg.debug_ring)
         self._routable = [False] * n
@@ -158,8 +161,13 @@ class RouterState:
         else:
             now = time.monotonic_ns()
             held = self._track_staleness(snap, now)
+            slots = self.slots
+            if slots is not None and self._prefix_index is not None and slots.has_peers:
+                slots.drain_prefix(self._prefix_index, now)  # what the other router processes sent meanwhile
             d = self.policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight,
                                  shared=self._shared(snap, now))
+            if request.learned and slots is not None and d.worker is not None:
+                slots.publish_prefix(d.worker, request.learned)
         self.metrics.observe_decision(d, time.perf_counter() - t0)
         self.decisions.append((time.time(), request_id, d))
         return d
