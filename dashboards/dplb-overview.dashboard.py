@@ -99,6 +99,17 @@ L.row("Workers").add(
                 "{{operation}} {{error}}")),
        "Failed segment attaches and removals the router noticed (the 'Shm segment present' stat shows 0 meanwhile)."),
 )
+L.row("Router capacity").add(
+    ts("Router CPU per process (1 = one core)", "percentunit",
+       targets((f"sum(rate(process_cpu_seconds_total{{{ROUTER}}}[$__rate_interval])) / max({M.ROUTER_PROCESSES}"
+                f"{{{ROUTER}, state=\"configured\"}})", "CPU per router process")),
+       "CPU time of the router's processes over their number: one process is one core, so near 100% the router "
+       "caps throughput (DPLBRouterSaturated: raise --processes)."),
+    ts("Router processes", "none",
+       targets((f"max by (state) ({M.ROUTER_PROCESSES}{{{ROUTER}}})", "{{state}}")),
+       "configured = --processes; answered = processes whose metrics the last scrape merged "
+       "(DPLBRouterProcessDown when fewer).", drawStyle="line", lineInterpolation="stepAfter"),
+)
 
 dashboard = make_dashboard(
     "DPLB overview", "dplb-overview",
