@@ -206,7 +206,8 @@ def test_launch_flag_errors_are_one_line(tmp_path) -> None:  # type: ignore[no-u
 
 def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Regression: `dplb launch --api-key-exempt` was accepted but never reached the router. Also checks that
-    `--worker-args` reaches only its worker (the heterogeneous benchmark's half-speed worker)."""
+    `--worker-args` reaches only its worker (the heterogeneous benchmark's half-speed worker), and that
+    `--router-processes 2` reaches the router (issue 14: the config is handed over whole, not as flags)."""
     tag = uuid.uuid4().hex[:10]
     shm = f"/dev/shm/dplb_state_test_{tag}"
     port = free_port()
@@ -215,7 +216,7 @@ def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[n
         proc = subprocess.Popen(dplb_cmd("launch", "--num-workers", "2", "--port", str(port), "--host", "127.0.0.1",
                                          "--shm-path", shm, "--run-dir", str(tmp_path / f"run-{tag}"),
                                          "--metrics-port-base", "0", "--api-key-exempt", "/metrics",
-                                         "--worker-args", "1=--sim-speed 0.5"),
+                                         "--worker-args", "1=--sim-speed 0.5", "--router-processes", "2"),
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
 
@@ -234,6 +235,13 @@ def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[n
         w0 = [p for p in procs if "--worker-id 0" in p]
         assert len(w1) == 1 and w1[0].rstrip().endswith("--sim-speed 0.5")
         assert len(w0) == 1 and "--sim-speed" not in w0[0]
+        # Issue 14: the router got its config whole (no flags on its command line) and runs as a group of 2.
+        kids = subprocess.run(["pgrep", "-P", str(proc.pid), "-a"], capture_output=True, text=True).stdout
+        router = [ln for ln in kids.splitlines() if " router --config-env" in ln]
+        assert len(router) == 1 and "--api-key" not in router[0], kids
+        _wait(lambda: len(_state(shm).get("routers", [])) == 2, 30, "two router slots", proc)
+        assert sorted(r["process_index"] for r in _state(shm)["routers"]) == [0, 1]
+        assert "k3y" not in " ".join(r for r in router)  # the key travels in the environment only
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
