@@ -126,3 +126,25 @@ def test_sigterm_drains_every_process(tmp_path) -> None:  # type: ignore[no-unty
         with pytest.raises(httpx.ConnectError):
             httpx.get(c.url + "/health", timeout=2)
         assert not os.path.exists(os.path.join(c.run_dir, f"router-{c.port}.0.sock"))
+
+
+def test_group_refuses_a_taken_port_and_a_missing_run_dir(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A group never joins another program's SO_REUSEPORT group on its port, and says what to fix."""
+    import socket
+    import sys
+
+    from cluster import free_port
+
+    port = free_port()
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # even one that allows port sharing
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    try:
+        for argv, needle in ((["--port", str(port), "--run-dir", str(tmp_path)], f"cannot bind 127.0.0.1:{port}"),
+                             (["--port", "0", "--run-dir", str(tmp_path / "nope")], "is not a writable directory")):
+            r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--host", "127.0.0.1", "--processes", "2",
+                                "--num-workers", "1", *argv], capture_output=True, text=True, timeout=30)
+            assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    finally:
+        holder.close()

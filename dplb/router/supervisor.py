@@ -85,6 +85,18 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return hold
 
 
+def check_run_dir(cfg: RouterConfig) -> None:
+    """The children bind their private sockets in ``cfg.run_dir``: it must be a writable directory and the longest
+    socket path must fit ``AF_UNIX``'s 107 bytes. Raises :class:`ConfigError` naming ``--run-dir``."""
+    if not os.path.isdir(cfg.run_dir) or not os.access(cfg.run_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"--run-dir {cfg.run_dir} is not a writable directory; the router processes bind their "
+                          "sockets there (create it, or pass the workers' run directory)")
+    longest = cfg.process_socket(cfg.processes - 1).replace(f"-{cfg.port}.", "-65535.")
+    if len(longest.encode()) > 107:
+        raise ConfigError(f"--run-dir {cfg.run_dir} is too long for a Unix socket path ({longest} is "
+                          f"{len(longest.encode())} bytes, at most 107); use a shorter directory")
+
+
 def child_env(cfg: RouterConfig, base: dict[str, str] | None = None, notify: bool = False) -> dict[str, str]:
     """The environment of a router process started with ``--config-env``: ``base`` (default: this process's), with
     the configuration in ``$DPLB_ROUTER_CONFIG`` and the API key in ``$DPLB_API_KEY`` (never in a file or on a
@@ -147,6 +159,7 @@ class RouterGroup:
     def run(self) -> int:
         """Reserve the port, start the children, supervise them until SIGTERM/SIGINT, stop them. Returns the exit
         code (0: every child stopped cleanly)."""
+        check_run_dir(self.cfg)
         self._hold = reserve_port(self.cfg.host, self.cfg.port)
         self.cfg = dataclasses.replace(self.cfg, port=self._hold.getsockname()[1])
         for sig in (signal.SIGTERM, signal.SIGINT):
