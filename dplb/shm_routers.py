@@ -274,9 +274,10 @@ class RouterSlots:
         out: list[int] | None = None
         q = self._q
         n = min(self.num_workers, len(cutoffs))
+        floor = min(cutoffs) if cutoffs else 0
         for si in self._peers:
             sent = q[si + 3]
-            if not sent or now_ns - sent > horizon_ns:
+            if not sent or sent < floor or now_ns - sent > horizon_ns:  # nothing it sent can be uncounted
                 continue
             v = self._read_entries(si)
             if v is None:
