@@ -140,8 +140,7 @@ def one_mode(args: argparse.Namespace, tracing: bool) -> dict[str, float]:
         rx = OtlpReceiver()
         os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = rx.endpoint + "/v1/traces"
     try:
-        with tempfile.TemporaryDirectory() as tmp, cluster(tmp, 1, worker_args={0: FAST_SIM},
-                                                           router_args=["--affinity-margin", "0"]) as c:
+        with tempfile.TemporaryDirectory() as tmp, cluster(tmp, 1, worker_args={0: FAST_SIM}) as c:
             res = asyncio.run(run(c, args.requests, args.rounds))
             dsum = c.metric("dplb_routing_decision_duration_seconds_sum") or 0.0
             dcnt = c.metric("dplb_routing_decision_duration_seconds_count") or 1.0

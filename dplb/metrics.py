@@ -230,11 +230,20 @@ class RouterMetrics:
             self.state_age.observe(age)
         outcome = d.prefix_outcome()  # type: ignore[attr-defined]
         if outcome is not None:
-            self.prefix_routed.labels(outcome).inc()
+            # Label children cached in the same dict, under keys no decision has (reasons starting with NUL).
+            cache = self._decision_children
+            routed = cache.get((None, "\0" + outcome))
+            if routed is None:
+                routed = cache[(None, "\0" + outcome)] = self.prefix_routed.labels(outcome)
+            routed.inc()  # type: ignore[attr-defined]
             req = d.ctx.request  # type: ignore[attr-defined]
-            w = str(d.worker)  # type: ignore[attr-defined]
-            self.prefix_query_blocks.labels(w).inc(len(req.blocks))
-            self.prefix_hit_blocks.labels(w).inc(req.prefix_depth[d.worker])  # type: ignore[attr-defined]
+            k = d.worker  # type: ignore[attr-defined]
+            blocks = cache.get((k, "\0blocks"))
+            if blocks is None:
+                blocks = cache[(k, "\0blocks")] = (self.prefix_query_blocks.labels(str(k)),
+                                                   self.prefix_hit_blocks.labels(str(k)))
+            blocks[0].inc(len(req.blocks))  # type: ignore[index]
+            blocks[1].inc(req.prefix_depth[k])  # type: ignore[index]
 
 
 class WorkerStateCollector:

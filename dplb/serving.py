@@ -6,12 +6,15 @@ handling, so the worker/router decide what SIGTERM means (drain first) and stop 
 ``server.should_exit = True``. ``make_server(max_head_bytes=N)`` (the router's edge) caps each request head (request
 line + headers): uvicorn/httptools buffer a head without limit and concatenate it piece by piece, so one client
 sending a 50 MB header cost the router 5 s of CPU and 50 MB of memory; over the cap the client gets a 431 and the
-connection is closed. Malformed HTTP gets a 400 in the same OpenAI error shape as every other router error.
+connection is closed. Malformed HTTP gets a 400 in the same OpenAI error shape as every other router error. The
+same server gives each request a :class:`DisconnectHook` (a callback on client disconnect, instead of a task per
+request awaiting ``receive()``) and writes a response head together with the body bytes sent right after it.
 :func:`run_async` runs a process's main coroutine on uvloop (asyncio without it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -40,9 +43,71 @@ def _error_response(status: int, reason: bytes, kind_code: str, message: str) ->
             % (status, reason, len(body)) + body)
 
 
+DISCONNECT_EXT = "dplb.disconnect"  # scope["extensions"] key of a request's DisconnectHook (the router's server)
+
+
+class DisconnectHook:
+    """``scope["extensions"]["dplb.disconnect"]`` of a request served by :func:`bounded_protocol`: ``gone`` turns
+    True and ``callback()`` (set by the app, once) is called when the client's connection is lost before the
+    response completed — what uvicorn's ``receive()`` reports as ``http.disconnect``, without a task awaiting it."""
+
+    __slots__ = ("callback", "gone")
+
+    def __init__(self) -> None:
+        self.gone = False
+        self.callback: Callable[[], None] | None = None
+
+    def fire(self) -> None:
+        self.gone = True
+        cb, self.callback = self.callback, None
+        if cb is not None:
+            cb()
+
+
+class _CorkedTransport:
+    """The client transport as a request's response sees it: the response head is held until the next write
+    (the body) or the end of the event-loop iteration, so a head and a body sent back to back go out in one
+    ``send()``. Everything else is passed through."""
+
+    __slots__ = ("_held", "_transport")
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is None:
+            if data.startswith(b"HTTP/1.1 "):  # the head: hold it (the first write of the response)
+                self._held = data
+                asyncio.get_running_loop().call_soon(self._flush)
+                return
+            self._transport.write(data)
+            return
+        self._held = None
+        self._transport.write(held + data)
+
+    def _flush(self) -> None:
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return bool(self._transport.is_closing())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | None = None) -> type:
     """uvicorn's httptools protocol with request heads capped at ``max_head_bytes`` (431 + close above it) and
-    OpenAI-shaped 400s for malformed HTTP. ``on_reject(code)`` is called for each (metrics)."""
+    OpenAI-shaped 400s for malformed HTTP. ``on_reject(code)`` is called for each (metrics). Each request's scope
+    carries a :class:`DisconnectHook` under :data:`DISCONNECT_EXT`, and its response head and first body bytes
+    are written together when sent back to back (:class:`_CorkedTransport`)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     too_large = _error_response(431, b"Request Header Fields Too Large", "headers_too_large",
@@ -72,7 +137,19 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             if self._head_bytes > max_head_bytes:
                 self._too_large = True
                 raise ValueError("request head too large")  # httptools stops parsing; send_400_response below
+            self.scope["extensions"] = {DISCONNECT_EXT: DisconnectHook()}  # type: ignore[dict-item]
+            prev = self.cycle
             super().on_headers_complete()
+            if self.cycle is not prev and self.cycle is not None:  # (an upgrade request makes no cycle)
+                self.cycle.transport = _CorkedTransport(self.transport)  # type: ignore[assignment]
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            cycle = self.cycle
+            if cycle is not None and cycle.disconnected:
+                hook: Any = cycle.scope.get("extensions", {}).get(DISCONNECT_EXT)
+                if hook is not None:
+                    hook.fire()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)

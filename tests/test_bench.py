@@ -7,6 +7,7 @@ import json
 import math
 import random
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -318,3 +319,16 @@ def test_compare_stopped_mid_run_leaves_nothing_behind(tmp_path) -> None:  # typ
         time.sleep(0.2)
     assert cluster_pids() == []
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(segment_prefix)]
+
+
+def test_capacity_bench_quick(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """benchmarks/bench_capacity.py --quick on DPLB with one router process (a few seconds): it runs, counts every
+    streamed token and reports router CPU per request and per token from /proc."""
+    out = tmp_path / "cap.json"
+    r = subprocess.run([sys.executable, f"{ROOT}/benchmarks/bench_capacity.py", "--quick", "--targets", "dplb1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())["dplb1"]
+    assert res["tokens_per_stream"] == 64
+    assert 0 < res["req_us"] < 10_000 and 0 < res["tok_us"] < 1_000
+    assert "µs/request" in r.stdout

@@ -49,7 +49,7 @@ from dplb.errors import RouterErrorKind
 from dplb.metrics import RouterMetrics, WorkerStateCollector
 from dplb.router.fanout import fan_out, parse_workers
 from dplb.router.models import ServedModels
-from dplb.router.proxy import Proxy, error_body
+from dplb.router.proxy import Exchange, Proxy, error_body
 from dplb.router.routes import PROXY_PATHS, RESPONSES_PREFIX, is_proxy_path
 from dplb.router.siblings import SCOPE_PROCESS, SingleProcess, fetch_siblings, merge_decisions, merge_metrics
 from dplb.router.state import RouterState
@@ -95,6 +95,7 @@ class RouterApp:
         if cfg.processes == 1:  # a group's answer adds the merged figure instead (dplb.router.siblings)
             self.metrics.registry.register(SingleProcess())
         self._auth = ("bearer " + cfg.api_key).encode() if cfg.api_key else None
+        self._http_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self.litestar = self._build_litestar()
 
     def _scrape_source(self) -> tuple[Any, list[int], int, float | None, Any]:
@@ -187,12 +188,29 @@ class RouterApp:
             await self.litestar(scope, receive, send)  # type: ignore[arg-type]  # lifespan
             return
         path = scope["path"]
-        status = [0]
         t0 = time.perf_counter()
+        origin = self._origin(scope) if self.cors is not None else None
+        if is_proxy_path(path) and (origin is None or scope["method"] != "OPTIONS"):
+            # The hot path: the proxy records the status it sends on the exchange (no send wrapper).
+            ex = Exchange(scope, receive, self._cors_send(send, origin) if origin else send)
+            try:
+                await self.proxy.serve(ex)
+            except Exception:
+                # A router bug must not leak a traceback or a non-OpenAI body: log it, answer a bare 500
+                # when nothing was sent yet (else the connection is cut mid-response).
+                log.exception("internal error handling %s %s", scope.get("method"), path)
+                if ex.status:
+                    raise
+                self.metrics.rejected.labels(RouterErrorKind.INTERNAL.code).inc()
+                ex.status = 500
+                await _json(ex.send, 500, error_body(RouterErrorKind.INTERNAL, "internal error"))
+            finally:
+                self._observe(path, scope["method"], ex.status, t0)
+            return
+        status = [0]
         if scope["method"] == "HEAD" and path in _HEAD_PATHS:
             scope = {**scope, "method": "GET"}
             send = _without_body(send)
-        origin = self._origin(scope) if self.cors is not None else None
 
         async def send_wrapper(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -202,17 +220,6 @@ class RouterApp:
         try:
             if origin is not None and scope["method"] == "OPTIONS":
                 await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]  # CORS preflight
-            elif is_proxy_path(path):
-                try:
-                    await self.proxy(scope, receive, self._cors_send(send_wrapper, origin) if origin else send_wrapper)
-                except Exception:
-                    # A router bug must not leak a traceback or a non-OpenAI body: log it, answer a bare 500
-                    # when nothing was sent yet (else the connection is cut mid-response).
-                    log.exception("internal error handling %s %s", scope.get("method"), path)
-                    if status[0]:
-                        raise
-                    self.metrics.rejected.labels(RouterErrorKind.INTERNAL.code).inc()
-                    await _json(send_wrapper, 500, error_body(RouterErrorKind.INTERNAL, "internal error"))
             elif self._auth is not None and path not in self.cfg.public_paths and not self._authorized(scope):
                 self.metrics.rejected.labels(RouterErrorKind.UNAUTHORIZED.code).inc()
                 await _json(self._cors_send(send_wrapper, origin) if origin else send_wrapper, 401,
@@ -220,11 +227,21 @@ class RouterApp:
             else:
                 await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]
         finally:
-            route = path if path in _ROUTES else (RESPONSES_PREFIX + "{id}" if path.startswith(RESPONSES_PREFIX)
-                                                  else "other")
-            method = scope["method"] if scope["method"] in _METHODS else "other"
-            self.metrics.http_requests.labels(route, method, str(status[0])).inc()
-            self.metrics.http_duration.labels(route, method).observe(time.perf_counter() - t0)
+            self._observe(path, scope["method"], status[0], t0)
+
+    def _observe(self, path: str, method: str, status: int, t0: float) -> None:
+        """Count one request in ``dplb_http_requests_total`` and its duration since ``t0`` (perf_counter seconds)
+        by route template (bounded), method and status; the label children are looked up once per key."""
+        route = path if path in _ROUTES else (RESPONSES_PREFIX + "{id}" if path.startswith(RESPONSES_PREFIX)
+                                              else "other")
+        key = (route, method if method in _METHODS else "other", status)
+        children = self._http_children.get(key)
+        if children is None:
+            m = self.metrics
+            children = self._http_children[key] = (m.http_requests.labels(key[0], key[1], str(status)),
+                                                    m.http_duration.labels(key[0], key[1]))
+        children[0].inc()
+        children[1].observe(time.perf_counter() - t0)
 
     @staticmethod
     def _origin(scope: dict[str, Any]) -> str | None:

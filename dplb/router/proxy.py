@@ -45,23 +45,18 @@ from dplb.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
 from dplb.errors import RouterErrorKind
 from dplb.policy import RouteRequest
 from dplb.prefix import MAX_PREFIX_BLOCKS, block_hashes
+from dplb.router.exchange import REQ_OWN, Exchange, request_head, response_headers, watch_disconnect
 from dplb.router.intake import Peek, Rejected, check_head, excluded, read_body, receive_body
 from dplb.router.models import ServedModels
 from dplb.router.routes import PROXY_PATHS, ResponseIds, Route, match, response_id
 from dplb.router.state import UNREACHABLE_S, RouterState
 from dplb.router.upstream import ConnectFailed, UpstreamClosed, UpstreamError, UpstreamPool, UpstreamTimeout
+from dplb.serving import DISCONNECT_EXT
 
 log = logging.getLogger("dplb.router.proxy")
-__all__ = ["PROXY_PATHS", "Proxy", "error_body"]
+__all__ = ["PROXY_PATHS", "Exchange", "Proxy", "error_body"]
 _KEEPALIVE = b": keep-alive\n\n"
 _RESPONSES = "/v1/responses"
-HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
-    b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
-})
-# Request headers the router sets itself; response headers the worker must not set for us.
-_REQ_OWN = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
-_RESP_OWN = HOP_BY_HOP | {b"x-sg-worker-id", b"x-request-id", b"x-dplb-draining"}
 _REQUEST_ID_RE = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: "$" would accept a trailing "\n"
 # Rejections answered before the request body was read.
 _BODY_UNREAD = frozenset({RouterErrorKind.UNAUTHORIZED, RouterErrorKind.METHOD_NOT_ALLOWED,
@@ -72,15 +67,6 @@ _BODY_UNREAD = frozenset({RouterErrorKind.UNAUTHORIZED, RouterErrorKind.METHOD_N
 def error_body(kind: RouterErrorKind, message: str) -> bytes:
     """OpenAI-shaped error JSON for one of the router's own errors."""
     return msgspec.json.encode({"error": {"message": message, "type": kind.type, "code": kind.code}})
-
-
-def _connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
-    """Extra hop-by-hop header names listed in ``Connection``."""
-    toks: set[bytes] = set()
-    for n, v in headers:
-        if n.lower() == b"connection":
-            toks.update(t.strip().lower() for t in v.split(b",") if t.strip())
-    return frozenset(toks)
 
 
 class Proxy:
@@ -95,26 +81,30 @@ class Proxy:
         self.metrics = state.metrics
         self._auth = b"bearer " + cfg.api_key.encode() if cfg.api_key else None
         self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.tracing.make_tracer)
-        self._req_skip = _REQ_OWN
+        self._req_skip = REQ_OWN
+        n = state.num_workers
+        self._worker_ids = [str(k).encode() for k in range(n)]  # X-SG-Worker-ID values
+        self._ttfb_children = [self.metrics.upstream_ttfb.labels(str(k)) for k in range(n)]
+        self._duration_children: dict[tuple[int, str], Any] = {}
         self._block_bytes = cfg.policy.prefix_block_bytes if cfg.policy.prefix_on else 0
 
     # ---- helpers -------------------------------------------------------------------------------------------------
-    async def _reject(self, send: Any, kind: RouterErrorKind, message: str, request_id: bytes,
-                      worker: int | None = None) -> None:
+    async def _reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None) -> None:
         self.metrics.rejected.labels(kind.code).inc()
         body = error_body(kind, message)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"x-request-id", request_id)]
+                   (b"x-request-id", ex.rid)]
         if kind.status in (503, 429):
             headers.append((b"retry-after", str(self.cfg.retry_after_s).encode()))
         if worker is not None:
-            headers.append((b"x-sg-worker-id", str(worker).encode()))
+            headers.append((b"x-sg-worker-id", self._worker_ids[worker]))
         if kind in _BODY_UNREAD:
             # Close instead of keep-alive: uvicorn would otherwise read and discard the rest of the body, however
             # large (a 100 MB upload was consumed whole after its 413).
             headers.append((b"connection", b"close"))
-        await send({"type": "http.response.start", "status": kind.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        ex.status = kind.status
+        await ex.send({"type": "http.response.start", "status": kind.status, "headers": headers})
+        await ex.send({"type": "http.response.body", "body": body})
 
     def _route_request(self, peek: Peek, cannot_serve: frozenset[int]) -> RouteRequest:
         """The policy's view of the request: the workers that cannot serve it (model, pinned response) and the
@@ -130,48 +120,45 @@ class Proxy:
     def enable_tracing(self, tracer: Any) -> None:
         """Trace every request with ``tracer`` (see :mod:`dplb.tracing`)."""
         self.tracer = tracer
-        self._req_skip = _REQ_OWN | {b"traceparent", b"tracestate"}  # ours replace the client's
+        self._req_skip = REQ_OWN | {b"traceparent", b"tracestate"}  # ours replace the client's
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if self.tracer is None:
-            await self._handle(scope, receive, send, None)
-        else:
-            await self._handle_traced(scope, receive, send)
+        await self.serve(Exchange(scope, receive, send))
 
-    async def _handle_traced(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def serve(self, ex: Exchange) -> None:
+        """Handle one proxied request; ``ex.status`` is the status sent (0 while none was)."""
+        if self.tracer is None:
+            await self._handle(ex, None)
+        else:
+            await self._handle_traced(ex)
+
+    async def _handle_traced(self, ex: Exchange) -> None:
         from opentelemetry.trace import SpanKind, Status, StatusCode
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+        scope = ex.scope
         carrier = {n.decode("latin-1"): v.decode("latin-1") for n, v in scope["headers"]
                    if n in (b"traceparent", b"tracestate")}
         parent = TraceContextTextMapPropagator().extract(carrier)
         found = match(scope["method"], scope["path"])  # the route's pattern: span names stay bounded
         pattern = found[0].path if found is not None else "other"
         route = f"{scope['method']} {pattern}"
-        status = [0]
-
-        async def send_status(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
         with self.tracer.start_as_current_span(route, context=parent, kind=SpanKind.SERVER, attributes={
                 "http.request.method": scope["method"], "http.route": pattern, "url.path": scope["path"]},
                 ) as span:
-            await self._handle(scope, receive, send_status, span)
-            span.set_attribute("http.response.status_code", status[0])
-            if status[0] >= 500:
+            await self._handle(ex, span)
+            span.set_attribute("http.response.status_code", ex.status)
+            if ex.status >= 500:
                 span.set_status(Status(StatusCode.ERROR))
 
-    async def _handle(self, scope: dict[str, Any], receive: Any, send: Any, span: Any) -> None:
-        t_start = time.perf_counter()
-        headers: list[tuple[bytes, bytes]] = scope["headers"]
+    async def _handle(self, ex: Exchange, span: Any) -> None:
+        scope = ex.scope
         rid = b""
         clen = -1
         ctype = b""
         auth = b""
         encoding = b""
-        for n, v in headers:
+        for n, v in scope["headers"]:
             if n == b"x-request-id":
                 rid = v
             elif n == b"content-length":
@@ -182,49 +169,40 @@ class Proxy:
                 auth = v
             elif n == b"content-encoding":
                 encoding = v
-        if not _REQUEST_ID_RE.fullmatch(rid):
-            rid = os.urandom(16).hex().encode()  # 32 hex chars, like uuid4().hex, cheaper
+        ex.rid = rid if _REQUEST_ID_RE.fullmatch(rid) else os.urandom(16).hex().encode()  # 32 hex chars
         if self._auth is not None and not _ct_equal(auth.lower()[:7] + auth[7:], self._auth):
-            await self._reject(send, RouterErrorKind.UNAUTHORIZED, "missing or wrong API key (Authorization: "
-                               "Bearer <key>)", rid)
+            await self._reject(ex, RouterErrorKind.UNAUTHORIZED, "missing or wrong API key (Authorization: "
+                               "Bearer <key>)")
             return
         found = match(scope["method"], scope["path"])
         if found is None:
-            await self._reject(send, RouterErrorKind.METHOD_NOT_ALLOWED, f"{scope['method']} is not allowed "
-                               f"on {scope['path']}", rid)
+            await self._reject(ex, RouterErrorKind.METHOD_NOT_ALLOWED, f"{scope['method']} is not allowed "
+                               f"on {scope['path']}")
             return
         route, pin_id = found
+        limit = self.cfg.max_body_bytes
         try:
             check_head(route, ctype, encoding)
-        except Rejected as e:
-            await self._reject(send, e.kind, str(e), rid)
-            return
-        limit = self.cfg.max_body_bytes
-        if clen > limit:
-            await self._reject(send, RouterErrorKind.BODY_TOO_LARGE, f"request body of {clen} bytes is over the "
-                               f"{limit}-byte limit", rid)
-            return
-        body = await receive_body(receive, limit)
-        if body is None:
-            await self._reject(send, RouterErrorKind.BODY_TOO_LARGE, f"request body is over the {limit}-byte "
-                               "limit", rid)
-            return
-        try:
+            if clen > limit:
+                raise Rejected(RouterErrorKind.BODY_TOO_LARGE, f"request body of {clen} bytes is over the "
+                               f"{limit}-byte limit")
+            body = await receive_body(ex.receive, limit)
+            if body is None:
+                raise Rejected(RouterErrorKind.BODY_TOO_LARGE, f"request body is over the {limit}-byte limit")
             body, peek, model, decoded = read_body(route, body, encoding, limit)
             exclude = excluded(route, peek, model, pin_id, self.models, self.response_ids, self.state.num_workers)
         except Rejected as e:
-            await self._reject(send, e.kind, str(e), rid)
+            await self._reject(ex, e.kind, str(e))
             return
         if span is not None:
-            span.set_attribute("dplb.request_id", rid.decode())
-        await self._dispatch(scope, receive, send, body, peek, rid, t_start, span, route, exclude, decoded)
+            span.set_attribute("dplb.request_id", ex.rid.decode())
+        await self._dispatch(ex, body, peek, span, route, exclude, decoded)
 
-    async def _dispatch(self, scope: dict[str, Any], receive: Any, send: Any, body: bytes, peek: Peek,
-                        rid: bytes, t_start: float, span: Any, route: Route, exclude: frozenset[int],
-                        decoded: bool) -> None:
+    async def _dispatch(self, ex: Exchange, body: bytes, peek: Peek, span: Any, route: Route,
+                        exclude: frozenset[int], decoded: bool) -> None:
         state = self.state
-        rid_s = rid.decode()
-        t_decide = time.time_ns()
+        rid_s = ex.rid.decode()
+        t_decide = time.time_ns() if span is not None else 0
         req = self._route_request(peek, exclude)
         d = state.decide(req, rid_s)
         if span is not None:
@@ -236,42 +214,55 @@ class Proxy:
                 kind, msg = RouterErrorKind.ALL_OVER_CAP, "every worker is at its queue cap; retry shortly"
             else:
                 kind, msg = RouterErrorKind.NONE_ROUTABLE, "no worker is ready (starting, draining or stale)"
-            await self._reject(send, kind, msg, rid)
+            await self._reject(ex, kind, msg)
             return
-        head = self._request_head(scope, len(body), rid, decoded)
+        # Untraced, the head ends with its blank line; traced, the attempt's traceparent goes before it.
+        head = request_head(ex.scope, len(body), ex.rid, decoded, self._req_skip, span is None)
         # /v1/responses: the response's id is known up front when the client chose it, else read from the answer.
-        capture: Any = route.path == _RESPONSES and scope["method"] == "POST"
+        capture: Any = route.path == _RESPONSES and ex.scope["method"] == "POST"
         if capture and isinstance(peek.request_id, str):
             capture = peek.request_id
         tried: set[int] = set()
         worker = d.worker
-        disconnected = asyncio.Event()
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, disconnected))
+        # The router's own server reports a disconnect through a hook; another ASGI server through receive().
+        hook: Any = (ex.scope.get("extensions") or {}).get(DISCONNECT_EXT)
+        watcher = None
+        if hook is None:
+            watcher = asyncio.ensure_future(watch_disconnect(ex))
+        elif hook.gone:
+            ex.gone = True
+        else:
+            hook.callback = ex.client_gone
         try:
             while True:
                 state.acquire(worker)
                 try:
-                    retry = await self._forward(worker, head, body, send, rid, disconnected, watcher, t_start,
-                                                (route.op, peek.model) if span is not None else None, capture)
+                    if span is None:
+                        retry = await self._attempt(ex, worker, head, body, capture)
+                    else:
+                        retry = await self._forward(ex, worker, head, body, (route.op, peek.model), capture)
                 finally:
                     state.release(worker)
                 if retry is None:
                     return
                 tried.add(worker)
                 if len(tried) > 1:
-                    await self._reject(send, retry, "no worker could take the request", rid)
+                    await self._reject(ex, retry, "no worker could take the request")
                     return
                 self.metrics.retries.inc()
                 req.exclude = frozenset(tried)
                 d2 = state.decide(req, rid_s)
                 if d2.worker is None:
-                    await self._reject(send, retry, "the chosen worker was unreachable and no other is ready", rid)
+                    await self._reject(ex, retry, "the chosen worker was unreachable and no other is ready")
                     return
                 worker = d2.worker
                 if span is not None:
                     self._route_span(d2, time.time_ns())
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
+            else:
+                hook.callback = None
 
     def _exemplar(self) -> dict[str, str] | None:
         """``{"trace_id": …}`` of the current request when tracing (an OpenMetrics exemplar), else None."""
@@ -296,33 +287,10 @@ class Proxy:
             rs.add_event("dplb.candidate", candidate_event_attributes(d, c))
         rs.end()
 
-    def _request_head(self, scope: dict[str, Any], length: int, rid: bytes, decoded: bool) -> bytes:
-        hdrs: list[tuple[bytes, bytes]] = scope["headers"]
-        extra = _connection_tokens(hdrs)
-        if decoded:
-            extra |= {b"content-encoding"}
-        path = scope.get("raw_path") or scope["path"].encode()
-        qs = scope.get("query_string") or b""
-        if qs and b"?" not in path:
-            path += b"?" + qs
-        parts = [scope["method"].encode(), b" ", path, b" HTTP/1.1\r\nhost: dplb-worker\r\ncontent-length: ",
-                 str(length).encode(),
-                 b"\r\nx-request-id: ", rid, b"\r\n"]
-        skip = self._req_skip
-        for n, v in hdrs:
-            if n not in skip and n not in extra:
-                parts += (n, b": ", v, b"\r\n")
-        return b"".join(parts)  # the blank line is added per attempt (after an injected traceparent)
-
-    async def _forward(self, worker: int, head: bytes, body: bytes, send: Any, rid: bytes,
-                       disconnected: asyncio.Event, watcher: asyncio.Future[None],
-                       t_start: float, genai: tuple[str, Any] | None, capture: Any) -> RouterErrorKind | None:
-        """Send to ``worker`` and stream back. Returns an error kind to retry elsewhere, or None when done.
-        ``genai`` = (operation, model) when tracing: a CLIENT span wraps the attempt and its context is injected.
-        ``capture``: False, True (remember the response id found in the answer) or the id itself."""
-        if genai is None:
-            return await self._attempt(worker, head + b"\r\n", body, send, rid, disconnected, watcher, t_start,
-                                       capture)
+    async def _forward(self, ex: Exchange, worker: int, head: bytes, body: bytes, genai: tuple[str, Any],
+                       capture: Any) -> RouterErrorKind | None:
+        """:meth:`_attempt` when tracing: a CLIENT span wraps the attempt and its context is injected into ``head``
+        (which lacks its blank line). ``genai`` = (operation, model)."""
         from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -335,19 +303,27 @@ class Proxy:
         TraceContextTextMapPropagator().inject(carrier, context=set_span_in_context(cs))
         extra = "".join(f"{k}: {v}\r\n" for k, v in carrier.items()).encode()
         try:
-            retry = await self._attempt(worker, head + extra + b"\r\n", body, send, rid, disconnected, watcher,
-                                        t_start, capture)
+            retry = await self._attempt(ex, worker, head + extra + b"\r\n", body, capture)
             if retry is not None:
                 cs.set_status(Status(StatusCode.ERROR, retry.code))
             return retry
         finally:
             cs.end()
 
-    async def _attempt(self, worker: int, head: bytes, body: bytes, send: Any, rid: bytes,
-                       disconnected: asyncio.Event, watcher: asyncio.Future[None],
-                       t_start: float, capture: Any) -> RouterErrorKind | None:
-        """One upstream attempt (see :meth:`_forward`)."""
-        cfg, m, wl = self.cfg, self.metrics, str(worker)
+    def _outcome_metric(self, worker: int, outcome: str) -> Any:
+        key = (worker, outcome)
+        child = self._duration_children.get(key)
+        if child is None:
+            child = self._duration_children[key] = self.metrics.upstream_duration.labels(str(worker), outcome)
+        return child
+
+    async def _attempt(self, ex: Exchange, worker: int, head: bytes, body: bytes,
+                       capture: Any) -> RouterErrorKind | None:
+        """Send to ``worker`` and stream back. Returns an error kind to retry elsewhere, or None when done.
+        ``head`` ends with its blank line. ``capture``: False, True (remember the response id found in the answer)
+        or the id itself."""
+        cfg = self.cfg
+        send = ex.send
         try:
             conn = await self.pool.open(worker)
         except ConnectFailed as e:
@@ -355,39 +331,38 @@ class Proxy:
                         "worker", worker, e, UNREACHABLE_S)
             self.state.mark_unreachable(worker, self.state.pid_of(worker))
             return RouterErrorKind.UPSTREAM_UNREACHABLE
-        abort_cb = _on_disconnect(conn)
-        watcher.add_done_callback(abort_cb)
+        ex.conn = conn  # aborted by the disconnect watcher
         started = False
         outcome = "upstream_error"
         status = 0
         t0 = time.perf_counter()
         try:
+            if ex.gone:  # the client left before this attempt (between a retry's two attempts)
+                outcome = "client_disconnect"
+                return None
             conn.send_request(head, body)
             try:
                 status, up_headers = await conn.response_head(cfg.first_byte_timeout_s)
             except UpstreamTimeout as e:
                 outcome = "timeout"
                 conn.abort()
-                await self._reject(send, RouterErrorKind.UPSTREAM_TIMEOUT, f"worker {worker}: {e}", rid, worker)
+                await self._reject(ex, RouterErrorKind.UPSTREAM_TIMEOUT, f"worker {worker}: {e}", worker)
                 return None
             except UpstreamClosed as e:
-                if disconnected.is_set():
+                if ex.gone:
                     outcome = "client_disconnect"
                     return None
                 log.warning("worker %d closed the connection before answering request %s (%s)", worker,
-                            rid.decode(), e)
-                await self._reject(send, RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} closed the connection "
-                                   "before answering", rid, worker)
+                            ex.rid.decode(), e)
+                await self._reject(ex, RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} closed the connection "
+                                   "before answering", worker)
                 return None
-            m.upstream_ttfb.labels(wl).observe(time.perf_counter() - t0)
-            if status == 503 and any(n.lower() == b"x-dplb-draining" for n, _ in up_headers):
+            self._ttfb_children[worker].observe(time.perf_counter() - t0)
+            out, is_sse, draining = response_headers(up_headers, self._worker_ids[worker], ex.rid)
+            if status == 503 and draining:
                 outcome = "draining"  # the worker refused before doing anything: safe to send elsewhere
                 return RouterErrorKind.NONE_ROUTABLE
-            extra = _connection_tokens(up_headers)
-            out = [(n, v) for n, v in up_headers if n.lower() not in _RESP_OWN and n.lower() not in extra]
-            out.append((b"x-sg-worker-id", wl.encode()))
-            out.append((b"x-request-id", rid))
-            is_sse = any(n.lower() == b"content-type" and v.startswith(b"text/event-stream") for n, v in up_headers)
+            ex.status = status
             await send({"type": "http.response.start", "status": status, "headers": out})
             started = True
             t_first = None
@@ -399,10 +374,11 @@ class Proxy:
                     capture = b""  # the answer's first bytes, until the id is found
             else:
                 capture = False
+            keepalive = cfg.sse_keepalive_s if is_sse else 0.0
             at_boundary = True  # a keep-alive comment may only go between SSE events
             try:
-                async for chunk in conn.chunks(cfg.idle_timeout_s, cfg.sse_keepalive_s if is_sse else 0.0):
-                    if disconnected.is_set():
+                async for chunk in conn.chunks(cfg.idle_timeout_s, keepalive):
+                    if ex.gone:
                         break
                     if not chunk:
                         if at_boundary:
@@ -412,10 +388,11 @@ class Proxy:
                         t_first = time.perf_counter()
                     if capture is not False:
                         capture = self._capture_id(capture + chunk, worker)
-                    at_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
+                    if keepalive:
+                        at_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except UpstreamError as e:
-                if disconnected.is_set():
+                if ex.gone:
                     outcome = "client_disconnect"
                     return None
                 outcome = "timeout" if isinstance(e, UpstreamTimeout) else "upstream_error"
@@ -427,18 +404,18 @@ class Proxy:
                     evt = b"data: " + error_body(kind, f"worker {worker} stopped mid-response: {e}") + b"\n\n"
                     await send({"type": "http.response.body", "body": evt, "more_body": True})
                 return None  # response left incomplete: the server closes the connection abnormally
-            if disconnected.is_set():
+            if ex.gone:
                 outcome = "client_disconnect"
                 conn.abort()
                 return None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             outcome = "ok" if status < 400 else ("upstream_4xx" if status < 500 else "upstream_5xx")
             if status < 400:
-                self.state.policy.observe_latency(time.perf_counter() - t_start,
-                                                  None if t_first is None else t_first - t_start)
+                self.state.policy.observe_latency(time.perf_counter() - ex.t_start,
+                                                  None if t_first is None else t_first - ex.t_start)
             return None
         finally:
-            watcher.remove_done_callback(abort_cb)
+            ex.conn = None
             if outcome in ("ok", "upstream_4xx", "upstream_5xx"):
                 self.pool.release(conn)  # complete response: keep the connection if it is keep-alive
             else:
@@ -447,8 +424,8 @@ class Proxy:
                 failed = outcome in ("upstream_error", "timeout") or (outcome == "upstream_5xx" and status != 503)
                 self.state.record_outcome(worker, failed)
             if started or outcome not in ("upstream_error", "draining"):
-                m.upstream_duration.labels(wl, outcome).observe(time.perf_counter() - t0, self._exemplar())
-
+                self._outcome_metric(worker, outcome).observe(time.perf_counter() - t0,
+                                                              self._exemplar() if self.tracer is not None else None)
 
     def _capture_id(self, head: bytes, worker: int) -> bytes | bool:
         """Look for the response id in ``head`` (the answer so far): remember it and return False when found or
@@ -458,23 +435,6 @@ class Proxy:
             self.response_ids.remember(rid, worker)
             return False
         return head if len(head) < 65536 else False
-
-
-def _on_disconnect(conn: Any) -> Any:
-    def cb(fut: asyncio.Future[None]) -> None:
-        if not fut.cancelled():
-            conn.abort()
-
-    return cb
-
-
-async def _watch_disconnect(receive: Any, flag: asyncio.Event) -> None:
-    """Completes when the client disconnects (after the body was read, receive() only reports that)."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            flag.set()
-            return
 
 
 def _ct_equal(a: bytes, b: bytes) -> bool:

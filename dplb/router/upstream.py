@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -66,12 +67,18 @@ class UpstreamConn(asyncio.Protocol):
         self.closed = False
 
     def _reset(self) -> None:
+        timer = getattr(self, "_timer", None)
+        if timer is not None:
+            timer.cancel()
+        self._timer: asyncio.TimerHandle | None = None  # the body phase's one lazy timer (see chunks())
+        self._deadline = self._tick_at = 0.0  # loop time of the idle timeout / of the next keep-alive tick
+        self._idle_s = self._tick_s = 0.0
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self._head = asyncio.get_running_loop().create_future()
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
-        self._wakeup: asyncio.Future[None] | None = None
+        self._wakeup: asyncio.Future[bool | None] | None = None  # True: a keep-alive tick
         self._complete = False
         self._paused = False
         self.keep_alive = False
@@ -159,35 +166,66 @@ class UpstreamConn(asyncio.Protocol):
     async def chunks(self, idle_timeout_s: float, tick_s: float = 0.0) -> AsyncIterator[bytes]:
         """Body bytes as they arrive, until the message is complete. Raises :class:`UpstreamTimeout` after
         ``idle_timeout_s`` seconds without a byte. With ``tick_s`` > 0, an empty ``b""`` is yielded after every
-        ``tick_s`` seconds of silence (SSE keep-alives); ticks do not extend the idle timeout."""
+        ``tick_s`` seconds of silence (SSE keep-alives); ticks do not extend the idle timeout. Time the caller
+        spends between two items does not count as silence.
+
+        One timer per response, not per chunk: a chunk only moves the deadlines, and the timer, when it fires
+        early, re-arms itself at the later deadline (a timer per wait cost ~5 % of the router's CPU per token)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + idle_timeout_s
-        while True:
-            if self._chunks:
-                while self._chunks:
-                    c = self._chunks.popleft()
-                    self._buffered -= len(c)
-                    if self._paused and self._buffered < LOW_WATER and self.transport is not None:
-                        self._paused = False
-                        self.transport.resume_reading()
-                    yield c
-                deadline = loop.time() + idle_timeout_s
-            if self._complete:
-                return
-            if self._error is not None:
-                raise self._error
-            self._wakeup = wake = loop.create_future()
-            remaining = deadline - loop.time()
-            tick = 0.0 < tick_s < remaining
-            timer = (loop.call_later(tick_s, _tick, wake) if tick else
-                     loop.call_later(max(remaining, 0.0), _expire, wake, "idle", idle_timeout_s))
-            try:
-                await wake
-            finally:
-                timer.cancel()
-                self._wakeup = None
-            if tick and not self._chunks and not self._complete and self._error is None:
-                yield b""
+        self._idle_s, self._tick_s = idle_timeout_s, tick_s
+        tick = tick_s > 0.0
+        self._deadline = loop.time() + idle_timeout_s
+        self._tick_at = loop.time() + tick_s if tick else math.inf
+        try:
+            while True:
+                queue = self._chunks
+                if queue:
+                    while queue:
+                        c = queue.popleft()
+                        self._buffered -= len(c)
+                        if self._paused and self._buffered < LOW_WATER and self.transport is not None:
+                            self._paused = False
+                            self.transport.resume_reading()
+                        yield c
+                    now = loop.time()
+                    self._deadline = now + idle_timeout_s
+                    if tick:
+                        self._tick_at = now + tick_s
+                if self._complete:
+                    return
+                if self._error is not None:
+                    raise self._error
+                self._wakeup = wake = loop.create_future()
+                if self._timer is None:
+                    self._timer = loop.call_at(min(self._deadline, self._tick_at), self._on_timer)
+                try:
+                    ticked = await wake
+                finally:
+                    self._wakeup = None
+                if ticked and not self._chunks and not self._complete and self._error is None:
+                    yield b""
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def _on_timer(self) -> None:
+        """The body phase's timer: expire the idle timeout, wake for a keep-alive tick, or re-arm at the next
+        deadline. Not re-armed while nobody waits (the caller is busy between items: not silence)."""
+        self._timer = None
+        w = self._wakeup
+        if w is None or w.done():
+            return
+        loop = w.get_loop()
+        now = loop.time()
+        if now >= self._deadline:
+            w.set_exception(UpstreamTimeout("idle", self._idle_s))
+            return
+        if now >= self._tick_at:
+            self._tick_at = now + self._tick_s
+            w.set_result(True)
+            return
+        self._timer = loop.call_at(min(self._deadline, self._tick_at), self._on_timer)
 
     @property
     def reusable(self) -> bool:
@@ -200,11 +238,6 @@ class UpstreamConn(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
-
-
-def _tick(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _expire(fut: asyncio.Future[None], phase: str, seconds: float) -> None:

@@ -1,0 +1,122 @@
+"""One proxied request's state and its HTTP/1.1 header plumbing (the proxy's hot path; see :mod:`dplb.router.proxy`).
+
+Contract
+- :class:`Exchange` holds a request from the ASGI call to the end of its response: scope, receive, send, the
+  request id, the start time, the status sent so far, whether the client went away and the worker connection in
+  use (aborted when it does). The router's server reports a disconnect through a hook (:mod:`dplb.serving`);
+  under any other ASGI server :func:`watch_disconnect` waits for it on ``receive()``.
+- :func:`request_head` writes the request line and headers for a worker: the client's end-to-end headers in
+  their order, hop-by-hop ones (RFC 9110 §7.6.1 and those named in ``Connection``) and the router's own
+  (host, content-length, x-request-id, expect, and ``Content-Encoding`` of a body the router decoded) replaced.
+- :func:`response_headers` filters a worker's response head the same way and appends ``X-SG-Worker-ID`` and
+  ``X-Request-Id``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
+    b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
+})
+# Request headers the router sets itself; response headers the worker must not set for us.
+REQ_OWN = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
+RESP_OWN = HOP_BY_HOP | {b"x-sg-worker-id", b"x-request-id", b"x-dplb-draining"}
+
+
+class Exchange:
+    """One proxied request's state (one object instead of a dozen parameters; the model is uvicorn's
+    ``RequestResponseCycle``). ``status``: the status sent to the client (0 = none yet); ``gone``: the client
+    disconnected; ``conn``: the worker connection of the attempt in progress (aborted when the client goes);
+    ``t_start``: ``time.perf_counter()`` seconds at the ASGI call; ``rid``: the request id (bytes)."""
+
+    __slots__ = ("conn", "gone", "receive", "rid", "scope", "send", "status", "t_start")
+
+    def __init__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.t_start = time.perf_counter()
+        self.rid = b""
+        self.status = 0
+        self.gone = False
+        self.conn: Any = None
+
+    def client_gone(self) -> None:
+        """The client disconnected: abort the worker connection (the engine aborts the request)."""
+        self.gone = True
+        if self.conn is not None:
+            self.conn.abort()
+
+
+async def watch_disconnect(ex: Exchange) -> None:
+    """Completes when the client disconnects (after the body was read, receive() only reports that), calling
+    :meth:`Exchange.client_gone`."""
+    receive = ex.receive
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            ex.client_gone()
+            return
+
+
+def connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Extra hop-by-hop header names listed in ``Connection``."""
+    toks: set[bytes] = set()
+    for n, v in headers:
+        if n.lower() == b"connection":
+            toks.update(t.strip().lower() for t in v.split(b",") if t.strip())
+    return frozenset(toks)
+
+
+def request_head(scope: dict[str, Any], length: int, rid: bytes, decoded: bool, skip: frozenset[bytes],
+                 end: bool) -> bytes:
+    """The request line and headers for the worker (``length``: body bytes; ``skip``: header names the router
+    sets itself, lower case as ASGI gives them); with ``end``, the blank line too."""
+    hdrs: list[tuple[bytes, bytes]] = scope["headers"]
+    for n, _ in hdrs:
+        if n == b"connection":  # names listed in Connection are hop-by-hop too
+            skip = skip | connection_tokens(hdrs)
+            break
+    if decoded:
+        skip = skip | {b"content-encoding"}
+    path = scope.get("raw_path") or scope["path"].encode()
+    qs = scope.get("query_string") or b""
+    if qs and b"?" not in path:
+        path += b"?" + qs
+    parts = [scope["method"].encode(), b" ", path, b" HTTP/1.1\r\nhost: dplb-worker\r\ncontent-length: ",
+             str(length).encode(), b"\r\nx-request-id: ", rid, b"\r\n"]
+    for n, v in hdrs:
+        if n not in skip:
+            parts += (n, b": ", v, b"\r\n")
+    if end:
+        parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def response_headers(up_headers: list[tuple[bytes, bytes]], worker_id: bytes,
+                     rid: bytes) -> tuple[list[tuple[bytes, bytes]], bool, bool]:
+    """(headers for the client, is SSE, the worker's draining marker present) of a worker's response head."""
+    out = []
+    is_sse = draining = listed = False
+    for n, v in up_headers:
+        low = n.lower()
+        if low in RESP_OWN:
+            draining |= low == b"x-dplb-draining"
+            listed |= low == b"connection"
+            continue
+        if low == b"content-type" and v.startswith(b"text/event-stream"):
+            is_sse = True
+        out.append((n, v))
+    if listed:
+        extra = connection_tokens(up_headers)
+        out = [(n, v) for n, v in out if n.lower() not in extra]
+    out.append((b"x-sg-worker-id", worker_id))
+    out.append((b"x-request-id", rid))
+    return out, is_sse, draining
+
+
+__all__ = ["HOP_BY_HOP", "REQ_OWN", "RESP_OWN", "Exchange", "connection_tokens", "request_head",
+           "response_headers", "watch_disconnect"]
