@@ -299,10 +299,18 @@ def test_compare_stopped_mid_run_leaves_nothing_behind(tmp_path) -> None:  # typ
     def ps() -> list[str]:
         return subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
 
+    def ours(pid: str) -> bool:
+        """The router gets its config in the environment (issue 14), so look there too for the run dir."""
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                return f"DPLB_RUN_DIR={run_dir}".encode() in f.read().split(b"\0")
+        except OSError:
+            return False
+
     def cluster_pids() -> list[str]:
-        # only this run's cluster (its run dir is in every child's arguments): another benchmark on the machine
-        # must not count
-        return [ln.split()[0] for ln in ps() if run_dir in ln and "dplb.cli" in ln]
+        # only this run's cluster (its run dir is in every child's arguments or environment): another benchmark on
+        # the machine must not count
+        return [ln.split()[0] for ln in ps() if "dplb.cli" in ln and (run_dir in ln or ours(ln.split()[0]))]
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(f.startswith(segment_prefix) for f in os.listdir("/dev/shm")):

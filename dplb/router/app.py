@@ -32,13 +32,12 @@ import logging
 import os
 import signal
 import time
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
-from litestar.params import Parameter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_CONTENT_TYPE
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
@@ -65,8 +64,6 @@ _TEXT_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
 _METHODS = frozenset({"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"})
 _ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/debug/decisions", "/v1/load_lora_adapter",
                      "/v1/unload_lora_adapter"}) | PROXY_PATHS
-#: ``?scope=process``: this router process alone (``scope`` is a reserved handler argument name in Litestar).
-_ScopeParam = Annotated[str | None, Parameter(query="scope")]
 _HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models"})
 
 
@@ -120,9 +117,10 @@ class RouterApp:
             return Response({"ready": True, "routable_workers": ws, "shm_segment_present": state.segment is not None})
 
         @get("/metrics")
-        async def metrics_endpoint(request: Request[Any, Any, Any], only: _ScopeParam = None) -> Response[bytes]:
+        async def metrics_endpoint(request: Request[Any, Any, Any]) -> Response[bytes]:
             source: Any = metrics.registry
-            if cfg.processes > 1 and only != SCOPE_PROCESS:  # the whole group (dplb.router.siblings)
+            # A group answers for all its processes (dplb.router.siblings); ?scope=process for this one alone.
+            if cfg.processes > 1 and request.query_params.get("scope") != SCOPE_PROCESS:
                 source = merge_metrics(metrics.registry.collect(), await fetch_siblings(cfg, "/metrics"),
                                        cfg.processes)
             # OpenMetrics when asked (Prometheus does with exemplar storage on): latency histograms then carry
@@ -169,12 +167,12 @@ class RouterApp:
             return await lora(request)
 
         @get("/debug/decisions")
-        async def decisions(limit: int = 50, only: _ScopeParam = None) -> list[dict[str, Any]]:
+        async def decisions(request: Request[Any, Any, Any], limit: int = 50) -> list[dict[str, Any]]:
             if limit <= 0:
                 raise HTTPException(status_code=400, detail="limit must be > 0")
             items = list(state.decisions)[-limit:]
             own = [{"time": t, "request_id": rid, **d.to_dict()} for t, rid, d in reversed(items)]
-            if cfg.processes == 1 or only == SCOPE_PROCESS:
+            if cfg.processes == 1 or request.query_params.get("scope") == SCOPE_PROCESS:
                 return own
             return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={limit}"),
                                    limit)
