@@ -166,8 +166,8 @@ class RouterState:
                 slots.drain_prefix(self._prefix_index, now)  # what the other router processes sent meanwhile
             d = self.policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight,
                                  shared=self._shared(snap, now))
-            if request.learned and slots is not None and d.worker is not None:
-                slots.publish_prefix(d.worker, request.learned)
+            if request.learned and slots is not None and slots.has_peers and d.worker is not None:
+                slots.publish_prefix(d.worker, request.learned)  # alone on the segment: nobody to tell
         self.metrics.observe_decision(d, time.perf_counter() - t0)
         self.decisions.append((time.time(), request_id, d))
         return d
