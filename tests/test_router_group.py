@@ -148,3 +148,27 @@ def test_group_refuses_a_taken_port_and_a_missing_run_dir(tmp_path) -> None:  # 
             assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     finally:
         holder.close()
+
+
+def test_a_conversation_finds_its_worker_whichever_process_gets_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The prefix index is shared through the segment's prefix rings: each turn of a conversation arrives on a new
+    connection (so on either process) and still goes to the worker that holds its history."""
+    with cluster(str(tmp_path), 2, router_args=["--processes", "2"]) as c:
+        _wait_group(c, 2)
+        crossed = 0
+        for conv in range(6):
+            system = {"role": "system", "content": f"conversation {conv}: " + "a long shared history " * 120}
+            msgs = [system, {"role": "user", "content": "turn 0"}]
+            first = httpx.post(c.url + "/v1/chat/completions", timeout=10,
+                               json={"model": "dplb-sim", "messages": msgs, "max_tokens": 2})
+            home = first.headers["x-sg-worker-id"]
+            ids = [first.headers["x-request-id"]]
+            for turn in range(1, 5):
+                msgs = [*msgs, {"role": "assistant", "content": "ok"}, {"role": "user", "content": f"turn {turn}"}]
+                r = httpx.post(c.url + "/v1/chat/completions", timeout=10,
+                               json={"model": "dplb-sim", "messages": msgs, "max_tokens": 2})
+                assert r.status_code == 200 and r.headers["x-sg-worker-id"] == home, (conv, turn)
+                ids.append(r.headers["x-request-id"])
+            served = _served_by(c)
+            crossed += len({served[i] for i in ids}) > 1
+        assert crossed >= 2, "the turns never crossed between processes: the test proved nothing"
