@@ -8,6 +8,7 @@ process without dropping a request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -172,3 +173,22 @@ def test_a_conversation_finds_its_worker_whichever_process_gets_it(tmp_path) -> 
             served = _served_by(c)
             crossed += len({served[i] for i in ids}) > 1
         assert crossed >= 2, "the turns never crossed between processes: the test proved nothing"
+
+
+def test_a_hung_process_is_killed_and_replaced(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A stopped child still gets new connections from the kernel: the parent's liveness probe (GET /health on its
+    private socket every 2 s, 5 misses) kills it and starts another."""
+    with cluster(str(tmp_path), 1, router_args=["--processes", "2"]) as c:
+        kids = _wait_group(c, 2)
+        os.kill(kids[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            while time.monotonic() - t0 < 40 and _children(c).get(1) == kids[1]:
+                time.sleep(0.25)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kids[1], signal.SIGCONT)
+        assert _children(c).get(1) != kids[1], "the stopped process was never replaced"
+        assert 8 <= time.monotonic() - t0 <= 25, time.monotonic() - t0
+        assert "router process 1 (pid %d) gave no /health answer 5 times in a row" % kids[1] in c.router_log()
+        assert _wait_group(c, 2)[0] == kids[0]

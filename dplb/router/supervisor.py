@@ -15,6 +15,9 @@ server streams. The state plane is shared memory, so N processes can route on it
   0.5 s to 10 s while it keeps failing within :data:`STABLE_S`); connections the dead child had accepted are lost,
   the other children's are not. After :data:`MAX_START_FAILURES` exits in a row before listening the parent gives
   up (exit 1, the child's exit status in the log).
+- Liveness: every :data:`HEALTH_EVERY_S` the parent asks each child's private socket for ``/health``; a child that
+  gives no HTTP answer :data:`HUNG_AFTER` times in a row (stopped, or its event loop stuck) is SIGKILLed and
+  restarted — the kernel keeps handing a hung process new connections, so waiting would strand clients.
 - Signals: SIGTERM/SIGINT are forwarded to every child; each drains (stops accepting, finishes its in-flight
   requests within the router's graceful window); children still running after :data:`STOP_TIMEOUT_S` are
   SIGKILLed. Exit code 0 when every child stopped cleanly, 1 otherwise.
@@ -47,6 +50,9 @@ BACKOFF_START_S, BACKOFF_MAX_S = 0.5, 10.0
 MAX_START_FAILURES = 5
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0  # the router's own graceful window (5 s) + its stop wait (10 s) + margin
+HEALTH_EVERY_S = 2.0
+HEALTH_TIMEOUT_S = 1.0
+HUNG_AFTER = 5  # failed health probes in a row (≈ 10–15 s) before a child counts as hung
 _ENV_DROP = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
@@ -60,6 +66,8 @@ class _Member:
     backoff_s: float = BACKOFF_START_S
     next_start: float = 0.0
     restarts: int = 0
+    next_probe: float = 0.0
+    failed_probes: int = 0
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -151,6 +159,35 @@ class RouterGroup:
         finally:
             s.close()
 
+    def _answers_health(self, m: _Member) -> bool:
+        """True when the child's private socket answers ``GET /health`` with any HTTP status within
+        :data:`HEALTH_TIMEOUT_S` (a 401 under an API key still proves its loop runs)."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(HEALTH_TIMEOUT_S)
+        try:
+            s.connect(self.cfg.process_socket(m.index))
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: dplb\r\nconnection: close\r\n\r\n")
+            return s.recv(16).startswith(b"HTTP/1.1 ")
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def _probe(self, m: _Member, now: float) -> None:
+        """Liveness probe of a listening child (module docstring): SIGKILL it once it is hung."""
+        if now < m.next_probe or m.proc is None:
+            return
+        m.next_probe = now + HEALTH_EVERY_S
+        if self._answers_health(m):
+            m.failed_probes = 0
+            return
+        m.failed_probes += 1
+        if m.failed_probes >= HUNG_AFTER:
+            log.error("router process %d (pid %d) gave no /health answer %d times in a row; killing it", m.index,
+                      m.proc.pid, m.failed_probes)
+            m.failed_probes = 0
+            m.proc.kill()
+
     def _on_signal(self, signum: int, frame: object) -> None:
         if not self.stopping:
             log.info("%s received: draining %d router processes", signal.Signals(signum).name, len(self.members))
@@ -182,10 +219,13 @@ class RouterGroup:
             for m in self.members:
                 assert m.proc is not None or m.next_start
                 if m.proc is not None and m.proc.poll() is None:
-                    if not m.listening and self._listening(m):
+                    if m.listening:
+                        self._probe(m, now)
+                    elif self._listening(m):
                         m.listening, m.failures = True, 0
+                        m.next_probe, m.failed_probes = now + HEALTH_EVERY_S, 0
                         log.info("router process %d listening (pid %d)", m.index, m.proc.pid)
-                    elif not m.listening and now - m.started_at > START_TIMEOUT_S:
+                    elif now - m.started_at > START_TIMEOUT_S:
                         log.error("router process %d not listening after %.0f s; killing it", m.index,
                                   START_TIMEOUT_S)
                         m.proc.kill()
