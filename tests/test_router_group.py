@@ -190,5 +190,5 @@ def test_a_hung_process_is_killed_and_replaced(tmp_path) -> None:  # type: ignor
                 os.kill(kids[1], signal.SIGCONT)
         assert _children(c).get(1) != kids[1], "the stopped process was never replaced"
         assert 8 <= time.monotonic() - t0 <= 25, time.monotonic() - t0
-        assert "router process 1 (pid %d) gave no /health answer 5 times in a row" % kids[1] in c.router_log()
+        assert f"router process 1 (pid {kids[1]}) gave no /health answer 5 times in a row" in c.router_log()
         assert _wait_group(c, 2)[0] == kids[0]
