@@ -73,14 +73,21 @@ ROUTER_PROCESSES = "dplb_router_processes"  # {state="configured"|"answered"}: a
 #: except dplb_build_info (told apart by its ``component`` label), so an unfiltered ``sum`` never double-counts.
 WORKER_SIDE = frozenset({BUILD_INFO, WORKER_INFO, WORKER_REQUESTS, WORKER_ERRORS, NVML_ERRORS, WORKER_COLLECTOR_TICK})
 
-#: How a router group's /metrics merges its processes (:mod:`dplb.router.siblings`): counters and histograms of
-#: each process's work are summed, and so are these gauges of per-process resources; GROUP_MIN gauges take the
-#: oldest; everything else — above all the per-worker figures every process derives from the same shm segment and
-#: router slots — is the answering process's own. GROUP_LOCAL: counters read from shm (the same in every process).
-GROUP_SUMMED_GAUGES = frozenset({"process_resident_memory_bytes", "process_virtual_memory_bytes", "process_open_fds",
-                                 PREFIX_INDEX_BLOCKS, PREFIX_INDEX_CAPACITY, PREFIX_INDEX_BYTES})
-GROUP_MIN = frozenset({"process_start_time_seconds"})
-GROUP_LOCAL = frozenset({WORKER_CUDA_OOM})
+#: How a router group's /metrics merges its processes (:mod:`dplb.router.siblings`). GROUP_SHARED: figures every
+#: process derives from the same shm segment and router slots (the per-worker scoring inputs, health, lifecycle)
+#: and the settings: the answering process's own view, once. Everything else is a process's own (its counters and
+#: histograms, process_* resources, its latency baseline and prefix-index copy): one series per process with a
+#: ``process`` label, so nothing is summed twice and a restarted process resets only its own series (rate() stays
+#: right). Aggregate with ``sum by (...)`` as the dashboards and alerts do.
+GROUP_SHARED = frozenset({
+    WORKER_QUEUE_LENGTH, WORKER_REQUESTS_RUNNING, WORKER_REQUESTS_WAITING, WORKER_INFLIGHT_CORRECTION,
+    WORKER_MAX_QUEUE, WORKER_REQUESTS_INFLIGHT, WORKER_KV_CACHE_USAGE, WORKER_GPU_MEMORY_USED, WORKER_GPU_MEMORY_TOTAL,
+    WORKER_LATENCY_AVG, WORKER_E2E_AVG, WORKER_TTFT_AVG, WORKER_SCORE, WORKER_SCORE_TERM, WORKER_UP, WORKER_LIFECYCLE,
+    WORKER_STATE_LAST_UPDATE, WORKER_WARMUP_DURATION, WORKER_FIRST_REQUEST_DURATION, WORKER_MODEL_LOAD_DURATION,
+    WORKER_CUDA_OOM, WORKERS_REGISTERED, POLICY_INFO, POLICY_WEIGHT, BUILD_INFO, ROUTER_PROCESSES,
+})
+#: Scrape-time figures of one process (not derived from shm): labelled per process like the counters.
+GROUP_PER_PROCESS_SCRAPE = frozenset({LATENCY_BASELINE, PREFIX_INDEX_BLOCKS, PREFIX_INDEX_CAPACITY, PREFIX_INDEX_BYTES})
 
 # (operation, error) label pairs of dplb_shm_errors_total: a closed set.
 SHM_ERROR_LABELS = (("attach", "ShmMissingError"), ("attach", "ShmLayoutError"), ("attach", "ShmError"),

@@ -68,24 +68,46 @@ def _served_by(c: Cluster) -> dict[str, int]:
     return {d["request_id"]: d["process"] for d in httpx.get(c.url + "/debug/decisions?limit=256").json()}
 
 
+def _samples(text: str) -> dict[str, float]:
+    return {ln.rpartition(" ")[0]: float(ln.rpartition(" ")[2]) for ln in text.splitlines()
+            if ln and not ln.startswith("#")}
+
+
+def _total(samples: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in samples.items() if k.startswith(prefix))
+
+
 def test_group_answers_as_one_router(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
+
     with cluster(str(tmp_path), 2, router_args=["--processes", "2"]) as c:
         _wait_group(c, 2)
         for _ in range(60):  # a new connection each: the kernel spreads them over both processes
             assert httpx.post(c.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
         procs = set(_served_by(c).values())
         assert procs == {0, 1}, procs
-        text = httpx.get(c.url + "/metrics").text
-        samples = {ln.rpartition(" ")[0]: float(ln.rpartition(" ")[2]) for ln in text.splitlines()
-                   if ln and not ln.startswith("#")}
-        assert samples['dplb_http_requests_total{method="POST",route="/v1/completions",status="200"}'] == 60
-        assert sum(v for k, v in samples.items() if k.startswith("dplb_routing_decisions_total")) == 60
-        # Per-worker figures from shm are not summed over processes (each process sees the whole group).
+        samples = _samples(httpx.get(c.url + "/metrics").text)
+        # A process's own counters: one series per process (label `process`); their sum is the group's.
+        ok = 'dplb_http_requests_total{method="POST",process="%s",route="/v1/completions",status="200"}'
+        assert samples[ok % "0"] + samples[ok % "1"] == 60 and samples[ok % "0"] > 0 and samples[ok % "1"] > 0
+        assert _total(samples, "dplb_routing_decisions_total") == 60
+        assert 'process_cpu_seconds_total{process="0"}' in samples and 'process_cpu_seconds_total{process="1"}' in samples
+        # Per-worker figures from shm are shown once (each process sees the whole group), not per process.
         assert samples['dplb_worker_up{worker="0"}'] == 1 and samples['dplb_worker_up{worker="1"}'] == 1
         assert samples['dplb_worker_requests_inflight{worker="0"}'] == 0
+        assert samples['dplb_router_processes{state="answered"}'] == 2
         one = httpx.get(c.url + "/metrics?scope=process").text
-        assert "dplb_router_processes" not in one  # one process alone, unmerged
-        assert 'route="/v1/completions",status="200"} 60.0' not in one
+        assert "dplb_router_processes" not in one and 'process="' not in one  # one process alone, unmerged
+        # The merged OpenMetrics answer is valid (each labelled child's samples kept together).
+        om = httpx.get(c.url + "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+        assert {f.name for f in om_parse(om.text)} >= {"dplb_http_requests", "dplb_upstream_request_duration_seconds"}
+        assert all("process" in d for d in httpx.get(c.url + "/debug/decisions?scope=process").json())
+        # A restarted process resets only its own series: the survivor's count never goes down.
+        before = samples[ok % "1"]
+        os.kill(_children(c)[0], signal.SIGKILL)
+        _wait_group(c, 2)
+        after = _samples(httpx.get(c.url + "/metrics").text)
+        assert after[ok % "1"] == before and after.get(ok % "0", 0) == 0
 
 
 def test_sigkilled_process_is_replaced_and_the_other_finishes(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -192,3 +214,19 @@ def test_a_hung_process_is_killed_and_replaced(tmp_path) -> None:  # type: ignor
         assert 8 <= time.monotonic() - t0 <= 25, time.monotonic() - t0
         assert f"router process 1 (pid {kids[1]}) gave no /health answer 5 times in a row" in c.router_log()
         assert _wait_group(c, 2)[0] == kids[0]
+
+
+def test_every_scrape_time_family_has_a_group_rule() -> None:
+    """A family the per-worker collector yields is either shared (derived from shm: shown once) or a process's own
+    (labelled per process); a new one must be put in one of the two sets in dplb/metrics.py."""
+    from dplb import metrics as M
+    from dplb.config import PolicyConfig
+    from dplb.policy import make_policy
+    from dplb.shm import Lifecycle, WorkerState
+
+    p = make_policy(PolicyConfig(), 1)
+    now = time.monotonic_ns()
+    d = p.pick([WorkerState(0, pid=1, lifecycle=Lifecycle.READY, heartbeat_mono_ns=now)], now, dry_run=True)
+    names = {f.name for f in M.WorkerStateCollector(lambda: (d, [0], 1, 0.5, p)).collect()}
+    assert not M.GROUP_SHARED & M.GROUP_PER_PROCESS_SCRAPE
+    assert names <= M.GROUP_SHARED | M.GROUP_PER_PROCESS_SCRAPE, names - M.GROUP_SHARED - M.GROUP_PER_PROCESS_SCRAPE

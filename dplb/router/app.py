@@ -121,8 +121,8 @@ class RouterApp:
             source: Any = metrics.registry
             # A group answers for all its processes (dplb.router.siblings); ?scope=process for this one alone.
             if cfg.processes > 1 and request.query_params.get("scope") != SCOPE_PROCESS:
-                source = merge_metrics(metrics.registry.collect(), await fetch_siblings(cfg, "/metrics"),
-                                       cfg.processes)
+                source = merge_metrics(metrics.registry.collect(), cfg.process_index,
+                                       await fetch_siblings(cfg, "/metrics"), cfg.processes)
             # OpenMetrics when asked (Prometheus does with exemplar storage on): latency histograms then carry
             # trace-id exemplars.
             if "application/openmetrics-text" in request.headers.get("accept", ""):
@@ -172,8 +172,10 @@ class RouterApp:
                 raise HTTPException(status_code=400, detail="limit must be > 0")
             items = list(state.decisions)[-limit:]
             own = [{"time": t, "request_id": rid, **d.to_dict()} for t, rid, d in reversed(items)]
-            if cfg.processes == 1 or request.query_params.get("scope") == SCOPE_PROCESS:
+            if cfg.processes == 1:
                 return own
+            if request.query_params.get("scope") == SCOPE_PROCESS:
+                return [{**d, "process": cfg.process_index} for d in own]
             return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={limit}"),
                                    limit)
 

@@ -4,14 +4,14 @@ With ``--processes N`` a scrape lands on any one process (``SO_REUSEPORT``). Tha
 its private socket (:meth:`dplb.config.RouterConfig.process_socket`, ``?scope=process``: that process alone) and
 merges:
 
-- Metrics (:func:`merge_metrics`; the rules are :data:`dplb.metrics.GROUP_SUMMED_GAUGES` and its neighbours):
-  counters and histograms of each process's own work are summed sample by sample (``_created``: the oldest), so
-  nothing is counted twice or lost; per-process resources (RSS, open fds, CPU seconds, prefix-index size) are
-  summed; the per-worker figures derived from shm are the answering process's own — every process computes them
-  from the same segment and the same router slots, so they already describe the whole group. A sibling that does
-  not answer within :data:`FETCH_TIMEOUT_S` is left out and ``dplb_router_processes{state="answered"}`` says so.
-  A restarted process starts its counters at 0: the group's sums drop by its share (Prometheus' ``rate()``
-  reads that as a counter reset).
+- Metrics (:func:`merge_metrics`; the rule is :data:`dplb.metrics.GROUP_SHARED`): the per-worker figures every
+  process derives from the same shm segment and router slots, and the settings, are the answering process's own
+  view, once. Everything a process owns — its counters and histograms, ``process_*`` resources, its latency
+  baseline and prefix-index copy — is one series per process with a ``process`` label: nothing is summed twice, and
+  a restarted process resets only its own series, which ``rate()`` handles (a summed series would drop by that
+  process's share and ``rate()`` would count the survivors' whole history again). Samples are grouped by label set
+  so the OpenMetrics output stays valid. A sibling that does not answer within :data:`FETCH_TIMEOUT_S` is left out
+  and ``dplb_router_processes{state="answered"}`` says so.
 - Decisions (:func:`merge_decisions`): every process's ring, each entry labelled ``process``, newest first.
 """
 
@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from dplb.config import RouterConfig
-from dplb.metrics import GROUP_LOCAL, GROUP_MIN, GROUP_SUMMED_GAUGES, ROUTER_PROCESSES
+from dplb.metrics import GROUP_SHARED, ROUTER_PROCESSES
 
 FETCH_TIMEOUT_S = 2.0
 SCOPE_PROCESS = "process"  # ?scope=process: this process alone (what siblings ask each other)
@@ -55,17 +55,10 @@ async def fetch_siblings(cfg: RouterConfig, path: str) -> dict[int, bytes | None
     return dict(zip(others, bodies, strict=True))
 
 
-def _rule(family: Metric) -> str:
-    """How a family merges over the group: "sum", "min" or "local" (module docstring)."""
-    if family.name in GROUP_LOCAL:
-        return "local"
-    if family.type in ("counter", "histogram", "summary") or family.name in GROUP_SUMMED_GAUGES:
-        return "sum"
-    return "min" if family.name in GROUP_MIN else "local"
-
-
-def _key(s: Sample) -> tuple[str, tuple[tuple[str, str], ...]]:
-    return s.name, tuple(sorted(s.labels.items()))
+def _group_key(s: Sample) -> tuple[tuple[str, str], ...]:
+    """A sample's label set without ``le``: the samples of one labelled child (total + created, or buckets + count
+    + sum + created) share it and must stay together."""
+    return tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
 
 
 class _Merged:
@@ -78,40 +71,30 @@ class _Merged:
         return iter(self.families)
 
 
-def merge_metrics(local: Iterable[Metric], siblings: dict[int, bytes | None], processes: int) -> _Merged:
-    """Merge this process's families (``registry.collect()``) with the siblings' text expositions (module
-    docstring). Exemplars of this process's samples are kept. Returns an object for ``generate_latest``."""
-    theirs: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = {}
-    by_family: dict[str, list[Sample]] = {}
-    for body in siblings.values():
+def merge_metrics(local: Iterable[Metric], index: int, siblings: dict[int, bytes | None], processes: int) -> _Merged:
+    """Merge this process's families (``registry.collect()``; it is process ``index``) with the siblings' text
+    expositions (module docstring). Exemplars of this process's samples are kept. Returns an object for
+    ``generate_latest``."""
+    theirs: dict[str, list[Sample]] = {}  # family name → siblings' samples, each with its process label
+    for i, body in sorted(siblings.items()):
         if body is None:
             continue
         for fam in text_string_to_metric_families(body.decode(errors="replace")):
-            for s in fam.samples:
-                theirs.setdefault(_key(s), []).append(s.value)
-                by_family.setdefault(fam.name.removesuffix("_created"), []).append(s)
+            tag = str(i)
+            theirs.setdefault(fam.name.removesuffix("_created"), []).extend(
+                Sample(s.name, {**s.labels, "process": tag}, s.value, s.timestamp) for s in fam.samples)
     out: list[Metric] = []
+    own = str(index)
     for fam in local:
-        rule = _rule(fam)
-        if rule == "local":
+        if fam.name in GROUP_SHARED:
             out.append(fam)
             continue
         merged = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-        seen = set()
-        for s in fam.samples:
-            k = _key(s)
-            seen.add(k)
-            vals = theirs.get(k, [])
-            v = min([s.value, *vals]) if rule == "min" or s.name.endswith("_created") else s.value + sum(vals)
-            merged.samples.append(Sample(s.name, s.labels, v, s.timestamp, s.exemplar))
-        for s in by_family.get(fam.name, ()):  # label sets only siblings have (a status only they served)
-            k = _key(s)
-            if k in seen:
-                continue
-            seen.add(k)
-            vals = theirs[k]
-            v = min(vals) if rule == "min" or s.name.endswith("_created") else sum(vals)
-            merged.samples.append(Sample(s.name, s.labels, v))
+        samples = [Sample(s.name, {**s.labels, "process": own}, s.value, s.timestamp, s.exemplar)
+                   for s in fam.samples]
+        samples += theirs.get(fam.name, ())
+        samples.sort(key=_group_key)  # stable: a child's samples keep their order, children stay together
+        merged.samples = samples
         out.append(merged)
     out.append(processes_family(processes, 1 + sum(1 for b in siblings.values() if b is not None)))
     return _Merged(out)
@@ -145,7 +128,7 @@ def merge_decisions(local: list[dict[str, Any]], index: int, siblings: dict[int,
         if body is None:
             continue
         try:
-            items += [{**d, "process": i} for d in json.loads(body)]
+            items += [{**d, "process": i} for d in json.loads(body)]  # (they say so too; the index is ours)
         except (ValueError, TypeError):
             continue
     items.sort(key=lambda d: d.get("time", 0.0), reverse=True)
