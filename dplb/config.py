@@ -256,7 +256,8 @@ class RouterConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
         if not 1 <= self.processes <= MAX_ROUTER_PROCESSES:
-            raise ConfigError(f"--processes must be 1..{MAX_ROUTER_PROCESSES}, got {self.processes}")
+            raise ConfigError(f"--processes (dplb launch: --router-processes) must be 1..{MAX_ROUTER_PROCESSES}, "
+                              f"got {self.processes}")
         if not 0 <= self.process_index < self.processes:
             raise ConfigError(f"process_index must be 0..{self.processes - 1}, got {self.process_index}")
         if self.num_workers is not None and self.num_workers <= 0:

@@ -26,6 +26,14 @@ class ConfigError(DPLBError, ValueError):
     exit_code = 2
 
 
+class PortInUseError(ConfigError):
+    """A TCP address the stack must bind is taken: names the address and the flag to change."""
+
+    def __init__(self, host: str, port: int, reason: str, flag: str = "--port") -> None:
+        super().__init__(f"cannot bind {host}:{port}: {reason}; another process holds it (pass another {flag}, or "
+                         "stop it)")
+
+
 class ShmError(DPLBError):
     """Base class of shared-memory segment errors; ``path`` is the segment file involved."""
 

@@ -44,7 +44,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_gener
 
 from dplb import __version__
 from dplb.config import RouterConfig
-from dplb.errors import RouterErrorKind
+from dplb.errors import PortInUseError, RouterErrorKind
 from dplb.metrics import RouterMetrics, WorkerStateCollector
 from dplb.router.fanout import fan_out, parse_workers
 from dplb.router.models import ServedModels
@@ -317,13 +317,16 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     old, new = raise_fd_limit()
     if new != old:
         log.info("raised the open-file limit from %d to %d (two descriptors per proxied request)", old, new)
+    group = cfg.processes > 1
+    try:  # before anything registers in the segment: a taken port leaves no trace
+        sock = bind_tcp(cfg.host, cfg.port, reuse_port=group)
+    except OSError as e:
+        raise PortInUseError(cfg.host, cfg.port, e.strerror or str(e)) from e
     app = RouterApp(cfg)
     server = make_server(app, graceful_s=5.0, access_log=cfg.access_log, max_head_bytes=MAX_HEAD_BYTES,
                          on_reject=lambda code: app.metrics.rejected.labels(code).inc())
     server.config.server_header = False  # upstream Server/Date headers pass through instead
     server.config.date_header = False
-    group = cfg.processes > 1
-    sock = bind_tcp(cfg.host, cfg.port, reuse_port=group)
     sockets = [sock]
     if group:  # this process's own socket: siblings fetch its metrics and decisions through it
         sockets.append(bind_uds(cfg.process_socket(cfg.process_index)))

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 from dplb.config import RouterConfig
-from dplb.errors import ConfigError
+from dplb.errors import ConfigError, PortInUseError
 from dplb.procs import die_with_parent
 from dplb.systemd import Watchdog, notify
 
@@ -82,8 +82,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
         probe.bind(addr)
         addr = probe.getsockname()  # port 0 → the port the kernel chose
     except OSError as e:
-        raise ConfigError(f"cannot bind {host}:{port}: {e.strerror}; another process holds it (pass another "
-                          "--port, or stop it)") from e
+        raise PortInUseError(host, port, e.strerror or str(e)) from e
     finally:
         probe.close()
     hold = socket.socket(family, socktype, proto)
