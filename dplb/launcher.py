@@ -429,7 +429,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     if args.emit_systemd:
-        from dplb.systemd import emit_env_files
+        from dplb.systemd_env import emit_env_files
 
         return emit_env_files(args, rest)
     try:

@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from cluster import ROOT, cluster, dplb_cmd, free_port
@@ -157,3 +158,37 @@ def test_doctor_cli_exit_code() -> None:
     checks = {c["name"]: c for c in json.loads(r.stdout)}
     assert checks["ports"]["status"] == "fail"
     assert set(checks) == {"gpus", "plan", "model_memory", "shm", "stale_segments", "ports", "run_dir"}
+
+
+def test_emit_systemd_keeps_every_router_flag_and_the_key_out_of_shared_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression (fresh-eyes, issue 14): --emit-systemd wrote only host/port/policy into DPLB_ROUTER_ARGS, so the
+    deployed router ran without the --api-key and every other router flag given. Now every router flag reaches the
+    unit (parsed back here into the same RouterConfig) and the key goes to router.env (0600) alone."""
+    import argparse
+    import dataclasses
+    import shlex
+    import stat
+
+    from dplb.router.cli import add_router_args, router_config
+
+    flags = ["--port", "31555", "--weights", "queue=0.5,memory=0.2,latency=0.3", "--router-processes", "3",
+             "--cors-allowed-origins", "https://a.example", "--api-key-exempt", "/health", "--prefix-block-bytes",
+             "256", "--sse-keepalive", "15", "--allow-runtime-lora", "--policy-plugin", "json"]
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--api-key", "s3cret", "--emit-systemd", str(tmp_path),
+                                *flags), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    common = (tmp_path / "dplb.env").read_text()
+    assert "s3cret" not in common and all("s3cret" not in p.read_text() for p in tmp_path.glob("worker-*.env"))
+    key = tmp_path / "router.env"
+    assert "DPLB_API_KEY=s3cret\n" in key.read_text() and stat.S_IMODE(key.stat().st_mode) == 0o600
+    line = next(ln for ln in common.splitlines() if ln.startswith("DPLB_ROUTER_ARGS="))
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+
+    def cfg(argv: list[str]):  # type: ignore[no-untyped-def]
+        c = router_config(p.parse_args(argv), run_dir="/run/dplb", shm_path=None, num_workers=2)
+        return dataclasses.replace(c, api_key=None)
+
+    assert cfg(shlex.split(line.partition("=")[2])) == cfg(flags)
+    unit = Path(ROOT, "deploy/systemd/dplb-router.service").read_text()
+    assert "EnvironmentFile=-/etc/dplb/router.env" in unit

@@ -67,6 +67,28 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="import MODULE first: it registers extra scorers for --weights (repeatable)")
 
 
+def router_argv(args: argparse.Namespace) -> list[str]:
+    """Every router and policy flag of ``args`` that differs from its default, as a command line (what
+    ``--emit-systemd`` writes into ``DPLB_ROUTER_ARGS``): derived from :func:`add_router_args`, so no flag can be
+    forgotten. ``--api-key`` is left out: a key never goes on a command line (it travels in ``DPLB_API_KEY``)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_router_args(probe)
+    out: list[str] = []
+    for action in probe._actions:
+        if action.dest in ("help", "api_key"):
+            continue
+        value = getattr(args, action.dest)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            out += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction):
+            for v in value or ():
+                out += [flag, str(v)]
+        elif value is not None and value != action.default:
+            out += [flag, str(value)]
+    return out
+
+
 def policy_config(args: argparse.Namespace, state_interval_ms: int = 200) -> PolicyConfig:
     """Build and validate the policy configuration from parsed flags (plugins loaded, scorer names checked).
     Raises :class:`ConfigError`."""
