@@ -232,3 +232,40 @@ def test_every_scrape_time_family_has_a_group_rule() -> None:
     names = {f.name for f in M.WorkerStateCollector(lambda: (d, [0], 1, 0.5, p)).collect()}
     assert not M.GROUP_SHARED & M.GROUP_PER_PROCESS_SCRAPE
     assert names <= M.GROUP_SHARED | M.GROUP_PER_PROCESS_SCRAPE, names - M.GROUP_SHARED - M.GROUP_PER_PROCESS_SCRAPE
+
+
+def test_a_worker_connection_lost_before_use_logs_no_asyncio_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression (fresh-eyes): after SIGSTOP/SIGCONT a router logged "Future exception was never retrieved …
+    UpstreamClosed": a worker connection opened for a client that had gone meanwhile, then closed before any
+    request was sent on it, failed a response future nobody would await. Real Unix socket, real close."""
+    import gc
+    import socket
+
+    from dplb.router.upstream import UpstreamPool, UpstreamTimeout
+
+    path = str(tmp_path / "w.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen()
+    errors: list[dict[str, object]] = []
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        pool = UpstreamPool([path], 1.0)
+        conn = await pool.open(0)
+        peer, _ = srv.accept()
+        peer.close()  # the worker side goes away before the router sent anything
+        await asyncio.sleep(0.1)
+        assert conn.closed
+        conn2 = await pool.open(0)  # and a request whose head never comes: its timeout is still raised
+        conn2.send_request(b"GET / HTTP/1.1\r\nhost: w\r\n\r\n", b"")
+        with pytest.raises(UpstreamTimeout):
+            await conn2.response_head(0.05)
+        del conn, conn2
+        pool.close()
+        gc.collect()
+        await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())
+    srv.close()
+    assert not [e for e in errors if "never retrieved" in str(e.get("message"))], errors

@@ -25,6 +25,7 @@ import collections
 import math
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httptools
 
@@ -131,10 +132,10 @@ class UpstreamConn(asyncio.Protocol):
     def _fail(self, exc: UpstreamError) -> None:
         self.closed = True
         if not self._head.done():
-            self._head.set_exception(exc)
+            _set_exception(self._head, exc)
         w = self._wakeup
         if w is not None and not w.done():
-            w.set_exception(exc)
+            _set_exception(w, exc)
         self._error = exc
         if self.transport is not None:
             self.transport.close()
@@ -219,7 +220,7 @@ class UpstreamConn(asyncio.Protocol):
         loop = w.get_loop()
         now = loop.time()
         if now >= self._deadline:
-            w.set_exception(UpstreamTimeout("idle", self._idle_s))
+            _set_exception(w, UpstreamTimeout("idle", self._idle_s))
             return
         if now >= self._tick_at:
             self._tick_at = now + self._tick_s
@@ -240,9 +241,16 @@ class UpstreamConn(asyncio.Protocol):
             self.transport.abort()
 
 
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    """Fail ``fut`` and mark its exception retrieved: whoever awaits it still gets the exception, but a future
+    nobody awaits any more (its client went away first) does not log "Future exception was never retrieved"."""
+    fut.set_exception(exc)
+    fut.exception()
+
+
 def _expire(fut: asyncio.Future[None], phase: str, seconds: float) -> None:
     if not fut.done():
-        fut.set_exception(UpstreamTimeout(phase, seconds))
+        _set_exception(fut, UpstreamTimeout(phase, seconds))
 
 
 class UpstreamPool:
