@@ -42,9 +42,9 @@ MAX_ROUTER_PROCESSES = 8
 
 def default_router_processes(cpus: int | None = None) -> int:
     """Router processes ``dplb launch`` starts by default: one per 8 CPU cores, 1..:data:`MAX_ROUTER_PROCESSES`
-    (2 cores → 1, 16 → 2, 64 → 8). One process streams ~33k tokens/s at ~30 µs of CPU per token (issue 14); the
-    other 7 of every 8 cores are left to the workers (each vLLM worker keeps an API server and an engine core busy)
-    and their tokenizers."""
+    (2 cores → 1, 16 → 2, 64 → 8). One process streams up to ~75k tokens/s at ~13 µs of CPU per token
+    (bench_capacity.py); the other 7 of every 8 cores are left to the workers (each vLLM worker keeps an API server
+    and an engine core busy) and their tokenizers."""
     n = cpus if cpus is not None else (os.cpu_count() or 1)
     return max(1, min(MAX_ROUTER_PROCESSES, n // 8))
 

@@ -63,8 +63,8 @@ class ShmLayoutError(ShmError):
 
     def __init__(self, path: str, detail: str, *, dplb_magic: bool = True) -> None:
         if dplb_magic and os.path.dirname(os.path.abspath(path)) == "/dev/shm":
-            advice = ("It was probably written by another DPLB version. Stop the DPLB processes that use it, remove "
-                      f"it (rm '{path}'), and let `dplb launch` create a new one.")
+            advice = ("It was probably written by another DPLB version. Stop the DPLB processes that use it, then "
+                      f"let `dplb launch` (or `dplb segment create`) replace it, or remove it (rm '{path}').")
         else:
             advice = ("It is not a DPLB state segment, and DPLB will not touch it: set DPLB_SHM_PATH (or pass "
                       "--shm-path) to the segment `dplb launch` created (ls /dev/shm | grep dplb_state_).")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from dplb.errors import DPLBError, ShmPathError
 from dplb.shm import SHM_DIR, Segment, SegmentHeader, list_segments
-from dplb.shm_layout import pid_alive
+from dplb.shm_layout import HEADER_SIZE, SLOT_SIZE, is_dplb_segment, pid_alive
 
 
 @dataclass
@@ -71,9 +71,35 @@ def check_takeover(path: str) -> None:
     if not os.path.lexists(path):
         return
     info = inspect(path)
+    if info.header is None and is_dplb_segment(path):  # another layout version (an older DPLB made it)
+        live = older_layout_live_pids(path)
+        if live:
+            raise ShmPathError(f"segment '{path}' was made by another DPLB version ({info.error}) and processes "
+                               f"{', '.join(map(str, live))} still use it. Stop that stack, or pass another "
+                               "--shm-path (or unset DPLB_SHM_PATH)", path)
+        return  # stale: replaced atomically by the new segment
     if info.header is None:
         raise ShmPathError(f"'{path}' exists and is not a DPLB segment ({info.error}); DPLB will not overwrite or "
                            "remove it. Pass another --shm-path (or unset DPLB_SHM_PATH)", path)
     if info.live_pids:
         raise ShmPathError(f"segment {info.describe()}: another DPLB stack uses it. Stop that stack, or pass "
                            "another --shm-path (or unset DPLB_SHM_PATH)", path)
+
+
+def older_layout_live_pids(path: str) -> list[int]:
+    """Live processes recorded in a DPLB segment of another layout version, from the fields every version keeps at
+    the same place: the creator pid (offset 24), the router registry's first 8 entries (1184, 8 bytes each) and the
+    worker slots' pids (4096 + k·192 + 8). Empty when none is alive or the file cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_SIZE + 64 * SLOT_SIZE)
+    except OSError:
+        return []
+    if len(raw) < 1248:
+        return []
+    n = min(int.from_bytes(raw[8:10], "little"), 64)
+    pids = [int.from_bytes(raw[24:28], "little")]
+    pids += [int.from_bytes(raw[1184 + 8 * i:1188 + 8 * i], "little") for i in range(8)]
+    pids += [int.from_bytes(raw[o:o + 4], "little") for o in (HEADER_SIZE + k * SLOT_SIZE + 8 for k in range(n))
+             if o + 4 <= len(raw)]
+    return sorted({p for p in pids if p and pid_alive(p)})

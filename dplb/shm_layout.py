@@ -134,10 +134,8 @@ def decode_header(path: str, raw: bytes, file_size: int) -> SegmentHeader:
         raise ShmLayoutError(path, f"no DPLB magic ({magic!r}, expected {MAGIC!r})", dplb_magic=False)
     if version != LAYOUT_VERSION:
         older = "an older" if version < LAYOUT_VERSION else "a newer"
-        raise ShmLayoutError(path, f"layout version {version}, this DPLB reads version {LAYOUT_VERSION}: the segment "
-                             f"was made by {older} DPLB. Stop the stack that uses it and start it again with this "
-                             "DPLB (`dplb launch` recreates it; or `dplb segment create`), so that every worker and "
-                             "router runs the same version")
+        raise ShmLayoutError(path, f"layout version {version}, this DPLB reads version {LAYOUT_VERSION} (made by "
+                             f"{older} DPLB; every worker and router must run one version)")
     if hsize != HEADER_SIZE or ssize != SLOT_SIZE:
         raise ShmLayoutError(path, f"header/slot size {hsize}/{ssize}, expected {HEADER_SIZE}/{SLOT_SIZE}")
     if not 1 <= n <= MAX_WORKERS:

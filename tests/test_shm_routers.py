@@ -163,3 +163,32 @@ def test_prefix_rings_replay_what_a_peer_learnt(seg: Segment) -> None:
     assert ib.match([PREFIX_RING_ENTRIES + 100], 2000)[1] == 1 and ib.match([1], 2000)[1] == 0
     a.close()
     b.close()
+
+
+def test_a_stale_older_layout_segment_is_replaced_a_live_one_refused(shm_path: str) -> None:
+    """Fresh-eyes (issue 14): `dplb launch --shm-path` on a version-1 segment said "not a DPLB segment" and refused,
+    while the router's error told the user that launch recreates it. A DPLB segment of another layout is now
+    replaced when none of its recorded processes lives, and refused (naming them) while one does."""
+    import struct
+    import subprocess
+    import sys
+
+    from dplb.errors import ShmPathError
+    from dplb.segments import check_takeover
+
+    Segment.create(shm_path, 2).close()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with open(shm_path, "r+b") as f:
+        f.seek(4)
+        f.write(struct.pack("<H", 1))  # an older DPLB's layout version
+        f.seek(24)
+        f.write(struct.pack("<I", dead.pid))  # its creator is gone
+    check_takeover(shm_path)  # stale: may be replaced
+    Segment.create(shm_path, 2, replace=True).close()
+    Segment.attach(shm_path).close()  # the current layout now
+    with open(shm_path, "r+b") as f:
+        f.seek(4)
+        f.write(struct.pack("<H", 1))  # creator: this (live) process
+    with pytest.raises(ShmPathError, match=f"made by another DPLB version .* processes {os.getpid()} still use it"):
+        check_takeover(shm_path)
