@@ -234,7 +234,11 @@ class Launcher:
         plan = ", ".join(f"worker {k}: {('GPUs ' + cuda_visible_devices(g)) if g else 'CPU'}"
                          for k, g in enumerate(self.plan))
         model = self.args.served_model_name or self.args.model or "dplb-sim"
+        # The key is never printed; the curl line reads it from the environment, which the user may not have set
+        # (fresh-eyes: with --api-key KEY the pasted line got a 401).
+        from_env = bool(self.args.api_key) and os.environ.get("DPLB_API_KEY") == self.args.api_key
         auth = '-H "Authorization: Bearer $DPLB_API_KEY" ' if self.args.api_key else ""
+        note = "\n           (export DPLB_API_KEY=<the key> in that shell first)" if auth and not from_env else ""
         print(f"DPLB: {len(self.plan)} {self.engine} worker(s) [{plan}]\n"
               f"  router:  {url}  (policy {self.args.policy}; listening on {self.args.host}:{self.args.port}"
               f"{', all interfaces' if self.args.host in ('0.0.0.0', '::') else ''}"
@@ -245,7 +249,7 @@ class Launcher:
               f"  try:     curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
               f"{auth}"
               f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
-              f"\"max_tokens\": 16}}'", file=sys.stderr, flush=True)
+              f"\"max_tokens\": 16}}'{note}", file=sys.stderr, flush=True)
 
     # ---- run -----------------------------------------------------------------------------------------------
     def run(self) -> int:
