@@ -210,8 +210,9 @@ def test_segment_deleted_then_bad_then_recreated_workers_and_router_reattach(tmp
             os.unlink(c.shm_path)
             wait_for(lambda: _present(c) == 0, 5, "dplb_shm_segment_present 0")
             time.sleep(0.5)
-            with open(c.shm_path, "wb") as f:  # not a DPLB segment
-                f.write(b"JUNK" + bytes(8192))
+            with open(c.shm_path + ".junk", "wb") as f:  # not a DPLB segment; renamed into place so a worker's
+                f.write(b"JUNK" + bytes(8192))  # re-attach never sees it half written (0 bytes: another error)
+            os.rename(c.shm_path + ".junk", c.shm_path)
             wait_for(lambda: "is not a usable DPLB state segment" in c.router_log(), 5, "the router's layout error")
             wait_for(lambda: all("is not a usable DPLB state segment" in read(os.path.join(c.run_dir, f"worker-{k}.log"))
                                  for k in range(2)), 5, "the workers' layout errors")
