@@ -29,9 +29,10 @@ class ConfigError(DPLBError, ValueError):
 class PortInUseError(ConfigError):
     """A TCP address the stack must bind is taken: names the address and the flag to change."""
 
-    def __init__(self, host: str, port: int, reason: str, flag: str = "--port") -> None:
-        super().__init__(f"cannot bind {host}:{port}: {reason}; another process holds it (pass another {flag}, or "
-                         "stop it)")
+    def __init__(self, host: str, port: int, reason: str, flag: str = "--port", who: str = "") -> None:
+        what = f" for {who}" if who else ""
+        super().__init__(f"cannot bind {host}:{port}{what}: {reason}; another process holds it (another DPLB or "
+                         f"server: stop it, or pass {flag})")
 
 
 class ShmError(DPLBError):

@@ -22,7 +22,7 @@ import socket
 import sys
 
 from dplb.doctor import model_path_problem
-from dplb.errors import ConfigError
+from dplb.errors import ConfigError, PortInUseError
 from dplb.serving import bind_tcp
 
 #: The scrape jobs the alert rules and dashboards expect.
@@ -47,8 +47,7 @@ def check_ports(host: str, port: int, metrics_host: str, metrics_ports: list[int
         try:
             bind_tcp(h, p).close()
         except OSError as e:
-            raise ConfigError(f"cannot listen on {h}:{p} for {who}: {e.strerror or e}. Another DPLB (or another "
-                              f"server) uses it: stop it, or pass {flag}") from e
+            raise PortInUseError(h, p, e.strerror or str(e), flag, who) from e
 
 
 def check_model(model: str | None) -> None:

@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 
 from dplb.errors import DPLBError, ShmPathError
 from dplb.shm import SHM_DIR, Segment, SegmentHeader, list_segments
-from dplb.shm_layout import HEADER_SIZE, SLOT_SIZE, is_dplb_segment, pid_alive
+from dplb.shm_layout import (
+    HEADER_SIZE,
+    MAX_WORKERS,
+    ROUTER_ENTRY,
+    ROUTERS_OFFSET,
+    SLOT_SIZE,
+    is_dplb_segment,
+    pid_alive,
+)
 
 
 @dataclass
@@ -92,14 +100,15 @@ def older_layout_live_pids(path: str) -> list[int]:
     worker slots' pids (4096 + k·192 + 8). Empty when none is alive or the file cannot be read."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(HEADER_SIZE + 64 * SLOT_SIZE)
+            raw = f.read(HEADER_SIZE + MAX_WORKERS * SLOT_SIZE)
     except OSError:
         return []
-    if len(raw) < 1248:
+    v1_routers = 8  # entries every layout has at ROUTERS_OFFSET (version 1 had 8, version 2 has 16)
+    if len(raw) < ROUTERS_OFFSET + v1_routers * ROUTER_ENTRY.size:
         return []
-    n = min(int.from_bytes(raw[8:10], "little"), 64)
-    pids = [int.from_bytes(raw[24:28], "little")]
-    pids += [int.from_bytes(raw[1184 + 8 * i:1188 + 8 * i], "little") for i in range(8)]
+    n = min(int.from_bytes(raw[8:10], "little"), MAX_WORKERS)
+    pids = [int.from_bytes(raw[24:28], "little")]  # creator_pid (dplb.shm's header layout)
+    pids += [ROUTER_ENTRY.unpack_from(raw, ROUTERS_OFFSET + i * ROUTER_ENTRY.size)[0] for i in range(v1_routers)]
     pids += [int.from_bytes(raw[o:o + 4], "little") for o in (HEADER_SIZE + k * SLOT_SIZE + 8 for k in range(n))
              if o + 4 <= len(raw)]
     return sorted({p for p in pids if p and pid_alive(p)})

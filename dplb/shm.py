@@ -75,6 +75,7 @@ import stat
 import struct
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError, ShmSpaceError, ShmWorkerIdError
 from dplb.shm_layout import (
@@ -408,7 +409,7 @@ class Segment:
             ))
         return out
 
-    def router_slots(self) -> list[dict[str, object]]:
+    def router_slots(self) -> list[dict[str, Any]]:
         """Every used router slot (pid, port, process index, heartbeat age, per-worker pending and in-flight):
         what each router process has sent (:mod:`dplb.shm_routers`). For display; not seqlocked."""
         from dplb.shm_routers import read_router_slots

@@ -54,7 +54,7 @@ import os
 import struct
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dplb.shm_layout import (
     HEADER_SIZE,
@@ -302,12 +302,12 @@ class RouterSlots:
         return out
 
 
-def read_router_slots(mm: mmap.mmap | bytes, num_workers: int) -> list[dict[str, object]]:
+def read_router_slots(mm: mmap.mmap | bytes, num_workers: int) -> list[dict[str, Any]]:
     """Decode every used router slot of a segment's bytes (``dplb state --json``): pid, port, process index,
     heartbeat age (seconds) and per-worker pending/inflight lists. Not seqlocked: for display only."""
     base = routers_offset(num_workers)
     now = time.monotonic_ns()
-    out: list[dict[str, object]] = []
+    out: list[dict[str, Any]] = []
     for r in range(MAX_ROUTERS):
         off = base + r * ROUTER_SLOT_SIZE
         if len(mm) < off + ROUTER_SLOT_SIZE:

@@ -59,7 +59,7 @@ def snapshot(seg: Segment) -> dict[str, object]:
         workers.append(d)
     routers = seg.router_slots()
     for k, d in enumerate(workers):  # open requests of every router process to this worker (their router slots)
-        d["router_inflight"] = sum(list(r["inflight"])[k] for r in routers)  # type: ignore[call-overload]
+        d["router_inflight"] = sum(r["inflight"][k] for r in routers)
     return {"path": seg.path, "header": seg.header.to_dict(), "workers": workers, "routers": routers}
 
 

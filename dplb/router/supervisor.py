@@ -147,17 +147,6 @@ class RouterGroup:
         m.started_at = time.monotonic()
         m.listening = False
 
-    def _listening(self, m: _Member) -> bool:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(0.2)
-        try:
-            s.connect(self.cfg.process_socket(m.index))
-            return True
-        except OSError:
-            return False
-        finally:
-            s.close()
-
     def _answers_health(self, m: _Member) -> bool:
         """True when the child's private socket answers ``GET /health`` with any HTTP status within
         :data:`HEALTH_TIMEOUT_S` (a 401 under an API key still proves its loop runs)."""
@@ -220,7 +209,7 @@ class RouterGroup:
                 if m.proc is not None and m.proc.poll() is None:
                     if m.listening:
                         self._probe(m, now)
-                    elif self._listening(m):
+                    elif self._answers_health(m):
                         m.listening, m.failures = True, 0
                         m.next_probe, m.failed_probes = now + HEALTH_EVERY_S, 0
                         log.info("router process %d listening (pid %d)", m.index, m.proc.pid)
