@@ -8,7 +8,7 @@ Method
   with its defaults; ``--processes 2`` (a supervisor parent and 2 children sharing the port with ``SO_REUSEPORT``)
   when ``dplb router --help`` lists it, else that case is printed as skipped.
   SGLang target (``pip install sglang-router``): the same sim engine served on TCP
-  (``python -m dplb.engines.sim --port P``; the SGLang router speaks HTTP to workers, not UDS) behind
+  (``python -m dplb.worker.engines.sim --port P``; the SGLang router speaks HTTP to workers, not UDS) behind
   ``python -m sglang_router.launch_router`` with its default policy.
 - Client: ``--clients`` separate processes (uvloop), each holding its share of ``--concurrency`` keep-alive
   HTTP/1.1 connections with a minimal asyncio.Protocol client (one write per request, TCP_NODELAY; a response is
@@ -262,8 +262,8 @@ def sglang_target(workers: int) -> Iterator[tuple[int, int, list[int]]]:
     try:
         ports = [free_port() for _ in range(workers)]
         for p in ports:
-            procs.append(subprocess.Popen([sys.executable, "-m", "dplb.engines.sim", "--port", str(p), *sim_args],
-                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(subprocess.Popen([sys.executable, "-m", "dplb.worker.engines.sim", "--port", str(p),
+                                           *sim_args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for p, proc in zip(ports, procs, strict=True):
             _wait_http(f"http://127.0.0.1:{p}/health", 30, proc)
         port = free_port()

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cluster import dplb_cmd, free_port
 from vllm_support import TINY_MODEL, VLLM_CPU_ARGS, vllm_env
 
-from dplb.shm import Lifecycle, Segment
+from dplb.state.shm import Lifecycle, Segment
 
 
 def _tick_stats(port: int) -> tuple[float, float]:

@@ -19,8 +19,8 @@ import time
 
 from dplb.config import POLICIES, PolicyConfig
 from dplb.policy import RouteRequest, make_policy
-from dplb.prefix import PrefixIndex, block_hashes
-from dplb.shm import Lifecycle, Segment, WorkerState
+from dplb.policy.prefix import PrefixIndex, block_hashes
+from dplb.state.shm import Lifecycle, Segment, WorkerState
 
 
 def _snapshot(n: int, now: int) -> list[WorkerState]:

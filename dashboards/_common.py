@@ -5,7 +5,7 @@ Conventions every dashboard follows (tests/test_dashboards.py checks them):
   query names it as ``{"type": "prometheus", "uid": "${DS_PROMETHEUS}"}``; an ``instance`` variable (one router),
   a hidden ``host`` variable (that router's host: its workers' targets) and a ``worker`` variable
   (``label_values(dplb_worker_up{…router…}, worker)``, multi, All = ``.*``; ``worker="none"`` never shown).
-- Metric names come from :mod:`dplb.metrics` (never typed here), engine metrics are the ``vllm:*`` names the sim
+- Metric names come from :mod:`dplb.obs.metrics` (never typed here), engine metrics are the ``vllm:*`` names the sim
   engine and vLLM both expose. Router series are scoped ``job="dplb-router"``, worker metrics ports
   ``job="dplb-workers"``; engine series carry no ``worker`` label, so :data:`WORKER_JOIN` adds it by ``instance``.
 - Every panel sets a unit; panels are laid out by :class:`Layout` on the 24-column grid without overlaps.
@@ -18,7 +18,7 @@ from typing import Any
 from grafanalib.core import Dashboard as _Dashboard
 from grafanalib.core import GridPos, RowPanel, Stat, StateTimeline, Template, Templating, Time, TimeSeries
 
-from dplb import metrics as M
+from dplb.obs import metrics as M
 
 DS: dict[str, str] = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 # One router (host) at a time: $instance picks the router, $host (hidden, derived from it) its workers' targets, so

@@ -14,7 +14,7 @@ from _common import (
     ts,
 )
 
-from dplb import metrics as M
+from dplb.obs import metrics as M
 
 DEC = M.ROUTING_DECISIONS + "_total"
 REJ = M.REQUESTS_REJECTED + "_total"

@@ -16,7 +16,7 @@ from _common import (
     ts,
 )
 
-from dplb import metrics as M
+from dplb.obs import metrics as M
 
 TERM_DOC = {
     "queue": "1 − queue / max_queue: falls as requests pile up on the worker (weights: dplb_policy_weight).",

@@ -30,11 +30,11 @@ class _HelpEngine(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> None:
         if values == "sim":
-            from dplb.engines import sim_arg_parser
+            from dplb.worker.engines import sim_arg_parser
 
             sp = sim_arg_parser()
             sp.description = ("Sim engine knobs (pass after the worker's own flags, or to `dplb launch`; "
-                              "units and faults: dplb/engines/sim_scheduler.py SimConfig).")
+                              "units and faults: dplb/worker/engines/sim/scheduler.py SimConfig).")
             sp.print_help()
         else:
             print("The vllm engine passes every argument it does not know to vLLM's OpenAI server unchanged; see "
@@ -65,8 +65,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
-    from dplb.engines import build_engine
-    from dplb.worker import Worker, WorkerConfig
+    from dplb.worker.engines import build_engine
+    from dplb.worker.process import Worker, WorkerConfig
 
     cfg = WorkerConfig(
         worker_id=args.worker_id, uds=args.uds, shm_path=args.shm_path, state_interval_ms=args.state_interval_ms,
@@ -74,7 +74,7 @@ def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
     )
     engine = build_engine(args.engine, rest, model=args.model)
     worker = Worker(cfg, engine)
-    from dplb.serving import run_async
+    from dplb.runtime.serving import run_async
 
     return run_async(worker.run())
 
@@ -92,7 +92,7 @@ def _add_state(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_state(args: argparse.Namespace, rest: list[str]) -> int:
-    from dplb.state_cli import run_state
+    from dplb.ops.state_cli import run_state
 
     return run_state(args.shm_path, as_json=args.json, watch=args.watch, interval_s=args.interval,
                      directory=args.shm_dir)
@@ -113,8 +113,8 @@ def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
     import os
 
     from dplb.errors import ConfigError
-    from dplb.shm import Segment, resolve_path
-    from dplb.shm_layout import check_not_foreign
+    from dplb.state.layout import check_not_foreign
+    from dplb.state.shm import Segment, resolve_path
 
     path = resolve_path(args.shm_path)
     check_not_foreign(path)  # never overwrite or remove a file that is not a DPLB segment
@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_state(sub)
     _add_segment(sub)
-    from dplb import doctor, launcher
     from dplb.bench import cli as bench_cli
+    from dplb.ops import doctor, launcher
     from dplb.router import cli as router_cli
 
     launcher.add_parser(sub)

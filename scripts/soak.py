@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from dplb.shm import Lifecycle, Segment  # noqa: E402
+from dplb.state.shm import Lifecycle, Segment  # noqa: E402
 
 
 def proc_stats(pid: int) -> tuple[int, int]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from dplb.shm import Lifecycle, Segment
+from dplb.state.shm import Lifecycle, Segment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dplb.shm import SHM_DIR
+from dplb.state.shm import SHM_DIR
 
 
 @pytest.fixture

@@ -26,14 +26,14 @@ import yaml
 from cluster import ROOT, Cluster, cluster, free_port
 from tools import need
 
-from dplb import metrics as M
+from dplb.obs import metrics as M
 
 RULES = Path(ROOT) / "alerts" / "dplb.rules.yml"
 RULE_TESTS = Path(ROOT) / "alerts" / "dplb.rules.test.yml"
 RUNBOOKS = Path(ROOT) / "runbooks"
 SECTIONS = ("## Meaning", "## Impact", "## Diagnosis", "## Mitigation")
 SEVERITIES = {"critical", "warning"}
-#: Every metric name dplb/metrics.py defines, with the suffixes Prometheus exposes.
+#: Every metric name dplb/obs/metrics.py defines, with the suffixes Prometheus exposes.
 KNOWN_DPLB = {v for k, v in vars(M).items() if k.isupper() and isinstance(v, str) and v.startswith("dplb_")}
 SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_info", "_created")
 
@@ -45,7 +45,7 @@ def metric_names(expr: str) -> set[str]:
 
 
 def known_dplb(name: str) -> bool:
-    """True when ``name`` is a dplb.metrics name, possibly with an exposition suffix."""
+    """True when ``name`` is a dplb.obs.metrics name, possibly with an exposition suffix."""
     if name in KNOWN_DPLB:
         return True
     return any(name.endswith(s) and name[: -len(s)] in KNOWN_DPLB for s in SUFFIXES)

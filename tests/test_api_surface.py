@@ -317,7 +317,7 @@ def test_a_draining_worker_refuses_every_generating_route() -> None:
     """The worker's drain gate covers the new model routes (the router then retries elsewhere), not the tokenizer."""
     import asyncio
 
-    from dplb.engines.base import RequestStats, RequestStatsMiddleware
+    from dplb.worker.engines.base import RequestStats, RequestStatsMiddleware
 
     async def engine(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
         await send({"type": "http.response.start", "status": 200, "headers": []})

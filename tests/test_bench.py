@@ -18,7 +18,7 @@ from dplb.bench.report import percentile, summarize
 from dplb.bench.scenarios import SCENARIOS, capacity_rps
 from dplb.bench.workload import WorkloadSpec, build_workload
 from dplb.errors import ConfigError
-from dplb.launcher import parse_worker_args
+from dplb.ops.launcher import parse_worker_args
 from tests.cluster import ROOT, cluster, dplb_cmd
 
 

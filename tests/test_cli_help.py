@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 from cluster import cluster, dplb_cmd
 
-from dplb.state_cli import render_table, snapshot
+from dplb.ops.state_cli import render_table, snapshot
 
 
 def _help(*args: str) -> str:

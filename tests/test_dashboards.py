@@ -19,8 +19,8 @@ from cluster import ROOT, cluster, free_port
 from test_alerts import Load, Prometheus, known_dplb, metric_names
 from tools import need
 
-from dplb import metrics as M
-from dplb.engines.sim_scheduler import SimConfig, SimScheduler
+from dplb.obs import metrics as M
+from dplb.worker.engines.sim.scheduler import SimConfig, SimScheduler
 
 DASH_DIR = Path(ROOT) / "dashboards"
 DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from dplb.config import PolicyConfig
-from dplb.decision import Candidate
 from dplb.policy import PickContext, RouteRequest, routable
+from dplb.policy.decision import Candidate
 from dplb.policy.filters import HEALTH_FILTERS, REQUEST_FILTERS, build_filters
-from dplb.shm import Lifecycle, WorkerState
+from dplb.state.shm import Lifecycle, WorkerState
 
 NOW = 10**12
 

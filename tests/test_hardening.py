@@ -33,7 +33,7 @@ from hardening_support import (
 )
 
 from dplb.router.state import READMIT_INTERVALS
-from dplb.shm import Lifecycle, Segment
+from dplb.state.shm import Lifecycle, Segment
 
 
 def _clean_failure(r: Result, codes: tuple[str, ...]) -> bool:

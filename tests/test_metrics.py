@@ -15,7 +15,7 @@ import pytest
 from cluster import Cluster, cluster, dplb_cmd, free_port
 from tools import need
 
-from dplb import metrics as M
+from dplb.obs import metrics as M
 
 ROUTER_FAMILIES = [
     M.WORKER_QUEUE_LENGTH, M.WORKER_REQUESTS_INFLIGHT, M.WORKER_KV_CACHE_USAGE, M.WORKER_GPU_MEMORY_USED,

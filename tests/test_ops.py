@@ -15,9 +15,9 @@ import pytest
 from cluster import ROOT, cluster, dplb_cmd, free_port
 from tools import need
 
-from dplb import doctor
-from dplb.gpu import GpuInfo
-from dplb.shm import Segment
+from dplb.ops import doctor
+from dplb.runtime.gpu import GpuInfo
+from dplb.state.shm import Segment
 
 UNITS = ["dplb.target", "dplb-segment.service", "dplb-router.service", "dplb-worker@.service"]
 

@@ -22,9 +22,9 @@ import httpx
 from cluster import ROOT, dplb_cmd, free_port
 from tools import need
 
-from dplb import doctor
-from dplb.launch_checks import root_cause
-from dplb.shm import Segment
+from dplb.ops import doctor
+from dplb.ops.checks import root_cause
+from dplb.state.shm import Segment
 
 
 def _env(**kw: str) -> dict[str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dplb.errors import ConfigError
-from dplb.plan import CPU_DEFAULT_WORKERS, cuda_visible_devices, plan_gpus
+from dplb.ops.plan import CPU_DEFAULT_WORKERS, cuda_visible_devices, plan_gpus
 
 
 @pytest.mark.parametrize(

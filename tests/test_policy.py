@@ -8,7 +8,9 @@ from collections import Counter
 import pytest
 
 from dplb.config import PREFIX_WEIGHTS, SEED_WEIGHTS, PolicyConfig, parse_weights
-from dplb.decision import (
+from dplb.errors import ConfigError
+from dplb.policy import RouteRequest, make_policy
+from dplb.policy.decision import (
     REASON_AFFINITY,
     REASON_ALL_OVER_CAP,
     REASON_NO_WORKERS,
@@ -17,10 +19,8 @@ from dplb.decision import (
     REASON_SCORE,
     Decision,
 )
-from dplb.errors import ConfigError
-from dplb.policy import RouteRequest, make_policy
-from dplb.prefix import block_hashes
-from dplb.shm import Lifecycle, WorkerState
+from dplb.policy.prefix import block_hashes
+from dplb.state.shm import Lifecycle, WorkerState
 
 NOW = 10**12  # monotonic ns used as "now" in every test
 STEP = 10**9  # 1 s: a snapshot this much later counts every request sent before it (grace: half an interval)

@@ -13,11 +13,11 @@ import pytest
 from cluster import cluster
 
 from dplb.config import PolicyConfig
-from dplb.decision import Candidate
-from dplb.metrics import WorkerStateCollector
+from dplb.obs.metrics import WorkerStateCollector
+from dplb.obs.tracing import candidate_event_attributes
 from dplb.policy import PickContext, Scorer, make_policy, register_scorer
-from dplb.shm import Lifecycle, WorkerState
-from dplb.tracing import candidate_event_attributes
+from dplb.policy.decision import Candidate
+from dplb.state.shm import Lifecycle, WorkerState
 
 NOW = 10**12
 

@@ -1,4 +1,4 @@
-"""Chained block hashing and the bounded prefix index (dplb/prefix.py)."""
+"""Chained block hashing and the bounded prefix index (dplb/policy/prefix.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import zlib
 
 import msgspec
 
-from dplb.prefix import ENTRY_BYTES, PrefixIndex, block_hashes
+from dplb.policy.prefix import ENTRY_BYTES, PrefixIndex, block_hashes
 
 NOW = 10**12
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 from cluster import Cluster, cluster
 
-from dplb.shm import Lifecycle, WorkerState
+from dplb.state.shm import Lifecycle, WorkerState
 
 CHAT = {"model": "dplb-sim", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
 

@@ -220,11 +220,11 @@ def test_a_hung_process_is_killed_and_replaced(tmp_path) -> None:  # type: ignor
 
 def test_every_scrape_time_family_has_a_group_rule() -> None:
     """A family the per-worker collector yields is either shared (derived from shm: shown once) or a process's own
-    (labelled per process); a new one must be put in one of the two sets in dplb/metrics.py."""
-    from dplb import metrics as M
+    (labelled per process); a new one must be put in one of the two sets in dplb/obs/metrics.py."""
     from dplb.config import PolicyConfig
+    from dplb.obs import metrics as M
     from dplb.policy import make_policy
-    from dplb.shm import Lifecycle, WorkerState
+    from dplb.state.shm import Lifecycle, WorkerState
 
     p = make_policy(PolicyConfig(), 1)
     now = time.monotonic_ns()

@@ -7,11 +7,11 @@ from collections import Counter
 import pytest
 
 from dplb.config import PolicyConfig
-from dplb.decision import Candidate
 from dplb.policy import PickContext, RouteRequest, make_policy
+from dplb.policy.decision import Candidate
+from dplb.policy.prefix import block_hashes
 from dplb.policy.scorers import LatencyScorer, MemoryScorer, PrefixScorer, QueueScorer
-from dplb.prefix import block_hashes
-from dplb.shm import Lifecycle, WorkerState
+from dplb.state.shm import Lifecycle, WorkerState
 
 NOW = 10**12
 GiB = 1 << 30

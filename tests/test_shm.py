@@ -11,7 +11,7 @@ import time
 import pytest
 
 from dplb.errors import ShmLayoutError, ShmMissingError, ShmSpaceError, ShmWorkerIdError
-from dplb.shm import (
+from dplb.state.shm import (
     FLAG_NO_GPU,
     HEADER_SIZE,
     SLOT_SIZE,

@@ -13,9 +13,9 @@ import pytest
 
 from dplb.config import PolicyConfig
 from dplb.policy import make_policy
-from dplb.shm import Lifecycle, Segment, WorkerState
-from dplb.shm_layout import MAX_ROUTERS, PREFIX_RING_SIZE, decode_header
-from dplb.shm_routers import ROUTER_SLOT_SIZE, RouterSlots, read_router_slots, routers_offset
+from dplb.state.layout import MAX_ROUTERS, PREFIX_RING_SIZE, decode_header
+from dplb.state.router_slots import ROUTER_SLOT_SIZE, RouterSlots, read_router_slots, routers_offset
+from dplb.state.shm import Lifecycle, Segment, WorkerState
 
 A, B = os.getpid(), os.getppid()  # two live pids: registry entries of live processes are never reclaimed
 HOUR = 3600 * 10**9
@@ -145,8 +145,8 @@ def test_two_routers_spread_a_burst_like_one(seg: Segment) -> None:
 
 
 def test_prefix_rings_replay_what_a_peer_learnt(seg: Segment) -> None:
-    from dplb.prefix import PrefixIndex, block_hashes
-    from dplb.shm_layout import PREFIX_RING_ENTRIES
+    from dplb.policy.prefix import PrefixIndex, block_hashes
+    from dplb.state.layout import PREFIX_RING_ENTRIES
 
     a, b = _pair(seg)
     keys = block_hashes(b"x" * 128 * 20, 128)
@@ -174,7 +174,7 @@ def test_a_stale_older_layout_segment_is_replaced_a_live_one_refused(shm_path: s
     import sys
 
     from dplb.errors import ShmPathError
-    from dplb.segments import check_takeover
+    from dplb.state.segments import check_takeover
 
     Segment.create(shm_path, 2).close()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -27,10 +27,10 @@ import openai
 import pytest
 import uvicorn
 
-from dplb.engines.base import EngineStats
-from dplb.engines.sim import SimConfig, SimEngine
-from dplb.engines.sim_scheduler import PrefixCache, block_hashes, tokenize
 from dplb.errors import ConfigError
+from dplb.worker.engines.base import EngineStats
+from dplb.worker.engines.sim.engine import SimConfig, SimEngine
+from dplb.worker.engines.sim.scheduler import PrefixCache, block_hashes, tokenize
 
 FAST: dict[str, Any] = {"decode_step_s": 0.002, "decode_step_s_per_seq": 0.0, "prefill_s_per_token": 0.0}
 
@@ -303,7 +303,7 @@ def test_warmup_delay() -> None:
 
 def test_crash_after_exits_process(sock_dir: str) -> None:
     path = os.path.join(sock_dir, "crash.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "dplb.engines.sim", "--uds", path, "--crash-after", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "dplb.worker.engines.sim", "--uds", path, "--crash-after", "2",
                              "--decode-step-s", "0.002"], stderr=subprocess.PIPE, text=True)
     try:
         with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://sim", timeout=10) as c:

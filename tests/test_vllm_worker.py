@@ -18,7 +18,7 @@ from cluster import dplb_cmd, free_port
 from otlp_receiver import OtlpReceiver
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
-from dplb.shm import Lifecycle, Segment
+from dplb.state.shm import Lifecycle, Segment
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 from cluster import cluster, free_port
 
-from dplb.shm import Lifecycle
+from dplb.state.shm import Lifecycle
 
 
 def test_lifecycle_starting_warming_ready_with_slow_warmup(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -100,7 +100,7 @@ def test_published_queue_and_latency_follow_load(tmp_path) -> None:  # type: ign
 def test_warmup_request_is_not_a_latency_sample() -> None:
     """Regression: the tiny warm-up request made a fresh worker look fast (avg latency 0.024 s) next to loaded
     peers, so the score herded traffic onto it."""
-    from dplb.engines.base import RequestStats
+    from dplb.worker.engines.base import RequestStats
 
     rs = RequestStats()
     rs.begin()

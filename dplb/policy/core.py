@@ -1,11 +1,12 @@
-"""The policy: a shm snapshot + one request → a :class:`~dplb.decision.Decision` (DESIGN §3). The load balancer's core.
+"""The policy: a shm snapshot + one request → a :class:`~dplb.policy.decision.Decision` (DESIGN §3).
+The load balancer's core.
 
 Contract
 - :meth:`Policy.pick` is synchronous and does no I/O, no awaits and no locking. Its side effects are on the
   policy's own small state: tie rotation, the optimistic in-flight correction, the pickers' RNG, the prefix index
   (``on_pick`` hooks). Given the same inputs and state it returns the same decision.
-- A pick: build one :class:`~dplb.decision.Candidate` per worker (queue = running + waiting + correction) → run the
-  filters (:mod:`dplb.policy.filters`) → run every weighted scorer (:mod:`dplb.policy.scorers`; score =
+- A pick: build one :class:`~dplb.policy.decision.Candidate` per worker (queue = running + waiting + correction)
+  → run the filters (:mod:`dplb.policy.filters`) → run every weighted scorer (:mod:`dplb.policy.scorers`; score =
   Σ weight·term) → the profile's picker (:mod:`dplb.policy.pickers`) chooses among the eligible → ``on_pick``
   hooks. A policy name is a *profile*: a picker over the same filters and scorers (:data:`PROFILES`).
 - In-flight correction: requests this router sent to a worker that its last published snapshot may not count yet —
@@ -14,7 +15,7 @@ Contract
   split up to 20/14/15/15 in the burst-herd benchmark. It is capped by the router's own in-flight count for the
   worker: short requests that already completed within the interval are in no queue (counting them made a
   conversation's quick next turn spill away from the worker holding its history). Other router processes on the
-  same segment publish theirs in their router slots (:mod:`dplb.shm_routers`); the router adds them (``shared``).
+  same segment publish theirs in their router slots (:mod:`dplb.state.router_slots`); the router adds them (``shared``).
 - Latency baseline: P95 (nearest rank: the ⌈0.95·n⌉-th smallest) of the first ``baseline_window`` (50) completed
   requests fed to :meth:`Policy.observe_latency`; then frozen.
 - A worker whose pid changed (restarted) is forgotten by every scorer that learns (the prefix index).
@@ -28,7 +29,8 @@ from collections.abc import Sequence
 from typing import Final
 
 from dplb.config import PolicyConfig
-from dplb.decision import (
+from dplb.errors import ConfigError
+from dplb.policy.decision import (
     OK,
     REASON_ALL_OVER_CAP,
     REASON_NO_WORKERS,
@@ -38,11 +40,10 @@ from dplb.decision import (
     Candidate,
     Decision,
 )
-from dplb.errors import ConfigError
 from dplb.policy.filters import build_filters
 from dplb.policy.framework import PICKERS, PickContext, RouteRequest, Scorer, build_scorers
 from dplb.policy.plugins import load_plugins
-from dplb.shm import WorkerState
+from dplb.state.shm import WorkerState
 
 #: Policy name → picker name. Every profile runs the same filters and scorers (the terms are visible whatever picks).
 PROFILES: Final = {
@@ -120,7 +121,7 @@ class Policy:
         it must not go to (None: no prefix, nothing excluded). ``held``/``ejected``: the router's heartbeat
         hysteresis and passive-health verdicts. ``inflight``: the router's own open requests per worker; the
         correction never exceeds it (a request that already completed is in no queue). ``shared``: the other
-        router processes' correction per worker (:meth:`dplb.shm_routers.RouterSlots.peer_correction`), added.
+        router processes' correction per worker (:meth:`dplb.state.router_slots.RouterSlots.peer_correction`), added.
         Returns a :class:`Decision`; ``worker`` is None when nobody is
         eligible (``reason`` says why). The chosen worker's in-flight correction is incremented and the scorers'
         ``on_pick`` hooks run. ``dry_run=True`` evaluates without choosing (no rotation, no correction, no hooks):

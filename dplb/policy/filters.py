@@ -4,8 +4,9 @@ Contract: :data:`HEALTH_FILTERS` (about the worker: registered, consistent slot,
 ``ready``, not held out by the router's heartbeat hysteresis, not ejected by its passive health check) then
 :data:`REQUEST_FILTERS` (about this request: serves its model, not already tried, under the hard queue cap).
 The policy runs both (:func:`apply_filters`); ``/ready``, ``dplb_worker_up`` and ``dplb state`` ask
-:func:`routable`, which runs the health filters on the same :class:`~dplb.decision.Candidate` objects, so the four
-can never disagree. Each filter sets the first ``why`` that rejects a candidate (values in :mod:`dplb.decision`).
+:func:`routable`, which runs the health filters on the same :class:`~dplb.policy.decision.Candidate` objects, so the
+four can never disagree. Each filter sets the first ``why`` that rejects a candidate (values in
+:mod:`dplb.policy.decision`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dplb.config import PolicyConfig
-from dplb.decision import (
+from dplb.policy.decision import (
     OK,
     WHY_CANNOT_SERVE,
     WHY_DRAINING,
@@ -28,7 +29,7 @@ from dplb.decision import (
     Candidate,
 )
 from dplb.policy.framework import Filter, PickContext, RouteRequest
-from dplb.shm import STALE_INTERVALS, Lifecycle, WorkerState
+from dplb.state.shm import STALE_INTERVALS, Lifecycle, WorkerState
 
 _READY = Lifecycle.READY
 _DRAINING = Lifecycle.DRAINING

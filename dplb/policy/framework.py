@@ -28,16 +28,16 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from dplb.config import PolicyConfig
-from dplb.decision import Candidate
 from dplb.errors import ConfigError
-from dplb.shm import WorkerState
+from dplb.policy.decision import Candidate
+from dplb.state.shm import WorkerState
 
 
 class RouteRequest:
     """What the policy knows about one request (one object instead of a parameter list, like uvicorn's
     ``RequestResponseCycle``).
 
-    ``blocks``: the prompt's chained block keys (:func:`dplb.prefix.block_hashes`; empty = no prefix key);
+    ``blocks``: the prompt's chained block keys (:func:`dplb.policy.prefix.block_hashes`; empty = no prefix key);
     ``cannot_serve``: worker ids that cannot serve it (they do not serve its model, or it names a response another
     worker holds: :mod:`dplb.router.models`); ``exclude``: worker ids already tried (a failed connect). The prefix
     scorer fills ``prefix_depth`` (matched leading blocks per worker id) and ``preferred`` (the longest match), and

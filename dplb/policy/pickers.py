@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 
 from dplb.config import PolicyConfig
-from dplb.decision import REASON_AFFINITY, REASON_POLICY, REASON_SCORE, Candidate
+from dplb.policy.decision import REASON_AFFINITY, REASON_POLICY, REASON_SCORE, Candidate
 from dplb.policy.framework import PickContext, Picker
 
 #: Blocks of the prompt that form ``prefix_hash``'s key (2 × 128 bytes: the 256-byte key of DPLB v1).

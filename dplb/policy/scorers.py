@@ -15,7 +15,7 @@ weights (seed article: ``0.4·queue + 0.3·memory + 0.3·latency``). Table-drive
   starve), gets the mean term of its peers; workers within ``latency_deadband`` of the eligible workers' mean share
   that mean's term (equal workers differ by noise, which would outweigh one queued request).
 - ``prefix``: how much of the prompt's *distinguishing* prefix the worker has cached, discounted by its queue
-  headroom. From the prefix index (:class:`dplb.prefix.PrefixIndex`): ``prefix_match`` = matched leading blocks ÷
+  headroom. From the prefix index (:class:`dplb.policy.prefix.PrefixIndex`): ``prefix_match`` = matched leading blocks ÷
   blocks, per worker. The term is ``(match − min_match)/(1 − min_match) · max(0, 1 − queue/max_queue)`` with
   ``min_match`` the lowest match among the eligible workers: a system prompt every worker has cached cancels out,
   so a conversation's next turn is pulled to the worker holding its history (with a plain ratio, turn 2 of a chat
@@ -31,9 +31,9 @@ from __future__ import annotations
 from typing import Any
 
 from dplb.config import PolicyConfig
-from dplb.decision import OK, Candidate
+from dplb.policy.decision import OK, Candidate
 from dplb.policy.framework import PickContext, RouteRequest, Scorer, max_queue_of
-from dplb.prefix import PrefixIndex
+from dplb.policy.prefix import PrefixIndex
 
 
 class QueueScorer(Scorer):

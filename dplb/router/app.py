@@ -45,7 +45,9 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_gener
 from dplb import __version__
 from dplb.config import RouterConfig
 from dplb.errors import PortInUseError, RouterErrorKind
-from dplb.metrics import RouterMetrics, WorkerStateCollector
+from dplb.obs.metrics import RouterMetrics, WorkerStateCollector
+from dplb.obs.tracing import make_tracer
+from dplb.obs.tracing import shutdown as tracing_shutdown
 from dplb.router.fanout import fan_out, parse_workers
 from dplb.router.models import ServedModels
 from dplb.router.proxy import Exchange, Proxy, error_body
@@ -53,10 +55,8 @@ from dplb.router.routes import PROXY_PATHS, RESPONSES_PREFIX, is_proxy_path
 from dplb.router.siblings import SCOPE_PROCESS, SingleProcess, fetch_siblings, merge_decisions, merge_metrics
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamPool
-from dplb.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
-from dplb.systemd import notify
-from dplb.tracing import make_tracer
-from dplb.tracing import shutdown as tracing_shutdown
+from dplb.runtime.sd_notify import notify
+from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
 
 log = logging.getLogger("dplb.router")
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more gets 431 (nginx allows 32 KiB, Node 16 KiB)

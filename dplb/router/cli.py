@@ -187,8 +187,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_router(args: argparse.Namespace, rest: list[str]) -> int:
     from dplb.router.app import run_router
     from dplb.router.supervisor import config_from_env, run_group
-    from dplb.serving import run_async
-    from dplb.shm import ENV_SHM_PATH, Segment
+    from dplb.runtime.serving import run_async
+    from dplb.state.shm import ENV_SHM_PATH, Segment
 
     if args.config_env:
         cfg = config_from_env(args.process_index or 0)

@@ -3,7 +3,7 @@
 Contract
 - :class:`Exchange` holds a request from the ASGI call to the end of its response: scope, receive, send, the
   request id, the start time, the status sent so far, whether the client went away and the worker connection in
-  use (aborted when it does). The router's server reports a disconnect through a hook (:mod:`dplb.serving`);
+  use (aborted when it does). The router's server reports a disconnect through a hook (:mod:`dplb.runtime.serving`);
   under any other ASGI server :func:`watch_disconnect` waits for it on ``receive()``.
 - :func:`request_head` writes the request line and headers for a worker: the client's end-to-end headers in
   their order, hop-by-hop ones (RFC 9110 §7.6.1 and those named in ``Connection``) and the router's own

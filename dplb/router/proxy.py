@@ -41,17 +41,17 @@ from typing import Any
 import msgspec
 
 from dplb.config import RouterConfig
-from dplb.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
 from dplb.errors import RouterErrorKind
 from dplb.policy import RouteRequest
-from dplb.prefix import MAX_PREFIX_BLOCKS, block_hashes
+from dplb.policy.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
+from dplb.policy.prefix import MAX_PREFIX_BLOCKS, block_hashes
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, response_headers, watch_disconnect
 from dplb.router.intake import Peek, Rejected, check_head, excluded, read_body, receive_body
 from dplb.router.models import ServedModels
 from dplb.router.routes import PROXY_PATHS, ResponseIds, Route, match, response_id
 from dplb.router.state import UNREACHABLE_S, RouterState
 from dplb.router.upstream import ConnectFailed, UpstreamClosed, UpstreamError, UpstreamPool, UpstreamTimeout
-from dplb.serving import DISCONNECT_EXT
+from dplb.runtime.serving import DISCONNECT_EXT
 
 log = logging.getLogger("dplb.router.proxy")
 __all__ = ["PROXY_PATHS", "Exchange", "Proxy", "error_body"]
@@ -80,7 +80,7 @@ class Proxy:
         self.response_ids = ResponseIds(cfg.response_ids)
         self.metrics = state.metrics
         self._auth = b"bearer " + cfg.api_key.encode() if cfg.api_key else None
-        self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.tracing.make_tracer)
+        self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.obs.tracing.make_tracer)
         self._req_skip = REQ_OWN
         n = state.num_workers
         self._worker_ids = [str(k).encode() for k in range(n)]  # X-SG-Worker-ID values
@@ -109,7 +109,7 @@ class Proxy:
     def _route_request(self, peek: Peek, cannot_serve: frozenset[int]) -> RouteRequest:
         """The policy's view of the request: the workers that cannot serve it (model, pinned response) and the
         chained block keys of its prompt bytes (raw ``messages`` JSON for chat, ``prompt`` for completions,
-        ``input`` otherwise, as sent; see :mod:`dplb.prefix`) when prefix scoring is on."""
+        ``input`` otherwise, as sent; see :mod:`dplb.policy.prefix`) when prefix scoring is on."""
         if not self._block_bytes:
             return RouteRequest(cannot_serve=cannot_serve)
         raw = peek.messages or peek.prompt or peek.input
@@ -118,7 +118,7 @@ class Proxy:
 
     # ---- the handler -------------------------------------------------------------------------------------------
     def enable_tracing(self, tracer: Any) -> None:
-        """Trace every request with ``tracer`` (see :mod:`dplb.tracing`)."""
+        """Trace every request with ``tracer`` (see :mod:`dplb.obs.tracing`)."""
         self.tracer = tracer
         self._req_skip = REQ_OWN | {b"traceparent", b"tracestate"}  # ours replace the client's
 
@@ -275,7 +275,7 @@ class Proxy:
 
     def _route_span(self, d: Any, start_ns: int) -> None:
         """The ``dplb.route`` span: the decision, with one event per candidate."""
-        from dplb.tracing import candidate_event_attributes
+        from dplb.obs.tracing import candidate_event_attributes
 
         chosen = next((c for c in d.candidates if c.worker_id == d.worker), None)
         rs = self.tracer.start_span("dplb.route", start_time=start_ns, attributes={

@@ -4,7 +4,7 @@ With ``--processes N`` a scrape lands on any one process (``SO_REUSEPORT``). Tha
 its private socket (:meth:`dplb.config.RouterConfig.process_socket`, ``?scope=process``: that process alone) and
 merges:
 
-- Metrics (:func:`merge_metrics`; the rule is :data:`dplb.metrics.GROUP_SHARED`): the per-worker figures every
+- Metrics (:func:`merge_metrics`; the rule is :data:`dplb.obs.metrics.GROUP_SHARED`): the per-worker figures every
   process derives from the same shm segment and router slots, and the settings, are the answering process's own
   view, once. Everything a process owns — its counters and histograms, ``process_*`` resources, its latency
   baseline and prefix-index copy — is one series per process with a ``process`` label: nothing is summed twice, and
@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from dplb.config import RouterConfig
-from dplb.metrics import GROUP_SHARED, ROUTER_PROCESSES
+from dplb.obs.metrics import GROUP_SHARED, ROUTER_PROCESSES
 
 FETCH_TIMEOUT_S = 2.0
 SCOPE_PROCESS = "process"  # ?scope=process: this process alone (what siblings ask each other)

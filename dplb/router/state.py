@@ -8,7 +8,7 @@ Contract
   when the segment is back (:meth:`RouterState.monitor`, a background task).
 - In-flight counts per worker are the router's own: incremented by :meth:`acquire`, decremented by
   :meth:`release` on every exit path of a proxied request. Both publish this process's correction and in-flight
-  count to its router slot (:mod:`dplb.shm_routers`), and every pick adds the other router processes' published
+  count to its router slot (:mod:`dplb.state.router_slots`), and every pick adds the other router processes' published
   correction (N processes behind one port route like one router). Likewise the prefix index: each pick first
   replays what the others' indexes learnt (their prefix rings) and then appends what its own learnt.
 - One log line per worker registration (becomes routable) and deregistration (with the reason).
@@ -33,13 +33,13 @@ import os
 import time
 
 from dplb.config import PolicyConfig, RouterConfig
-from dplb.decision import OK, REASON_FALLBACK, REASON_NO_WORKERS, WHY_HELD_OUT, WHY_STALE, Decision
 from dplb.errors import ShmError
-from dplb.metrics import RouterMetrics
+from dplb.obs.metrics import RouterMetrics
 from dplb.policy import Policy, RouteRequest, make_policy, routable
-from dplb.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
-from dplb.shm_routers import RouterSlots
-from dplb.systemd import Watchdog
+from dplb.policy.decision import OK, REASON_FALLBACK, REASON_NO_WORKERS, WHY_HELD_OUT, WHY_STALE, Decision
+from dplb.runtime.sd_notify import Watchdog
+from dplb.state.router_slots import RouterSlots
+from dplb.state.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
 
 log = logging.getLogger("dplb.router")
 UNREACHABLE_S = 2.0  # a worker that refused a connection is skipped this long (or until it restarts)

@@ -10,7 +10,7 @@ server streams. The state plane is shared memory, so N processes can route on it
   forgotten). Each child listens on the port with ``SO_REUSEPORT`` (the kernel spreads connections over them) and on
   its private socket :meth:`~dplb.config.RouterConfig.process_socket` (siblings merge metrics/decisions through it).
 - Routing: each child publishes its in-flight correction in its router slot and adds the others'
-  (:mod:`dplb.shm_routers`), so a burst spread over N processes is spread over the workers like one router's.
+  (:mod:`dplb.state.router_slots`), so a burst spread over N processes is spread over the workers like one router's.
 - Supervision: a child that exits while the group runs is restarted at once (then with a backoff doubling from
   0.5 s to 10 s while it keeps failing within :data:`STABLE_S`); connections the dead child had accepted are lost,
   the other children's are not. After :data:`MAX_START_FAILURES` exits in a row before listening the parent gives
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 from dplb.config import RouterConfig
 from dplb.errors import ConfigError, PortInUseError
-from dplb.procs import die_with_parent
-from dplb.systemd import Watchdog, notify
+from dplb.runtime.procs import die_with_parent
+from dplb.runtime.sd_notify import Watchdog, notify
 
 log = logging.getLogger("dplb.router")
 ENV_CONFIG = "DPLB_ROUTER_CONFIG"

@@ -7,10 +7,10 @@ lands on it N times over. So every router process owns one router slot and publi
 correction and in-flight count; every process adds the others' to its own.
 
 Byte layout (little-endian; after the worker slots, at :func:`routers_offset` = HEADER_SIZE + n·SLOT_SIZE; see
-:mod:`dplb.shm` for the header and worker slots)::
+:mod:`dplb.state.shm` for the header and worker slots)::
 
     Router slot r at routers_offset(n) + r·ROUTER_SLOT_SIZE (r < MAX_ROUTERS = 16; r is also the router's entry in
-    the header's router registry, claimed under flock by dplb.shm_layout.register_router), written only by its owner
+    the header's router registry, claimed under flock by dplb.state.layout.register_router), written only by its owner
       0   u64  seq                    seqlock counter (same protocol as a worker slot), covers the whole slot
       8   u32  pid                    owner process (0 = free)
       12  u16  port                   owner's TCP port
@@ -28,9 +28,9 @@ Byte layout (little-endian; after the worker slots, at :func:`routers_offset` = 
     owner of router slot r
       0   u64  head                   entries ever written (the next one goes to head mod PREFIX_RING_ENTRIES)
       8..63 reserved
-      64 + 8·i  u64 entry             prefix block key (dplb.prefix.block_hashes, < 2^42) | (worker + 1) << 56
+      64 + 8·i  u64 entry             prefix block key (dplb.policy.prefix.block_hashes, < 2^42) | (worker + 1) << 56
 
-How the prefix index is shared: each process keeps its own :class:`dplb.prefix.PrefixIndex` (the hot path reads
+How the prefix index is shared: each process keeps its own :class:`dplb.policy.prefix.PrefixIndex` (the hot path reads
 only local memory) and appends to its ring every block key its index learnt from a pick (new, new for that worker,
 or refreshed after a second: :meth:`PrefixIndex.record`'s return); before each pick a process replays the entries its
 peers appended since it last looked into its own index (:meth:`RouterSlots.drain_prefix`). So every process learns
@@ -56,7 +56,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from dplb.shm_layout import (
+from dplb.state.layout import (
     HEADER_SIZE,
     MAX_ROUTERS,
     PREFIX_RING_ENTRIES,
@@ -74,7 +74,7 @@ READ_RETRIES = 64
 assert ROUTER_SLOT_SIZE % 64 == 0 and ROUTER_ENTRY.size == 16
 
 if TYPE_CHECKING:
-    from dplb.prefix import PrefixIndex
+    from dplb.policy.prefix import PrefixIndex
 
 
 def routers_offset(num_workers: int) -> int:

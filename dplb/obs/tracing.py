@@ -70,7 +70,7 @@ def shutdown(tracer: Any) -> None:
 
 def candidate_event_attributes(d: Any, c: Any) -> dict[str, Any]:
     """Attributes of one ``dplb.candidate`` event: candidate ``c`` of decision ``d`` (a
-    :class:`dplb.decision.Decision`) — health, every input the scorers read, each term by scorer name
+    :class:`dplb.policy.decision.Decision`) — health, every input the scorers read, each term by scorer name
     (``dplb.term.<name>``) and the score. Values that are None (e.g. no baseline yet) are left out (OTel attributes
     cannot be null)."""
     out: dict[str, Any] = {}

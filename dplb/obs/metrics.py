@@ -199,8 +199,8 @@ class RouterMetrics:
 
     def init_workers(self, n: int) -> None:
         """Pre-create every known label value at zero."""
-        from dplb.decision import DECISION_REASONS
         from dplb.errors import RouterErrorKind
+        from dplb.policy.decision import DECISION_REASONS
 
         for k in range(n):
             for r in DECISION_REASONS[:4]:
@@ -215,7 +215,7 @@ class RouterMetrics:
             self.rejected.labels(kind.code)
         for op, err in SHM_ERROR_LABELS:
             self.shm_errors.labels(op, err)
-        from dplb.decision import PREFIX_OUTCOMES
+        from dplb.policy.decision import PREFIX_OUTCOMES
 
         for o in PREFIX_OUTCOMES:
             self.prefix_routed.labels(o)
@@ -257,8 +257,8 @@ class WorkerStateCollector:
     """Scrape-time collector of the per-worker scoring inputs, as the scorer sees them right now.
 
     ``source()`` returns ``(decision, inflight, registered, baseline_s, policy)``: a dry-run
-    :class:`dplb.decision.Decision` over the current snapshot (None without a segment), the router's in-flight count
-    per worker, the number of registered workers, the latency baseline (None until frozen) and the
+    :class:`~dplb.policy.decision.Decision` over the current snapshot (None without a segment), the router's in-flight
+    count per worker, the number of registered workers, the latency baseline (None until frozen) and the
     :class:`dplb.policy.Policy` (its settings and the prefix index). Terms are exported generically by scorer name
     (``dplb_worker_score_term{term=…}``), so a new scorer needs no edit here.
     """

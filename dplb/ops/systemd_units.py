@@ -15,10 +15,10 @@ import shlex
 
 def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
     """Write ``dplb.env`` and ``worker-K.env`` for the GPU plan into ``args.emit_systemd``. Returns 0."""
-    from dplb.gpu import discover_gpus, visible_gpu_indices
-    from dplb.launch_checks import parse_worker_args
-    from dplb.plan import cuda_visible_devices, plan_gpus
+    from dplb.ops.checks import parse_worker_args
+    from dplb.ops.plan import cuda_visible_devices, plan_gpus
     from dplb.router.cli import router_argv
+    from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
 
     gpus = visible_gpu_indices()
     if gpus is None:
@@ -49,7 +49,7 @@ def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
             f.write(f"# DPLB router API key (dplb-router.service reads it; keep this file 0600)\n"
                     f"DPLB_API_KEY={args.api_key}\n")
     from dplb.config import METRICS_HOST, worker_metrics_ports
-    from dplb.launch_checks import scrape_targets, write_scrape_targets
+    from dplb.ops.checks import scrape_targets, write_scrape_targets
 
     mhost = getattr(args, "metrics_host", METRICS_HOST)
     mports = worker_metrics_ports(getattr(args, "metrics_port_base", None), len(plan))

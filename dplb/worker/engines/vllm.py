@@ -26,8 +26,8 @@ from typing import Any
 
 from prometheus_client import REGISTRY, generate_latest
 
-from dplb.engines.base import ASGIApp, EngineStats
 from dplb.errors import ConfigError
+from dplb.worker.engines.base import ASGIApp, EngineStats
 
 log = logging.getLogger("dplb.engine.vllm")
 _OOM_RE = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.IGNORECASE)

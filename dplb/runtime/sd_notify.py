@@ -2,7 +2,7 @@
 
 Contract: :func:`notify` is a no-op outside systemd (no ``NOTIFY_SOCKET``) and never raises. :class:`Watchdog`
 pings at half of ``WATCHDOG_USEC`` when it is set (sd_watchdog_enabled semantics: honour ``WATCHDOG_PID``).
-The unit files live in ``deploy/systemd/``; their env files are written by :mod:`dplb.systemd_env`.
+The unit files live in ``deploy/systemd/``; their env files are written by :mod:`dplb.ops.systemd_units`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The sim engine's HTTP plumbing, shared by its core endpoints (:mod:`dplb.engines.sim`) and the extra ones
-(:mod:`dplb.engines.sim_api`): one OpenAI-shaped error, one bounded body reader, one responder, one JSON-object
-decoder — so the two cannot drift apart.
+"""The sim engine's HTTP plumbing, shared by its core endpoints (:mod:`dplb.worker.engines.sim.engine`) and the extra
+ones (:mod:`dplb.worker.engines.sim.api`): one OpenAI-shaped error, one bounded body reader, one responder, one
+JSON-object decoder — so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from dplb.engines.base import Receive, Send
+from dplb.worker.engines.base import Receive, Send
 
 MAX_BODY_BYTES = 64 << 20  # request bodies above this get 413
 DEBUG_HEADER = b"x-sim-debug"  # request header: "body-sha256" asks for x-sim-body-sha256 in the response

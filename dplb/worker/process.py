@@ -8,7 +8,7 @@ Contract (DESIGN §2, §5)
 - The collector thread publishes every ``state_interval_ms`` (heartbeat written every tick even when nothing
   changed): engine scheduler state, per-request figures from :class:`RequestStats`, NVML memory (zeros + the
   NO_GPU flag without a GPU).
-- The worker's own metrics (:data:`dplb.metrics.WORKER_SIDE`: what the slot does not carry) and the engine's
+- The worker's own metrics (:data:`dplb.obs.metrics.WORKER_SIDE`: what the slot does not carry) and the engine's
   ``vllm:*`` metrics are served on ``metrics_host:metrics_port`` (127.0.0.1 unless ``--metrics-host``).
 - ``model_load_seconds`` (engine start until the engine is up, i.e. the model load) is published with ``warming``.
 - A missing segment is a :class:`dplb.errors.ShmMissingError` before anything starts (the CLI prints it).
@@ -35,13 +35,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb import __version__
 from dplb.config import METRICS_HOST, METRICS_PORT_BASE
-from dplb.engines.base import Engine, RequestStats, RequestStatsMiddleware, Scope
 from dplb.errors import ConfigError, ShmError, ShmMissingError
-from dplb.gpu import GpuReader, visible_gpu_indices
-from dplb.metrics import WorkerMetrics, worker_metrics
-from dplb.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
-from dplb.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, Lifecycle, Segment, SlotWriter, WorkerState
-from dplb.systemd import Watchdog, notify
+from dplb.obs.metrics import WorkerMetrics, worker_metrics
+from dplb.runtime.gpu import GpuReader, visible_gpu_indices
+from dplb.runtime.sd_notify import Watchdog, notify
+from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
+from dplb.state.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, Lifecycle, Segment, SlotWriter, WorkerState
+from dplb.worker.engines.base import Engine, RequestStats, RequestStatsMiddleware, Scope
 
 log = logging.getLogger("dplb.worker")
 

@@ -2,15 +2,15 @@
 lets the router, policies, dashboards and benchmarks run unchanged on machines without a GPU.
 
 Contract
-- :class:`SimEngine` implements :class:`dplb.engines.base.Engine`: ``name = "sim"``, ``app`` (ASGI), ``start()``,
+- :class:`SimEngine` implements :class:`dplb.worker.engines.base.Engine`: ``name = "sim"``, ``app`` (ASGI), ``start()``,
   ``stats()`` (no I/O), ``metrics_text()``, ``shutdown()`` (idempotent). Configure it with a
-  :class:`~dplb.engines.sim_scheduler.SimConfig` (knobs, units and faults are documented there).
+  :class:`~dplb.worker.engines.sim.scheduler.SimConfig` (knobs, units and faults are documented there).
 - HTTP surface, in vLLM's shapes: ``POST /v1/chat/completions`` and ``/v1/completions`` (non-streaming and SSE
   streaming, ``n``, ``stream_options.include_usage``/``continuous_usage_stats``; sampling parameters are accepted
   and ignored), ``GET /v1/models``, ``/health`` (200, empty), ``/load`` (``{"num_running", "num_waiting",
   "kv_cache_usage"}``), ``/metrics`` (``vllm:*`` Prometheus text), ``/debug/requests`` (the last 256 model
   requests); LoRA adapters, ``/v1/responses`` and the pooling/scoring/tokenizer/audio routes are
-  :mod:`dplb.engines.sim_api`. Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``; a
+  :mod:`dplb.worker.engines.sim.api`. Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``; a
   ``model`` that is neither the served one nor a loaded adapter is a 404 like vLLM's.
 - ``/debug/requests`` records per request: ``request_id``, ``x_request_id``, ``traceparent``, ``path``,
   ``body_sha256``, ``prompt_tokens``, ``completion_tokens`` (sent), ``cached_tokens``, ``status``, ``aborted``,
@@ -24,11 +24,11 @@ Contract
   the same text; ``finish_reason`` is always ``"length"``.
 - Timing: one scheduler step lasts ``(decode_step_s + decode_step_s_per_seq * running + prefill_s_per_token *
   uncached prompt tokens admitted this step) / speed`` seconds, and yields one token per running sequence; see
-  :mod:`dplb.engines.sim_scheduler` for batching, KV blocks and the prefix cache.
+  :mod:`dplb.worker.engines.sim.scheduler` for batching, KV blocks and the prefix cache.
 - A client disconnect (ASGI ``http.disconnect``) aborts the request at once and frees its KV blocks.
 - The HTTP layer is a small raw ASGI app, not Litestar: measured in-process, ~4 µs per request against ~95 µs for
   the same handler in Litestar, and it watches ``http.disconnect`` directly. Serve it with uvicorn, e.g.
-  ``python -m dplb.engines.sim --uds /run/dplb/worker-0.sock --max-num-seqs 8 --speed 0.5``.
+  ``python -m dplb.worker.engines.sim --uds /run/dplb/worker-0.sock --max-num-seqs 8 --speed 0.5``.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ from typing import Any
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dplb.engines.base import ASGIApp, EngineStats, Receive, Scope, Send
-from dplb.engines.sim_api import SimApi
-from dplb.engines.sim_http import DEBUG_HEADER, HTTPError, decode_object, read_body, respond
-from dplb.engines.sim_scheduler import (
+from dplb.worker.engines.base import ASGIApp, EngineStats, Receive, Scope, Send
+from dplb.worker.engines.sim.api import SimApi
+from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body, respond
+from dplb.worker.engines.sim.scheduler import (
     WORDS,
     SimConfig,
     SimRequest,
@@ -446,8 +446,8 @@ class SimEngine:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m dplb.engines.sim --uds PATH | --port P [--<sim knob> VALUE …]``: serve one sim engine."""
-    ap = argparse.ArgumentParser(prog="python -m dplb.engines.sim", description="Serve the DPLB sim engine.")
+    """``python -m dplb.worker.engines.sim --uds PATH | --port P [--<sim knob> VALUE …]``: serve one sim engine."""
+    ap = argparse.ArgumentParser(prog="python -m dplb.worker.engines.sim", description="Serve the DPLB sim engine.")
     ap.add_argument("--uds", help="Unix socket path to serve on")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)

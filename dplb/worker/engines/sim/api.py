@@ -36,9 +36,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from dplb.engines.base import Receive, Scope, Send
-from dplb.engines.sim_http import DEBUG_HEADER, HTTPError, decode_object, read_body, respond
-from dplb.engines.sim_scheduler import (
+from dplb.worker.engines.base import Receive, Scope, Send
+from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body, respond
+from dplb.worker.engines.sim.scheduler import (
     WORDS,
     SimConfig,
     SimRequest,
@@ -51,7 +51,7 @@ from dplb.engines.sim_scheduler import (
 
 
 class SimEngine(Protocol):
-    """What the extra endpoints use of :class:`dplb.engines.sim.SimEngine` (a Protocol: no import cycle)."""
+    """What the extra endpoints use of :class:`~dplb.worker.engines.sim.engine.SimEngine` (a Protocol)."""
 
     config: SimConfig
     scheduler: SimScheduler
@@ -80,7 +80,7 @@ def parse_adapters(text: str) -> dict[str, str]:
 
 
 class SimApi:
-    """The extra endpoints of one :class:`~dplb.engines.sim.SimEngine` (module docstring)."""
+    """The extra endpoints of one :class:`~dplb.worker.engines.sim.engine.SimEngine` (module docstring)."""
 
     def __init__(self, engine: SimEngine) -> None:
         self.engine = engine

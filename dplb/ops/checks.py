@@ -1,4 +1,4 @@
-"""What ``dplb launch`` checks and writes around the stack (split out of :mod:`dplb.launcher`).
+"""What ``dplb launch`` checks and writes around the stack (split out of :mod:`dplb.ops.launcher`).
 
 - :func:`check_ports`: every TCP port the stack will bind (router, each worker's metrics port) is free, before
   anything starts; the error names the port, its owner in the stack and the flag that moves it.
@@ -21,9 +21,9 @@ import shlex
 import socket
 import sys
 
-from dplb.doctor import model_path_problem
 from dplb.errors import ConfigError, PortInUseError
-from dplb.serving import bind_tcp
+from dplb.ops.doctor import model_path_problem
+from dplb.runtime.serving import bind_tcp
 
 #: The scrape jobs the alert rules and dashboards expect.
 ROUTER_JOB, WORKERS_JOB = "dplb-router", "dplb-workers"

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 from dplb.config import METRICS_PORT_BASE, default_run_dir, worker_metrics_ports
 from dplb.errors import ConfigError
-from dplb.gpu import GpuInfo, discover_gpus, visible_gpu_indices
-from dplb.plan import plan_gpus
-from dplb.segments import segments
-from dplb.shm import SHM_DIR
-from dplb.shm_layout import is_dplb_segment
+from dplb.ops.plan import plan_gpus
+from dplb.runtime.gpu import GpuInfo, discover_gpus, visible_gpu_indices
+from dplb.state.layout import is_dplb_segment
+from dplb.state.segments import segments
+from dplb.state.shm import SHM_DIR
 
 MIN_SHM_BYTES = 256 * 1024 * 1024  # below this, warn (vLLM's own IPC also uses /dev/shm)
 DOCKER_DEFAULT_SHM = 64 * 1024 * 1024

@@ -1,7 +1,7 @@
 """Engines behind a worker: ``sim`` (CPU, vLLM-like; the default without a model) and ``vllm`` (real).
 
 :func:`build_engine` is the only place that maps an engine name and its command-line arguments to an
-:class:`~dplb.engines.base.Engine`. The vLLM engine is imported lazily, so nothing on the router side ever
+:class:`~dplb.worker.engines.base.Engine`. The vLLM engine is imported lazily, so nothing on the router side ever
 imports vllm or torch.
 """
 
@@ -12,15 +12,15 @@ import dataclasses
 import typing
 from collections.abc import Callable
 
-from dplb.engines.base import Engine
 from dplb.errors import ConfigError
+from dplb.worker.engines.base import Engine
 
 ENGINES = ("sim", "vllm")
 
 
 def sim_arg_parser() -> argparse.ArgumentParser:
     """Parser of the sim engine's knobs: one ``--sim-<field>`` flag per :class:`SimConfig` field."""
-    from dplb.engines.sim import SimConfig
+    from dplb.worker.engines.sim.engine import SimConfig
 
     p = argparse.ArgumentParser(prog="dplb worker --engine sim", add_help=False)
     hints = typing.get_type_hints(SimConfig)
@@ -48,7 +48,7 @@ def build_engine(name: str, engine_args: list[str], *, model: str | None = None)
     to vLLM's OpenAI server unchanged. Raises :class:`ConfigError` for an unknown engine or bad arguments.
     """
     if name == "sim":
-        from dplb.engines.sim import SimConfig, SimEngine
+        from dplb.worker.engines.sim.engine import SimConfig, SimEngine
 
         ns, rest = sim_arg_parser().parse_known_args(engine_args)
         if rest:
@@ -58,7 +58,7 @@ def build_engine(name: str, engine_args: list[str], *, model: str | None = None)
             kw["model"] = model
         return SimEngine(SimConfig(**kw))
     if name == "vllm":
-        from dplb.engines.vllm import VllmEngine
+        from dplb.worker.engines.vllm import VllmEngine
 
         return VllmEngine(engine_args, model=model)
     raise ConfigError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")

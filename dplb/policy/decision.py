@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dplb.shm import Lifecycle, WorkerState
+from dplb.state.shm import Lifecycle, WorkerState
 
 # Eligibility ("why") values: a closed set. The first group is about the worker's health (decides /ready,
 # dplb_worker_up, dplb state); the second about one request.

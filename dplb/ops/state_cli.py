@@ -7,7 +7,7 @@ pipe, appends one flushed frame per interval (JSON lines with ``--json``).
 ``--json`` prints ``{"path", "header": {...}, "workers": [{...}, ...], "routers": [{...}, ...]}`` where each
 worker has every slot field plus ``worker``, ``heartbeat_age_s`` (null if never written), ``stale`` and
 ``router_inflight`` (open requests of every router process to it), and each router slot its pid, port, process
-index, heartbeat age and per-worker ``pending``/``inflight`` lists (:mod:`dplb.shm_routers`).
+index, heartbeat age and per-worker ``pending``/``inflight`` lists (:mod:`dplb.state.router_slots`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError, ShmMissingError
 from dplb.policy import routable
-from dplb.segments import segments
-from dplb.shm import ENV_SHM_PATH, SHM_DIR, Segment
+from dplb.state.segments import segments
+from dplb.state.shm import ENV_SHM_PATH, SHM_DIR, Segment
 
 
 def find_segment(path: str | None, directory: str = SHM_DIR) -> str:

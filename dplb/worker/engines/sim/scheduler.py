@@ -1,5 +1,5 @@
 """Core of the sim engine: configuration, tokenisation, prefix cache, a vLLM-like continuous-batching scheduler, and
-the engine's ``vllm:*`` Prometheus metrics. The HTTP side lives in :mod:`dplb.engines.sim`.
+the engine's ``vllm:*`` Prometheus metrics. The HTTP side lives in :mod:`dplb.worker.engines.sim.engine`.
 
 Contract
 - :class:`SimScheduler` runs one asyncio task (created lazily on the event loop of the first :meth:`submit`) that

@@ -125,7 +125,7 @@ class PrefixIndex:
         """``keys`` were sent to ``worker`` at ``now_ns``: mark them (most recent in the LRU), then evict the oldest
         entries beyond ``capacity`` and any older than ``ttl_s``. Returns the keys whose entry changed beyond a
         time stamp: new, new for ``worker``, or refreshed after ``_REFRESH_NS`` (what other router processes must
-        learn, :mod:`dplb.shm_routers`)."""
+        learn, :mod:`dplb.state.router_slots`)."""
         m = self._map
         bit = 1 << worker
         move = m.move_to_end

@@ -1,4 +1,4 @@
-"""Child-process helpers shared by the launcher (:mod:`dplb.launcher`) and the router's process group
+"""Child-process helpers shared by the launcher (:mod:`dplb.ops.launcher`) and the router's process group
 (:mod:`dplb.router.supervisor`)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Segment header layout, path rules and the router registry of the state segment (split out of :mod:`dplb.shm`).
+"""Segment header layout, path rules and the router registry of the state segment (split out of :mod:`dplb.state.shm`).
 
-The byte layout is documented in :mod:`dplb.shm`; this module owns the header (decode, the router registry entries,
-the run directory) and the path-safety rules every command shares:
+The byte layout is documented in :mod:`dplb.state.shm`; this module owns the header (decode, the router registry
+entries, the run directory) and the path-safety rules every command shares:
 
 - A path is a DPLB segment only when it is a regular file whose first bytes are the magic ``DPLB``
   (:func:`is_dplb_segment`). DPLB never overwrites, truncates or unlinks anything else.
@@ -46,9 +46,9 @@ MAX_ROUTERS = 16
 RUN_DIR_OFFSET = ROUTERS_OFFSET + MAX_ROUTERS * ROUTER_ENTRY.size  # 1312
 RUN_DIR_BYTES = 256
 HEADER_READ = RUN_DIR_OFFSET + RUN_DIR_BYTES  # 1568: the bytes a header decode needs
-#: Router slots (dplb.shm_routers) after the worker slots: a 64-byte head + 16 bytes per possible worker.
+#: Router slots (dplb.state.router_slots) after the worker slots: a 64-byte head + 16 bytes per possible worker.
 ROUTER_SLOT_SIZE = 64 + 16 * MAX_WORKERS  # 1088
-#: Prefix rings (dplb.shm_routers) after the router slots, one per router slot: a 64-byte head + u64 entries.
+#: Prefix rings (dplb.state.router_slots) after the router slots, one per router slot: a 64-byte head + u64 entries.
 PREFIX_RING_ENTRIES = 8192
 PREFIX_RING_SIZE = 64 + 8 * PREFIX_RING_ENTRIES  # 65600
 assert HEADER.size == 160 and HEADER_READ <= HEADER_SIZE
@@ -189,8 +189,8 @@ def _locked_fd(path: str) -> Iterator[int]:
 def register_router(path: str, port: int, pid: int | None = None) -> int | None:
     """Record router ``pid`` (default: this process) and its TCP ``port`` in the segment's router registry: its own
     entry, else a free one, else one whose process is gone. Returns the entry's index (also the index of the
-    router's slot, :mod:`dplb.shm_routers`), or None (recording nothing) when the segment cannot be written or all
-    :data:`MAX_ROUTERS` entries belong to live processes."""
+    router's slot, :mod:`dplb.state.router_slots`), or None (recording nothing) when the segment cannot be written or
+    all :data:`MAX_ROUTERS` entries belong to live processes."""
     pid = os.getpid() if pid is None else pid
     try:
         with _locked_fd(path) as fd:

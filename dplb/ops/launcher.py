@@ -1,7 +1,7 @@
 """``dplb launch``: plan GPUs, create the segment, start and supervise workers and the router (DESIGN §6).
 
 Contract
-- Plan with :func:`dplb.plan.plan_gpus` (GPUs from NVML; none → CPU workers). Without ``--model`` the sim engine
+- Plan with :func:`dplb.ops.plan.plan_gpus` (GPUs from NVML; none → CPU workers). Without ``--model`` the sim engine
   runs, and the launcher says so loudly; with ``--model`` the vLLM engine runs, and if it cannot start that is an
   error (exit non-zero), never a silent fall-back to the sim.
 - Creates the segment (``/dev/shm/dplb_state_<unix seconds>`` unless ``--shm-path``) and a private run directory
@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 
 from dplb.config import METRICS_HOST, METRICS_PORT_BASE, default_run_dir, worker_metrics_ports
 from dplb.errors import ConfigError
-from dplb.gpu import discover_gpus, visible_gpu_indices
-from dplb.launch_checks import (
+from dplb.ops.checks import (
     check_model,
     check_ports,
     child_argv,
@@ -41,12 +40,13 @@ from dplb.launch_checks import (
     scrape_targets,
     write_scrape_targets,
 )
-from dplb.plan import cuda_visible_devices, plan_gpus
-from dplb.procs import die_with_parent
+from dplb.ops.plan import cuda_visible_devices, plan_gpus
 from dplb.router.cli import add_router_args, router_config
 from dplb.router.supervisor import child_env
-from dplb.segments import check_takeover, inspect
-from dplb.shm import ENV_SHM_PATH, MAX_WORKERS, Lifecycle, Segment, default_segment_path
+from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
+from dplb.runtime.procs import die_with_parent
+from dplb.state.segments import check_takeover, inspect
+from dplb.state.shm import ENV_SHM_PATH, MAX_WORKERS, Lifecycle, Segment, default_segment_path
 
 log = logging.getLogger("dplb.launch")
 BACKOFF_START_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
@@ -433,7 +433,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     if args.emit_systemd:
-        from dplb.systemd_env import emit_env_files
+        from dplb.ops.systemd_units import emit_env_files
 
         return emit_env_files(args, rest)
     try:

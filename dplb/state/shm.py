@@ -19,7 +19,7 @@ Byte layout (little-endian; offsets in bytes)::
       32  128s model                 UTF-8, NUL-padded (served model name; may be empty)
       160 64 × 16 bytes GPU map      per worker w at 160 + 16·w: u8 count (0..15), then 15 × u8 GPU indices
       1184 16 × 8 bytes routers      u32 pid, u16 TCP port, u16 reserved (0 pid = free); written by each router
-                                     process under flock (dplb.shm_layout.register_router), cleared when it stops;
+                                     process under flock (dplb.state.layout.register_router), cleared when it stops;
                                      entry r owns router slot r
       1312 256s run_dir              UTF-8, NUL-padded: the run directory of the worker sockets (may be empty)
       1568..4095 reserved (zeros)
@@ -52,7 +52,7 @@ Byte layout (little-endian; offsets in bytes)::
 
     Router slots: 16 × 1088 bytes after the last worker slot, at HEADER_SIZE + num_workers·SLOT_SIZE, one per router
     process (its per-worker in-flight correction and in-flight count), then 16 prefix rings of 65600 bytes (the
-    prefix blocks each router process's index learnt, replayed by the others); layout in :mod:`dplb.shm_routers`.
+    prefix blocks each router process's index learnt, replayed by the others); layout in :mod:`dplb.state.router_slots`.
 
 Seqlock protocol. Writer: ``seq += 1`` (odd), write the body, ``seq += 1`` (even). Reader: load ``seq`` (retry if
 odd), copy the slot in one slice, load ``seq`` again; retry if it changed; after ``READ_RETRIES`` failed tries the
@@ -78,7 +78,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError, ShmSpaceError, ShmWorkerIdError
-from dplb.shm_layout import (
+from dplb.state.layout import (
     ENV_SHM_PATH,
     GPU_ENTRY,
     GPU_MAP_OFFSET,
@@ -411,8 +411,8 @@ class Segment:
 
     def router_slots(self) -> list[dict[str, Any]]:
         """Every used router slot (pid, port, process index, heartbeat age, per-worker pending and in-flight):
-        what each router process has sent (:mod:`dplb.shm_routers`). For display; not seqlocked."""
-        from dplb.shm_routers import read_router_slots
+        what each router process has sent (:mod:`dplb.state.router_slots`). For display; not seqlocked."""
+        from dplb.state.router_slots import read_router_slots
 
         return read_router_slots(self._mm, self.num_workers)
 

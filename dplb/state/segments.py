@@ -11,8 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from dplb.errors import DPLBError, ShmPathError
-from dplb.shm import SHM_DIR, Segment, SegmentHeader, list_segments
-from dplb.shm_layout import (
+from dplb.state.layout import (
     HEADER_SIZE,
     MAX_WORKERS,
     ROUTER_ENTRY,
@@ -21,6 +20,7 @@ from dplb.shm_layout import (
     is_dplb_segment,
     pid_alive,
 )
+from dplb.state.shm import SHM_DIR, Segment, SegmentHeader, list_segments
 
 
 @dataclass
@@ -107,7 +107,7 @@ def older_layout_live_pids(path: str) -> list[int]:
     if len(raw) < ROUTERS_OFFSET + v1_routers * ROUTER_ENTRY.size:
         return []
     n = min(int.from_bytes(raw[8:10], "little"), MAX_WORKERS)
-    pids = [int.from_bytes(raw[24:28], "little")]  # creator_pid (dplb.shm's header layout)
+    pids = [int.from_bytes(raw[24:28], "little")]  # creator_pid (dplb.state.shm's header layout)
     pids += [ROUTER_ENTRY.unpack_from(raw, ROUTERS_OFFSET + i * ROUTER_ENTRY.size)[0] for i in range(v1_routers)]
     pids += [int.from_bytes(raw[o:o + 4], "little") for o in (HEADER_SIZE + k * SLOT_SIZE + 8 for k in range(n))
              if o + 4 <= len(raw)]
