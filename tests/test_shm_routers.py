@@ -152,14 +152,21 @@ def test_prefix_rings_replay_what_a_peer_learnt(seg: Segment) -> None:
     keys = block_hashes(b"x" * 128 * 20, 128)
     ia, ib = PrefixIndex(65536, 300, 4), PrefixIndex(65536, 300, 4)
     a.publish_prefix(2, ia.record(keys, 2, 1000))
-    assert b.drain_prefix(ib, 1000) == 20
+    got = b.drain_prefix()
+    assert got == {2: keys}  # raw entries by worker, in ring order
+    for w, ks in got.items():
+        ib.record(ks, w, 1000)
     assert ib.match(keys, 1000) == [0, 0, 20, 0]  # B now knows worker 2 holds the whole prefix
-    assert b.drain_prefix(ib, 1000) == 0  # nothing new: one load per peer
+    assert b.drain_prefix() == {}  # nothing new: one load per peer
     assert ia.record(keys, 2, 1000) == []  # re-sent within a second: nothing new to tell the others
+    a.publish_prefix(7, [5])  # a worker this segment does not have: dropped
+    assert b.drain_prefix() == {}
     # A reader that falls more than a ring behind loses the oldest entries and says so.
     many = list(range(1, PREFIX_RING_ENTRIES + 101))
     a.publish_prefix(1, many)
-    assert b.drain_prefix(ib, 2000) == PREFIX_RING_ENTRIES and b.prefix_lost == 100
+    got = b.drain_prefix()
+    assert len(got[1]) == PREFIX_RING_ENTRIES and got[1][0] == 101 and b.prefix_lost == 100
+    ib.record(got[1], 1, 2000)
     assert ib.match([PREFIX_RING_ENTRIES + 100], 2000)[1] == 1 and ib.match([1], 2000)[1] == 0
     a.close()
     b.close()

@@ -163,7 +163,8 @@ class RouterState:
             held = self._track_staleness(snap, now)
             slots = self.slots
             if slots is not None and self._prefix_index is not None and slots.has_peers:
-                slots.drain_prefix(self._prefix_index, now)  # what the other router processes sent meanwhile
+                for w, keys in slots.drain_prefix().items():  # what the other router processes sent meanwhile
+                    self._prefix_index.record(keys, w, now)
             d = self.policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight,
                                  shared=self._shared(snap, now))
             if request.learned and slots is not None and slots.has_peers and d.worker is not None:

@@ -54,7 +54,7 @@ import os
 import struct
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dplb.state.layout import (
     HEADER_SIZE,
@@ -72,10 +72,6 @@ ROUTER_ENTRY = struct.Struct("<IIQ")  # pending, inflight, last_sent
 ROUTER_STALE_S = 2.0  # a router slot whose heartbeat is older is ignored (its owner died or hung)
 READ_RETRIES = 64
 assert ROUTER_SLOT_SIZE % 64 == 0 and ROUTER_ENTRY.size == 16
-
-if TYPE_CHECKING:
-    from dplb.policy.prefix import PrefixIndex
-
 
 def routers_offset(num_workers: int) -> int:
     """Offset of router slot 0 in a segment with ``num_workers`` worker slots, bytes."""
@@ -201,12 +197,13 @@ class RouterSlots:
             head += 1
         q[h] = head  # entries first, then the head that publishes them (single 8-byte store; x86-64 TSO)
 
-    def drain_prefix(self, index: PrefixIndex, now_ns: int) -> int:
-        """Replay into ``index`` what the peers' rings gained since the last call (recorded at ``now_ns``).
-        Returns the number of entries replayed. Costs one load per peer when nothing is new."""
+    def drain_prefix(self) -> dict[int, list[int]]:
+        """What the peers' rings gained since the last call: ``{worker: [block key, …]}`` in ring order (raw
+        entries; the policy decides what they mean). Entries naming no worker of this segment are dropped. Costs
+        one load per peer when nothing is new (then returns an empty dict)."""
         q = self._q
         seen = self._ring_seen
-        n = 0
+        by_worker: dict[int, list[int]] = {}
         for r in self._peer_rings:
             h = self._ring_q[r]
             head = q[h]
@@ -225,15 +222,11 @@ class RouterSlots:
                 self.prefix_lost += overwritten
                 raw = raw[overwritten:]
             seen[r] = head
-            by_worker: dict[int, list[int]] = {}
             for v in raw:
                 w = (v >> 56) - 1
-                if 0 <= w < index.num_workers:
+                if 0 <= w < self.num_workers:
                     by_worker.setdefault(w, []).append(v & _KEY_MASK)
-            for w, keys in by_worker.items():
-                index.record(keys, w, now_ns)
-            n += len(raw)
-        return n
+        return by_worker
 
     def close(self) -> None:
         """Zero this slot, leave the registry, unmap. Idempotent; never raises."""
