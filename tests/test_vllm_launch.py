@@ -8,26 +8,21 @@ import os
 import signal
 import subprocess
 import time
-import uuid
 from collections import Counter
 
 import httpx
 import openai
 import pytest
 from cluster import dplb_cmd, free_port
+from proc_tags import kill_tagged, new_tag, tagged_env, tagged_procs
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def _procs(tag: str) -> list[str]:
-    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if tag in line and "ps -eo" not in line]
-
-
 def test_launch_two_real_vllm_workers_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     require_vllm()
-    tag = uuid.uuid4().hex[:10]
+    tag = new_tag()
     shm = f"/dev/shm/dplb_state_test_{tag}"
     run_dir = str(tmp_path / f"run-{tag}")
     port = free_port()
@@ -38,7 +33,7 @@ def test_launch_two_real_vllm_workers_end_to_end(tmp_path) -> None:  # type: ign
             dplb_cmd("launch", "--model", TINY_MODEL, "--num-workers", "2", "--port", str(port), "--host",
                      "127.0.0.1", "--shm-path", shm, "--run-dir", run_dir, "--metrics-port-base", "0",
                      *VLLM_CPU_ARGS),
-            env=vllm_env(), stdout=log, stderr=subprocess.STDOUT)
+            env=tagged_env(tag, vllm_env()), stdout=log, stderr=subprocess.STDOUT)
     try:
         t0 = time.monotonic()
         while True:
@@ -79,20 +74,16 @@ def test_launch_two_real_vllm_workers_end_to_end(tmp_path) -> None:  # type: ign
         assert time.monotonic() - t_stop < 30
         assert not os.path.exists(shm)
         assert not any(n.endswith(".sock") for n in os.listdir(run_dir))
-        # No process may outlive the launcher. An exited engine child can show as "<defunct>" for a moment until
-        # PID 1 reaps it (it holds no resources): those are waited for, live ones fail the test.
+        # No process the launcher started (its whole tree, orphans included: they keep the test's tag in their
+        # environment) may outlive it; an exited child waiting to be reaped holds nothing and is not counted.
         deadline = time.monotonic() + 10
-        while True:
-            leftovers = _procs(tag) + _procs(TINY_MODEL) + _procs("VLLM::")
-            if not leftovers or time.monotonic() > deadline:
-                break
+        while (leftovers := tagged_procs(tag)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert [p for p in leftovers if "<defunct>" not in p] == [], leftovers
+        assert leftovers == [], leftovers
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        for line in _procs(tag) + _procs(TINY_MODEL):
-            os.kill(int(line.split()[0]), signal.SIGKILL)
+        kill_tagged(tag)  # only what this test started: never another stack on the host
         if os.path.exists(shm):
             os.unlink(shm)
