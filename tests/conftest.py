@@ -10,8 +10,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from proc_tags import become_subreaper
 
 from dplb.state.shm import SHM_DIR
+
+# Orphans of what the tests start come back to this process instead of PID 1, so a leak check finds them by
+# ancestry (tests/proc_tags.py) and never mistakes another user's processes for the test's.
+become_subreaper()
 
 
 @pytest.fixture

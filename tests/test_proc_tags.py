@@ -7,30 +7,35 @@ import subprocess
 import sys
 import time
 
+import pytest
 from proc_tags import kill_tagged, new_tag, tagged_env, tagged_procs
 
-# A parent that starts a grandchild and exits at once: the grandchild is orphaned (re-parented to PID 1 or a
-# subreaper) and keeps running with the same command line as the stranger below.
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
-ORPHANER = [sys.executable, "-c",
-            "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"]
+SLEEP = "import time; time.sleep(60)"
+# A parent that starts a grandchild and exits at once: the grandchild is orphaned and keeps running with the same
+# command line as the stranger; with ``setproctitle`` it would also lose the environment /proc shows.
+ORPHANER = [sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {SLEEP!r}])"]
 
 
-def test_tagged_tree_is_found_and_killed_and_strangers_are_not() -> None:
+def _wait(pred, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("env_tag", [True, False], ids=["environment", "ancestry-only"])
+def test_tagged_tree_is_found_and_killed_and_strangers_are_not(env_tag: bool) -> None:
+    stranger = subprocess.Popen([sys.executable, "-c", SLEEP])  # same command line, started before the tag
+    time.sleep(0.05)
     tag = new_tag()
-    stranger = subprocess.Popen(SLEEPER)  # same command line, not started under the tag
     try:
-        parent = subprocess.Popen(ORPHANER, env=tagged_env(tag))
+        parent = subprocess.Popen(ORPHANER, env=tagged_env(tag) if env_tag else None)
         assert parent.wait(10) == 0
-        deadline = time.monotonic() + 10
-        while not (found := tagged_procs(tag)) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait(lambda: tagged_procs(tag))
+        found = tagged_procs(tag)
         assert len(found) == 1 and "time.sleep(60)" in found[0][1], found  # the orphan, not the exited parent
         assert stranger.pid not in [pid for pid, _ in found]
         assert kill_tagged(tag) == [found[0][0]]
-        deadline = time.monotonic() + 10
-        while tagged_procs(tag) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait(lambda: not tagged_procs(tag))
         assert tagged_procs(tag) == []
         assert stranger.poll() is None  # untouched
     finally:

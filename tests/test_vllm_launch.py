@@ -20,6 +20,19 @@ from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_v
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
+def _state(shm: str) -> dict:  # type: ignore[type-arg]
+    return json.loads(subprocess.run(dplb_cmd("state", "--json", "--shm-path", shm), capture_output=True, text=True,
+                                     timeout=30).stdout)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def test_launch_two_real_vllm_workers_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     require_vllm()
     tag = new_tag()
@@ -40,8 +53,7 @@ def test_launch_two_real_vllm_workers_end_to_end(tmp_path) -> None:  # type: ign
             assert proc.poll() is None, log_path.read_text()[-4000:]
             assert time.monotonic() - t0 < STARTUP_TIMEOUT_S, log_path.read_text()[-4000:]
             try:
-                st = json.loads(subprocess.run(dplb_cmd("state", "--json", "--shm-path", shm), capture_output=True,
-                                               text=True, timeout=30).stdout)
+                st = _state(shm)
                 if all(w["lifecycle"] == "ready" for w in st["workers"]) and httpx.get(url + "/ready").status_code == 200:
                     break
             except (json.JSONDecodeError, httpx.HTTPError):
@@ -68,6 +80,20 @@ def test_launch_two_real_vllm_workers_end_to_end(tmp_path) -> None:  # type: ign
 
         spread = asyncio.run(twenty())
         assert set(spread) == {"0", "1"}, spread
+        # kill -9 of a worker leaves no engine behind: its EngineCore (a child process that would be re-parented and
+        # keep running) dies with it, and the launcher starts a fresh worker.
+        old = next(w["pid"] for w in _state(shm)["workers"] if w["worker"] == 0)
+        engine = [pid for pid, _ in tagged_procs(tag) if _ppid(pid) == old]
+        assert engine, f"worker 0 (pid {old}) has no engine child: {tagged_procs(tag)}"
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while (left := [pid for pid, _ in tagged_procs(tag) if pid in engine]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == [], f"worker 0's engine outlived it: {left}"
+        t0 = time.monotonic()
+        while not (lambda w: w["pid"] not in (0, old) and w["lifecycle"] == "ready")(_state(shm)["workers"][0]):
+            assert time.monotonic() - t0 < STARTUP_TIMEOUT_S, log_path.read_text()[-4000:]
+            time.sleep(1)
         proc.send_signal(signal.SIGINT)
         t_stop = time.monotonic()
         assert proc.wait(60) == 0

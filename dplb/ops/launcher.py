@@ -8,10 +8,12 @@ Contract
   (0700) for sockets and logs, exports ``DPLB_SHM_PATH``, starts each worker with ``CUDA_VISIBLE_DEVICES`` for its
   group, then the router; prints the URL, a curl example and where the logs are.
 - Supervision: a worker or router that exits unexpectedly is restarted with exponential backoff (1 s doubling to
-  30 s; reset after 60 s of uptime). A worker that fails before ever becoming ready ``--max-start-failures`` times
-  in a row stops the launch with its log tail.
+  30 s; reset after 60 s of uptime), after what it left in its process group is killed (a vLLM worker's
+  ``EngineCore`` outlives a SIGKILLed worker). A worker that fails before ever becoming ready
+  ``--max-start-failures`` times in a row stops the launch with its log tail.
 - Ctrl-C / SIGTERM: SIGTERM to every worker (they drain) and the router, wait up to the drain timeout, SIGKILL what
-  is left, then remove the sockets, the segment and the run directory it created. Nothing is left in /dev/shm.
+  is left (each child's process group too), then remove the sockets, the segment and the run directory it created.
+  Nothing is left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from dplb.ops.plan import cuda_visible_devices, plan_gpus
 from dplb.router.cli import add_router_args, router_config
 from dplb.router.supervisor import child_env
 from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
-from dplb.runtime.procs import die_with_parent
+from dplb.runtime.procs import die_with_parent, reap_group
 from dplb.state.segments import check_takeover, inspect
 from dplb.state.shm import ENV_SHM_PATH, MAX_WORKERS, Lifecycle, Segment, default_segment_path
 
@@ -90,6 +92,11 @@ class Child:
             assert self.proc is not None
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, sig)
+
+    def reap(self) -> None:
+        """After the process exited: kill what it left in its process group (an engine's own children)."""
+        if self.proc is not None and self.proc.poll() is not None and reap_group(self.proc.pid):
+            log.info("%s: killed the processes it left behind (process group %d)", self.name, self.proc.pid)
 
     def log_tail(self, n: int = 20) -> str:
         """The last ``n`` lines this launcher's run wrote (earlier runs in the same run dir are left out)."""
@@ -286,6 +293,7 @@ class Launcher:
                 if w.alive() or self.stopping:
                     continue
                 if w.next_start == 0.0:  # just exited: schedule a restart
+                    w.reap()
                     rc = w.proc.returncode if w.proc else None
                     if self._gives_up(w, rc):
                         return 1
@@ -303,6 +311,7 @@ class Launcher:
                     log.info("%s restarted (restart #%d)", w.name, w.restarts)
             r = self.router
             if not r.alive() and not self.stopping:
+                r.reap()
                 rc = r.proc.returncode if r.proc else None
                 if self._gives_up(r, rc):
                     return 1
@@ -353,6 +362,7 @@ class Launcher:
                 log.warning("%s did not stop in time; killing it", w.name)
                 w.signal(signal.SIGKILL)
                 w.proc.wait(5)
+            w.reap()
         if self.router is not None:
             self.router.signal(signal.SIGTERM)
             if self.router.proc is not None:
@@ -361,6 +371,7 @@ class Launcher:
                 except subprocess.TimeoutExpired:
                     self.router.signal(signal.SIGKILL)
                     self.router.proc.wait(5)
+            self.router.reap()
         for k in range(len(self.plan)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.router_cfg.socket_path(k))
