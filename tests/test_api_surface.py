@@ -1,4 +1,4 @@
-"""The whole vLLM API through the router (issue 15), against real routers and sim workers on real Unix sockets:
+"""The whole vLLM API through the router, against real routers and sim workers on real Unix sockets:
 every proxied route, /v1/responses and its id → worker map, model/LoRA-aware routing, the union /v1/models,
 LoRA fan-out, HEAD, CORS, compressed request bodies, SSE keep-alive comments."""
 

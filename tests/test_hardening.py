@@ -1,4 +1,4 @@
-"""Hardening, the fault matrix (issue 9): real workers, router and launcher, real signals, real shm.
+"""Hardening, the fault matrix: real workers, router and launcher, real signals, real shm.
 
 Each test drives load while a fault happens and checks what clients saw (status, ``X-SG-Worker-ID``, SSE ends),
 what the router logged and exported, and what the engines recorded. Times are client-side ``time.monotonic()``.
@@ -220,7 +220,7 @@ def test_segment_deleted_then_bad_then_recreated_workers_and_router_reattach(tmp
             create = dplb_cmd("segment", "create", "--shm-path", c.shm_path, "--num-workers", "2",
                               "--state-interval-ms", "100", "--model", "dplb-sim")
             r = subprocess.run(create, capture_output=True, text=True, timeout=30)
-            # never overwritten: it is not DPLB's file (issue 16); the operator removes it, then create heals
+            # never overwritten: it is not DPLB's file; the operator removes it, then create heals
             assert r.returncode == 2 and "not a DPLB segment" in r.stderr, r.stderr
             with open(c.shm_path, "rb") as f:
                 assert f.read(4) == b"JUNK"

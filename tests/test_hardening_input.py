@@ -1,4 +1,4 @@
-"""Hardening, bad input and security (issue 9): a hypothesis fuzz of the router's HTTP surface, oversized heads and
+"""Hardening, bad input and security: a hypothesis fuzz of the router's HTTP surface, oversized heads and
 bodies, absurd values, request-id sanitising, API-key exemptions, file modes and other users, and the soak smoke.
 """
 

@@ -130,7 +130,7 @@ def test_state_without_segment(args: list[str]) -> None:
 
 
 def test_second_launch_refuses_and_leaves_the_first_untouched(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Regression (fresh-eyes trial): a second `dplb launch` on the same port/run dir crash-looped, then deleted
+    """Regression: a second `dplb launch` on the same port/run dir crash-looped, then deleted
     the first launch's sockets, leaving ready-looking workers that answered 502."""
     tag = uuid.uuid4().hex[:10]
     shm = f"/dev/shm/dplb_state_test_{tag}"
@@ -207,7 +207,7 @@ def test_launch_flag_errors_are_one_line(tmp_path) -> None:  # type: ignore[no-u
 def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Regression: `dplb launch --api-key-exempt` was accepted but never reached the router. Also checks that
     `--worker-args` reaches only its worker (the heterogeneous benchmark's half-speed worker), and that
-    `--router-processes 2` reaches the router (issue 14: the config is handed over whole, not as flags)."""
+    `--router-processes 2` reaches the router (the config is handed over whole, not as flags)."""
     tag = uuid.uuid4().hex[:10]
     shm = f"/dev/shm/dplb_state_test_{tag}"
     port = free_port()
@@ -250,7 +250,7 @@ def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[n
 
 
 def test_log_tail_shows_only_this_launchers_lines(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Regression (fresh-eyes trial): logs are kept across runs in one --run-dir, and a worker's "last log lines"
+    """Regression: logs are kept across runs in one --run-dir, and a worker's "last log lines"
     mixed in an earlier run's error."""
     from dplb.ops.launcher import Child
 

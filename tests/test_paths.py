@@ -1,4 +1,4 @@
-"""Path and process safety (issue 16): DPLB never overwrites or removes what it did not create, never advises
+"""Path and process safety: DPLB never overwrites or removes what it did not create, never advises
 ``rm`` for a foreign file, refuses to guess between several stacks, checks every port and the model before starting,
 records router pids so a live segment is never called stale, and starts children that the cwd cannot shadow.
 

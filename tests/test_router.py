@@ -456,7 +456,7 @@ def test_ready_without_segment_or_sockets_is_503(tmp_path: str) -> None:
 
 
 def test_failing_worker_is_ejected_instead_of_attracting_traffic(tmp_path: str) -> None:
-    """Regression (alert drill): a worker that answers every request with a fast 500 looked idle to the score
+    """Regression: a worker that answers every request with a fast 500 looked idle to the score
     (no latency sample, empty queue) and got most of the traffic. Three failures in a row now eject it for 2 s."""
     with cluster(str(tmp_path), 2, worker_args={1: ["--sim-oom-after", "2"]}) as c:
         codes = Counter()

@@ -1,6 +1,6 @@
 """The router process: Litestar for the local endpoints, the raw-ASGI :class:`Proxy` for the proxied routes.
 
-Contract (DESIGN §4)
+Contract (docs/DESIGN.md §4, §6)
 - Every proxied route of :mod:`dplb.router.routes` (chat, completions, embeddings, responses, pooling, scoring,
   tokenize, audio, …) → :class:`dplb.router.proxy.Proxy` (dispatched before Litestar, so the hot path pays no
   framework cost).
@@ -127,7 +127,7 @@ class RouterApp:
             # trace-id exemplars.
             if "application/openmetrics-text" in request.headers.get("accept", ""):
                 return Response(om_generate_latest(source), media_type=OM_CONTENT_TYPE)
-            # Litestar appends "; charset=utf-8" to text/* types itself: hand it the type without one (issue 16).
+            # Litestar appends "; charset=utf-8" to text/* types itself: hand it the type without one.
             return Response(generate_latest(source), media_type=_TEXT_TYPE)
 
         @get("/v1/models")

@@ -1,5 +1,5 @@
 """The proxy hot path: one raw ASGI handler for every proxied route of :mod:`dplb.router.routes` (chat,
-completions, embeddings, responses, pooling, scoring, tokenize, audio, …; DESIGN §4).
+completions, embeddings, responses, pooling, scoring, tokenize, audio, …; docs/DESIGN.md §4).
 
 Contract
 - The request body is read whole (bounded: 413 from Content-Length before reading, or as soon as the bytes read

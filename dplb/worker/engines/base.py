@@ -1,4 +1,4 @@
-"""The one small interface between a DPLB worker and its inference engine (DESIGN §5).
+"""The one small interface between a DPLB worker and its inference engine (docs/DESIGN.md §8).
 
 Contract
 - An :class:`Engine` serves the OpenAI API as an ASGI app (``engine.app``) or, for out-of-process engines, on the
@@ -24,7 +24,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-LATENCY_WINDOW = 10  # requests: DESIGN §2 "avg_latency_s of the last 10 requests"
+LATENCY_WINDOW = 10  # requests: the slot's "last 10 requests" figures (docs/DESIGN.md §3.3)
 
 
 @dataclass(slots=True)

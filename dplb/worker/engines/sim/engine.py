@@ -1,5 +1,5 @@
-"""The sim engine: a CPU-cheap, vLLM-like inference engine behind a DPLB worker (DESIGN §5). A product feature: it
-lets the router, policies, dashboards and benchmarks run unchanged on machines without a GPU.
+"""The sim engine: a CPU-cheap, vLLM-like inference engine behind a DPLB worker (docs/DESIGN.md §8). A product
+feature: it lets the router, policies, dashboards and benchmarks run unchanged on machines without a GPU.
 
 Contract
 - :class:`SimEngine` implements :class:`dplb.worker.engines.base.Engine`: ``name = "sim"``, ``app`` (ASGI), ``start()``,
