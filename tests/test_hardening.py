@@ -17,19 +17,21 @@ import time
 from collections import Counter
 
 import httpx
-from cluster import Cluster, cluster, dplb_cmd
-from hardening_support import (
+from cluster import (
+    Cluster,
     LaunchedCluster,
     Result,
     SteadyLoad,
     assert_no_internals,
+    cluster,
     completion,
+    dplb_cmd,
     log_count,
     one_request,
     read,
     sim_aborts,
-    sim_get,
     wait_for,
+    worker_get,
 )
 
 from dplb.router.state import READMIT_INTERVALS
@@ -444,6 +446,6 @@ def test_cold_start_no_traffic_to_warming_workers_and_ready_only_with_one_ready(
         assert all(ok for code, ok in ready_codes if code == 200), "/ready said 200 before any worker was ready"
         assert served[(200, "0")] >= 3 and served[(200, "1")] >= 3, served
         for k in range(2):  # every routed request reached the engine after it was ready (the warm-up has no id)
-            recs = [e for e in sim_get(c.sock(k), "/debug/requests").json() if e.get("x_request_id")]
+            recs = [e for e in worker_get(c.sock(k), "/debug/requests").json() if e.get("x_request_id")]
             early = [e for e in recs if e["time_unix"] < last_not_ready[k]]
             assert recs and not early, (k, early)

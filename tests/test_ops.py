@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster import ROOT, cluster, dplb_cmd, free_port
-from tools import need
+from cluster import ROOT, cluster, dplb_cmd, free_port, need
 
 from dplb.ops import doctor
 from dplb.runtime.gpu import GpuInfo
