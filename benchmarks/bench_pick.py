@@ -1,7 +1,7 @@
-"""pick() latency benchmark (issues 2, 13): p50/p99 in µs for 2, 4, 8, 16 workers, every policy; prefix hashing.
+"""pick() latency benchmark: p50/p99 in µs for 2, 4, 8, 16 workers, every policy; prefix hashing.
 
 Usage: python benchmarks/bench_pick.py [--iterations 20000] [--json OUT]
-Targets (issue 13): dplb policy at 8 workers, p50 ≤ 15 µs and p99 ≤ 50 µs; chained block hashing of a 32 KB prompt
+Targets: dplb policy at 8 workers, p50 ≤ 15 µs and p99 ≤ 50 µs; chained block hashing of a 32 KB prompt
 p50 ≤ 100 µs. Snapshots are fresh (heartbeat "now"), ready, with varied load, so every term is computed; half the
 picks carry the block keys of one of 64 chat prompts of 2 KB sharing a 1 KB system prompt (the prefix index is
 matched and recorded on those). The shm read and the hashing are *not* in pick() (measured separately).

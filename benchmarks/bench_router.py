@@ -1,4 +1,4 @@
-"""Router overhead benchmark (issue 4): the router vs talking to the worker's socket directly, in one run.
+"""Router overhead benchmark: the router vs talking to the worker's socket directly, in one run.
 
 Starts one fast sim worker and a router in front of it (real processes), then measures with the same client:
 - concurrency 1: added P50/P99 latency of a non-streaming completion (targets: ≤ 0.15 ms / ≤ 0.5 ms);

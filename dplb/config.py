@@ -2,7 +2,7 @@
 
 Contract: every ``*Config`` is a frozen dataclass whose ``__post_init__`` refuses bad values with
 :class:`dplb.errors.ConfigError` and a message naming the option and the accepted range. Defaults are the values of
-DESIGN §3/§4 and the seed article.
+docs/DESIGN.md §5 and §4, and the seed article.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ PREFIX_WEIGHTS: Weights = (("queue", 0.3), ("memory", 0.2), ("latency", 0.2), ("
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    """Scoring policy configuration (DESIGN §3).
+    """Scoring policy configuration (docs/DESIGN.md §5).
 
     - ``weights``: ``((scorer name, weight), …)``, each weight ≥ 0, summing to 1 (±1e-6); names are checked against
       the scorer registry when the policy is built. None (default): :data:`PREFIX_WEIGHTS` when prefix scoring is
@@ -205,7 +205,7 @@ def parse_weights(text: str) -> Weights:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    """Router settings (DESIGN §4). Times in seconds, sizes in bytes.
+    """Router settings (docs/DESIGN.md §4, §6). Times in seconds, sizes in bytes.
 
     - ``connect_timeout_s``: connecting to a worker's socket; ``first_byte_timeout_s``: waiting for the response
       head (generous: long prefills are normal); ``idle_timeout_s``: silence between two body chunks.

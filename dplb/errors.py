@@ -5,13 +5,18 @@ line or a CLI error can act without reading source. CLI entry points catch :clas
 message without a traceback (exit code 2 for configuration problems, 1 otherwise).
 
 The router's own HTTP errors (OpenAI-shaped JSON bodies with bounded reason codes) are described by
-:class:`RouterErrorKind`; the router turns them into responses, nothing else does.
+:class:`RouterErrorKind`. Every OpenAI-shaped error body DPLB sends — the router's, the HTTP edge's, the worker's
+draining refusal, the sim engine's — is built by :func:`openai_error_body` (docs/DESIGN.md §6).
 """
 
 from __future__ import annotations
 
 import enum
 import os
+
+import msgspec
+
+_encode = msgspec.json.Encoder().encode
 
 
 class DPLBError(Exception):
@@ -136,3 +141,25 @@ class RouterErrorKind(enum.Enum):
     def code(self) -> str:
         """Bounded reason code (``error.code`` and the ``reason`` metric label)."""
         return self.value[2]
+
+
+class BodyTooLarge(DPLBError):
+    """A request body grew past its byte limit while being received (``limit``: the limit, bytes)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body is over the {limit}-byte limit")
+        self.limit = limit
+
+
+def openai_error_body(message: str, type_: str, code: str | int, *, param: bool = False) -> bytes:
+    """The OpenAI error body ``{"error": {"message", "type", "code"}}`` as compact UTF-8 JSON (msgspec). With
+    ``param``, vLLM's shape ``{"error": {"message", "type", "param": null, "code"}}`` (the sim engine's, so its
+    errors match a vLLM worker's)."""
+    if param:
+        return _encode({"error": {"message": message, "type": type_, "param": None, "code": code}})
+    return _encode({"error": {"message": message, "type": type_, "code": code}})
+
+
+def error_body(kind: RouterErrorKind, message: str) -> bytes:
+    """The OpenAI error body of one of the router's own errors: ``kind``'s type and reason code, ``message``."""
+    return openai_error_body(message, kind.type, kind.code)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Soak test: a 4-worker sim cluster under ``dplb launch``, a steady request rate for a long time, and the router's
-memory, file descriptors, errors and in-flight gauges checked at the end (issue 9).
+memory, file descriptors, errors and in-flight gauges checked at the end.
 
 Usage::
 

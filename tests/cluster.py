@@ -1,26 +1,54 @@
-"""Test harness: real worker and router processes on real Unix sockets around a real shm segment.
+"""The tests' one fixture module: the builders every test file shares (pytest fixtures proper are in conftest.py).
 
-Everything here starts real ``dplb`` processes (``python -m dplb.cli …``) and cleans them up; nothing is mocked.
+- Clusters: real worker and router processes on real Unix sockets around a real shm segment (:func:`cluster`),
+  the soak script's launcher and load (``scripts/soak.py``: :data:`LaunchedCluster`, :data:`SteadyLoad`, …).
+  Everything starts real ``dplb`` processes (``python -m dplb.cli …``) and cleans them up; nothing is mocked.
+- Requests: :func:`post` (JSON to the router), :func:`completion` (a request body), :func:`worker_get` (a worker's
+  own endpoints over its socket), :func:`router_ready`.
+- Checks and polling: :func:`assert_openai_error`, :func:`assert_no_internals`, :func:`wait_for`, :func:`read`,
+  :func:`log_count`.
+- A real Prometheus scraping the stack (:class:`Prometheus`).
+- System tools: :func:`need` (skip locally without systemd-analyze/prometheus/promtool, fail in CI).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 from dplb.state.shm import Lifecycle, Segment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import soak  # noqa: E402
+
+LaunchedCluster = soak.LaunchedCluster
+SteadyLoad = soak.SteadyLoad
+Result = soak.Result
+proc_stats = soak.proc_stats
+fd_kinds = soak.fd_kinds
+one_request = soak.one_request
+IN_CI = os.environ.get("CI") == "true"
+#: Debian package that provides each tool (.ci/run installs them).
+PACKAGES = {"systemd-analyze": "systemd", "prometheus": "prometheus", "promtool": "prometheus"}
+INTERNALS = re.compile(r"Traceback|File \"|/root|/tmp/|/work/|/dev/shm|site-packages|\.py\b")
 
 
 def free_port() -> int:
@@ -176,3 +204,156 @@ def cluster(tmp_path: str, num_workers: int, worker_args: dict[int, list[str]] |
         yield c
     finally:
         c.stop()
+
+
+# ---- requests ----------------------------------------------------------------------------------------------------
+def post(c: Cluster, path: str, body: bytes | dict[str, Any], headers: dict[str, str | bytes] | None = None,
+         timeout: float = 30, sim_debug: bool = False) -> httpx.Response:
+    """``POST`` ``body`` (bytes as given, a dict as JSON) to the router of ``c`` with Content-Type JSON;
+    ``sim_debug`` asks the sim worker for ``x-sim-body-sha256`` (the hash of the body it received)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    h: dict[str, str | bytes] = {"content-type": "application/json"}
+    if sim_debug:
+        h["x-sim-debug"] = "body-sha256"
+    return httpx.post(c.url + path, content=data, headers={**h, **(headers or {})}, timeout=timeout)
+
+
+def completion(i: int, max_tokens: int = 8, stream: bool | None = None, prompt: str = "") -> dict[str, Any]:
+    """Request ``i``'s completion body: streamed every other request unless ``stream`` says, usage included."""
+    s = (i % 2 == 0) if stream is None else stream
+    b: dict[str, Any] = {"model": "dplb-sim", "prompt": prompt or f"request {i}", "max_tokens": max_tokens}
+    if s:
+        b.update(stream=True, stream_options={"include_usage": True})
+    return b
+
+
+def worker_get(sock: str, path: str) -> httpx.Response:
+    """``GET path`` on a worker's Unix socket (the sim engine's own endpoints: ``/debug/requests``, ``/metrics``)."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://worker", timeout=10) as c:
+        return c.get(path)
+
+
+def sim_aborts(sock: str) -> float:
+    """``vllm:request_success_total{finished_reason="abort"}`` of the sim engine on ``sock``."""
+    for line in worker_get(sock, "/metrics").text.splitlines():
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line:
+            return float(line.rpartition(" ")[2])
+    return 0.0
+
+
+def router_ready(url: str) -> bool:
+    """True when the router at ``url`` answers ``/ready`` with 200 (False when it does not answer)."""
+    try:
+        return httpx.get(url + "/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# ---- checks and polling ------------------------------------------------------------------------------------------
+def assert_openai_error(r: httpx.Response, status: int, code: str) -> None:
+    """``r`` is an OpenAI-shaped error with ``status`` and reason ``code`` (and a message and a type)."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["message"] and err["type"]
+
+
+def assert_no_internals(text: str) -> None:
+    """No stack trace, source file or internal path in a response body (AssertionError naming what leaked)."""
+    m = INTERNALS.search(text)
+    assert m is None, f"internal detail {m.group(0)!r} in {text[:300]!r}"
+
+
+def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, step_s: float = 0.02) -> Any:
+    """Poll ``pred()`` until it returns something truthy (returned); AssertionError naming ``what`` on timeout."""
+    t0 = time.monotonic()
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(step_s)
+
+
+def read(path: str) -> str:
+    """The text of ``path`` (undecodable bytes replaced)."""
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def log_count(text: str, needle: str) -> int:
+    """Lines of ``text`` containing ``needle``."""
+    return sum(1 for line in text.splitlines() if needle in line)
+
+
+# ---- Prometheus -------------------------------------------------------------------------------------------------
+class Prometheus:
+    """A real Prometheus on loopback scraping ``targets`` ({job: [host:port]}) every second."""
+
+    def __init__(self, binary: str, tmp: Path, targets: dict[str, list[str]], rule_file: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg: dict[str, Any] = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": t}]} for job, t in targets.items()],
+        }
+        if rule_file is not None:
+            cfg["rule_files"] = [str(rule_file)]
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "prometheus.yml").write_text(json.dumps(cfg))  # JSON is YAML
+        self.log_path = tmp / "prometheus.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the process owns it
+        self.proc = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}",
+                                      f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"],
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def api(self, path: str, **params: str) -> Any:
+        r = httpx.get(self.url + path, params=params, timeout=10).json()
+        assert r["status"] == "success", r
+        return r["data"]
+
+    def query(self, q: str) -> list[dict[str, Any]]:
+        return self.api("/api/v1/query", query=q)["result"]  # type: ignore[no-any-return]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return self.api("/api/v1/alerts")["alerts"]  # type: ignore[no-any-return]
+
+    def firing(self) -> dict[str, list[dict[str, str]]]:
+        """alertname -> label sets of its firing alerts."""
+        out: dict[str, list[dict[str, str]]] = {}
+        for a in self.alerts():
+            if a["state"] == "firing":
+                out.setdefault(a["labels"]["alertname"], []).append(a["labels"])
+        return out
+
+    def wait_up(self, n: int, timeout: float = 60) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError, AssertionError, ValueError):
+                res = self.query("up")
+                if len(res) == n and all(r["value"][1] == "1" for r in res):
+                    return
+            time.sleep(0.3)
+        raise AssertionError(f"targets not up after {timeout}s: {self.query('up')}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._log.close()
+
+
+# ---- system tools ------------------------------------------------------------------------------------------------
+def need(tool: str) -> str:
+    """Path of ``tool``; skip the test locally without it, fail it in CI (CI=true), where .ci/run installs it."""
+    path = shutil.which(tool)
+    if path is None:
+        pkg = PACKAGES.get(tool, tool)
+        if IN_CI:
+            pytest.fail(f"{tool} must be installed in CI (.ci/run: apt-get install {pkg})")
+        pytest.skip(f"{tool} not installed (apt-get install {pkg}); CI runs this")
+    return path

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from cluster import need
 from proc_tags import become_subreaper
 
 from dplb.state.shm import SHM_DIR
@@ -50,3 +51,9 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     yield mount
     for mnt in mounted:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture
+def prometheus_bin() -> str:
+    """The ``prometheus`` binary (skipped locally without it, a failure in CI)."""
+    return need("prometheus")

@@ -8,7 +8,6 @@ reads ``/api/v1/alerts``: a healthy run fires nothing, and each fault fires exac
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -21,10 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import yaml
-from cluster import ROOT, Cluster, cluster, free_port
-from tools import need
+from cluster import ROOT, Cluster, Prometheus, cluster, free_port, need
 
 from dplb.obs import metrics as M
 
@@ -49,66 +46,6 @@ def known_dplb(name: str) -> bool:
     if name in KNOWN_DPLB:
         return True
     return any(name.endswith(s) and name[: -len(s)] in KNOWN_DPLB for s in SUFFIXES)
-
-
-class Prometheus:
-    """A real Prometheus on loopback scraping ``targets`` ({job: [host:port]}) every second."""
-
-    def __init__(self, binary: str, tmp: Path, targets: dict[str, list[str]], rule_file: Path | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg: dict[str, Any] = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": t}]} for job, t in targets.items()],
-        }
-        if rule_file is not None:
-            cfg["rule_files"] = [str(rule_file)]
-        tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / "prometheus.yml").write_text(json.dumps(cfg))  # JSON is YAML
-        self.log_path = tmp / "prometheus.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the process owns it
-        self.proc = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}",
-                                      f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"],
-                                     stdout=self._log, stderr=subprocess.STDOUT)
-
-    def api(self, path: str, **params: str) -> Any:
-        r = httpx.get(self.url + path, params=params, timeout=10).json()
-        assert r["status"] == "success", r
-        return r["data"]
-
-    def query(self, q: str) -> list[dict[str, Any]]:
-        return self.api("/api/v1/query", query=q)["result"]  # type: ignore[no-any-return]
-
-    def alerts(self) -> list[dict[str, Any]]:
-        return self.api("/api/v1/alerts")["alerts"]  # type: ignore[no-any-return]
-
-    def firing(self) -> dict[str, list[dict[str, str]]]:
-        """alertname -> label sets of its firing alerts."""
-        out: dict[str, list[dict[str, str]]] = {}
-        for a in self.alerts():
-            if a["state"] == "firing":
-                out.setdefault(a["labels"]["alertname"], []).append(a["labels"])
-        return out
-
-    def wait_up(self, n: int, timeout: float = 60) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError, AssertionError, ValueError):
-                res = self.query("up")
-                if len(res) == n and all(r["value"][1] == "1" for r in res):
-                    return
-            time.sleep(0.3)
-        raise AssertionError(f"targets not up after {timeout}s: {self.query('up')}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self._log.close()
 
 
 class Load:
@@ -288,11 +225,6 @@ def test_drill_copy_of_the_rules_is_valid_and_fast(tmp_path: Path) -> None:
     assert [x["alert"] for x in drill] == [x["alert"] for x in alert_rules()]
     for x in drill:
         assert _seconds(x["for"]) <= MAX_FOR and all(_seconds(w) <= 30 for w in re.findall(r"\[(\w+)\]", x["expr"]))
-
-
-@pytest.fixture
-def prometheus_bin() -> str:
-    return need("prometheus")
 
 
 @contextlib.contextmanager

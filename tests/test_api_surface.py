@@ -1,4 +1,4 @@
-"""The whole vLLM API through the router (issue 15), against real routers and sim workers on real Unix sockets:
+"""The whole vLLM API through the router, against real routers and sim workers on real Unix sockets:
 every proxied route, /v1/responses and its id → worker map, model/LoRA-aware routing, the union /v1/models,
 LoRA fan-out, HEAD, CORS, compressed request bodies, SSE keep-alive comments."""
 
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from cluster import Cluster, cluster
+from cluster import Cluster, cluster, post, worker_get
 
 from dplb.router.routes import PROXY_ROUTES
 
@@ -40,12 +40,6 @@ def _wait_models(c: Cluster, want: set[str]) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"models never became {want}: {r.text}")
-
-
-def post(c: Cluster, path: str, body: bytes | dict, headers: dict[str, str] | None = None) -> httpx.Response:  # type: ignore[type-arg]
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(c.url + path, content=data, headers={"content-type": "application/json", **(headers or {})},
-                      timeout=30)
 
 
 def multipart(model: str) -> tuple[bytes, str]:
@@ -228,8 +222,7 @@ def test_cors_preflight_and_headers(lora: Cluster) -> None:
 
 
 def _worker_saw(c: Cluster, k: int, sha: str) -> dict:  # type: ignore[type-arg]
-    with httpx.Client(transport=httpx.HTTPTransport(uds=c.sock(k)), base_url="http://w") as cl:
-        return next(e for e in cl.get("/debug/requests").json() if e.get("body_sha256") == sha)  # type: ignore[no-any-return]
+    return next(e for e in worker_get(c.sock(k), "/debug/requests").json() if e.get("body_sha256") == sha)  # type: ignore[no-any-return]
 
 
 def test_compressed_bodies_are_decoded_with_a_bound(lora: Cluster) -> None:

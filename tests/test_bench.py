@@ -162,7 +162,7 @@ def test_targets_and_policy_parsing() -> None:
         parse_policies("dplb,nginx", [])
     with pytest.raises(ConfigError, match="LABEL=LAUNCH FLAGS"):
         parse_policies("dplb", ["no-equals-sign"])
-    # regressions (fresh-eyes trial): each was a hang, a silent swap, a traceback or a late failure
+    # regressions: each was a hang, a silent swap, a traceback or a late failure
     for variant, why in (("x=--port 31050", "set by compare"), ("dplb=--policy round_robin", "already a policy"),
                          ("x=--weights 'open", "No closing quotation"), ("x=--no-such-flag 3", "unknown"),
                          ("x=--policy nope", "invalid choice")):
@@ -300,7 +300,7 @@ def test_compare_stopped_mid_run_leaves_nothing_behind(tmp_path) -> None:  # typ
         return subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
 
     def ours(pid: str) -> bool:
-        """The router gets its config in the environment (issue 14), so look there too for the run dir."""
+        """The router gets its config in the environment ($DPLB_ROUTER_CONFIG), so look there too for the run dir."""
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 return f"DPLB_RUN_DIR={run_dir}".encode() in f.read().split(b"\0")

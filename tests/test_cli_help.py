@@ -1,4 +1,4 @@
-"""What a new user reads (issue 16): help texts that state limits and defaults, ``--help-engine``, ``--emit-systemd``
+"""What a new user reads: help texts that state limits and defaults, ``--help-engine``, ``--emit-systemd``
 output, ``dplb state --watch`` into a file, and no sim-internal header reaching a client."""
 
 from __future__ import annotations

@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import ROOT, cluster, free_port
+from cluster import ROOT, cluster, free_port, need
 from test_alerts import Load, Prometheus, known_dplb, metric_names
-from tools import need
 
 from dplb.obs import metrics as M
 from dplb.worker.engines.sim.scheduler import SimConfig, SimScheduler

@@ -1,4 +1,4 @@
-"""Hardening, the fault matrix (issue 9): real workers, router and launcher, real signals, real shm.
+"""Hardening, the fault matrix: real workers, router and launcher, real signals, real shm.
 
 Each test drives load while a fault happens and checks what clients saw (status, ``X-SG-Worker-ID``, SSE ends),
 what the router logged and exported, and what the engines recorded. Times are client-side ``time.monotonic()``.
@@ -17,19 +17,21 @@ import time
 from collections import Counter
 
 import httpx
-from cluster import Cluster, cluster, dplb_cmd
-from hardening_support import (
+from cluster import (
+    Cluster,
     LaunchedCluster,
     Result,
     SteadyLoad,
     assert_no_internals,
+    cluster,
     completion,
+    dplb_cmd,
     log_count,
     one_request,
     read,
     sim_aborts,
-    sim_get,
     wait_for,
+    worker_get,
 )
 
 from dplb.router.state import READMIT_INTERVALS
@@ -220,7 +222,7 @@ def test_segment_deleted_then_bad_then_recreated_workers_and_router_reattach(tmp
             create = dplb_cmd("segment", "create", "--shm-path", c.shm_path, "--num-workers", "2",
                               "--state-interval-ms", "100", "--model", "dplb-sim")
             r = subprocess.run(create, capture_output=True, text=True, timeout=30)
-            # never overwritten: it is not DPLB's file (issue 16); the operator removes it, then create heals
+            # never overwritten: it is not DPLB's file; the operator removes it, then create heals
             assert r.returncode == 2 and "not a DPLB segment" in r.stderr, r.stderr
             with open(c.shm_path, "rb") as f:
                 assert f.read(4) == b"JUNK"
@@ -444,6 +446,6 @@ def test_cold_start_no_traffic_to_warming_workers_and_ready_only_with_one_ready(
         assert all(ok for code, ok in ready_codes if code == 200), "/ready said 200 before any worker was ready"
         assert served[(200, "0")] >= 3 and served[(200, "1")] >= 3, served
         for k in range(2):  # every routed request reached the engine after it was ready (the warm-up has no id)
-            recs = [e for e in sim_get(c.sock(k), "/debug/requests").json() if e.get("x_request_id")]
+            recs = [e for e in worker_get(c.sock(k), "/debug/requests").json() if e.get("x_request_id")]
             early = [e for e in recs if e["time_unix"] < last_not_ready[k]]
             assert recs and not early, (k, early)

@@ -1,4 +1,4 @@
-"""Hardening, bad input and security (issue 9): a hypothesis fuzz of the router's HTTP surface, oversized heads and
+"""Hardening, bad input and security: a hypothesis fuzz of the router's HTTP surface, oversized heads and
 bodies, absurd values, request-id sanitising, API-key exemptions, file modes and other users, and the soak smoke.
 """
 
@@ -24,8 +24,18 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-from cluster import Cluster, cluster, dplb_cmd
-from hardening_support import ROOT, LaunchedCluster, assert_no_internals, fd_kinds, proc_stats, sim_get, wait_for
+from cluster import (
+    ROOT,
+    Cluster,
+    LaunchedCluster,
+    assert_no_internals,
+    cluster,
+    dplb_cmd,
+    fd_kinds,
+    proc_stats,
+    wait_for,
+    worker_get,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -250,7 +260,7 @@ def test_request_ids_are_sanitised(fuzz: Cluster) -> None:
         else:
             assert re.fullmatch(rb"[0-9a-f]{32}", echoed), echoed
         worker = int(re.search(rb"\r\nx-sg-worker-id: (\d)", head).group(1))  # type: ignore[union-attr]
-        recs = sim_get(fuzz.sock(worker), "/debug/requests").json()
+        recs = worker_get(fuzz.sock(worker), "/debug/requests").json()
         assert any(e["x_request_id"] and e["x_request_id"].lower() == echoed.decode() for e in recs), echoed
 
 
@@ -344,7 +354,7 @@ def test_modes_and_other_users_cannot_reach_workers_or_segment(tmp_path) -> None
             assert _probe_as_nobody(sock, lc.shm_path) == "EACCES EACCES"
         finally:
             os.chmod(lc.run_dir, 0o700)
-        assert sim_get(sock, "/health").status_code == 200  # the owner can
+        assert worker_get(sock, "/health").status_code == 200  # the owner can
 
 
 # ---- soak smoke ---------------------------------------------------------------------------------------------------------

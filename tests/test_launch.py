@@ -13,7 +13,7 @@ from collections import Counter
 
 import httpx
 import pytest
-from cluster import dplb_cmd, free_port
+from cluster import dplb_cmd, free_port, router_ready
 
 
 def _wait(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:  # type: ignore[no-untyped-def, type-arg]
@@ -31,13 +31,6 @@ def _state(shm: str) -> dict:  # type: ignore[type-arg]
     out = subprocess.run(dplb_cmd("state", "--json", "--shm-path", shm), capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)  # type: ignore[no-any-return]
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/ready", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _dplb_procs(tag: str) -> list[str]:
@@ -58,7 +51,7 @@ def test_launch_sim_four_workers_restart_and_clean_stop(tmp_path) -> None:  # ty
         stdout=log, stderr=subprocess.STDOUT)
     try:
         t0 = time.monotonic()
-        _wait(lambda: _ready(url) and all(w["lifecycle"] == "ready" for w in _state(shm)["workers"]), 60,
+        _wait(lambda: router_ready(url) and all(w["lifecycle"] == "ready" for w in _state(shm)["workers"]), 60,
               "4 ready workers", proc)
         took = time.monotonic() - t0
         st = _state(shm)
@@ -130,7 +123,7 @@ def test_state_without_segment(args: list[str]) -> None:
 
 
 def test_second_launch_refuses_and_leaves_the_first_untouched(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Regression (fresh-eyes trial): a second `dplb launch` on the same port/run dir crash-looped, then deleted
+    """Regression: a second `dplb launch` on the same port/run dir crash-looped, then deleted
     the first launch's sockets, leaving ready-looking workers that answered 502."""
     tag = uuid.uuid4().hex[:10]
     shm = f"/dev/shm/dplb_state_test_{tag}"
@@ -143,7 +136,7 @@ def test_second_launch_refuses_and_leaves_the_first_untouched(tmp_path) -> None:
         first = subprocess.Popen(dplb_cmd("launch", "--shm-path", shm, *common), stdout=log,
                                  stderr=subprocess.STDOUT)
     try:
-        _wait(lambda: _ready(url) and all(w["lifecycle"] == "ready" for w in _state(shm)["workers"]), 60,
+        _wait(lambda: router_ready(url) and all(w["lifecycle"] == "ready" for w in _state(shm)["workers"]), 60,
               "first launch ready", first)
         second = subprocess.run(dplb_cmd("launch", "--shm-path", shm + "_2", *common), capture_output=True,
                                 text=True, timeout=60)
@@ -177,7 +170,7 @@ def test_launcher_killed_takes_its_children_along(tmp_path) -> None:  # type: ig
                                          "--shm-path", shm, "--run-dir", str(tmp_path / f"run-{tag}"),
                                          "--metrics-port-base", "0"), stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait(lambda: _ready(f"http://127.0.0.1:{port}"), 60, "ready", proc)
+        _wait(lambda: router_ready(f"http://127.0.0.1:{port}"), 60, "ready", proc)
         assert len(_dplb_procs(tag)) >= 3
         proc.kill()
         proc.wait(10)
@@ -207,7 +200,7 @@ def test_launch_flag_errors_are_one_line(tmp_path) -> None:  # type: ignore[no-u
 def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Regression: `dplb launch --api-key-exempt` was accepted but never reached the router. Also checks that
     `--worker-args` reaches only its worker (the heterogeneous benchmark's half-speed worker), and that
-    `--router-processes 2` reaches the router (issue 14: the config is handed over whole, not as flags)."""
+    `--router-processes 2` reaches the router (the config is handed over whole, not as flags)."""
     tag = uuid.uuid4().hex[:10]
     shm = f"/dev/shm/dplb_state_test_{tag}"
     port = free_port()
@@ -250,7 +243,7 @@ def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[n
 
 
 def test_log_tail_shows_only_this_launchers_lines(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Regression (fresh-eyes trial): logs are kept across runs in one --run-dir, and a worker's "last log lines"
+    """Regression: logs are kept across runs in one --run-dir, and a worker's "last log lines"
     mixed in an earlier run's error."""
     from dplb.ops.launcher import Child
 

@@ -1,4 +1,4 @@
-"""The package's layers import only downward (docs/DESIGN.md, "Layers").
+"""The package's layers import only downward (docs/DESIGN.md §2).
 
 An AST walk over every module under ``dplb/`` — imports inside functions included, since a lazy import is still a
 dependency — maps each module and each ``dplb.*`` import to its layer and fails on any import the table below does

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
@@ -12,8 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from cluster import Cluster, cluster, dplb_cmd, free_port
-from tools import need
+from cluster import Cluster, Prometheus, cluster, dplb_cmd, free_port
 
 from dplb.obs import metrics as M
 
@@ -40,48 +38,6 @@ WORKER_FAMILIES = [M.WORKER_INFO + "_info", M.WORKER_REQUESTS + "_total", M.WORK
 
 
 @pytest.fixture
-def prometheus_bin() -> str:
-    return need("prometheus")
-
-
-class Prom:
-    def __init__(self, binary: str, tmp: str, targets: dict[str, list[str]]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
-               "scrape_configs": [{"job_name": job, "static_configs": [{"targets": t}]} for job, t in targets.items()]}
-        path = os.path.join(tmp, "prometheus.yml")
-        with open(path, "w") as f:
-            json.dump(cfg, f)  # JSON is YAML
-        self.log = open(os.path.join(tmp, "prometheus.log"), "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen([binary, f"--config.file={path}", f"--storage.tsdb.path={tmp}/tsdb",
-                                      f"--web.listen-address=127.0.0.1:{self.port}"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-
-    def query(self, q: str) -> list[dict]:  # type: ignore[type-arg]
-        r = httpx.get(self.url + "/api/v1/query", params={"query": q}, timeout=10).json()
-        assert r["status"] == "success", r
-        return r["data"]["result"]  # type: ignore[no-any-return]
-
-    def wait_up(self, n: int, timeout: float = 60) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            try:
-                res = self.query("up")
-                if len(res) == n and all(r["value"][1] == "1" for r in res):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"targets not up: {self.query('up')}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.log.close()
-
-
-@pytest.fixture
 def live(tmp_path) -> Iterator[tuple[Cluster, list[int]]]:  # type: ignore[no-untyped-def]
     ports = [free_port(), free_port()]
     with cluster(str(tmp_path), 2, start_workers=False, wait_router_ready=False) as c:
@@ -92,7 +48,7 @@ def live(tmp_path) -> Iterator[tuple[Cluster, list[int]]]:  # type: ignore[no-un
 
 def test_real_prometheus_scrapes_every_family_and_values_agree(prometheus_bin: str, live, tmp_path) -> None:  # type: ignore[no-untyped-def]
     c, wports = live
-    prom = Prom(prometheus_bin, str(tmp_path), {"dplb-router": [f"127.0.0.1:{c.port}"],
+    prom = Prometheus(prometheus_bin, tmp_path / "prom", {"dplb-router": [f"127.0.0.1:{c.port}"],
                                                 "dplb-workers": [f"127.0.0.1:{p}" for p in wports]})
     try:
         for i in range(20):

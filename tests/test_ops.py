@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster import ROOT, cluster, dplb_cmd, free_port
-from tools import need
+from cluster import ROOT, cluster, dplb_cmd, free_port, need
 
 from dplb.ops import doctor
 from dplb.runtime.gpu import GpuInfo
@@ -161,7 +160,7 @@ def test_doctor_cli_exit_code() -> None:
 
 
 def test_emit_systemd_keeps_every_router_flag_and_the_key_out_of_shared_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Regression (fresh-eyes, issue 14): --emit-systemd wrote only host/port/policy into DPLB_ROUTER_ARGS, so the
+    """Regression: --emit-systemd wrote only host/port/policy into DPLB_ROUTER_ARGS, so the
     deployed router ran without the --api-key and every other router flag given. Now every router flag reaches the
     unit (parsed back here into the same RouterConfig) and the key goes to router.env (0600) alone."""
     import argparse

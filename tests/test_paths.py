@@ -1,4 +1,4 @@
-"""Path and process safety (issue 16): DPLB never overwrites or removes what it did not create, never advises
+"""Path and process safety: DPLB never overwrites or removes what it did not create, never advises
 ``rm`` for a foreign file, refuses to guess between several stacks, checks every port and the model before starting,
 records router pids so a live segment is never called stale, and starts children that the cwd cannot shadow.
 
@@ -19,8 +19,7 @@ import uuid
 from pathlib import Path
 
 import httpx
-from cluster import ROOT, dplb_cmd, free_port
-from tools import need
+from cluster import ROOT, dplb_cmd, free_port, need, router_ready
 
 from dplb.ops import doctor
 from dplb.ops.checks import root_cause
@@ -289,15 +288,8 @@ def _ready_body(url: str) -> dict[str, object]:
         return {}
 
 
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/ready", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 45) -> None:
     t0 = time.monotonic()
-    while not _ready(url):
+    while not router_ready(url):
         assert proc.poll() is None and time.monotonic() - t0 < timeout, log_path.read_text()
         time.sleep(0.1)

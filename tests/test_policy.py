@@ -378,7 +378,7 @@ def test_default_weights_follow_prefix_scoring() -> None:
 
 # ---- regressions -------------------------------------------------------------------------------------------------
 def test_restarted_worker_does_not_attract_the_whole_burst() -> None:
-    """Regression (fresh-eyes trial): after `kill -9` + restart, 173 of 200 requests herded onto the fresh worker —
+    """Regression: after `kill -9` + restart, 173 of 200 requests herded onto the fresh worker —
     its latency term was 1 (only the warm-up was measured) while loaded peers were at 0, and queues past max_queue
     all scored 0. Now a worker without a latency sample gets its peers' mean term and ties go to the shorter queue,
     so the burst evens out the total queues."""
@@ -442,7 +442,7 @@ def test_latency_deadband_keeps_a_really_slower_worker_apart() -> None:
 
 
 def test_idle_worker_with_an_old_slow_mean_is_not_starved() -> None:
-    """Regression (hardening): a worker whose last requests were slow kept that mean while idle (it only changes
+    """Regression: a worker whose last requests were slow kept that mean while idle (it only changes
     with new requests), so under light load it got no traffic at all. Idle, it now gets the peers' latency term."""
     p = policy(n=3, baseline=2.0)
     snap = [ws(0, lat=4.0), ws(1, run=1, lat=1.0), ws(2, run=1, lat=1.0)]

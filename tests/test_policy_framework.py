@@ -147,7 +147,7 @@ def test_every_router_flag_reaches_the_router_config() -> None:
 
 
 def test_exported_inputs_are_what_the_score_used() -> None:
-    """Regression (issue 16): with --latency-signal ttft the exported latency was the E2E mean. Metrics and trace
+    """Regression: with --latency-signal ttft the exported latency was the E2E mean. Metrics and trace
     events now carry every input the scorers read: the latency they used, max_queue, running/waiting separately,
     the correction, baseline, lifecycle and state age."""
     p = make_policy(PolicyConfig(latency_signal="ttft"), 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -15,7 +16,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from cluster import Cluster, cluster
+from cluster import Cluster, assert_openai_error, cluster, worker_get
+from cluster import post as cluster_post
 
 from dplb.state.shm import Lifecycle, WorkerState
 
@@ -29,17 +31,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
 
 
-def post(c: Cluster, path: str, body: bytes | dict, headers: dict[str, str | bytes] | None = None,  # type: ignore[type-arg]
-         timeout: float = 30) -> httpx.Response:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    h = {"content-type": "application/json", "x-sim-debug": "body-sha256", **(headers or {})}
-    return httpx.post(c.url + path, content=data, headers=h, timeout=timeout)
-
-
-def assert_openai_error(r: httpx.Response, status: int, code: str) -> None:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["code"] == code and err["message"] and err["type"]
+post = functools.partial(cluster_post, sim_debug=True)  # every response carries the hash of the body the worker got
 
 
 # ---- the OpenAI SDK --------------------------------------------------------------------------------------------
@@ -113,7 +105,7 @@ def test_request_id_honoured_or_generated_and_hop_by_hop_dropped(two: Cluster) -
     recent = httpx.get(two.url + "/debug/decisions?limit=1").json()[0]
     assert recent["request_id"] == "abc-123.X:y"
     k = int(r.headers["x-sg-worker-id"])
-    log = _sim_requests(two, k)
+    log = worker_get(two.sock(k), "/debug/requests").json()
     mine = [e for e in log if e.get("x_request_id") == "abc-123.X:y"]
     assert mine, log[-3:]
     for bad in ("has space", "x" * 200, "quote\"", "ünï"):
@@ -122,19 +114,13 @@ def test_request_id_honoured_or_generated_and_hop_by_hop_dropped(two: Cluster) -
         assert r.headers["x-request-id"] != bad and len(r.headers["x-request-id"]) == 32
 
 
-def _sim_requests(c: Cluster, k: int) -> list[dict]:  # type: ignore[type-arg]
-    t = httpx.HTTPTransport(uds=c.sock(k))
-    with httpx.Client(transport=t, base_url="http://w") as cl:
-        return cl.get("/debug/requests").json()  # type: ignore[no-any-return]
-
-
 def test_hop_by_hop_request_headers_never_reach_worker(two: Cluster) -> None:
     """The worker's /debug/requests records the header names it received."""
     r = post(two, "/v1/chat/completions", CHAT, {"x-request-id": "hop-check-1", "connection": "x-private",
                                                  "x-private": "secret", "proxy-authorization": "Basic Zm9v",
                                                  "x-custom-e2e": "kept"})
     assert r.status_code == 200
-    entry = next(e for e in _sim_requests(two, int(r.headers["x-sg-worker-id"]))
+    entry = next(e for e in worker_get(two.sock(int(r.headers["x-sg-worker-id"])), "/debug/requests").json()
                  if e.get("x_request_id") == "hop-check-1")
     names = set(entry["header_names"])
     assert "x-custom-e2e" in names and "authorization" not in names
@@ -324,7 +310,8 @@ def test_client_disconnect_aborts_the_engine_request(two: Cluster) -> None:
         next(it)
     t_closed = time.monotonic()
     while True:
-        entry = next((e for e in _sim_requests(two, k) if e.get("x_request_id") == "disconnect-me"), None)
+        entry = next((e for e in worker_get(two.sock(k), "/debug/requests").json()
+                      if e.get("x_request_id") == "disconnect-me"), None)
         if entry and entry.get("aborted"):
             break
         assert time.monotonic() - t_closed < 1.0, entry
@@ -456,7 +443,7 @@ def test_ready_without_segment_or_sockets_is_503(tmp_path: str) -> None:
 
 
 def test_failing_worker_is_ejected_instead_of_attracting_traffic(tmp_path: str) -> None:
-    """Regression (alert drill): a worker that answers every request with a fast 500 looked idle to the score
+    """Regression: a worker that answers every request with a fast 500 looked idle to the score
     (no latency sample, empty queue) and got most of the traffic. Three failures in a row now eject it for 2 s."""
     with cluster(str(tmp_path), 2, worker_args={1: ["--sim-oom-after", "2"]}) as c:
         codes = Counter()

@@ -1,4 +1,4 @@
-"""``dplb router --processes N`` (issue 14): N real router processes on one port and one segment, real signals.
+"""``dplb router --processes N`` (docs/DESIGN.md §7): N real router processes on one port and one segment, real signals.
 
 What must hold: the group answers as one router (merged /metrics with nothing counted twice or lost, decisions of
 every process), a SIGKILLed process is replaced while the other's requests finish, and SIGTERM drains every
@@ -167,7 +167,7 @@ def test_group_refuses_a_taken_port_and_a_missing_run_dir(tmp_path) -> None:  # 
         for argv, needle in ((["--port", str(port), "--run-dir", str(tmp_path)], f"cannot bind 127.0.0.1:{port}"),
                              (["--port", "0", "--run-dir", str(tmp_path / "nope")], "is not a writable directory"),
                              (["--port", str(port), "--run-dir", str(tmp_path), "--processes", "1"],
-                              f"cannot bind 127.0.0.1:{port}")):  # fresh-eyes: one process printed a traceback
+                              f"cannot bind 127.0.0.1:{port}")):  # one line, never a traceback
             r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--host", "127.0.0.1", "--processes", "2",
                                 "--num-workers", "1", *argv], capture_output=True, text=True, timeout=30)
             assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -235,7 +235,7 @@ def test_every_scrape_time_family_has_a_group_rule() -> None:
 
 
 def test_a_worker_connection_lost_before_use_logs_no_asyncio_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Regression (fresh-eyes): after SIGSTOP/SIGCONT a router logged "Future exception was never retrieved …
+    """Regression: after SIGSTOP/SIGCONT a router logged "Future exception was never retrieved …
     UpstreamClosed": a worker connection opened for a client that had gone meanwhile, then closed before any
     request was sent on it, failed a response future nobody would await. Real Unix socket, real close."""
     import gc

@@ -58,7 +58,7 @@ def test_every_vllm_route_is_handled_or_listed(vllm_routes: list[tuple[str, str]
     stale = [k for k in (set(PROXY_ROUTES) | FANOUT_ROUTES) if k not in theirs]
     assert not stale, stale
     assert not [p for p in NOT_ROUTED if p not in {q for _, q in vllm_routes}]
-    # Sanity: the must-haves are there, and the matcher finds the {response_id} routes.
+    # Sanity: the routes clients rely on are there, and the matcher finds the {response_id} routes.
     for path in ("/v1/responses", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
                  "/v2/rerank", "/tokenize", "/detokenize", "/v1/audio/transcriptions", "/v1/audio/translations"):
         assert ("POST", path) in PROXY_ROUTES, path

@@ -93,7 +93,7 @@ def test_latency_scorer(cfg: dict, base: float | None, cands: list, want: list) 
 
 
 def test_latency_inputs_report_the_signal_the_score_uses() -> None:
-    """Regression (issue 16): with --latency-signal ttft the exported latency was the E2E mean."""
+    """Regression: with --latency-signal ttft the exported latency was the E2E mean."""
     s = LatencyScorer(PolicyConfig(latency_signal="ttft"), 1)
     got = s.inputs(cand(run=1, lat=9.0, ttft=0.05), ctx(0.2))
     assert got == {"latency_s": 0.05, "latency_signal": "ttft", "baseline_s": 0.2}

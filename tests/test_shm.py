@@ -167,7 +167,7 @@ def test_missing_segment_names_env_and_remedy(shm_path: str, monkeypatch: pytest
     [
         (0, b"XXXX", "no DPLB magic"),
         (4, struct.pack("<H", 99), "layout version 99"),
-        (4, struct.pack("<H", 1), "(made by an older DPLB; every worker and router must run one version)"),  # issue 14: v1 had no router slots
+        (4, struct.pack("<H", 1), "(made by an older DPLB; every worker and router must run one version)"),  # version 1 had no router slots
         (10, struct.pack("<H", 128), "slot size"),
         (8, struct.pack("<H", 0), "num_workers 0"),
     ],

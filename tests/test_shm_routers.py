@@ -1,4 +1,4 @@
-"""Router slots (issue 14): several router processes share their in-flight correction through the segment.
+"""Router slots (docs/DESIGN.md §3.4): several router processes share their in-flight correction through the segment.
 
 Real segment, real mmap; router processes are stood in for by slots claimed under distinct pids (live ones: this
 process and its parent), written and read exactly as two router processes would.
@@ -173,7 +173,7 @@ def test_prefix_rings_replay_what_a_peer_learnt(seg: Segment) -> None:
 
 
 def test_a_stale_older_layout_segment_is_replaced_a_live_one_refused(shm_path: str) -> None:
-    """Fresh-eyes (issue 14): `dplb launch --shm-path` on a version-1 segment said "not a DPLB segment" and refused,
+    """Regression: `dplb launch --shm-path` on a version-1 segment said "not a DPLB segment" and refused,
     while the router's error told the user that launch recreates it. A DPLB segment of another layout is now
     replaced when none of its recorded processes lives, and refused (naming them) while one does."""
     import struct

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from cluster import cluster
+from cluster import cluster, worker_get
 from otlp_receiver import OtlpReceiver
 
 SERVER, CLIENT = 2, 3  # SpanKind enum values in the OTLP protobuf
@@ -19,11 +19,6 @@ def receiver() -> Iterator[OtlpReceiver]:
     r = OtlpReceiver()
     yield r
     r.close()
-
-
-def _sim_requests(c, k: int) -> list[dict]:  # type: ignore[no-untyped-def, type-arg]
-    with httpx.Client(transport=httpx.HTTPTransport(uds=c.sock(k)), base_url="http://w") as cl:
-        return cl.get("/debug/requests").json()  # type: ignore[no-any-return]
 
 
 def test_one_trace_per_request_with_three_spans(tmp_path, receiver: OtlpReceiver,
@@ -66,7 +61,8 @@ def test_one_trace_per_request_with_three_spans(tmp_path, receiver: OtlpReceiver
             assert cli["name"] == "chat dplb-sim" and cli["attrs"]["gen_ai.operation.name"] == "chat"
             assert cli["attrs"]["gen_ai.request.model"] == "dplb-sim"
             # The worker got our client span's context, not the client's.
-            seen = next(e for e in _sim_requests(c, int(worker)) if e.get("x_request_id") == rid)
+            seen = next(e for e in worker_get(c.sock(int(worker)), "/debug/requests").json()
+                        if e.get("x_request_id") == rid)
             assert seen["traceparent"].rsplit("-", 1)[0] == f"00-{cli['trace_id']}-{cli['span_id']}"
 
 

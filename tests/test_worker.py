@@ -113,7 +113,7 @@ def test_warmup_request_is_not_a_latency_sample() -> None:
 
 
 def test_sigterm_during_a_slow_engine_load_stops_promptly(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Regression (alert drill): SIGTERM was ignored until the engine finished loading (a real model load can
+    """Regression: SIGTERM was ignored until the engine finished loading (a real model load can
     outlast systemd's TimeoutStopSec). The metrics port also answers during the load now."""
     port = free_port()
     with cluster(str(tmp_path), 1, start_workers=False, wait_router_ready=False) as c:

@@ -1,4 +1,4 @@
-"""``dplb bench``: a benchmark_serving-style load generator and the policy comparison (DESIGN §8).
+"""``dplb bench``: a benchmark_serving-style load generator and the policy comparison (docs/DESIGN.md §11).
 
 Modules, one job each:
 - :mod:`dplb.bench.workload`: seeded workloads — prompts, output lengths and arrival times (no I/O but reading a

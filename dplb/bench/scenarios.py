@@ -1,4 +1,4 @@
-"""The scenarios of ``dplb bench compare``: a sim cluster shape plus a seeded workload (DESIGN §8, issue #8).
+"""The scenarios of ``dplb bench compare``: a sim cluster shape plus a seeded workload (docs/DESIGN.md §11).
 
 Contract
 - :data:`SCENARIOS` maps a name to a :class:`Scenario`; :meth:`Scenario.workload` gives the

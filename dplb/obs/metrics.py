@@ -1,4 +1,4 @@
-"""Every DPLB metric name, help text, label set and bucket layout (DESIGN §7). Nothing else defines metrics.
+"""Every DPLB metric name, help text, label set and bucket layout (docs/DESIGN.md §9). Nothing else defines metrics.
 
 Contract: ``dplb_`` prefix, base units (seconds, bytes, ratios 0–1), ``_total`` only on counters, bounded labels
 (worker id, closed reason/outcome sets; never a client-supplied model, path, prompt or request id). Each process
@@ -67,7 +67,7 @@ WORKER_INFO = "dplb_worker"  # exposed as dplb_worker_info{worker, engine} (work
 WORKER_MODEL_LOAD_DURATION = "dplb_worker_model_load_duration_seconds"
 ROUTER_PROCESSES = "dplb_router_processes"  # {state="configured"|"answered"}: a router group's processes
 
-#: One owner per name (issue 16): the router exports every per-worker figure that travels through the shm slot
+#: One owner per name: the router exports every per-worker figure that travels through the shm slot
 #: (lifecycle, warm-up, first request, model load, CUDA OOMs, scoring inputs) for all workers, even those whose
 #: metrics port is off; a worker's own port exports only what the slot does not carry. No name is in both jobs
 #: except dplb_build_info (told apart by its ``component`` label), so an unfiltered ``sum`` never double-counts.

@@ -1,4 +1,5 @@
-"""OpenTelemetry tracing of routed requests (DESIGN §7). Off unless the standard ``OTEL_*`` variables ask for it.
+"""OpenTelemetry tracing of routed requests (docs/DESIGN.md §9). Off unless the standard ``OTEL_*`` variables ask
+for it.
 
 Contract
 - :func:`make_tracer` returns None unless ``OTEL_EXPORTER_OTLP_ENDPOINT``/``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is

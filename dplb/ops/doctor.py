@@ -1,4 +1,4 @@
-"""``dplb doctor``: pre-flight checks keyed to the seed article's troubleshooting table (DESIGN §6).
+"""``dplb doctor``: pre-flight checks keyed to the seed article's troubleshooting table (docs/DESIGN.md §10).
 
 Each check prints PASS/WARN/FAIL and, when it is not a pass, the fix. Exit code 1 when any check fails.
 

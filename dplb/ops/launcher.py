@@ -1,4 +1,4 @@
-"""``dplb launch``: plan GPUs, create the segment, start and supervise workers and the router (DESIGN §6).
+"""``dplb launch``: plan GPUs, create the segment, start and supervise workers and the router (docs/DESIGN.md §10).
 
 Contract
 - Plan with :func:`dplb.ops.plan.plan_gpus` (GPUs from NVML; none → CPU workers). Without ``--model`` the sim engine
@@ -242,7 +242,7 @@ class Launcher:
                          for k, g in enumerate(self.plan))
         model = self.args.served_model_name or self.args.model or "dplb-sim"
         # The key is never printed; the curl line reads it from the environment, which the user may not have set
-        # (fresh-eyes: with --api-key KEY the pasted line got a 401).
+        # (with --api-key KEY and no such variable, the pasted line gets a 401: say so).
         from_env = bool(self.args.api_key) and os.environ.get("DPLB_API_KEY") == self.args.api_key
         auth = '-H "Authorization: Bearer $DPLB_API_KEY" ' if self.args.api_key else ""
         note = "\n           (export DPLB_API_KEY=<the key> in that shell first)" if auth and not from_env else ""

@@ -1,4 +1,5 @@
-"""GPU planning: split the visible GPUs into N data-parallel workers of T GPUs each (DESIGN §6). Pure functions.
+"""GPU planning: split the visible GPUs into N data-parallel workers of T GPUs each (docs/DESIGN.md §10).
+Pure functions.
 
 Rules
 - With GPUs: ``num_workers × tensor_parallel_size`` must equal the number of GPUs; workers get consecutive groups

@@ -1,4 +1,4 @@
-"""Routing policies (DESIGN §3): a small framework of filters, weighted scorers and pickers.
+"""Routing policies (docs/DESIGN.md §5): a small framework of filters, weighted scorers and pickers.
 
 - :mod:`dplb.policy.framework`: the extension points (:class:`Filter`, :class:`Scorer`, :class:`Picker`), the
   per-request :class:`RouteRequest` and per-pick :class:`PickContext`, and the registries.

@@ -1,4 +1,4 @@
-"""The policy: a shm snapshot + one request → a :class:`~dplb.policy.decision.Decision` (DESIGN §3).
+"""The policy: a shm snapshot + one request → a :class:`~dplb.policy.decision.Decision` (docs/DESIGN.md §5).
 The load balancer's core.
 
 Contract

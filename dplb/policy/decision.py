@@ -1,5 +1,5 @@
 """Routing decisions as data: the closed sets of eligibility and reason values, and :class:`Decision` /
-:class:`Candidate`, the record of one pick (DESIGN §3, §7).
+:class:`Candidate`, the record of one pick (docs/DESIGN.md §5, §9).
 
 Contract: :mod:`dplb.policy` builds decisions; traces, ``/debug/decisions`` and metrics read them, and loop over
 ``Decision.term_names`` / ``Candidate.terms`` generically, so a new scorer shows up everywhere without edits there

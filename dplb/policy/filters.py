@@ -1,4 +1,4 @@
-"""Eligibility filters: the one definition of "may this worker take this request" (DESIGN §2–§4).
+"""Eligibility filters: the one definition of "may this worker take this request" (docs/DESIGN.md §5; staleness: §3.3).
 
 Contract: :data:`HEALTH_FILTERS` (about the worker: registered, consistent slot, fresh heartbeat, lifecycle
 ``ready``, not held out by the router's heartbeat hysteresis, not ejected by its passive health check) then

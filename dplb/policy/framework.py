@@ -1,4 +1,4 @@
-"""The policy framework: one small interface per extension point, and a registry for each (DESIGN §3).
+"""The policy framework: one small interface per extension point, and a registry for each (docs/DESIGN.md §5).
 
 Modelled on the Gateway API Inference Extension's scheduler (``pkg/epp/scheduling/framework/plugins.go``,
 ``plugins/registry.go``): a pick runs **filters** (eligibility), then weighted **scorers** (each 0–1 per candidate),

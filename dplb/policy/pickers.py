@@ -1,4 +1,4 @@
-"""The built-in pickers: how a worker is chosen among the eligible candidates (DESIGN §3).
+"""The built-in pickers: how a worker is chosen among the eligible candidates (docs/DESIGN.md §5).
 
 Every picker gets the eligible candidates in rotated order (the scan starts one worker later on every pick, so
 "first among equals" rotates) and returns ``(candidate, reason)``.

@@ -1,4 +1,4 @@
-"""The built-in scorers: queue, memory, latency (the seed's three terms) and prefix match (DESIGN §3).
+"""The built-in scorers: queue, memory, latency (the seed's three terms) and prefix match (docs/DESIGN.md §5).
 
 Each returns one value in [0, 1] per candidate, higher is better; the policy adds them up with the configured
 weights (seed article: ``0.4·queue + 0.3·memory + 0.3·latency``). Table-driven tests: tests/test_scorers.py.

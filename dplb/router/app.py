@@ -1,6 +1,6 @@
 """The router process: Litestar for the local endpoints, the raw-ASGI :class:`Proxy` for the proxied routes.
 
-Contract (DESIGN §4)
+Contract (docs/DESIGN.md §4, §6)
 - Every proxied route of :mod:`dplb.router.routes` (chat, completions, embeddings, responses, pooling, scoring,
   tokenize, audio, …) → :class:`dplb.router.proxy.Proxy` (dispatched before Litestar, so the hot path pays no
   framework cost).
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import signal
@@ -44,17 +43,19 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_gener
 
 from dplb import __version__
 from dplb.config import RouterConfig
-from dplb.errors import PortInUseError, RouterErrorKind
+from dplb.errors import PortInUseError, RouterErrorKind, error_body, openai_error_body
 from dplb.obs.metrics import RouterMetrics, WorkerStateCollector
 from dplb.obs.tracing import make_tracer
 from dplb.obs.tracing import shutdown as tracing_shutdown
 from dplb.router.fanout import fan_out, parse_workers
+from dplb.router.intake import bearer_credential, bearer_ok
 from dplb.router.models import ServedModels
-from dplb.router.proxy import Exchange, Proxy, error_body
+from dplb.router.proxy import Exchange, Proxy
 from dplb.router.routes import PROXY_PATHS, RESPONSES_PREFIX, is_proxy_path
 from dplb.router.siblings import SCOPE_PROCESS, SingleProcess, fetch_siblings, merge_decisions, merge_metrics
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamPool
+from dplb.runtime.asgi import Message, send_json
 from dplb.runtime.sd_notify import notify
 from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
 
@@ -91,7 +92,7 @@ class RouterApp:
         self.metrics.registry.register(WorkerStateCollector(self._scrape_source))
         if cfg.processes == 1:  # a group's answer adds the merged figure instead (dplb.router.siblings)
             self.metrics.registry.register(SingleProcess())
-        self._auth = ("bearer " + cfg.api_key).encode() if cfg.api_key else None
+        self._auth = bearer_credential(cfg.api_key)
         self._http_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self.litestar = self._build_litestar()
 
@@ -127,7 +128,7 @@ class RouterApp:
             # trace-id exemplars.
             if "application/openmetrics-text" in request.headers.get("accept", ""):
                 return Response(om_generate_latest(source), media_type=OM_CONTENT_TYPE)
-            # Litestar appends "; charset=utf-8" to text/* types itself: hand it the type without one (issue 16).
+            # Litestar appends "; charset=utf-8" to text/* types itself: hand it the type without one.
             return Response(generate_latest(source), media_type=_TEXT_TYPE)
 
         @get("/v1/models")
@@ -203,7 +204,7 @@ class RouterApp:
                     raise
                 self.metrics.rejected.labels(RouterErrorKind.INTERNAL.code).inc()
                 ex.status = 500
-                await _json(ex.send, 500, error_body(RouterErrorKind.INTERNAL, "internal error"))
+                await send_json(ex.send, 500, error_body(RouterErrorKind.INTERNAL, "internal error"))
             finally:
                 self._observe(path, scope["method"], ex.status, t0)
             return
@@ -212,7 +213,7 @@ class RouterApp:
             scope = {**scope, "method": "GET"}
             send = _without_body(send)
 
-        async def send_wrapper(message: dict[str, Any]) -> None:
+        async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
@@ -222,7 +223,7 @@ class RouterApp:
                 await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]  # CORS preflight
             elif self._auth is not None and path not in self.cfg.public_paths and not self._authorized(scope):
                 self.metrics.rejected.labels(RouterErrorKind.UNAUTHORIZED.code).inc()
-                await _json(self._cors_send(send_wrapper, origin) if origin else send_wrapper, 401,
+                await send_json(self._cors_send(send_wrapper, origin) if origin else send_wrapper, 401,
                             error_body(RouterErrorKind.UNAUTHORIZED, "missing or wrong API key"))
             else:
                 await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]
@@ -270,7 +271,7 @@ class RouterApp:
         assert self._auth is not None
         for n, v in scope["headers"]:
             if n == b"authorization":
-                return hmac.compare_digest(v[:7].lower() + v[7:], self._auth)
+                return bearer_ok(v, self._auth)
         return False
 
 
@@ -283,8 +284,7 @@ def _openai_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> R
     code = _HTTP_CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
     message = "internal error" if status >= 500 else (
         f"no route {request.method} {request.url.path}" if status == 404 else str(exc.detail))
-    body = msgspec.json.encode({"error": {"message": message, "type": "server_error" if status >= 500 else
-                                          "invalid_request_error", "code": code}})
+    body = openai_error_body(message, "server_error" if status >= 500 else "invalid_request_error", code)
     return Response(body, status_code=status, media_type="application/json")
 
 
@@ -304,12 +304,6 @@ def _without_body(send: Any) -> Any:
         await send(message)
 
     return wrapped
-
-
-async def _json(send: Any, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:

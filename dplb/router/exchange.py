@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from dplb.runtime.asgi import until_disconnect
+
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
     b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
@@ -54,12 +56,8 @@ class Exchange:
 async def watch_disconnect(ex: Exchange) -> None:
     """Completes when the client disconnects (after the body was read, receive() only reports that), calling
     :meth:`Exchange.client_gone`."""
-    receive = ex.receive
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            ex.client_gone()
-            return
+    await until_disconnect(ex.receive)
+    ex.client_gone()
 
 
 def connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:

@@ -8,20 +8,24 @@ Contract
   never more than ``limit + 1`` bytes are inflated), peeks JSON (400 ``invalid_json``/``body_not_object``) or the
   multipart ``model`` field. The body is never re-serialised: the worker gets the bytes, decoded only when they
   were compressed.
+- :func:`bearer_ok`: the one API-key check (``Authorization: Bearer <key>``, constant time) of the proxy and the
+  local endpoints.
 - :func:`excluded` (hot path; set lookups only): the workers a request must not go to, or 404
   ``model_not_found`` (see :mod:`dplb.router.models`).
 """
 
 from __future__ import annotations
 
+import hmac
 import zlib
 from typing import Any
 
 import msgspec
 
-from dplb.errors import RouterErrorKind
+from dplb.errors import BodyTooLarge, RouterErrorKind
 from dplb.router.models import ServedModels
 from dplb.router.routes import ResponseIds, Route
+from dplb.runtime.asgi import receive_body as asgi_receive_body
 
 _JSON_TYPES = (b"application/json",)
 _RESPONSES = "/v1/responses"
@@ -137,25 +141,25 @@ def read_body(route: Route, body: bytes, encoding: bytes, limit: int) -> tuple[b
 
 
 async def receive_body(receive: Any, limit: int) -> bytes | None:
-    """The whole request body from the ASGI ``receive``, or None as soon as it exceeds ``limit`` bytes (b"" if the
-    client disconnected first)."""
-    msg = await receive()
-    body = msg.get("body", b"")
-    if not msg.get("more_body", False):
-        return body if len(body) <= limit else None
-    parts = [body]
-    size = len(body)
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return b""
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        parts.append(chunk)
-        if not msg.get("more_body", False):
-            return b"".join(parts)
+    """The whole request body from the ASGI ``receive`` (:func:`dplb.runtime.asgi.receive_body`), or None as soon as
+    it exceeds ``limit`` bytes (b"" if the client disconnected first)."""
+    try:
+        body = await asgi_receive_body(receive, limit)
+    except BodyTooLarge:
+        return None
+    return b"" if body is None else body
+
+
+def bearer_credential(api_key: str | None) -> bytes | None:
+    """The ``Authorization`` value that :func:`bearer_ok` accepts for ``api_key`` (scheme lower case), or None when
+    no key is set (nothing to check)."""
+    return b"bearer " + api_key.encode() if api_key else None
+
+
+def bearer_ok(authorization: bytes, credential: bytes) -> bool:
+    """True when the ``Authorization`` header value is ``Bearer <key>`` for ``credential``
+    (:func:`bearer_credential`): the scheme case-insensitive, the key compared in constant time."""
+    return hmac.compare_digest(authorization[:7].lower() + authorization[7:], credential)
 
 
 def excluded(route: Route, peek: Peek, model: Any, pin_id: str | None, models: ServedModels,
@@ -178,5 +182,5 @@ def excluded(route: Route, peek: Peek, model: Any, pin_id: str | None, models: S
     return exclude
 
 
-__all__ = ["NO_PEEK", "Peek", "Rejected", "check_head", "decode_body", "excluded", "multipart_model", "read_body",
-           "receive_body"]
+__all__ = ["NO_PEEK", "Peek", "Rejected", "bearer_credential", "bearer_ok", "check_head", "decode_body", "excluded",
+           "multipart_model", "read_body", "receive_body"]

@@ -1,5 +1,5 @@
 """The proxy hot path: one raw ASGI handler for every proxied route of :mod:`dplb.router.routes` (chat,
-completions, embeddings, responses, pooling, scoring, tokenize, audio, …; DESIGN §4).
+completions, embeddings, responses, pooling, scoring, tokenize, audio, …; docs/DESIGN.md §4).
 
 Contract
 - The request body is read whole (bounded: 413 from Content-Length before reading, or as soon as the bytes read
@@ -38,15 +38,22 @@ import re
 import time
 from typing import Any
 
-import msgspec
-
 from dplb.config import RouterConfig
-from dplb.errors import RouterErrorKind
+from dplb.errors import RouterErrorKind, error_body
 from dplb.policy import RouteRequest
 from dplb.policy.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
 from dplb.policy.prefix import MAX_PREFIX_BLOCKS, block_hashes
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, response_headers, watch_disconnect
-from dplb.router.intake import Peek, Rejected, check_head, excluded, read_body, receive_body
+from dplb.router.intake import (
+    Peek,
+    Rejected,
+    bearer_credential,
+    bearer_ok,
+    check_head,
+    excluded,
+    read_body,
+    receive_body,
+)
 from dplb.router.models import ServedModels
 from dplb.router.routes import PROXY_PATHS, ResponseIds, Route, match, response_id
 from dplb.router.state import UNREACHABLE_S, RouterState
@@ -64,11 +71,6 @@ _BODY_UNREAD = frozenset({RouterErrorKind.UNAUTHORIZED, RouterErrorKind.METHOD_N
                           RouterErrorKind.UNSUPPORTED_ENCODING})
 
 
-def error_body(kind: RouterErrorKind, message: str) -> bytes:
-    """OpenAI-shaped error JSON for one of the router's own errors."""
-    return msgspec.json.encode({"error": {"message": message, "type": kind.type, "code": kind.code}})
-
-
 class Proxy:
     """ASGI callable for the proxied routes. One instance per router process."""
 
@@ -79,7 +81,7 @@ class Proxy:
         self.models = models
         self.response_ids = ResponseIds(cfg.response_ids)
         self.metrics = state.metrics
-        self._auth = b"bearer " + cfg.api_key.encode() if cfg.api_key else None
+        self._auth = bearer_credential(cfg.api_key)
         self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.obs.tracing.make_tracer)
         self._req_skip = REQ_OWN
         n = state.num_workers
@@ -170,7 +172,7 @@ class Proxy:
             elif n == b"content-encoding":
                 encoding = v
         ex.rid = rid if _REQUEST_ID_RE.fullmatch(rid) else os.urandom(16).hex().encode()  # 32 hex chars
-        if self._auth is not None and not _ct_equal(auth.lower()[:7] + auth[7:], self._auth):
+        if self._auth is not None and not bearer_ok(auth, self._auth):
             await self._reject(ex, RouterErrorKind.UNAUTHORIZED, "missing or wrong API key (Authorization: "
                                "Bearer <key>)")
             return
@@ -435,9 +437,3 @@ class Proxy:
             self.response_ids.remember(rid, worker)
             return False
         return head if len(head) < 65536 else False
-
-
-def _ct_equal(a: bytes, b: bytes) -> bool:
-    import hmac
-
-    return hmac.compare_digest(a, b)

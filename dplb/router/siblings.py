@@ -1,4 +1,4 @@
-"""One answer for a router group: ``/metrics`` and ``/debug/decisions`` merged over its processes (issue 14).
+"""One answer for a router group: ``/metrics`` and ``/debug/decisions`` merged over its processes (docs/DESIGN.md §7).
 
 With ``--processes N`` a scrape lands on any one process (``SO_REUSEPORT``). That process asks each sibling over
 its private socket (:meth:`dplb.config.RouterConfig.process_socket`, ``?scope=process``: that process alone) and

@@ -1,4 +1,5 @@
-"""``dplb router --processes N``: N router processes on one port and one state segment, under one parent (issue 14).
+"""``dplb router --processes N``: N router processes on one port and one state segment, under one parent
+(docs/DESIGN.md §7).
 
 One router process is one core: ~13 µs of CPU per streamed token caps it near 75k tokens/s, below what an 8-GPU
 server streams. The state plane is shared memory, so N processes can route on it together:

@@ -1,5 +1,6 @@
 """Process runtime helpers shared by the router, the worker and the launcher.
 
+- :mod:`dplb.runtime.asgi`: the one JSON responder and body-receive loop of raw-ASGI code.
 - :mod:`dplb.runtime.serving`: sockets, the uvicorn server, fd limits, the disconnect hook.
 - :mod:`dplb.runtime.procs`: child-process helpers (parent-death signal).
 - :mod:`dplb.runtime.gpu`: NVML discovery and sampling.

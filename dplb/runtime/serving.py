@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -25,6 +24,8 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import uvicorn
+
+from dplb.errors import openai_error_body
 
 log = logging.getLogger("dplb.serving")
 
@@ -38,7 +39,7 @@ class Server(uvicorn.Server):
 
 
 def _error_response(status: int, reason: bytes, kind_code: str, message: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": kind_code}}).encode()
+    body = openai_error_body(message, "invalid_request_error", kind_code)
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
             % (status, reason, len(body)) + body)
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError
 
 MAGIC = b"DPLB"
-LAYOUT_VERSION = 2  # 2: router slots after the worker slots, 16 router registry entries (issue 14)
+LAYOUT_VERSION = 2  # 2: router slots after the worker slots, 16 router registry entries (docs/DESIGN.md §3)
 HEADER_SIZE = 4096
 SLOT_SIZE = 192
 MAX_WORKERS = 64
@@ -82,7 +82,7 @@ def segment_size(num_workers: int) -> int:
 
 
 def default_segment_path(now_s: int | None = None) -> str:
-    """``/dev/shm/dplb_state_<unix seconds>`` (DESIGN §2)."""
+    """``/dev/shm/dplb_state_<unix seconds>`` (docs/DESIGN.md §3)."""
     return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{int(time.time() if now_s is None else now_s)}")
 
 

@@ -1,4 +1,5 @@
-"""Router slots of the state segment: each router process publishes what it has sent to every worker (issue 14).
+"""Router slots of the state segment: each router process publishes what it has sent to every worker
+(docs/DESIGN.md §3.4).
 
 Several router processes (``dplb router --processes N``, or separate routers on one segment) route on the same
 worker slots. Each keeps an optimistic in-flight correction for requests its workers' last snapshots may not

@@ -1,4 +1,4 @@
-"""Shared-memory state plane: workers publish their live state, the router reads it (DESIGN §2).
+"""Shared-memory state plane: workers publish their live state, the router reads it (docs/DESIGN.md §3).
 
 The segment is a plain file under ``/dev/shm`` (tmpfs), mapped with :mod:`mmap`. We deliberately do not use
 ``multiprocessing.shared_memory``: its resource tracker unlinks a segment when *any* attached process exits.
@@ -117,7 +117,7 @@ assert _SLOT.size == 144 <= SLOT_SIZE and SLOT_SIZE % 64 == 0
 
 
 class Lifecycle(enum.IntEnum):
-    """Worker lifecycle as published in its slot (DESIGN §5)."""
+    """Worker lifecycle as published in its slot (docs/DESIGN.md §8)."""
 
     UNSET = 0
     STARTING = 1

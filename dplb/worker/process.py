@@ -1,6 +1,6 @@
 """A DPLB worker: one data-parallel replica = an engine on a Unix socket + a collector publishing into shm.
 
-Contract (DESIGN §2, §5)
+Contract (docs/DESIGN.md §8, §3)
 - Lifecycle, each transition written to the slot at once and logged: starting → warming (engine up; one request
   with ``max_tokens: 1`` is sent through the worker's own socket and timed) → ready (logs
   ``Worker K registered. State: {...}``) → draining (SIGTERM/SIGINT: model requests get 503 ``worker_draining``,

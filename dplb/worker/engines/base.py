@@ -1,4 +1,4 @@
-"""The one small interface between a DPLB worker and its inference engine (DESIGN §5).
+"""The one small interface between a DPLB worker and its inference engine (docs/DESIGN.md §8).
 
 Contract
 - An :class:`Engine` serves the OpenAI API as an ASGI app (``engine.app``) or, for out-of-process engines, on the
@@ -18,13 +18,13 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from dplb.errors import openai_error_body
+from dplb.runtime.asgi import Message, Receive, Send, send_json
+
 Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-LATENCY_WINDOW = 10  # requests: DESIGN §2 "avg_latency_s of the last 10 requests"
+LATENCY_WINDOW = 10  # requests: the slot's "last 10 requests" figures (docs/DESIGN.md §3.3)
 
 
 @dataclass(slots=True)
@@ -122,6 +122,9 @@ TIMED_PATHS = frozenset({
     "/generative_scoring", "/v1/systemone", "/invocations"})
 
 
+_DRAINING = openai_error_body("worker is draining; retry on another worker", "service_unavailable", "worker_draining")
+
+
 class RequestStatsMiddleware:
     """ASGI middleware that times model requests into a :class:`RequestStats` and can refuse new work.
 
@@ -140,9 +143,7 @@ class RequestStatsMiddleware:
             return
         if not self.accepting():
             # x-dplb-draining tells the router nothing was started here, so it may send the request elsewhere.
-            await _send_json(send, 503, b'{"error":{"message":"worker is draining; retry on another worker",'
-                                        b'"type":"service_unavailable","code":"worker_draining"}}',
-                             [(b"x-dplb-draining", b"1"), (b"retry-after", b"1")])
+            await send_json(send, 503, _DRAINING, [(b"x-dplb-draining", b"1"), (b"retry-after", b"1")])
             return
         stats = self.stats
         t0 = time.perf_counter()
@@ -167,12 +168,3 @@ class RequestStatsMiddleware:
         finally:
             e2e = time.perf_counter() - t0
             stats.end(e2e, first[0] if first else None, status[0] >= 500 or not complete[0])
-
-
-async def _send_json(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    await send({
-        "type": "http.response.start", "status": status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                    *(extra or [])],
-    })
-    await send({"type": "http.response.body", "body": body})

@@ -36,8 +36,9 @@ from typing import Any, Protocol
 
 import msgspec
 
+from dplb.runtime.asgi import send_json, until_disconnect
 from dplb.worker.engines.base import Receive, Scope, Send
-from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body, respond
+from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
 from dplb.worker.engines.sim.scheduler import (
     WORDS,
     SimConfig,
@@ -132,13 +133,13 @@ class SimApi:
             if path in _LORA:
                 status, out = self._lora(path, body)
                 rec["status"] = status
-                await respond(send, status, out, headers, b"text/plain; charset=utf-8" if status == 200 else
+                await send_json(send, status, out, headers, b"text/plain; charset=utf-8" if status == 200 else
                             b"application/json")
                 return
             if path.startswith(_RESPONSES_PREFIX):
                 out = self._stored(path[len(_RESPONSES_PREFIX):])
                 rec["status"] = 200
-                await respond(send, 200, out, headers)
+                await send_json(send, 200, out, headers)
                 return
             data = self._parse(path, body, hdr.get(b"content-type", b""))
             rec["model"] = data.get("model")
@@ -146,10 +147,10 @@ class SimApi:
                 await self._respond(receive, send, data, headers, rec)
                 return
             rec["status"] = 200
-            await respond(send, 200, _json(self._generic(path, data)), headers)
+            await send_json(send, 200, _json(self._generic(path, data)), headers)
         except HTTPError as e:
             rec["status"] = e.status
-            await respond(send, e.status, e.body(), headers)
+            await send_json(send, e.status, e.body(), headers)
 
     # ---- parsing -----------------------------------------------------------------------------------------------
     def _parse(self, path: str, body: bytes, ctype: bytes) -> dict[str, Any]:
@@ -317,7 +318,7 @@ class SimApi:
                 self.responses.popitem(last=False)
             rec.update(status=200, completion_tokens=len(words))
             if not stream:
-                await respond(send, 200, _json(resp), headers)
+                await send_json(send, 200, _json(resp), headers)
                 return
             text = done["content"][0]
             await send({"type": "http.response.body", "more_body": False, "body": b"".join((
@@ -333,8 +334,7 @@ class SimApi:
 
     async def _watch(self, receive: Receive, req: SimRequest) -> None:
         """A client disconnect aborts ``req`` (frees its KV blocks)."""
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        await until_disconnect(receive)
         self.engine.scheduler.abort(req)
 
 

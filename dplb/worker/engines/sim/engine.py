@@ -1,5 +1,5 @@
-"""The sim engine: a CPU-cheap, vLLM-like inference engine behind a DPLB worker (DESIGN §5). A product feature: it
-lets the router, policies, dashboards and benchmarks run unchanged on machines without a GPU.
+"""The sim engine: a CPU-cheap, vLLM-like inference engine behind a DPLB worker (docs/DESIGN.md §8). A product
+feature: it lets the router, policies, dashboards and benchmarks run unchanged on machines without a GPU.
 
 Contract
 - :class:`SimEngine` implements :class:`dplb.worker.engines.base.Engine`: ``name = "sim"``, ``app`` (ASGI), ``start()``,
@@ -49,9 +49,10 @@ from typing import Any
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dplb.runtime.asgi import send_json, until_disconnect
 from dplb.worker.engines.base import ASGIApp, EngineStats, Receive, Scope, Send
 from dplb.worker.engines.sim.api import SimApi
-from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body, respond
+from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
 from dplb.worker.engines.sim.scheduler import (
     WORDS,
     SimConfig,
@@ -117,11 +118,6 @@ def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str
     max_tokens = [min(req_max or cfg.default_max_tokens, cfg.max_model_len - len(ids)) for ids in prompts]
     return ParsedRequest(prompts, max_tokens, n, stream, bool(opts.get("include_usage")),
                          bool(opts.get("include_usage") and opts.get("continuous_usage_stats")))
-
-
-async def _until_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class SimEngine:
@@ -218,9 +214,9 @@ class SimEngine:
         path, method = scope["path"], scope["method"]
         if path in (_CHAT, _COMPLETIONS):
             if self._closed:
-                await respond(send, 503, HTTPError(503, "sim engine shut down", "ServiceUnavailableError").body())
+                await send_json(send, 503, HTTPError(503, "sim engine shut down", "ServiceUnavailableError").body())
             elif method != "POST":
-                await respond(send, 405, b'{"detail":"Method Not Allowed"}')
+                await send_json(send, 405, b'{"detail":"Method Not Allowed"}')
             else:
                 await self._model(scope, receive, send, path == _CHAT)
             return
@@ -231,40 +227,40 @@ class SimEngine:
                  "/metrics": self._metrics, "/debug/requests": self._debug}.get(path)
         echo = [(k, v) for k, v in scope["headers"] if k == b"x-request-id"][:1]
         if route is None:
-            await respond(send, 404, b'{"detail":"Not Found"}', echo)
+            await send_json(send, 404, b'{"detail":"Not Found"}', echo)
         elif method not in ("GET", "HEAD"):
-            await respond(send, 405, b'{"detail":"Method Not Allowed"}', echo)
+            await send_json(send, 405, b'{"detail":"Method Not Allowed"}', echo)
         else:
             await route(send, echo)
 
     async def _health(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        await respond(send, 200, b"", headers)
+        await send_json(send, 200, b"", headers)
 
     async def _models(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        await respond(send, 200, self.api.models_body(self._created), headers)
+        await send_json(send, 200, self.api.models_body(self._created), headers)
 
     async def _load(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         s = self.scheduler
-        await respond(send, 200, _json({"num_running": s.num_running, "num_waiting": s.num_waiting,
+        await send_json(send, 200, _json({"num_running": s.num_running, "num_waiting": s.num_waiting,
                                          "kv_cache_usage": s.kv_cache_usage}), headers)
 
     async def _metrics(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        await respond(send, 200, self.metrics_text(), headers, CONTENT_TYPE_LATEST.encode())
+        await send_json(send, 200, self.metrics_text(), headers, CONTENT_TYPE_LATEST.encode())
 
     async def _debug(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        await respond(send, 200, _json(list(self.debug_requests)), headers)
+        await send_json(send, 200, _json(list(self.debug_requests)), headers)
 
     async def _park(self, receive: Receive, send: Send) -> None:
         """Hang fault: never answer; return when the client goes away or the engine shuts down."""
         assert self._release is not None
-        gone = asyncio.ensure_future(_until_disconnect(receive))
+        gone = asyncio.ensure_future(until_disconnect(receive))
         released = asyncio.ensure_future(self._release.wait())
         await asyncio.wait({gone, released}, return_when=asyncio.FIRST_COMPLETED)
         disconnected = gone.done()
         gone.cancel()
         released.cancel()
         if not disconnected:
-            await respond(send, 503, HTTPError(503, "sim engine shut down", "ServiceUnavailableError").body())
+            await send_json(send, 503, HTTPError(503, "sim engine shut down", "ServiceUnavailableError").body())
 
     def _abort(self, req: SimRequest, rec: dict[str, Any]) -> None:
         if self.scheduler.abort(req):
@@ -272,7 +268,7 @@ class SimEngine:
             rec["aborted"] = True
 
     async def _watch(self, receive: Receive, req: SimRequest, rec: dict[str, Any]) -> None:
-        await _until_disconnect(receive)
+        await until_disconnect(receive)
         self._abort(req, rec)  # no-op when the request is already done
 
     async def _model(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
@@ -314,7 +310,7 @@ class SimEngine:
                                          f"oom_after={cfg.oom_after})", "InternalServerError")
             except HTTPError as e:
                 rec["status"] = e.status
-                await respond(send, e.status, e.body(), headers)
+                await send_json(send, e.status, e.body(), headers)
                 return
             if await self._generate(receive, send, p, rid, rec, headers, chat):
                 self._completed()
@@ -347,7 +343,7 @@ class SimEngine:
                 if req.aborted:
                     if self._closed:
                         rec["status"] = 503
-                        await respond(send, 503, HTTPError(503, "sim engine shut down",
+                        await send_json(send, 503, HTTPError(503, "sim engine shut down",
                                                             "ServiceUnavailableError").body(), headers)
                     return False
             choices: list[dict[str, Any]] = []
@@ -360,7 +356,7 @@ class SimEngine:
                 choices.append(choice)
             completion = sum(s.max_tokens for s in req.seqs)
             rec.update(status=200, completion_tokens=completion)
-            await respond(send, 200, _json({
+            await send_json(send, 200, _json({
                 "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": cfg.model, "choices": choices, "usage": {
                     "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion,

@@ -1,6 +1,7 @@
 """The sim engine's HTTP plumbing, shared by its core endpoints (:mod:`dplb.worker.engines.sim.engine`) and the extra
-ones (:mod:`dplb.worker.engines.sim.api`): one OpenAI-shaped error, one bounded body reader, one responder, one
-JSON-object decoder — so the two cannot drift apart.
+ones (:mod:`dplb.worker.engines.sim.api`): its error type (vLLM's error shape, built by
+:func:`dplb.errors.openai_error_body`), its bounded body reader (:func:`dplb.runtime.asgi.receive_body`) and its
+JSON-object decoder; responses go out through :func:`dplb.runtime.asgi.send_json`.
 """
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ from typing import Any
 
 import msgspec
 
-from dplb.worker.engines.base import Receive, Send
+from dplb.errors import BodyTooLarge, openai_error_body
+from dplb.runtime.asgi import Receive, receive_body
 
 MAX_BODY_BYTES = 64 << 20  # request bodies above this get 413
 DEBUG_HEADER = b"x-sim-debug"  # request header: "body-sha256" asks for x-sim-body-sha256 in the response
-_json = msgspec.json.Encoder().encode
 
 
 class HTTPError(Exception):
@@ -25,7 +26,8 @@ class HTTPError(Exception):
         self.code = status if code is None else code
 
     def body(self) -> bytes:
-        return _json({"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}})
+        """The response body: ``{"error": {"message", "type", "param": null, "code"}}``."""
+        return openai_error_body(self.message, self.type, self.code, param=True)
 
 
 def decode_object(body: bytes) -> dict[str, Any]:
@@ -42,23 +44,10 @@ def decode_object(body: bytes) -> dict[str, Any]:
 async def read_body(receive: Receive) -> bytes | None:
     """The whole request body; None if the client disconnected first. Raises HTTPError(413) above
     :data:`MAX_BODY_BYTES`."""
-    chunks, size = [], 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return None
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise HTTPError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
-        chunks.append(chunk)
-        if not msg.get("more_body", False):
-            return b"".join(chunks)
+    try:
+        return await receive_body(receive, MAX_BODY_BYTES)
+    except BodyTooLarge:
+        raise HTTPError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error") from None
 
 
-async def respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None,
-                  content_type: bytes = b"application/json") -> None:
-    """Send one complete response with Content-Type and Content-Length, ``headers`` after them."""
-    h = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(headers or [])]
-    await send({"type": "http.response.start", "status": status, "headers": h})
-    await send({"type": "http.response.body", "body": body})
+__all__ = ["DEBUG_HEADER", "MAX_BODY_BYTES", "HTTPError", "decode_object", "read_body"]
