@@ -5,13 +5,16 @@ line or a CLI error can act without reading source. CLI entry points catch :clas
 message without a traceback (exit code 2 for configuration problems, 1 otherwise).
 
 The router's own HTTP errors (OpenAI-shaped JSON bodies with bounded reason codes) are described by
-:class:`RouterErrorKind`; the router turns them into responses, nothing else does.
+:class:`RouterErrorKind` and their bodies built by :func:`error_body`; the router turns them into responses,
+nothing else does.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+
+import msgspec
 
 
 class DPLBError(Exception):
@@ -136,3 +139,9 @@ class RouterErrorKind(enum.Enum):
     def code(self) -> str:
         """Bounded reason code (``error.code`` and the ``reason`` metric label)."""
         return self.value[2]
+
+
+def error_body(kind: RouterErrorKind, message: str) -> bytes:
+    """The OpenAI error body ``{"error": {"message", "type", "code"}}`` of one of the router's own errors: ``kind``'s
+    type and reason code, ``message`` (compact UTF-8 JSON)."""
+    return msgspec.json.encode({"error": {"message": message, "type": kind.type, "code": kind.code}})
