@@ -314,16 +314,6 @@ async def _json(send: Any, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _run_until(serve: asyncio.Task[Any], stopped: asyncio.Task[Any], watchdog: Watchdog) -> None:
-    """The run loop: wait until the server ends or a stop is asked for, pinging the systemd watchdog meanwhile
-    (the loop's own liveness: a blocked event loop stops the pings and systemd restarts the router)."""
-    tick = watchdog.interval_s / 2 if watchdog.enabled else None
-    done: set[asyncio.Task[Any]] = set()
-    while not done:
-        watchdog.maybe_ping()
-        done, _ = await asyncio.wait({serve, stopped}, timeout=tick, return_when=asyncio.FIRST_COMPLETED)
-
-
 async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     """Serve until SIGTERM/SIGINT. ``ready_cb()`` is called once the socket listens. Returns the exit code."""
     old, new = raise_fd_limit()
@@ -374,6 +364,16 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
         tracing_shutdown(app.tracer)
     log.info("DPLB router stopped")
     return 0
+
+
+async def _run_until(serve: asyncio.Task[Any], stopped: asyncio.Task[Any], watchdog: Watchdog) -> None:
+    """The run loop: wait until the server ends or a stop is asked for, pinging the systemd watchdog meanwhile
+    (the loop's own liveness: a blocked event loop stops the pings and systemd restarts the router)."""
+    tick = watchdog.interval_s / 2 if watchdog.enabled else None
+    done: set[asyncio.Task[Any]] = set()
+    while not done:
+        watchdog.maybe_ping()
+        done, _ = await asyncio.wait({serve, stopped}, timeout=tick, return_when=asyncio.FIRST_COMPLETED)
 
 
 __all__ = ["RouterApp", "run_router"]
