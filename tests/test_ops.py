@@ -79,6 +79,22 @@ def test_sd_notify_ready_and_watchdog_from_a_real_worker(tmp_path, monkeypatch: 
     rx.close()
 
 
+def test_router_pings_the_systemd_watchdog_from_its_run_loop(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """No worker at all: every datagram is the router's. READY=1 once it listens, then WATCHDOG=1 repeatedly."""
+    sock_path = str(tmp_path / "notify.sock")
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(sock_path)
+    rx.settimeout(20)
+    monkeypatch.setenv("NOTIFY_SOCKET", sock_path)
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")  # ping every 0.2 s at most
+    with cluster(str(tmp_path), 1, start_workers=False, wait_router_ready=False):
+        msgs = [rx.recv(4096).decode()]
+        while msgs.count("WATCHDOG=1") < 3:
+            msgs.append(rx.recv(4096).decode())
+        assert msgs[0].startswith("READY=1"), msgs
+    rx.close()
+
+
 # ---- doctor: each failure produced on purpose ------------------------------------------------------------------
 GiB = 1 << 30
 

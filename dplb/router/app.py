@@ -21,6 +21,8 @@ Contract (docs/DESIGN.md §4, §6)
   HTTP gets 400 ``invalid_http`` (both OpenAI-shaped, connection closed); an unexpected exception is logged with its
   traceback and answered with a bare OpenAI-shaped 500 ``internal_error`` — no traceback or path reaches a client.
 - The open-file soft limit is raised to the hard limit at start (two descriptors per proxied request).
+- Under systemd, READY=1 once the socket listens, and WATCHDOG=1 from the run loop of :func:`run_router` while the
+  event loop runs (every half ``WATCHDOG_USEC`` at most; :class:`dplb.runtime.sd_notify.Watchdog`).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from dplb.router.siblings import SCOPE_PROCESS, SingleProcess, fetch_siblings, m
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamPool
 from dplb.runtime.asgi import Message, send_json
-from dplb.runtime.sd_notify import notify
+from dplb.runtime.sd_notify import Watchdog, notify
 from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
 
 log = logging.getLogger("dplb.router")
@@ -340,7 +342,7 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     if ready_cb is not None:
         ready_cb()
     stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({serve, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    await _run_until(serve, stopped, Watchdog())
     server.should_exit = True
     with contextlib.suppress(Exception):
         await asyncio.wait_for(serve, 10)
@@ -356,6 +358,16 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
         tracing_shutdown(app.tracer)
     log.info("DPLB router stopped")
     return 0
+
+
+async def _run_until(serve: asyncio.Task[Any], stopped: asyncio.Task[Any], watchdog: Watchdog) -> None:
+    """The run loop: wait until the server ends or a stop is asked for, pinging the systemd watchdog meanwhile
+    (the loop's own liveness: a blocked event loop stops the pings and systemd restarts the router)."""
+    tick = watchdog.interval_s / 2 if watchdog.enabled else None
+    done: set[asyncio.Task[Any]] = set()
+    while not done:
+        watchdog.maybe_ping()
+        done, _ = await asyncio.wait({serve, stopped}, timeout=tick, return_when=asyncio.FIRST_COMPLETED)
 
 
 __all__ = ["RouterApp", "run_router"]

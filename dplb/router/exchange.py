@@ -3,8 +3,10 @@
 Contract
 - :class:`Exchange` holds a request from the ASGI call to the end of its response: scope, receive, send, the
   request id, the start time, the status sent so far, whether the client went away and the worker connection in
-  use (aborted when it does). The router's server reports a disconnect through a hook (:mod:`dplb.runtime.serving`);
-  under any other ASGI server :func:`watch_disconnect` waits for it on ``receive()``.
+  use (aborted when it does); once read, the route, body, peek and routing request; the decision; the request head
+  for the workers; the response-id capture; and the request's trace hooks (:mod:`dplb.obs.tracing`). The router's
+  server reports a disconnect through a hook (:mod:`dplb.runtime.serving`); under any other ASGI server
+  :func:`watch_disconnect` waits for it on ``receive()``.
 - :func:`request_head` writes the request line and headers for a worker: the client's end-to-end headers in
   their order, hop-by-hop ones (RFC 9110 §7.6.1 and those named in ``Connection``) and the router's own
   (host, content-length, x-request-id, expect, and ``Content-Encoding`` of a body the router decoded) replaced.
@@ -15,7 +17,15 @@ Contract
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from dplb.obs.tracing import NO_TRACE, NoTrace
+
+if TYPE_CHECKING:
+    from dplb.policy import RouteRequest
+    from dplb.policy.decision import Decision
+    from dplb.router.intake import Peek
+    from dplb.router.routes import Route
 
 from dplb.runtime.asgi import until_disconnect
 
@@ -32,9 +42,16 @@ class Exchange:
     """One proxied request's state (one object instead of a dozen parameters; the model is uvicorn's
     ``RequestResponseCycle``). ``status``: the status sent to the client (0 = none yet); ``gone``: the client
     disconnected; ``conn``: the worker connection of the attempt in progress (aborted when the client goes);
-    ``t_start``: ``time.perf_counter()`` seconds at the ASGI call; ``rid``: the request id (bytes)."""
+    ``t_start``: ``time.perf_counter()`` seconds at the ASGI call; ``rid``: the request id (bytes).
 
-    __slots__ = ("conn", "gone", "receive", "rid", "scope", "send", "status", "t_start")
+    Set by the proxy as the request advances: ``route`` and ``pin`` (the matched route, None when none matches,
+    and the response id in its path); ``body`` (the bytes forwarded), ``decoded`` (the router decoded its
+    ``Content-Encoding``) and ``peek`` (its few parsed fields); ``request`` (the policy's view) and ``decision``
+    (the last pick); ``head`` (the request head for the workers, with its blank line); ``capture`` (False, True:
+    remember the id found in the answer, or the ``/v1/responses`` id itself); ``trace`` (tracing hooks)."""
+
+    __slots__ = ("body", "capture", "conn", "decision", "decoded", "gone", "head", "peek", "pin", "receive",
+                 "request", "rid", "route", "scope", "send", "status", "t_start", "trace")
 
     def __init__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         self.scope = scope
@@ -45,6 +62,16 @@ class Exchange:
         self.status = 0
         self.gone = False
         self.conn: Any = None
+        self.route: Route | None = None
+        self.pin: str | None = None
+        self.trace: NoTrace = NO_TRACE
+        self.body = b""
+        self.decoded = False
+        self.head = b""
+        self.capture: Any = False
+        self.peek: Peek
+        self.request: RouteRequest
+        self.decision: Decision
 
     def client_gone(self) -> None:
         """The client disconnected: abort the worker connection (the engine aborts the request)."""

@@ -12,12 +12,9 @@ Contract
   correction (N processes behind one port route like one router). Likewise the prefix index: each pick first
   replays what the others' indexes learnt (their prefix rings) and then appends what its own learnt.
 - One log line per worker registration (becomes routable) and deregistration (with the reason).
-- Hysteresis on heartbeats: a worker seen routable whose heartbeat then went stale (older than 3 × state interval;
-  the policy then skips it) stays out after its heartbeat is fresh again until it has been fresh at every
-  observation for :data:`READMIT_INTERVALS` state intervals (a worker restarted under a new pid is exempt: its
-  lifecycle gates it).
-  A single late heartbeat (shorter than the stale limit) changes nothing; a worker flapping stale/fresh stays out
-  instead of flapping in and out. One log line each way.
+- Worker health (ejection for failures, heartbeat hysteresis) is :class:`dplb.router.health.WorkerHealth`, fed
+  every snapshot this state reads and, through :meth:`RouterState.report`, every attempt's outcome; its ejected
+  and held-out workers are passed to the policy.
 - A segment that comes back after it was lost is attached at once but routed on only when one of its workers is
   routable (or after :data:`PROMOTE_GRACE_S`): a freshly recreated segment is empty until the workers re-publish,
   and routing on it meanwhile would answer 503 ``no_workers_registered`` although every worker is serving.
@@ -37,14 +34,11 @@ from dplb.errors import ShmError
 from dplb.obs.metrics import RouterMetrics
 from dplb.policy import Policy, RouteRequest, make_policy, routable
 from dplb.policy.decision import OK, REASON_FALLBACK, REASON_NO_WORKERS, WHY_HELD_OUT, WHY_STALE, Decision
-from dplb.runtime.sd_notify import Watchdog
+from dplb.router.health import READMIT_INTERVALS, Outcome, WorkerHealth
 from dplb.state.router_slots import RouterSlots
 from dplb.state.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
 
 log = logging.getLogger("dplb.router")
-UNREACHABLE_S = 2.0  # a worker that refused a connection is skipped this long (or until it restarts)
-MAX_FAILS = 3  # consecutive failed responses that eject a worker for UNREACHABLE_S
-READMIT_INTERVALS = 5  # state intervals a once-stale worker must stay fresh before it is routed to again
 PROMOTE_GRACE_S = 5.0  # a returned segment without any routable worker is routed on after this long anyway
 _READY = Lifecycle.READY
 
@@ -72,17 +66,8 @@ class RouterState:
         self.decisions: collections.deque[tuple[float, str, Decision]] = collections.deque(maxlen=cfg.debug_ring)
         self._routable = [False] * n
         self._pids = [0] * n
-        # Workers whose socket refused a connection: skipped until this monotonic time (or a new pid appears).
-        self._unreachable_until = [0.0] * n
-        self._unreachable_pid = [0] * n
-        self._consecutive_failures = [0] * n
-        # Heartbeat hysteresis: workers out for a stale heartbeat, the pid they had, and since when (monotonic ns)
-        # they have been fresh at every observation (0 = not fresh yet).
-        self._stale_out = [False] * n
-        self._fresh_pid = [0] * n  # pid last seen fresh and ready
-        self._stale_pid = [0] * n
-        self._fresh_since = [0] * n
-        self._any_out = False
+        ejections = metrics.ejections
+        self.health = WorkerHealth(n, self.pid_of, lambda k: ejections.labels(str(k)).inc())
         self._had_segment = self.segment is not None
         self._pending: Segment | None = None  # a returned segment not routed on yet (see module docstring)
         self._pending_since = 0.0
@@ -148,7 +133,8 @@ class RouterState:
         """Pick a worker for one request (see module docstring). Never raises for a missing segment."""
         t0 = time.perf_counter()
         snap = self.snapshot()
-        ejected = self._ejected(snap) if any(self._unreachable_until) else frozenset()
+        health = self.health
+        ejected = health.ejected(snap) if health.any_ejected else frozenset()
         if snap is None:
             # No state: only workers whose socket file exists are candidates (a stat per worker, fallback only).
             exclude = request.exclude | request.cannot_serve | ejected | {
@@ -160,7 +146,7 @@ class RouterState:
                 d = Decision(self.policy.name, None, REASON_NO_WORKERS, [], self.policy.baseline_s)
         else:
             now = time.monotonic_ns()
-            held = self._track_staleness(snap, now)
+            held = health.observe(snap, now, self._interval_ms())
             slots = self.slots
             if slots is not None and self._prefix_index is not None and slots.has_peers:
                 for w, keys in slots.drain_prefix().items():  # what the other router processes sent meanwhile
@@ -179,7 +165,8 @@ class RouterState:
         if snap is None:
             return None
         now = time.monotonic_ns()
-        return self.policy.pick(snap, now, held=self.held_out(), ejected=self._ejected(snap), dry_run=True,
+        health = self.health
+        return self.policy.pick(snap, now, held=health.held_out(), ejected=health.ejected(snap), dry_run=True,
                                 inflight=self.inflight, shared=self._shared(snap, now))
 
     def _shared(self, snap: list[WorkerState], now: int) -> list[int] | None:
@@ -197,86 +184,18 @@ class RouterState:
             return list(self.inflight)
         return [a + b for a, b in zip(self.inflight, self.slots.peer_inflight(), strict=False)]
 
-    # ---- heartbeat hysteresis ---------------------------------------------------------------------------------
-    def _track_staleness(self, snap: list[WorkerState], now: int) -> frozenset[int]:
-        """Update the stale/probation state from one snapshot taken at ``now`` (monotonic ns); return the workers
-        that are fresh again but still on probation (the policy itself skips the stale ones)."""
-        interval_ns = self._interval_ms() * 1_000_000
-        stale_ns = STALE_INTERVALS * interval_ns
-        out = self._stale_out
-        for w in snap:
-            k = w.worker_id
-            if w.pid == 0 or w.torn:
-                continue
-            age = now - w.heartbeat_mono_ns
-            if not out[k]:
-                if age <= stale_ns:
-                    if w.lifecycle == _READY:
-                        self._fresh_pid[k] = w.pid  # seen routable: going stale from here is a flap
-                elif w.lifecycle == _READY and self._fresh_pid[k] == w.pid:
-                    out[k] = self._any_out = True
-                    self._stale_pid[k] = w.pid
-                    self._fresh_since[k] = 0
-                    log.warning("worker %d heartbeat is stale (%.2f s old, limit %.2f s); not routing to it until "
-                                "it has been fresh for %.2f s", k, age / 1e9, stale_ns / 1e9,
-                                READMIT_INTERVALS * interval_ns / 1e9)
-            elif w.pid != self._stale_pid[k]:
-                out[k] = False  # restarted: a new process, gated by its own lifecycle
-                log.info("worker %d restarted (pid %d → %d); its stale-heartbeat hold is lifted", k,
-                         self._stale_pid[k], w.pid)
-            elif age > stale_ns:
-                self._fresh_since[k] = 0
-            elif not self._fresh_since[k]:
-                self._fresh_since[k] = now
-            elif now - self._fresh_since[k] >= READMIT_INTERVALS * interval_ns:
-                out[k] = False
-                log.info("worker %d heartbeat has been fresh for %.2f s; routing to it again", k,
-                         (now - self._fresh_since[k]) / 1e9)
-        if not self._any_out:
-            return frozenset()
-        held = frozenset(k for k, o in enumerate(out) if o)
-        self._any_out = bool(held)
-        return held
+    # ---- health ------------------------------------------------------------------------------------------------
+    def report(self, worker: int, outcome: Outcome, e2e_s: float = 0.0, ttft_s: float | None = None) -> None:
+        """How one attempt on ``worker`` ended: its outcome feeds the worker's health, and a latency sample
+        (:attr:`Outcome.latency_sample`: ``e2e_s`` end to end and ``ttft_s`` to the first body byte, seconds since
+        the request arrived) the policy's baseline."""
+        self.health.report(worker, outcome)
+        if outcome.latency_sample:
+            self.policy.observe_latency(e2e_s, ttft_s)
 
     def held_out(self) -> frozenset[int]:
         """Workers kept out by the heartbeat hysteresis right now (stale, or fresh again but on probation)."""
-        return frozenset(k for k, o in enumerate(self._stale_out) if o)
-
-    def mark_unreachable(self, worker: int, pid: int) -> None:
-        """``worker``'s socket refused a connection: skip it for :data:`UNREACHABLE_S` seconds, or until the
-        worker publishes a different pid (it restarted)."""
-        self._unreachable_until[worker] = time.monotonic() + UNREACHABLE_S
-        self._unreachable_pid[worker] = pid
-
-    def record_outcome(self, worker: int, failed: bool) -> None:
-        """Passive health check (like nginx's max_fails): :data:`MAX_FAILS` responses in a row that the worker
-        failed (5xx other than 503, or a broken connection) eject it for :data:`UNREACHABLE_S` seconds. A worker
-        that fails fast looks idle to the score (no latency sample, empty queue) and would otherwise attract
-        traffic. 503 (full) and 4xx are not failures."""
-        if not failed:
-            self._consecutive_failures[worker] = 0
-            return
-        self._consecutive_failures[worker] += 1
-        if self._consecutive_failures[worker] >= MAX_FAILS:
-            self._consecutive_failures[worker] = 0
-            log.warning("worker %d failed %d requests in a row; ejecting it for %.0f s", worker, MAX_FAILS,
-                        UNREACHABLE_S)
-            self.metrics.ejections.labels(str(worker)).inc()
-            self.mark_unreachable(worker, self.pid_of(worker))
-
-    def _ejected(self, snap: list[WorkerState] | None) -> frozenset[int]:
-        """Workers skipped for a refused connection or failed responses right now (expired ones are cleared)."""
-        now = time.monotonic()
-        out: set[int] = set()
-        for k, until in enumerate(self._unreachable_until):
-            if not until:
-                continue
-            restarted = snap is not None and snap[k].pid not in (0, self._unreachable_pid[k])
-            if now >= until or restarted:
-                self._unreachable_until[k] = 0.0
-            else:
-                out.add(k)
-        return frozenset(out)
+        return self.health.held_out()
 
     def pid_of(self, worker: int) -> int:
         """The pid worker ``worker`` published (0 without a segment)."""
@@ -302,16 +221,14 @@ class RouterState:
     # ---- background ------------------------------------------------------------------------------------------
     async def monitor(self) -> None:
         """Watch segment presence and worker (de)registration until cancelled."""
-        watchdog = Watchdog()
         while True:
-            watchdog.maybe_ping()  # systemd: the event loop is alive
             try:
                 self.check_once()
             except Exception:  # keep watching whatever happens
                 log.exception("router monitor step failed")
             # While a worker is on probation, look at every state interval so "steadily fresh" means it.
             await asyncio.sleep(min(self.cfg.shm_check_interval_s, self._interval_ms() / 1000)
-                                if self._any_out or self._pending is not None else self.cfg.shm_check_interval_s)
+                                if self.health.watching or self._pending is not None else self.cfg.shm_check_interval_s)
 
     def check_once(self) -> None:
         """One monitor step (also called by tests): segment presence (``dplb_shm_segment_present`` is 1 while the
@@ -334,7 +251,7 @@ class RouterState:
         if snap is None:
             return
         now = time.monotonic_ns()
-        held = self._track_staleness(snap, now)
+        held = self.health.observe(snap, now, self._interval_ms())
         for c in routable(snap, now, self._policy_cfg(), held):  # ejection is not a (de)registration
             k, w = c.worker_id, c.state
             ok = c.why is OK
@@ -380,8 +297,8 @@ class RouterState:
         snap = self.snapshot()
         if snap is None:
             return [k for k in range(self.num_workers) if os.path.exists(self.cfg.socket_path(k))]
-        return [c.worker_id for c in routable(snap, time.monotonic_ns(), self._policy_cfg(), self.held_out(),
-                                              self._ejected(snap)) if c.why is OK]
+        return [c.worker_id for c in routable(snap, time.monotonic_ns(), self._policy_cfg(), self.health.held_out(),
+                                              self.health.ejected(snap)) if c.why is OK]
 
     def _policy_cfg(self) -> PolicyConfig:
         """The policy configuration with the segment's state interval (what staleness is measured against)."""
@@ -389,3 +306,5 @@ class RouterState:
         cfg = self.cfg.policy
         return cfg if cfg.state_interval_ms == iv else dataclasses.replace(cfg, state_interval_ms=iv)
 
+
+__all__ = ["PROMOTE_GRACE_S", "READMIT_INTERVALS", "RouterState"]

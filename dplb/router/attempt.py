@@ -1,0 +1,271 @@
+"""One upstream attempt of a proxied request (Envoy's ``UpstreamRequest`` is the model): connect to the chosen
+worker, send the request, relay the response head and body to the client, and account for how it ended.
+
+Contract
+- :class:`Attempt` goes ``open`` → ``relay_head`` → ``relay_body`` → ``finish``; each step that ends the attempt
+  sets its :class:`dplb.router.health.Outcome`, and ``finish`` (always run) acts on that outcome alone: the
+  connection goes back to the pool or is aborted (:attr:`Outcome.reusable`), the router's state hears it once
+  (:meth:`dplb.router.state.RouterState.report`: worker health and the policy's latency baseline), and the
+  duration is recorded under :attr:`Outcome.recorded`. The in-flight count of the worker is held for the whole
+  attempt.
+- :meth:`Attempt.run` returns the error kind to retry on another worker for, or None when the request is done
+  (answered, or the client left). Only an attempt that produced nothing is retried: a connect failure (no request
+  byte sent) or the worker's ``503 worker_draining`` refusal (:data:`RETRY`).
+- A worker that breaks off mid-response: an SSE stream gets a final ``data: {"error": …}`` event and is left
+  without its terminating chunk (the server closes the connection abnormally); other bodies are cut. A client that
+  leaves makes the attempt abort the worker connection (the engine aborts the request).
+- :class:`Upstreams` is what every attempt of a router process shares (configuration, pool, state, metric
+  children) and the router's own error responses (:meth:`Upstreams.reject`).
+- Tracing is the request's hooks (:mod:`dplb.obs.tracing`) called on this same path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from dplb.config import RouterConfig
+from dplb.errors import RouterErrorKind, error_body
+from dplb.router.exchange import Exchange, response_headers
+from dplb.router.health import UNREACHABLE_S, Outcome
+from dplb.router.routes import ResponseIds, response_id
+from dplb.router.state import RouterState
+from dplb.router.upstream import (
+    ConnectFailed,
+    UpstreamClosed,
+    UpstreamConn,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamTimeout,
+)
+
+log = logging.getLogger("dplb.router.proxy")
+_KEEPALIVE = b": keep-alive\n\n"
+_CAPTURE_MAX = 65536  # bytes of an answer searched for its response id
+# Rejections answered before the request body was read.
+_BODY_UNREAD = frozenset({RouterErrorKind.UNAUTHORIZED, RouterErrorKind.METHOD_NOT_ALLOWED,
+                          RouterErrorKind.UNSUPPORTED_MEDIA, RouterErrorKind.BODY_TOO_LARGE,
+                          RouterErrorKind.UNSUPPORTED_ENCODING})
+# The outcomes retried on another worker (nothing was generated) and the error kind each is answered with when no
+# other worker can take the request.
+RETRY = {Outcome.UNREACHABLE: RouterErrorKind.UPSTREAM_UNREACHABLE, Outcome.DRAINING: RouterErrorKind.NONE_ROUTABLE}
+
+
+class Upstreams:
+    """What every attempt of one router process shares: ``cfg``, ``state``, ``pool``, ``response_ids`` and the
+    per-worker ``X-SG-Worker-ID`` values and metric children (looked up once)."""
+
+    def __init__(self, cfg: RouterConfig, state: RouterState, pool: UpstreamPool, response_ids: ResponseIds) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.pool = pool
+        self.response_ids = response_ids
+        self.metrics = state.metrics
+        n = state.num_workers
+        self.worker_ids = [str(k).encode() for k in range(n)]
+        self.ttfb = [self.metrics.upstream_ttfb.labels(str(k)) for k in range(n)]
+        self._durations: dict[tuple[int, str], Any] = {}
+
+    def duration(self, worker: int, label: str) -> Any:
+        """The ``dplb_upstream_duration_seconds`` child of ``worker`` and outcome ``label``."""
+        key = (worker, label)
+        child = self._durations.get(key)
+        if child is None:
+            child = self._durations[key] = self.metrics.upstream_duration.labels(str(worker), label)
+        return child
+
+    async def reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None) -> None:
+        """Answer ``ex`` with one of the router's own errors: OpenAI-shaped JSON with ``kind``'s status,
+        ``Retry-After`` on 503/429, ``X-SG-Worker-ID`` when a worker is named; closes the connection when the
+        request body was not read."""
+        self.metrics.rejected.labels(kind.code).inc()
+        body = error_body(kind, message)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"x-request-id", ex.rid)]
+        if kind.status in (503, 429):
+            headers.append((b"retry-after", str(self.cfg.retry_after_s).encode()))
+        if worker is not None:
+            headers.append((b"x-sg-worker-id", self.worker_ids[worker]))
+        if kind in _BODY_UNREAD:
+            # Close instead of keep-alive: uvicorn would otherwise read and discard the rest of the body, however
+            # large (a 100 MB upload was consumed whole after its 413).
+            headers.append((b"connection", b"close"))
+        ex.status = kind.status
+        await ex.send({"type": "http.response.start", "status": kind.status, "headers": headers})
+        await ex.send({"type": "http.response.body", "body": body})
+
+
+class Attempt:
+    """One attempt of ``ex`` on ``worker``: ``conn`` (None until open), ``status`` (the worker's, 0 until its head
+    came), ``outcome`` (how it ended so far), ``t0`` (``perf_counter`` seconds when connected), ``t_first`` (at the
+    first body byte, or None)."""
+
+    __slots__ = ("conn", "ex", "is_sse", "outcome", "status", "t0", "t_first", "up", "worker")
+
+    def __init__(self, up: Upstreams, ex: Exchange, worker: int) -> None:
+        self.up = up
+        self.ex = ex
+        self.worker = worker
+        self.conn: UpstreamConn | None = None
+        self.status = 0
+        self.outcome = Outcome.NO_ANSWER  # an attempt cut short before the response head (e.g. by an exception)
+        self.t0 = 0.0
+        self.t_first: float | None = None
+        self.is_sse = False
+
+    async def run(self) -> RouterErrorKind | None:
+        """The whole attempt; returns the error kind to retry elsewhere for (:data:`RETRY`), or None when done."""
+        ex, state, worker = self.ex, self.up.state, self.worker
+        route = ex.route
+        assert route is not None
+        state.acquire(worker)
+        retry = None
+        try:
+            head = ex.trace.attempt(ex.head, worker, route.op, ex.peek.model)
+            try:
+                if await self.open() and await self.relay_head(head):
+                    await self.relay_body()
+            finally:
+                self.finish()
+            retry = RETRY.get(self.outcome)
+        finally:
+            ex.trace.attempt_done(retry)
+            state.release(worker)
+        return retry
+
+    async def open(self) -> bool:
+        """Connect to the worker (pooled or new); False when it cannot be reached (outcome ``UNREACHABLE``)."""
+        try:
+            self.conn = await self.up.pool.open(self.worker)
+        except ConnectFailed as e:
+            log.warning("worker %d unreachable before sending (%s); skipping it for %.0f s and retrying on another "
+                        "worker", self.worker, e, UNREACHABLE_S)
+            self.outcome = Outcome.UNREACHABLE
+            return False
+        self.ex.conn = self.conn  # aborted by the disconnect watcher
+        self.t0 = time.perf_counter()
+        return True
+
+    async def relay_head(self, head: bytes) -> bool:
+        """Send the request (``head`` ends with its blank line) and relay the worker's response head; True when
+        the body follows. A timeout or a close before the head is answered with the router's own error."""
+        ex, up, conn, worker = self.ex, self.up, self.conn, self.worker
+        assert conn is not None
+        if ex.gone:  # the client left before this attempt (between a retry's two attempts)
+            self.outcome = Outcome.CLIENT_LEFT_EARLY
+            return False
+        conn.send_request(head, ex.body)
+        try:
+            status, up_headers = await conn.response_head(up.cfg.first_byte_timeout_s)
+        except UpstreamTimeout as e:
+            self.outcome = Outcome.TIMEOUT
+            conn.abort()
+            await up.reject(ex, RouterErrorKind.UPSTREAM_TIMEOUT, f"worker {worker}: {e}", worker)
+            return False
+        except UpstreamClosed as e:
+            if ex.gone:
+                self.outcome = Outcome.CLIENT_LEFT_EARLY
+                return False
+            log.warning("worker %d closed the connection before answering request %s (%s)", worker,
+                        ex.rid.decode(), e)
+            await up.reject(ex, RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} closed the connection before "
+                            "answering", worker)
+            return False
+        up.ttfb[worker].observe(time.perf_counter() - self.t0)
+        out, self.is_sse, draining = response_headers(up_headers, up.worker_ids[worker], ex.rid)
+        if status == 503 and draining:
+            self.outcome = Outcome.DRAINING  # the worker refused before doing anything: safe to send elsewhere
+            return False
+        self.status = ex.status = status
+        await ex.send({"type": "http.response.start", "status": status, "headers": out})
+        self.outcome = Outcome.BROKEN  # from here on, a relay that does not complete is a broken response
+        return True
+
+    async def relay_body(self) -> None:
+        """Relay the body chunk by chunk as it arrives (``: keep-alive`` comments between SSE events after
+        ``sse_keepalive_s`` of silence), then end the response."""
+        ex, conn, cfg = self.ex, self.conn, self.up.cfg
+        assert conn is not None
+        send = ex.send
+        capture = self._capture_start()
+        keepalive = cfg.sse_keepalive_s if self.is_sse else 0.0
+        at_boundary = True  # a keep-alive comment may only go between SSE events
+        try:
+            async for chunk in conn.chunks(cfg.idle_timeout_s, keepalive):
+                if ex.gone:
+                    break
+                if not chunk:
+                    if at_boundary:
+                        await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
+                    continue
+                if self.t_first is None:
+                    self.t_first = time.perf_counter()
+                if capture is not None:
+                    capture = self._capture_id(capture + chunk)
+                if keepalive:
+                    at_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as e:
+            await self._broken(e)
+            return
+        if ex.gone:
+            self.outcome = Outcome.CLIENT_LEFT
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self.outcome = Outcome.of_status(self.status)
+
+    async def _broken(self, e: UpstreamError) -> None:
+        """The worker broke off mid-body: end an SSE stream with an error event; the response stays incomplete
+        (the server closes the client connection abnormally)."""
+        if self.ex.gone:
+            self.outcome = Outcome.CLIENT_LEFT
+            return
+        timeout = isinstance(e, UpstreamTimeout)
+        self.outcome = Outcome.TIMEOUT if timeout else Outcome.BROKEN
+        log.warning("worker %d broke off a response mid-body (%s); closing the client stream with an error",
+                    self.worker, e)
+        if self.is_sse:
+            kind = RouterErrorKind.UPSTREAM_TIMEOUT if timeout else RouterErrorKind.UPSTREAM_FAILED
+            evt = b"data: " + error_body(kind, f"worker {self.worker} stopped mid-response: {e}") + b"\n\n"
+            await self.ex.send({"type": "http.response.body", "body": evt, "more_body": True})
+
+    def finish(self) -> None:
+        """Account for the attempt by its outcome: pool or abort the connection, report to the state, record the
+        duration."""
+        ex, up, outcome, conn = self.ex, self.up, self.outcome, self.conn
+        if conn is not None:
+            ex.conn = None
+            if outcome.reusable:
+                up.pool.release(conn)  # complete response: kept if the connection is keep-alive
+            else:
+                conn.abort()
+        end = time.perf_counter()
+        t_first = self.t_first
+        up.state.report(self.worker, outcome, end - ex.t_start, None if t_first is None else t_first - ex.t_start)
+        label = outcome.recorded
+        if label is not None:
+            up.duration(self.worker, label).observe(end - self.t0, ex.trace.exemplar())
+
+    def _capture_start(self) -> bytes | None:
+        """The response-id capture for a successful ``POST /v1/responses``: remembers a client-chosen id at once
+        (None), or returns b"" to look for the id in the answer; None when there is nothing to capture."""
+        capture = self.ex.capture
+        if not capture or self.status >= 300:
+            return None
+        if isinstance(capture, str):
+            self.up.response_ids.remember(capture, self.worker)
+            return None
+        return b""
+
+    def _capture_id(self, head: bytes) -> bytes | None:
+        """Look for the response id in ``head`` (the answer so far): remember it and return None when found or
+        after :data:`_CAPTURE_MAX` bytes, else return ``head`` to keep looking."""
+        rid = response_id(head)
+        if rid is not None:
+            self.up.response_ids.remember(rid, self.worker)
+            return None
+        return head if len(head) < _CAPTURE_MAX else None
+
+
+__all__ = ["RETRY", "Attempt", "Upstreams"]

@@ -1,0 +1,221 @@
+"""Worker health as the router sees it (outlier detection; Envoy's ``outlier_detection`` is the model): how each
+attempt ended, which workers are ejected for failing, which are held out by heartbeat hysteresis.
+
+Contract
+- :class:`Outcome` is the vocabulary: every upstream attempt ends in exactly one member, and the member alone says
+  whether the worker connection may be reused, what it tells this module about the worker (:class:`Verdict`) and
+  which ``outcome`` label its duration is recorded under in ``dplb_upstream_duration_seconds`` (none for an attempt
+  that never reached a worker's answer phase). :meth:`Outcome.of_status` classifies a complete response.
+- Ejection (passive health check, like nginx's ``max_fails``): :data:`MAX_FAILS` failures in a row (a 5xx other
+  than 503, a timeout, a broken or unanswered connection) or one refused connection eject a worker for
+  :data:`UNREACHABLE_S` seconds, or until it publishes a different pid (it restarted). A worker that fails fast
+  looks idle to the score (no latency sample, empty queue) and would otherwise attract traffic. 503 (the worker's
+  queue is full) and 4xx are not failures.
+- Hysteresis on heartbeats: a worker seen routable whose heartbeat then went stale (older than
+  ``STALE_INTERVALS`` × state interval; the policy then skips it) stays out after its heartbeat is fresh again
+  until it has been fresh at every observation for :data:`READMIT_INTERVALS` state intervals (a worker restarted
+  under a new pid is exempt: its lifecycle gates it). A single late heartbeat (shorter than the stale limit) changes
+  nothing; a worker flapping stale/fresh stays out instead of flapping in and out. One log line each way.
+- Pure state: no I/O but logs; time comes from the caller (``now_ns``) or the injected ``clock``, so the state
+  machine is testable without processes (``tests/test_health.py``). Single event loop; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from dplb.state.shm import STALE_INTERVALS, Lifecycle, WorkerState
+
+log = logging.getLogger("dplb.router")
+UNREACHABLE_S = 2.0  # a worker that refused a connection is skipped this long (or until it restarts)
+MAX_FAILS = 3  # consecutive failed responses that eject a worker for UNREACHABLE_S
+READMIT_INTERVALS = 5  # state intervals a once-stale worker must stay fresh before it is routed to again
+_READY = Lifecycle.READY
+
+
+class Verdict(enum.Enum):
+    """What one attempt says about its worker's health."""
+
+    NONE = "none"  # nothing: the worker refused while draining, or the client left before the answer began
+    SUCCESS = "success"  # an answer that is not a failure: the failure streak starts over
+    FAILURE = "failure"  # one more failure in a row (MAX_FAILS eject)
+    UNREACHABLE = "unreachable"  # the connection was refused: ejected at once
+
+
+@enum.unique
+class Outcome(enum.Enum):
+    """How one upstream attempt ended. Value: (duration label or None, connection reusable, verdict)."""
+
+    OK = ("ok", True, Verdict.SUCCESS)  # complete response, status < 400
+    UPSTREAM_4XX = ("upstream_4xx", True, Verdict.SUCCESS)
+    FULL = ("upstream_5xx", True, Verdict.SUCCESS)  # 503 without the draining marker: queue full, not broken
+    UPSTREAM_5XX = ("upstream_5xx", True, Verdict.FAILURE)
+    TIMEOUT = ("timeout", False, Verdict.FAILURE)  # first byte or idle between chunks
+    NO_ANSWER = (None, False, Verdict.FAILURE)  # closed (or the attempt failed) before the response head
+    BROKEN = ("upstream_error", False, Verdict.FAILURE)  # closed or failed mid-response
+    DRAINING = (None, False, Verdict.NONE)  # ``503 worker_draining`` refusal: nothing was generated
+    CLIENT_LEFT_EARLY = ("client_disconnect", False, Verdict.NONE)  # before the worker's answer began
+    CLIENT_LEFT = ("client_disconnect", False, Verdict.SUCCESS)  # mid-response
+    UNREACHABLE = (None, False, Verdict.UNREACHABLE)  # connect failed: no request byte was sent
+
+    @property
+    def recorded(self) -> str | None:
+        """The ``outcome`` label of ``dplb_upstream_duration_seconds`` (None: the duration is not recorded)."""
+        return self.value[0]
+
+    @property
+    def reusable(self) -> bool:
+        """True when the response was read completely: the connection may go back to the pool (if keep-alive)."""
+        return self.value[1]
+
+    @property
+    def verdict(self) -> Verdict:
+        """What this outcome tells :class:`WorkerHealth` about the worker."""
+        return self.value[2]
+
+    @property
+    def latency_sample(self) -> bool:
+        """True when the attempt's end-to-end time is a sample of the policy's latency baseline."""
+        return self is Outcome.OK
+
+    @staticmethod
+    def of_status(status: int) -> Outcome:
+        """The outcome of a complete response with HTTP status ``status``."""
+        if status < 400:
+            return Outcome.OK
+        if status < 500:
+            return Outcome.UPSTREAM_4XX
+        return Outcome.FULL if status == 503 else Outcome.UPSTREAM_5XX
+
+
+class WorkerHealth:
+    """Ejection and heartbeat hysteresis of ``num_workers`` workers (see module docstring).
+
+    ``pid_of(k)``: the pid worker k publishes now (0 when unknown), read when a worker is ejected so that a restart
+    lifts the ejection early. ``on_eject(k)``: called once per ejection for failures (the metric). ``clock``:
+    monotonic seconds (ejection deadlines)."""
+
+    def __init__(self, num_workers: int, pid_of: Callable[[int], int],
+                 on_eject: Callable[[int], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        n = num_workers
+        self._pid_of = pid_of
+        self._on_eject = on_eject
+        self._clock = clock
+        # Ejected workers: skipped until this clock time (0 = not ejected) or until a pid other than this appears.
+        self._until = [0.0] * n
+        self._until_pid = [0] * n
+        self._fails = [0] * n
+        # Heartbeat hysteresis: workers out for a stale heartbeat, the pid they had, and since when (monotonic ns)
+        # they have been fresh at every observation (0 = not fresh yet).
+        self._out = [False] * n
+        self._fresh_pid = [0] * n  # pid last seen fresh and ready
+        self._stale_pid = [0] * n
+        self._fresh_since = [0] * n
+        self._any_out = False
+
+    # ---- ejection ----------------------------------------------------------------------------------------------
+    def report(self, worker: int, outcome: Outcome) -> None:
+        """Feed one attempt's outcome (see :class:`Outcome` and the module docstring)."""
+        verdict = outcome.verdict
+        if verdict is Verdict.SUCCESS:
+            self._fails[worker] = 0
+        elif verdict is Verdict.FAILURE:
+            self._fails[worker] += 1
+            if self._fails[worker] >= MAX_FAILS:
+                self._fails[worker] = 0
+                log.warning("worker %d failed %d requests in a row; ejecting it for %.0f s", worker, MAX_FAILS,
+                            UNREACHABLE_S)
+                if self._on_eject is not None:
+                    self._on_eject(worker)
+                self._eject(worker)
+        elif verdict is Verdict.UNREACHABLE:
+            self._eject(worker)
+
+    def _eject(self, worker: int) -> None:
+        self._until[worker] = self._clock() + UNREACHABLE_S
+        self._until_pid[worker] = self._pid_of(worker)
+
+    @property
+    def any_ejected(self) -> bool:
+        """True when some worker may be ejected (a cheap test before :meth:`ejected`)."""
+        return any(self._until)
+
+    def ejected(self, snap: Sequence[WorkerState] | None) -> frozenset[int]:
+        """Workers ejected right now; expired ejections and those of workers that published another pid in
+        ``snap`` (restarted) are lifted."""
+        now = self._clock()
+        out: set[int] = set()
+        for k, until in enumerate(self._until):
+            if not until:
+                continue
+            restarted = snap is not None and snap[k].pid not in (0, self._until_pid[k])
+            if now >= until or restarted:
+                self._until[k] = 0.0
+            else:
+                out.add(k)
+        return frozenset(out)
+
+    # ---- heartbeat hysteresis ----------------------------------------------------------------------------------
+    @property
+    def watching(self) -> bool:
+        """True while some worker may be held out (its observer should look at every state interval)."""
+        return self._any_out
+
+    def observe(self, snap: Sequence[WorkerState], now_ns: int, interval_ms: int) -> frozenset[int]:
+        """Update the stale/probation state from one snapshot taken at ``now_ns`` (monotonic ns) with the
+        segment's state interval; return the workers fresh again but still on probation (the policy itself skips
+        the stale ones)."""
+        interval_ns = interval_ms * 1_000_000
+        stale_ns = STALE_INTERVALS * interval_ns
+        readmit_ns = READMIT_INTERVALS * interval_ns
+        out, fresh_pid = self._out, self._fresh_pid
+        for w in snap:
+            k = w.worker_id
+            if w.pid == 0 or w.torn:
+                continue
+            if out[k]:
+                self._while_out(w, now_ns, stale_ns, readmit_ns)
+            elif now_ns - w.heartbeat_mono_ns <= stale_ns:
+                if w.lifecycle == _READY:
+                    fresh_pid[k] = w.pid  # seen routable: going stale from here is a flap
+            elif w.lifecycle == _READY and fresh_pid[k] == w.pid:
+                self._went_stale(w, now_ns, stale_ns, readmit_ns)
+        if not self._any_out:
+            return frozenset()
+        held = self.held_out()
+        self._any_out = bool(held)
+        return held
+
+    def _went_stale(self, w: WorkerState, now_ns: int, stale_ns: int, readmit_ns: int) -> None:
+        k = w.worker_id
+        self._out[k] = self._any_out = True
+        self._stale_pid[k] = w.pid
+        self._fresh_since[k] = 0
+        log.warning("worker %d heartbeat is stale (%.2f s old, limit %.2f s); not routing to it until it has been "
+                    "fresh for %.2f s", k, (now_ns - w.heartbeat_mono_ns) / 1e9, stale_ns / 1e9, readmit_ns / 1e9)
+
+    def _while_out(self, w: WorkerState, now_ns: int, stale_ns: int, readmit_ns: int) -> None:
+        k = w.worker_id
+        if w.pid != self._stale_pid[k]:
+            self._out[k] = False  # restarted: a new process, gated by its own lifecycle
+            log.info("worker %d restarted (pid %d → %d); its stale-heartbeat hold is lifted", k, self._stale_pid[k],
+                     w.pid)
+        elif now_ns - w.heartbeat_mono_ns > stale_ns:
+            self._fresh_since[k] = 0
+        elif not self._fresh_since[k]:
+            self._fresh_since[k] = now_ns
+        elif now_ns - self._fresh_since[k] >= readmit_ns:
+            self._out[k] = False
+            log.info("worker %d heartbeat has been fresh for %.2f s; routing to it again", k,
+                     (now_ns - self._fresh_since[k]) / 1e9)
+
+    def held_out(self) -> frozenset[int]:
+        """Workers kept out by the heartbeat hysteresis right now (stale, or fresh again but on probation)."""
+        return frozenset(k for k, o in enumerate(self._out) if o)
+
+
+__all__ = ["MAX_FAILS", "READMIT_INTERVALS", "UNREACHABLE_S", "Outcome", "Verdict", "WorkerHealth"]
