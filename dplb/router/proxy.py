@@ -4,8 +4,8 @@ completions, embeddings, responses, pooling, scoring, tokenize, audio, …; DESI
 Contract
 - The request body is read whole (bounded: 413 from Content-Length before reading, or as soon as the bytes read
   exceed the limit; a rejection sent before the body was read closes the connection, so the rest of the upload is
-  not read), peeked with msgspec for ``stream`` and the prefix key, and forwarded **byte for byte**: the
-  router never re-serialises it.
+  not read), peeked with msgspec for ``stream``, the model and the prompt (whose raw bytes go to the policy as they
+  are), and forwarded **byte for byte**: the router never re-serialises it.
 - Every proxied response carries ``X-SG-Worker-ID: <k>`` and ``X-Request-Id``. Status, body and end-to-end headers
   pass through unchanged; hop-by-hop headers (RFC 9110 §7.6.1 + those named in ``Connection``) are never copied.
   A client's ``X-Request-Id`` is kept only when it is 1–128 characters of ``[A-Za-z0-9._:-]``; anything else (control
@@ -44,7 +44,6 @@ from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind
 from dplb.policy import RouteRequest
 from dplb.policy.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
-from dplb.policy.prefix import MAX_PREFIX_BLOCKS, block_hashes
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, response_headers, watch_disconnect
 from dplb.router.intake import Peek, Rejected, check_head, excluded, read_body, receive_body
 from dplb.router.models import ServedModels
@@ -86,7 +85,6 @@ class Proxy:
         self._worker_ids = [str(k).encode() for k in range(n)]  # X-SG-Worker-ID values
         self._ttfb_children = [self.metrics.upstream_ttfb.labels(str(k)) for k in range(n)]
         self._duration_children: dict[tuple[int, str], Any] = {}
-        self._block_bytes = cfg.policy.prefix_block_bytes if cfg.policy.prefix_on else 0
 
     # ---- helpers -------------------------------------------------------------------------------------------------
     async def _reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None) -> None:
@@ -107,14 +105,10 @@ class Proxy:
         await ex.send({"type": "http.response.body", "body": body})
 
     def _route_request(self, peek: Peek, cannot_serve: frozenset[int]) -> RouteRequest:
-        """The policy's view of the request: the workers that cannot serve it (model, pinned response) and the
-        chained block keys of its prompt bytes (raw ``messages`` JSON for chat, ``prompt`` for completions,
-        ``input`` otherwise, as sent; see :mod:`dplb.policy.prefix`) when prefix scoring is on."""
-        if not self._block_bytes:
-            return RouteRequest(cannot_serve=cannot_serve)
-        raw = peek.messages or peek.prompt or peek.input
-        return RouteRequest(block_hashes(raw, self._block_bytes, MAX_PREFIX_BLOCKS) if raw else None,
-                            cannot_serve=cannot_serve)
+        """The policy's view of the request: the workers that cannot serve it (model, pinned response) and its
+        prompt's raw bytes (``messages`` JSON for chat, ``prompt`` for completions, ``input`` otherwise, as sent;
+        what the policy's plugins derive from them is theirs: :mod:`dplb.policy.framework`)."""
+        return RouteRequest(peek.messages or peek.prompt or peek.input or None, cannot_serve=cannot_serve)
 
     # ---- the handler -------------------------------------------------------------------------------------------
     def enable_tracing(self, tracer: Any) -> None:
