@@ -59,6 +59,10 @@ POLICIES = ("dplb", "round_robin", "random", "least_loaded", "power_of_two", "pr
 MemorySignal = Literal["kv", "gpu"]
 LatencySignal = Literal["e2e", "ttft"]
 Weights = tuple[tuple[str, float], ...]
+#: ``((plugin, parameter, value as written), …)``: ``--scorer-param PLUGIN.PARAM=VALUE`` flags, in order.
+PluginParams = tuple[tuple[str, str, str], ...]
+#: Largest prefix block (bytes of the prompt): ``--prefix-block-bytes`` and the prefix plugins' ``block_bytes``.
+MAX_PREFIX_BLOCK_BYTES = 65536
 
 #: The seed article's weights (prefix scoring off).
 SEED_WEIGHTS: Weights = (("queue", 0.4), ("memory", 0.3), ("latency", 0.3))
@@ -101,6 +105,12 @@ class PolicyConfig:
     - ``seed``: RNG seed of the ``random`` and ``power_of_two`` policies (deterministic runs).
     - ``plugins``: modules imported before the policy is built (user scorers/pickers; see
       :mod:`dplb.policy.plugins`).
+    - ``params``: per-plugin parameters, ``((plugin, parameter, value text), …)`` (``--scorer-param
+      prefix.block_bytes=64``, repeatable). Checked here for shape (identifiers, each set once); each plugin declares
+      its parameters with type, default and accepted values (:class:`dplb.policy.framework.Param`), and
+      :func:`dplb.policy.plugins.validate` checks names and values once at start-up. The flags above that belong to
+      one plugin (``prefix_*``, ``latency_deadband``, ``waiting_weight``, ``memory_signal``, ``seed``) are that
+      plugin's parameters' defaults; a ``params`` entry overrides them.
     """
 
     name: str = "dplb"
@@ -119,6 +129,7 @@ class PolicyConfig:
     state_interval_ms: int = 200
     seed: int = 0
     plugins: tuple[str, ...] = ()
+    params: PluginParams = ()
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -152,15 +163,26 @@ class PolicyConfig:
             raise ConfigError(f"latency_signal must be 'e2e' or 'ttft', got {self.latency_signal!r}")
         if self.memory_signal not in ("kv", "gpu"):
             raise ConfigError(f"memory_signal must be 'kv' or 'gpu', got {self.memory_signal!r}")
-        if not 0 <= self.prefix_block_bytes <= 65536:
-            raise ConfigError(f"--prefix-block-bytes must be 0 (off) or a block size up to 65536 bytes, got "
-                              f"{self.prefix_block_bytes}")
+        if not 0 <= self.prefix_block_bytes <= MAX_PREFIX_BLOCK_BYTES:
+            raise ConfigError(f"--prefix-block-bytes must be 0 (off) or a block size up to {MAX_PREFIX_BLOCK_BYTES} "
+                              f"bytes, got {self.prefix_block_bytes}")
         if self.prefix_index_blocks <= 0:
             raise ConfigError(f"--prefix-index-blocks must be > 0, got {self.prefix_index_blocks}")
         if not (math.isfinite(self.prefix_ttl_s) and self.prefix_ttl_s > 0):
             raise ConfigError(f"--prefix-ttl must be > 0 seconds, got {self.prefix_ttl_s}")
         if self.state_interval_ms <= 0:
             raise ConfigError(f"state_interval_ms must be > 0, got {self.state_interval_ms}")
+        seen: set[tuple[str, str]] = set()
+        for entry in self.params:
+            if len(entry) != 3 or not all(isinstance(x, str) for x in entry):
+                raise ConfigError(f"params entries are (plugin, parameter, value) strings, got {entry!r}")
+            plugin, param, value = entry
+            if not (plugin.isidentifier() and param.isidentifier()):
+                raise ConfigError(f"--scorer-param {plugin}.{param}={value}: plugin and parameter must be names "
+                                  "like prefix.block_bytes")
+            if (plugin, param) in seen:
+                raise ConfigError(f"--scorer-param {plugin}.{param} is given twice")
+            seen.add((plugin, param))
 
     def effective_weights(self) -> Weights:
         """The weights in force: ``weights``, else the default for prefix scoring on/off."""
@@ -201,6 +223,18 @@ def parse_weights(text: str) -> Weights:
     if not out:
         raise ConfigError(f"weights must not be empty; {hint}")
     return tuple(out)
+
+
+def parse_param(text: str) -> tuple[str, str, str]:
+    """Parse one ``--scorer-param`` value, ``"PLUGIN.PARAM=VALUE"`` → ``(plugin, param, value text)`` (whitespace
+    around the parts stripped; the value is typed by the plugin's declaration later). Raises :class:`ConfigError`
+    for anything else."""
+    key, sep, value = text.partition("=")
+    plugin, dot, param = key.strip().partition(".")
+    plugin, param, value = plugin.strip(), param.strip(), value.strip()
+    if not sep or not dot or not plugin.isidentifier() or not param.isidentifier() or not value:
+        raise ConfigError(f"--scorer-param must be PLUGIN.PARAM=VALUE like prefix.block_bytes=128, got {text!r}")
+    return plugin, param, value
 
 
 @dataclass(frozen=True, slots=True)

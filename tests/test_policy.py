@@ -233,12 +233,13 @@ def test_baseline_ignores_nonsense() -> None:
 
 
 # ---- prefix profiles ------------------------------------------------------------------------------------------
-def blocks(conv: int, turns: int = 1) -> list[int]:
-    """Block keys of a chat prompt: one 1 KB system prompt shared by every conversation, then ``turns`` turns."""
+def blocks(conv: int, turns: int = 1) -> bytes:
+    """Raw ``messages`` of a chat prompt: one 1 KB system prompt shared by every conversation, then ``turns``
+    turns."""
     body = b'[{"role":"system","content":"' + b"You are helpful. " * 60 + b'"}'
     for t in range(turns):
         body += f',{{"role":"user","content":"conversation {conv} turn {t} '.encode() + b"words " * 40 + b'"}'
-    return block_hashes(body + b"]", 128)
+    return body + b"]"
 
 
 def test_dplb_profile_sends_a_conversations_next_turn_to_its_history() -> None:
@@ -266,9 +267,9 @@ def test_dplb_profile_sends_a_conversations_next_turn_to_its_history() -> None:
 
 
 def test_prefix_hash_profile_is_pure_affinity() -> None:
-    a, b = policy("prefix_hash", n=4), policy("prefix_hash", n=4)
+    a, b = policy("prefix_hash", n=4, prefix_block_bytes=128), policy("prefix_hash", n=4, prefix_block_bytes=128)
     snap = [ws(k) for k in range(4)]
-    reqs = [block_hashes(f"prompt {h} ".encode() * 40, 128) for h in range(400)]
+    reqs = [f"prompt {h} ".encode() * 40 for h in range(400)]
     prefs = [a.pick(snap, NOW, RouteRequest(r)).worker for r in reqs]
     assert prefs == [b.pick(snap, NOW, RouteRequest(r)).worker for r in reqs]  # same in every process
     assert all(60 <= c <= 140 for c in Counter(prefs).values()), Counter(prefs)
@@ -276,6 +277,29 @@ def test_prefix_hash_profile_is_pure_affinity() -> None:
     d = a.pick(loaded, NOW, RouteRequest(reqs[0]))
     assert d.worker == prefs[0] and d.reason == REASON_AFFINITY and d.preferred == prefs[0]  # blind to load
     assert a.pick(snap, NOW).reason == REASON_POLICY  # no prefix key: rotation
+
+
+PREFIX_HASH = [  # (config kwargs, prompt, key blocks at block size) — prefix_hash hashes the raw prompt itself
+    ({}, b"p" * 1000, (2, 128)),
+    ({}, b"p" * 200, (1, 128)),  # one full block: its key
+    ({"params": (("prefix_hash", "blocks", "1"),)}, b"p" * 1000, (1, 128)),
+    ({"params": (("prefix_hash", "block_bytes", "64"),)}, b"p" * 1000, (2, 64)),
+    ({"prefix_block_bytes": 64, "weights": (("queue", 1.0),)}, b"p" * 1000, (2, 64)),  # the older flag, no prefix term
+    ({}, b"p" * 100, None),  # no full block: rotation
+    ({"prefix_block_bytes": 0}, b"p" * 1000, None),  # prefix off: rotation
+]
+
+
+@pytest.mark.parametrize(("kw", "prompt", "key"), PREFIX_HASH)
+def test_prefix_hash_picker_table(kw: dict, prompt: bytes, key: tuple[int, int] | None) -> None:  # type: ignore[type-arg]
+    p = policy("prefix_hash", n=4, **{"prefix_block_bytes": 128, **kw})
+    d = p.pick([ws(k) for k in range(4)], NOW, RouteRequest(prompt))
+    if key is None:
+        assert d.reason == REASON_POLICY and d.preferred is None
+        return
+    n, bb = key
+    k = block_hashes(prompt, bb)[n - 1]
+    assert d.reason == REASON_AFFINITY and d.worker == d.preferred == max(range(4), key=lambda w: hash((k, w)))
 
 
 # ---- other policies ------------------------------------------------------------------------------------------

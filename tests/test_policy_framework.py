@@ -1,8 +1,11 @@
 """The policy framework's extension point: a user adds a scorer in one file plus one registration line, and its
-term shows up in decisions, /debug/decisions, traces and metrics without edits there."""
+term shows up in decisions, /debug/decisions, traces and metrics without edits there; its guarantees: terms clamped
+into [0, 1] unless a scorer is marked bounded, each plugin's own declared parameters (``--scorer-param``), one
+namespace of names, and what plugins learn, note and report reaching the router's state and metrics by name."""
 
 from __future__ import annotations
 
+import math
 import os
 import textwrap
 from collections import Counter
@@ -11,12 +14,16 @@ from typing import Any
 import httpx
 import pytest
 from cluster import cluster
+from prometheus_client import generate_latest
 
-from dplb.config import PolicyConfig
-from dplb.obs.metrics import WorkerStateCollector
+from dplb.config import PolicyConfig, parse_param
+from dplb.errors import ConfigError
+from dplb.obs.metrics import RouterMetrics, WorkerStateCollector
 from dplb.obs.tracing import candidate_event_attributes
-from dplb.policy import PickContext, Scorer, make_policy, register_scorer
+from dplb.policy import PickContext, RouteRequest, Scorer, make_policy, register_scorer
 from dplb.policy.decision import Candidate
+from dplb.policy.framework import Param, Picker, clamp_unit, register_picker
+from dplb.policy.scorers import PrefixScorer
 from dplb.state.shm import Lifecycle, WorkerState
 
 NOW = 10**12
@@ -109,7 +116,7 @@ def test_a_plugin_module_on_a_real_router(tmp_path, monkeypatch: pytest.MonkeyPa
 _FLAG_VALUES = {
     "--host": "127.0.0.1", "--api-key": "sekret", "--api-key-exempt": "/health", "--weights": "queue=1",
     "--policy-plugin": "json", "--cors-allowed-origins": "https://a.example", "--router-processes": "3",
-    "--latency-deadband": "0.5", "--waiting-weight": "2",
+    "--latency-deadband": "0.5", "--waiting-weight": "2", "--scorer-param": "prefix.max_blocks=512",
 }
 
 
@@ -172,3 +179,164 @@ def test_exported_inputs_are_what_the_score_used() -> None:
     assert attrs["dplb.latency_s"] == pytest.approx(0.1) and attrs["dplb.baseline_s"] == 0.2
     assert attrs["dplb.max_queue"] == 16 and attrs["dplb.lifecycle"] == "ready"
     assert attrs["dplb.state_age_s"] == pytest.approx(0.1) and attrs["dplb.num_waiting"] == 1
+
+
+# ---- the framework's guarantees ------------------------------------------------------------------------------------
+class Boost(Scorer):
+    """Toy scorer that ignores the contract: 5.0 for worker 0, NaN for worker 2, −3 for worker 3, 1.0 for the
+    rest; its own parameter ``factor`` scales worker 0's value."""
+
+    name = "boost_inproc"
+    parameters = (Param("factor", float, default=1.0, check=lambda v: v > 0, expect="> 0"),)
+
+    def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
+        f = self.params["factor"]
+        return [[5.0 * f, 1.0, math.nan, -3.0][c.worker_id % 4] for c in cands]
+
+
+class Trusted(Boost):
+    """The same values, marked bounded: the framework trusts it."""
+
+    name = "bounded_boost_inproc"
+    bounded = True
+
+
+register_scorer(Boost)
+register_scorer(Trusted)
+
+
+def test_scores_of_an_unbounded_scorer_are_clamped() -> None:
+    """Unclamped, worker 0 (queue 8: queue term 0.5) would score 0.5·0.5 + 0.5·5 = 2.75 and win every pick over an
+    idle worker 1 (0.5 + 0.5 = 1). Clamped, its boost term is 1.0, the idle worker wins, and every term the
+    decision shows is in [0, 1] (NaN → 0, −3 → 0)."""
+    p = make_policy(PolicyConfig(weights=(("queue", 0.5), ("boost_inproc", 0.5))), 4)
+    snap = [WorkerState(k, pid=1 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW, num_running=8 if k == 0
+                        else 0) for k in range(4)]
+    d = p.pick(snap, NOW)
+    assert d.worker == 1
+    terms = [d.terms(c)["boost_inproc"] for c in d.candidates]
+    assert terms == [1.0, 1.0, 0.0, 0.0]
+    assert all(0.0 <= c.score <= 1.0 for c in d.candidates)
+    assert clamp_unit([2.0, -0.5, math.nan, 0.25, math.inf, -math.inf]) == [1.0, 0.0, 0.0, 0.25, 1.0, 0.0]
+
+
+def test_a_bounded_scorer_is_trusted() -> None:
+    """``bounded = True`` skips the clamp (the built-ins, whose [0, 1] guarantee tests/test_scorers.py checks)."""
+    p = make_policy(PolicyConfig(weights=(("queue", 0.5), ("bounded_boost_inproc", 0.5))), 4)
+    snap = [WorkerState(k, pid=1 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW) for k in range(4)]
+    d = p.pick(snap, NOW)
+    assert d.terms(d.candidates[0])["bounded_boost_inproc"] == 5.0 and d.worker == 0
+
+
+def test_a_plugin_gets_its_own_parameters() -> None:
+    p = make_policy(PolicyConfig(weights=(("queue", 0.5), ("boost_inproc", 0.5)),
+                                 params=(("boost_inproc", "factor", "0.1"),)), 4)
+    snap = [WorkerState(k, pid=1 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW) for k in range(4)]
+    d = p.pick(snap, NOW)
+    assert d.terms(d.candidates[0])["boost_inproc"] == pytest.approx(0.5)  # 5.0 · 0.1, inside [0, 1]
+    assert p.plugin_params()["boost_inproc"] == {"factor": 0.1}
+    info = next(m for m in WorkerStateCollector(lambda: (d, [0] * 4, 4, None, p)).collect() if m.name == "dplb_policy")
+    labels = info.samples[0].labels
+    assert labels["boost_inproc_factor"] == "0.1" and labels["prefix_block_bytes"] == "128"
+    assert labels["latency_deadband"] == "0.25"
+    with pytest.raises(ConfigError, match=r"boost_inproc\.factor must be a finite number, > 0"):
+        make_policy(PolicyConfig(params=(("boost_inproc", "factor", "0"),)), 4)
+
+
+PARSE = [  # --scorer-param text → (plugin, param, value) or the error
+    ("prefix.block_bytes=128", ("prefix", "block_bytes", "128")),
+    (" prefix . ttl_s = 5 ", ("prefix", "ttl_s", "5")),
+    ("prefix.block_bytes", "PLUGIN.PARAM=VALUE"),
+    ("block_bytes=128", "PLUGIN.PARAM=VALUE"),
+    ("prefix.=1", "PLUGIN.PARAM=VALUE"),
+    ("pre fix.a=1", "PLUGIN.PARAM=VALUE"),
+    ("prefix.block_bytes=", "PLUGIN.PARAM=VALUE"),
+]
+
+
+@pytest.mark.parametrize(("text", "want"), PARSE)
+def test_parse_param(text: str, want: object) -> None:
+    if isinstance(want, tuple):
+        assert parse_param(text) == want
+    else:
+        with pytest.raises(ConfigError, match=str(want)):
+            parse_param(text)
+
+
+def test_config_refuses_a_parameter_given_twice() -> None:
+    with pytest.raises(ConfigError, match=r"prefix\.ttl_s is given twice"):
+        PolicyConfig(params=(("prefix", "ttl_s", "1"), ("prefix", "ttl_s", "2")))
+
+
+def test_scorer_param_on_the_command_line() -> None:
+    """``--scorer-param`` reaches the plugin through the validated config (and its JSON hand-off); a bad one stops
+    ``dplb router`` with one line naming the flag: unknown plugin, unknown parameter, bad value."""
+    import argparse
+    import subprocess
+    import sys
+
+    from dplb.config import RouterConfig
+    from dplb.router.cli import add_router_args, router_config
+
+    ap = argparse.ArgumentParser()
+    add_router_args(ap)
+    cfg = router_config(ap.parse_args(["--scorer-param", "prefix.block_bytes=64", "--scorer-param",
+                                       "latency.deadband=0.1"]), run_dir="/tmp/x", shm_path=None, num_workers=2)
+    assert RouterConfig.from_json(cfg.to_json()) == cfg
+    p = make_policy(cfg.policy, 2)
+    assert p.scorer("prefix").block_bytes == 64 and p.scorer("latency").params["deadband"] == 0.1  # type: ignore[union-attr]
+    for arg, needle in (("nope.x=1", "--scorer-param nope.x=1: no plugin 'nope'; scorers: "),
+                        ("prefix.size=1", "--scorer-param prefix.size=1: prefix has no parameter 'size'"),
+                        ("prefix.block_bytes=abc", "prefix.block_bytes must be an integer, 1..65536 bytes"),
+                        ("prefix-block_bytes", "--scorer-param must be PLUGIN.PARAM=VALUE")):
+        r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--num-workers", "1", "--port", "0",
+                            "--run-dir", "/tmp/dplb-noexist", "--scorer-param", arg], capture_output=True, text=True,
+                           timeout=30)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode != 0 and needle in r.stderr and len(lines) == 1, r.stderr
+
+
+def test_one_namespace_for_scorers_and_pickers() -> None:
+    class Clash(Picker):
+        name = "prefix"  # a scorer's name
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_picker(Clash)
+
+
+class SecondPrefix(PrefixScorer):
+    """A second scorer that shares what it learns."""
+
+    name = "copy_prefix_inproc"
+
+
+register_scorer(SecondPrefix)
+
+
+def test_only_one_scorer_may_share_what_it_learns() -> None:
+    with pytest.raises(ConfigError, match="share what they learn"):
+        make_policy(PolicyConfig(weights=(("prefix", 0.5), ("copy_prefix_inproc", 0.5))), 2)
+
+
+def test_metrics_read_plugin_notes_and_stats_by_name() -> None:
+    """The router's metrics know no plugin internals: they count the notes a routed decision carries and export
+    the stats a plugin reports, by name."""
+    m = RouterMetrics("test")
+    p = make_policy(PolicyConfig(), 2)
+    snap = [WorkerState(k, pid=1 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW) for k in range(2)]
+    prompt = b'[{"role":"user","content":"' + b"hello " * 100 + b'"}]'
+    for i in range(3):
+        m.observe_decision(p.pick(snap, NOW + i, RouteRequest(prompt)), 1e-5)
+    text = generate_latest(m.registry).decode()
+    n = len(prompt) // 128
+    assert 'dplb_prefix_routed_total{outcome="miss"} 1.0' in text
+    assert 'dplb_prefix_routed_total{outcome="hit"} 2.0' in text
+    chosen = p.pick(snap, NOW + 9, RouteRequest(prompt)).worker
+    assert f'dplb_prefix_query_blocks_total{{worker="{chosen}"}} {3.0 * n}' in text
+    assert f'dplb_prefix_hit_blocks_total{{worker="{chosen}"}} {2.0 * n}' in text
+    fams = {f.name: f for f in WorkerStateCollector(lambda: (None, [0, 0], 2, None, p)).collect()}
+    assert fams["dplb_prefix_index_blocks"].samples[0].value == n
+    assert fams["dplb_prefix_index_bytes"].samples[0].value == n * 180
+    off = make_policy(PolicyConfig(prefix_block_bytes=0), 2)
+    assert "dplb_prefix_index_blocks" not in {f.name for f in WorkerStateCollector(lambda: (None, [0, 0], 2, None,
+                                                                                           off)).collect()}

@@ -1,15 +1,21 @@
-"""The built-in scorers, table-driven (inputs → term, 0–1), plus the prefix scorer's spill and forgetting."""
+"""The built-in scorers, table-driven (inputs → term, 0–1), their [0, 1] guarantee (they are marked ``bounded``),
+their parameters, plus the prefix scorer's hashing, spill, forgetting, sharing and reporting."""
 
 from __future__ import annotations
 
+import math
+import random
 from collections import Counter
 
+import msgspec
 import pytest
 
 from dplb.config import PolicyConfig
+from dplb.errors import ConfigError
 from dplb.policy import PickContext, RouteRequest, make_policy
 from dplb.policy.decision import Candidate
-from dplb.policy.prefix import block_hashes
+from dplb.policy.framework import Scorer
+from dplb.policy.prefix import MAX_PREFIX_BLOCKS, block_hashes
 from dplb.policy.scorers import LatencyScorer, MemoryScorer, PrefixScorer, QueueScorer
 from dplb.state.shm import Lifecycle, WorkerState
 
@@ -27,8 +33,12 @@ def cand(k: int = 0, *, run: int = 0, wait: int = 0, corr: int = 0, kv: float = 
     return c
 
 
-def ctx(baseline: float | None = None, blocks: list[int] | None = None) -> PickContext:
-    return PickContext(NOW, RouteRequest(blocks), baseline)
+def ctx(baseline: float | None = None, prompt: bytes | None = None, scorer: Scorer | None = None) -> PickContext:
+    """A pick context for a request with ``prompt``, prepared by ``scorer`` (as the policy does once per request)."""
+    req = RouteRequest(prompt)
+    if scorer is not None and prompt is not None:
+        scorer.prepare(req)
+    return PickContext(NOW, req, baseline)
 
 
 # ---- queue ------------------------------------------------------------------------------------------------------
@@ -100,10 +110,15 @@ def test_latency_inputs_report_the_signal_the_score_uses() -> None:
 
 
 # ---- prefix -----------------------------------------------------------------------------------------------------
-def chat(system: str, *turns: str) -> list[int]:
+def chat(system: str, *turns: str) -> bytes:
+    """The raw ``messages`` JSON of a chat, as a client sends it (what the router hands the policy)."""
     body = '[{"role":"system","content":"' + system + '"}'
     body += "".join(f',{{"role":"user","content":"{t}"}}' for t in turns)
-    return block_hashes((body + "]").encode(), 128)
+    return (body + "]").encode()
+
+
+def keys(prompt: bytes) -> list[int]:
+    return block_hashes(prompt, 128)
 
 
 SYSTEM = "You are a helpful assistant. " * 40  # ~1.2 KB: 9 blocks
@@ -114,12 +129,12 @@ NEXT = chat(SYSTEM, "turn one " * 60, "turn two " * 60)
 def primed(n: int = 3, **cfg: object) -> PrefixScorer:
     s = PrefixScorer(PolicyConfig(**cfg), n)  # type: ignore[arg-type]
     for k in range(n):
-        s.index.record(chat(SYSTEM, f"other {k} " * 60), k, NOW)  # every worker has the system prompt
-    s.index.record(HISTORY, 1, NOW)  # worker 1 has this conversation's history
+        s.index.record(keys(chat(SYSTEM, f"other {k} " * 60)), k, NOW)  # every worker has the system prompt
+    s.index.record(keys(HISTORY), 1, NOW)  # worker 1 has this conversation's history
     return s
 
 
-PREFIX = [  # (queue per worker, why per worker, blocks, want terms)
+PREFIX = [  # (queue per worker, why per worker, prompt, want terms)
     # the system prompt cancels out: only worker 1's history counts; term = (match − min)/(1 − min)
     ([0, 0, 0], ["ok"] * 3, NEXT, "history"),
     # a worker's advantage shrinks with its queue (headroom): 8 of 16 queued halves it
@@ -127,33 +142,35 @@ PREFIX = [  # (queue per worker, why per worker, blocks, want terms)
     ([0, 16, 0], ["ok"] * 3, NEXT, "zero"),
     # nobody has more than the others: no preference
     ([0, 0, 0], ["ok"] * 3, chat(SYSTEM, "fresh " * 60), "none"),
-    ([0, 0, 0], ["ok"] * 3, [], "none"),  # no prefix key
+    ([0, 0, 0], ["ok"] * 3, b"", "none"),  # no prefix key
+    ([0, 0, 0], ["ok"] * 3, NEXT[:127], "none"),  # shorter than one block: no prefix key
+    ([0, 0, 0], ["ok"] * 3, None, "none"),  # no prompt at all
 ]
 
 
-@pytest.mark.parametrize(("queues", "whys", "blocks", "want"), PREFIX)
-def test_prefix_scorer(queues: list[int], whys: list[str], blocks: list[int], want: str) -> None:
+@pytest.mark.parametrize(("queues", "whys", "prompt", "want"), PREFIX)
+def test_prefix_scorer(queues: list[int], whys: list[str], prompt: bytes | None, want: str) -> None:
     s = primed()
     cs = [cand(k, run=q, why=w) for k, (q, w) in enumerate(zip(queues, whys, strict=True))]
-    c = ctx(blocks=blocks)
+    c = ctx(prompt=prompt, scorer=s)
     terms = s.score(cs, c)
-    n = len(NEXT)
+    n = len(keys(NEXT))
     lo = 9  # the system prompt's blocks, which everyone has
-    full = (len(HISTORY) - lo) / (n - lo)
+    h = len(keys(HISTORY))
+    full = (h - lo) / (n - lo)
     expect = {"history": [0.0, full, 0.0], "half": [0.0, full / 2, 0.0], "zero": [0.0, 0.0, 0.0],
               "none": [0.0, 0.0, 0.0]}[want]
     assert terms == pytest.approx(expect)
     if want in ("history", "half", "zero"):
         assert c.request.preferred == 1
-        assert s.inputs(cs[1], c) == {"prefix_blocks": n, "prefix_matched_blocks": len(HISTORY),
-                                      "prefix_match": len(HISTORY) / n}
+        assert s.inputs(cs[1], c) == {"prefix_blocks": n, "prefix_matched_blocks": h, "prefix_match": h / n}
         assert s.inputs(cs[0], c)["prefix_matched_blocks"] == lo
 
 
 def test_ineligible_workers_do_not_set_the_floor_or_the_preference() -> None:
     s = primed()
     cs = [cand(0), cand(1, why="draining"), cand(2)]
-    c = ctx(blocks=NEXT)
+    c = ctx(prompt=NEXT, scorer=s)
     assert s.score(cs, c) == [0.0, 0.0, 0.0] and c.request.preferred is None
 
 
@@ -196,6 +213,134 @@ def test_restarted_worker_is_forgotten() -> None:
 
 def test_entries_age_out() -> None:
     s = PrefixScorer(PolicyConfig(prefix_ttl_s=10.0), 2)
-    s.index.record(HISTORY, 0, NOW)
-    assert s.index.match(HISTORY, NOW + 9 * 10**9)[0] == len(HISTORY)
-    assert s.index.match(HISTORY, NOW + 11 * 10**9) == [0, 0]
+    s.index.record(keys(HISTORY), 0, NOW)
+    assert s.index.match(keys(HISTORY), NOW + 9 * 10**9)[0] == len(keys(HISTORY))
+    assert s.index.match(keys(HISTORY), NOW + 11 * 10**9) == [0, 0]
+
+
+# ---- the prefix scorer owns the prefix: hashing, learning, sharing, reporting --------------------------------------
+PREPARE = [  # (config kwargs, params, prompt, want block keys)
+    ({}, (), NEXT, block_hashes(NEXT, 128)),
+    ({}, (), msgspec.Raw(NEXT), block_hashes(NEXT, 128)),  # the router's msgspec.Raw, hashed without decoding
+    ({}, (), memoryview(NEXT), block_hashes(NEXT, 128)),
+    ({"prefix_block_bytes": 64}, (), NEXT, block_hashes(NEXT, 64)),  # the older flag is the parameter's default
+    ({}, (("prefix", "block_bytes", "256"),), NEXT, block_hashes(NEXT, 256)),  # --scorer-param overrides it
+    ({"prefix_block_bytes": 64}, (("prefix", "block_bytes", "256"),), NEXT, block_hashes(NEXT, 256)),
+    ({}, (("prefix", "max_blocks", "3"),), msgspec.Raw(NEXT), block_hashes(NEXT, 128)[:3]),
+    ({}, (), b"x" * 128 * (MAX_PREFIX_BLOCKS + 5), block_hashes(b"x" * 128 * MAX_PREFIX_BLOCKS, 128)),
+    ({}, (), NEXT[:127], None),  # no full block: nothing derived, the term is 0
+]
+
+
+@pytest.mark.parametrize(("cfg", "params", "prompt", "want"), PREPARE)
+def test_prefix_scorer_hashes_the_raw_prompt(cfg: dict, params: tuple, prompt: object, want: list | None) -> None:  # type: ignore[type-arg]
+    s = PrefixScorer(PolicyConfig(params=params, **cfg), 2)
+    req = RouteRequest(prompt)
+    s.prepare(req)
+    q = req.derived.get("prefix")
+    assert (q.blocks if q is not None else None) == want
+    if want:
+        assert all(k < 2**42 for k in want)  # what the router slots' rings carry
+
+
+def test_prefix_scorer_learns_reports_and_shares() -> None:
+    """A routed request: its blocks are recorded for the chosen worker and handed to the other router processes
+    (``learned``), the outcome is noted for the metrics, the index size is in ``stats()``; a peer's raw ring
+    entries applied with ``absorb`` make another process prefer the same worker."""
+    p, peer = make_policy(PolicyConfig(), 2), make_policy(PolicyConfig(), 2)
+    snap = [WorkerState(k, pid=100 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW) for k in range(2)]
+    first = RouteRequest(NEXT)
+    d = p.pick(snap, NOW, first)
+    assert d.worker is not None and first.learned == keys(NEXT)
+    assert d.notes == {"prefix_outcome": "miss", "prefix_blocks": len(keys(NEXT)), "prefix_hit_blocks": 0}
+    again = RouteRequest(NEXT)
+    d2 = p.pick(snap, NOW + 1, again)
+    assert d2.worker == d.worker and d2.prefix_outcome() == "hit" and again.learned == []  # nothing new to tell
+    assert d2.notes is not None and d2.notes["prefix_hit_blocks"] == len(keys(NEXT))
+    assert p.plugin_stats()["prefix"] == {"index_blocks": len(keys(NEXT)), "index_capacity_blocks": 65536,
+                                          "index_bytes": len(keys(NEXT)) * 180}
+    assert p.shares and peer.shares
+    peer.absorb({d.worker: first.learned, 7: [1, 2]}, NOW)  # a worker id this policy does not have: ignored
+    d3 = peer.pick(snap, NOW + 2, RouteRequest(NEXT))
+    assert d3.worker == d.worker and d3.preferred == d.worker and d3.prefix_outcome() == "hit"
+    assert p.pick(snap, NOW + 3).notes is None  # no prompt: nothing noted
+
+
+def test_a_dry_run_notes_and_learns_nothing() -> None:
+    p = make_policy(PolicyConfig(), 2)
+    snap = [WorkerState(k, pid=100 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW) for k in range(2)]
+    req = RouteRequest(NEXT)
+    d = p.pick(snap, NOW, req, dry_run=True)
+    assert d.notes is None and req.learned is None and p.plugin_stats()["prefix"]["index_blocks"] == 0
+
+
+# ---- parameters ---------------------------------------------------------------------------------------------------
+PARAMS = [  # (scorer, params, attribute read back, want) — each parameter typed, defaulted and overridable
+    (QueueScorer, (), "waiting_weight", 1.0),
+    (QueueScorer, (("queue", "waiting_weight", "4"),), "waiting_weight", 4.0),
+    (MemoryScorer, (("memory", "signal", "gpu"),), "signal", "gpu"),
+    (LatencyScorer, (("latency", "deadband", "0.1"),), "deadband", 0.1),
+    (PrefixScorer, (), "ttl_s", 300.0),
+    (PrefixScorer, (("prefix", "ttl_s", "5"),), "ttl_s", 5.0),
+    (PrefixScorer, (("prefix", "index_blocks", "10"),), "index_blocks", 10),
+    (PrefixScorer, (("queue", "waiting_weight", "4"),), "block_bytes", 128),  # another plugin's: not ours
+]
+
+
+@pytest.mark.parametrize(("cls", "params", "name", "want"), PARAMS)
+def test_scorer_parameters(cls: type[Scorer], params: tuple, name: str, want: object) -> None:  # type: ignore[type-arg]
+    s = cls(PolicyConfig(params=params), 2)
+    assert s.params[name] == want and type(s.params[name]) is type(want)
+
+
+def test_parameters_change_the_terms() -> None:
+    c = cand(run=2, wait=2)
+    assert QueueScorer(PolicyConfig(params=(("queue", "waiting_weight", "4"),)), 1).score([c], ctx()) == \
+        pytest.approx([1 - (4 + 3 * 2) / 16])
+    m = cand(kv=0.5, used=72 * GiB, total=80 * GiB)
+    assert MemoryScorer(PolicyConfig(params=(("memory", "signal", "gpu"),)), 1).score([m], ctx()) == \
+        pytest.approx([0.1])
+    assert PrefixScorer(PolicyConfig(params=(("prefix", "index_blocks", "10"),)), 1).index.capacity == 10
+
+
+BAD_PARAMS = [  # (params, words of the one-line error)
+    ((("prefix", "block_bytes", "big"),), "--scorer-param prefix.block_bytes=big: prefix.block_bytes must be an "
+                                          "integer, 1..65536 bytes"),
+    ((("prefix", "block_bytes", "0"),), "must be an integer, 1..65536"),
+    ((("prefix", "block_bytes", "70000"),), "must be an integer, 1..65536"),
+    ((("prefix", "ttl_s", "nan"),), "prefix.ttl_s must be a finite number, > 0 seconds"),
+    ((("prefix", "ttl_s", "-1"),), "prefix.ttl_s must be a finite number, > 0 seconds"),
+    ((("prefix", "max_blocks", "2000"),), "1..1024 blocks"),
+    ((("memory", "signal", "nvml"),), "memory.signal must be one of kv, gpu"),
+    ((("latency", "deadband", "1.5"),), "a fraction in [0, 1)"),
+    ((("prefix", "size", "1"),), "prefix has no parameter 'size'; its parameters: block_bytes (an integer"),
+]
+
+
+@pytest.mark.parametrize(("params", "needle"), BAD_PARAMS)
+def test_bad_parameters_are_refused_in_one_line(params: tuple, needle: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ConfigError) as e:
+        make_policy(PolicyConfig(params=params), 2)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- the [0, 1] guarantee of the built-ins (why they are marked bounded) -----------------------------------------
+def test_builtin_scorers_stay_in_the_unit_interval() -> None:
+    """Random snapshots far outside the usual ranges (queues past the cap, KV usage > 1, latencies 100× the
+    baseline, a primed prefix index): every built-in term stays in [0, 1], so skipping the clamp is safe."""
+    rng = random.Random(7)
+    n = 6
+    scorers = [cls(PolicyConfig(), n) for cls in (QueueScorer, MemoryScorer, LatencyScorer, PrefixScorer)]
+    assert all(s.bounded for s in scorers)
+    prefix = scorers[-1]
+    for k in range(n):
+        prefix.index.record(keys(chat(SYSTEM, "turn one " * rng.randint(0, 60))), k, NOW)  # type: ignore[attr-defined]
+    for _ in range(300):
+        cs = [cand(k, run=rng.randint(0, 40), wait=rng.randint(0, 40), corr=rng.randint(0, 5),
+                   kv=rng.uniform(-0.5, 1.5), lat=rng.choice([0.0, rng.uniform(0, 200)]),
+                   used=rng.randint(0, 100) * GiB, total=rng.choice([0, 80 * GiB]), max_seqs=rng.choice([0, 8]),
+                   why=rng.choice(["ok", "ok", "stale"])) for k in range(n)]
+        c = ctx(rng.choice([None, 0.5, 2.0]), chat(SYSTEM, "turn one " * rng.randint(0, 60)), prefix)
+        for s in scorers:
+            terms = s.score(cs, c)
+            assert len(terms) == n and all(0.0 <= t <= 1.0 and not math.isnan(t) for t in terms), (s.name, terms)

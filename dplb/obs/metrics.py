@@ -196,6 +196,14 @@ class RouterMetrics:
                                          "worker has cached (predicted hit rate = this / "
                                          f"{PREFIX_QUERY_BLOCKS}_total).", ["worker"], registry=reg)
         self._decision_children: dict[tuple[int | None, str], object] = {}
+        from dplb.policy.decision import NOTE_PREFIX_BLOCKS, NOTE_PREFIX_HIT_BLOCKS, NOTE_PREFIX_OUTCOME
+
+        # What the policy's plugins note about a routed request (RouteRequest.notes), read by name: outcome notes
+        # (the value is the label) and worker notes (the amount added for the chosen worker). A plugin noting
+        # something not listed here is simply not exported.
+        self._outcome_notes = {NOTE_PREFIX_OUTCOME: self.prefix_routed}
+        self._worker_notes = {NOTE_PREFIX_BLOCKS: self.prefix_query_blocks,
+                              NOTE_PREFIX_HIT_BLOCKS: self.prefix_hit_blocks}
 
     def init_workers(self, n: int) -> None:
         """Pre-create every known label value at zero."""
@@ -235,22 +243,28 @@ class RouterMetrics:
         age = d.chosen_age_s()  # type: ignore[attr-defined]
         if age is not None:
             self.state_age.observe(age)
-        outcome = d.prefix_outcome()  # type: ignore[attr-defined]
-        if outcome is not None:
-            # Label children cached in the same dict, under keys no decision has (reasons starting with NUL).
-            cache = self._decision_children
-            routed = cache.get((None, "\0" + outcome))
-            if routed is None:
-                routed = cache[(None, "\0" + outcome)] = self.prefix_routed.labels(outcome)
-            routed.inc()  # type: ignore[attr-defined]
-            req = d.ctx.request  # type: ignore[attr-defined]
-            k = d.worker  # type: ignore[attr-defined]
-            blocks = cache.get((k, "\0blocks"))
-            if blocks is None:
-                blocks = cache[(k, "\0blocks")] = (self.prefix_query_blocks.labels(str(k)),
-                                                   self.prefix_hit_blocks.labels(str(k)))
-            blocks[0].inc(len(req.blocks))  # type: ignore[index]
-            blocks[1].inc(req.prefix_depth[k])  # type: ignore[index]
+        notes = d.notes  # type: ignore[attr-defined]
+        if notes:
+            self._count_notes(notes, d.worker)  # type: ignore[attr-defined]
+
+    def _count_notes(self, notes: dict[str, Any], worker: int) -> None:
+        """Count what the policy's plugins noted about one routed request, by note name (see ``__init__``). Label
+        children are cached in the decisions' dict, under keys no decision has (reasons starting with NUL)."""
+        cache = self._decision_children
+        for note, counter in self._outcome_notes.items():
+            value = notes.get(note)
+            if value is not None:
+                child = cache.get((None, "\0" + value))
+                if child is None:
+                    child = cache[(None, "\0" + value)] = counter.labels(value)
+                child.inc()  # type: ignore[attr-defined]
+        for note, counter in self._worker_notes.items():
+            amount = notes.get(note)
+            if amount is not None:
+                child = cache.get((worker, "\0" + note))
+                if child is None:
+                    child = cache[(worker, "\0" + note)] = counter.labels(str(worker))
+                child.inc(amount)  # type: ignore[attr-defined]
 
 
 class WorkerStateCollector:
@@ -348,27 +362,37 @@ class WorkerStateCollector:
 
 
 def _policy_families(policy: Any) -> Iterator[Metric]:
-    """The policy's settings (an info metric and one weight per scorer) and its prefix index size."""
+    """The policy's settings (an info metric: the configuration, then every configured plugin's parameters in force
+    as ``<plugin>_<parameter>``), one weight per scorer, and the gauges of what the plugins report (``stats()``)."""
     cfg = policy.cfg
-    info = InfoMetricFamily(POLICY_INFO, "Routing policy settings.", value={
+    settings = {
         "policy": cfg.name, "memory_signal": cfg.memory_signal, "latency_signal": cfg.latency_signal,
         "max_queue": str(cfg.max_queue), "max_queue_from_worker": str(cfg.max_queue_from_worker).lower(),
         "hard_queue_cap": str(cfg.hard_queue_cap), "waiting_weight": f"{cfg.waiting_weight:g}",
         "latency_deadband": f"{cfg.latency_deadband:g}", "prefix_block_bytes": str(cfg.prefix_block_bytes),
-        "baseline_window": str(cfg.baseline_window)})
-    yield info
+        "baseline_window": str(cfg.baseline_window)}
+    for plugin, params in policy.plugin_params().items():
+        for k, v in params.items():
+            settings[f"{plugin}_{k}"] = str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(
+                v, float) else str(v)
+    yield InfoMetricFamily(POLICY_INFO, "Routing policy settings.", value=settings)
     wf = GaugeMetricFamily(POLICY_WEIGHT, "Weight of each scorer in the score.", labels=["term"])
     for name, w in zip(policy.term_names, policy.weights, strict=False):
         wf.add_metric([name], w)
     yield wf
-    prefix = policy.scorer("prefix")
-    if prefix is not None:
-        idx = prefix.index
-        yield GaugeMetricFamily(PREFIX_INDEX_BLOCKS, "Blocks in the prefix index.", value=len(idx))
-        yield GaugeMetricFamily(PREFIX_INDEX_CAPACITY, "Capacity of the prefix index (LRU), blocks.",
-                                value=idx.capacity)
-        yield GaugeMetricFamily(PREFIX_INDEX_BYTES, "Estimated memory of the prefix index, bytes.",
-                                value=idx.approx_bytes)
+    from dplb.policy.decision import STAT_INDEX_BLOCKS, STAT_INDEX_BYTES, STAT_INDEX_CAPACITY
+
+    # What the plugins report about their own state (Plugin.stats()), read by (plugin, stat) name.
+    gauges = {
+        ("prefix", STAT_INDEX_BLOCKS): (PREFIX_INDEX_BLOCKS, "Blocks in the prefix index."),
+        ("prefix", STAT_INDEX_CAPACITY): (PREFIX_INDEX_CAPACITY, "Capacity of the prefix index (LRU), blocks."),
+        ("prefix", STAT_INDEX_BYTES): (PREFIX_INDEX_BYTES, "Estimated memory of the prefix index, bytes."),
+    }
+    stats = policy.plugin_stats()
+    for (plugin, stat), (name, doc) in gauges.items():
+        value = stats.get(plugin, {}).get(stat)
+        if value is not None:
+            yield GaugeMetricFamily(name, doc, value=value)
 
 
 __all__ = [

@@ -5,10 +5,15 @@ Contract
 - :meth:`Policy.pick` is synchronous and does no I/O, no awaits and no locking. Its side effects are on the
   policy's own small state: tie rotation, the optimistic in-flight correction, the pickers' RNG, the prefix index
   (``on_pick`` hooks). Given the same inputs and state it returns the same decision.
+- A request's prompt is prepared once (:meth:`Policy.prepare`: the plugins' ``prepare`` hooks derive what they
+  need from the raw bytes, e.g. the prefix scorer's block keys), before its first pick.
 - A pick: build one :class:`~dplb.policy.decision.Candidate` per worker (queue = running + waiting + correction)
-  → run the filters (:mod:`dplb.policy.filters`) → run every weighted scorer (:mod:`dplb.policy.scorers`; score =
-  Σ weight·term) → the profile's picker (:mod:`dplb.policy.pickers`) chooses among the eligible → ``on_pick``
-  hooks. A policy name is a *profile*: a picker over the same filters and scorers (:data:`PROFILES`).
+  → run the filters (:mod:`dplb.policy.filters`) → run every weighted scorer (:mod:`dplb.policy.scorers`; the
+  terms of a scorer not marked ``bounded`` are clamped into [0, 1]; score = Σ weight·term) → the profile's picker
+  (:mod:`dplb.policy.pickers`) chooses among the eligible → ``on_pick`` hooks. A policy name is a *profile*: a
+  picker over the same filters and scorers (:data:`PROFILES`).
+- What the other router processes learnt (their rings' raw entries) is applied by :meth:`Policy.absorb`, to the
+  one scorer that shares what it learns (``absorb`` hook; the prefix scorer).
 - In-flight correction: requests this router sent to a worker that its last published snapshot may not count yet —
   those sent after that snapshot's heartbeat minus half a state interval. A request sent just before a snapshot is
   often still in a socket or being parsed when the worker counts its queue; forgetting it then made bursts of 64
@@ -25,8 +30,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError
@@ -41,8 +46,16 @@ from dplb.policy.decision import (
     Decision,
 )
 from dplb.policy.filters import build_filters
-from dplb.policy.framework import PICKERS, PickContext, RouteRequest, Scorer, build_scorers
-from dplb.policy.plugins import load_plugins
+from dplb.policy.framework import (
+    PICKERS,
+    PickContext,
+    Plugin,
+    RouteRequest,
+    Scorer,
+    build_scorers,
+    clamp_unit,
+)
+from dplb.policy.plugins import validate
 from dplb.state.shm import WorkerState
 
 #: Policy name → picker name. Every profile runs the same filters and scorers (the terms are visible whatever picks).
@@ -62,7 +75,7 @@ class Policy:
     def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
         if cfg.name not in PROFILES:
             raise ConfigError(f"policy '{cfg.name}' is unknown; choose one of {', '.join(PROFILES)}")
-        load_plugins(cfg.plugins)
+        validate(cfg)
         self.cfg = cfg
         self.name = cfg.name
         self.num_workers = num_workers
@@ -72,8 +85,18 @@ class Policy:
         self.term_names = tuple(s.name for s in self.scorers)
         self.weights = tuple(w for _, w in self.weighted)
         self.picker = PICKERS[PROFILES[cfg.name]](cfg, num_workers)
+        self.plugins: tuple[Plugin, ...] = (*self.scorers, self.picker)
         self._learners = [s for s in self.scorers if type(s).forget_worker is not Scorer.forget_worker]
         self._pickers_hooks = [s for s in self.scorers if type(s).on_pick is not Scorer.on_pick]
+        self._preparers = [p for p in self.plugins if type(p).prepare is not Plugin.prepare]
+        self._unbounded = tuple(j for j, s in enumerate(self.scorers) if not s.bounded)
+        sharers = [s for s in self.scorers if type(s).absorb is not Scorer.absorb]
+        if len(sharers) > 1:
+            raise ConfigError(f"scorers {', '.join(s.name for s in sharers)} all share what they learn with the other "
+                              "router processes; the router slots' rings carry one kind of key, so weight only one")
+        self._sharer = sharers[0] if sharers else None
+        #: True when a scorer learns from the other router processes (the router then drains their rings).
+        self.shares = self._sharer is not None
         # Send times (CLOCK_MONOTONIC ns) of the requests each worker's published queue may not count yet.
         self._sent_at: list[deque[int]] = [deque() for _ in range(num_workers)]
         self.grace_ns = cfg.state_interval_ms * 1_000_000 // 2
@@ -86,6 +109,31 @@ class Policy:
     def scorer(self, name: str) -> Scorer | None:
         """The configured scorer called ``name``, or None."""
         return next((s for s in self.scorers if s.name == name), None)
+
+    def plugin_stats(self) -> dict[str, dict[str, float]]:
+        """``{plugin name: its stats()}`` for every configured scorer and the picker that reports any."""
+        return {p.name: st for p in self.plugins if (st := p.stats())}
+
+    def plugin_params(self) -> dict[str, dict[str, Any]]:
+        """``{plugin name: {parameter: value in force}}`` for every configured scorer and the picker."""
+        return {p.name: dict(p.params) for p in self.plugins if p.params}
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def prepare(self, request: RouteRequest) -> None:
+        """Run the plugins' ``prepare`` hooks on ``request`` (once; nothing when it has no prompt). :meth:`pick`
+        does it when nobody did; the router does it before timing its decision (hashing is not the pick)."""
+        if request.prepared:
+            return
+        request.prepared = True
+        if request.prompt is not None:
+            for p in self._preparers:
+                p.prepare(request)
+
+    def absorb(self, entries: Mapping[int, Sequence[int]], now_ns: int) -> None:
+        """Apply the other router processes' ring entries (worker id → keys,
+        :meth:`dplb.state.router_slots.RouterSlots.drain_prefix`) to the scorer that shares what it learns."""
+        if entries and self._sharer is not None:
+            self._sharer.absorb(entries, now_ns)
 
     # ---- feedback ------------------------------------------------------------------------------------------
     def observe_latency(self, seconds: float, ttft_s: float | None = None) -> None:
@@ -116,18 +164,19 @@ class Policy:
     ) -> Decision:
         """Choose a worker for one request.
 
-        ``snapshot``: one :class:`WorkerState` per worker (ids 0..n−1), as read from shm just now.
-        ``now_mono_ns``: CLOCK_MONOTONIC ns (staleness). ``request``: the request's prefix blocks and the workers
-        it must not go to (None: no prefix, nothing excluded). ``held``/``ejected``: the router's heartbeat
-        hysteresis and passive-health verdicts. ``inflight``: the router's own open requests per worker; the
-        correction never exceeds it (a request that already completed is in no queue). ``shared``: the other
-        router processes' correction per worker (:meth:`dplb.state.router_slots.RouterSlots.peer_correction`), added.
-        Returns a :class:`Decision`; ``worker`` is None when nobody is
-        eligible (``reason`` says why). The chosen worker's in-flight correction is incremented and the scorers'
-        ``on_pick`` hooks run. ``dry_run=True`` evaluates without choosing (no rotation, no correction, no hooks):
-        what a metrics scrape uses.
+        ``snapshot``: one :class:`WorkerState` per worker (ids 0..n−1), as read from shm just now. ``now_mono_ns``:
+        CLOCK_MONOTONIC ns (staleness). ``request``: the request's prompt and the workers it must not go to (None: no
+        prompt, nothing excluded); prepared first if nobody did (:meth:`prepare`). ``held``/``ejected``: the router's
+        heartbeat hysteresis and passive-health verdicts. ``inflight``: the router's own open requests per worker; the
+        correction never exceeds it (a request that already completed is in no queue). ``shared``: the other router
+        processes' correction per worker (:meth:`dplb.state.router_slots.RouterSlots.peer_correction`), added. Returns a
+        :class:`Decision`; ``worker`` is None when nobody is eligible (``reason`` says why). The chosen worker's
+        in-flight correction is incremented and the scorers' ``on_pick`` hooks run. ``dry_run=True`` evaluates without
+        choosing (no rotation, no correction, no hooks): what a metrics scrape uses.
         """
         req = _NO_REQUEST if request is None else request
+        if not req.prepared and req.prompt is not None:
+            self.prepare(req)
         n = len(snapshot)
         sent_at = self._sent_at
         seen = self._seen_hb
@@ -149,6 +198,8 @@ class Policy:
         for f in self.filters:
             f.apply(cands, ctx)
         columns = [s.score(cands, ctx) for s in self.scorers]
+        for j in self._unbounded:  # the framework's guarantee: every term in [0, 1]
+            columns[j] = clamp_unit(columns[j])
         for c, sc in zip(cands, weighted_sum(columns, self.weights), strict=True):
             c.score = sc
         start = self._rot % n if n else 0
@@ -227,5 +278,5 @@ def weighted_sum(columns: list[list[float]], weights: tuple[float, ...]) -> list
 
 def make_policy(cfg: PolicyConfig, num_workers: int) -> Policy:
     """Build the policy profile named by ``cfg.name`` for ``num_workers`` workers (ids 0..n−1).
-    Raises :class:`ConfigError` for an unknown profile or scorer name."""
+    Raises :class:`ConfigError` for an unknown profile or scorer name, or a bad plugin parameter."""
     return Policy(cfg, num_workers)

@@ -48,6 +48,16 @@ DECISION_REASONS = (
 # (spill: load won), or no worker had any block of the prompt.
 PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS = "hit", "spill", "miss"
 PREFIX_OUTCOMES = (PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS)
+# Notes a plugin leaves on a routed request (RouteRequest.notes; read by name by dplb.obs.metrics): the prefix
+# scorer's outcome (one of PREFIX_OUTCOMES), the prompt's blocks, and the blocks the index says the chosen worker has.
+NOTE_PREFIX_OUTCOME = "prefix_outcome"
+NOTE_PREFIX_BLOCKS = "prefix_blocks"
+NOTE_PREFIX_HIT_BLOCKS = "prefix_hit_blocks"
+# Stats a plugin reports about its own state (Plugin.stats(); read by name by dplb.obs.metrics): the prefix index's
+# entries, capacity (blocks) and estimated memory (bytes).
+STAT_INDEX_BLOCKS = "index_blocks"
+STAT_INDEX_CAPACITY = "index_capacity_blocks"
+STAT_INDEX_BYTES = "index_bytes"
 
 
 class Candidate:
@@ -131,16 +141,17 @@ class Decision:
         k = c.worker_id
         return {name: col[k] for name, col in zip(self.term_names, self.columns, strict=False)}
 
-    def prefix_outcome(self) -> str | None:
-        """:data:`PREFIX_HIT` / :data:`PREFIX_SPILL` / :data:`PREFIX_MISS` for a routed request with a prefix key;
-        None otherwise."""
+    @property
+    def notes(self) -> dict[str, Any] | None:
+        """What the plugins noted about the routed request (``RouteRequest.notes``: note name → value), or None."""
         ctx = self.ctx
-        if self.worker is None or ctx is None or ctx.request.prefix_depth is None or not ctx.request.blocks:
-            return None
-        if self.preferred is None:
-            return PREFIX_MISS
-        return PREFIX_HIT if ctx.request.prefix_depth[self.worker] >= ctx.request.prefix_depth[self.preferred] \
-            else PREFIX_SPILL
+        return ctx.request.notes if ctx is not None and self.worker is not None else None
+
+    def prefix_outcome(self) -> str | None:
+        """:data:`PREFIX_HIT` / :data:`PREFIX_SPILL` / :data:`PREFIX_MISS` for a routed request with a prefix key
+        (the prefix scorer's :data:`NOTE_PREFIX_OUTCOME`); None otherwise."""
+        notes = self.notes
+        return notes.get(NOTE_PREFIX_OUTCOME) if notes else None
 
     def candidate_dict(self, c: Candidate) -> dict[str, object]:
         """JSON-friendly view of one candidate: health, shm inputs, every scorer's inputs and terms, score."""

@@ -6,15 +6,25 @@ then one **picker**. Plugins work on the whole candidate list at once (one call 
 worker), which keeps ``pick()`` for 8 workers near 15 µs in CPython.
 
 Contract of each extension point
+- :class:`Plugin` (scorers and pickers): a registered ``name``, its own ``parameters`` (:class:`Param`: type,
+  default and accepted values, declared once; ``--scorer-param NAME.PARAM=VALUE`` sets one, resolved into
+  ``self.params`` when the plugin is built), and optional hooks: ``prepare(request)`` once per request that
+  carries a prompt, before its first pick (derive what the plugin needs from ``request.prompt`` and keep it in
+  ``request.derived[name]``); ``stats()`` for metrics (read by name in :mod:`dplb.obs.metrics`).
 - :class:`Filter`: ``apply(cands, ctx)`` sets ``c.why`` to one of its ``reasons`` on every still-eligible
   candidate it rejects; never un-rejects. ``health = True`` for filters about the worker itself (registered, fresh,
   ready, …): those decide ``/ready``, ``dplb_worker_up`` and ``dplb state``; the others (retry exclusion, hard cap)
   are about one request.
-- :class:`Scorer`: ``score(cands, ctx)`` returns one float in [0, 1] per candidate (same order; higher is better).
-  Every candidate is scored, eligible or not (visibility); scorers that compare workers (latency deadband, prefix
-  match) look only at the eligible ones. ``inputs(c, ctx)`` names what the scorer read, for ``/debug/decisions``
-  and traces (not called on the hot path). Optional hooks: ``on_pick(request, worker, now_ns)`` after a worker is
-  chosen for real, ``forget_worker(worker)`` when a worker restarted.
+- :class:`Scorer`: ``score(cands, ctx)`` returns one float per candidate (same order; higher is better). The
+  framework clamps every value of a scorer not marked ``bounded`` into [0, 1] (NaN → 0), so a plugin returning 5.0
+  cannot win every pick; built-ins that guarantee [0, 1] themselves (tests/test_scorers.py) are marked ``bounded``
+  and skip the clamp. Every candidate is scored, eligible or not (visibility); scorers that compare workers
+  (latency deadband, prefix match) look only at the eligible ones. ``inputs(c, ctx)`` names what the scorer read,
+  for ``/debug/decisions`` and traces (not called on the hot path). Optional hooks: ``on_pick(request, worker,
+  now_ns)`` after a worker is chosen for real (it may set ``request.notes`` for metrics and ``request.learned``
+  for the other router processes), ``forget_worker(worker)`` when a worker restarted, ``absorb(entries, now_ns)``
+  to apply what the other router processes learnt (the raw entries of their rings, :mod:`dplb.state.router_slots`;
+  at most one configured scorer may implement it: the rings carry one kind of key).
 - :class:`Picker`: ``pick(eligible, ctx)`` chooses among the eligible candidates (given in rotated order, so
   "first" rotates) and returns ``(candidate, reason)``.
 
@@ -25,6 +35,9 @@ Adding a scorer: a class with ``name`` and ``score`` in one file, plus one line 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dplb.config import PolicyConfig
@@ -35,24 +48,29 @@ from dplb.state.shm import WorkerState
 
 class RouteRequest:
     """What the policy knows about one request (one object instead of a parameter list, like uvicorn's
-    ``RequestResponseCycle``).
+    ``RequestResponseCycle``). The router fills the first three; plugins fill the rest.
 
-    ``blocks``: the prompt's chained block keys (:func:`dplb.policy.prefix.block_hashes`; empty = no prefix key);
+    ``prompt``: the prompt's raw bytes as the client sent them (``bytes``, ``memoryview`` or ``msgspec.Raw``; None
+    = no prompt): the raw JSON of ``messages`` for chat, of ``prompt`` for completions, of ``input`` otherwise.
     ``cannot_serve``: worker ids that cannot serve it (they do not serve its model, or it names a response another
-    worker holds: :mod:`dplb.router.models`); ``exclude``: worker ids already tried (a failed connect). The prefix
-    scorer fills ``prefix_depth`` (matched leading blocks per worker id) and ``preferred`` (the longest match), and
-    after the pick ``learned``: the block keys the index learnt from it (for the other router processes).
+    worker holds: :mod:`dplb.router.models`); ``exclude``: worker ids already tried (a failed connect).
+    Filled by plugins: ``derived`` (plugin name → what its ``prepare`` hook derived from the prompt; a plugin reads
+    only its own), ``preferred`` (the worker an affinity plugin prefers: the longest prefix match, the rendezvous
+    worker), ``notes`` (after the pick: what plugins observed about it, read by name by the metrics), ``learned``
+    (after the pick: keys the other router processes must learn, < 2**42 each, published for the chosen worker).
     """
 
-    __slots__ = ("blocks", "cannot_serve", "exclude", "learned", "preferred", "prefix_depth")
+    __slots__ = ("cannot_serve", "derived", "exclude", "learned", "notes", "preferred", "prepared", "prompt")
 
-    def __init__(self, blocks: list[int] | None = None, exclude: frozenset[int] = frozenset(),
+    def __init__(self, prompt: Any = None, exclude: frozenset[int] = frozenset(),
                  cannot_serve: frozenset[int] = frozenset()) -> None:
-        self.blocks = blocks or []
+        self.prompt = prompt
         self.exclude = exclude
         self.cannot_serve = cannot_serve
-        self.prefix_depth: list[int] | None = None
+        self.prepared = False
+        self.derived: dict[str, Any] = {}
         self.preferred: int | None = None
+        self.notes: dict[str, Any] | None = None
         self.learned: list[int] | None = None
 
 
@@ -72,6 +90,97 @@ class PickContext:
         self.ejected = ejected
 
 
+_KINDS: dict[type, str] = {int: "an integer", float: "a finite number", str: "a word", bool: "true or false"}
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """One parameter a plugin declares: ``name`` (an identifier), ``kind`` (``int``, ``float``, ``str`` or
+    ``bool``), ``default``, and what values it accepts: ``choices`` (for words) or ``check`` (a predicate) with
+    ``expect`` describing them ("1..65536 bytes"). ``field``: the :class:`PolicyConfig` field of an older flag that
+    sets it (``--prefix-block-bytes``); its value, validated by :class:`PolicyConfig`, is then the default and
+    ``default`` is unused (the default is written once, there). ``help``: one line for ``--help`` and errors."""
+
+    name: str
+    kind: type
+    default: Any = None
+    field: str | None = None
+    choices: tuple[str, ...] = ()
+    check: Callable[[Any], bool] | None = None
+    expect: str = ""
+    help: str = ""
+
+    def accepted(self) -> str:
+        """``"an integer, 1..65536 bytes"``: what values it accepts."""
+        what = "one of " + ", ".join(self.choices) if self.choices else _KINDS[self.kind]
+        return f"{what}, {self.expect}" if self.expect else what
+
+    def describe(self) -> str:
+        """``"block_bytes (an integer, 1..65536 bytes)"``: the parameter with its accepted values."""
+        return f"{self.name} ({self.accepted()})"
+
+    def parse(self, text: str) -> Any:
+        """The value of ``text`` for this parameter. Raises ValueError (message: what is accepted)."""
+        try:
+            if self.kind is bool:
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                value: Any = text.lower() in ("true", "1", "yes")
+            elif self.kind is float:
+                value = float(text)
+                if not math.isfinite(value):
+                    raise ValueError
+            else:
+                value = self.kind(text)
+        except ValueError:
+            raise ValueError(f"must be {self.accepted()}") from None
+        if (self.choices and value not in self.choices) or (self.check is not None and not self.check(value)):
+            raise ValueError(f"must be {self.accepted()}")
+        return value
+
+
+def resolve_params(cls: type[Plugin], cfg: PolicyConfig) -> dict[str, Any]:
+    """Plugin class ``cls``'s parameters for ``cfg``: each declared :class:`Param` from ``cfg.params`` when given
+    there, else its ``field`` of ``cfg``, else its default. Raises :class:`ConfigError` (one line naming the flag)
+    for a parameter ``cls`` does not declare or a value it does not accept."""
+    declared = {p.name: p for p in cls.parameters}
+    out = {p.name: getattr(cfg, p.field) if p.field else p.default for p in cls.parameters}
+    for plugin, name, text in cfg.params:
+        if plugin != cls.name:
+            continue
+        flag = f"--scorer-param {plugin}.{name}={text}"
+        p = declared.get(name)
+        if p is None:
+            have = "; ".join(q.describe() for q in cls.parameters) or "none"
+            raise ConfigError(f"{flag}: {plugin} has no parameter {name!r}; its parameters: {have}")
+        try:
+            out[name] = p.parse(text)
+        except ValueError as e:
+            raise ConfigError(f"{flag}: {plugin}.{name} {e}") from None
+    return out
+
+
+class Plugin:
+    """What scorers and pickers share: ``name``, declared ``parameters`` and their resolved values ``params``
+    (name → value), and the optional ``prepare`` and ``stats`` hooks (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    parameters: ClassVar[tuple[Param, ...]] = ()
+
+    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
+        self.cfg = cfg
+        self.num_workers = num_workers
+        self.params = resolve_params(type(self), cfg)
+
+    def prepare(self, request: RouteRequest) -> None:
+        """Derive what this plugin needs from ``request.prompt`` (not None) into ``request.derived[self.name]``;
+        called once per request, before its first pick."""
+
+    def stats(self) -> dict[str, float]:
+        """Numbers about this plugin's own state for metrics (stat name → value; e.g. the prefix index's size)."""
+        return {}
+
+
 class Filter:
     """Eligibility rule. ``reasons``: the ``why`` values it sets (the first is the usual one)."""
 
@@ -85,14 +194,11 @@ class Filter:
         raise NotImplementedError
 
 
-class Scorer:
-    """One score term, 0–1 per candidate, higher is better."""
+class Scorer(Plugin):
+    """One score term per candidate, higher is better; clamped into [0, 1] unless ``bounded``."""
 
-    name: ClassVar[str] = ""
-
-    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
-        self.cfg = cfg
-        self.num_workers = num_workers
+    #: True when ``score`` itself guarantees every value is in [0, 1] (the framework then skips the clamp).
+    bounded: ClassVar[bool] = False
 
     def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
         raise NotImplementedError
@@ -107,15 +213,18 @@ class Scorer:
     def forget_worker(self, worker: int) -> None:
         """``worker`` restarted (new pid): drop what was learnt about it."""
 
+    def absorb(self, entries: Mapping[int, Sequence[int]], now_ns: int) -> None:
+        """Apply what the other router processes learnt: ``entries`` = worker id → keys they published for it
+        (``request.learned`` of their picks), in ring order."""
 
-class Picker:
+
+def clamp_unit(column: list[float]) -> list[float]:
+    """``column`` with every value clamped into [0, 1]; NaN → 0."""
+    return [v if 0.0 <= v <= 1.0 else (1.0 if v > 1.0 else 0.0) for v in column]
+
+
+class Picker(Plugin):
     """Chooses among eligible candidates (rotated order)."""
-
-    name: ClassVar[str] = ""
-
-    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
-        self.cfg = cfg
-        self.num_workers = num_workers
 
     def pick(self, eligible: list[Candidate], ctx: PickContext) -> tuple[Candidate, str]:
         raise NotImplementedError
@@ -142,9 +251,16 @@ def register_picker(cls: type[Picker]) -> type[Picker]:
 def _register(table: dict[str, Any], cls: Any, kind: str) -> None:
     if not cls.name or not cls.name.isidentifier():
         raise ValueError(f"a {kind} needs a name that is an identifier, got {cls.name!r}")
-    if table.get(cls.name, cls) is not cls:
-        raise ValueError(f"{kind} name {cls.name!r} is already registered by {table[cls.name].__qualname__}")
+    taken = plugin_class(cls.name)
+    if taken is not None and taken is not cls:
+        raise ValueError(f"{kind} name {cls.name!r} is already registered by {taken.__qualname__}")
     table[cls.name] = cls
+
+
+def plugin_class(name: str) -> type[Plugin] | None:
+    """The scorer or picker class registered as ``name`` (one namespace for both: ``--scorer-param`` names
+    either), or None."""
+    return SCORERS.get(name) or PICKERS.get(name)
 
 
 def build_scorers(cfg: PolicyConfig, num_workers: int) -> list[tuple[Scorer, float]]:

@@ -10,17 +10,22 @@ Every picker gets the eligible candidates in rotated order (the scan starts one 
 - ``least_loaded``: vLLM DP's rule, minimum ``4·waiting + running`` with the router's correction counted as waiting.
 - ``power_of_two``: two distinct random eligible workers, the shorter queue wins (Mitzenmacher 2001).
 - ``prefix_hash``: pure prefix affinity, blind to load: the rendezvous (highest-random-weight, Thaler &
-  Ravishankar 1998) worker of the prompt's first :data:`AFFINITY_BLOCKS` blocks — what a consistent hash on the
-  prompt does. The hit-rate reference of ``dplb bench compare``.
+  Ravishankar 1998) worker of the prompt's first ``blocks`` (:data:`AFFINITY_BLOCKS`) chained blocks of
+  ``block_bytes`` (``--prefix-block-bytes``; 0 = no key), which it hashes itself from the raw prompt in its
+  ``prepare`` hook — what a consistent hash on the prompt does. The hit-rate reference of ``dplb bench compare``.
+
+Parameters (``--scorer-param NAME.PARAM=VALUE``): ``random.seed`` and ``power_of_two.seed`` (``--seed``),
+``prefix_hash.block_bytes`` and ``prefix_hash.blocks``. Table tests: tests/test_policy.py.
 """
 
 from __future__ import annotations
 
 import random
 
-from dplb.config import PolicyConfig
+from dplb.config import MAX_PREFIX_BLOCK_BYTES, PolicyConfig
 from dplb.policy.decision import REASON_AFFINITY, REASON_POLICY, REASON_SCORE, Candidate
-from dplb.policy.framework import PickContext, Picker
+from dplb.policy.framework import Param, PickContext, Picker, RouteRequest
+from dplb.policy.prefix import block_hashes
 
 #: Blocks of the prompt that form ``prefix_hash``'s key (2 × 128 bytes: the 256-byte key of DPLB v1).
 AFFINITY_BLOCKS = 2
@@ -59,11 +64,13 @@ class RoundRobin(Picker):
 
 
 class _Seeded(Picker):
-    """A picker with its own RNG seeded by ``cfg.seed`` (deterministic runs)."""
+    """A picker with its own RNG seeded by its ``seed`` parameter (``--seed``; deterministic runs)."""
+
+    parameters = (Param("seed", int, field="seed", help="RNG seed (--seed)"),)
 
     def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
         super().__init__(cfg, num_workers)
-        self._rng = random.Random(cfg.seed)
+        self._rng = random.Random(self.params["seed"])
 
 
 class Random(_Seeded):
@@ -101,12 +108,28 @@ class PrefixHash(Picker):
     """Rendezvous worker of the prompt's first blocks; without a prefix key, the first in rotation."""
 
     name = "prefix_hash"
+    parameters = (
+        Param("block_bytes", int, field="prefix_block_bytes", check=lambda v: 0 <= v <= MAX_PREFIX_BLOCK_BYTES,
+              expect=f"0..{MAX_PREFIX_BLOCK_BYTES} bytes (0: no key, rotation)",
+              help="prompt block size (--prefix-block-bytes)"),
+        Param("blocks", int, default=AFFINITY_BLOCKS, check=lambda v: v >= 1, expect="≥ 1",
+              help="leading blocks that form the key"),
+    )
+
+    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
+        super().__init__(cfg, num_workers)
+        self.block_bytes: int = self.params["block_bytes"]
+        self.blocks: int = self.params["blocks"]
+
+    def prepare(self, request: RouteRequest) -> None:
+        keys = block_hashes(request.prompt, self.block_bytes, self.blocks)
+        if keys:
+            request.derived["prefix_hash"] = keys[-1]  # chained: the last key covers every leading block
 
     def pick(self, eligible: list[Candidate], ctx: PickContext) -> tuple[Candidate, str]:
-        blocks = ctx.request.blocks
-        if not blocks:
+        key = ctx.request.derived.get("prefix_hash")
+        if key is None:
             return eligible[0], REASON_POLICY
-        key = blocks[min(len(blocks), AFFINITY_BLOCKS) - 1]
         # CPython's tuple hash of two ints: ints are not salted, so the same worker in every process and run.
         c = max(eligible, key=lambda c: hash((key, c.worker_id)))
         ctx.request.preferred = c.worker_id

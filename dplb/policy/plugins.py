@@ -13,7 +13,7 @@ import importlib
 
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError
-from dplb.policy.framework import SCORERS, register_picker, register_scorer
+from dplb.policy.framework import PICKERS, SCORERS, plugin_class, register_picker, register_scorer, resolve_params
 from dplb.policy.pickers import LeastLoaded, MaxScore, PowerOfTwo, PrefixHash, Random, RoundRobin
 from dplb.policy.scorers import LatencyScorer, MemoryScorer, PrefixScorer, QueueScorer
 
@@ -31,12 +31,20 @@ register_picker(PrefixHash)
 
 
 def validate(cfg: PolicyConfig) -> None:
-    """Load ``cfg.plugins`` and check that every weighted scorer is registered: what start-up calls once, so a
-    typo fails before any process starts. Raises :class:`ConfigError`."""
+    """Load ``cfg.plugins``, check that every weighted scorer is registered and that every ``--scorer-param``
+    names a registered plugin, one of its declared parameters and a value it accepts: what start-up calls once, so a
+    typo fails before any process starts. Raises :class:`ConfigError` (one line naming the flag)."""
     load_plugins(cfg.plugins)
     unknown = [n for n, _ in cfg.effective_weights() if n not in SCORERS]
     if unknown:
         raise ConfigError(f"--weights names an unknown scorer {unknown[0]!r}; known: {', '.join(sorted(SCORERS))}")
+    for plugin in dict.fromkeys(p for p, _, _ in cfg.params):
+        cls = plugin_class(plugin)
+        if cls is None:
+            value = next(f"{p}.{n}={v}" for p, n, v in cfg.params if p == plugin)
+            raise ConfigError(f"--scorer-param {value}: no plugin {plugin!r}; scorers: {', '.join(sorted(SCORERS))}; "
+                              f"pickers: {', '.join(sorted(PICKERS))}")
+        resolve_params(cls, cfg)
 
 
 def load_plugins(modules: tuple[str, ...]) -> None:

@@ -5,7 +5,8 @@ Contract
   dropped, as vLLM only caches full blocks) and hashes them as a **chain**: block i's key covers every byte of
   blocks 0..i, like vLLM's block hashes (``vllm/v1/core/kv_cache_utils.py``, ``hash_block_tokens`` with the parent
   hash). Equal keys at depth i mean equal prefixes of ``(i+1)·block_bytes`` bytes (up to hash collisions).
-- What is hashed (the router decides, see :func:`dplb.router.proxy`): for chat, the raw JSON bytes of ``messages``
+- What is hashed (the router hands the prompt's raw bytes to the policy, see :mod:`dplb.router.proxy`; the prefix
+  scorer and the ``prefix_hash`` picker hash them): for chat, the raw JSON bytes of ``messages``
   exactly as the client sent them; for completions, the raw bytes of ``prompt``. Raw bytes, not a canonical
   rendering: a client re-sends a conversation's history serialised the same way every turn, so turn k+1's bytes
   start with turn k's bytes minus the closing ``]``; decoding ``messages`` to render them canonically would cost
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any, Final
 
 #: Most blocks hashed per request (128 KiB at 128-byte blocks): a longer prompt is told apart by then, and hashing
@@ -44,13 +46,16 @@ ENTRY_BYTES: Final = 180
 def block_hashes(data: bytes | memoryview | Any, block_bytes: int, max_blocks: int = 0) -> list[int]:
     """Chained keys of the full ``block_bytes``-byte blocks of ``data`` (``max_blocks`` > 0: at most that many).
 
-    Returns a list of non-negative ints below 2**48: ``(block_index << 32) | crc32(data[: (i+1)·block_bytes])``.
-    Empty when ``data`` is shorter than one block or ``block_bytes`` is 0.
+    Returns a list of non-negative ints below 2**48 (below 2**42 with ``max_blocks`` ≤ :data:`MAX_PREFIX_BLOCKS`, as
+    the router slots' rings need): ``(block_index << 32) | crc32(data[: (i+1)·block_bytes])``. Empty when ``data``
+    is None or shorter than one block, or ``block_bytes`` is 0.
     """
-    if block_bytes <= 0:
+    if block_bytes <= 0 or data is None:
         return []
     if type(data) is not bytes:
-        data = bytes(data)  # msgspec.Raw / memoryview: one copy, then cheap slices
+        # msgspec.Raw / memoryview: one copy of the bytes that are hashed (not of a long prompt's tail), then slices
+        view = memoryview(data)
+        data = bytes(view[: max_blocks * block_bytes] if max_blocks else view)
     n = len(data) // block_bytes
     if max_blocks and n > max_blocks:
         n = max_blocks
@@ -121,7 +126,7 @@ class PrefixIndex:
             cur ^= b
         return depth
 
-    def record(self, keys: list[int], worker: int, now_ns: int) -> list[int]:
+    def record(self, keys: Sequence[int], worker: int, now_ns: int) -> list[int]:
         """``keys`` were sent to ``worker`` at ``now_ns``: mark them (most recent in the LRU), then evict the oldest
         entries beyond ``capacity`` and any older than ``ttl_s``. Returns the keys whose entry changed beyond a
         time stamp: new, new for ``worker``, or refreshed after ``_REFRESH_NS`` (what other router processes must

@@ -1,7 +1,9 @@
 """The built-in scorers: queue, memory, latency (the seed's three terms) and prefix match (docs/DESIGN.md §5).
 
-Each returns one value in [0, 1] per candidate, higher is better; the policy adds them up with the configured
-weights (seed article: ``0.4·queue + 0.3·memory + 0.3·latency``). Table-driven tests: tests/test_scorers.py.
+Each returns one value in [0, 1] per candidate, higher is better (so each is marked ``bounded``: the framework
+skips its clamp); the policy adds them up with the configured weights (seed article: ``0.4·queue + 0.3·memory +
+0.3·latency``). Each declares its parameters (``--scorer-param NAME.PARAM=VALUE``; the older flags are their
+defaults). Table-driven tests: tests/test_scorers.py.
 
 - ``queue``: ``1 − queue/max_queue`` with ``queue`` = running + waiting + the router's in-flight correction
   (requests it sent that the worker's snapshot may not count yet; without it a burst inside one 200 ms state
@@ -14,36 +16,57 @@ weights (seed article: ``0.4·queue + 0.3·memory + 0.3·latency``). Table-drive
   sample, or idle (its mean is old news that would never change without new requests — a once-slow worker would
   starve), gets the mean term of its peers; workers within ``latency_deadband`` of the eligible workers' mean share
   that mean's term (equal workers differ by noise, which would outweigh one queued request).
-- ``prefix``: how much of the prompt's *distinguishing* prefix the worker has cached, discounted by its queue
-  headroom. From the prefix index (:class:`dplb.policy.prefix.PrefixIndex`): ``prefix_match`` = matched leading blocks ÷
-  blocks, per worker. The term is ``(match − min_match)/(1 − min_match) · max(0, 1 − queue/max_queue)`` with
-  ``min_match`` the lowest match among the eligible workers: a system prompt every worker has cached cancels out,
-  so a conversation's next turn is pulled to the worker holding its history (with a plain ratio, turn 2 of a chat
-  with a 600-word system prompt differs by ~0.1 between workers, less than one queued request). The headroom
-  factor is the spill rule (a queue-aware weight, like SGLang's balance thresholds but continuous): a worker's
-  prefix advantage shrinks as it fills, so a hot prefix spills to a second worker instead of queueing. With the
-  default weights (queue 0.3, prefix 0.3, max_queue 16) a full-match worker keeps winning against an idle one while
-  ``(0.3 + 0.3)·(1 − q/16) > 0.3``, i.e. up to 8 queued requests; see tests/test_scorers.py::test_hot_prefix_spills.
+- ``prefix``: how much of the prompt's *distinguishing* prefix the worker has cached, discounted by its queue headroom.
+  It owns the prefix end to end: its ``prepare`` hook cuts the request's raw prompt bytes into chained block keys
+  (:func:`dplb.policy.prefix.block_hashes`, ``block_bytes``, at most ``max_blocks``), it keeps the index, records each
+  routed request's blocks for its worker (and hands the new keys to the other router processes in ``request.learned``),
+  applies theirs (``absorb``), and reports the routed outcome in ``request.notes``
+  (:data:`~dplb.policy.decision.NOTE_PREFIX_OUTCOME` …) and the index size in ``stats()``. From the prefix index
+  (:class:`dplb.policy.prefix.PrefixIndex`): ``prefix_match`` = matched leading blocks ÷ blocks, per worker. The term is
+  ``(match − min_match)/(1 − min_match) · max(0, 1 − queue/max_queue)`` with ``min_match`` the lowest match among the
+  eligible workers: a system prompt every worker has cached cancels out, so a conversation's next turn is pulled to the
+  worker holding its history (with a plain ratio, turn 2 of a chat with a 600-word system prompt differs by ~0.1 between
+  workers, less than one queued request). The headroom factor is the spill rule (a queue-aware weight, like SGLang's
+  balance thresholds but continuous): a worker's prefix advantage shrinks as it fills, so a hot prefix spills to a
+  second worker instead of queueing. With the default weights (queue 0.3, prefix 0.3, max_queue 16) a full-match worker
+  keeps winning against an idle one while ``(0.3 + 0.3)·(1 − q/16) > 0.3``, i.e. up to 8 queued requests; see
+  tests/test_scorers.py::test_hot_prefix_spills.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dplb.config import PolicyConfig
-from dplb.policy.decision import OK, Candidate
-from dplb.policy.framework import PickContext, RouteRequest, Scorer, max_queue_of
-from dplb.policy.prefix import PrefixIndex
+from dplb.config import MAX_PREFIX_BLOCK_BYTES, PolicyConfig
+from dplb.policy.decision import (
+    NOTE_PREFIX_BLOCKS,
+    NOTE_PREFIX_HIT_BLOCKS,
+    NOTE_PREFIX_OUTCOME,
+    OK,
+    PREFIX_HIT,
+    PREFIX_MISS,
+    PREFIX_SPILL,
+    STAT_INDEX_BLOCKS,
+    STAT_INDEX_BYTES,
+    STAT_INDEX_CAPACITY,
+    Candidate,
+)
+from dplb.policy.framework import Param, PickContext, RouteRequest, Scorer, max_queue_of
+from dplb.policy.prefix import MAX_PREFIX_BLOCKS, PrefixIndex, block_hashes
 
 
 class QueueScorer(Scorer):
     """``1 − queue/max_queue``, clamped to [0, 1] (see the module docstring)."""
 
     name = "queue"
+    bounded = True
+    parameters = (Param("waiting_weight", float, field="waiting_weight", check=lambda v: v >= 1.0, expect="≥ 1",
+                        help="a request waiting for a batch slot counts this many times (--waiting-weight)"),)
 
     def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
         cfg = self.cfg
-        ww1 = cfg.waiting_weight - 1.0
+        ww1 = self.params["waiting_weight"] - 1.0
         out = []
         for c in cands:
             w = c.state
@@ -75,21 +98,28 @@ class MemoryScorer(Scorer):
     """``1 − memory ratio``, clamped to [0, 1]."""
 
     name = "memory"
+    bounded = True
+    parameters = (Param("signal", str, field="memory_signal", choices=("kv", "gpu"),
+                        help="KV-cache usage or NVML used/total (--memory-signal)"),)
 
     def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
-        sig = self.cfg.memory_signal
+        sig = self.params["signal"]
         # The common case (kv) without a call per candidate.
         ratios = [c.state.kv_cache_usage for c in cands] if sig == "kv" else [memory_ratio(c, sig) for c in cands]
         return [0.0 if r > 1.0 else (1.0 if r < 0.0 else 1.0 - r) for r in ratios]
 
     def inputs(self, c: Candidate, ctx: PickContext) -> dict[str, Any]:
-        return {"memory_ratio": memory_ratio(c, self.cfg.memory_signal)}
+        return {"memory_ratio": memory_ratio(c, self.params["signal"])}
 
 
 class LatencyScorer(Scorer):
     """``1 − latency/baseline`` with neutral fill and a deadband (see the module docstring)."""
 
     name = "latency"
+    bounded = True
+    parameters = (Param("deadband", float, field="latency_deadband", check=lambda v: 0.0 <= v < 1.0,
+                        expect="a fraction in [0, 1)", help="latencies this close to the mean count as equal "
+                        "(--latency-deadband)"),)
 
     def signal(self, c: Candidate) -> float:
         """The latency this scorer uses for ``c``: mean E2E or mean TTFT of its last 10 requests, seconds."""
@@ -115,7 +145,7 @@ class LatencyScorer(Scorer):
             if c.why is OK:
                 el_sum += lat
                 el_n += 1
-        band = self.cfg.latency_deadband
+        band = self.params["deadband"]
         if band > 0.0 and el_n > 1:
             mean = el_sum / el_n
             tm = 1.0 - mean / base
@@ -136,22 +166,53 @@ class LatencyScorer(Scorer):
         return {"latency_s": self.signal(c), "latency_signal": self.cfg.latency_signal, "baseline_s": ctx.baseline_s}
 
 
+class _Query:
+    """The prefix scorer's view of one request: its block keys and, once scored, each worker's matched depth."""
+
+    __slots__ = ("blocks", "depth")
+
+    def __init__(self, blocks: list[int]) -> None:
+        self.blocks = blocks
+        self.depth: list[int] | None = None
+
+
 class PrefixScorer(Scorer):
-    """Prefix-cache affinity from the router's prefix index (see the module docstring). Owns the index: records
-    each routed request's blocks for its worker and forgets a restarted worker."""
+    """Prefix-cache affinity from the router's prefix index (see the module docstring). Owns the hashing and the
+    index: records each routed request's blocks for its worker, applies the other router processes' entries and
+    forgets a restarted worker."""
 
     name = "prefix"
+    bounded = True
+    parameters = (
+        Param("block_bytes", int, field="prefix_block_bytes", check=lambda v: 1 <= v <= MAX_PREFIX_BLOCK_BYTES,
+              expect=f"1..{MAX_PREFIX_BLOCK_BYTES} bytes", help="prompt block size (--prefix-block-bytes)"),
+        Param("index_blocks", int, field="prefix_index_blocks", check=lambda v: v > 0, expect="> 0 blocks",
+              help="prefix index capacity, ~180 bytes a block (--prefix-index-blocks)"),
+        Param("ttl_s", float, field="prefix_ttl_s", check=lambda v: v > 0, expect="> 0 seconds",
+              help="forget a block not sent for this long (--prefix-ttl)"),
+        Param("max_blocks", int, default=MAX_PREFIX_BLOCKS, check=lambda v: 1 <= v <= MAX_PREFIX_BLOCKS,
+              expect=f"1..{MAX_PREFIX_BLOCKS} blocks", help="most blocks hashed per prompt"),
+    )
 
     def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
         super().__init__(cfg, num_workers)
-        self.index = PrefixIndex(cfg.prefix_index_blocks, cfg.prefix_ttl_s, num_workers)
+        p = self.params
+        self.block_bytes: int = p["block_bytes"]
+        self.max_blocks: int = p["max_blocks"]
+        self.index = PrefixIndex(p["index_blocks"], p["ttl_s"], num_workers)
+
+    def prepare(self, request: RouteRequest) -> None:
+        blocks = block_hashes(request.prompt, self.block_bytes, self.max_blocks)
+        if blocks:
+            request.derived["prefix"] = _Query(blocks)
 
     def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
         req = ctx.request
-        blocks = req.blocks
-        if not blocks:
+        q = req.derived.get("prefix")
+        if q is None:
             return [0.0] * len(cands)
-        depth = req.prefix_depth = self.index.match(blocks, ctx.now_ns)
+        blocks = q.blocks
+        depth = q.depth = self.index.match(blocks, ctx.now_ns)
         el = [depth[c.worker_id] for c in cands if c.why is OK]
         if not el:
             return [0.0] * len(cands)
@@ -172,15 +233,37 @@ class PrefixScorer(Scorer):
         return out
 
     def inputs(self, c: Candidate, ctx: PickContext) -> dict[str, Any]:
-        req = ctx.request
-        n = len(req.blocks)
-        d = req.prefix_depth[c.worker_id] if req.prefix_depth is not None else 0
+        q = ctx.request.derived.get("prefix")
+        n = len(q.blocks) if q is not None else 0
+        d = q.depth[c.worker_id] if q is not None and q.depth is not None else 0
         return {"prefix_blocks": n, "prefix_matched_blocks": d, "prefix_match": d / n if n else 0.0}
 
     def on_pick(self, request: RouteRequest, worker: int, now_ns: int) -> None:
-        if request.blocks:
-            request.learned = self.index.record(request.blocks, worker, now_ns)
+        """Record the request's blocks for ``worker`` (``request.learned``: the keys the index learnt) and note
+        the outcome: hit (the longest match got it), spill (another worker did) or miss (no preference)."""
+        q = request.derived.get("prefix")
+        if q is None:
+            return
+        request.learned = self.index.record(q.blocks, worker, now_ns)
+        depth, pref = q.depth, request.preferred
+        if depth is None:
+            return
+        outcome = PREFIX_MISS if pref is None else PREFIX_HIT if depth[worker] >= depth[pref] else PREFIX_SPILL
+        notes = {NOTE_PREFIX_OUTCOME: outcome, NOTE_PREFIX_BLOCKS: len(q.blocks), NOTE_PREFIX_HIT_BLOCKS: depth[worker]}
+        if request.notes is None:
+            request.notes = notes
+        else:
+            request.notes.update(notes)
 
     def forget_worker(self, worker: int) -> None:
         self.index.forget_worker(worker)
 
+    def absorb(self, entries: Mapping[int, Sequence[int]], now_ns: int) -> None:
+        record = self.index.record
+        for worker, keys in entries.items():
+            if 0 <= worker < self.num_workers:
+                record(keys, worker, now_ns)
+
+    def stats(self) -> dict[str, float]:
+        idx = self.index
+        return {STAT_INDEX_BLOCKS: len(idx), STAT_INDEX_CAPACITY: idx.capacity, STAT_INDEX_BYTES: idx.approx_bytes}

@@ -18,6 +18,7 @@ from dplb.config import (
     default_router_processes,
     default_run_dir,
     format_weights,
+    parse_param,
     parse_weights,
 )
 from dplb.errors import ConfigError
@@ -65,6 +66,18 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed, help="RNG seed of random/power_of_two (default: %(default)s)")
     g.add_argument("--policy-plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE first: it registers extra scorers for --weights (repeatable)")
+    g.add_argument("--scorer-param", action="append", default=[], metavar="PLUGIN.PARAM=VALUE",
+                   help="one parameter of a scorer or picker, e.g. prefix.block_bytes=64 or latency.deadband=0.1 "
+                   "(repeatable; overrides the flag above that sets the same parameter). Built-in: "
+                   f"{_param_list()}")
+
+
+def _param_list() -> str:
+    """``"prefix.block_bytes, prefix.ttl_s, …"``: every registered plugin parameter, for ``--help``."""
+    from dplb.policy.framework import PICKERS, SCORERS
+
+    return ", ".join(f"{name}.{p.name}" for table in (SCORERS, PICKERS) for name, cls in table.items()
+                     for p in cls.parameters)
 
 
 def router_argv(args: argparse.Namespace) -> list[str]:
@@ -100,6 +113,7 @@ def policy_config(args: argparse.Namespace, state_interval_ms: int = 200) -> Pol
         latency_deadband=args.latency_deadband, prefix_block_bytes=args.prefix_block_bytes,
         prefix_index_blocks=args.prefix_index_blocks, prefix_ttl_s=args.prefix_ttl,
         state_interval_ms=state_interval_ms, seed=args.seed, plugins=tuple(args.policy_plugin),
+        params=tuple(parse_param(t) for t in args.scorer_param),
     )
     validate_policy(cfg)
     return cfg

@@ -4,8 +4,8 @@ completions, embeddings, responses, pooling, scoring, tokenize, audio, …; docs
 Contract
 - The request body is read whole (bounded: 413 from Content-Length before reading, or as soon as the bytes read
   exceed the limit; a rejection sent before the body was read closes the connection, so the rest of the upload is
-  not read), peeked with msgspec for ``stream`` and the prefix key, and forwarded **byte for byte**: the
-  router never re-serialises it.
+  not read), peeked with msgspec for ``stream``, the model and the prompt (whose raw bytes go to the policy as they
+  are), and forwarded **byte for byte**: the router never re-serialises it.
 - Every proxied response carries ``X-SG-Worker-ID: <k>`` and ``X-Request-Id``. Status, body and end-to-end headers
   pass through unchanged; hop-by-hop headers (RFC 9110 §7.6.1 + those named in ``Connection``) are never copied.
   A client's ``X-Request-Id`` is kept only when it is 1–128 characters of ``[A-Za-z0-9._:-]``; anything else (control
@@ -45,7 +45,6 @@ from dplb.errors import RouterErrorKind, error_body
 from dplb.obs.tracing import Tracing
 from dplb.policy import RouteRequest
 from dplb.policy.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
-from dplb.policy.prefix import MAX_PREFIX_BLOCKS, block_hashes
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, watch_disconnect
 from dplb.router.intake import (
@@ -91,21 +90,16 @@ class Proxy:
         self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.obs.tracing.make_tracer)
         self._tracing: Tracing | None = None
         self._req_skip = REQ_OWN
-        self._block_bytes = cfg.policy.prefix_block_bytes if cfg.policy.prefix_on else 0
 
     # ---- helpers -------------------------------------------------------------------------------------------------
     async def _reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None) -> None:
         await self.upstreams.reject(ex, kind, message, worker)
 
     def _route_request(self, peek: Peek, cannot_serve: frozenset[int]) -> RouteRequest:
-        """The policy's view of the request: the workers that cannot serve it (model, pinned response) and the
-        chained block keys of its prompt bytes (raw ``messages`` JSON for chat, ``prompt`` for completions,
-        ``input`` otherwise, as sent; see :mod:`dplb.policy.prefix`) when prefix scoring is on."""
-        if not self._block_bytes:
-            return RouteRequest(cannot_serve=cannot_serve)
-        raw = peek.messages or peek.prompt or peek.input
-        return RouteRequest(block_hashes(raw, self._block_bytes, MAX_PREFIX_BLOCKS) if raw else None,
-                            cannot_serve=cannot_serve)
+        """The policy's view of the request: the workers that cannot serve it (model, pinned response) and its
+        prompt's raw bytes (``messages`` JSON for chat, ``prompt`` for completions, ``input`` otherwise, as sent;
+        what the policy's plugins derive from them is theirs: :mod:`dplb.policy.framework`)."""
+        return RouteRequest(peek.messages or peek.prompt or peek.input or None, cannot_serve=cannot_serve)
 
     # ---- the handler -------------------------------------------------------------------------------------------
     def enable_tracing(self, tracer: Any) -> None:

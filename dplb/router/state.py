@@ -9,8 +9,10 @@ Contract
 - In-flight counts per worker are the router's own: incremented by :meth:`acquire`, decremented by
   :meth:`release` on every exit path of a proxied request. Both publish this process's correction and in-flight
   count to its router slot (:mod:`dplb.state.router_slots`), and every pick adds the other router processes' published
-  correction (N processes behind one port route like one router). Likewise the prefix index: each pick first
-  replays what the others' indexes learnt (their prefix rings) and then appends what its own learnt.
+  correction (N processes behind one port route like one router). Likewise what the policy learns: each pick first
+  hands the policy the raw entries the others published in their rings (:meth:`dplb.policy.Policy.absorb`), then
+  publishes what its own pick learnt (``RouteRequest.learned``). The policy is prepared for the request
+  (:meth:`dplb.policy.Policy.prepare`) before the decision is timed.
 - One log line per worker registration (becomes routable) and deregistration (with the reason).
 - Worker health (ejection for failures, heartbeat hysteresis) is :class:`dplb.router.health.WorkerHealth`, fed
   every snapshot this state reads and, through :meth:`RouterState.report`, every attempt's outcome; its ejected
@@ -60,8 +62,6 @@ class RouterState:
                 "--num-workers was not given. Start the workers' segment with `dplb launch`, or pass --num-workers.")
         self.num_workers = n
         self.policy: Policy = make_policy(cfg.policy, n)
-        prefix = self.policy.scorer("prefix")
-        self._prefix_index = getattr(prefix, "index", None)  # shared with the other router processes (shm rings)
         self.inflight = [0] * n
         self.decisions: collections.deque[tuple[float, str, Decision]] = collections.deque(maxlen=cfg.debug_ring)
         self._routable = [False] * n
@@ -131,6 +131,7 @@ class RouterState:
     # ---- hot path --------------------------------------------------------------------------------------------
     def decide(self, request: RouteRequest, request_id: str) -> Decision:
         """Pick a worker for one request (see module docstring). Never raises for a missing segment."""
+        self.policy.prepare(request)
         t0 = time.perf_counter()
         snap = self.snapshot()
         health = self.health
@@ -148,9 +149,8 @@ class RouterState:
             now = time.monotonic_ns()
             held = health.observe(snap, now, self._interval_ms())
             slots = self.slots
-            if slots is not None and self._prefix_index is not None and slots.has_peers:
-                for w, keys in slots.drain_prefix().items():  # what the other router processes sent meanwhile
-                    self._prefix_index.record(keys, w, now)
+            if slots is not None and self.policy.shares and slots.has_peers:
+                self.policy.absorb(slots.drain_prefix(), now)  # what the other router processes learnt meanwhile
             d = self.policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight,
                                  shared=self._shared(snap, now))
             if request.learned and slots is not None and slots.has_peers and d.worker is not None:
