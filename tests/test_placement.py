@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
 
 import httpx
 import pytest
-from cluster import dplb_cmd, free_port
+from cluster import ROOT, dplb_cmd, free_port
 
 from dplb.errors import ConfigError
 from dplb.ops.placement import OMP_ENV, plan_placement, resolve
@@ -206,10 +208,27 @@ def test_emit_systemd_writes_placement_dropins(tmp_path: Path) -> None:
         assert f"{OMP_ENV}={cpus[k]}\n" in (tmp_path / f"worker-{k}.env").read_text()
     assert f"CPUAffinity={cpus[-1]}\n" in (tmp_path / "dplb-router.service.d" / "placement.conf").read_text()
     assert "placement.conf" in r.stdout and "/etc/systemd/system/" in r.stdout
+    _verify_with_dropins(tmp_path)
     bad = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--worker-cpus", "0", "--emit-systemd",
                                   str(tmp_path / "x")), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "gives 1 CPU list(s) for 2 worker(s)" in bad.stderr
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def _verify_with_dropins(out: Path) -> None:
+    """``systemd-analyze verify`` the units with the drop-ins in ``out`` beside them: no output (it reports a value
+    it cannot parse, e.g. ``Failed to parse CPU affinity``)."""
+    sa = shutil.which("systemd-analyze")
+    if sa is None:
+        return
+    dplb_bin = shutil.which("dplb") or os.path.join(os.path.dirname(sys.executable), "dplb")
+    for u in ("dplb.target", "dplb-segment.service", "dplb-router.service", "dplb-worker@.service"):
+        text = Path(ROOT, "deploy", "systemd", u).read_text()
+        (out / u).write_text(text.replace("/opt/dplb/venv/bin/dplb", dplb_bin))
+    (out / "dplb-worker@0.service").symlink_to(out / "dplb-worker@.service")
+    r = subprocess.run([sa, "verify", str(out / "dplb-router.service"), str(out / "dplb-worker@0.service")],
+                       capture_output=True, text=True, cwd=out, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "" and r.stderr.strip() == "", r.stdout + r.stderr
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
