@@ -13,9 +13,9 @@ Contract
   NUMA nodes; workers are spread over the nodes in order (each worker's cores on one node). The router gets the
   cores of nodes without a worker and, up to ``router_cores`` (one per router process), cores taken one at a time
   from the node with the most cores per worker, only while every worker there still gets one; the rest of each
-  node is split into equal contiguous shares, and a remainder goes to the router too. Each vLLM CPU worker's ``VLLM_CPU_OMP_THREADS_BIND`` is one CPU per core of its
-  share but the last core, which is kept for its API server and engine core (vLLM's own auto-binding keeps one
-  the same way); a one-core share is all OpenMP.
+  node is split into equal contiguous shares, and a remainder goes to the router too. Each vLLM CPU worker's
+  ``VLLM_CPU_OMP_THREADS_BIND`` is one CPU per core of its share but the last core, which is kept for its API
+  server and engine core (vLLM's own auto-binding keeps one the same way); a one-core share is all OpenMP.
 - ``auto`` on a GPU host: a worker's home is the CPUs NVML reports near its GPUs (their NUMA node: the
   intersection over its group); workers with the same home split it as above. No OpenMP list (vLLM's CUDA
   platform does not read it).
