@@ -1,4 +1,4 @@
-"""Worker placement: the CPUs each worker and the router run on (``dplb launch``, ``--emit-systemd``; DESIGN §6).
+"""Worker placement: which CPUs each worker and the router run on (``dplb launch``; docs/DESIGN.md §10).
 
 Why: two vLLM CPU engines on one core starve each other (vLLM's auto-binding puts every engine's OpenMP threads on
 the first NUMA node's cores, and its model runner busy-waits), and the router keeps sending to the frozen one.
