@@ -29,7 +29,9 @@ def require_vllm() -> None:
 
 
 def vllm_env() -> dict[str, str]:
-    """Environment for vLLM CPU workers: do not pin every worker's OpenMP threads to the same core."""
+    """Environment for vLLM CPU workers started one by one (``dplb worker``): do not pin every worker's OpenMP
+    threads to the same core. ``dplb launch`` replaces the value with each worker's own cores
+    (dplb/ops/placement.py)."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     return env

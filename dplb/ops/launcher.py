@@ -42,6 +42,7 @@ from dplb.ops.checks import (
     scrape_targets,
     write_scrape_targets,
 )
+from dplb.ops.placement import add_placement_args, host_placement, preexec
 from dplb.ops.plan import cuda_visible_devices, plan_gpus
 from dplb.router.cli import add_router_args, router_config
 from dplb.router.supervisor import child_env
@@ -73,15 +74,19 @@ class Child:
     start_failures: int = 0
     ever_ready: bool = False
     extra: dict[str, object] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()  # pinned to these CPUs before exec (dplb.ops.placement); () = not pinned
 
     def start(self) -> None:
         with open(self.log_path, "ab") as f:
             if self.started_at == 0.0:  # first start by this launcher: mark where its lines begin (logs are kept)
                 f.write(f"{_RUN_MARK} {time.strftime('%Y-%m-%dT%H:%M:%S')} pid {os.getpid()}\n".encode())
                 f.flush()
+            # Its own process group (a terminal's Ctrl-C reaches the launcher only, which drains the children in
+            # order) but the launcher's session: a session is a kernel autogroup, and engines in separate
+            # autogroups do not share a core fairly (a yielding vLLM engine kept one for seconds).
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=die_with_parent)
+                                         stdin=subprocess.DEVNULL, process_group=0,
+                                         preexec_fn=preexec(self.cpus, die_with_parent))
         self.started_at = time.monotonic()
 
     def alive(self) -> bool:
@@ -143,6 +148,7 @@ class Launcher:
             gpus = [g.index for g in discover_gpus()]
         self.plan = plan_gpus(gpus, args.num_workers, args.tensor_parallel_size)
         self.engine = "vllm" if args.model else "sim"
+        self.placement = host_placement(args, self.plan, self.engine)
         if not gpus and args.tensor_parallel_size > 1:
             raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size} needs GPUs, and none is visible")
         if args.drain_timeout < 0:
@@ -205,6 +211,7 @@ class Launcher:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA and NVML agree on indices
         for k, group in enumerate(self.plan):
             wenv = dict(env)
+            wenv.update(self.placement.worker_env(k))
             if group:
                 wenv["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(group)
             argv = _dplb("--log-level", self.args.log_level, "worker", "--worker-id", str(k), "--engine",
@@ -220,12 +227,13 @@ class Launcher:
             if self.engine == "vllm" and len(group) > 1:
                 argv += ["--tensor-parallel-size", str(len(group))]
             argv += self.engine_args + self.per_worker_args.get(k, [])
-            self.workers.append(Child(f"worker {k}", argv, wenv,
-                                      os.path.join(self.run_dir, f"worker-{k}.log")))
+            self.workers.append(Child(f"worker {k}", argv, wenv, os.path.join(self.run_dir, f"worker-{k}.log"),
+                                      cpus=self.placement.workers[k]))
         # The router gets its validated configuration whole (JSON in $DPLB_ROUTER_CONFIG), not re-emitted flags.
         rargv = _dplb("--log-level", self.args.log_level, "router", "--config-env")
         renv = child_env(self.router_cfg, env)
-        self.router = Child("router", rargv, renv, os.path.join(self.run_dir, "router.log"))
+        self.router = Child("router", rargv, renv, os.path.join(self.run_dir, "router.log"),
+                            cpus=self.placement.router)
 
     def _local_url(self) -> str:
         host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::", "") else self.args.host
@@ -250,7 +258,8 @@ class Launcher:
               f"  router:  {url}  (policy {self.args.policy}; listening on {self.args.host}:{self.args.port}"
               f"{', all interfaces' if self.args.host in ('0.0.0.0', '::') else ''}"
               f"{', API key required' if self.args.api_key else ''})\n"
-              f"  segment: {self.shm_path}   (dplb state --shm-path {self.shm_path})\n"
+              + "".join(f"  {'cpus:' if i == 0 else '':9}{line}\n" for i, line in enumerate(self.placement.describe()))
+              + f"  segment: {self.shm_path}   (dplb state --shm-path {self.shm_path})\n"
               f"  logs:    {self.run_dir}/worker-K.log, {self.run_dir}/router.log (kept after exit)\n"
               f"  scrape:  {self.targets_path} (Prometheus file_sd: jobs dplb-router, dplb-workers)\n"
               f"  try:     curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
@@ -437,6 +446,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-args", action="append", metavar="K=ARGS",
                    help="extra engine arguments for worker K only, after the shared ones (repeatable), e.g. "
                    "--worker-args '3=--sim-speed 0.5' (a throttled GPU) or '0=--max-num-seqs 128'")
+    add_placement_args(p)
     p.add_argument("--emit-systemd", metavar="DIR", help="write systemd env files for this plan into DIR and exit")
     add_router_args(p)
     p.set_defaults(func=_cmd_launch)

@@ -8,6 +8,9 @@ pipe, appends one flushed frame per interval (JSON lines with ``--json``).
 worker has every slot field plus ``worker``, ``heartbeat_age_s`` (null if never written), ``stale`` and
 ``router_inflight`` (open requests of every router process to it), and each router slot its pid, port, process
 index, heartbeat age and per-worker ``pending``/``inflight`` lists (:mod:`dplb.state.router_slots`).
+Each live worker and router process also gets ``cpus``: the CPUs the kernel lets it run on (its affinity, read from
+the pid on this host; null when it cannot be read), which is the placement ``dplb launch`` applied
+(:mod:`dplb.ops.placement`); the table shows it on a line under the heading.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError, ShmMissingError
 from dplb.policy import routable
+from dplb.runtime.cpus import format_cpu_list, process_cpus
 from dplb.state.segments import segments
 from dplb.state.shm import ENV_SHM_PATH, SHM_DIR, Segment
 
@@ -58,6 +62,9 @@ def snapshot(seg: Segment) -> dict[str, object]:
         d["routable"], d["why"] = c.why == "ok", c.why
         workers.append(d)
     routers = seg.router_slots()
+    for d in (*workers, *routers):
+        pid = d.get("pid")
+        d["cpus"] = process_cpus(pid) if isinstance(pid, int) and pid > 0 else None
     for k, d in enumerate(workers):  # open requests of every router process to this worker (their router slots)
         d["router_inflight"] = sum(r["inflight"][k] for r in routers)
     return {"path": seg.path, "header": seg.header.to_dict(), "workers": workers, "routers": routers}
@@ -97,7 +104,16 @@ def render_table(snap: dict) -> object:
             f"{w['avg_latency_s']:.3f}", f"{w['avg_ttft_s']:.3f}", str(w["requests_total"]), str(w["errors_total"]),
             str(w["cuda_oom_total"]), f"{w['warmup_seconds']:.2f}",
         )
-    return Group(heading, t)
+    return Group(heading, Text(placement_line(snap), no_wrap=True, overflow="fold"), t)
+
+
+def placement_line(snap: dict) -> str:
+    """``cpus: worker 0: 0-3 · worker 1: 4-7 · router 1234: 8-9`` (each live process's affinity; "?" unknown)."""
+    def cpus(d: dict) -> str:
+        return format_cpu_list(d["cpus"]) if d.get("cpus") else "?"
+    parts = [f"worker {w['worker']}: {cpus(w)}" for w in snap["workers"] if w.get("pid")]
+    parts += [f"router {r['pid']}: {cpus(r)}" for r in snap.get("routers", []) if r.get("pid")]
+    return "cpus: " + (" · ".join(parts) if parts else "-")
 
 
 def _interrupt(signum: int, frame: object) -> None:

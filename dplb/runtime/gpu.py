@@ -3,6 +3,8 @@
 Contract: nothing here raises because a GPU is missing. :func:`discover_gpus` returns ``[]`` on a host without
 NVML; :class:`GpuReader` reports zeros with ``available=False`` (the worker sets the shm NO_GPU flag and logs one
 line). NVML errors after a successful init are counted (``errors_total``) and give the last good reading.
+:func:`gpu_cpu_affinity` reads each GPU's CPU affinity (the CPUs of its NUMA node) for the worker placement
+(:mod:`dplb.ops.placement`); it takes the NVML module as a parameter, the seam the tests use on a host without GPUs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger("dplb.gpu")
 
@@ -48,6 +51,46 @@ def discover_gpus() -> list[GpuInfo]:
         return out
     finally:
         nv.nvmlShutdown()
+
+
+def cpus_from_mask(words: list[int], word_bits: int = 64) -> list[int]:
+    """CPU ids set in an NVML CPU-set bitmask (``words[i]`` bit ``b`` = CPU ``i * word_bits + b``), sorted."""
+    return [i * word_bits + b for i, w in enumerate(words) for b in range(word_bits) if (int(w) >> b) & 1]
+
+
+def gpu_cpu_affinity(indices: list[int], ncpus: int | None = None, nvml: object = None) -> dict[int, list[int]]:
+    """The CPUs near each GPU in ``indices`` (NVML ``nvmlDeviceGetCpuAffinityWithinScope`` with the NUMA-node scope;
+    ``nvmlDeviceGetCpuAffinity``, the ideal affinity, where the driver lacks it). ``ncpus`` sizes the bitmask
+    (default ``os.cpu_count()``); ``nvml``: the ``pynvml`` module (default: imported and initialised here; tests pass
+    a stand-in). Returns ``{index: [cpu, ...]}``, leaving out a GPU NVML gives no CPUs for; ``{}`` without NVML.
+    Never raises because NVML is missing or fails."""
+    own = nvml is None
+    try:
+        nv: Any = _nvml() if own else nvml
+    except Exception as e:  # no driver / library: a CPU host
+        log.debug("NVML unavailable: %s", e)
+        return {}
+    words = ((ncpus or os.cpu_count() or 1) + 63) // 64
+    out: dict[int, list[int]] = {}
+    try:
+        for i in indices:
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                try:
+                    mask = nv.nvmlDeviceGetCpuAffinityWithinScope(h, words, getattr(nv, "NVML_AFFINITY_SCOPE_NODE", 0))
+                except Exception:  # older drivers: the ideal affinity (same node on the usual servers)
+                    mask = nv.nvmlDeviceGetCpuAffinity(h, words)
+                cpus = cpus_from_mask(list(mask))
+            except Exception as e:
+                log.warning("NVML gives no CPU affinity for GPU %d (%s); it is placed like a CPU worker", i, e)
+                continue
+            if cpus:
+                out[i] = cpus
+        return out
+    finally:
+        if own:
+            with contextlib.suppress(Exception):
+                nv.nvmlShutdown()
 
 
 def visible_gpu_indices(env: dict[str, str] | None = None) -> list[int] | None:
