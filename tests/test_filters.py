@@ -86,3 +86,27 @@ def test_routable_is_what_ready_metrics_and_state_show() -> None:
     assert whys == ["ok", "not_ready", "stale", "held_out", "unregistered"]
     # request-level filters never make a worker unroutable: a full worker is still up
     assert [c.why for c in routable(snap[3:4], NOW, PolicyConfig(hard_queue_cap=8))] == ["ok"]
+
+
+PROMPT = b'[{"role":"user","content":"' + b"a long shared question " * 30 + b'"}]'
+
+
+@pytest.mark.parametrize(("why", "kw"), [
+    ("draining", {}), ("excluded", {"exclude": frozenset({1})}), ("cannot_serve", {"cannot_serve": frozenset({1})}),
+    ("ejected", {}), ("held_out", {}),
+])
+def test_a_prefix_never_pulls_a_request_past_the_filters(why: str, kw: dict) -> None:  # type: ignore[type-arg]
+    """Worker 1 holds the prompt's whole prefix (the policy routed it there first); when a filter rejects worker 1
+    the request goes elsewhere, and worker 1 is neither chosen nor preferred."""
+    from dplb.policy import make_policy
+
+    p = make_policy(PolicyConfig(), 3)
+    snap = [WorkerState(k, pid=10 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW) for k in range(3)]
+    first = p.pick(snap, NOW, RouteRequest(PROMPT, exclude=frozenset({0, 2})))
+    assert first.worker == 1
+    assert p.pick(snap, NOW, RouteRequest(PROMPT)).worker == 1  # the prefix pulls it back to worker 1
+    if why == "draining":
+        snap[1] = WorkerState(1, pid=11, lifecycle=Lifecycle.DRAINING, heartbeat_mono_ns=NOW)
+    d = p.pick(snap, NOW, RouteRequest(PROMPT, **kw), held=frozenset({1}) if why == "held_out" else frozenset(),
+               ejected=frozenset({1}) if why == "ejected" else frozenset())
+    assert d.candidates[1].why == why and d.worker in (0, 2) and d.preferred != 1

@@ -198,7 +198,7 @@ class RouterMetrics:
         self._decision_children: dict[tuple[int | None, str], object] = {}
         from dplb.policy.decision import NOTE_PREFIX_BLOCKS, NOTE_PREFIX_HIT_BLOCKS, NOTE_PREFIX_OUTCOME
 
-        # What the policy's plugins note about a routed request (RouteRequest.notes), read by name: outcome notes
+        # What the policy's plugins note about a routed request (Decision.notes), read by name: outcome notes
         # (the value is the label) and worker notes (the amount added for the chosen worker). A plugin noting
         # something not listed here is simply not exported.
         self._outcome_notes = {NOTE_PREFIX_OUTCOME: self.prefix_routed}

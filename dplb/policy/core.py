@@ -89,6 +89,7 @@ class Policy:
         self._learners = [s for s in self.scorers if type(s).forget_worker is not Scorer.forget_worker]
         self._pickers_hooks = [s for s in self.scorers if type(s).on_pick is not Scorer.on_pick]
         self._preparers = [p for p in self.plugins if type(p).prepare is not Plugin.prepare]
+        self._noters = tuple(s for s in self.scorers if type(s).notes is not Scorer.notes)
         self._unbounded = tuple(j for j, s in enumerate(self.scorers) if not s.bounded)
         sharers = [s for s in self.scorers if type(s).absorb is not Scorer.absorb]
         if len(sharers) > 1:
@@ -175,7 +176,7 @@ class Policy:
         choosing (no rotation, no correction, no hooks): what a metrics scrape uses.
         """
         req = _NO_REQUEST if request is None else request
-        if not req.prepared and req.prompt is not None:
+        if req.prompt is not None and not req.prepared:
             self.prepare(req)
         n = len(snapshot)
         sent_at = self._sent_at
@@ -198,8 +199,9 @@ class Policy:
         for f in self.filters:
             f.apply(cands, ctx)
         columns = [s.score(cands, ctx) for s in self.scorers]
-        for j in self._unbounded:  # the framework's guarantee: every term in [0, 1]
-            columns[j] = clamp_unit(columns[j])
+        if self._unbounded:  # the framework's guarantee: every term in [0, 1]
+            for j in self._unbounded:
+                columns[j] = clamp_unit(columns[j])
         for c, sc in zip(cands, weighted_sum(columns, self.weights), strict=True):
             c.score = sc
         start = self._rot % n if n else 0
@@ -224,7 +226,7 @@ class Policy:
         for s in self._pickers_hooks:
             s.on_pick(req, k, now_mono_ns)
         return Decision(self.name, k, reason, cands, self.baseline_s, self.term_names, self.weights, req.preferred,
-                        self.scorers, ctx, columns)
+                        self.scorers, ctx, columns, self._noters)
 
     def _new_snapshot(self, w: WorkerState, q: deque[int]) -> None:
         """Worker ``w`` published a new snapshot: drop the correction entries it counts now (sent before its

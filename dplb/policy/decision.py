@@ -48,8 +48,9 @@ DECISION_REASONS = (
 # (spill: load won), or no worker had any block of the prompt.
 PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS = "hit", "spill", "miss"
 PREFIX_OUTCOMES = (PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS)
-# Notes a plugin leaves on a routed request (RouteRequest.notes; read by name by dplb.obs.metrics): the prefix
-# scorer's outcome (one of PREFIX_OUTCOMES), the prompt's blocks, and the blocks the index says the chosen worker has.
+# Notes a scorer gives about a routed request (Scorer.notes, via Decision.notes; read by name by dplb.obs.metrics):
+# the prefix scorer's outcome (one of PREFIX_OUTCOMES), the prompt's blocks, and the blocks the index says the chosen
+# worker has.
 NOTE_PREFIX_OUTCOME = "prefix_outcome"
 NOTE_PREFIX_BLOCKS = "prefix_blocks"
 NOTE_PREFIX_HIT_BLOCKS = "prefix_hit_blocks"
@@ -102,15 +103,17 @@ class Decision:
     (``candidates``, in worker-id order: candidate k is worker k). ``term_names``/``weights``: the scorers;
     ``columns[j][k]``: scorer j's term for worker k. ``preferred``: the worker with the longest prefix match
     (None: no match / no prefix scorer).
-    ``scorers`` and ``ctx`` are kept for the lazy JSON view."""
+    ``scorers`` and ``ctx`` are kept for the lazy JSON view, ``noters`` (the scorers with a ``notes`` hook) for
+    the lazy :attr:`notes`."""
 
-    __slots__ = ("baseline_s", "candidates", "columns", "ctx", "policy", "preferred", "reason", "scorers",
+    __slots__ = ("baseline_s", "candidates", "columns", "ctx", "noters", "policy", "preferred", "reason", "scorers",
                  "term_names", "weights", "worker")
 
     def __init__(
         self, policy: str, worker: int | None, reason: str, candidates: list[Candidate], baseline_s: float | None,
         term_names: tuple[str, ...] = (), weights: tuple[float, ...] = (), preferred: int | None = None,
         scorers: tuple[Any, ...] = (), ctx: Any = None, columns: list[list[float]] | None = None,
+        noters: tuple[Any, ...] = (),
     ) -> None:
         self.policy = policy
         self.worker = worker
@@ -123,6 +126,7 @@ class Decision:
         self.scorers = scorers
         self.ctx = ctx
         self.columns = columns or []
+        self.noters = noters
 
     def chosen_age_s(self) -> float | None:
         """Age of the chosen worker's state in seconds (None when nobody was chosen or without shm)."""
@@ -143,9 +147,16 @@ class Decision:
 
     @property
     def notes(self) -> dict[str, Any] | None:
-        """What the plugins noted about the routed request (``RouteRequest.notes``: note name → value), or None."""
-        ctx = self.ctx
-        return ctx.request.notes if ctx is not None and self.worker is not None else None
+        """What the scorers observed about the routed request (their ``notes`` hooks, asked now: note name →
+        value), or None (not routed, or nothing to say)."""
+        if self.worker is None or not self.noters:
+            return None
+        out: dict[str, Any] | None = None
+        for s in self.noters:
+            got = s.notes(self.ctx.request, self.worker)
+            if got:
+                out = got if out is None else {**out, **got}
+        return out
 
     def prefix_outcome(self) -> str | None:
         """:data:`PREFIX_HIT` / :data:`PREFIX_SPILL` / :data:`PREFIX_MISS` for a routed request with a prefix key

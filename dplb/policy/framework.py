@@ -21,10 +21,12 @@ Contract of each extension point
   and skip the clamp. Every candidate is scored, eligible or not (visibility); scorers that compare workers
   (latency deadband, prefix match) look only at the eligible ones. ``inputs(c, ctx)`` names what the scorer read,
   for ``/debug/decisions`` and traces (not called on the hot path). Optional hooks: ``on_pick(request, worker,
-  now_ns)`` after a worker is chosen for real (it may set ``request.notes`` for metrics and ``request.learned``
-  for the other router processes), ``forget_worker(worker)`` when a worker restarted, ``absorb(entries, now_ns)``
-  to apply what the other router processes learnt (the raw entries of their rings, :mod:`dplb.state.router_slots`;
-  at most one configured scorer may implement it: the rings carry one kind of key).
+  now_ns)`` after a worker is chosen for real (it may set ``request.learned`` for the other router processes),
+  ``notes(request, worker)``: what it observed about a routed request, by note name, for the metrics and views
+  (asked only when someone looks, :attr:`dplb.policy.decision.Decision.notes`: it costs the pick nothing),
+  ``forget_worker(worker)`` when a worker restarted, ``absorb(entries, now_ns)`` to apply what the other router
+  processes learnt (the raw entries of their rings, :mod:`dplb.state.router_slots`; at most one configured scorer
+  may implement it: the rings carry one kind of key).
 - :class:`Picker`: ``pick(eligible, ctx)`` chooses among the eligible candidates (given in rotated order, so
   "first" rotates) and returns ``(candidate, reason)``.
 
@@ -56,11 +58,11 @@ class RouteRequest:
     worker holds: :mod:`dplb.router.models`); ``exclude``: worker ids already tried (a failed connect).
     Filled by plugins: ``derived`` (plugin name → what its ``prepare`` hook derived from the prompt; a plugin reads
     only its own), ``preferred`` (the worker an affinity plugin prefers: the longest prefix match, the rendezvous
-    worker), ``notes`` (after the pick: what plugins observed about it, read by name by the metrics), ``learned``
-    (after the pick: keys the other router processes must learn, < 2**42 each, published for the chosen worker).
+    worker), ``learned`` (after the pick: keys the other router processes must learn, < 2**42 each, published for
+    the chosen worker).
     """
 
-    __slots__ = ("cannot_serve", "derived", "exclude", "learned", "notes", "preferred", "prepared", "prompt")
+    __slots__ = ("cannot_serve", "derived", "exclude", "learned", "preferred", "prepared", "prompt")
 
     def __init__(self, prompt: Any = None, exclude: frozenset[int] = frozenset(),
                  cannot_serve: frozenset[int] = frozenset()) -> None:
@@ -70,7 +72,6 @@ class RouteRequest:
         self.prepared = False
         self.derived: dict[str, Any] = {}
         self.preferred: int | None = None
-        self.notes: dict[str, Any] | None = None
         self.learned: list[int] | None = None
 
 
@@ -212,6 +213,11 @@ class Scorer(Plugin):
 
     def forget_worker(self, worker: int) -> None:
         """``worker`` restarted (new pid): drop what was learnt about it."""
+
+    def notes(self, request: RouteRequest, worker: int) -> dict[str, Any] | None:
+        """What this scorer observed about ``request``, routed to ``worker`` (note name → value; names in
+        :mod:`dplb.policy.decision`), or None. Asked after the pick, only when someone looks."""
+        return None
 
     def absorb(self, entries: Mapping[int, Sequence[int]], now_ns: int) -> None:
         """Apply what the other router processes learnt: ``entries`` = worker id → keys they published for it

@@ -20,7 +20,7 @@ defaults). Table-driven tests: tests/test_scorers.py.
   It owns the prefix end to end: its ``prepare`` hook cuts the request's raw prompt bytes into chained block keys
   (:func:`dplb.policy.prefix.block_hashes`, ``block_bytes``, at most ``max_blocks``), it keeps the index, records each
   routed request's blocks for its worker (and hands the new keys to the other router processes in ``request.learned``),
-  applies theirs (``absorb``), and reports the routed outcome in ``request.notes``
+  applies theirs (``absorb``), and reports the routed outcome in its ``notes``
   (:data:`~dplb.policy.decision.NOTE_PREFIX_OUTCOME` …) and the index size in ``stats()``. From the prefix index
   (:class:`dplb.policy.prefix.PrefixIndex`): ``prefix_match`` = matched leading blocks ÷ blocks, per worker. The term is
   ``(match − min_match)/(1 − min_match) · max(0, 1 − queue/max_queue)`` with ``min_match`` the lowest match among the
@@ -64,9 +64,13 @@ class QueueScorer(Scorer):
     parameters = (Param("waiting_weight", float, field="waiting_weight", check=lambda v: v >= 1.0, expect="≥ 1",
                         help="a request waiting for a batch slot counts this many times (--waiting-weight)"),)
 
+    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
+        super().__init__(cfg, num_workers)
+        self.waiting_weight: float = self.params["waiting_weight"]
+
     def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
         cfg = self.cfg
-        ww1 = self.params["waiting_weight"] - 1.0
+        ww1 = self.waiting_weight - 1.0
         out = []
         for c in cands:
             w = c.state
@@ -102,14 +106,18 @@ class MemoryScorer(Scorer):
     parameters = (Param("signal", str, field="memory_signal", choices=("kv", "gpu"),
                         help="KV-cache usage or NVML used/total (--memory-signal)"),)
 
+    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
+        super().__init__(cfg, num_workers)
+        self.signal: str = self.params["signal"]
+
     def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
-        sig = self.params["signal"]
+        sig = self.signal
         # The common case (kv) without a call per candidate.
         ratios = [c.state.kv_cache_usage for c in cands] if sig == "kv" else [memory_ratio(c, sig) for c in cands]
         return [0.0 if r > 1.0 else (1.0 if r < 0.0 else 1.0 - r) for r in ratios]
 
     def inputs(self, c: Candidate, ctx: PickContext) -> dict[str, Any]:
-        return {"memory_ratio": memory_ratio(c, self.params["signal"])}
+        return {"memory_ratio": memory_ratio(c, self.signal)}
 
 
 class LatencyScorer(Scorer):
@@ -120,6 +128,10 @@ class LatencyScorer(Scorer):
     parameters = (Param("deadband", float, field="latency_deadband", check=lambda v: 0.0 <= v < 1.0,
                         expect="a fraction in [0, 1)", help="latencies this close to the mean count as equal "
                         "(--latency-deadband)"),)
+
+    def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
+        super().__init__(cfg, num_workers)
+        self.deadband: float = self.params["deadband"]
 
     def signal(self, c: Candidate) -> float:
         """The latency this scorer uses for ``c``: mean E2E or mean TTFT of its last 10 requests, seconds."""
@@ -145,7 +157,7 @@ class LatencyScorer(Scorer):
             if c.why is OK:
                 el_sum += lat
                 el_n += 1
-        band = self.params["deadband"]
+        band = self.deadband
         if band > 0.0 and el_n > 1:
             mean = el_sum / el_n
             tm = 1.0 - mean / base
@@ -208,7 +220,7 @@ class PrefixScorer(Scorer):
 
     def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
         req = ctx.request
-        q = req.derived.get("prefix")
+        q = req.derived.get("prefix") if req.derived else None
         if q is None:
             return [0.0] * len(cands)
         blocks = q.blocks
@@ -239,21 +251,20 @@ class PrefixScorer(Scorer):
         return {"prefix_blocks": n, "prefix_matched_blocks": d, "prefix_match": d / n if n else 0.0}
 
     def on_pick(self, request: RouteRequest, worker: int, now_ns: int) -> None:
-        """Record the request's blocks for ``worker`` (``request.learned``: the keys the index learnt) and note
-        the outcome: hit (the longest match got it), spill (another worker did) or miss (no preference)."""
+        """Record the request's blocks for ``worker`` (``request.learned``: the keys the index learnt)."""
+        q = request.derived.get("prefix") if request.derived else None
+        if q is not None:
+            request.learned = self.index.record(q.blocks, worker, now_ns)
+
+    def notes(self, request: RouteRequest, worker: int) -> dict[str, Any] | None:
+        """The routed outcome: hit (the longest match got it), spill (another worker did) or miss (no worker had
+        more than the rest), the prompt's blocks and the blocks the index says ``worker`` has."""
         q = request.derived.get("prefix")
-        if q is None:
-            return
-        request.learned = self.index.record(q.blocks, worker, now_ns)
+        if q is None or q.depth is None:
+            return None
         depth, pref = q.depth, request.preferred
-        if depth is None:
-            return
         outcome = PREFIX_MISS if pref is None else PREFIX_HIT if depth[worker] >= depth[pref] else PREFIX_SPILL
-        notes = {NOTE_PREFIX_OUTCOME: outcome, NOTE_PREFIX_BLOCKS: len(q.blocks), NOTE_PREFIX_HIT_BLOCKS: depth[worker]}
-        if request.notes is None:
-            request.notes = notes
-        else:
-            request.notes.update(notes)
+        return {NOTE_PREFIX_OUTCOME: outcome, NOTE_PREFIX_BLOCKS: len(q.blocks), NOTE_PREFIX_HIT_BLOCKS: depth[worker]}
 
     def forget_worker(self, worker: int) -> None:
         self.index.forget_worker(worker)
