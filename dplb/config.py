@@ -179,11 +179,31 @@ def format_weights(weights: Weights) -> str:
     return ",".join(f"{n}={w:g}" for n, w in weights)
 
 
+def split_list(text: str, what: str, *, allow_empty: bool = False) -> list[str]:
+    """The items of a comma-separated list, each stripped of spaces: ``"a, b"`` → ``["a", "b"]``.
+
+    Every comma-separated command-line or query value goes through here, so they all refuse the same sloppiness:
+    an empty item (``"a,"``, ``",a"``, ``"a,,b"``, ``" , "``) raises :class:`ConfigError` naming ``what`` (e.g.
+    ``"--weights"``) and the text. ``""`` (only spaces) is ``[]`` when ``allow_empty``, else an error too.
+    """
+    if not text.strip():
+        if allow_empty:
+            return []
+        raise ConfigError(f"{what} must not be empty")
+    items = [t.strip() for t in text.split(",")]
+    if not all(items):
+        raise ConfigError(f"{what} {text!r} has an empty item (a stray comma?); separate items with one comma")
+    return items
+
+
 def parse_weights(text: str) -> Weights:
     """Parse ``"queue=0.4,memory=0.3,latency=0.3"`` (any registered scorer names) or the seed's positional
-    ``"0.4,0.3,0.3"`` (queue, memory, latency). Raises :class:`ConfigError` on anything else."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
+    ``"0.4,0.3,0.3"`` (queue, memory, latency). Raises :class:`ConfigError` on anything else, an empty item (a
+    trailing comma) included (:func:`split_list`)."""
     hint = "like queue=0.4,memory=0.3,latency=0.3 (or 0.4,0.3,0.3)"
+    if not text.strip():
+        raise ConfigError(f"weights must not be empty; {hint}")
+    parts = split_list(text, "--weights")
     try:
         if parts and all("=" not in p for p in parts):
             if len(parts) != 3:

@@ -47,6 +47,7 @@ from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
 from dplb.runtime.procs import die_with_parent
 from dplb.state.segments import check_takeover, inspect
 from dplb.state.shm import ENV_SHM_PATH, MAX_WORKERS, Lifecycle, Segment, default_segment_path
+from dplb.worker.engines import sim_config
 
 log = logging.getLogger("dplb.launch")
 BACKOFF_START_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
@@ -147,6 +148,9 @@ class Launcher:
         if args.max_start_failures < 1:
             raise ConfigError("--max-start-failures must be ≥ 1")
         self.per_worker_args = parse_worker_args(args.worker_args or [], len(self.plan))
+        if self.engine == "sim":  # each worker's --sim-* arguments, checked before anything starts
+            for k in range(len(self.plan)):
+                sim_config(engine_args + self.per_worker_args.get(k, []), model=args.served_model_name)
         self.run_dir = args.run_dir or default_run_dir()
         # Same resolution as `dplb state`: --shm-path, else $DPLB_SHM_PATH, else a new default path.
         self.shm_path = args.shm_path or os.environ.get(ENV_SHM_PATH) or default_segment_path()

@@ -3,7 +3,9 @@
 Contract: ``dplb.env`` (shared: segment path, run dir, number of workers, ``DPLB_ROUTER_ARGS`` with every router
 flag given to the command), ``router.env`` (0600, only with ``--api-key``: ``DPLB_API_KEY``, read by the router
 unit alone), ``worker-K.env`` (each worker's GPUs and engine flags, so the units stay generic) and the Prometheus
-file_sd targets.
+file_sd targets. ``--model`` is checked first, as ``dplb launch`` checks it (a missing local directory is refused
+before any file is written); without it the units run the sim engine, its ``--sim-*`` arguments are checked, and
+stderr says so.
 """
 
 from __future__ import annotations
@@ -11,15 +13,23 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
 
 
 def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
     """Write ``dplb.env`` and ``worker-K.env`` for the GPU plan into ``args.emit_systemd``. Returns 0."""
-    from dplb.ops.checks import parse_worker_args
+    from dplb.ops.checks import check_model, parse_worker_args
     from dplb.ops.plan import cuda_visible_devices, plan_gpus
     from dplb.router.cli import router_argv
     from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
 
+    check_model(args.model)  # as `dplb launch` does, before anything is written
+    if not args.model:
+        from dplb.worker.engines import sim_config
+
+        sim_config(engine_args, model=args.served_model_name)
+        print("dplb launch --emit-systemd: no --model given: the units will run the SIM engine (a simulated vLLM "
+              "on the CPU); pass --model PATH_OR_NAME to serve a real model", file=sys.stderr)
     gpus = visible_gpu_indices()
     if gpus is None:
         gpus = [g.index for g in discover_gpus()]

@@ -36,6 +36,8 @@ from typing import Any, Protocol
 
 import msgspec
 
+from dplb.config import split_list
+from dplb.errors import ConfigError
 from dplb.worker.engines.base import Receive, Scope, Send
 from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body, respond
 from dplb.worker.engines.sim.scheduler import (
@@ -70,12 +72,14 @@ _FORM_MODEL = re.compile(rb'name="model"[^\r\n]*\r\n(?:[^\r\n]+\r\n)*\r\n([^\r\n
 
 
 def parse_adapters(text: str) -> dict[str, str]:
-    """``"a,b=/p"`` → ``{"a": "/adapters/a", "b": "/p"}`` (name → path)."""
+    """``"a,b=/p"`` → ``{"a": "/adapters/a", "b": "/p"}`` (name → path); ``""`` → ``{}``. Raises
+    :class:`~dplb.errors.ConfigError` for an empty item or name (:func:`dplb.config.split_list`)."""
     out: dict[str, str] = {}
-    for item in (t.strip() for t in text.split(",")):
-        if item:
-            name, _, path = item.partition("=")
-            out[name.strip()] = path.strip() or f"/adapters/{name.strip()}"
+    for item in split_list(text, "--sim-lora-adapters", allow_empty=True):
+        name, _, path = item.partition("=")
+        if not name.strip():
+            raise ConfigError(f"--sim-lora-adapters {text!r}: {item!r} has no name (expected NAME or NAME=PATH)")
+        out[name.strip()] = path.strip() or f"/adapters/{name.strip()}"
     return out
 
 
