@@ -6,8 +6,9 @@ Contract
 - :func:`check_head` (before the body is read): 415 for a Content-Type the route does not take or an unknown
   ``Content-Encoding``. :func:`read_body` (after): decodes gzip/deflate bounded by ``limit`` decoded bytes (413,
   never more than ``limit + 1`` bytes are inflated), peeks JSON (400 ``invalid_json``/``body_not_object``) or the
-  multipart ``model`` field. The body is never re-serialised: the worker gets the bytes, decoded only when they
-  were compressed.
+  multipart ``model`` field; a client that disconnects before its body is complete is 499
+  ``client_closed_request`` (:func:`receive_body`; nothing is sent). The body is never re-serialised: the worker
+  gets the bytes, decoded only when they were compressed.
 - :func:`excluded` (hot path; set lookups only): the workers a request must not go to, or 404
   ``model_not_found`` (see :mod:`dplb.router.models`).
 """
@@ -137,9 +138,12 @@ def read_body(route: Route, body: bytes, encoding: bytes, limit: int) -> tuple[b
 
 
 async def receive_body(receive: Any, limit: int) -> bytes | None:
-    """The whole request body from the ASGI ``receive``, or None as soon as it exceeds ``limit`` bytes (b"" if the
-    client disconnected first)."""
+    """The whole request body from the ASGI ``receive``, or None as soon as it exceeds ``limit`` bytes. Raises
+    :class:`Rejected` ``client_closed_request`` (499) when the client disconnects before the body is complete: a
+    client close, not bad input."""
     msg = await receive()
+    if msg["type"] == "http.disconnect":
+        raise Rejected(RouterErrorKind.CLIENT_CLOSED, "the client closed the connection during the request body")
     body = msg.get("body", b"")
     if not msg.get("more_body", False):
         return body if len(body) <= limit else None
@@ -148,7 +152,8 @@ async def receive_body(receive: Any, limit: int) -> bytes | None:
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
-            return b""
+            raise Rejected(RouterErrorKind.CLIENT_CLOSED, f"the client closed the connection after {size} bytes of "
+                           "the request body")
         chunk = msg.get("body", b"")
         size += len(chunk)
         if size > limit:

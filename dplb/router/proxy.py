@@ -91,6 +91,9 @@ class Proxy:
     # ---- helpers -------------------------------------------------------------------------------------------------
     async def _reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None) -> None:
         self.metrics.rejected.labels(kind.code).inc()
+        if kind is RouterErrorKind.CLIENT_CLOSED:  # nobody to answer: record the 499, send nothing
+            ex.status = kind.status
+            return
         body = error_body(kind, message)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"x-request-id", ex.rid)]

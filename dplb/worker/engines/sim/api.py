@@ -39,7 +39,9 @@ import msgspec
 from dplb.config import split_list
 from dplb.errors import ConfigError
 from dplb.worker.engines.base import Receive, Scope, Send
+from dplb.worker.engines.sim import pooling
 from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body, respond
+from dplb.worker.engines.sim.pooling import POOLING_PATHS
 from dplb.worker.engines.sim.scheduler import (
     WORDS,
     SimConfig,
@@ -68,6 +70,12 @@ _AUDIO = ("/v1/audio/transcriptions", "/v1/audio/translations")
 _GENERIC = frozenset({
     "/tokenize", "/detokenize", "/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score",
     "/rerank", "/v1/rerank", "/v2/rerank", "/v1/messages", "/v1/messages/count_tokens", *_AUDIO})
+#: Routes the router proxies that the sim does not simulate: answered 404 with an OpenAI-shaped error saying so
+#: (vLLM serves them; a real model is needed to use them). 404, not 501: a worker 5xx counts against its health.
+NOT_SIMULATED = frozenset({
+    "/v1/chat/completions/batch", "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
+    "/v1/responses/render", "/v1/chat/completions/derender", "/v1/completions/derender", "/inference/v1/generate",
+    "/generative_scoring", "/v1/systemone", "/invocations"})
 _FORM_MODEL = re.compile(rb'name="model"[^\r\n]*\r\n(?:[^\r\n]+\r\n)*\r\n([^\r\n]{1,256})\r\n', re.IGNORECASE)
 
 
@@ -90,6 +98,7 @@ class SimApi:
         self.engine = engine
         self.adapters = parse_adapters(engine.config.lora_adapters)
         self.responses: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self.background: dict[str, asyncio.Task[None]] = {}  # response id → its generation (background: true)
 
     @property
     def served(self) -> frozenset[str]:
@@ -97,9 +106,9 @@ class SimApi:
         return frozenset((self.engine.config.model, *self.adapters))
 
     def handles(self, path: str) -> bool:
-        """True for the paths this module serves."""
-        return path in _GENERIC or path in _LORA or path == _RESPONSES or (
-            path.startswith(_RESPONSES_PREFIX) and path != "/v1/responses/render")  # render: not simulated
+        """True for the paths this module answers (:data:`NOT_SIMULATED` ones with their 404)."""
+        return path in _GENERIC or path in _LORA or path == _RESPONSES or path in NOT_SIMULATED or \
+            path.startswith(_RESPONSES_PREFIX)
 
     def models_body(self, created: int) -> bytes:
         """The ``/v1/models`` answer: the base model, then each adapter."""
@@ -124,7 +133,7 @@ class SimApi:
         self.engine.debug_requests.append(rec)
         want = "GET" if path.startswith(_RESPONSES_PREFIX) and not path.endswith("/cancel") else "POST"
         try:
-            if method != want:
+            if method != want and path not in NOT_SIMULATED:
                 raise HTTPError(405, "Method Not Allowed")
             body = await read_body(receive)
             if body is None:
@@ -133,6 +142,9 @@ class SimApi:
             rec["body_sha256"] = sha = hashlib.sha256(body).hexdigest()
             if hdr.get(DEBUG_HEADER) == b"body-sha256":  # opt-in, as in sim.py: never reaches a client that did not ask
                 headers.append((b"x-sim-body-sha256", sha.encode()))
+            if path in NOT_SIMULATED:
+                raise HTTPError(404, f"The DPLB sim engine does not implement {path}; vLLM serves it (start the "
+                                     "stack with --model to use it).", "NotFoundError")
             if path in _LORA:
                 status, out = self._lora(path, body)
                 rec["status"] = status
@@ -200,27 +212,13 @@ class SimApi:
         if path == "/tokenize":
             return {"count": len(ids), "max_model_len": self.engine.config.max_model_len, "tokens": ids}
         if path == "/detokenize":
-            return {"prompt": " ".join(WORDS[t % len(WORDS)] for t in data.get("tokens") or [])}
+            return {"prompt": pooling.detokenize(data.get("tokens"))}
         if path in _AUDIO:
             return {"text": " ".join(random.Random(data["bytes"]).choice(WORDS) for _ in range(8))}
         if path == "/v1/messages/count_tokens":
             return {"input_tokens": len(ids)}
-        vec = [((t >> s) & 0xFF) / 255.0 for t in ids[:1] for s in range(0, 32, 4)]
-        usage = {"prompt_tokens": len(ids), "total_tokens": len(ids), "completion_tokens": 0}
-        if path in ("/v1/embeddings", "/v2/embed", "/pooling"):
-            return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "model": model, "usage": usage,
-                    "data": [{"index": 0, "object": "embedding", "embedding": vec}]}
-        if path == "/classify":
-            return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "model": model, "usage": usage,
-                    "data": [{"index": 0, "label": "LABEL_0", "probs": [1.0], "num_classes": 1}]}
-        if path.endswith("rerank"):
-            docs = data.get("documents") or []
-            return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": {"total_tokens": len(ids)},
-                    "results": [{"index": i, "document": {"text": d}, "relevance_score": 1.0 / (i + 1)}
-                                for i, d in enumerate(docs)]}
-        if path.endswith("score"):
-            return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "model": model, "usage": usage,
-                    "data": [{"index": 0, "object": "score", "score": 0.5}]}
+        if path in POOLING_PATHS:
+            return pooling.answer(path, data, model)
         return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
                 "content": [{"type": "text", "text": "yes"}], "stop_reason": "max_tokens",
                 "usage": {"input_tokens": len(ids), "output_tokens": 1}}  # /v1/messages
@@ -232,7 +230,13 @@ class SimApi:
         if resp is None:
             raise HTTPError(404, f"Response with id '{rid}' not found.", "invalid_request_error")
         if cancel:
-            raise HTTPError(400, "Cannot cancel a synchronous response.", "invalid_request_error")
+            # vLLM: only a queued or in-progress (background) response can be cancelled; it answers the response.
+            if resp["status"] not in ("queued", "in_progress"):
+                raise HTTPError(400, "Cannot cancel a synchronous response.", "invalid_request_error")
+            resp["status"] = "cancelled"
+            task = self.background.pop(rid, None)
+            if task is not None:
+                task.cancel()
         return _json(resp)
 
     async def _respond(self, receive: Receive, send: Send, data: dict[str, Any],
@@ -269,6 +273,18 @@ class SimApi:
                 "instructions": data.get("instructions"), "metadata": None, "error": None,
                 "previous_response_id": prev, "usage": None}
         msg_id = f"msg_{uuid.uuid4().hex}"
+        if data.get("background") is True:
+            if data.get("store") is False or stream:
+                raise HTTPError(400, "background can only be used when `store` is true" if data.get("store") is False
+                                else "The DPLB sim engine does not stream background responses; poll GET "
+                                     "/v1/responses/{id} instead (vLLM streams them).")
+            resp["status"] = "queued"
+            resp["background"] = True
+            self._store(rid, resp)
+            self.background[rid] = asyncio.ensure_future(self._run_background(req, rng, resp, msg_id, len(ids)))
+            rec["status"] = 200
+            await respond(send, 200, _json(resp), headers)
+            return
         seq_no = [0]
 
         def event(kind: str, **fields: Any) -> bytes:
@@ -316,9 +332,7 @@ class SimApi:
                 "input_tokens": len(ids), "input_tokens_details": {"cached_tokens": seq.cached_tokens},
                 "output_tokens": len(words), "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": len(ids) + len(words)})
-            self.responses[rid] = resp
-            if len(self.responses) > STORED_RESPONSES:
-                self.responses.popitem(last=False)
+            self._store(rid, resp)
             rec.update(status=200, completion_tokens=len(words))
             if not stream:
                 await respond(send, 200, _json(resp), headers)
@@ -334,6 +348,41 @@ class SimApi:
             watcher.cancel()
             if not req.done:
                 eng.scheduler.abort(req)
+
+    def _store(self, rid: str, resp: dict[str, Any]) -> None:
+        """Keep ``resp`` for ``GET /v1/responses/{rid}`` (the last :data:`STORED_RESPONSES`)."""
+        self.responses[rid] = resp
+        self.responses.move_to_end(rid)
+        if len(self.responses) > STORED_RESPONSES:
+            self.responses.popitem(last=False)
+
+    async def _run_background(self, req: SimRequest, rng: random.Random, resp: dict[str, Any], msg_id: str,
+                              prompt_tokens: int) -> None:
+        """Generate a ``background: true`` response: queued → in_progress → completed (or cancelled, when
+        ``…/cancel`` cancels this task: the request is aborted and frees its KV blocks)."""
+        sched = self.engine.scheduler
+        sched.submit(req)
+        try:
+            seq = req.seqs[0]
+            while not req.done:
+                await req.event.wait()
+                req.event.clear()
+                if req.aborted:
+                    resp["status"] = "failed" if resp["status"] != "cancelled" else "cancelled"
+                    return
+                if resp["status"] == "queued" and seq.generated:
+                    resp["status"] = "in_progress"
+            words = [rng.choice(WORDS) for _ in range(seq.generated)]
+            resp.update(status="completed", output=[{
+                "type": "message", "id": msg_id, "status": "completed", "role": "assistant",
+                "content": [{"type": "output_text", "text": " ".join(words), "annotations": [], "logprobs": []}]}],
+                usage={"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": seq.cached_tokens},
+                       "output_tokens": len(words), "output_tokens_details": {"reasoning_tokens": 0},
+                       "total_tokens": prompt_tokens + len(words)})
+        finally:
+            if not req.done:
+                sched.abort(req)
+            self.background.pop(str(resp["id"]), None)
 
     async def _watch(self, receive: Receive, req: SimRequest) -> None:
         """A client disconnect aborts ``req`` (frees its KV blocks)."""
