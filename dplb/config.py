@@ -49,6 +49,27 @@ def default_router_processes(cpus: int | None = None) -> int:
     return max(1, min(MAX_ROUTER_PROCESSES, n // 8))
 
 
+#: The router's default port; a stack on another ``--port`` derives its own run dir and metrics ports from it.
+DEFAULT_PORT = 30000
+
+
+def stack_run_dir(port: int) -> str:
+    """The default run directory of the stack whose router listens on ``port``: :func:`default_run_dir` for
+    :data:`DEFAULT_PORT` (or 0, or when ``$DPLB_RUN_DIR`` names one), else that path with ``-<port>`` appended, so a
+    second stack on one host needs only ``--port`` (README "A second stack")."""
+    base = default_run_dir()
+    return base if port in (DEFAULT_PORT, 0) or os.environ.get(ENV_RUN_DIR) else f"{base}-{port}"
+
+
+def stack_metrics_port_base(port: int, given: int | None) -> int:
+    """The workers' metrics port base of the stack on router ``port``: ``given`` (``--metrics-port-base``) when
+    set, else :data:`METRICS_PORT_BASE` for :data:`DEFAULT_PORT` (or 0), else ``port + 1`` (worker K on
+    ``port + 1 + K``; ports 30000–30001+N of the first stack stay clear when the second is ≥ N + 2 above it)."""
+    if given is not None:
+        return given
+    return METRICS_PORT_BASE if port in (DEFAULT_PORT, 0) else port + 1
+
+
 def worker_metrics_ports(base: int | None, num_workers: int) -> list[int]:
     """TCP ports the workers' metrics servers bind: ``base + K`` (``None`` = :data:`METRICS_PORT_BASE`; 0 = none)."""
     b = METRICS_PORT_BASE if base is None else base

@@ -121,3 +121,27 @@ def test_pyproject_license_is_an_spdx_string() -> None:
     assert meta["project"]["license"] == "Apache-2.0"
     assert "setuptools>=77" in meta["build-system"]["requires"]  # the first setuptools that reads the string
     assert not any(c.startswith("License ::") for c in meta["project"].get("classifiers", []))
+
+
+def test_state_into_a_pipe_keeps_the_whole_heading_at_80_columns(tmp_path: Path) -> None:
+    """Regression: `dplb state | cat` cut the heading at 80 columns (rich's width without a terminal)."""
+    from dplb.state.shm import Segment
+
+    path = f"/dev/shm/dplb_state_{int(time.time())}_{os.getpid()}_a_rather_long_segment_name_for_the_test"
+    seg = Segment.create(path, 2, state_interval_ms=200, model="a-model-with-a-long-served-name")
+    try:
+        r = subprocess.run(dplb_cmd("state", "--shm-path", path), capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "80"})
+        assert r.returncode == 0, r.stderr
+        head = r.stdout.splitlines()[0]
+        assert len(head) > 80 and head.startswith(path) and head.rstrip().endswith("routers(pid:port)=-"), head
+    finally:
+        seg.close()
+        os.unlink(path)
+
+
+def test_dashboard_generator_without_the_venv_says_which_python_to_use() -> None:
+    """Regression: ``python dashboards/generate.py`` outside the virtualenv died with an ImportError traceback."""
+    r = subprocess.run([sys.executable, "-S", str(ROOT / "dashboards" / "generate.py"), "--check"],
+                       capture_output=True, text=True, timeout=60)  # -S: no site-packages, so no grafanalib
+    assert r.returncode == 2 and "Traceback" not in r.stderr and ".venv/bin/python" in r.stderr, r.stderr

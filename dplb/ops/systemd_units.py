@@ -58,11 +58,12 @@ def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
             os.fchmod(f.fileno(), 0o600)
             f.write(f"# DPLB router API key (dplb-router.service reads it; keep this file 0600)\n"
                     f"DPLB_API_KEY={args.api_key}\n")
-    from dplb.config import METRICS_HOST, worker_metrics_ports
+    from dplb.config import METRICS_HOST, stack_metrics_port_base, worker_metrics_ports
     from dplb.ops.checks import scrape_targets, write_scrape_targets
 
     mhost = getattr(args, "metrics_host", METRICS_HOST)
-    mports = worker_metrics_ports(getattr(args, "metrics_port_base", None), len(plan))
+    mbase = stack_metrics_port_base(args.port, getattr(args, "metrics_port_base", None))
+    mports = worker_metrics_ports(mbase, len(plan))
     model = f"--model {args.model} " if args.model else ""
     tp = f"--tensor-parallel-size {args.tensor_parallel_size} " if args.tensor_parallel_size > 1 else ""
     for k, group in enumerate(plan):
