@@ -12,11 +12,16 @@ Contract
   ``previous_response_id``, ``request_id``): runs through the scheduler like a chat request; the answer is a
   ``response`` object, or with ``stream`` the event sequence ``response.created`` … ``response.completed``
   (``event:``/``data:`` SSE lines, as vLLM). The last :data:`STORED_RESPONSES` responses are kept:
-  ``GET /v1/responses/{id}`` returns one (404 when unknown), ``POST /v1/responses/{id}/cancel`` answers 400 for a
-  finished one (vLLM cancels only background responses), and an unknown ``previous_response_id`` is a 404.
+  ``GET /v1/responses/{id}`` returns one (404 when unknown), and an unknown ``previous_response_id`` is a 404.
+  ``background: true`` answers at once with the ``queued`` response and generates it in a task (``in_progress``,
+  then ``completed``); ``POST /v1/responses/{id}/cancel`` cancels a queued or in-progress one (its request is
+  aborted; the answer is the response, ``status: "cancelled"``) and answers 400 "Cannot cancel a synchronous
+  response." for any other, as vLLM.
 - The other proxied routes (``/tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``, ``/classify``,
   ``/score``, ``/rerank`` and their versions, ``/v1/messages``, audio, …) validate the JSON body (multipart for
-  audio) and the model, and answer a small deterministic body of the right kind; no scheduler time.
+  audio) and the model, and answer a deterministic body of the right kind, one result per input for the pooling
+  routes (:mod:`dplb.worker.engines.sim.pooling`); no scheduler time. The proxied routes in
+  :data:`NOT_SIMULATED` answer an OpenAI-shaped 404 saying the sim does not implement them.
 - Every model request is recorded in ``/debug/requests`` and, when sent with ``x-sim-debug: body-sha256``, answered
   with ``x-sim-body-sha256``; each record has
   (``path``, ``status``, ``body_sha256``, ``x_request_id``, ``model``).
@@ -274,14 +279,7 @@ class SimApi:
                 "previous_response_id": prev, "usage": None}
         msg_id = f"msg_{uuid.uuid4().hex}"
         if data.get("background") is True:
-            if data.get("store") is False or stream:
-                raise HTTPError(400, "background can only be used when `store` is true" if data.get("store") is False
-                                else "The DPLB sim engine does not stream background responses; poll GET "
-                                     "/v1/responses/{id} instead (vLLM streams them).")
-            resp["status"] = "queued"
-            resp["background"] = True
-            self._store(rid, resp)
-            self.background[rid] = asyncio.ensure_future(self._run_background(req, rng, resp, msg_id, len(ids)))
+            self._start_background(data, req, rng, resp, msg_id, len(ids))
             rec["status"] = 200
             await respond(send, 200, _json(resp), headers)
             return
@@ -355,6 +353,20 @@ class SimApi:
         self.responses.move_to_end(rid)
         if len(self.responses) > STORED_RESPONSES:
             self.responses.popitem(last=False)
+
+    def _start_background(self, data: dict[str, Any], req: SimRequest, rng: random.Random, resp: dict[str, Any],
+                          msg_id: str, prompt_tokens: int) -> None:
+        """Store ``resp`` as ``queued`` and start its generation (:meth:`_run_background`). Raises HTTPError 400 for
+        ``store: false`` (vLLM's rule) or ``stream: true`` (not simulated)."""
+        if data.get("store") is False:
+            raise HTTPError(400, "background can only be used when `store` is true")
+        if data.get("stream") is True:
+            raise HTTPError(400, "The DPLB sim engine does not stream background responses; poll GET "
+                                 "/v1/responses/{id} instead (vLLM streams them).")
+        resp.update(status="queued", background=True)
+        self._store(str(resp["id"]), resp)
+        self.background[str(resp["id"])] = asyncio.ensure_future(
+            self._run_background(req, rng, resp, msg_id, prompt_tokens))
 
     async def _run_background(self, req: SimRequest, rng: random.Random, resp: dict[str, Any], msg_id: str,
                               prompt_tokens: int) -> None:
