@@ -107,3 +107,18 @@ def test_two_stacks_started_in_the_same_second_both_serve(tmp_path: Path) -> Non
             p.wait(60)
     assert [p.returncode for p in procs] == [0, 0]
     assert not any(os.path.exists(s) for s in segs)
+
+
+def test_launch_refuses_a_run_dir_whose_socket_paths_cannot_be_bound(tmp_path: Path) -> None:
+    """Regression: a run dir too long for a Unix socket failed only in the worker (no root cause), and a directory
+    where a worker socket goes crashed the launcher's cleanup with an IsADirectoryError traceback."""
+    long_dir = tmp_path / ("r" * 110)
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "1", "--port", "0", "--metrics-port-base", "0",
+                                "--run-dir", str(long_dir)), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "shorter --run-dir" in r.stderr, r.stderr
+    assert not long_dir.exists()
+    run = tmp_path / "run"
+    (run / "worker-0.sock").mkdir(parents=True)
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "1", "--port", "0", "--metrics-port-base", "0",
+                                "--run-dir", str(run)), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "is not a socket" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -42,6 +42,7 @@ from dplb.errors import ConfigError
 from dplb.ops.checks import (
     check_model,
     check_ports,
+    check_socket_paths,
     child_argv,
     parse_worker_args,
     root_cause,
@@ -176,6 +177,7 @@ class Launcher:
         if live:
             raise ConfigError(f"{live[0]} is served by a running process (another `dplb launch`?). Stop it, or "
                               "start this stack on another --port (its run dir follows) or --run-dir")
+        check_socket_paths([self.router_cfg.socket_path(k) for k in range(len(self.plan))])
 
     def _prepare(self) -> None:
         try:
