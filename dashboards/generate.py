@@ -1,7 +1,10 @@
 """Generate the dashboards' JSON from their grafanalib sources.
 
-    python dashboards/generate.py          # write dashboards/<name>.json for every dashboards/<name>.dashboard.py
-    python dashboards/generate.py --check  # exit 1 (and name the files) when a committed JSON differs
+    .venv/bin/python dashboards/generate.py          # write dashboards/<name>.json for every <name>.dashboard.py
+    .venv/bin/python dashboards/generate.py --check  # exit 1 (and name the files) when a committed JSON differs
+
+It needs the Python that has DPLB's dependencies (grafanalib), i.e. the virtualenv's; another one gets a one-line
+error saying so.
 
 Each ``*.dashboard.py`` defines a variable ``dashboard`` (a :class:`grafanalib.core.Dashboard`); the output is
 stable (sorted keys, 2-space indent, trailing newline) so a regeneration diff is a real change.
@@ -65,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="compare with the committed JSON instead of writing")
     args = ap.parse_args(argv)
+    try:
+        import grafanalib  # noqa: F401
+    except ImportError:
+        print(f"dashboards/generate.py: {sys.executable} lacks grafanalib (a DPLB dependency); run it with the "
+              "virtualenv's python: .venv/bin/python dashboards/generate.py", file=sys.stderr)
+        return 2
     stale = []
     for path, text in generate().items():
         current = path.read_text() if path.exists() else None
@@ -80,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         stale += sorted(orphans)
         print("JSON without a *.dashboard.py source: " + ", ".join(sorted(orphans)), file=sys.stderr)
     if stale:
-        print("out of date (run python dashboards/generate.py): " + ", ".join(stale), file=sys.stderr)
+        print("out of date (run .venv/bin/python dashboards/generate.py): " + ", ".join(stale), file=sys.stderr)
         return 1
     return 0
 

@@ -5,12 +5,23 @@ printed as one clear message without a traceback (exit 2 for configuration error
 import their modules lazily so ``dplb state`` stays fast and the router never imports engine code.
 """
 
+# ruff: noqa: E402  (the imports after the SIGINT guard come after it on purpose)
 from __future__ import annotations
+
+import os
+import signal
+import sys
+
+# Run as the program (the ``dplb`` console script, or ``python -m dplb.cli``), an early Ctrl-C ends the process
+# quietly (SIGINT's default action) while the modules load; main() restores Python's KeyboardInterrupt. Imported
+# as a library (tests), nothing changes.
+_ENTRY = __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "dplb"
+if _ENTRY:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import argparse
 import contextlib
 import logging
-import sys
 from collections.abc import Sequence
 
 from dplb import __version__
@@ -158,18 +169,24 @@ _PASS_THROUGH = {"worker", "launch"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console-script entry point. Returns the exit code."""
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if rest and args.command not in _PASS_THROUGH:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    _setup_logging(args.log_level)
+    """Console-script entry point. Returns the exit code (130 after Ctrl-C, at any point: while the subcommands'
+    modules are imported too, so an early Ctrl-C prints one line, never a traceback)."""
+    command = "dplb"
+    if _ENTRY:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        parser = build_parser()
+        args, rest = parser.parse_known_args(argv)
+        command = f"dplb {args.command}"
+        if rest and args.command not in _PASS_THROUGH:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        _setup_logging(args.log_level)
         return int(args.func(args, rest) or 0)
     except DPLBError as e:
-        print(f"dplb {args.command}: error: {e}", file=sys.stderr)
+        print(f"{command}: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
+        print(f"\n{command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `dplb state --json | head`: the reader went away
         sys.stderr.close()

@@ -49,6 +49,27 @@ def default_router_processes(cpus: int | None = None) -> int:
     return max(1, min(MAX_ROUTER_PROCESSES, n // 8))
 
 
+#: The router's default port; a stack on another ``--port`` derives its own run dir and metrics ports from it.
+DEFAULT_PORT = 30000
+
+
+def stack_run_dir(port: int) -> str:
+    """The default run directory of the stack whose router listens on ``port``: :func:`default_run_dir` for
+    :data:`DEFAULT_PORT` (or 0, or when ``$DPLB_RUN_DIR`` names one), else that path with ``-<port>`` appended, so a
+    second stack on one host needs only ``--port`` (README "A second stack")."""
+    base = default_run_dir()
+    return base if port in (DEFAULT_PORT, 0) or os.environ.get(ENV_RUN_DIR) else f"{base}-{port}"
+
+
+def stack_metrics_port_base(port: int, given: int | None) -> int:
+    """The workers' metrics port base of the stack on router ``port``: ``given`` (``--metrics-port-base``) when
+    set, else :data:`METRICS_PORT_BASE` for :data:`DEFAULT_PORT` (or 0), else ``port + 1`` (worker K on
+    ``port + 1 + K``; ports 30000–30001+N of the first stack stay clear when the second is ≥ N + 2 above it)."""
+    if given is not None:
+        return given
+    return METRICS_PORT_BASE if port in (DEFAULT_PORT, 0) else port + 1
+
+
 def worker_metrics_ports(base: int | None, num_workers: int) -> list[int]:
     """TCP ports the workers' metrics servers bind: ``base + K`` (``None`` = :data:`METRICS_PORT_BASE`; 0 = none)."""
     b = METRICS_PORT_BASE if base is None else base
@@ -201,11 +222,31 @@ def format_weights(weights: Weights) -> str:
     return ",".join(f"{n}={w:g}" for n, w in weights)
 
 
+def split_list(text: str, what: str, *, allow_empty: bool = False) -> list[str]:
+    """The items of a comma-separated list, each stripped of spaces: ``"a, b"`` → ``["a", "b"]``.
+
+    Every comma-separated command-line or query value goes through here, so they all refuse the same sloppiness:
+    an empty item (``"a,"``, ``",a"``, ``"a,,b"``, ``" , "``) raises :class:`ConfigError` naming ``what`` (e.g.
+    ``"--weights"``) and the text. ``""`` (only spaces) is ``[]`` when ``allow_empty``, else an error too.
+    """
+    if not text.strip():
+        if allow_empty:
+            return []
+        raise ConfigError(f"{what} must not be empty")
+    items = [t.strip() for t in text.split(",")]
+    if not all(items):
+        raise ConfigError(f"{what} {text!r} has an empty item (a stray comma?); separate items with one comma")
+    return items
+
+
 def parse_weights(text: str) -> Weights:
     """Parse ``"queue=0.4,memory=0.3,latency=0.3"`` (any registered scorer names) or the seed's positional
-    ``"0.4,0.3,0.3"`` (queue, memory, latency). Raises :class:`ConfigError` on anything else."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
+    ``"0.4,0.3,0.3"`` (queue, memory, latency). Raises :class:`ConfigError` on anything else, an empty item (a
+    trailing comma) included (:func:`split_list`)."""
     hint = "like queue=0.4,memory=0.3,latency=0.3 (or 0.4,0.3,0.3)"
+    if not text.strip():
+        raise ConfigError(f"weights must not be empty; {hint}")
+    parts = split_list(text, "--weights")
     try:
         if parts and all("=" not in p for p in parts):
             if len(parts) != 3:

@@ -120,6 +120,9 @@ class RouterErrorKind(enum.Enum):
     UNSUPPORTED_ENCODING = (415, "invalid_request_error", "unsupported_content_encoding")
     BAD_ENCODING = (400, "invalid_request_error", "invalid_content_encoding")
     MODEL_NOT_FOUND = (404, "invalid_request_error", "model_not_found")
+    # The client closed the connection before its request body was complete: nobody is left to answer, so nothing
+    # is sent; 499 (nginx's "client closed request") is the status the metrics record.
+    CLIENT_CLOSED = (499, "invalid_request_error", "client_closed_request")
     ROUTE_DISABLED = (404, "invalid_request_error", "route_disabled")  # needs a router flag (named in the message)
     UNAUTHORIZED = (401, "authentication_error", "invalid_api_key")
     UPSTREAM_UNREACHABLE = (502, "upstream_error", "worker_unreachable")

@@ -61,8 +61,8 @@ def test_committed_json_equals_regenerated_json() -> None:
     out = gen.generate()
     assert {p.name for p in out} == {"dplb-overview.json", "dplb-routing.json", "dplb-engine.json"}
     for path, text in out.items():
-        assert path.exists(), f"{path.name} not committed: run python dashboards/generate.py"
-        assert path.read_text() == text, f"{path.name} differs from its source: run python dashboards/generate.py"
+        assert path.exists(), f"{path.name} not committed: run .venv/bin/python dashboards/generate.py"
+        assert path.read_text() == text, f"{path.name} differs from its source: run .venv/bin/python dashboards/generate.py"
     r = subprocess.run([sys.executable, str(DASH_DIR / "generate.py"), "--check"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -48,16 +48,38 @@ def test_units_keep_gpus_visible_and_notify() -> None:
 
 def test_emit_systemd_env_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    model = tmp_path / "models" / "llama"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "etc"
     r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--tensor-parallel-size", "2", "--model",
-                                "/models/llama", "--emit-systemd", str(tmp_path), "--max-model-len", "4096"),
+                                str(model), "--emit-systemd", str(out), "--max-model-len", "4096"),
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
-    w0 = (tmp_path / "worker-0.env").read_text()
-    w1 = (tmp_path / "worker-1.env").read_text()
+    assert "SIM" not in r.stderr
+    w0 = (out / "worker-0.env").read_text()
+    w1 = (out / "worker-1.env").read_text()
     assert "CUDA_VISIBLE_DEVICES=0,1\n" in w0 and "CUDA_VISIBLE_DEVICES=2,3\n" in w1
-    assert "--engine vllm --model /models/llama --tensor-parallel-size 2 --max-model-len 4096" in w1
-    common = (tmp_path / "dplb.env").read_text()
+    assert f"--engine vllm --model {model} --tensor-parallel-size 2 --max-model-len 4096" in w1
+    common = (out / "dplb.env").read_text()
     assert "DPLB_NUM_WORKERS=2" in common and "DPLB_SHM_PATH=/dev/shm/dplb_state_systemd" in common
+
+
+def test_emit_systemd_checks_the_model_first_and_says_when_it_emits_the_sim(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: --emit-systemd skipped the --model check `dplb launch` makes (a missing model directory was
+    written into the units) and emitted sim units without a word when --model was left out."""
+    out = tmp_path / "etc"
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--model", str(tmp_path / "no-such-model"),
+                                "--emit-systemd", str(out)), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no-such-model" in r.stderr, r.stderr
+    assert not out.exists()  # refused before any file is written
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--emit-systemd", str(out), "--sim-bogus-flag"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--sim-bogus-flag" in r.stderr and not out.exists(), r.stderr
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--emit-systemd", str(out)), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "no --model given" in r.stderr and "SIM engine" in r.stderr, r.stderr
+    assert "--engine sim" in (out / "worker-0.env").read_text()
 
 
 def test_sd_notify_ready_and_watchdog_from_a_real_worker(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

@@ -163,11 +163,21 @@ def test_root_cause_line_is_found_above_the_shutdown_tracebacks() -> None:
 
 
 def test_launch_shows_the_root_cause_of_a_worker_that_cannot_start(tmp_path: Path) -> None:
-    r = _run(*_launch_args(tmp_path, free_port(), "--max-start-failures", "1", "--sim-max-num-seqs", "0"),
-             timeout=60)
+    # A bad sim knob no longer reaches a worker (the launcher checks it first: tests/test_first_run.py), so the
+    # worker here fails the way a broken install does: an error at interpreter start, before dplb runs
+    # (a sitecustomize on the workers' path; the launcher itself is not affected).
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if 'worker' in sys.argv:\n"
+        "    os.write(2, b'Traceback (most recent call last):\\nValueError: the engine cannot start here\\n')\n"
+        "    os._exit(1)\n")
+    r = _run(*_launch_args(tmp_path, free_port(), "--max-start-failures", "1"), timeout=60,
+             PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
     assert r.returncode == 1, r.stderr
     cause = next(ln for ln in r.stderr.splitlines() if ln.startswith("Root cause:"))
-    assert "max_num_seqs" in cause, r.stderr
+    assert "ValueError: the engine cannot start here" in cause, r.stderr
 
 
 # ---- one real launch: a shadowing dplb/ in the cwd, a healed segment, a clean SIGTERM exit, honest cleanup --------

@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from dplb.config import split_list
 from dplb.errors import ConfigError
 
 
@@ -209,7 +210,7 @@ def _cmd_compare(args: argparse.Namespace, rest: list[str]) -> int:
     _check_outputs(args.output, args.plot)
     if args.markdown:
         _check_outputs(args.markdown, None)
-    names = list(sc_mod.SCENARIOS) if args.scenario == "all" else [s.strip() for s in args.scenario.split(",")]
+    names = list(sc_mod.SCENARIOS) if args.scenario == "all" else split_list(args.scenario, "--scenario")
     policies = parse_policies(args.policies, args.variant)
     if args.prompts is not None:
         if args.prompts < 1:

@@ -37,7 +37,7 @@ from dplb.bench.client import RequestResult, Target, run_workload
 from dplb.bench.report import summarize
 from dplb.bench.scenarios import SCENARIOS, SIM_ARGS, Scenario
 from dplb.bench.workload import build_workload
-from dplb.config import POLICIES
+from dplb.config import POLICIES, split_list
 from dplb.errors import ConfigError, DPLBError
 
 READY_TIMEOUT_S = 60.0
@@ -48,7 +48,7 @@ def parse_policies(names: str, variants: list[str]) -> dict[str, list[str]]:
     """``"dplb,round_robin"`` plus ``["LABEL=FLAGS", ...]`` → ``{label: launch flags}``, in order.
     Raises :class:`ConfigError` for an unknown policy or a malformed variant."""
     out: dict[str, list[str]] = {}
-    for name in (n.strip() for n in names.split(",") if n.strip()):
+    for name in split_list(names, "--policies", allow_empty=bool(variants)):
         if name not in POLICIES:
             raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)} (or use --variant)")
         out[name] = ["--policy", name]

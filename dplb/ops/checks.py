@@ -2,6 +2,7 @@
 
 - :func:`check_ports`: every TCP port the stack will bind (router, each worker's metrics port) is free, before
   anything starts; the error names the port, its owner in the stack and the flag that moves it.
+- :func:`check_socket_paths`: each worker socket path fits a Unix socket and is free or a (stale) socket.
 - :func:`check_model`: a local ``--model`` path exists and is a model directory (not found after 3 start attempts).
 - :func:`root_cause`: the line of a worker log that says why it failed (vLLM's ``ValueError … decrease
   --gpu-memory-utilization`` sits above a page of shutdown tracebacks).
@@ -19,6 +20,7 @@ import os
 import re
 import shlex
 import socket
+import stat
 import sys
 
 from dplb.errors import ConfigError, PortInUseError
@@ -48,6 +50,22 @@ def check_ports(host: str, port: int, metrics_host: str, metrics_ports: list[int
             bind_tcp(h, p).close()
         except OSError as e:
             raise PortInUseError(h, p, e.strerror or str(e), flag, who) from e
+
+
+#: Longest Unix socket path Linux accepts (``sun_path`` is 108 bytes with its terminating NUL; unix(7)).
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def check_socket_paths(paths: list[str]) -> None:
+    """Every worker socket path can be bound: short enough for a Unix socket and, when something is there
+    already, a socket (a stale one is replaced; a live one is refused before, by
+    :func:`dplb.ops.doctor.live_sockets`). Raises :class:`ConfigError` naming the path and ``--run-dir``."""
+    for p in paths:
+        if len(os.fsencode(p)) > MAX_SOCKET_PATH_BYTES:
+            raise ConfigError(f"the worker socket path {p} is {len(os.fsencode(p))} bytes, over the "
+                              f"{MAX_SOCKET_PATH_BYTES} a Unix socket allows; pass a shorter --run-dir")
+        if os.path.lexists(p) and not stat.S_ISSOCK(os.lstat(p).st_mode):
+            raise ConfigError(f"{p} exists and is not a socket; remove it or pass another --run-dir")
 
 
 def check_model(model: str | None) -> None:

@@ -22,7 +22,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from dplb.config import METRICS_PORT_BASE, default_run_dir, worker_metrics_ports
+from dplb.config import METRICS_PORT_BASE, stack_metrics_port_base, stack_run_dir, worker_metrics_ports
 from dplb.errors import ConfigError
 from dplb.ops.plan import plan_gpus
 from dplb.runtime.gpu import GpuInfo, discover_gpus, visible_gpu_indices
@@ -181,8 +181,36 @@ def check_ports(host: str, ports: list[int]) -> Check:
     return Check("ports", "pass", f"ports free on {host}: {ports}")
 
 
+def live_sockets(run_dir: str) -> list[str]:
+    """The Unix sockets in ``run_dir`` that a process answers on (a live stack uses the directory), sorted; ``[]``
+    when the directory is missing or unreadable. ``dplb launch`` refuses such a run dir, and ``run_dir`` fails."""
+    try:
+        names = sorted(n for n in os.listdir(run_dir) if n.endswith(".sock"))
+    except OSError:
+        return []
+    live = []
+    for n in names:
+        path = os.path.join(run_dir, n)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(0.5)
+        try:
+            s.connect(path)
+            live.append(path)
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return live
+
+
 def check_run_dir(path: str) -> Check:
-    """The run directory exists or can be created, and is writable."""
+    """The run directory exists or can be created, is writable, and no live stack serves sockets in it (what
+    ``dplb launch`` refuses)."""
+    live = live_sockets(path)
+    if live:
+        return Check("run_dir", "fail", f"{path} is in use: {live[0]} answers (a running stack)",
+                     "stop that stack, or start this one on another --port (its run dir and metrics ports follow) "
+                     "or --run-dir")
     probe = path
     while not os.path.exists(probe):
         probe = os.path.dirname(probe) or "/"
@@ -199,7 +227,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         gpus = [g for g in gpus if g.index in visible]
     indices = [g.index for g in gpus]
     n = args.num_workers or (len(indices) // args.tensor_parallel_size if indices else 2)
-    ports = [args.port, *worker_metrics_ports(args.metrics_port_base, n)]
+    ports = [args.port, *worker_metrics_ports(stack_metrics_port_base(args.port, args.metrics_port_base), n)]
     return [
         check_gpus(gpus),
         check_plan(indices, args.num_workers, args.tensor_parallel_size),
@@ -207,7 +235,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         check_shm(args.shm_dir),
         check_stale_segments(args.shm_dir),
         check_ports(args.host, ports),
-        check_run_dir(args.run_dir or default_run_dir()),
+        check_run_dir(args.run_dir or stack_run_dir(args.port)),
     ]
 
 
@@ -221,7 +249,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=30000, help="router port to check (default 30000)")
     p.add_argument("--metrics-port-base", type=int, default=None,
                    help=f"worker metrics ports to check: BASE+K (default {METRICS_PORT_BASE}+K; 0 = none)")
-    p.add_argument("--run-dir")
+    p.add_argument("--run-dir", help="run directory to check (default: the one `dplb launch --port PORT` uses)")
     p.add_argument("--shm-dir", default=SHM_DIR, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_doctor)

@@ -4,9 +4,11 @@ Contract
 - Plan with :func:`dplb.ops.plan.plan_gpus` (GPUs from NVML; none → CPU workers). Without ``--model`` the sim engine
   runs, and the launcher says so loudly; with ``--model`` the vLLM engine runs, and if it cannot start that is an
   error (exit non-zero), never a silent fall-back to the sim.
-- Creates the segment (``/dev/shm/dplb_state_<unix seconds>`` unless ``--shm-path``) and a private run directory
-  (0700) for sockets and logs, exports ``DPLB_SHM_PATH``, starts each worker with ``CUDA_VISIBLE_DEVICES`` for its
-  group, then the router; prints the URL, a curl example and where the logs are.
+- Creates the segment (``/dev/shm/dplb_state_<unix seconds>_<pid>`` unless ``--shm-path``) and a private run
+  directory (0700) for sockets and logs (default :func:`dplb.config.stack_run_dir` of ``--port``; the metrics ports
+  follow ``--port`` too, :func:`dplb.config.stack_metrics_port_base`: a second stack is one flag), exports
+  ``DPLB_SHM_PATH``, starts each worker with ``CUDA_VISIBLE_DEVICES`` for its group, then the router; prints the
+  URL, a curl example and where the logs are.
 - Supervision: a worker or router that exits unexpectedly is restarted with exponential backoff (1 s doubling to
   30 s; reset after 60 s of uptime), after what it left in its process group is killed (a vLLM worker's
   ``EngineCore`` outlives a SIGKILLed worker). A worker that fails before ever becoming ready
@@ -24,24 +26,32 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from dplb.config import METRICS_HOST, METRICS_PORT_BASE, default_run_dir, worker_metrics_ports
+from dplb.config import (
+    METRICS_HOST,
+    METRICS_PORT_BASE,
+    default_run_dir,
+    stack_metrics_port_base,
+    stack_run_dir,
+    worker_metrics_ports,
+)
 from dplb.errors import ConfigError
 from dplb.ops.checks import (
     check_model,
     check_ports,
+    check_socket_paths,
     child_argv,
     parse_worker_args,
     root_cause,
     scrape_targets,
     write_scrape_targets,
 )
+from dplb.ops.doctor import live_sockets
 from dplb.ops.placement import add_placement_args, host_placement, preexec
 from dplb.ops.plan import cuda_visible_devices, plan_gpus
 from dplb.router.cli import add_router_args, router_config
@@ -50,6 +60,7 @@ from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
 from dplb.runtime.procs import die_with_parent, reap_group
 from dplb.state.segments import check_takeover, inspect
 from dplb.state.shm import ENV_SHM_PATH, MAX_WORKERS, Lifecycle, Segment, default_segment_path
+from dplb.worker.engines import sim_config
 
 log = logging.getLogger("dplb.launch")
 BACKOFF_START_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
@@ -114,18 +125,6 @@ class Child:
         return "".join(lines[starts[-1] + 1 if starts else 0:][-n:])
 
 
-def _socket_answers(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(0.5)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=0.5) as r:
@@ -153,17 +152,21 @@ class Launcher:
             raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size} needs GPUs, and none is visible")
         if args.drain_timeout < 0:
             raise ConfigError(f"--drain-timeout must be ≥ 0 seconds, got {args.drain_timeout}")
-        if args.metrics_port_base is not None and not (
-                args.metrics_port_base == 0 or 1 <= args.metrics_port_base <= 65535 - len(self.plan)):
+        mbase = stack_metrics_port_base(args.port, args.metrics_port_base)
+        if not (mbase == 0 or 1 <= mbase <= 65535 - len(self.plan)):
             raise ConfigError(f"--metrics-port-base must be 0 (off) or a port with room for {len(self.plan)} "
-                              f"workers, got {args.metrics_port_base}")
+                              f"workers, got {mbase}" + ("" if args.metrics_port_base is not None else
+                                                          f" (--port {args.port} + 1): pass --metrics-port-base"))
         if args.max_start_failures < 1:
             raise ConfigError("--max-start-failures must be ≥ 1")
         self.per_worker_args = parse_worker_args(args.worker_args or [], len(self.plan))
-        self.run_dir = args.run_dir or default_run_dir()
+        if self.engine == "sim":  # each worker's --sim-* arguments, checked before anything starts
+            for k in range(len(self.plan)):
+                sim_config(engine_args + self.per_worker_args.get(k, []), model=args.served_model_name)
+        self.run_dir = args.run_dir or stack_run_dir(args.port)
         # Same resolution as `dplb state`: --shm-path, else $DPLB_SHM_PATH, else a new default path.
         self.shm_path = args.shm_path or os.environ.get(ENV_SHM_PATH) or default_segment_path()
-        self.metrics_ports = worker_metrics_ports(args.metrics_port_base, len(self.plan))
+        self.metrics_ports = worker_metrics_ports(mbase, len(self.plan))
         self.stopping = False
         self.targets_path = ""
         self.created_run_dir = False
@@ -183,11 +186,11 @@ class Launcher:
         check_model(self.args.model)
         check_takeover(self.shm_path)
         check_ports(self.args.host, self.args.port, self.args.metrics_host, self.metrics_ports)
-        for k in range(len(self.plan)):
-            path = self.router_cfg.socket_path(k)
-            if os.path.exists(path) and _socket_answers(path):
-                raise ConfigError(f"{path} is served by a running process (another `dplb launch`?). Stop it, or "
-                                  "pass another --run-dir")
+        live = live_sockets(self.run_dir)  # the same test as `dplb doctor`'s run_dir check
+        if live:
+            raise ConfigError(f"{live[0]} is served by a running process (another `dplb launch`?). Stop it, or "
+                              "start this stack on another --port (its run dir follows) or --run-dir")
+        check_socket_paths([self.router_cfg.socket_path(k) for k in range(len(self.plan))])
 
     def _prepare(self) -> None:
         try:
@@ -430,13 +433,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"data-parallel workers, 1..{MAX_WORKERS} (default: GPUs / TP; 2 on CPU)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per worker (default 1)")
     p.add_argument("--state-interval-ms", type=int, default=200, help="worker publish interval (default 200)")
-    p.add_argument("--run-dir", help=f"sockets and logs (default {default_run_dir()})")
+    p.add_argument("--run-dir", help=f"sockets and logs (default {default_run_dir()}, or …-PORT with another --port)")
     p.add_argument("--shm-path", help="state segment path (default $DPLB_SHM_PATH, else "
-                   "/dev/shm/dplb_state_<unix seconds>); an existing path must be a stale DPLB segment")
+                   "/dev/shm/dplb_state_<unix seconds>_<pid>); an existing path must be a stale DPLB segment")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds workers get to finish in-flight requests on stop (default 30)")
     p.add_argument("--metrics-port-base", type=int, default=None,
-                   help=f"worker K serves metrics on BASE+K (default {METRICS_PORT_BASE}+K; 0 disables)")
+                   help=f"worker K serves metrics on BASE+K (default {METRICS_PORT_BASE}+K, or --port+1+K with "
+                   "another --port; 0 disables)")
     p.add_argument("--metrics-host", default=METRICS_HOST,
                    help=f"address the workers' metrics ports bind (default {METRICS_HOST}; 0.0.0.0 for a remote "
                    "Prometheus)")

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import time
+from typing import Any
 
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError, ShmMissingError
@@ -74,6 +75,21 @@ def _gib(b: object) -> str:
     return f"{int(b) / (1 << 30):.1f}" if isinstance(b, int) else "-"
 
 
+def heading_text(snap: dict) -> str:
+    """The table's heading line: segment path, model, workers, interval, routers (pid:port)."""
+    h = snap["header"]
+    routers = " ".join(f"{r['pid']}:{r['port']}" for r in h.get("routers", [])) or "-"
+    return (f"{snap['path']}  model={h['model'] or '-'}  workers={h['num_workers']}  "
+            f"interval={h['state_interval_ms']} ms  routers(pid:port)={routers}")
+
+
+def _print(console: Any, snap: dict) -> None:
+    """Print one frame; into a file or a pipe the console is as wide as the heading (never cut at 80 columns)."""
+    if not console.is_terminal:
+        console.width = max(80, len(heading_text(snap)))
+    console.print(render_table(snap))
+
+
 def render_table(snap: dict) -> object:
     """One snapshot as a rich renderable: a heading line, then the table (fits 80 columns; "!" after the
     lifecycle = stale heartbeat)."""
@@ -82,11 +98,7 @@ def render_table(snap: dict) -> object:
     from rich.table import Table
     from rich.text import Text
 
-    h = snap["header"]
-    routers = " ".join(f"{r['pid']}:{r['port']}" for r in h.get("routers", [])) or "-"
-    heading = Text(f"{snap['path']}  model={h['model'] or '-'}  workers={h['num_workers']}  "
-                   f"interval={h['state_interval_ms']} ms  routers(pid:port)={routers}", style="bold",
-                   no_wrap=True, overflow="fold")
+    heading = Text(heading_text(snap), style="bold", no_wrap=True, overflow="fold")
     t = Table(caption="age, lat, TTFT, warm: seconds; lat, TTFT: mean of the last 10 requests; rtr: in flight "
               "from the routers",
               box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0))
@@ -135,7 +147,7 @@ def run_state(path: str | None, *, as_json: bool, watch: bool, interval_s: float
 
         console = Console()
         if not watch:
-            console.print(render_table(snapshot(seg)))
+            _print(console, snapshot(seg))
             return 0
         try:
             if as_json or not console.is_terminal:  # a file or a pipe: one flushed frame per interval
@@ -143,7 +155,7 @@ def run_state(path: str | None, *, as_json: bool, watch: bool, interval_s: float
                     if as_json:
                         print(json.dumps(snapshot(seg)), flush=True)
                     else:
-                        console.print(render_table(snapshot(seg)))
+                        _print(console, snapshot(seg))
                         console.file.flush()
                     time.sleep(interval_s)
             with Live(render_table(snapshot(seg)), console=console, refresh_per_second=4) as live:  # type: ignore[arg-type]

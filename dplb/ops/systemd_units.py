@@ -7,7 +7,9 @@ worker's ``VLLM_CPU_OMP_THREADS_BIND`` too), the Prometheus file_sd targets, and
 (:mod:`dplb.ops.placement`) as drop-ins: ``dplb-worker@K.service.d/placement.conf`` and
 ``dplb-router.service.d/placement.conf`` with ``CPUAffinity=`` (the processes' affinity, inherited by the engine's
 children) and ``AllowedCPUs=`` (the unit's cgroup cpuset, which a process cannot widen; cgroup v2). A unit that is
-not pinned gets no drop-in.
+not pinned gets no drop-in. ``--model`` is checked first, as ``dplb launch`` checks it (a missing local directory
+is refused before any file is written); without it the units run the sim engine, its ``--sim-*`` arguments are
+checked, and stderr says so.
 """
 
 from __future__ import annotations
@@ -15,15 +17,23 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
 
 
 def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
     """Write ``dplb.env`` and ``worker-K.env`` for the GPU plan into ``args.emit_systemd``. Returns 0."""
-    from dplb.ops.checks import parse_worker_args
+    from dplb.ops.checks import check_model, parse_worker_args
     from dplb.ops.plan import cuda_visible_devices, plan_gpus
     from dplb.router.cli import router_argv
     from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
 
+    check_model(args.model)  # as `dplb launch` does, before anything is written
+    if not args.model:
+        from dplb.worker.engines import sim_config
+
+        sim_config(engine_args, model=args.served_model_name)
+        print("dplb launch --emit-systemd: no --model given: the units will run the SIM engine (a simulated vLLM "
+              "on the CPU); pass --model PATH_OR_NAME to serve a real model", file=sys.stderr)
     gpus = visible_gpu_indices()
     if gpus is None:
         gpus = [g.index for g in discover_gpus()]
@@ -55,11 +65,12 @@ def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
             os.fchmod(f.fileno(), 0o600)
             f.write(f"# DPLB router API key (dplb-router.service reads it; keep this file 0600)\n"
                     f"DPLB_API_KEY={args.api_key}\n")
-    from dplb.config import METRICS_HOST, worker_metrics_ports
+    from dplb.config import METRICS_HOST, stack_metrics_port_base, worker_metrics_ports
     from dplb.ops.checks import scrape_targets, write_scrape_targets
 
     mhost = getattr(args, "metrics_host", METRICS_HOST)
-    mports = worker_metrics_ports(getattr(args, "metrics_port_base", None), len(plan))
+    mbase = stack_metrics_port_base(args.port, getattr(args, "metrics_port_base", None))
+    mports = worker_metrics_ports(mbase, len(plan))
     model = f"--model {args.model} " if args.model else ""
     tp = f"--tensor-parallel-size {args.tensor_parallel_size} " if args.tensor_parallel_size > 1 else ""
     for k, group in enumerate(plan):

@@ -6,6 +6,8 @@ Contract (docs/DESIGN.md §4, §6)
   framework cost).
 - ``GET /v1/models``: the union of every ready worker's list (deduplicated by id, first worker first; each answer
   also refreshes the model side table); 503 when none answers — never a 500 because one worker is down.
+  ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``; the id may contain ``/``): that entry of the same
+  union, or 404 ``model_not_found`` naming the served models.
   ``GET /health``: the process is alive. ``GET /ready``: 200 when ≥ 1 worker is routable, else 503. ``GET
   /metrics``: Prometheus text. ``GET /debug/decisions?limit=N``: the last N decisions with every candidate's
   inputs, terms and score. ``HEAD`` on these four answers like ``GET`` without a body.
@@ -67,6 +69,7 @@ _TEXT_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
 _METHODS = frozenset({"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"})
 _ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/debug/decisions", "/v1/load_lora_adapter",
                      "/v1/unload_lora_adapter"}) | PROXY_PATHS
+_MODELS_PREFIX, _MODEL_ROUTE = "/v1/models/", "/v1/models/{model}"
 _HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models"})
 
 
@@ -133,8 +136,9 @@ class RouterApp:
             # Litestar appends "; charset=utf-8" to text/* types itself: hand it the type without one.
             return Response(generate_latest(source), media_type=_TEXT_TYPE)
 
-        @get("/v1/models")
-        async def models() -> Response[Any]:
+        async def union() -> tuple[dict[str, dict[str, object]], str] | None:
+            """Every ready worker's model entries by id (first worker first) and the workers that answered; None
+            when none did."""
             ks = state.routable_workers()
             answers = await asyncio.gather(*(served.refresh(pool, k, state.pid_of(k)) for k in ks))
             seen: dict[str, dict[str, object]] = {}
@@ -142,10 +146,28 @@ class RouterApp:
                 for e in entries or ():
                     seen.setdefault(str(e["id"]), e)
             if not any(a is not None for a in answers):
+                return None
+            return seen, ",".join(str(k) for k, a in zip(ks, answers, strict=True) if a is not None)
+
+        @get("/v1/models")
+        async def models() -> Response[Any]:
+            got = await union()
+            if got is None:
                 return _error(RouterErrorKind.NONE_ROUTABLE, "no ready worker answered /v1/models", cfg.retry_after_s)
-            workers = ",".join(str(k) for k, a in zip(ks, answers, strict=True) if a is not None)
-            return Response(msgspec.json.encode({"object": "list", "data": list(seen.values())}),
-                            media_type="application/json", headers={"x-sg-worker-id": workers})
+            return Response(msgspec.json.encode({"object": "list", "data": list(got[0].values())}),
+                            media_type="application/json", headers={"x-sg-worker-id": got[1]})
+
+        @get("/v1/models/{model_id:path}")
+        async def model(model_id: str) -> Response[Any]:
+            got = await union()
+            if got is None:
+                return _error(RouterErrorKind.NONE_ROUTABLE, "no ready worker answered /v1/models", cfg.retry_after_s)
+            entry = got[0].get(model_id.lstrip("/"))
+            if entry is None:
+                return _error(RouterErrorKind.MODEL_NOT_FOUND, f"The model `{model_id.lstrip('/')}` does not exist. "
+                              f"Served models: {', '.join(sorted(got[0])) or '(none)'}")
+            return Response(msgspec.json.encode(entry), media_type="application/json",
+                            headers={"x-sg-worker-id": got[1]})
 
         async def lora(request: Request[Any, Any, Any]) -> Response[bytes]:
             if not cfg.allow_runtime_lora:
@@ -182,7 +204,8 @@ class RouterApp:
             return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={limit}"),
                                    limit)
 
-        return Litestar(route_handlers=[health, ready, metrics_endpoint, models, decisions, load_lora, unload_lora],
+        return Litestar(route_handlers=[health, ready, metrics_endpoint, models, model, decisions, load_lora,
+                                        unload_lora],
                         debug=False, logging_config=None, cors_config=self.cors,
                         exception_handlers={HTTPException: _openai_http_error, Exception: _internal_error})
 
@@ -236,7 +259,7 @@ class RouterApp:
         """Count one request in ``dplb_http_requests_total`` and its duration since ``t0`` (perf_counter seconds)
         by route template (bounded), method and status; the label children are looked up once per key."""
         route = path if path in _ROUTES else (RESPONSES_PREFIX + "{id}" if path.startswith(RESPONSES_PREFIX)
-                                              else "other")
+                                              else _MODEL_ROUTE if path.startswith(_MODELS_PREFIX) else "other")
         key = (route, method if method in _METHODS else "other", status)
         children = self._http_children.get(key)
         if children is None:

@@ -80,6 +80,9 @@ class Upstreams:
         ``Retry-After`` on 503/429, ``X-SG-Worker-ID`` when a worker is named; closes the connection when the
         request body was not read."""
         self.metrics.rejected.labels(kind.code).inc()
+        if kind is RouterErrorKind.CLIENT_CLOSED:  # nobody to answer: record the 499, send nothing
+            ex.status = kind.status
+            return
         body = error_body(kind, message)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"x-request-id", ex.rid)]

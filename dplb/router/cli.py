@@ -20,6 +20,7 @@ from dplb.config import (
     format_weights,
     parse_param,
     parse_weights,
+    split_list,
 )
 from dplb.errors import ConfigError
 from dplb.policy.plugins import validate as validate_policy
@@ -159,7 +160,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def parse_exempt(text: str) -> tuple[str, ...]:
     """``"/health,/metrics"`` → ``("/health", "/metrics")``; ``""`` → ``()``. Raises :class:`ConfigError` for a
     path that is not one of :data:`EXEMPTABLE`."""
-    paths = tuple(p.strip() for p in text.split(",") if p.strip())
+    paths = tuple(split_list(text, "--api-key-exempt", allow_empty=True))
     bad = [p for p in paths if p not in EXEMPTABLE]
     if bad:
         raise ConfigError(f"--api-key-exempt: {', '.join(bad)} cannot be exempt; choose among {', '.join(EXEMPTABLE)} "
@@ -176,7 +177,7 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         public_paths=parse_exempt(getattr(args, "api_key_exempt", DEFAULT_EXEMPT)),
         connect_timeout_s=args.connect_timeout, first_byte_timeout_s=args.first_byte_timeout,
         idle_timeout_s=args.idle_timeout, access_log=args.access_log,
-        cors_allowed_origins=tuple(o.strip() for o in args.cors_allowed_origins.split(",") if o.strip()),
+        cors_allowed_origins=tuple(split_list(args.cors_allowed_origins, "--cors-allowed-origins", allow_empty=True)),
         sse_keepalive_s=args.sse_keepalive, models_refresh_s=args.models_refresh,
         allow_runtime_lora=args.allow_runtime_lora, processes=args.router_processes,
     )

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from dplb.config import split_list
 from dplb.router.models import ServedModels
 from dplb.router.upstream import UpstreamError, UpstreamPool, fetch
 
@@ -28,10 +29,14 @@ TIMEOUT_S = 120.0  # loading an adapter reads its weights from disk
 
 
 def parse_workers(text: str | None, num_workers: int) -> list[int] | None:
-    """``"0,2"`` → ``[0, 2]``; None/empty → None (all routable). Raises ValueError for anything else."""
+    """``"0,2"`` → ``[0, 2]``; None/empty → None (all routable). Raises ValueError for anything else (a stray
+    comma included: :func:`dplb.config.split_list`)."""
     if not text:
         return None
-    ids = sorted({int(t) for t in text.split(",") if t.strip()})
+    try:
+        ids = sorted({int(t) for t in split_list(text, "workers")})
+    except ValueError as e:
+        raise ValueError(f"workers must be comma-separated worker ids in 0..{num_workers - 1}, got {text!r}") from e
     bad = [k for k in ids if not 0 <= k < num_workers]
     if bad or not ids:
         raise ValueError(f"workers must be worker ids in 0..{num_workers - 1}, got {text!r}")

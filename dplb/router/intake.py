@@ -6,8 +6,9 @@ Contract
 - :func:`check_head` (before the body is read): 415 for a Content-Type the route does not take or an unknown
   ``Content-Encoding``. :func:`read_body` (after): decodes gzip/deflate bounded by ``limit`` decoded bytes (413,
   never more than ``limit + 1`` bytes are inflated), peeks JSON (400 ``invalid_json``/``body_not_object``) or the
-  multipart ``model`` field. The body is never re-serialised: the worker gets the bytes, decoded only when they
-  were compressed.
+  multipart ``model`` field; a client that disconnects before its body is complete is 499
+  ``client_closed_request`` (:func:`receive_body`; nothing is sent). The body is never re-serialised: the worker
+  gets the bytes, decoded only when they were compressed.
 - :func:`bearer_ok`: the one API-key check (``Authorization: Bearer <key>``, constant time) of the proxy and the
   local endpoints.
 - :func:`excluded` (hot path; set lookups only): the workers a request must not go to, or 404
@@ -142,12 +143,15 @@ def read_body(route: Route, body: bytes, encoding: bytes, limit: int) -> tuple[b
 
 async def receive_body(receive: Any, limit: int) -> bytes | None:
     """The whole request body from the ASGI ``receive`` (:func:`dplb.runtime.asgi.receive_body`), or None as soon as
-    it exceeds ``limit`` bytes (b"" if the client disconnected first)."""
+    it exceeds ``limit`` bytes. Raises :class:`Rejected` ``client_closed_request`` (499) when the client disconnects
+    before the body is complete: a client close, not bad input."""
     try:
         body = await asgi_receive_body(receive, limit)
     except BodyTooLarge:
         return None
-    return b"" if body is None else body
+    if body is None:
+        raise Rejected(RouterErrorKind.CLIENT_CLOSED, "the client closed the connection during the request body")
+    return body
 
 
 def bearer_credential(api_key: str | None) -> bytes | None:

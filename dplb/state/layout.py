@@ -81,9 +81,11 @@ def segment_size(num_workers: int) -> int:
     return HEADER_SIZE + num_workers * SLOT_SIZE + MAX_ROUTERS * (ROUTER_SLOT_SIZE + PREFIX_RING_SIZE)
 
 
-def default_segment_path(now_s: int | None = None) -> str:
-    """``/dev/shm/dplb_state_<unix seconds>`` (docs/DESIGN.md §3)."""
-    return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{int(time.time() if now_s is None else now_s)}")
+def default_segment_path(now_s: int | None = None, pid: int | None = None) -> str:
+    """``/dev/shm/dplb_state_<unix seconds>_<pid>`` (docs/DESIGN.md §3): the creating process's id keeps two stacks
+    started in the same second apart."""
+    secs = int(time.time() if now_s is None else now_s)
+    return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{secs}_{os.getpid() if pid is None else pid}")
 
 
 def resolve_path(path: str | None) -> str:

@@ -15,14 +15,25 @@ from collections.abc import Callable
 from dplb.errors import ConfigError
 from dplb.worker.engines.base import Engine
 
+if typing.TYPE_CHECKING:
+    from dplb.worker.engines.sim.scheduler import SimConfig
+
 ENGINES = ("sim", "vllm")
 
 
+class _SimArgParser(argparse.ArgumentParser):
+    """An argument parser whose errors are :class:`ConfigError` (one line on the CLI), not ``sys.exit(2)``."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(f"sim engine argument: {message} (see `dplb worker --help-engine sim`)")
+
+
 def sim_arg_parser() -> argparse.ArgumentParser:
-    """Parser of the sim engine's knobs: one ``--sim-<field>`` flag per :class:`SimConfig` field."""
+    """Parser of the sim engine's knobs: one ``--sim-<field>`` flag per :class:`SimConfig` field. A bad value
+    raises :class:`ConfigError`."""
     from dplb.worker.engines.sim.engine import SimConfig
 
-    p = argparse.ArgumentParser(prog="dplb worker --engine sim", add_help=False)
+    p = _SimArgParser(prog="dplb worker --engine sim", add_help=False, allow_abbrev=False)
     hints = typing.get_type_hints(SimConfig)
     for f in dataclasses.fields(SimConfig):
         typ = hints[f.name]
@@ -41,6 +52,31 @@ def _bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
 
 
+def sim_config(engine_args: list[str], *, model: str | None = None) -> SimConfig:
+    """The sim engine's configuration from its ``--sim-*`` arguments (``model``: the served name), validated whole:
+    what ``dplb launch`` checks before it starts anything. Raises :class:`ConfigError` for an unknown argument
+    (one that names a knob without its ``--sim-`` prefix, such as vLLM's ``--max-model-len``, gets the right
+    spelling), a bad value or an inconsistent configuration."""
+    from dplb.worker.engines.sim.api import parse_adapters
+    from dplb.worker.engines.sim.engine import SimConfig
+
+    parser = sim_arg_parser()
+    ns, rest = parser.parse_known_args(engine_args)
+    if rest:
+        known = {o for a in parser._actions for o in a.option_strings}
+        hints = [f"{r} → --sim-{r[2:].split('=')[0]}" for r in rest
+                 if r.startswith("--") and f"--sim-{r[2:].split('=')[0]}" in known]
+        hint = f"; the sim's knobs start with --sim- ({', '.join(hints)})" if hints else ""
+        raise ConfigError(f"unknown sim engine argument(s): {' '.join(rest)}{hint} (see `dplb worker --help-engine "
+                          "sim`; vLLM's flags need --model)")
+    kw = vars(ns)
+    if model:
+        kw["model"] = model
+    cfg = SimConfig(**kw)
+    parse_adapters(cfg.lora_adapters)
+    return cfg
+
+
 def build_engine(name: str, engine_args: list[str], *, model: str | None = None) -> Engine:
     """Build the engine ``name`` from its arguments.
 
@@ -48,15 +84,9 @@ def build_engine(name: str, engine_args: list[str], *, model: str | None = None)
     to vLLM's OpenAI server unchanged. Raises :class:`ConfigError` for an unknown engine or bad arguments.
     """
     if name == "sim":
-        from dplb.worker.engines.sim.engine import SimConfig, SimEngine
+        from dplb.worker.engines.sim.engine import SimEngine
 
-        ns, rest = sim_arg_parser().parse_known_args(engine_args)
-        if rest:
-            raise ConfigError(f"unknown sim engine argument(s): {' '.join(rest)} (see `dplb worker --help-engine sim`)")
-        kw = vars(ns)
-        if model:
-            kw["model"] = model
-        return SimEngine(SimConfig(**kw))
+        return SimEngine(sim_config(engine_args, model=model))
     if name == "vllm":
         from dplb.worker.engines.vllm import VllmEngine
 

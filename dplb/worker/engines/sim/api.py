@@ -12,11 +12,16 @@ Contract
   ``previous_response_id``, ``request_id``): runs through the scheduler like a chat request; the answer is a
   ``response`` object, or with ``stream`` the event sequence ``response.created`` … ``response.completed``
   (``event:``/``data:`` SSE lines, as vLLM). The last :data:`STORED_RESPONSES` responses are kept:
-  ``GET /v1/responses/{id}`` returns one (404 when unknown), ``POST /v1/responses/{id}/cancel`` answers 400 for a
-  finished one (vLLM cancels only background responses), and an unknown ``previous_response_id`` is a 404.
+  ``GET /v1/responses/{id}`` returns one (404 when unknown), and an unknown ``previous_response_id`` is a 404.
+  ``background: true`` answers at once with the ``queued`` response and generates it in a task (``in_progress``,
+  then ``completed``); ``POST /v1/responses/{id}/cancel`` cancels a queued or in-progress one (its request is
+  aborted; the answer is the response, ``status: "cancelled"``) and answers 400 "Cannot cancel a synchronous
+  response." for any other, as vLLM.
 - The other proxied routes (``/tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``, ``/classify``,
   ``/score``, ``/rerank`` and their versions, ``/v1/messages``, audio, …) validate the JSON body (multipart for
-  audio) and the model, and answer a small deterministic body of the right kind; no scheduler time.
+  audio) and the model, and answer a deterministic body of the right kind, one result per input for the pooling
+  routes (:mod:`dplb.worker.engines.sim.pooling`); no scheduler time. The proxied routes in
+  :data:`NOT_SIMULATED` answer an OpenAI-shaped 404 saying the sim does not implement them.
 - Every model request is recorded in ``/debug/requests`` and, when sent with ``x-sim-debug: body-sha256``, answered
   with ``x-sim-body-sha256``; each record has
   (``path``, ``status``, ``body_sha256``, ``x_request_id``, ``model``).
@@ -36,9 +41,13 @@ from typing import Any, Protocol
 
 import msgspec
 
+from dplb.config import split_list
+from dplb.errors import ConfigError
 from dplb.runtime.asgi import send_json, until_disconnect
 from dplb.worker.engines.base import Receive, Scope, Send
+from dplb.worker.engines.sim import pooling
 from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
+from dplb.worker.engines.sim.pooling import POOLING_PATHS
 from dplb.worker.engines.sim.scheduler import (
     WORDS,
     SimConfig,
@@ -67,16 +76,24 @@ _AUDIO = ("/v1/audio/transcriptions", "/v1/audio/translations")
 _GENERIC = frozenset({
     "/tokenize", "/detokenize", "/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score",
     "/rerank", "/v1/rerank", "/v2/rerank", "/v1/messages", "/v1/messages/count_tokens", *_AUDIO})
+#: Routes the router proxies that the sim does not simulate: answered 404 with an OpenAI-shaped error saying so
+#: (vLLM serves them; a real model is needed to use them). 404, not 501: a worker 5xx counts against its health.
+NOT_SIMULATED = frozenset({
+    "/v1/chat/completions/batch", "/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
+    "/v1/responses/render", "/v1/chat/completions/derender", "/v1/completions/derender", "/inference/v1/generate",
+    "/generative_scoring", "/v1/systemone", "/invocations"})
 _FORM_MODEL = re.compile(rb'name="model"[^\r\n]*\r\n(?:[^\r\n]+\r\n)*\r\n([^\r\n]{1,256})\r\n', re.IGNORECASE)
 
 
 def parse_adapters(text: str) -> dict[str, str]:
-    """``"a,b=/p"`` → ``{"a": "/adapters/a", "b": "/p"}`` (name → path)."""
+    """``"a,b=/p"`` → ``{"a": "/adapters/a", "b": "/p"}`` (name → path); ``""`` → ``{}``. Raises
+    :class:`~dplb.errors.ConfigError` for an empty item or name (:func:`dplb.config.split_list`)."""
     out: dict[str, str] = {}
-    for item in (t.strip() for t in text.split(",")):
-        if item:
-            name, _, path = item.partition("=")
-            out[name.strip()] = path.strip() or f"/adapters/{name.strip()}"
+    for item in split_list(text, "--sim-lora-adapters", allow_empty=True):
+        name, _, path = item.partition("=")
+        if not name.strip():
+            raise ConfigError(f"--sim-lora-adapters {text!r}: {item!r} has no name (expected NAME or NAME=PATH)")
+        out[name.strip()] = path.strip() or f"/adapters/{name.strip()}"
     return out
 
 
@@ -87,6 +104,7 @@ class SimApi:
         self.engine = engine
         self.adapters = parse_adapters(engine.config.lora_adapters)
         self.responses: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self.background: dict[str, asyncio.Task[None]] = {}  # response id → its generation (background: true)
 
     @property
     def served(self) -> frozenset[str]:
@@ -94,9 +112,9 @@ class SimApi:
         return frozenset((self.engine.config.model, *self.adapters))
 
     def handles(self, path: str) -> bool:
-        """True for the paths this module serves."""
-        return path in _GENERIC or path in _LORA or path == _RESPONSES or (
-            path.startswith(_RESPONSES_PREFIX) and path != "/v1/responses/render")  # render: not simulated
+        """True for the paths this module answers (:data:`NOT_SIMULATED` ones with their 404)."""
+        return path in _GENERIC or path in _LORA or path == _RESPONSES or path in NOT_SIMULATED or \
+            path.startswith(_RESPONSES_PREFIX)
 
     def models_body(self, created: int) -> bytes:
         """The ``/v1/models`` answer: the base model, then each adapter."""
@@ -121,7 +139,7 @@ class SimApi:
         self.engine.debug_requests.append(rec)
         want = "GET" if path.startswith(_RESPONSES_PREFIX) and not path.endswith("/cancel") else "POST"
         try:
-            if method != want:
+            if method != want and path not in NOT_SIMULATED:
                 raise HTTPError(405, "Method Not Allowed")
             body = await read_body(receive)
             if body is None:
@@ -130,6 +148,9 @@ class SimApi:
             rec["body_sha256"] = sha = hashlib.sha256(body).hexdigest()
             if hdr.get(DEBUG_HEADER) == b"body-sha256":  # opt-in, as in sim.py: never reaches a client that did not ask
                 headers.append((b"x-sim-body-sha256", sha.encode()))
+            if path in NOT_SIMULATED:
+                raise HTTPError(404, f"The DPLB sim engine does not implement {path}; vLLM serves it (start the "
+                                     "stack with --model to use it).", "NotFoundError")
             if path in _LORA:
                 status, out = self._lora(path, body)
                 rec["status"] = status
@@ -197,27 +218,13 @@ class SimApi:
         if path == "/tokenize":
             return {"count": len(ids), "max_model_len": self.engine.config.max_model_len, "tokens": ids}
         if path == "/detokenize":
-            return {"prompt": " ".join(WORDS[t % len(WORDS)] for t in data.get("tokens") or [])}
+            return {"prompt": pooling.detokenize(data.get("tokens"))}
         if path in _AUDIO:
             return {"text": " ".join(random.Random(data["bytes"]).choice(WORDS) for _ in range(8))}
         if path == "/v1/messages/count_tokens":
             return {"input_tokens": len(ids)}
-        vec = [((t >> s) & 0xFF) / 255.0 for t in ids[:1] for s in range(0, 32, 4)]
-        usage = {"prompt_tokens": len(ids), "total_tokens": len(ids), "completion_tokens": 0}
-        if path in ("/v1/embeddings", "/v2/embed", "/pooling"):
-            return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "model": model, "usage": usage,
-                    "data": [{"index": 0, "object": "embedding", "embedding": vec}]}
-        if path == "/classify":
-            return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "model": model, "usage": usage,
-                    "data": [{"index": 0, "label": "LABEL_0", "probs": [1.0], "num_classes": 1}]}
-        if path.endswith("rerank"):
-            docs = data.get("documents") or []
-            return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": {"total_tokens": len(ids)},
-                    "results": [{"index": i, "document": {"text": d}, "relevance_score": 1.0 / (i + 1)}
-                                for i, d in enumerate(docs)]}
-        if path.endswith("score"):
-            return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "model": model, "usage": usage,
-                    "data": [{"index": 0, "object": "score", "score": 0.5}]}
+        if path in POOLING_PATHS:
+            return pooling.answer(path, data, model)
         return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
                 "content": [{"type": "text", "text": "yes"}], "stop_reason": "max_tokens",
                 "usage": {"input_tokens": len(ids), "output_tokens": 1}}  # /v1/messages
@@ -229,7 +236,13 @@ class SimApi:
         if resp is None:
             raise HTTPError(404, f"Response with id '{rid}' not found.", "invalid_request_error")
         if cancel:
-            raise HTTPError(400, "Cannot cancel a synchronous response.", "invalid_request_error")
+            # vLLM: only a queued or in-progress (background) response can be cancelled; it answers the response.
+            if resp["status"] not in ("queued", "in_progress"):
+                raise HTTPError(400, "Cannot cancel a synchronous response.", "invalid_request_error")
+            resp["status"] = "cancelled"
+            task = self.background.pop(rid, None)
+            if task is not None:
+                task.cancel()
         return _json(resp)
 
     async def _respond(self, receive: Receive, send: Send, data: dict[str, Any],
@@ -266,6 +279,11 @@ class SimApi:
                 "instructions": data.get("instructions"), "metadata": None, "error": None,
                 "previous_response_id": prev, "usage": None}
         msg_id = f"msg_{uuid.uuid4().hex}"
+        if data.get("background") is True:
+            self._start_background(data, req, rng, resp, msg_id, len(ids))
+            rec["status"] = 200
+            await send_json(send, 200, _json(resp), headers)
+            return
         seq_no = [0]
 
         def event(kind: str, **fields: Any) -> bytes:
@@ -313,9 +331,7 @@ class SimApi:
                 "input_tokens": len(ids), "input_tokens_details": {"cached_tokens": seq.cached_tokens},
                 "output_tokens": len(words), "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": len(ids) + len(words)})
-            self.responses[rid] = resp
-            if len(self.responses) > STORED_RESPONSES:
-                self.responses.popitem(last=False)
+            self._store(rid, resp)
             rec.update(status=200, completion_tokens=len(words))
             if not stream:
                 await send_json(send, 200, _json(resp), headers)
@@ -331,6 +347,55 @@ class SimApi:
             watcher.cancel()
             if not req.done:
                 eng.scheduler.abort(req)
+
+    def _store(self, rid: str, resp: dict[str, Any]) -> None:
+        """Keep ``resp`` for ``GET /v1/responses/{rid}`` (the last :data:`STORED_RESPONSES`)."""
+        self.responses[rid] = resp
+        self.responses.move_to_end(rid)
+        if len(self.responses) > STORED_RESPONSES:
+            self.responses.popitem(last=False)
+
+    def _start_background(self, data: dict[str, Any], req: SimRequest, rng: random.Random, resp: dict[str, Any],
+                          msg_id: str, prompt_tokens: int) -> None:
+        """Store ``resp`` as ``queued`` and start its generation (:meth:`_run_background`). Raises HTTPError 400 for
+        ``store: false`` (vLLM's rule) or ``stream: true`` (not simulated)."""
+        if data.get("store") is False:
+            raise HTTPError(400, "background can only be used when `store` is true")
+        if data.get("stream") is True:
+            raise HTTPError(400, "The DPLB sim engine does not stream background responses; poll GET "
+                                 "/v1/responses/{id} instead (vLLM streams them).")
+        resp.update(status="queued", background=True)
+        self._store(str(resp["id"]), resp)
+        self.background[str(resp["id"])] = asyncio.ensure_future(
+            self._run_background(req, rng, resp, msg_id, prompt_tokens))
+
+    async def _run_background(self, req: SimRequest, rng: random.Random, resp: dict[str, Any], msg_id: str,
+                              prompt_tokens: int) -> None:
+        """Generate a ``background: true`` response: queued → in_progress → completed (or cancelled, when
+        ``…/cancel`` cancels this task: the request is aborted and frees its KV blocks)."""
+        sched = self.engine.scheduler
+        sched.submit(req)
+        try:
+            seq = req.seqs[0]
+            while not req.done:
+                await req.event.wait()
+                req.event.clear()
+                if req.aborted:
+                    resp["status"] = "failed" if resp["status"] != "cancelled" else "cancelled"
+                    return
+                if resp["status"] == "queued" and seq.generated:
+                    resp["status"] = "in_progress"
+            words = [rng.choice(WORDS) for _ in range(seq.generated)]
+            resp.update(status="completed", output=[{
+                "type": "message", "id": msg_id, "status": "completed", "role": "assistant",
+                "content": [{"type": "output_text", "text": " ".join(words), "annotations": [], "logprobs": []}]}],
+                usage={"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": seq.cached_tokens},
+                       "output_tokens": len(words), "output_tokens_details": {"reasoning_tokens": 0},
+                       "total_tokens": prompt_tokens + len(words)})
+        finally:
+            if not req.done:
+                sched.abort(req)
+            self.background.pop(str(resp["id"]), None)
 
     async def _watch(self, receive: Receive, req: SimRequest) -> None:
         """A client disconnect aborts ``req`` (frees its KV blocks)."""

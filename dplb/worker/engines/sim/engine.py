@@ -51,6 +51,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb.runtime.asgi import send_json, until_disconnect
 from dplb.worker.engines.base import ASGIApp, EngineStats, Receive, Scope, Send
+from dplb.worker.engines.sim import logprobs
 from dplb.worker.engines.sim.api import SimApi
 from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
 from dplb.worker.engines.sim.scheduler import (
@@ -83,6 +84,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    logprobs: int | None = None  # alternatives per token (dplb.worker.engines.sim.logprobs); None: off
 
 
 def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str] = frozenset()) -> ParsedRequest:
@@ -117,7 +119,8 @@ def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str
                                  f"your request has {len(ids)} input tokens. Please reduce the length of the input.")
     max_tokens = [min(req_max or cfg.default_max_tokens, cfg.max_model_len - len(ids)) for ids in prompts]
     return ParsedRequest(prompts, max_tokens, n, stream, bool(opts.get("include_usage")),
-                         bool(opts.get("include_usage") and opts.get("continuous_usage_stats")))
+                         bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
+                         logprobs.requested(data, chat))
 
 
 class SimEngine:
@@ -329,6 +332,7 @@ class SimEngine:
                 req.add_seq(pi * p.n + j, len(ids), hashes, p.max_tokens[pi], cfg.block_size)
                 seeds.append(f"{cfg.seed}:{ph}:{pi * p.n + j}")
         rngs = [random.Random(s) for s in seeds]
+        lps = None if p.logprobs is None else [logprobs.SequenceLogprobs(s, p.logprobs, chat) for s in seeds]
         prompt_tokens = sum(len(ids) for ids in p.prompts)
         rec["prompt_tokens"] = self.last_prompt_tokens = prompt_tokens
         self._active[req] = rec
@@ -336,7 +340,7 @@ class SimEngine:
         watcher = asyncio.ensure_future(self._watch(receive, req, rec))
         try:
             if p.stream:
-                return await self._stream(send, req, p, rid, rec, headers, chat, rngs, prompt_tokens)
+                return await self._stream(send, req, p, rid, rec, headers, chat, rngs, prompt_tokens, lps)
             while not req.done:
                 await req.event.wait()
                 req.event.clear()
@@ -347,12 +351,13 @@ class SimEngine:
                                                             "ServiceUnavailableError").body(), headers)
                     return False
             choices: list[dict[str, Any]] = []
-            for seq, rng in zip(req.seqs, rngs, strict=True):
+            for i, (seq, rng) in enumerate(zip(req.seqs, rngs, strict=True)):
                 text = " ".join(rng.choice(WORDS) for _ in range(seq.max_tokens))
                 choice: dict[str, Any] = ({"index": seq.index, "message": {"role": "assistant", "content": text,
                                            "refusal": None, "tool_calls": [], "reasoning_content": None}}
                                           if chat else {"index": seq.index, "text": text})
-                choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+                choice.update(logprobs=lps[i].chunk(logprobs.tokens_of(text)) if lps else None,
+                              finish_reason="length", stop_reason=None)
                 choices.append(choice)
             completion = sum(s.max_tokens for s in req.seqs)
             rec.update(status=200, completion_tokens=completion)
@@ -371,7 +376,7 @@ class SimEngine:
 
     async def _stream(self, send: Send, req: SimRequest, p: ParsedRequest, rid: str, rec: dict[str, Any],
                       headers: list[tuple[bytes, bytes]], chat: bool, rngs: list[random.Random],
-                      prompt_tokens: int) -> bool:
+                      prompt_tokens: int, lps: list[logprobs.SequenceLogprobs] | None) -> bool:
         cfg = self.config
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": cfg.model}
@@ -409,7 +414,7 @@ class SimEngine:
                     done = sent[i] == seq.max_tokens
                     c: dict[str, Any] = ({"index": seq.index, "delta": {"content": text}} if chat
                                          else {"index": seq.index, "text": text})
-                    c.update(logprobs=None, finish_reason="length" if done else None)
+                    c.update(logprobs=lps[i].chunk([text]) if lps else None, finish_reason="length" if done else None)
                     if done or not chat:
                         c["stop_reason"] = None
                     events.append(event([c], p.continuous_usage))

@@ -1,0 +1,147 @@
+"""What a careless first user types: sloppy comma lists, an early Ctrl-C, engine flags the sim does not have,
+and the packaging metadata. Each is refused with one line (or ends quietly) before anything starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from dplb.config import parse_weights, split_list
+from dplb.errors import ConfigError
+from tests.cluster import dplb_cmd
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (flag, value) pairs each list parser must refuse: a stray comma anywhere, or only commas/spaces.
+SLOPPY = ["queue=1,", ",queue=1", "queue=0.5,,memory=0.5", " , ", "a, ,b"]
+
+
+@pytest.mark.parametrize("text", SLOPPY)
+def test_split_list_refuses_every_empty_item(text: str) -> None:
+    with pytest.raises(ConfigError, match="empty item"):
+        split_list(text, "--x")
+
+
+@pytest.mark.parametrize(("text", "items"), [("a", ["a"]), ("a, b ,c", ["a", "b", "c"]), (" a ", ["a"])])
+def test_split_list_keeps_good_lists(text: str, items: list[str]) -> None:
+    assert split_list(text, "--x") == items
+
+
+def test_split_list_empty_is_an_error_unless_allowed() -> None:
+    assert split_list("  ", "--x", allow_empty=True) == []
+    with pytest.raises(ConfigError, match="must not be empty"):
+        split_list("", "--x")
+
+
+# Every comma-list parser of the CLI, the router and the sim: (what, parser, a good value).
+def _parsers() -> list[tuple[str, object, str]]:
+    from dplb.bench.compare import parse_policies
+    from dplb.router.cli import parse_exempt
+    from dplb.router.fanout import parse_workers
+    from dplb.worker.engines.sim.api import parse_adapters
+
+    return [("--weights", parse_weights, "queue=1"), ("--api-key-exempt", parse_exempt, "/health"),
+            ("?workers=", lambda t: parse_workers(t, 4), "0"), ("--sim-lora-adapters", parse_adapters, "a"),
+            ("--policies", lambda t: parse_policies(t, []), "dplb")]
+
+
+@pytest.mark.parametrize("index", range(5), ids=["weights", "api-key-exempt", "workers", "lora-adapters",
+                                                 "policies"])
+def test_every_list_flag_refuses_a_stray_comma(index: int) -> None:
+    _, parse, good = _parsers()[index]
+    parse(good)  # type: ignore[operator]  # the value itself is fine
+    for bad in (good + ",", "," + good, good + ",," + good, good + ", "):
+        with pytest.raises(ValueError):
+            parse(bad)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("flags", [["--weights", "queue=1,"], ["--cors-allowed-origins", "https://a.example,"],
+                                   ["--api-key-exempt", "/health,,/metrics"]])
+def test_launch_refuses_sloppy_lists_with_one_line(flags: list[str]) -> None:
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "1", *flags), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "empty item" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--sim-bogus-flag"], "--sim-bogus-flag"),
+    (["--max-model-len", "4096"], "--max-model-len → --sim-max-model-len"),
+    (["--sim-speed", "fast"], "invalid float value"),
+    (["--sim-max-num-seqs", "0"], "max_num_seqs"),
+    (["--worker-args", "1=--sim-bogus-flag"], "--sim-bogus-flag"),
+])
+def test_launch_checks_sim_arguments_before_starting_anything(tmp_path: Path, args: list[str], says: str) -> None:
+    """Regression: unknown or bad sim engine arguments failed only after ~7 s and 3 start attempts per worker."""
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--port", "0", "--run-dir", str(run_dir), *args),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+    assert not run_dir.exists() and time.monotonic() - t0 < 30  # nothing was created or started
+
+
+def _sigint_is_default(pid: int) -> bool:
+    """True when process ``pid`` has SIGINT at its default action (neither caught nor ignored)."""
+    fields = dict(ln.split(":\t", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in ln)
+    bit = 1 << (signal.SIGINT - 1)
+    return not (int(fields["SigCgt"], 16) & bit) and not (int(fields["SigIgn"], 16) & bit)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+@pytest.mark.parametrize("delay_s", [0.0, 0.05, 0.1, 0.2, 0.3, 0.5])
+def test_early_ctrl_c_prints_no_traceback(tmp_path: Path, delay_s: float) -> None:
+    """Regression: Ctrl-C in the first 0.3 s of `dplb launch` printed a KeyboardInterrupt traceback. The signal is
+    sent ``delay_s`` after dplb's own code took over SIGINT (seen in /proc; before that it is Python's start-up)."""
+    p = subprocess.Popen([sys.executable, "-m", "dplb.cli", "launch", "--num-workers", "1", "--port", "0",
+                          "--metrics-port-base", "0", "--run-dir", str(tmp_path / "run"), "--drain-timeout", "1",
+                          "--shm-path", f"/dev/shm/dplb_state_ctrlc_{os.getpid()}_{int(delay_s * 1000)}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 30
+    while not _sigint_is_default(p.pid):
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.002)
+    time.sleep(delay_s)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    text = err.decode()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert p.returncode in (-signal.SIGINT, 130, 0), (p.returncode, text)
+    assert not Path(f"/dev/shm/dplb_state_ctrlc_{os.getpid()}_{int(delay_s * 1000)}").exists()
+
+
+def test_pyproject_license_is_an_spdx_string() -> None:
+    """Regression: the ``license = {text = …}`` table is deprecated by setuptools (PEP 639: an SPDX expression)."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in meta["build-system"]["requires"]  # the first setuptools that reads the string
+    assert not any(c.startswith("License ::") for c in meta["project"].get("classifiers", []))
+
+
+def test_state_into_a_pipe_keeps_the_whole_heading_at_80_columns(tmp_path: Path) -> None:
+    """Regression: `dplb state | cat` cut the heading at 80 columns (rich's width without a terminal)."""
+    from dplb.state.shm import Segment
+
+    path = f"/dev/shm/dplb_state_{int(time.time())}_{os.getpid()}_a_rather_long_segment_name_for_the_test"
+    seg = Segment.create(path, 2, state_interval_ms=200, model="a-model-with-a-long-served-name")
+    try:
+        r = subprocess.run(dplb_cmd("state", "--shm-path", path), capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "80"})
+        assert r.returncode == 0, r.stderr
+        head = r.stdout.splitlines()[0]
+        assert len(head) > 80 and head.startswith(path) and head.rstrip().endswith("routers(pid:port)=-"), head
+    finally:
+        seg.close()
+        os.unlink(path)
+
+
+def test_dashboard_generator_without_the_venv_says_which_python_to_use() -> None:
+    """Regression: ``python dashboards/generate.py`` outside the virtualenv died with an ImportError traceback."""
+    r = subprocess.run([sys.executable, "-S", str(ROOT / "dashboards" / "generate.py"), "--check"],
+                       capture_output=True, text=True, timeout=60)  # -S: no site-packages, so no grafanalib
+    assert r.returncode == 2 and "Traceback" not in r.stderr and ".venv/bin/python" in r.stderr, r.stderr
