@@ -198,18 +198,23 @@ def test_emit_systemd_writes_placement_dropins(tmp_path: Path) -> None:
     if len(cpus) < 2:
         pytest.skip("needs 2 CPUs for two workers")
     spec = f"{cpus[0]}|{cpus[1]}"
-    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--model", "/models/tiny", "--worker-cpus", spec,
-                                "--router-cpus", str(cpus[-1]), "--emit-systemd", str(tmp_path)),
+    model = tmp_path / "model"  # --emit-systemd checks --model like launch does: a real (empty) model directory
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "units"
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--model", str(model), "--worker-cpus", spec,
+                                "--router-cpus", str(cpus[-1]), "--emit-systemd", str(out)),
                        capture_output=True, text=True, timeout=60, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr
     for k in range(2):
-        conf = (tmp_path / f"dplb-worker@{k}.service.d" / "placement.conf").read_text()
+        conf = (out / f"dplb-worker@{k}.service.d" / "placement.conf").read_text()
         assert f"[Service]\nCPUAffinity={cpus[k]}\nAllowedCPUs={cpus[k]}\n" in conf
-        assert f"{OMP_ENV}={cpus[k]}\n" in (tmp_path / f"worker-{k}.env").read_text()
-    assert f"CPUAffinity={cpus[-1]}\n" in (tmp_path / "dplb-router.service.d" / "placement.conf").read_text()
+        assert f"{OMP_ENV}={cpus[k]}\n" in (out / f"worker-{k}.env").read_text()
+    assert f"CPUAffinity={cpus[-1]}\n" in (out / "dplb-router.service.d" / "placement.conf").read_text()
     assert "placement.conf" in r.stdout and "/etc/systemd/system/" in r.stdout
-    _verify_with_dropins(tmp_path)
-    bad = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--worker-cpus", "0", "--emit-systemd",
+    _verify_with_dropins(out)
+    bad = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--model", str(model), "--worker-cpus", "0",
+                                  "--emit-systemd",
                                   str(tmp_path / "x")), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "gives 1 CPU list(s) for 2 worker(s)" in bad.stderr
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
