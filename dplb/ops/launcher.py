@@ -341,6 +341,12 @@ class Launcher:
         if self.router is None:  # nothing was started
             self._remove_segment()
             return
+        notice = self.router_cfg.drain_notice_s
+        if notice > 0 and self.router.alive():  # the host reports drain while still serving (dplb.router.host_report)
+            self.router.signal(signal.SIGUSR1)
+            print(f"DPLB: reporting drain to the front balancer for {notice:g} s before stopping…", file=sys.stderr,
+                  flush=True)
+            time.sleep(notice)
         for w in self.workers:
             w.signal(signal.SIGTERM)
         deadline = time.monotonic() + self.args.drain_timeout + 5

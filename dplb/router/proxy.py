@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -87,6 +88,8 @@ class Proxy:
         self._ttfb_children = [self.metrics.upstream_ttfb.labels(str(k)) for k in range(n)]
         self._duration_children: dict[tuple[int, str], Any] = {}
         self._block_bytes = cfg.policy.prefix_block_bytes if cfg.policy.prefix_on else 0
+        # Called with (scope, response headers) before a worker's response head is sent (the ORCA header).
+        self.on_response_head: Callable[[dict[str, Any], list[tuple[bytes, bytes]]], None] | None = None
 
     # ---- helpers -------------------------------------------------------------------------------------------------
     async def _reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None) -> None:
@@ -359,6 +362,8 @@ class Proxy:
                 return None
             self._ttfb_children[worker].observe(time.perf_counter() - t0)
             out, is_sse, draining = response_headers(up_headers, self._worker_ids[worker], ex.rid)
+            if self.on_response_head is not None:
+                self.on_response_head(ex.scope, out)
             if status == 503 and draining:
                 outcome = "draining"  # the worker refused before doing anything: safe to send elsewhere
                 return RouterErrorKind.NONE_ROUTABLE
