@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,8 +16,14 @@ from dataclasses import dataclass, field
 import httpx
 from cluster import Cluster, cluster, free_port
 
-ENVOY = shutil.which("envoy") or next((p for p in ("/work/main/.venv/bin/envoy", ".venv/bin/envoy")
-                                       if os.path.exists(p)), None)
+
+def tool(name: str) -> str | None:
+    """``name`` on PATH, else next to this interpreter (a virtualenv's bin: the test extra's envoy, kubectl)."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    return shutil.which(name) or (here if os.access(here, os.X_OK) else None)
+
+
+ENVOY = tool("envoy")
 HAPROXY = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
 # A sim worker whose batch fills at a modest concurrency, so load differences between hosts show.
 WORKER = ["--sim-max-num-seqs", "4", "--sim-chunk-delay-s", "0.01"]
