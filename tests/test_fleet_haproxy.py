@@ -59,3 +59,47 @@ def test_agent_weights_follow_load_and_drain_loses_nothing(tmp_path: pytest.Temp
         assert not load.failures, load.failures[:5]
         assert time.monotonic() - t0 > 2.5
         assert sum(load.served.values()) > 50
+
+
+def test_conversation_hash_keeps_turns_together_and_a_killed_host_leaves_rotation(
+        tmp_path: pytest.TempPathFactory) -> None:
+    """hdr(x-session-id) with bounded-load consistent hashing: every turn of a conversation lands on one host and
+    conversations use both hosts; then a SIGKILLed host loses at most its in-flight requests and is out of
+    rotation within the check interval (inter 1 s x fall 2, retries redispatch the rest)."""
+    port = free_port()
+    with hosts(str(tmp_path), [1.0, 1.0]) as fleet, \
+            _haproxy(str(tmp_path), fleet, port, affinity_header="x-session-id"):
+        import httpx
+
+        placement: dict[int, set[str]] = {}
+        with httpx.Client(timeout=30) as client:
+            for turn in range(4):
+                for conv in range(12):
+                    r = client.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                    headers={"x-session-id": f"conversation-{conv}"},
+                                    json={"model": "dplb-sim", "max_tokens": 2,
+                                          "messages": [{"role": "user", "content": f"turn {turn}"}]})
+                    assert r.status_code == 200, r.text
+                    placement.setdefault(conv, set()).add(r.headers["x-dplb-host"])
+        assert all(len(h) == 1 for h in placement.values()), placement
+        assert len(set().union(*placement.values())) == 2, placement
+        load = Load(f"http://127.0.0.1:{port}", clients=8, max_tokens=4).start()
+        try:
+            time.sleep(2)
+            victim = fleet[1][0]
+            assert victim.router is not None
+            t_kill = time.monotonic()
+            victim.router.kill()
+            victim.router.wait(10)
+            time.sleep(4)
+            fails_at = len(load.failures)
+            before = load.snapshot()
+            time.sleep(3)
+            after = load.snapshot() - before
+        finally:
+            load.stop()
+        dead = f"h-{victim.host.replace('.', '-')}-{victim.port}"
+        print(f"killed host: {len(load.failures)} failed requests (8 clients in flight), then {dict(after)}")
+        assert after[dead] == 0 and sum(after.values()) > 0, after
+        assert len(load.failures) <= 8 and len(load.failures) == fails_at, load.failures  # only in-flight ones
+        assert time.monotonic() - t_kill < 30
