@@ -42,10 +42,9 @@ def free_port() -> int:
 def wait_http(url: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as r:
+            if r.status == 200:
+                return
         time.sleep(0.2)
     raise TimeoutError(url)
 
