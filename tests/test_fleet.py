@@ -70,6 +70,11 @@ def test_epp_reads_one_host_aggregate_per_family(tmp_path: pytest.TempPathFactor
         assert 1 <= busy.running_requests_size <= 8 and busy.waiting_queue_size >= 6, busy
         assert 0 < busy.kv_cache_usage_percent <= 1
         assert 'dplb_host_state{state="up"} 1.0' in text
+        # Prometheus asks for OpenMetrics: the families keep their vllm: names there too (they were once escaped
+        # to vllm_num_requests_waiting, so Prometheus stored none of them).
+        om = httpx.get(c.url + "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"}).text
+        assert all(any(line.startswith(f + " ") or line.startswith(f + "{") for line in om.splitlines())
+                   for f in busy.series), om[:2000]
         # The EPP scrapes every 50 ms: /metrics/host (its metrics-data-source `path`) answers well inside that,
         # even on a router under load on a shared 2-core machine.
         assert statistics.median(lat) < 0.025, lat

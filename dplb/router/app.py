@@ -140,7 +140,9 @@ class RouterApp:
             # OpenMetrics when asked (Prometheus does with exemplar storage on): latency histograms then carry
             # trace-id exemplars.
             if "application/openmetrics-text" in request.headers.get("accept", ""):
-                return Response(om_generate_latest(source), media_type=OM_CONTENT_TYPE)
+                # allow-utf-8: names stay as they are (the default escaping rewrote vllm:* to vllm_*, and Prometheus
+                # then stored no vllm:* series from the router); every DPLB name is a legacy-valid name anyway.
+                return Response(om_generate_latest(source, escaping="allow-utf-8"), media_type=OM_CONTENT_TYPE)
             # Litestar appends "; charset=utf-8" to text/* types itself: hand it the type without one (issue 16).
             return Response(generate_latest(source), media_type=_TEXT_TYPE)
 
