@@ -137,3 +137,22 @@ def test_taken_agent_port_is_one_line_error(tmp_path: pytest.TempPathFactory) ->
     assert any(f"cannot bind 127.0.0.1:{port} for the HAProxy agent-check" in ln and "--agent-port" in ln
                for ln in err), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_host_without_segment_is_up_while_it_serves(tmp_path: pytest.TempPathFactory) -> None:
+    """The segment deleted: the router keeps serving on its own in-flight counts, so the host must not report
+    down to its balancer (it once did, and the balancer would have dropped a serving host)."""
+    import os
+
+    agent = free_port()
+    with cluster(str(tmp_path), 2, router_args=["--agent-port", str(agent)]) as c:
+        os.unlink(c.shm_path)
+        deadline = time.monotonic() + 10
+        while '"shm_segment_present":false' not in httpx.get(c.url + "/ready").text.replace(" ", ""):
+            assert time.monotonic() < deadline, "the router did not notice the segment was gone"
+            time.sleep(0.2)
+        time.sleep(0.5)  # a few report intervals
+        assert chat(c, max_tokens=2).status_code == 200
+        text = httpx.get(c.url + "/metrics/host").text
+        assert 'dplb_host_state{state="up"} 1.0' in text, text
+        assert agent_answer("127.0.0.1", agent).startswith("up ready ")

@@ -31,7 +31,9 @@ Contract
     the segment's model name (vLLM lists loaded LoRA adapters beside the base model).
 - ``state``: ``drain`` once :meth:`HostReporter.begin_drain` was called (SIGUSR1 of the router, or SIGTERM, after
   which the router serves ``--drain-notice`` seconds more: :meth:`HostReporter.drain_notice`), else
-  ``down`` with a reason when no worker is routable (or the segment is missing), else ``up``. Draining is one-way.
+  ``down`` with a reason when no worker is routable, else ``up``. Without a segment the router serves on its own
+  in-flight counts (:mod:`dplb.router.state`): ``up`` while a worker socket exists (running = the router's
+  in-flight requests, capacity = ``max_queue`` per worker), ``down`` otherwise. Draining is one-way.
 """
 
 from __future__ import annotations
@@ -179,11 +181,29 @@ class HostReporter:
         common = {"time_unix": now, "workers": st.num_workers, "rps": rps, "models": tuple(names),
                   "adapters": tuple(n for n in names if base and n != base)}
         if snap is None:
-            self.report = HostReport(**common, state=STATE_DRAIN if self.draining else STATE_DOWN,  # type: ignore[arg-type]
-                                     reason=self.drain_reason or "state segment missing")
+            self.report = self._without_segment(common)
             return self.report
         self.report = self._from_snapshot(snap, routable, common)
         return self.report
+
+    def _without_segment(self, common: dict[str, object]) -> HostReport:
+        """No segment: the router serves on its own in-flight counts to the workers whose socket exists (its
+        fallback), so the host is up while one does; load = in-flight over ``max_queue`` per such worker."""
+        st = self.state
+        socks = st.routable_workers()
+        inflight = st.inflight_all()
+        running = sum(inflight[k] for k in socks)
+        capacity = len(socks) * st.cfg.policy.max_queue
+        load = running / capacity if capacity > 0 else 0.0
+        if self.draining:
+            state, reason, util = STATE_DRAIN, self.drain_reason, 1.0
+        elif not socks:
+            state, reason, util = STATE_DOWN, "state segment missing and no worker socket", 1.0
+        else:
+            state, reason, util = STATE_UP, "state segment missing: routing on in-flight counts", min(1.0, load)
+        return HostReport(**common, state=state, reason=reason, running=running,  # type: ignore[arg-type]
+                          capacity=capacity, load=load, utilization=util,
+                          agent_weight=max(1, min(100, round(100 / (1 + load)))), routable=tuple(socks))
 
     def _from_snapshot(self, snap: list[WorkerState], routable: list[int], common: dict[str, object]) -> HostReport:
         inflight = self.state.inflight_all()
