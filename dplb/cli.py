@@ -154,13 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_state(sub)
     _add_segment(sub)
     from dplb.bench import cli as bench_cli
-    from dplb.ops import doctor, launcher
+    from dplb.ops import doctor, fleet, launcher
     from dplb.router import cli as router_cli
 
     launcher.add_parser(sub)
     router_cli.add_parser(sub)
     doctor.add_parser(sub)
     bench_cli.add_parser(sub)
+    fleet.add_parser(sub)
     return p
 
 

@@ -300,6 +300,12 @@ class RouterConfig:
       ``process_index``: which one this process is (0..processes−1; set by the parent). With more than one, each
       also listens on :meth:`process_socket` so a sibling can merge its metrics and decisions into one answer.
 
+    - Fleet (:mod:`dplb.router.host_report`): ``agent_port``: the HAProxy agent-check port (None = off; bound on
+      ``host``, by process 0 of a group); ``orca``: ``off`` | ``asked`` (when the request sends
+      ``endpoint-load-metrics-format``) | ``always`` — the ORCA ``endpoint-load-metrics`` response header;
+      ``drain_notice_s``: after SIGTERM (or SIGUSR1) the host reports ``drain`` and keeps serving this long before it
+      stops accepting, so the front balancer moves new requests away first (≥ its check interval × its fall count).
+
     Handed from process to process as JSON (:meth:`to_json` / :meth:`from_json`), validated again on the way in.
     """
 
@@ -310,7 +316,7 @@ class RouterConfig:
     host: str = "0.0.0.0"
     port: int = 30000
     api_key: str | None = None
-    public_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")
+    public_paths: tuple[str, ...] = ("/health", "/ready", "/metrics", "/metrics/host")
     max_body_bytes: int = 32 * 1024 * 1024
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 600.0
@@ -326,6 +332,9 @@ class RouterConfig:
     response_ids: int = 65536
     processes: int = 1
     process_index: int = 0
+    agent_port: int | None = None
+    orca: str = "asked"
+    drain_notice_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -350,6 +359,12 @@ class RouterConfig:
             raise ConfigError(f"--models-refresh must be > 0 seconds, got {self.models_refresh_s}")
         if not (math.isfinite(self.sse_keepalive_s) and self.sse_keepalive_s >= 0):
             raise ConfigError(f"--sse-keepalive must be ≥ 0 seconds (0 = off), got {self.sse_keepalive_s}")
+        if self.agent_port is not None and not 1 <= self.agent_port <= 65535:
+            raise ConfigError(f"--agent-port must be 1..65535, got {self.agent_port}")
+        if self.orca not in ("off", "asked", "always"):
+            raise ConfigError(f"--orca must be off, asked or always, got {self.orca!r}")
+        if not (math.isfinite(self.drain_notice_s) and 0 <= self.drain_notice_s <= 3600):
+            raise ConfigError(f"--drain-notice must be 0..3600 seconds, got {self.drain_notice_s}")
         if self.response_ids <= 0:
             raise ConfigError(f"response_ids must be > 0, got {self.response_ids}")
         bad = [o for o in self.cors_allowed_origins if not o or o != o.strip() or "," in o]

@@ -75,10 +75,11 @@ class Cluster:
     router: subprocess.Popen[bytes] | None = None
     logs: list[str] = field(default_factory=list)
     segment: Segment | None = None
+    host: str = "127.0.0.1"  # the router's address (fleet tests give each host its own loopback address)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def sock(self, k: int) -> str:
         return os.path.join(self.run_dir, f"worker-{k}.sock")
@@ -120,7 +121,7 @@ class Cluster:
         self.logs.append(log)
         f = open(log, "ab")  # noqa: SIM115
         self.router = subprocess.Popen(
-            dplb_cmd("router", "--host", "127.0.0.1", "--port", str(self.port), "--run-dir", self.run_dir, *args),
+            dplb_cmd("router", "--host", self.host, "--port", str(self.port), "--run-dir", self.run_dir, *args),
             env=self.env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
         )
         t0 = time.monotonic()
@@ -186,13 +187,14 @@ class Cluster:
 @contextlib.contextmanager
 def cluster(tmp_path: str, num_workers: int, worker_args: dict[int, list[str]] | None = None,
             router_args: list[str] | None = None, start_workers: bool = True,
-            wait_router_ready: bool = True, state_interval_ms: int = 200) -> Iterator[Cluster]:
+            wait_router_ready: bool = True, state_interval_ms: int = 200,
+            host: str = "127.0.0.1") -> Iterator[Cluster]:
     """Segment + ``num_workers`` sim workers (``worker_args[k]`` extra args) + router; all stopped afterwards.
     ``state_interval_ms``: the segment's publish interval (workers and router take it from the segment)."""
     shm = f"/dev/shm/dplb_state_test_{uuid.uuid4().hex[:10]}"
     run_dir = os.path.join(tmp_path, "run")
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    c = Cluster(run_dir=run_dir, shm_path=shm, num_workers=num_workers)
+    c = Cluster(run_dir=run_dir, shm_path=shm, num_workers=num_workers, host=host)
     c.segment = Segment.create(shm, num_workers, state_interval_ms=state_interval_ms, model="dplb-sim")
     try:
         if start_workers:

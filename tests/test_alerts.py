@@ -298,10 +298,13 @@ def test_drill_healthy_cluster_under_light_load_fires_nothing(prometheus_bin: st
 def test_drill_no_worker_registered_then_one_stuck_warming(prometheus_bin: str, tmp_path: Path) -> None:
     with cluster(str(tmp_path), 2, start_workers=False, wait_router_ready=False) as c, \
             drill_prom(prometheus_bin, tmp_path, c) as prom:
-        expect_exactly(prom, {"DPLBNoWorkerRegistered": {"job": "dplb-router"}})
+        # The host report says down too (what a fleet's balancer reads): both fire.
+        expect_exactly(prom, {"DPLBNoWorkerRegistered": {"job": "dplb-router"},
+                              "DPLBHostReportingDown": {"job": "dplb-router"}})
         c.start_worker(0)  # a healthy worker: registers, warms up in well under a second, ready
         c.start_worker(1, "--sim-warmup-delay-s", "120", wait=False)  # a model load that takes 2 minutes
-        expect_exactly(prom, {"DPLBWorkerStuckWarming": {"worker": "1"}}, tolerate=frozenset({"DPLBNoWorkerRegistered"}))
+        expect_exactly(prom, {"DPLBWorkerStuckWarming": {"worker": "1"}},
+                       tolerate=frozenset({"DPLBNoWorkerRegistered", "DPLBHostReportingDown"}))
         c.kill_worker(1, signal.SIGKILL)  # it would not act on SIGTERM before its load ends (see the README)
 
 
@@ -312,7 +315,8 @@ def test_drill_all_workers_stopped_fires_no_routable_worker(prometheus_bin: str,
             c.kill_worker(k, signal.SIGTERM)
         load = Load(c.url, pause=0.3, stream_every=0)
         try:
-            expect_exactly(prom, {"DPLBNoRoutableWorker": {"job": "dplb-router"}})
+            expect_exactly(prom, {"DPLBNoRoutableWorker": {"job": "dplb-router"},
+                                  "DPLBHostReportingDown": {"job": "dplb-router"}})
         finally:
             load.stop()
         assert set(load.statuses) == {503}, load.statuses

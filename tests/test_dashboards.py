@@ -59,7 +59,7 @@ def sim_vllm_names() -> set[str]:
 def test_committed_json_equals_regenerated_json() -> None:
     gen = _generator()
     out = gen.generate()
-    assert {p.name for p in out} == {"dplb-overview.json", "dplb-routing.json", "dplb-engine.json"}
+    assert {p.name for p in out} == {"dplb-overview.json", "dplb-routing.json", "dplb-engine.json", "dplb-fleet.json"}
     for path, text in out.items():
         assert path.exists(), f"{path.name} not committed: run .venv/bin/python dashboards/generate.py"
         assert path.read_text() == text, f"{path.name} differs from its source: run .venv/bin/python dashboards/generate.py"
@@ -81,7 +81,7 @@ def test_check_mode_fails_on_any_difference(tmp_path: Path) -> None:
 
 
 # ---- Grafana 11/12 import rules ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["dplb-overview.json", "dplb-routing.json", "dplb-engine.json"])
+@pytest.mark.parametrize("name", ["dplb-overview.json", "dplb-routing.json", "dplb-engine.json", "dplb-fleet.json"])
 def test_dashboard_is_importable_by_current_grafana(name: str) -> None:
     d = dashboards()[name]
     assert d["schemaVersion"] >= 39 and d["uid"] and d["title"] and not d.get("rows")
@@ -115,8 +115,9 @@ def test_dashboard_is_importable_by_current_grafana(name: str) -> None:
     for p in data_panels(d):
         assert p["datasource"] == DS, p["title"]
         assert p["targets"] and all(t["datasource"] == DS and t["expr"] for t in p["targets"]), p["title"]
-        for t in p["targets"]:  # every series is scoped to the chosen router / its host
-            for sel in re.findall(r'\{([^{}]*job="dplb-[a-z]+"[^{}]*)\}', t["expr"]):
+        for t in p["targets"]:  # every series is scoped to the chosen router / its host (the fleet view: all)
+            for sel in re.findall(r'\{([^{}]*job="dplb-[a-z]+"[^{}]*)\}', t["expr"]) if name != "dplb-fleet.json" \
+                    else []:
                 assert 'instance=~"$instance"' in sel or 'instance=~"$host:.*"' in sel, (p["title"], sel)
             if 'worker=~"$worker"' in t["expr"]:
                 assert t["expr"].count('worker=~"$worker"') == t["expr"].count('worker!="none"'), p["title"]

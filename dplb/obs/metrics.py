@@ -398,3 +398,79 @@ def _policy_families(policy: Any) -> Iterator[Metric]:
 __all__ = [
     "Counter", "Gauge", "Histogram", "RouterMetrics", "WorkerMetrics", "WorkerStateCollector", "worker_metrics",
 ]
+
+
+# ---- host load report (dplb.router.host_report): the fleet-facing figures --------------------------------------
+#: The Model Server Protocol families the Inference Extension's Endpoint Picker reads from a model-server pod
+#: (gateway-api-inference-extension ``docs/proposals/003-model-server-protocol``). The router exports each exactly
+#: once, the host's aggregate: the EPP takes one series per family and ignores the rest.
+MSP_WAITING = "vllm:num_requests_waiting"
+MSP_RUNNING = "vllm:num_requests_running"
+MSP_KV_USAGE = "vllm:kv_cache_usage_perc"
+MSP_LORA_INFO = "vllm:lora_requests_info"
+MSP_CACHE_CONFIG = "vllm:cache_config_info"
+MSP_FAMILIES = frozenset({MSP_WAITING, MSP_RUNNING, MSP_KV_USAGE, MSP_LORA_INFO, MSP_CACHE_CONFIG})
+HOST_UTILIZATION = "dplb_host_utilization_ratio"
+HOST_LOAD = "dplb_host_load_ratio"
+HOST_AGENT_WEIGHT = "dplb_host_agent_weight_percent"
+HOST_RPS = "dplb_host_requests_per_second"
+HOST_STATE = "dplb_host_state"  # one-hot {state="up"|"drain"|"down"}
+HOST_ROUTABLE_WORKERS = "dplb_host_routable_workers"
+HOST_DRAINING_WORKERS = "dplb_host_draining_workers"
+HOST_CAPACITY = "dplb_host_capacity_requests"
+HOST_ROUTER_PENDING = "dplb_host_router_pending_requests"
+HOST_STATES = ("up", "drain", "down")
+HOST_FAMILIES = MSP_FAMILIES | {HOST_UTILIZATION, HOST_LOAD, HOST_AGENT_WEIGHT, HOST_RPS, HOST_STATE,
+                                HOST_ROUTABLE_WORKERS, HOST_DRAINING_WORKERS, HOST_CAPACITY, HOST_ROUTER_PENDING}
+# Every router process computes the host report from the same segment and router slots: shared in a group's merge.
+GROUP_SHARED = GROUP_SHARED | HOST_FAMILIES
+
+
+class HostReportCollector:
+    """Scrape-time collector of the host load report. ``source()`` returns the latest
+    :class:`dplb.router.host_report.HostReport` (read by attribute); nothing is computed at scrape time."""
+
+    def __init__(self, source: Callable[[], Any]) -> None:
+        self.source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.source()
+        yield GaugeMetricFamily(MSP_WAITING, "Host aggregate: requests waiting in the workers' queues plus those the "
+                                "router sent that the workers do not count yet.", value=r.waiting)
+        yield GaugeMetricFamily(MSP_RUNNING, "Host aggregate: requests the routable workers are running.",
+                                value=r.running)
+        yield GaugeMetricFamily(MSP_KV_USAGE, "Host aggregate KV-cache usage: used / total blocks over the routable "
+                                "workers. 1 means 100 percent usage.", value=r.kv_usage)
+        cache = GaugeMetricFamily(MSP_CACHE_CONFIG, "Host aggregate cache config: block size (tokens) and the "
+                                  "routable workers' KV blocks summed.", labels=["block_size", "num_gpu_blocks"])
+        cache.add_metric([str(r.kv_block_size), str(r.kv_total_blocks)], 1)
+        yield cache
+        if r.adapters:
+            lora = GaugeMetricFamily(MSP_LORA_INFO, "Host aggregate LoRA adapters (value: last update, unix "
+                                     "seconds); max_lora empty: unknown to the router.",
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            lora.add_metric([",".join(r.adapters), "", ""], r.time_unix)
+            yield lora
+        for name, doc, v in (
+                (HOST_UTILIZATION, "Host utilization 0-1 (1: every batch slot or the KV cache is full, or the host "
+                 "drains or has no routable worker).", r.utilization),
+                (HOST_LOAD, "(running + waiting) / batch capacity of the routable workers.", r.load),
+                (HOST_AGENT_WEIGHT, "Weight the HAProxy agent reports while up, percent (100 / (1 + load)).",
+                 r.agent_weight),
+                (HOST_RPS, "Requests the workers completed per second (last 5 s).", r.rps),
+                (HOST_ROUTABLE_WORKERS, "Workers routable now.", len(r.routable)),
+                (HOST_DRAINING_WORKERS, "Workers whose lifecycle is draining.", len(r.draining)),
+                (HOST_CAPACITY, "Batch slots (max_num_seqs) of the routable workers, requests.", r.capacity),
+                (HOST_ROUTER_PENDING, "Requests sent to a worker that its last snapshot does not count yet.",
+                 r.router_pending)):
+            yield GaugeMetricFamily(name, doc, value=v)
+        st = GaugeMetricFamily(HOST_STATE, "What the host reports to the front balancer, one-hot.", labels=["state"])
+        for s in HOST_STATES:
+            st.add_metric([s], 1 if r.state == s else 0)
+        yield st
+
+
+__all__ += ["HostReportCollector"]

@@ -274,6 +274,8 @@ class Launcher:
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        # SIGUSR1: the router reports drain to the front balancer (Kubernetes preStop: kill -USR1 1).
+        signal.signal(signal.SIGUSR1, lambda signum, frame: self.router.signal(signal.SIGUSR1) if self.router else None)
         self.preflight()
         try:
             self._prepare()
@@ -362,6 +364,12 @@ class Launcher:
         if self.router is None:  # nothing was started
             self._remove_segment()
             return
+        notice = self.router_cfg.drain_notice_s
+        if notice > 0 and self.router.alive():  # the host reports drain while still serving (dplb.router.host_report)
+            self.router.signal(signal.SIGUSR1)
+            print(f"DPLB: reporting drain to the front balancer for {notice:g} s before stopping…", file=sys.stderr,
+                  flush=True)
+            time.sleep(notice)
         for w in self.workers:
             w.signal(signal.SIGTERM)
         deadline = time.monotonic() + self.args.drain_timeout + 5

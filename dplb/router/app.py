@@ -8,8 +8,9 @@ Contract (docs/DESIGN.md §4, §6)
   also refreshes the model side table); 503 when none answers — never a 500 because one worker is down.
   ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``; the id may contain ``/``): that entry of the same
   union, or 404 ``model_not_found`` naming the served models.
-  ``GET /health``: the process is alive. ``GET /ready``: 200 when ≥ 1 worker is routable, else 503. ``GET
-  /metrics``: Prometheus text. ``GET /debug/decisions?limit=N``: the last N decisions with every candidate's
+    ``GET /health``: the process is alive. ``GET /ready``: 200 when ≥ 1 worker is routable and the host is not
+  draining, else 503. ``GET /metrics``: Prometheus text; ``GET /metrics/host``: the host load report's families
+  alone (:mod:`dplb.router.host_report`). ``GET /debug/decisions?limit=N``: the last N decisions with every candidate's
   inputs, terms and score. ``HEAD`` on these four answers like ``GET`` without a body.
 - ``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: fanned out to the workers
   (:mod:`dplb.router.fanout`) with ``--allow-runtime-lora``, else 404 ``route_disabled``.
@@ -41,19 +42,22 @@ import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_CONTENT_TYPE
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 
 from dplb import __version__
 from dplb.config import RouterConfig
 from dplb.errors import PortInUseError, RouterErrorKind, error_body, openai_error_body
-from dplb.obs.metrics import RouterMetrics, WorkerStateCollector
+from dplb.obs.metrics import HostReportCollector, RouterMetrics, WorkerStateCollector
 from dplb.obs.tracing import make_tracer
 from dplb.obs.tracing import shutdown as tracing_shutdown
+from dplb.router.agent import bind_agent, start_agent
 from dplb.router.fanout import fan_out, parse_workers
+from dplb.router.host_report import HostReporter
 from dplb.router.intake import bearer_credential, bearer_ok
 from dplb.router.models import ServedModels
+from dplb.router.orca import OrcaResponder
 from dplb.router.proxy import Exchange, Proxy
 from dplb.router.routes import PROXY_PATHS, RESPONSES_PREFIX, is_proxy_path
 from dplb.router.siblings import SCOPE_PROCESS, SingleProcess, fetch_siblings, merge_decisions, merge_metrics
@@ -67,10 +71,10 @@ log = logging.getLogger("dplb.router")
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more gets 431 (nginx allows 32 KiB, Node 16 KiB)
 _TEXT_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
 _METHODS = frozenset({"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"})
-_ROUTES = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/debug/decisions", "/v1/load_lora_adapter",
-                     "/v1/unload_lora_adapter"}) | PROXY_PATHS
+_ROUTES = frozenset({"/health", "/ready", "/metrics", "/metrics/host", "/v1/models", "/debug/decisions",
+                     "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}) | PROXY_PATHS
 _MODELS_PREFIX, _MODEL_ROUTE = "/v1/models/", "/v1/models/{model}"
-_HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models"})
+_HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/metrics/host", "/v1/models"})
 
 
 def _error(kind: RouterErrorKind, message: str, retry_after: int | None = None) -> Response[bytes]:
@@ -97,6 +101,14 @@ class RouterApp:
         self.metrics.registry.register(WorkerStateCollector(self._scrape_source))
         if cfg.processes == 1:  # a group's answer adds the merged figure instead (dplb.router.siblings)
             self.metrics.registry.register(SingleProcess())
+        # The host load report (dplb.router.host_report): /metrics' Model Server Protocol families, the HAProxy
+        # agent, the ORCA header and /ready's drain all read it.
+        self.host = HostReporter(self.state, self.models)
+        self.metrics.registry.register(HostReportCollector(lambda: self.host.report))
+        self.host_registry = CollectorRegistry(auto_describe=False)  # GET /metrics/host: these families alone
+        self.host_registry.register(HostReportCollector(lambda: self.host.report))
+        if cfg.orca != "off":
+            self.proxy.upstreams.on_response_head = OrcaResponder(cfg.orca, lambda: self.host.report)
         self._auth = bearer_credential(cfg.api_key)
         self._http_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self.litestar = self._build_litestar()
@@ -117,6 +129,8 @@ class RouterApp:
 
         @get("/ready", sync_to_thread=False)
         def ready() -> Response[Any]:
+            if self.host.draining:
+                return _error(RouterErrorKind.NONE_ROUTABLE, "this host is draining", cfg.retry_after_s)
             ws = state.routable_workers()
             if not ws:
                 return _error(RouterErrorKind.NONE_ROUTABLE, "no worker is ready", cfg.retry_after_s)
@@ -132,9 +146,17 @@ class RouterApp:
             # OpenMetrics when asked (Prometheus does with exemplar storage on): latency histograms then carry
             # trace-id exemplars.
             if "application/openmetrics-text" in request.headers.get("accept", ""):
-                return Response(om_generate_latest(source), media_type=OM_CONTENT_TYPE)
+                # allow-utf-8: names stay as they are (the default escaping rewrote vllm:* to vllm_*, and Prometheus
+                # then stored no vllm:* series from the router); every DPLB name is a legacy-valid name anyway.
+                return Response(om_generate_latest(source, escaping="allow-utf-8"), media_type=OM_CONTENT_TYPE)
             # Litestar appends "; charset=utf-8" to text/* types itself: hand it the type without one.
             return Response(generate_latest(source), media_type=_TEXT_TYPE)
+
+        @get("/metrics/host", sync_to_thread=False)
+        def host_metrics() -> Response[bytes]:
+            # The host report's families only (the Endpoint Picker's metrics-data-source `path`): a few hundred
+            # bytes from the stored report, whatever the worker count; the same for every process of a group.
+            return Response(generate_latest(self.host_registry), media_type=_TEXT_TYPE)
 
         async def union() -> tuple[dict[str, dict[str, object]], str] | None:
             """Every ready worker's model entries by id (first worker first) and the workers that answered; None
@@ -204,8 +226,8 @@ class RouterApp:
             return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={limit}"),
                                    limit)
 
-        return Litestar(route_handlers=[health, ready, metrics_endpoint, models, model, decisions, load_lora,
-                                        unload_lora],
+        return Litestar(route_handlers=[health, ready, metrics_endpoint, host_metrics, models, model, decisions,
+                                        load_lora, unload_lora],
                         debug=False, logging_config=None, cors_config=self.cors,
                         exception_handlers={HTTPException: _openai_http_error, Exception: _internal_error})
 
@@ -341,6 +363,7 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
         sock = bind_tcp(cfg.host, cfg.port, reuse_port=group)
     except OSError as e:
         raise PortInUseError(cfg.host, cfg.port, e.strerror or str(e)) from e
+    agent_sock = bind_agent(cfg.host, cfg.agent_port) if cfg.agent_port and cfg.process_index == 0 else None
     app = RouterApp(cfg)
     server = make_server(app, graceful_s=5.0, access_log=cfg.access_log, max_head_bytes=MAX_HEAD_BYTES,
                          on_reject=lambda code: app.metrics.rejected.labels(code).inc())
@@ -353,7 +376,10 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, app.host.begin_drain, "drain requested (SIGUSR1)")
     monitor = asyncio.create_task(app.state.monitor())
+    reporter = asyncio.create_task(app.host.run())
+    agent = await start_agent(agent_sock, lambda: app.host.report) if agent_sock is not None else None
     refresher = asyncio.create_task(app.models.refresh_loop(app.pool, app.state.routable_workers, app.state.pid_of,
                                                             cfg.models_refresh_s))
     serve = asyncio.create_task(server.serve(sockets=sockets))
@@ -365,11 +391,18 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     if ready_cb is not None:
         ready_cb()
     stopped = asyncio.create_task(stop.wait())
-    await _run_until(serve, stopped, Watchdog())
+    watchdog = Watchdog()
+    await _run_until(serve, stopped, watchdog)
+    if stopped.done() and not serve.done():  # report drain and keep serving before the socket closes
+        notice = asyncio.create_task(app.host.drain_notice(cfg.drain_notice_s))
+        await _run_until(serve, notice, watchdog)
     server.should_exit = True
     with contextlib.suppress(Exception):
         await asyncio.wait_for(serve, 10)
     monitor.cancel()
+    reporter.cancel()
+    if agent is not None:
+        agent.close()
     refresher.cancel()
     stopped.cancel()
     app.state.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dplb.config import RouterConfig
@@ -66,6 +67,9 @@ class Upstreams:
         self.worker_ids = [str(k).encode() for k in range(n)]
         self.ttfb = [self.metrics.upstream_ttfb.labels(str(k)) for k in range(n)]
         self._durations: dict[tuple[int, str], Any] = {}
+        #: Called with (scope, response headers) before a worker's response head is relayed (the ORCA load report:
+        #: :mod:`dplb.router.orca`); it may append headers.
+        self.on_response_head: Callable[[dict[str, Any], list[tuple[bytes, bytes]]], None] | None = None
 
     def duration(self, worker: int, label: str) -> Any:
         """The ``dplb_upstream_duration_seconds`` child of ``worker`` and outcome ``label``."""
@@ -177,6 +181,8 @@ class Attempt:
             return False
         up.ttfb[worker].observe(time.perf_counter() - self.t0)
         out, self.is_sse, draining = response_headers(up_headers, up.worker_ids[worker], ex.rid)
+        if up.on_response_head is not None:
+            up.on_response_head(ex.scope, out)
         if status == 503 and draining:
             self.outcome = Outcome.DRAINING  # the worker refused before doing anything: safe to send elsewhere
             return False

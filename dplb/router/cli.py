@@ -26,8 +26,8 @@ from dplb.errors import ConfigError
 from dplb.policy.plugins import validate as validate_policy
 
 #: Local routes that ``--api-key-exempt`` may open without a key (the proxied model routes never are).
-EXEMPTABLE = ("/health", "/ready", "/metrics", "/v1/models", "/debug/decisions")
-DEFAULT_EXEMPT = "/health,/ready,/metrics"
+EXEMPTABLE = ("/health", "/ready", "/metrics", "/metrics/host", "/v1/models", "/debug/decisions")
+DEFAULT_EXEMPT = "/health,/ready,/metrics,/metrics/host"
 
 
 _POLICY_DEFAULTS = PolicyConfig()
@@ -154,6 +154,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, sent to every ready worker "
                    "(or ?workers=0,2); the workers need VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+    g = p.add_argument_group("fleet (a balancer in front of many hosts)")
+    g.add_argument("--agent-port", type=int, default=d["agent_port"], metavar="PORT",
+                   help="answer HAProxy's agent-check on this TCP port (up NN%%, drain, down#reason from the host "
+                   "load report; default: off)")
+    g.add_argument("--orca", choices=("off", "asked", "always"), default=d["orca"],
+                   help="add the ORCA endpoint-load-metrics header (application_utilization, rps_fractional) to "
+                   "proxied responses: asked = when the request sends endpoint-load-metrics-format (default "
+                   "%(default)s), always, or off")
+    g.add_argument("--drain-notice", type=float, default=d["drain_notice_s"], metavar="S",
+                   help="on SIGTERM, report drain (agent, ORCA utilization 1, /ready 503) and keep serving S seconds "
+                   "before stopping, so the front balancer moves traffic away first (default 0; a fleet: at least "
+                   "the balancer's check interval x its fall count)")
     add_policy_args(p)
 
 
@@ -180,6 +192,7 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         cors_allowed_origins=tuple(split_list(args.cors_allowed_origins, "--cors-allowed-origins", allow_empty=True)),
         sse_keepalive_s=args.sse_keepalive, models_refresh_s=args.models_refresh,
         allow_runtime_lora=args.allow_runtime_lora, processes=args.router_processes,
+        agent_port=args.agent_port, orca=args.orca, drain_notice_s=args.drain_notice,
     )
 
 

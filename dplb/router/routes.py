@@ -55,7 +55,7 @@ PROXY_ROUTES: dict[tuple[str, str], Route] = {
 PROXY_PATHS = frozenset(p for (_, p) in PROXY_ROUTES if "{" not in p)
 RESPONSES_PREFIX = "/v1/responses/"
 LOCAL_ROUTES = frozenset({("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/v1/models"),
-                          ("GET", "/v1/models/{model}"), ("GET", "/debug/decisions")})
+                          ("GET", "/v1/models/{model}"), ("GET", "/debug/decisions"), ("GET", "/metrics/host")})
 FANOUT_ROUTES = frozenset({("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")})
 NOT_ROUTED: dict[str, str] = {
     "/openapi.json": "a worker's API docs; the router's surface is this table",

@@ -182,6 +182,13 @@ class RouterGroup:
             log.info("%s received: draining %d router processes", signal.Signals(signum).name, len(self.members))
         self.stopping = True
 
+    def _forward_drain(self, signum: int, frame: object) -> None:
+        """SIGUSR1 (report drain to the front balancer, dplb.router.host_report): passed on to every child."""
+        for m in self.members:
+            if m.proc is not None and m.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    m.proc.send_signal(signal.SIGUSR1)
+
     def run(self) -> int:
         """Reserve the port, start the children, supervise them until SIGTERM/SIGINT, stop them. Returns the exit
         code (0: every child stopped cleanly)."""
@@ -190,6 +197,7 @@ class RouterGroup:
         self.cfg = dataclasses.replace(self.cfg, port=self._hold.getsockname()[1])
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGUSR1, self._forward_drain)
         try:
             for m in self.members:
                 self._start(m)

