@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dplb.errors import BodyTooLarge, RouterErrorKind, error_body, openai_error_body
-from dplb.router.intake import bearer_credential, bearer_ok
+from dplb.router.intake import Rejected, bearer_credential, bearer_ok
 from dplb.router.intake import receive_body as router_receive_body
 from dplb.runtime.asgi import receive_body, send_json, until_disconnect
 from dplb.worker.engines.sim import http as sim_http
@@ -65,9 +65,12 @@ def test_receive_body_single_chunked_limit_and_disconnect(monkeypatch: pytest.Mo
         run(receive_body(_receiver(_body(b"abcd")), 3))
     with pytest.raises(BodyTooLarge):  # refused at the chunk that crosses the limit; the rest is never received
         run(receive_body(_receiver(_body(b"ab", True), _body(b"cd", True)), 3))
-    # The router's reading: None past the limit, b"" for a client gone before the body ended.
+    # The router's reading: None past the limit; a client gone before the body ended is a client close (499), not
+    # bad input.
     assert run(router_receive_body(_receiver(_body(b"ab", True), _body(b"cd", True)), 3)) is None
-    assert run(router_receive_body(_receiver(_body(b"ab", True), DISCONNECT), 3)) == b""
+    with pytest.raises(Rejected) as closed:
+        run(router_receive_body(_receiver(_body(b"ab", True), DISCONNECT), 3))
+    assert closed.value.kind is RouterErrorKind.CLIENT_CLOSED and closed.value.kind.status == 499
     # The sim engine's: 413 in vLLM's error shape.
     monkeypatch.setattr(sim_http, "MAX_BODY_BYTES", 8)
     with pytest.raises(HTTPError) as e:
