@@ -243,6 +243,23 @@ def test_a_plugin_gets_its_own_parameters() -> None:
         make_policy(PolicyConfig(params=(("boost_inproc", "factor", "0"),)), 4)
 
 
+@pytest.mark.parametrize("params, expect", [
+    ((), {"waiting_weight": "1", "queue_waiting_weight": "1", "prefix_block_bytes": "128"}),
+    ((("queue", "waiting_weight", "4"),), {"waiting_weight": "4", "queue_waiting_weight": "4"}),
+    ((("latency", "deadband", "0.1"), ("memory", "signal", "gpu")), {"latency_deadband": "0.1", "memory_signal": "gpu"}),
+    ((("prefix", "block_bytes", "64"),), {"prefix_block_bytes": "64"}),
+])
+def test_policy_info_shows_the_parameters_in_force_under_their_flag_names(params, expect) -> None:  # type: ignore[no-untyped-def]
+    """dplb_policy_info's older-flag labels (``waiting_weight`` for ``--waiting-weight``) show what the plugin
+    uses, also when ``--scorer-param`` set it: never 1 beside ``queue_waiting_weight="4"``."""
+    p = make_policy(PolicyConfig(params=params), 2)
+    snap = [WorkerState(k, pid=1 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW) for k in range(2)]
+    d = p.pick(snap, NOW, dry_run=True)
+    info = next(m for m in WorkerStateCollector(lambda: (d, [0] * 2, 2, None, p)).collect() if m.name == "dplb_policy")
+    labels = info.samples[0].labels
+    assert {k: labels[k] for k in expect} == expect
+
+
 PARSE = [  # --scorer-param text → (plugin, param, value) or the error
     ("prefix.block_bytes=128", ("prefix", "block_bytes", "128")),
     (" prefix . ttl_s = 5 ", ("prefix", "ttl_s", "5")),
