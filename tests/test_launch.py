@@ -101,7 +101,9 @@ def test_launch_sim_four_workers_restart_and_clean_stop(tmp_path) -> None:  # ty
 
 def test_launch_refuses_bad_plan_and_bad_flags() -> None:
     r = subprocess.run(dplb_cmd("launch", "--num-workers", "0"), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--num-workers must be ≥ 1" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "--num-workers must be 1..64" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "65"), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--num-workers must be 1..64, got 65" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(dplb_cmd("launch", "--weights", "0.5,0.5,0.5", "--port", str(free_port())),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "sum to 1" in r.stderr and "Traceback" not in r.stderr
