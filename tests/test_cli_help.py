@@ -78,6 +78,13 @@ def test_state_watch_into_a_file_writes_frames_and_the_heading_does_not_wrap(tmp
         console.print(render_table(snapshot(c.segment)))
         first = console.export_text().splitlines()[0]
         assert c.shm_path in first and "interval=200 ms" in first and "routers(pid:port)=" in first, first
+        narrow = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115 (a pipe's width)
+        snap = snapshot(c.segment)
+        table = render_table(snap)
+        narrow.print(table)
+        flat = " ".join(narrow.export_text().split())  # wrapped at 80 columns, never cut
+        heading, cpus = (" ".join(r.plain.split()) for r in table.renderables[:2])  # type: ignore[attr-defined]
+        assert len(heading) > 80 and heading in flat and cpus in flat and "routers(pid:port)=" in flat, flat
 
 
 def test_sim_internal_header_never_reaches_a_client(tmp_path: Path) -> None:
