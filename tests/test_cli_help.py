@@ -28,6 +28,10 @@ def test_help_texts_state_limits_and_defaults() -> None:
     for needle in ("1..64", "32 MiB", "to connect to a worker's socket", "on stop (default 30)",
                    "becoming ready (default 3)", "--metrics-host", "default 30001+K"):
         assert needle in launch, needle
+    router = _help("router")  # every timeout and policy knob says its default, from the config it fills
+    for needle in ("response head (default 600)", "mid-response (default 120)", "next worker (default 5)",
+                   "plain queue; default: 1.0)", "last 10 requests (default: e2e)"):
+        assert needle in router and needle in launch, needle
     worker = _help("worker")
     assert "--help-engine {sim,vllm}" in worker and "--metrics-host" in worker
 
