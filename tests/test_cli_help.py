@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -32,6 +33,10 @@ def test_help_texts_state_limits_and_defaults() -> None:
     for needle in ("response head (default 600)", "mid-response (default 120)", "next worker (default 5)",
                    "plain queue; default: 1.0)", "last 10 requests (default: e2e)"):
         assert needle in router and needle in launch, needle
+    run, compare = _help("bench", "run"), _help("bench", "compare")
+    for bench in (run, compare):  # a default said once, never "(default: None)"
+        assert "(default: None)" not in bench and not re.search(r"\(default[^)]*\) \(default", bench), bench
+    assert "requests to send (default: 200)" in run and "sim workers per cluster (default: 4)" in compare
     worker = _help("worker")
     assert "--help-engine {sim,vllm}" in worker and "--metrics-host" in worker
 
