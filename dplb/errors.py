@@ -12,7 +12,9 @@ draining refusal, the sim engine's — is built by :func:`openai_error_body` (do
 from __future__ import annotations
 
 import enum
+import errno
 import os
+import socket
 
 import msgspec
 
@@ -38,6 +40,22 @@ class PortInUseError(ConfigError):
         what = f" for {who}" if who else ""
         super().__init__(f"cannot bind {host}:{port}{what}: {reason}; another process holds it (another DPLB or "
                          f"server: stop it, or pass {flag})")
+
+
+def bind_error(host: str, port: int, err: OSError, flag: str = "--port", who: str = "",
+               host_flag: str = "--host") -> ConfigError:
+    """The error to raise when binding ``host:port`` failed with ``err``. :class:`PortInUseError` only when the
+    port is taken (``EADDRINUSE``); a host that does not resolve (``socket.gaierror``) or is not an address of this
+    machine (``EADDRNOTAVAIL``) names ``host_flag``; anything else (``EACCES`` for a port below 1024, …) names
+    ``flag``. No other process is blamed unless one holds the port."""
+    reason = err.strerror or str(err)
+    what = f"cannot bind {host}:{port}" + (f" for {who}" if who else "")
+    if isinstance(err, socket.gaierror) or err.errno == errno.EADDRNOTAVAIL:
+        return ConfigError(f"{what}: {reason}; {host_flag} must be an address of this machine (e.g. 0.0.0.0, "
+                           "127.0.0.1)")
+    if err.errno == errno.EADDRINUSE:
+        return PortInUseError(host, port, reason, flag, who)
+    return ConfigError(f"{what}: {reason}; pass another {flag}")
 
 
 class ShmError(DPLBError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -28,6 +29,14 @@ def test_help_texts_state_limits_and_defaults() -> None:
     for needle in ("1..64", "32 MiB", "to connect to a worker's socket", "on stop (default 30)",
                    "becoming ready (default 3)", "--metrics-host", "default 30001+K"):
         assert needle in launch, needle
+    router = _help("router")  # every timeout and policy knob says its default, from the config it fills
+    for needle in ("response head (default 600)", "mid-response (default 120)", "next worker (default 5)",
+                   "plain queue; default: 1.0)", "last 10 requests (default: e2e)"):
+        assert needle in router and needle in launch, needle
+    run, compare = _help("bench", "run"), _help("bench", "compare")
+    for bench in (run, compare):  # a default said once, never "(default: None)"
+        assert "(default: None)" not in bench and not re.search(r"\(default[^)]*\) \(default", bench), bench
+    assert "requests to send (default: 200)" in run and "sim workers per cluster (default: 4)" in compare
     worker = _help("worker")
     assert "--help-engine {sim,vllm}" in worker and "--metrics-host" in worker
 
@@ -78,6 +87,13 @@ def test_state_watch_into_a_file_writes_frames_and_the_heading_does_not_wrap(tmp
         console.print(render_table(snapshot(c.segment)))
         first = console.export_text().splitlines()[0]
         assert c.shm_path in first and "interval=200 ms" in first and "routers(pid:port)=" in first, first
+        narrow = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115 (a pipe's width)
+        snap = snapshot(c.segment)
+        table = render_table(snap)
+        narrow.print(table)
+        flat = " ".join(narrow.export_text().split())  # wrapped at 80 columns, never cut
+        heading, cpus = (" ".join(r.plain.split()) for r in table.renderables[:2])  # type: ignore[attr-defined]
+        assert len(heading) > 80 and heading in flat and cpus in flat and "routers(pid:port)=" in flat, flat
 
 
 def test_sim_internal_header_never_reaches_a_client(tmp_path: Path) -> None:

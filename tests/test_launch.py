@@ -101,7 +101,9 @@ def test_launch_sim_four_workers_restart_and_clean_stop(tmp_path) -> None:  # ty
 
 def test_launch_refuses_bad_plan_and_bad_flags() -> None:
     r = subprocess.run(dplb_cmd("launch", "--num-workers", "0"), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "--num-workers must be ≥ 1" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "--num-workers must be 1..64" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "65"), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--num-workers must be 1..64, got 65" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(dplb_cmd("launch", "--weights", "0.5,0.5,0.5", "--port", str(free_port())),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "sum to 1" in r.stderr and "Traceback" not in r.stderr
@@ -228,7 +230,7 @@ def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[n
         w0 = [p for p in procs if "--worker-id 0" in p]
         assert len(w1) == 1 and w1[0].rstrip().endswith("--sim-speed 0.5")
         assert len(w0) == 1 and "--sim-speed" not in w0[0]
-        # Issue 14: the router got its config whole (no flags on its command line) and runs as a group of 2.
+        # The router got its config whole (no flags on its command line) and runs as a group of 2.
         kids = subprocess.run(["pgrep", "-P", str(proc.pid), "-a"], capture_output=True, text=True).stdout
         router = [ln for ln in kids.splitlines() if " router --config-env" in ln]
         assert len(router) == 1 and "--api-key" not in router[0], kids

@@ -127,6 +127,8 @@ def test_doctor_plan_and_gpus() -> None:
     bad = doctor.check_plan([0, 1, 2], 2, 1)
     assert bad.status == "fail" and "3 GPU(s)" in bad.detail and "--num-workers 3" in bad.fix
     assert doctor.check_plan([0, 1, 2, 3], 2, 2).status == "pass"
+    over = doctor.check_plan([], 65, 1)  # dplb launch refuses 65 workers: so does the pre-flight check
+    assert over.status == "fail" and "--num-workers must be 1..64" in over.detail
 
 
 def _llama_config(tmp_path, **kw: object) -> str:  # type: ignore[no-untyped-def]

@@ -33,7 +33,8 @@ def test_plans(gpus: list[int], workers: int | None, tp: int, want: list[list[in
         ([0, 1, 2], None, 2, ["3 % 2 = 1", "[1, 3]"]),
         ([0, 1, 2, 3], 3, 1, ["= 3 GPU(s), but 4", "--num-workers 4"]),
         ([0, 1, 2, 3], 2, 4, ["= 8 GPU(s), but 4", "--num-workers 1"]),
-        ([0, 1, 2, 3], 0, 1, ["--num-workers must be ≥ 1"]),
+        ([0, 1, 2, 3], 0, 1, ["--num-workers must be 1..64, got 0"]),
+        ([], 65, 1, ["--num-workers must be 1..64, got 65"]),  # the segment has 64 slots
         ([0, 1], 1, 0, ["--tensor-parallel-size must be ≥ 1"]),
         ([0, 0], 2, 1, ["duplicates"]),
     ],

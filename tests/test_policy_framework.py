@@ -117,11 +117,12 @@ _FLAG_VALUES = {
     "--host": "127.0.0.1", "--api-key": "sekret", "--api-key-exempt": "/health", "--weights": "queue=1",
     "--policy-plugin": "json", "--cors-allowed-origins": "https://a.example", "--router-processes": "3",
     "--latency-deadband": "0.5", "--waiting-weight": "2", "--scorer-param": "prefix.max_blocks=512",
+    "--agent-port": "31999",
 }
 
 
 def test_every_router_flag_reaches_the_router_config() -> None:
-    """Issue 14: `dplb launch` hands its router the validated :class:`RouterConfig` whole (JSON in the environment)
+    """`dplb launch` hands its router the validated :class:`RouterConfig` whole (JSON in the environment)
     instead of re-emitting flags, so a flag can only be lost where the config is built. Every flag of the router and
     policy groups must change the config when set, and the config must survive the JSON hand-off unchanged."""
     import argparse
@@ -241,6 +242,23 @@ def test_a_plugin_gets_its_own_parameters() -> None:
     assert labels["latency_deadband"] == "0.25"
     with pytest.raises(ConfigError, match=r"boost_inproc\.factor must be a finite number, > 0"):
         make_policy(PolicyConfig(params=(("boost_inproc", "factor", "0"),)), 4)
+
+
+@pytest.mark.parametrize("params, expect", [
+    ((), {"waiting_weight": "1", "queue_waiting_weight": "1", "prefix_block_bytes": "128"}),
+    ((("queue", "waiting_weight", "4"),), {"waiting_weight": "4", "queue_waiting_weight": "4"}),
+    ((("latency", "deadband", "0.1"), ("memory", "signal", "gpu")), {"latency_deadband": "0.1", "memory_signal": "gpu"}),
+    ((("prefix", "block_bytes", "64"),), {"prefix_block_bytes": "64"}),
+])
+def test_policy_info_shows_the_parameters_in_force_under_their_flag_names(params, expect) -> None:  # type: ignore[no-untyped-def]
+    """dplb_policy_info's older-flag labels (``waiting_weight`` for ``--waiting-weight``) show what the plugin
+    uses, also when ``--scorer-param`` set it: never 1 beside ``queue_waiting_weight="4"``."""
+    p = make_policy(PolicyConfig(params=params), 2)
+    snap = [WorkerState(k, pid=1 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW) for k in range(2)]
+    d = p.pick(snap, NOW, dry_run=True)
+    info = next(m for m in WorkerStateCollector(lambda: (d, [0] * 2, 2, None, p)).collect() if m.name == "dplb_policy")
+    labels = info.samples[0].labels
+    assert {k: labels[k] for k in expect} == expect
 
 
 PARSE = [  # --scorer-param text → (plugin, param, value) or the error

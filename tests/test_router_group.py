@@ -175,6 +175,30 @@ def test_group_refuses_a_taken_port_and_a_missing_run_dir(tmp_path) -> None:  # 
         holder.close()
 
 
+def test_a_bad_host_is_one_line_naming_host_not_a_port_holder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A --host that does not resolve or is not this machine's is a one-line error naming --host, with one router
+    process or a group (the group's port reservation resolves the host first: once a traceback), and never blames
+    another process for holding the port."""
+    import errno
+    import sys
+
+    from cluster import free_port
+
+    from dplb.errors import PortInUseError, bind_error
+
+    for host in ("999.1.1.1", "192.0.2.1"):  # no such name; TEST-NET-1, not an address of this machine
+        for processes in ("1", "2"):
+            r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--host", host, "--port", str(free_port()),
+                                "--processes", processes, "--num-workers", "1", "--run-dir", str(tmp_path)],
+                               capture_output=True, text=True, timeout=30)
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+            assert f"cannot bind {host}:" in lines[0] and "--host must be" in lines[0], lines[0]
+            assert "another process holds it" not in lines[0], lines[0]
+    assert isinstance(bind_error("h", 1, OSError(errno.EADDRINUSE, "Address already in use")), PortInUseError)
+    assert "pass another --port" in str(bind_error("h", 1, OSError(errno.EACCES, "Permission denied")))
+
+
 def test_a_conversation_finds_its_worker_whichever_process_gets_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The prefix index is shared through the segment's prefix rings: each turn of a conversation arrives on a new
     connection (so on either process) and still goes to the worker that holds its history."""

@@ -19,11 +19,22 @@ from dplb.config import split_list
 from dplb.errors import ConfigError
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds ``(default: X)`` to a flag's help, except for a flag without a default (None: "(default: None)" says
+    nothing) or whose help already states it ("(default on)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="load-test one OpenAI endpoint (router, worker or anything else)",
                        description="A benchmark_serving-style client: sends a seeded workload, reports TTFT, ITL, "
                        "TPOT and E2E percentiles, throughput, errors by status and the per-worker share "
-                       "(X-SG-Worker-ID).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       "(X-SG-Worker-ID).", formatter_class=_DefaultsFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="endpoint")
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat", help="OpenAI route")
     p.add_argument("--model", default="dplb-sim", help="model name to send")
@@ -177,7 +188,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                        description="For each scenario and policy: start a fresh sim cluster with `dplb launch`, "
                        "send the same seeded workload, stop it; print P50/P95/P99 E2E and TTFT, throughput, "
                        "per-worker share and errors, each policy's P99 ratio to the first, and the targets.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_DefaultsFormatter)
     p.add_argument("--scenario", default="all", help=f"comma-separated: {', '.join(SCENARIOS)} (default all)")
     p.add_argument("--policies", default="dplb,round_robin,least_loaded,power_of_two,random",
                    help="comma-separated policies; the first is the reference of the ratios")

@@ -371,10 +371,19 @@ def _policy_families(policy: Any) -> Iterator[Metric]:
         "hard_queue_cap": str(cfg.hard_queue_cap), "waiting_weight": f"{cfg.waiting_weight:g}",
         "latency_deadband": f"{cfg.latency_deadband:g}", "prefix_block_bytes": str(cfg.prefix_block_bytes),
         "baseline_window": str(cfg.baseline_window)}
-    for plugin, params in policy.plugin_params().items():
-        for k, v in params.items():
-            settings[f"{plugin}_{k}"] = str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(
-                v, float) else str(v)
+    # A setting that is an older flag's PolicyConfig field (``waiting_weight``) shows the value in force: that of
+    # the first configured plugin whose parameter it is the default of (scorers come before the picker), so
+    # ``--scorer-param queue.waiting_weight=4`` reads 4 under both names.
+    claimed: set[str] = set()
+    for plugin in policy.plugins:
+        fields = {p.name: p.field for p in plugin.parameters}
+        for k, v in plugin.params.items():
+            text = str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
+            settings[f"{plugin.name}_{k}"] = text
+            field = fields.get(k)
+            if field in settings and field not in claimed:
+                settings[field] = text
+                claimed.add(field)
     yield InfoMetricFamily(POLICY_INFO, "Routing policy settings.", value=settings)
     wf = GaugeMetricFamily(POLICY_WEIGHT, "Weight of each scorer in the score.", labels=["term"])
     for name, w in zip(policy.term_names, policy.weights, strict=False):

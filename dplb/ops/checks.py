@@ -23,7 +23,7 @@ import socket
 import stat
 import sys
 
-from dplb.errors import ConfigError, PortInUseError
+from dplb.errors import ConfigError, bind_error
 from dplb.ops.doctor import model_path_problem
 from dplb.runtime.serving import bind_tcp
 
@@ -42,14 +42,14 @@ def child_argv(*args: str) -> list[str]:
 def check_ports(host: str, port: int, metrics_host: str, metrics_ports: list[int]) -> None:
     """Bind-test the router port and every worker metrics port. Raises :class:`ConfigError` for the first one in
     use, naming what would have used it and the flag that changes it."""
-    wanted = [(host, port, "the router", "--port")]
-    wanted += [(metrics_host, p, f"worker {k}'s metrics", "--metrics-port-base (e.g. 31001; 0 = no worker metrics)")
-               for k, p in enumerate(metrics_ports)]
-    for h, p, who, flag in wanted:
+    wanted = [(host, port, "the router", "--port", "--host")]
+    wanted += [(metrics_host, p, f"worker {k}'s metrics", "--metrics-port-base (e.g. 31001; 0 = no worker metrics)",
+                "--metrics-host") for k, p in enumerate(metrics_ports)]
+    for h, p, who, flag, host_flag in wanted:
         try:
             bind_tcp(h, p).close()
         except OSError as e:
-            raise PortInUseError(h, p, e.strerror or str(e), flag, who) from e
+            raise bind_error(h, p, e, flag, who, host_flag) from e
 
 
 #: Longest Unix socket path Linux accepts (``sun_path`` is 108 bytes with its terminating NUL; unix(7)).

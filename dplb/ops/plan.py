@@ -6,12 +6,14 @@ Rules
   (4 GPUs, 2 workers → [0, 1] and [2, 3]). ``num_workers`` defaults to ``gpus // tp``.
 - Without GPUs: every worker runs on the CPU (empty group); ``num_workers`` defaults to :data:`CPU_DEFAULT_WORKERS`
   and TP must be 1 for the sim engine (vLLM on CPU handles its own threads).
+- At most :data:`dplb.state.layout.MAX_WORKERS` (64) workers: the segment has that many slots.
 - A plan that does not fit is refused with :class:`dplb.errors.ConfigError` giving the arithmetic and the fix.
 """
 
 from __future__ import annotations
 
 from dplb.errors import ConfigError
+from dplb.state.layout import MAX_WORKERS
 
 CPU_DEFAULT_WORKERS = 2
 
@@ -19,13 +21,14 @@ CPU_DEFAULT_WORKERS = 2
 def plan_gpus(gpus: list[int], num_workers: int | None, tensor_parallel_size: int = 1) -> list[list[int]]:
     """Group ``gpus`` (indices, in order) into workers. Returns one GPU list per worker.
 
-    Raises :class:`ConfigError` when ``num_workers × tensor_parallel_size ≠ len(gpus)`` or a value is < 1.
+    Raises :class:`ConfigError` when ``num_workers × tensor_parallel_size ≠ len(gpus)``, a value is < 1 or
+    ``num_workers`` is over :data:`MAX_WORKERS`.
     """
     tp = tensor_parallel_size
     if tp < 1:
         raise ConfigError(f"--tensor-parallel-size must be ≥ 1, got {tp}")
-    if num_workers is not None and num_workers < 1:
-        raise ConfigError(f"--num-workers must be ≥ 1, got {num_workers}")
+    if num_workers is not None and not 1 <= num_workers <= MAX_WORKERS:
+        raise ConfigError(f"--num-workers must be 1..{MAX_WORKERS}, got {num_workers}")
     if len(set(gpus)) != len(gpus):
         raise ConfigError(f"GPU list {gpus} has duplicates")
     if not gpus:

@@ -1,9 +1,10 @@
 """``dplb state``: the shared-memory segment as a table or JSON (what the seed did with ``cat | jq``).
 
 Contract: read-only; the segment comes from ``--shm-path``, else ``$DPLB_SHM_PATH`` (as for ``dplb launch``), else
-the only ``/dev/shm/dplb_state_*``; with several it refuses and lists them. The table's heading is its own line (it
-never wraps into the table's width); ``--watch`` redraws in place on a terminal and, when stdout is a file or a
-pipe, appends one flushed frame per interval (JSON lines with ``--json``).
+the only ``/dev/shm/dplb_state_*``; with several it refuses and lists them. The table's heading and the ``cpus``
+line are their own lines, wrapped at the console's width (80 columns in a pipe), never cut; ``--watch`` redraws in
+place on a terminal and, when stdout is a file or a pipe, appends one flushed frame per interval (JSON lines with
+``--json``).
 ``--json`` prints ``{"path", "header": {...}, "workers": [{...}, ...], "routers": [{...}, ...]}`` where each
 worker has every slot field plus ``worker``, ``heartbeat_age_s`` (null if never written), ``stale`` and
 ``router_inflight`` (open requests of every router process to it), and each router slot its pid, port, process
@@ -98,7 +99,7 @@ def render_table(snap: dict) -> object:
     from rich.table import Table
     from rich.text import Text
 
-    heading = Text(heading_text(snap), style="bold", no_wrap=True, overflow="fold")
+    heading = Text(heading_text(snap), style="bold", overflow="fold")
     t = Table(caption="age, lat, TTFT, warm: seconds; lat, TTFT: mean of the last 10 requests; rtr: in flight "
               "from the routers",
               box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0))
@@ -116,7 +117,7 @@ def render_table(snap: dict) -> object:
             f"{w['avg_latency_s']:.3f}", f"{w['avg_ttft_s']:.3f}", str(w["requests_total"]), str(w["errors_total"]),
             str(w["cuda_oom_total"]), f"{w['warmup_seconds']:.2f}",
         )
-    return Group(heading, Text(placement_line(snap), no_wrap=True, overflow="fold"), t)
+    return Group(heading, Text(placement_line(snap), overflow="fold"), t)
 
 
 def placement_line(snap: dict) -> str:

@@ -48,7 +48,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_gener
 
 from dplb import __version__
 from dplb.config import RouterConfig
-from dplb.errors import PortInUseError, RouterErrorKind, error_body, openai_error_body
+from dplb.errors import RouterErrorKind, bind_error, error_body, openai_error_body
 from dplb.obs.metrics import HostReportCollector, RouterMetrics, WorkerStateCollector
 from dplb.obs.tracing import make_tracer
 from dplb.obs.tracing import shutdown as tracing_shutdown
@@ -362,7 +362,7 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     try:  # before anything registers in the segment: a taken port leaves no trace
         sock = bind_tcp(cfg.host, cfg.port, reuse_port=group)
     except OSError as e:
-        raise PortInUseError(cfg.host, cfg.port, e.strerror or str(e)) from e
+        raise bind_error(cfg.host, cfg.port, e) from e
     agent_sock = bind_agent(cfg.host, cfg.agent_port) if cfg.agent_port and cfg.process_index == 0 else None
     app = RouterApp(cfg)
     server = make_server(app, graceful_s=5.0, access_log=cfg.access_log, max_head_bytes=MAX_HEAD_BYTES,

@@ -53,9 +53,11 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="latencies within this fraction of the workers' mean count as equal (0 = off; default: "
                    "%(default)s)")
     g.add_argument("--waiting-weight", type=float, default=d.waiting_weight,
-                   help="queue-term weight of a request that must wait for a batch slot (1 = seed's plain queue)")
+                   help="queue-term weight of a request that must wait for a batch slot (1 = seed's plain queue; "
+                   "default: %(default)s)")
     g.add_argument("--latency-signal", choices=("e2e", "ttft"), default=d.latency_signal,
-                   help="latency term input: mean E2E (seed) or mean TTFT of each worker's last 10 requests")
+                   help="latency term input: mean E2E (seed) or mean TTFT of each worker's last 10 requests "
+                   "(default: %(default)s)")
     g.add_argument("--prefix-block-bytes", type=int, default=d.prefix_block_bytes,
                    help="prefix-cache routing: prompt block size in bytes (0 = off; default: %(default)s)")
     g.add_argument("--prefix-index-blocks", type=int, default=d.prefix_index_blocks,
@@ -131,16 +133,19 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    f"allowed: {', '.join(EXEMPTABLE)})")
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="larger request bodies get 413 body_too_large (default 33554432 = 32 MiB)")
-    p.add_argument("--first-byte-timeout", type=float, default=600.0, help="seconds to wait for a response head")
-    p.add_argument("--idle-timeout", type=float, default=120.0, help="seconds of silence allowed mid-response")
-    p.add_argument("--connect-timeout", type=float, default=5.0,
-                   help="seconds to connect to a worker's socket before trying the next worker (default 5)")
+    d: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    p.add_argument("--first-byte-timeout", type=float, default=d["first_byte_timeout_s"],
+                   help=f"seconds to wait for a response head (default {d['first_byte_timeout_s']:g})")
+    p.add_argument("--idle-timeout", type=float, default=d["idle_timeout_s"],
+                   help=f"seconds of silence allowed mid-response (default {d['idle_timeout_s']:g})")
+    p.add_argument("--connect-timeout", type=float, default=d["connect_timeout_s"],
+                   help=f"seconds to connect to a worker's socket before trying the next worker (default "
+                   f"{d['connect_timeout_s']:g})")
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
     p.add_argument("--router-processes", "--processes", dest="router_processes", type=int,
                    default=default_router_processes(),
                    help=f"router processes sharing the port (SO_REUSEPORT) and the state segment, under one parent "
                    f"(1..{MAX_ROUTER_PROCESSES}; default: one per 8 CPU cores, here %(default)s)")
-    d: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
     p.add_argument("--cors-allowed-origins", default=",".join(d["cors_allowed_origins"]), metavar="ORIGINS",
                    help="comma-separated origins allowed by CORS (answers preflights, adds the headers; '*' = any; "
                    "default '' = CORS off)")

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 
 from dplb.config import RouterConfig
-from dplb.errors import ConfigError, PortInUseError
+from dplb.errors import ConfigError, bind_error
 from dplb.runtime.procs import die_with_parent
 from dplb.runtime.sd_notify import Watchdog, notify
 
@@ -75,7 +75,10 @@ def reserve_port(host: str, port: int) -> socket.socket:
     """Check that ``host:port`` is free (a plain bind, which fails if any socket holds it, ``SO_REUSEPORT`` ones
     included), then hold it with a bound but non-listening ``SO_REUSEPORT`` socket. Port 0 picks a free port
     (``getsockname()``). Raises :class:`ConfigError` naming ``--port``."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:  # socket.gaierror: a host that does not resolve
+        raise bind_error(host, port, e) from e
     family, socktype, proto, _, addr = infos[0]
     probe = socket.socket(family, socktype, proto)
     try:
@@ -83,7 +86,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
         probe.bind(addr)
         addr = probe.getsockname()  # port 0 → the port the kernel chose
     except OSError as e:
-        raise PortInUseError(host, port, e.strerror or str(e)) from e
+        raise bind_error(host, port, e) from e
     finally:
         probe.close()
     hold = socket.socket(family, socktype, proto)
