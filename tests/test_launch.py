@@ -186,7 +186,7 @@ def test_launcher_killed_takes_its_children_along(tmp_path) -> None:  # type: ig
 
 def test_launch_flag_errors_are_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
     cases = [
-        (["--num-workers", "65"], "num_workers must be 1..64"),
+        (["--num-workers", "65"], "--num-workers must be 1..64"),
         (["--run-dir", "/proc/nope/run"], "cannot create the run directory"),
         (["--drain-timeout", "-1"], "--drain-timeout"),
         (["--metrics-port-base", "70000"], "--metrics-port-base"),
