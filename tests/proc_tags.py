@@ -64,6 +64,12 @@ def _stat(pid: str) -> tuple[str, int, int] | None:
         return None
 
 
+def ppid(pid: int) -> int:
+    """The parent pid of process ``pid``, or -1 when it is gone."""
+    st = _stat(str(pid))
+    return -1 if st is None else st[1]
+
+
 def tagged_procs(tag: str) -> list[tuple[int, str]]:
     """``(pid, command line)`` of every live process of ``tag`` (module docstring: a descendant of this process
     started after the tag, or one whose environment carries it). Zombies (exited, waiting to be reaped: they hold

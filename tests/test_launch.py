@@ -14,6 +14,7 @@ from collections import Counter
 import httpx
 import pytest
 from cluster import dplb_cmd, free_port, router_ready
+from proc_tags import kill_tagged, new_tag, tagged_procs
 
 
 def _wait(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:  # type: ignore[no-untyped-def, type-arg]
@@ -34,12 +35,13 @@ def _state(shm: str) -> dict:  # type: ignore[type-arg]
 
 
 def _dplb_procs(tag: str) -> list[str]:
-    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if tag in line and "ps -eo" not in line]
+    """``"pid command line"`` of every live process this test started under ``tag`` (tests/proc_tags.py: by
+    ancestry and start time, never another stack's processes with a similar command line)."""
+    return [f"{pid} {cmd}" for pid, cmd in tagged_procs(tag)]
 
 
 def test_launch_sim_four_workers_restart_and_clean_stop(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    tag = uuid.uuid4().hex[:10]
+    tag = new_tag()
     shm = f"/dev/shm/dplb_state_test_{tag}"
     run_dir = str(tmp_path / f"run-{tag}")
     port = free_port()
@@ -93,8 +95,7 @@ def test_launch_sim_four_workers_restart_and_clean_stop(tmp_path) -> None:  # ty
             proc.kill()
             proc.wait(10)
         log.close()
-        for line in _dplb_procs(tag):
-            os.kill(int(line.split()[0]), signal.SIGKILL)
+        kill_tagged(tag)
         if os.path.exists(shm):
             os.unlink(shm)
 
@@ -127,7 +128,7 @@ def test_state_without_segment(args: list[str]) -> None:
 def test_second_launch_refuses_and_leaves_the_first_untouched(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Regression: a second `dplb launch` on the same port/run dir crash-looped, then deleted
     the first launch's sockets, leaving ready-looking workers that answered 502."""
-    tag = uuid.uuid4().hex[:10]
+    tag = new_tag()
     shm = f"/dev/shm/dplb_state_test_{tag}"
     run_dir = str(tmp_path / "run")
     port = free_port()
@@ -164,7 +165,7 @@ def test_second_launch_refuses_and_leaves_the_first_untouched(tmp_path) -> None:
 
 def test_launcher_killed_takes_its_children_along(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Regression: `kill -9` on the launcher orphaned the router and workers (they kept serving, holding GPUs)."""
-    tag = uuid.uuid4().hex[:10]
+    tag = new_tag()
     shm = f"/dev/shm/dplb_state_test_{tag}"
     port = free_port()
     with open(tmp_path / "l.log", "wb") as log:
@@ -178,8 +179,7 @@ def test_launcher_killed_takes_its_children_along(tmp_path) -> None:  # type: ig
         proc.wait(10)
         _wait(lambda: _dplb_procs(tag) == [], 30, "children to exit after the launcher died")
     finally:
-        for line in _dplb_procs(tag):
-            os.kill(int(line.split()[0]), signal.SIGKILL)
+        kill_tagged(tag)
         if os.path.exists(shm):
             os.unlink(shm)
 
@@ -203,7 +203,7 @@ def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[n
     """Regression: `dplb launch --api-key-exempt` was accepted but never reached the router. Also checks that
     `--worker-args` reaches only its worker (the heterogeneous benchmark's half-speed worker), and that
     `--router-processes 2` reaches the router (the config is handed over whole, not as flags)."""
-    tag = uuid.uuid4().hex[:10]
+    tag = new_tag()
     shm = f"/dev/shm/dplb_state_test_{tag}"
     port = free_port()
     env = {**os.environ, "DPLB_API_KEY": "k3y"}

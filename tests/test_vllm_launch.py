@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from cluster import dplb_cmd, free_port
-from proc_tags import kill_tagged, new_tag, tagged_env, tagged_procs
+from proc_tags import kill_tagged, new_tag, ppid, tagged_env, tagged_procs
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -23,14 +23,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def _state(shm: str) -> dict:  # type: ignore[type-arg]
     return json.loads(subprocess.run(dplb_cmd("state", "--json", "--shm-path", shm), capture_output=True, text=True,
                                      timeout=30).stdout)
-
-
-def _ppid(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def test_launch_two_real_vllm_workers_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -83,7 +75,7 @@ def test_launch_two_real_vllm_workers_end_to_end(tmp_path) -> None:  # type: ign
         # kill -9 of a worker leaves no engine behind: its EngineCore (a child process that would be re-parented and
         # keep running) dies with it, and the launcher starts a fresh worker.
         old = next(w["pid"] for w in _state(shm)["workers"] if w["worker"] == 0)
-        engine = [pid for pid, _ in tagged_procs(tag) if _ppid(pid) == old]
+        engine = [pid for pid, _ in tagged_procs(tag) if ppid(pid) == old]
         assert engine, f"worker 0 (pid {old}) has no engine child: {tagged_procs(tag)}"
         os.kill(old, signal.SIGKILL)
         deadline = time.monotonic() + 15

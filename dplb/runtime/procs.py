@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 
 
@@ -24,9 +26,6 @@ def reap_group(pgid: int) -> bool:
     ``EngineCore`` outlives a worker killed by SIGKILL (it is re-parented and keeps the GPU memory), so the next
     start would meet CUDA OOM. Returns True when something was signalled; never raises (an empty or foreign group
     is a no-op)."""
-    import contextlib
-    import os
-
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
         return True
