@@ -84,7 +84,8 @@ def refusal(chat: bool, fields: _Fields) -> str | None:
     f = fields
     if f.n not in (None, 1) or f.best_of not in (None, 1):
         return "n"
-    if (f.logprobs not in (None, False) if not chat else f.logprobs is True) or f.prompt_logprobs is not None:
+    lp = f.logprobs  # chat: a boolean; completions: how many alternatives (0 asks for the sampled token's)
+    if (lp is True if chat else lp is not None and lp is not False) or f.prompt_logprobs is not None:
         return "logprobs"
     rf = f.response_format
     if (isinstance(rf, dict) and rf.get("type") not in (None, "text")) or \
