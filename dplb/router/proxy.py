@@ -5,7 +5,8 @@ Contract
 - The request body is read whole (bounded: 413 from Content-Length before reading, or as soon as the bytes read
   exceed the limit; a rejection sent before the body was read closes the connection, so the rest of the upload is
   not read), peeked with msgspec for ``stream``, the model and the prompt (whose raw bytes go to the policy as they
-  are), and forwarded **byte for byte**: the router never re-serialises it.
+  are), and forwarded **byte for byte**: the router never re-serialises it (the one exception, opt-in: a stream
+  resumed on another worker with ``--resume-streams``, :mod:`dplb.router.resume`).
 - Every proxied response carries ``X-SG-Worker-ID: <k>`` and ``X-Request-Id``. Status, body and end-to-end headers
   pass through unchanged; hop-by-hop headers (RFC 9110 §7.6.1 + those named in ``Connection``) are never copied.
   A client's ``X-Request-Id`` is kept only when it is 1–128 characters of ``[A-Za-z0-9._:-]``; anything else (control
@@ -14,6 +15,7 @@ Contract
   their real status (never wrapped in a 200 stream); 503s carry ``Retry-After``.
 - Retry: once, on the next-best worker, only when nothing was generated: connect failure (no request byte sent),
   or the worker's explicit ``503 worker_draining`` refusal. Never after the response started.
+  With ``--resume-streams`` a broken chat/completions stream is resumed instead (docs/DESIGN.md §14).
 - A worker that dies, closes or goes idle mid-response: SSE streams get a final ``data: {"error": …}`` event, then
   the connection is closed without the terminating chunk (an abnormal close, never a clean ``[DONE]``); other
   bodies are cut (the client sees the short read).
