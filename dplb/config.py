@@ -305,6 +305,9 @@ class RouterConfig:
       ``endpoint-load-metrics-format``) | ``always`` — the ORCA ``endpoint-load-metrics`` response header;
       ``drain_notice_s``: after SIGTERM (or SIGUSR1) the host reports ``drain`` and keeps serving this long before it
       stops accepting, so the front balancer moves new requests away first (≥ its check interval × its fall count).
+    - ``resume_streams``: a chat or completions SSE stream (n = 1) whose worker dies or stalls mid-stream is
+      re-issued to another worker with what the client already received as the continuation and stitched into the
+      same stream (:mod:`dplb.router.resume`, docs/DESIGN.md §14); off: such a stream ends with an error event.
 
     Handed from process to process as JSON (:meth:`to_json` / :meth:`from_json`), validated again on the way in.
     """
@@ -335,6 +338,7 @@ class RouterConfig:
     agent_port: int | None = None
     orca: str = "asked"
     drain_notice_s: float = 0.0
+    resume_streams: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -48,6 +48,17 @@ ROUTING_DECISION_DURATION = "dplb_routing_decision_duration_seconds"
 STATE_READ_AGE = "dplb_state_read_age_seconds"
 REQUESTS_REJECTED = "dplb_requests_rejected"  # _total
 UPSTREAM_RETRIES = "dplb_upstream_retries"  # _total
+STREAMS_RESUMED = "dplb_streams_resumed"  # _total
+STREAM_RESUME_REFUSED = "dplb_stream_resume_refused"  # _total
+STREAM_RESUME_DURATION = "dplb_stream_resume_duration_seconds"
+#: Why a broken stream was not resumed (``--resume-streams``; the ``reason`` label of
+#: ``dplb_stream_resume_refused_total``): what the request asked for (``n``, ``logprobs``, ``structured_output``,
+#: ``tools``, ``echo``, ``prompt_not_text``, ``continued_message``), what was delivered (``tool_calls``,
+#: ``reasoning``), limits (``max_tokens``, ``body_too_large``, ``too_many_resumes``, ``finished``: the answer ended
+#: and only its usage was lost) and the resumed try (``no_worker``, ``worker_refused``).
+RESUME_REFUSALS = ("n", "logprobs", "structured_output", "tools", "echo", "prompt_not_text", "continued_message",
+                   "tool_calls", "reasoning", "max_tokens", "body_too_large", "too_many_resumes", "finished",
+                   "no_worker", "worker_refused")
 WORKER_EJECTIONS = "dplb_worker_ejections"  # _total
 UPSTREAM_REQUEST_DURATION = "dplb_upstream_request_duration_seconds"
 UPSTREAM_TTFB = "dplb_upstream_time_to_first_byte_seconds"
@@ -170,6 +181,13 @@ class RouterMetrics:
                                  "failed responses (passive health check).", ["worker"], registry=reg)
         self.retries = Counter(UPSTREAM_RETRIES, "Requests re-sent to another worker after a failure before any "
                                "byte reached the first one.", registry=reg)
+        self.resumed = Counter(STREAMS_RESUMED, "Broken SSE streams re-issued to another worker with what the "
+                               "client already received as the continuation (--resume-streams).", registry=reg)
+        self.resume_refused = Counter(STREAM_RESUME_REFUSED, "Broken SSE streams not resumed, by reason (the "
+                                      "client got an error event).", ["reason"], registry=reg)
+        self.resume_duration = Histogram(STREAM_RESUME_DURATION, "Time from a stream's break to the first token "
+                                         "relayed from the worker resuming it, seconds.", buckets=REQUEST_BUCKETS,
+                                         registry=reg)
         self.upstream_duration = Histogram(UPSTREAM_REQUEST_DURATION, "Proxied request duration by worker and "
                                            "outcome, seconds.", ["worker", "outcome"], buckets=REQUEST_BUCKETS,
                                            registry=reg)
@@ -221,6 +239,8 @@ class RouterMetrics:
             self.decisions.labels("none", r)
         for kind in RouterErrorKind:
             self.rejected.labels(kind.code)
+        for reason in RESUME_REFUSALS:
+            self.resume_refused.labels(reason)
         for op, err in SHM_ERROR_LABELS:
             self.shm_errors.labels(op, err)
         from dplb.policy.decision import PREFIX_OUTCOMES

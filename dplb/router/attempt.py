@@ -168,7 +168,7 @@ class Attempt:
         except UpstreamTimeout as e:
             self.outcome = Outcome.TIMEOUT
             conn.abort()
-            await up.reject(ex, RouterErrorKind.UPSTREAM_TIMEOUT, f"worker {worker}: {e}", worker)
+            await self.no_head(RouterErrorKind.UPSTREAM_TIMEOUT, f"worker {worker}: {e}")
             return False
         except UpstreamClosed as e:
             if ex.gone:
@@ -176,8 +176,8 @@ class Attempt:
                 return False
             log.warning("worker %d closed the connection before answering request %s (%s)", worker,
                         ex.rid.decode(), e)
-            await up.reject(ex, RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} closed the connection before "
-                            "answering", worker)
+            await self.no_head(RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} closed the connection before "
+                               "answering")
             return False
         up.ttfb[worker].observe(time.perf_counter() - self.t0)
         out, self.is_sse, draining = response_headers(up_headers, up.worker_ids[worker], ex.rid)
@@ -186,10 +186,19 @@ class Attempt:
         if status == 503 and draining:
             self.outcome = Outcome.DRAINING  # the worker refused before doing anything: safe to send elsewhere
             return False
-        self.status = ex.status = status
-        await ex.send({"type": "http.response.start", "status": status, "headers": out})
+        return await self.start_response(status, out)
+
+    async def start_response(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Relay the worker's response head (``status``, ``headers`` for the client) to the client; True: the body
+        follows."""
+        self.status = self.ex.status = status
+        await self.ex.send({"type": "http.response.start", "status": status, "headers": headers})
         self.outcome = Outcome.BROKEN  # from here on, a relay that does not complete is a broken response
         return True
+
+    async def no_head(self, kind: RouterErrorKind, message: str) -> None:
+        """The worker gave no response head (timeout, or it closed the connection): answer the router's error."""
+        await self.up.reject(self.ex, kind, message, self.worker)
 
     async def relay_body(self) -> None:
         """Relay the body chunk by chunk as it arrives (``: keep-alive`` comments between SSE events after

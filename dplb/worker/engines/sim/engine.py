@@ -19,9 +19,11 @@ Contract
   request body bytes) in its response (tests of byte-for-byte forwarding); no other response carries an ``x-sim-*``
   header. Responses echo ``X-Request-Id``; the response id is ``chatcmpl-<X-Request-Id>``/``cmpl-<…>`` (random
   when absent), as vLLM.
-- Tokens: the prompt's whitespace-separated words (chat: messages rendered as ``"role: content\\n"`` lines). Output:
-  ``max_tokens`` words drawn by a PRNG seeded from (``seed``, prompt hash, choice index), so the same request gives
-  the same text; ``finish_reason`` is always ``"length"``.
+- Tokens: the prompt's whitespace-separated words (chat: messages rendered as ``"role: content\\n"`` lines;
+  ``continue_final_message`` renders the final message open). Output: ``max_tokens`` words, each a deterministic
+  function of (``seed``, choice index, the context so far) (:mod:`dplb.worker.engines.sim.text`), so the same
+  request gives the same text and a request continuing a partial answer gives the rest of it;
+  ``finish_reason`` is always ``"length"``.
 - Timing: one scheduler step lasts ``(decode_step_s + decode_step_s_per_seq * running + prefill_s_per_token *
   uncached prompt tokens admitted this step) / speed`` seconds, and yields one token per running sequence; see
   :mod:`dplb.worker.engines.sim.scheduler` for batching, KV blocks and the prefix cache.
@@ -39,7 +41,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import random
 import time
 import uuid
 from collections import deque
@@ -51,20 +52,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb.runtime.asgi import send_json, until_disconnect
 from dplb.worker.engines.base import ASGIApp, EngineStats, Receive, Scope, Send
-from dplb.worker.engines.sim import logprobs
+from dplb.worker.engines.sim import logprobs, text
 from dplb.worker.engines.sim.api import SimApi
 from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
 from dplb.worker.engines.sim.scheduler import (
-    WORDS,
     SimConfig,
     SimRequest,
     SimScheduler,
     block_hashes,
     completion_prompts,
     prompt_hash,
-    render_chat,
     tokenize,
 )
+from dplb.worker.engines.sim.text import render_prompt
 
 __all__ = ["SimConfig", "SimEngine", "main"]
 
@@ -85,6 +85,7 @@ class ParsedRequest:
     include_usage: bool
     continuous_usage: bool
     logprobs: int | None = None  # alternatives per token (dplb.worker.engines.sim.logprobs); None: off
+    leads: list[bool] | None = None  # per prompt: its answer's first token has a leading space (sim.text)
 
 
 def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str] = frozenset()) -> ParsedRequest:
@@ -110,7 +111,11 @@ def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str
     if not isinstance(stream, bool) or not isinstance(opts, dict):
         raise HTTPError(400, "'stream' must be a boolean and 'stream_options' an object")
     try:
-        prompts = [tokenize(render_chat(data.get("messages")))] if chat else completion_prompts(data.get("prompt"))
+        if chat:
+            rendered, lead = render_prompt(data)
+            prompts, leads = [tokenize(rendered)], [lead]
+        else:
+            prompts, leads = completion_prompts(data.get("prompt")), text.leads(data.get("prompt"))
     except ValueError as e:
         raise HTTPError(400, str(e)) from None
     for ids in prompts:
@@ -120,7 +125,7 @@ def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str
     max_tokens = [min(req_max or cfg.default_max_tokens, cfg.max_model_len - len(ids)) for ids in prompts]
     return ParsedRequest(prompts, max_tokens, n, stream, bool(opts.get("include_usage")),
                          bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
-                         logprobs.requested(data, chat))
+                         logprobs.requested(data, chat), leads)
 
 
 class SimEngine:
@@ -326,13 +331,14 @@ class SimEngine:
         """Run ``p`` through the scheduler and answer it; True when the full response was sent."""
         cfg = self.config
         req = SimRequest(stream=p.stream)
-        seeds = []
+        seeds, rngs = [], []
         for pi, ids in enumerate(p.prompts):
             hashes, ph = block_hashes(ids, cfg.block_size), prompt_hash(ids)
+            lead = bool(p.leads and p.leads[pi])
             for j in range(p.n):
                 req.add_seq(pi * p.n + j, len(ids), hashes, p.max_tokens[pi], cfg.block_size)
                 seeds.append(f"{cfg.seed}:{ph}:{pi * p.n + j}")
-        rngs = [random.Random(s) for s in seeds]
+                rngs.append(text.TextGen(cfg.seed, ids, j, lead))
         lps = None if p.logprobs is None else [logprobs.SequenceLogprobs(s, p.logprobs, chat) for s in seeds]
         prompt_tokens = sum(len(ids) for ids in p.prompts)
         rec["prompt_tokens"] = self.last_prompt_tokens = prompt_tokens
@@ -353,11 +359,11 @@ class SimEngine:
                     return False
             choices: list[dict[str, Any]] = []
             for i, (seq, rng) in enumerate(zip(req.seqs, rngs, strict=True)):
-                text = " ".join(rng.choice(WORDS) for _ in range(seq.max_tokens))
-                choice: dict[str, Any] = ({"index": seq.index, "message": {"role": "assistant", "content": text,
+                out = rng.text(seq.max_tokens)
+                choice: dict[str, Any] = ({"index": seq.index, "message": {"role": "assistant", "content": out,
                                            "refusal": None, "tool_calls": [], "reasoning_content": None}}
-                                          if chat else {"index": seq.index, "text": text})
-                choice.update(logprobs=lps[i].chunk(logprobs.tokens_of(text)) if lps else None,
+                                          if chat else {"index": seq.index, "text": out})
+                choice.update(logprobs=lps[i].chunk(logprobs.tokens_of(out)) if lps else None,
                               finish_reason="length", stop_reason=None)
                 choices.append(choice)
             completion = sum(s.max_tokens for s in req.seqs)
@@ -376,7 +382,7 @@ class SimEngine:
             rec["cached_tokens"] = sum(s.cached_tokens for s in req.seqs)
 
     async def _stream(self, send: Send, req: SimRequest, p: ParsedRequest, rid: str, rec: dict[str, Any],
-                      headers: list[tuple[bytes, bytes]], chat: bool, rngs: list[random.Random],
+                      headers: list[tuple[bytes, bytes]], chat: bool, rngs: list[text.TextGen],
                       prompt_tokens: int, lps: list[logprobs.SequenceLogprobs] | None) -> bool:
         cfg = self.config
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -409,13 +415,12 @@ class SimEngine:
             first = False
             for i, seq in enumerate(req.seqs):
                 while sent[i] < seq.generated:
-                    word = rngs[i].choice(WORDS)
-                    text = word if sent[i] == 0 else " " + word
+                    tok = rngs[i].token()
                     sent[i] += 1
                     done = sent[i] == seq.max_tokens
-                    c: dict[str, Any] = ({"index": seq.index, "delta": {"content": text}} if chat
-                                         else {"index": seq.index, "text": text})
-                    c.update(logprobs=lps[i].chunk([text]) if lps else None, finish_reason="length" if done else None)
+                    c: dict[str, Any] = ({"index": seq.index, "delta": {"content": tok}} if chat
+                                         else {"index": seq.index, "text": tok})
+                    c.update(logprobs=lps[i].chunk([tok]) if lps else None, finish_reason="length" if done else None)
                     if done or not chat:
                         c["stop_reason"] = None
                     events.append(event([c], p.continuous_usage))

@@ -149,25 +149,31 @@ def render_chat(messages: Any) -> str:
         raise ValueError("'messages' is required and must be a non-empty list of {role, content} objects")
     lines = []
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise ValueError(f"messages[{i}] must be an object with a string 'role'")
-        content = msg.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise ValueError(f"messages[{i}].content parts must be objects with a 'type'")
-                if part["type"] == "text":
-                    if not isinstance(part.get("text"), str):
-                        raise ValueError(f"messages[{i}].content text parts need a string 'text'")
-                    texts.append(part["text"])
-            content = "\n".join(texts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string, a list of parts or null")
+        content = message_content(i, msg)  # validates msg first
         lines.append(f"{msg['role']}: {content}\n")
     return "".join(lines)
+
+
+def message_content(i: int, msg: Any) -> str:
+    """The text of chat message ``i`` (text parts joined by newlines; null is empty). Raises ValueError."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+        raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+    content = msg.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ValueError(f"messages[{i}].content parts must be objects with a 'type'")
+            if part["type"] == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content text parts need a string 'text'")
+                texts.append(part["text"])
+        return "\n".join(texts)
+    if content is None:
+        return ""
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a string, a list of parts or null")
+    return content
 
 
 def completion_prompts(prompt: Any) -> list[list[int]]:
