@@ -13,6 +13,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -123,7 +124,7 @@ def test_sigstop_of_engine_core_fails_fast_and_recovers_on_sigcont(tmp_path) -> 
         assert len(late0) <= span / STALL_AFTER_S + 1, late0
         assert re.search(r'dplb_worker_stalled\{worker="0"\} 1\.0', stalled_metric), stalled_metric[-3000:]
         assert '"stalled"' in decisions
-        router_log = open(os.path.join(run_dir, "router.log"), errors="replace").read()
+        router_log = Path(run_dir, "router.log").read_text(errors="replace")
         m = re.search(r"worker 0: engine made no progress for ([0-9.]+) s", router_log)
         assert m, router_log[-3000:]
         print(f"vLLM detection: last progress -> stalled in {float(m.group(1)):.1f} s (--stall-after "
@@ -139,7 +140,7 @@ def test_sigstop_of_engine_core_fails_fast_and_recovers_on_sigcont(tmp_path) -> 
             time.sleep(0.5)
         assert back is not None, "worker 0 never came back after SIGCONT"
         print(f"worker 0 served again {back:.1f} s after SIGCONT")
-        assert "progress resumed" in open(os.path.join(run_dir, "router.log"), errors="replace").read()
+        assert "progress resumed" in Path(run_dir, "router.log").read_text(errors="replace")
     finally:
         if core:
             with contextlib.suppress(ProcessLookupError):

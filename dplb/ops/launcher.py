@@ -12,8 +12,8 @@ Contract
 - Supervision: a worker or router that exits unexpectedly is restarted with exponential backoff (1 s doubling to
   30 s; reset after 60 s of uptime), after what it left in its process group is killed (a vLLM worker's
   ``EngineCore`` outlives a SIGKILLed worker). A worker whose engine stays stalled ``--stall-restart-after`` seconds
-  exits by itself (:mod:`dplb.worker.process`) and is restarted the same way. A worker that fails before ever becoming ready
-  ``--max-start-failures`` times in a row stops the launch with its log tail.
+  exits by itself (:mod:`dplb.worker.process`) and is restarted the same way. A worker that fails before ever
+  becoming ready ``--max-start-failures`` times in a row stops the launch with its log tail.
 - Ctrl-C / SIGTERM: SIGTERM to every worker (they drain) and the router, wait up to the drain timeout, SIGKILL what
   is left (each child's process group too), then remove the sockets, the segment and the run directory it created.
   Nothing is left in /dev/shm.
