@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from typing import Any
 
 import httpx
 import pytest
+from cluster import cluster, progress_gaps
 
 from dplb.policy.stall import StallDetector
 from dplb.state.shm import Lifecycle, WorkerState
-from tests.cluster import cluster
 
 S = 1_000_000_000  # ns per second
 T0 = 10**12
@@ -128,7 +129,13 @@ def test_a_stalled_sim_engine_leaves_rotation_fails_fast_and_comes_back(tmp_path
     event once streaming); worker 2 leaves rotation and takes requests again after its engine resumes."""
     with cluster(str(tmp_path), 4, worker_args={2: ["--sim-stall-after", "10", "--sim-stall-for-s", str(STALL_FOR)]},
                  router_args=["--stall-after", str(STALL_AFTER)]) as c:
+        assert c.segment is not None
+        stop, gaps = threading.Event(), []  # type: ignore[var-annotated]
+        watcher = threading.Thread(target=progress_gaps, args=(c.segment, [0, 1, 3], stop, gaps), daemon=True)
+        watcher.start()
         recs = asyncio.run(_load(c.url, 26, 20))
+        stop.set()
+        watcher.join()
         log = c.router_log()
         stalls = c.metric("dplb_worker_stalls_total", {"worker": "2"})
         failed = c.metric("dplb_stalled_requests_failed_total", {"worker": "2"})
@@ -156,6 +163,7 @@ def test_a_stalled_sim_engine_leaves_rotation_fails_fast_and_comes_back(tmp_path
     assert m, log[-2000:]
     detect_s = float(m.group(1))
     print(f"sim detection: last progress -> stalled in {detect_s:.1f} s (--stall-after {STALL_AFTER:g}); "
-          f"{len(stalled)} of {len(recs)} requests failed fast; slowest {max(r['took'] for r in recs):.2f} s")
+          f"{len(stalled)} of {len(recs)} requests failed fast; slowest {max(r['took'] for r in recs):.2f} s; "
+          f"healthy workers' largest gap between progress moves {max(gaps):.2f} s over {len(gaps)} moves")
     assert STALL_AFTER <= detect_s <= STALL_AFTER + 1.5
     assert "progress resumed" in log

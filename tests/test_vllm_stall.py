@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster import dplb_cmd, free_port
+from cluster import dplb_cmd, free_port, progress_gaps
 from proc_tags import kill_tagged, new_tag, ppid, tagged_env, tagged_procs
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
@@ -30,7 +30,7 @@ CHECK_S = 0.5  # the router's monitor step
 MARGIN_S = 4.0  # a loaded 2-core box running two vLLM engines
 
 
-async def _requests(url: str, n: int, concurrency: int, timeout: float) -> list[dict[str, Any]]:
+async def _requests(url: str, n: int, concurrency: int, timeout: float, max_tokens: int = 16) -> list[dict[str, Any]]:
     sem = asyncio.Semaphore(concurrency)
     out: list[dict[str, Any]] = []
 
@@ -39,8 +39,8 @@ async def _requests(url: str, n: int, concurrency: int, timeout: float) -> list[
             t0 = time.monotonic()
             rec: dict[str, Any] = {"i": i, "t0": t0}
             try:
-                r = await cl.post(url + "/v1/completions", json={"model": "tiny", "prompt": f"p{i}", "max_tokens": 16,
-                                                                 "ignore_eos": True})
+                r = await cl.post(url + "/v1/completions", json={"model": "tiny", "prompt": f"p{i} " * (i % 7 * 20 + 1),
+                                                                 "max_tokens": max_tokens, "ignore_eos": True})
                 rec.update(status=r.status_code, worker=r.headers.get("x-sg-worker-id"), body=r.text,
                            retry_after=r.headers.get("retry-after"))
             except httpx.HTTPError as e:
@@ -51,17 +51,6 @@ async def _requests(url: str, n: int, concurrency: int, timeout: float) -> list[
     async with httpx.AsyncClient(timeout=timeout) as cl:
         await asyncio.gather(*[one(cl, i) for i in range(n)])
     return sorted(out, key=lambda r: r["t0"])
-
-
-def _progress_gaps(seg: Segment, stop: threading.Event, gaps: list[float]) -> None:
-    """While ``stop`` is unset: the largest time between two progress moves of each busy worker (its slot)."""
-    last = {k: seg.read(k).progress_mono_ns for k in range(seg.num_workers)}
-    while not stop.wait(0.05):
-        for k in range(seg.num_workers):
-            t = seg.read(k).progress_mono_ns
-            if t != last[k]:
-                gaps.append((t - last[k]) / 1e9)
-                last[k] = t
 
 
 def test_sigstop_of_engine_core_fails_fast_and_recovers_on_sigcont(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -94,9 +83,9 @@ def test_sigstop_of_engine_core_fails_fast_and_recovers_on_sigcont(tmp_path) -> 
         assert seg is not None
         # A healthy stack under the same load: the largest gap between two progress moves of a busy worker.
         stop, gaps = threading.Event(), []  # type: ignore[var-annotated]
-        watcher = threading.Thread(target=_progress_gaps, args=(seg, stop, gaps), daemon=True)
+        watcher = threading.Thread(target=progress_gaps, args=(seg, [0, 1], stop, gaps), daemon=True)
         watcher.start()
-        warm = asyncio.run(_requests(url, 16, 4, 120))
+        warm = asyncio.run(_requests(url, 24, 4, 120, max_tokens=48))
         stop.set()
         watcher.join()
         assert all(r["status"] == 200 for r in warm), warm
