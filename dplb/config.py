@@ -77,11 +77,11 @@ def worker_metrics_ports(base: int | None, num_workers: int) -> list[int]:
 
 
 #: ``--stall-after``: a worker with requests outstanding whose engine made no progress this long is stalled (out of
-#: rotation, its requests failed fast; docs/DESIGN.md §6). Measured (README "Fault matrix"): the largest gap between
-#: two progress publishes of a healthy worker under load was 0.4 s (sim, 4 workers at 20 req/s) and 0.6 s (vLLM CPU,
-#: tiny model, concurrency 4, the 200 ms publish interval included); a chunked-prefill step counts as progress, so a
-#: long prompt adds one step's time, not the prompt's. 5 s leaves ~8x that and puts a stalled worker out of rotation
-#: within 5.5 s of its last progress (one 0.5 s router check), under the 10 s target.
+#: rotation, its requests failed fast; docs/DESIGN.md §6). Measured (tests/test_stall.py, tests/test_vllm_stall.py
+#: print it): a healthy busy engine's progress moved at every 200 ms publish (largest gap 0.21 s over ~400 moves of
+#: the sim at 20 req/s, 0.20 s for vLLM CPU with the tiny model at concurrency 4); a chunked-prefill step counts as
+#: progress, so a long prompt adds one step's time, not the whole prefill's. 5 s is ~25x that, and a stalled worker
+#: was out of rotation 5.0-5.3 s after its last progress (vLLM, SIGSTOP of the EngineCore), under the 10 s target.
 STALL_AFTER_S = 5.0
 #: ``--stall-restart-after``: a worker stalled this long since its last progress exits so that its supervisor (dplb
 #: launch, systemd) restarts it, and stops pinging systemd's watchdog. Long enough for a transient stall (a slow
