@@ -92,14 +92,15 @@ class Cluster:
         e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
         return e
 
-    def start_worker(self, k: int, *sim_args: str, wait: bool = True, metrics_port: int = 0) -> None:
+    def start_worker(self, k: int, *sim_args: str, wait: bool = True, metrics_port: int = 0,
+                     env: dict[str, str] | None = None) -> None:
         log = os.path.join(self.run_dir, f"worker-{k}.log")
         self.logs.append(log)
         f = open(log, "ab")  # noqa: SIM115 - the process owns it
         self.workers[k] = subprocess.Popen(
             dplb_cmd("worker", "--worker-id", str(k), "--uds", self.sock(k), "--metrics-port", str(metrics_port),
                      "--drain-timeout", "10", *sim_args),
-            env=self.env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**self.env(), **(env or {})}, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
         )
         if wait:
             self.wait_ready(k)

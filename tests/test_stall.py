@@ -5,7 +5,10 @@ HTTP and collector live on) and later resumes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
+import socket
 import threading
 import time
 from typing import Any
@@ -167,3 +170,48 @@ def test_a_stalled_sim_engine_leaves_rotation_fails_fast_and_comes_back(tmp_path
           f"healthy workers' largest gap between progress moves {max(gaps):.2f} s over {len(gaps)} moves")
     assert STALL_AFTER <= detect_s <= STALL_AFTER + 1.5
     assert "progress resumed" in log
+
+
+def test_a_worker_stalled_past_stall_restart_after_stops_its_watchdog_and_exits(tmp_path: str) -> None:
+    """systemd's protocol for real: the worker pings WATCHDOG=1 on a datagram socket the test binds as
+    NOTIFY_SOCKET; once its engine has been stalled --stall-restart-after (3 s) since its last progress with the
+    router's requests on it, the pings stop and the worker exits 1 (its supervisor restarts it)."""
+    sock_path = os.path.join(str(tmp_path), "notify.sock")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(sock_path)
+    notify.settimeout(0.2)
+    pings: list[float] = []
+
+    def listen(stop: threading.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                if b"WATCHDOG=1" in notify.recv(4096):
+                    pings.append(time.monotonic())
+
+    stop = threading.Event()
+    listener = threading.Thread(target=listen, args=(stop,), daemon=True)
+    listener.start()
+    try:
+        with cluster(str(tmp_path), 1, start_workers=False, wait_router_ready=False,
+                     router_args=["--stall-after", "1"]) as c:
+            c.start_worker(0, "--stall-after", "1", "--stall-restart-after", "3", "--sim-stall-after", "2",
+                           env={"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "400000"})
+            body = {"model": "dplb-sim", "prompt": "x", "max_tokens": 4}
+            assert httpx.post(c.url + "/v1/completions", json=body, timeout=30).status_code == 200  # → stalled
+            t_stall = time.monotonic()
+            codes = []
+            while c.workers[0].poll() is None and time.monotonic() - t_stall < 40:
+                with contextlib.suppress(httpx.HTTPError):
+                    codes.append(httpx.post(c.url + "/v1/completions", json=body, timeout=10).status_code)
+                time.sleep(0.2)
+            assert c.workers[0].poll() == 1, c.tail()
+            log = c.tail(200)
+    finally:
+        stop.set()
+        listener.join()
+        notify.close()
+    assert 503 in codes, codes
+    assert "withholding the systemd watchdog and exiting for a restart" in log, log
+    assert pings and min(pings) < t_stall, "the worker never pinged the watchdog"
+    last = max(pings)
+    assert last - t_stall < 1 + 3 + 2.5, (last - t_stall)  # pings stopped once stalled 3 s (+ margin)
