@@ -141,6 +141,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=d["connect_timeout_s"],
                    help=f"seconds to connect to a worker's socket before trying the next worker (default "
                    f"{d['connect_timeout_s']:g})")
+    p.add_argument("--stall-after", type=float, default=d["stall_after_s"], metavar="S",
+                   help="a worker with requests in flight whose engine made no progress (no token, no prefill step) "
+                   "for S seconds is stalled: out of rotation, its in-flight requests failed with 503 "
+                   f"worker_stalled, back once its progress resumes (default {d['stall_after_s']:g}; 0 = off)")
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
     p.add_argument("--router-processes", "--processes", dest="router_processes", type=int,
                    default=default_router_processes(),
@@ -205,6 +209,7 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         allow_runtime_lora=args.allow_runtime_lora, processes=args.router_processes,
         agent_port=args.agent_port, orca=args.orca, drain_notice_s=args.drain_notice,
         resume_streams=args.resume_streams,
+        stall_after_s=args.stall_after,
     )
 
 

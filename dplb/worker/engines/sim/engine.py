@@ -132,8 +132,9 @@ class SimEngine:
     """A vLLM-like engine on CPU. Serve ``engine.app`` with uvicorn (any socket); call :meth:`start` first.
 
     Counters (plain attributes, per HTTP request): ``requests_total`` (valid model requests; the ``oom_after``
-    count), ``completed_total`` (responses fully sent; the ``crash_after``/``hang_after`` count), ``aborted_total``
-    (client disconnects or shutdown before completion), ``cuda_oom_total``, ``overloaded_total`` (503s).
+    count), ``completed_total`` (responses fully sent; the ``crash_after``/``hang_after``/``stall_after`` count),
+    ``aborted_total`` (client disconnects or shutdown before completion), ``cuda_oom_total``, ``overloaded_total``
+    (503s).
     """
 
     name = "sim"
@@ -148,6 +149,7 @@ class SimEngine:
         self.last_prompt_tokens = 0
         self.started = False
         self.hung = False
+        self.stalled = False
         self.debug_requests: deque[dict[str, Any]] = deque(maxlen=DEBUG_RECORDS)
         self._active: dict[SimRequest, dict[str, Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop (bound on the first HTTP call)
@@ -169,7 +171,8 @@ class SimEngine:
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
                            max_num_seqs=self.config.max_num_seqs, cuda_oom_total=self.cuda_oom_total,
                            last_prompt_tokens=self.last_prompt_tokens, kv_total_blocks=self.config.kv_blocks,
-                           kv_block_size=self.config.block_size)
+                           kv_block_size=self.config.block_size, progress_total=s.progress_total,
+                           progress_known=True)
 
     def metrics_text(self) -> bytes:
         """The ``vllm:*`` metrics (private registry) in Prometheus text format."""
@@ -445,11 +448,25 @@ class SimEngine:
             log.error("sim engine: crash_after=%d requests reached; exiting with status 1 (simulated crash)",
                       cfg.crash_after)
             asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+        if cfg.stall_after and self.completed_total == cfg.stall_after and not self.stalled:
+            log.error("sim engine: stall_after=%d requests reached; the engine makes no progress %s (simulated "
+                      "stall: HTTP, health and the collector carry on)", cfg.stall_after,
+                      f"for {cfg.stall_for_s:g} s" if cfg.stall_for_s else "any more")
+            self.stalled = True
+            self.scheduler.freeze()
+            if cfg.stall_for_s:
+                asyncio.get_running_loop().call_later(cfg.stall_for_s, self._end_stall)
         if cfg.hang_after and self.completed_total >= cfg.hang_after and not self.hung:
             log.error("sim engine: hang_after=%d requests reached; no longer answering (simulated hang)",
                       cfg.hang_after)
             self.hung = True
             self.scheduler.freeze()
+
+    def _end_stall(self) -> None:
+        """The stall fault's ``stall_for_s`` passed: the scheduler steps again."""
+        log.warning("sim engine: stall over after %g s; the engine makes progress again", self.config.stall_for_s)
+        self.stalled = False
+        self.scheduler.thaw()
 
 
 def main(argv: list[str] | None = None) -> None:
