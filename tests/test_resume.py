@@ -295,3 +295,26 @@ def test_without_the_flag_a_killed_worker_ends_the_stream_with_an_error_event(tm
         st = asyncio.run(main())
         assert st.error is not None and "stopped mid-response" in st.error and NOT_RESUMED not in st.error
         assert st.done == 0 and st.cut and c.metric("dplb_streams_resumed_total") == 0
+
+
+def test_a_stream_on_a_stalled_worker_is_resumed_on_another(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The stall check and --resume-streams together: worker 0's engine stalls for good after its first 2 answers
+    (its process and collector live on); the router cuts its open streams after --stall-after and, the flag being
+    on, resumes them on worker 1 instead of ending them with the worker_stalled error event. Every stream ends with
+    one [DONE] and exactly the sim's answer."""
+    stall = {0: [*SIM, "--sim-stall-after", "2", "--sim-stall-for-s", "0"], 1: SIM}
+    with cluster(str(tmp_path), 2, worker_args=stall, router_args=["--resume-streams", "--stall-after", "1"]) as c:
+        async def main() -> list[Stream]:
+            rng = random.Random(7)
+            streams = [Stream(CHAT if i % 2 else COMP, _body(CHAT if i % 2 else COMP, rng, f"s{i}",
+                                                              {"max_tokens": 60})) for i in range(8)]
+            async with httpx.AsyncClient(base_url=c.url) as http:
+                return list(await asyncio.gather(*(_run(http, st) for st in streams)))
+
+        streams = asyncio.run(main())
+        resumed = c.metric("dplb_streams_resumed_total") or 0
+        stalls = c.metric("dplb_worker_stalls_total", {"worker": "0"}) or 0
+    for st in streams:
+        want, _ = _expected(st)
+        assert st.status == 200 and st.done == 1 and st.error is None and st.text == want, (st.path, st.error)
+    assert stalls >= 1 and resumed >= 1, (stalls, resumed)

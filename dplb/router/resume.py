@@ -374,8 +374,12 @@ class ResumableAttempt(Attempt):
         if self.ex.gone or not self.is_sse:
             await super()._broken(e)
             return
-        self.outcome = Outcome.TIMEOUT if isinstance(e, UpstreamTimeout) else Outcome.BROKEN
-        s.broken, s.t_break = f"worker {self.worker} stopped mid-response: {e}", time.perf_counter()
+        if self.stalled:  # cut by the stall check (dplb.policy.stall): resumed like a worker that died
+            self.outcome, why = Outcome.STALLED, self._stall_message()
+        else:
+            self.outcome = Outcome.TIMEOUT if isinstance(e, UpstreamTimeout) else Outcome.BROKEN
+            why = f"worker {self.worker} stopped mid-response: {e}"
+        s.broken, s.t_break = why, time.perf_counter()
         log.warning("worker %d broke off stream %s after %d tokens (%s)", self.worker, self.ex.rid.decode(),
                     s.tokens, e)
 
