@@ -81,7 +81,10 @@ def test_epp_reads_one_host_aggregate_per_family(tmp_path: pytest.TempPathFactor
 
 
 def test_lora_adapters_reach_the_epp(tmp_path: pytest.TempPathFactory) -> None:
-    with cluster(str(tmp_path), 2, worker_args={k: ["--sim-lora-adapters", "sql-lora,chat-lora"] for k in (0, 1)}) \
+    """Adapters and max_lora reach the EPP: max_lora is the workers' --max-loras (the sim's --sim-max-loras)
+    summed over the host, published through each worker's slot."""
+    lora = ["--sim-lora-adapters", "sql-lora,chat-lora"]
+    with cluster(str(tmp_path), 2, worker_args={0: [*lora, "--sim-max-loras", "3"], 1: [*lora, "--sim-max-loras", "2"]}) \
             as c:
         deadline = time.monotonic() + 10
         m = extract(httpx.get(c.url + "/metrics").text)
@@ -89,6 +92,7 @@ def test_lora_adapters_reach_the_epp(tmp_path: pytest.TempPathFactory) -> None:
             time.sleep(0.2)
             m = extract(httpx.get(c.url + "/metrics").text)
         assert set(m.active_models) == {"sql-lora", "chat-lora"} and m.series["vllm:lora_requests_info"] == 1
+        assert m.max_active_models == 5, m
         assert not m.errors
 
 

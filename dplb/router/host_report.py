@@ -29,6 +29,8 @@ Contract
   - ``routable``/``draining``/``workers``: worker ids routable, worker ids whose lifecycle is DRAINING, slot count.
   - ``models``/``adapters``: the names the workers serve (``/v1/models``); adapters are the served names other than
     the segment's model name (vLLM lists loaded LoRA adapters beside the base model).
+  - ``max_loras``: the routable workers' published ``max_loras`` summed (vLLM ``--max-loras`` per worker: how many
+    adapters the host holds in its batches at once, each worker holding its own); 0 when none publishes one.
 - ``state``: ``drain`` once :meth:`HostReporter.begin_drain` was called (SIGUSR1 of the router, or SIGTERM, after
   which the router serves ``--drain-notice`` seconds more: :meth:`HostReporter.drain_notice`), else
   ``down`` with a reason when no worker is routable, else ``up``. Without a segment the router serves on its own
@@ -78,6 +80,7 @@ class HostReport:
     draining: tuple[int, ...] = ()
     models: tuple[str, ...] = ()
     adapters: tuple[str, ...] = field(default=())
+    max_loras: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """JSON-friendly dict."""
@@ -227,7 +230,8 @@ class HostReporter:
         return HostReport(**common, state=state, reason=reason, waiting=waiting,  # type: ignore[arg-type]
                           router_pending=pending, running=running, capacity=capacity, load=load,
                           utilization=util, agent_weight=weight, kv_usage=kv, kv_used_blocks=used,
-                          kv_total_blocks=total, kv_block_size=bs, routable=tuple(routable), draining=draining)
+                          kv_total_blocks=total, kv_block_size=bs, routable=tuple(routable), draining=draining,
+                          max_loras=sum(w.max_loras for w in ws))
 
 
 __all__ = ["RATE_WINDOW_S", "STATE_DOWN", "STATE_DRAIN", "STATE_UP", "HostReport", "HostReporter", "kv_figures"]

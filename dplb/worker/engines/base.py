@@ -30,7 +30,8 @@ LATENCY_WINDOW = 10  # requests: the slot's "last 10 requests" figures (docs/DES
 @dataclass(slots=True)
 class EngineStats:
     """What the engine's scheduler says right now. Units: requests, fraction 0–1, tokens; ``kv_total_blocks``:
-    the KV cache's capacity in blocks, ``kv_block_size``: tokens per block (0 when the engine does not say)."""
+    the KV cache's capacity in blocks, ``kv_block_size``: tokens per block (0 when the engine does not say);
+    ``max_loras``: LoRA adapters one batch can hold (vLLM ``--max-loras``; 0 when LoRA is off or unknown)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -40,6 +41,7 @@ class EngineStats:
     last_prompt_tokens: int = 0
     kv_total_blocks: int = 0
     kv_block_size: int = 0
+    max_loras: int = 0
 
 
 class Engine(Protocol):

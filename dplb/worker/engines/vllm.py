@@ -71,7 +71,7 @@ class VllmEngine:
         self._oom = _OomCounter()
         self._collectors: list[Any] = []
         self._max_num_seqs = 0
-        self._kv_blocks = self._kv_block_size = 0
+        self._kv_blocks = self._kv_block_size = self._max_loras = 0
         self._prompt_tokens = self._requests = 0.0
         self._last_prompt = 0
         self.args: Namespace | None = None
@@ -115,6 +115,9 @@ class VllmEngine:
         with contextlib.suppress(Exception):  # the cache config's figures (num_gpu_blocks is set once profiled)
             self._kv_block_size = int(client.vllm_config.cache_config.block_size or 0)
             self._kv_blocks = int(client.vllm_config.cache_config.num_gpu_blocks or 0)
+        with contextlib.suppress(Exception):  # --max-loras; no lora_config without --enable-lora
+            lora = client.vllm_config.lora_config
+            self._max_loras = int(lora.max_loras) if lora is not None else 0
         names = getattr(REGISTRY, "_names_to_collectors", {})
         self._collectors = [names.get(n) for n in _GAUGES]
         # Prompt length per *finished* request (observed together with the finish, unlike vllm:prompt_tokens,
@@ -175,7 +178,7 @@ class VllmEngine:
             num_running=int(self._value(run_c)), num_waiting=int(self._value(wait_c)),
             kv_cache_usage=min(1.0, max(0.0, self._value(kv_c))), max_num_seqs=self._max_num_seqs,
             cuda_oom_total=self._oom.count, last_prompt_tokens=self._last_prompt,
-            kv_total_blocks=self._kv_blocks, kv_block_size=self._kv_block_size,
+            kv_total_blocks=self._kv_blocks, kv_block_size=self._kv_block_size, max_loras=self._max_loras,
         )
 
     def metrics_text(self) -> bytes:

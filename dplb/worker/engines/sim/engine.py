@@ -164,7 +164,8 @@ class SimEngine:
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
                            max_num_seqs=self.config.max_num_seqs, cuda_oom_total=self.cuda_oom_total,
                            last_prompt_tokens=self.last_prompt_tokens, kv_total_blocks=self.config.kv_blocks,
-                           kv_block_size=self.config.block_size)
+                           kv_block_size=self.config.block_size,
+                           max_loras=self.config.max_loras)
 
     def metrics_text(self) -> bytes:
         """The ``vllm:*`` metrics (private registry) in Prometheus text format."""
