@@ -4,6 +4,8 @@ rotation. Skips when haproxy is not installed (CI installs it: .ci/run)."""
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import os
 import signal
 import time
@@ -64,8 +66,10 @@ def test_agent_weights_follow_load_and_drain_loses_nothing(tmp_path: pytest.Temp
 def test_conversation_hash_keeps_turns_together_and_a_killed_host_leaves_rotation(
         tmp_path: pytest.TempPathFactory) -> None:
     """hdr(x-session-id) with bounded-load consistent hashing: every turn of a conversation lands on one host and
-    conversations use both hosts; then a SIGKILLed host loses at most its in-flight requests and is out of
-    rotation within the check interval (inter 1 s x fall 2, retries redispatch the rest)."""
+    conversations use both hosts; a hot conversation (many turns in flight at once) spills onto the other host
+    once its own holds more than hash-balance-factor (150 %) of the average load; then a SIGKILLed host loses at
+    most its in-flight requests and is out of rotation within the check interval (inter 1 s x fall 2, retries
+    redispatch the rest)."""
     port = free_port()
     with hosts(str(tmp_path), [1.0, 1.0]) as fleet, \
             _haproxy(str(tmp_path), fleet, port, affinity_header="x-session-id"):
@@ -83,6 +87,21 @@ def test_conversation_hash_keeps_turns_together_and_a_killed_host_leaves_rotatio
                     placement.setdefault(conv, set()).add(r.headers["x-dplb-host"])
         assert all(len(h) == 1 for h in placement.values()), placement
         assert len(set().union(*placement.values())) == 2, placement
+        home = next(iter(placement[0]))
+
+        def hot_turn(_: int) -> str:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                           headers={"x-session-id": "conversation-0"},
+                           json={"model": "dplb-sim", "max_tokens": 60,
+                                 "messages": [{"role": "user", "content": "a hot conversation"}]})
+            assert r.status_code == 200, r.text
+            return str(r.headers["x-dplb-host"])
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            hot = collections.Counter(pool.map(hot_turn, range(12)))
+        print(f"12 turns of one conversation at once: {dict(hot)} (home {home})")
+        # Bounded load: the home host takes at most 1.5 x the average of what is in flight, the rest spills.
+        assert len(hot) == 2 and hot[home] >= 4, hot
         load = Load(f"http://127.0.0.1:{port}", clients=8, max_tokens=4).start()
         try:
             time.sleep(2)
