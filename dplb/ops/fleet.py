@@ -11,8 +11,10 @@ Contract
   cache, and spill once that host has more than factor/100 of the average load).
 - :func:`envoy_config` writes an Envoy v3 bootstrap (YAML): one listener, one cluster whose hosts are weighted by
   ``client_side_weighted_round_robin`` from the ORCA header DPLB adds (:mod:`dplb.router.orca`; the route asks for
-  it with ``endpoint-load-metrics-format: TEXT``), an HTTP health check on ``/ready``, retries on connect failures
-  and refused streams.
+  it with ``endpoint-load-metrics-format: TEXT``), an HTTP health check on ``/ready`` (1 s, 2 failures), retries
+  on connect failures and refused streams, and outlier detection on local-origin failures only (2 consecutive
+  connect failures or resets eject a host that died between health checks; HTTP 5xx answers never eject: a
+  loaded DPLB host says so in its ORCA report, and ejecting it would pile its load on the others).
 - Unreachable hosts are not an error when writing a config (the balancer's checks take them out); ``--probe``
   prints one warning line per host that does not answer ``/health``.
 """
@@ -166,8 +168,15 @@ def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: 
         "                route:\n"
         "                  cluster: dplb_hosts\n"
         "                  timeout: 600s\n"
-        "                  retry_policy: {retry_on: 'connect-failure,refused-stream,reset-before-request', "
-        "num_retries: 2}\n"
+        "                  retry_policy:  # never re-sent once the host may have started it; on another host\n"
+        "                    retry_on: connect-failure,refused-stream,reset-before-request\n"
+        "                    num_retries: 2\n"
+        "                    retry_host_predicate:\n"
+        "                    - name: envoy.retry_host_predicates.previous_hosts\n"
+        "                      typed_config:\n"
+        '                        "@type": type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.'
+        "PreviousHostsPredicate\n"
+        "                    host_selection_retry_max_attempts: 3\n"
         f"{ask}"
         "                response_headers_to_add:\n"
         "                - header: {key: x-dplb-host, value: '%UPSTREAM_REMOTE_ADDRESS%'}\n"
@@ -181,6 +190,17 @@ def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: 
         "    connect_timeout: 2s\n"
         f"{policy}"
         "    common_lb_config: {healthy_panic_threshold: {value: 0}}  # a draining host never gets traffic back\n"
+        "    outlier_detection:  # a host that died between health checks: out after 2 connect failures\n"
+        "      split_external_local_origin_errors: true\n"
+        "      consecutive_local_origin_failure: 2\n"
+        "      enforcing_consecutive_local_origin_failure: 100\n"
+        "      enforcing_consecutive_5xx: 0\n"
+        "      enforcing_consecutive_gateway_failure: 0\n"
+        "      enforcing_success_rate: 0\n"
+        "      enforcing_local_origin_success_rate: 0\n"
+        "      interval: 1s\n"
+        "      base_ejection_time: 10s\n"
+        "      max_ejection_percent: 50\n"
         "    health_checks:\n"
         "    - timeout: 1s\n"
         "      interval: 1s\n"
