@@ -15,20 +15,9 @@ import httpx
 import pytest
 from cluster import Cluster, cluster, dplb_cmd, free_port
 from epp_rules import extract
+from fleet_support import agent_answer
 
 CHAT = {"model": "dplb-sim", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 40}
-
-
-def agent_answer(host: str, port: int) -> str:
-    """One agent-check exchange, as HAProxy does it: connect, read the line, close."""
-    with socket.create_connection((host, port), timeout=5) as s:
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(256)
-            if not chunk:
-                break
-            data += chunk
-    return data.decode()
 
 
 def chat(c: Cluster, headers: dict[str, str] | None = None, max_tokens: int = 40) -> httpx.Response:
