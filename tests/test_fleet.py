@@ -125,11 +125,21 @@ def test_taken_agent_port_is_one_line_error(tmp_path: pytest.TempPathFactory) ->
             r = subprocess.run(dplb_cmd("router", "--host", "127.0.0.1", "--port", str(free_port()), "--run-dir",
                                         c.run_dir, "--agent-port", str(port), "--processes", "1"),
                                env=c.env(), capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0
-    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert any(f"cannot bind 127.0.0.1:{port} for the HAProxy agent-check" in ln and "--agent-port" in ln
-               for ln in err), r.stderr
-    assert "Traceback" not in r.stderr
+        # `dplb launch` refuses it before starting anything (it once restarted its router three times first).
+        t0 = time.monotonic()
+        launch = subprocess.run(dplb_cmd("launch", "--num-workers", "1", "--host", "127.0.0.1", "--port",
+                                         str(free_port()), "--agent-port", str(port), "--metrics-port-base", "0",
+                                         "--run-dir", str(tmp_path / "launch-run"), "--shm-path",
+                                         f"/dev/shm/dplb_state_test_agent_{port}"),
+                                capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - t0
+    for res in (r, launch):
+        assert res.returncode != 0
+        err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert any(f"cannot bind 127.0.0.1:{port} for the HAProxy agent-check" in ln and "--agent-port" in ln
+                   for ln in err), res.stderr
+        assert "Traceback" not in res.stderr
+    assert len(launch.stderr.strip().splitlines()) == 1 and launch.returncode == 2 and took < 20, launch.stderr
 
 
 def test_host_without_segment_is_up_while_it_serves(tmp_path: pytest.TempPathFactory) -> None:
