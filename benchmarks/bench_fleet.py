@@ -59,6 +59,7 @@ class Config:
     agent: bool = True  # haproxy: agent-check weights
     orca: bool = False  # envoy: ORCA client-side weighted round robin
     affinity: bool = False  # haproxy: conversation hash
+    algorithm: str = "roundrobin"  # haproxy without the hash: roundrobin | leastconn
     multi_turn: bool = False
     base: str = ""  # the label this row's ratio is to
 
@@ -66,6 +67,9 @@ class Config:
 CONFIGS = [
     Config("HAProxy round robin", "haproxy", agent=False),
     Config("HAProxy + DPLB agent-check weights", "haproxy", base="HAProxy round robin"),
+    Config("HAProxy leastconn", "haproxy", agent=False, algorithm="leastconn", base="HAProxy round robin"),
+    Config("HAProxy leastconn + DPLB agent-check weights", "haproxy", algorithm="leastconn",
+           base="HAProxy round robin"),
     Config("Envoy round robin", "envoy"),
     Config("Envoy CSWRR + DPLB ORCA", "envoy", orca=True, base="Envoy round robin"),
     Config("multi-turn: HAProxy + agent, no hash", "haproxy", multi_turn=True),
@@ -155,7 +159,8 @@ def balancer_cmd(c: Config, hosts: list[FleetHost], port: int, path: str) -> lis
     """Write ``c``'s balancer config to ``path``; the command that runs it in the foreground."""
     with open(path, "w") as f:
         if c.kind == "haproxy":
-            text = haproxy_config(hosts, f"127.0.0.1:{port}", affinity_header=SESSION if c.affinity else None)
+            text = haproxy_config(hosts, f"127.0.0.1:{port}", affinity_header=SESSION if c.affinity else None,
+                                  algorithm=c.algorithm)
             f.write(text if c.agent else text.replace(" agent-check", ""))
             return [shutil.which("haproxy") or "/usr/sbin/haproxy", "-db", "-f", path]
         f.write(envoy_config(hosts, f"127.0.0.1:{port}", orca=c.orca, admin_port=free_port()))

@@ -40,11 +40,11 @@ def test_kv_usage_is_block_weighted() -> None:
 
 
 def test_orca_header_formats_and_bad_requests() -> None:
-    r = HostReport(state="up", utilization=0.42, rps=0.0, kv_usage=0.1, waiting=3, running=7)
+    r = HostReport(state="up", utilization=0.42, pressure=1.7, rps=0.0, kv_usage=0.1, waiting=3, running=7)
     text = orca_header(r).decode()
-    assert text == ("TEXT application_utilization=0.42, rps_fractional=0.01, named_metrics.kv_cache_usage_perc=0.1, "
+    assert text == ("TEXT application_utilization=1.7, rps_fractional=0.01, named_metrics.kv_cache_usage_perc=0.1, "
                     "named_metrics.num_requests_waiting=3, named_metrics.num_requests_running=7")
-    assert orca_header(r, "JSON").startswith(b'JSON {"application_utilization":0.42,"rps_fractional":0.01,')
+    assert orca_header(r, "JSON").startswith(b'JSON {"application_utilization":1.7,"rps_fractional":0.01,')
     assert requested_format([(b"endpoint-load-metrics-format", b" json ")]) == "JSON"
     assert requested_format([(b"endpoint-load-metrics-format", b"BIN")]) == "TEXT"  # documented default
     assert requested_format([(b"endpoint-load-metrics-format", b"")]) == "TEXT"

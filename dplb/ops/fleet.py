@@ -72,13 +72,17 @@ def parse_hosts(text: str, default_agent_port: int = DEFAULT_AGENT_PORT) -> list
 
 
 def haproxy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, affinity_header: str | None = None,
-                   balance_factor: int = 150, agent_inter_ms: int = 500, check_inter_ms: int = 1000) -> str:
-    """A complete ``haproxy.cfg`` (module docstring). Intervals in milliseconds; ``balance_factor`` ≥ 100."""
+                   balance_factor: int = 150, agent_inter_ms: int = 500, check_inter_ms: int = 1000,
+                   algorithm: str = "roundrobin") -> str:
+    """A complete ``haproxy.cfg`` (module docstring). Intervals in milliseconds; ``balance_factor`` ≥ 100;
+    ``algorithm``: ``roundrobin`` or ``leastconn`` (without ``affinity_header``)."""
+    if algorithm not in ("roundrobin", "leastconn"):
+        raise ConfigError(f"--balance must be roundrobin or leastconn, got {algorithm!r}")
     if affinity_header is not None and not re.fullmatch(r"[A-Za-z0-9\-_]+", affinity_header):
         raise ConfigError(f"--affinity-header: {affinity_header!r} is not an HTTP header name")
     if balance_factor < 100:
         raise ConfigError(f"--hash-balance-factor must be ≥ 100 (percent of the average load), got {balance_factor}")
-    balance = ["balance roundrobin"] if affinity_header is None else [
+    balance = [f"balance {algorithm}"] if affinity_header is None else [
         f"balance hdr({affinity_header})", "hash-type consistent", f"hash-balance-factor {balance_factor}"]
     servers = [f"    server {h.name} {_hp(h.host, h.port)} check agent-check agent-port {h.agent_port}"
                for h in hosts]
@@ -247,7 +251,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         if name == "haproxy-config":
             q.add_argument("--affinity-header", default=None, metavar="NAME",
                            help="consistent hashing with bounded load on this request header (e.g. x-session-id)")
-            q.add_argument("--hash-balance-factor", type=int, default=150)
+            q.add_argument("--hash-balance-factor", type=int, default=150,
+                           help="with --affinity-header: a host takes at most this percent of the average load "
+                           "(default %(default)s)")
+            q.add_argument("--balance", choices=("roundrobin", "leastconn"), default="roundrobin",
+                           help="HAProxy's algorithm without --affinity-header (default %(default)s)")
         else:
             q.add_argument("--round-robin", action="store_true", help="plain round robin (no ORCA weights)")
     p.set_defaults(func=_cmd_fleet)
@@ -257,7 +265,7 @@ def _cmd_fleet(args: argparse.Namespace, rest: list[str]) -> int:
     hosts = parse_hosts(args.hosts, args.agent_port)
     if args.fleet_cmd == "haproxy-config":
         text = haproxy_config(hosts, args.listen, affinity_header=args.affinity_header,
-                              balance_factor=args.hash_balance_factor)
+                              balance_factor=args.hash_balance_factor, algorithm=args.balance)
     else:
         text = envoy_config(hosts, args.listen, orca=not args.round_robin)
     if args.probe:
