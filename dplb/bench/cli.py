@@ -56,6 +56,14 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prefixes", type=int, default=4, help="distinct shared system prompts")
     p.add_argument("--prefix-len", type=int, default=512, help="words per shared system prompt")
     p.add_argument("--force-output-len", action="store_true", help="JSONL: ask for --output-len, not the reply's")
+    p.add_argument("--conversations", type=int, default=0,
+                   help="multi-turn: this many chats of --turns turns (each turn sends the whole history, after the "
+                   "previous turn completed and a think time); --num-prompts is then conversations x turns")
+    p.add_argument("--turns", type=int, default=5, help="multi-turn: turns per conversation")
+    p.add_argument("--think-time", type=float, default=1.0, help="multi-turn: mean seconds between turns")
+    p.add_argument("--session-header", metavar="NAME",
+                   help="multi-turn: send NAME: conversation-<n> with every turn (for a front balancer's "
+                   "conversation hash, e.g. x-session-id)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE streaming (default on)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -85,15 +93,20 @@ def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
     _check_url(args.base_url)
     _check_outputs(args.output, args.plot)
+    if args.session_header is not None and not args.session_header.replace("-", "").replace("_", "").isalnum():
+        raise ConfigError(f"--session-header {args.session_header!r} is not an HTTP header name")
+    if args.conversations > 0 and args.turns >= 1:
+        args.num_prompts = args.conversations * args.turns
     spec = WorkloadSpec(
         num_prompts=args.num_prompts, request_rate=args.request_rate, burst_size=args.burst_size,
         burst_interval_s=args.burst_interval, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, long_fraction=args.long_fraction, long_input_len=args.long_input_len,
         long_output_len=args.long_output_len, shared_prefix_fraction=args.shared_prefix_fraction,
-        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, dataset=args.dataset, seed=args.seed)
+        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, dataset=args.dataset, seed=args.seed,
+        conversations=args.conversations, turns=args.turns, think_s=args.think_time)
     requests = build_workload(spec, force_output_len=args.force_output_len)
     target = Target(args.base_url, args.model, args.endpoint, args.stream,
-                    args.api_key or os.environ.get("DPLB_API_KEY"), args.timeout)
+                    args.api_key or os.environ.get("DPLB_API_KEY"), args.timeout, args.session_header)
     from dplb.bench.client import preflight
 
     asyncio.run(preflight(target))

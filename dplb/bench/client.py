@@ -11,6 +11,9 @@ Contract
   text chunks. A stream that ends without ``data: [DONE]`` or carries an ``error`` event is a failure
   (``status = "stream_error"``), whatever its HTTP status. Non-streaming: TTFT = E2E.
 - ``worker`` is the response's ``X-SG-Worker-ID`` (None when absent, e.g. talking to a worker directly).
+- ``Target.session_header``: every turn of a multi-turn conversation carries this header with the value
+  ``conversation-<n>`` (what a chat front end sends so a front balancer can hash a conversation onto one host);
+  requests outside a conversation carry none.
 - Times are seconds from :func:`time.perf_counter`; ``start_s`` is relative to the start of the run.
 """
 
@@ -66,6 +69,7 @@ class Target:
     stream: bool = True
     api_key: str | None = None
     timeout_s: float = 600.0
+    session_header: str | None = None
 
     @property
     def url(self) -> str:
@@ -103,8 +107,10 @@ async def _one(session: aiohttp.ClientSession, t: Target, r: BenchRequest, t0: f
     start = time.perf_counter()
     res.start_s = start - t0
     try:
-        async with session.post(t.url, data=msgspec.json.encode(_body(t, r)),
-                                headers={"Content-Type": "application/json"}) as resp:
+        headers = {"Content-Type": "application/json"}
+        if t.session_header and r.conversation >= 0:
+            headers[t.session_header] = f"conversation-{r.conversation}"
+        async with session.post(t.url, data=msgspec.json.encode(_body(t, r)), headers=headers) as resp:
             res.status = resp.status
             res.worker = resp.headers.get("X-SG-Worker-ID")
             if resp.status != 200:

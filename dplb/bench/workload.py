@@ -90,7 +90,8 @@ class WorkloadSpec:
 class BenchRequest:
     """One request: ``messages`` (chat) or the same text as ``prompt`` (completions); ``max_tokens`` output tokens;
     ``send_at_s``: seconds after the start of the run; ``prefix_id``: which shared system prompt (−1 = none);
-    ``after``: index of the request that must complete first (−1 = none), then ``think_s`` seconds pass."""
+    ``after``: index of the request that must complete first (−1 = none), then ``think_s`` seconds pass;
+    ``conversation``: which chat of a multi-turn workload it is a turn of (−1 = none)."""
 
     index: int
     messages: list[dict[str, str]]
@@ -101,6 +102,7 @@ class BenchRequest:
     extra: dict[str, object] = field(default_factory=dict)
     after: int = -1
     think_s: float = 0.0
+    conversation: int = -1
 
     @property
     def prompt(self) -> str:
@@ -164,7 +166,8 @@ def _multi_turn(spec: WorkloadSpec, rng: random.Random) -> list[BenchRequest]:
             words = sum(len(m["content"].split()) for m in history)
             i = len(out)
             out.append(BenchRequest(i, history, out_len, starts[c], 0, words, after=i - 1 if t else -1,
-                                    think_s=rng.expovariate(1.0 / spec.think_s) if t and spec.think_s else 0.0))
+                                    think_s=rng.expovariate(1.0 / spec.think_s) if t and spec.think_s else 0.0,
+                                    conversation=c))
             history = [*history, {"role": "assistant", "content": _words(rng, out_len)}]
     return out
 

@@ -492,9 +492,9 @@ class HostReportCollector:
         yield cache
         if r.adapters:
             lora = GaugeMetricFamily(MSP_LORA_INFO, "Host aggregate LoRA adapters (value: last update, unix "
-                                     "seconds); max_lora empty: unknown to the router.",
-                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-            lora.add_metric([",".join(r.adapters), "", ""], r.time_unix)
+                                     "seconds); max_lora: the routable workers' --max-loras summed, empty when none "
+                                     "says.", labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            lora.add_metric([",".join(r.adapters), "", str(r.max_loras) if r.max_loras > 0 else ""], r.time_unix)
             yield lora
         for name, doc, v in (
                 (HOST_UTILIZATION, "Host utilization 0-1 (1: every batch slot or the KV cache is full, or the host "

@@ -39,10 +39,14 @@ def child_argv(*args: str) -> list[str]:
     return [sys.executable, "-P", "-m", "dplb.cli", *args]
 
 
-def check_ports(host: str, port: int, metrics_host: str, metrics_ports: list[int]) -> None:
-    """Bind-test the router port and every worker metrics port. Raises :class:`ConfigError` for the first one in
-    use, naming what would have used it and the flag that changes it."""
+def check_ports(host: str, port: int, metrics_host: str, metrics_ports: list[int], agent_port: int | None = None
+                ) -> None:
+    """Bind-test the router port, the HAProxy agent-check port (when on; the router binds it on ``host``) and every
+    worker metrics port. Raises :class:`ConfigError` for the first one in use, naming what would have used it and
+    the flag that changes it."""
     wanted = [(host, port, "the router", "--port", "--host")]
+    if agent_port is not None:
+        wanted.append((host, agent_port, "the HAProxy agent-check", "--agent-port", "--host"))
     wanted += [(metrics_host, p, f"worker {k}'s metrics", "--metrics-port-base (e.g. 31001; 0 = no worker metrics)",
                 "--metrics-host") for k, p in enumerate(metrics_ports)]
     for h, p, who, flag, host_flag in wanted:

@@ -6,13 +6,17 @@ Contract
 - :func:`haproxy_config` writes a complete ``haproxy.cfg`` (HAProxy ≥ 2.6): one backend, every host a server with
   an HTTP readiness check on ``/ready`` (503 while the host drains) and DPLB's agent-check (:mod:`dplb.router.agent`:
   ``up ready NN%`` sets the weight, ``drain`` stops new requests, ``down#reason`` takes it out). ``balance`` is
-  ``roundrobin``; with ``affinity_header`` it is ``hdr(<name>)`` with ``hash-type consistent`` and
+  ``leastconn`` (fewest open connections ÷ weight: a streamed LLM request holds its connection, so a slow host's
+  longer requests count against it at once; ``roundrobin`` on request); with ``affinity_header`` it is
+  ``hdr(<name>)`` with ``hash-type consistent`` and
   ``hash-balance-factor`` (bounded-load consistent hashing: a conversation's turns stay on the host holding its KV
   cache, and spill once that host has more than factor/100 of the average load).
 - :func:`envoy_config` writes an Envoy v3 bootstrap (YAML): one listener, one cluster whose hosts are weighted by
   ``client_side_weighted_round_robin`` from the ORCA header DPLB adds (:mod:`dplb.router.orca`; the route asks for
-  it with ``endpoint-load-metrics-format: TEXT``), an HTTP health check on ``/ready``, retries on connect failures
-  and refused streams.
+  it with ``endpoint-load-metrics-format: TEXT``), an HTTP health check on ``/ready`` (1 s, 2 failures), retries
+  on connect failures and refused streams, and outlier detection on local-origin failures only (2 consecutive
+  connect failures or resets eject a host that died between health checks; HTTP 5xx answers never eject: a
+  loaded DPLB host says so in its ORCA report, and ejecting it would pile its load on the others).
 - Unreachable hosts are not an error when writing a config (the balancer's checks take them out); ``--probe``
   prints one warning line per host that does not answer ``/health``.
 """
@@ -70,13 +74,17 @@ def parse_hosts(text: str, default_agent_port: int = DEFAULT_AGENT_PORT) -> list
 
 
 def haproxy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, affinity_header: str | None = None,
-                   balance_factor: int = 150, agent_inter_ms: int = 500, check_inter_ms: int = 1000) -> str:
-    """A complete ``haproxy.cfg`` (module docstring). Intervals in milliseconds; ``balance_factor`` ≥ 100."""
+                   balance_factor: int = 150, agent_inter_ms: int = 500, check_inter_ms: int = 1000,
+                   algorithm: str = "leastconn") -> str:
+    """A complete ``haproxy.cfg`` (module docstring). Intervals in milliseconds; ``balance_factor`` ≥ 100;
+    ``algorithm``: ``roundrobin`` or ``leastconn`` (without ``affinity_header``)."""
+    if algorithm not in ("roundrobin", "leastconn"):
+        raise ConfigError(f"--balance must be roundrobin or leastconn, got {algorithm!r}")
     if affinity_header is not None and not re.fullmatch(r"[A-Za-z0-9\-_]+", affinity_header):
         raise ConfigError(f"--affinity-header: {affinity_header!r} is not an HTTP header name")
     if balance_factor < 100:
         raise ConfigError(f"--hash-balance-factor must be ≥ 100 (percent of the average load), got {balance_factor}")
-    balance = ["balance roundrobin"] if affinity_header is None else [
+    balance = [f"balance {algorithm}"] if affinity_header is None else [
         f"balance hdr({affinity_header})", "hash-type consistent", f"hash-balance-factor {balance_factor}"]
     servers = [f"    server {h.name} {_hp(h.host, h.port)} check agent-check agent-port {h.agent_port}"
                for h in hosts]
@@ -166,8 +174,15 @@ def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: 
         "                route:\n"
         "                  cluster: dplb_hosts\n"
         "                  timeout: 600s\n"
-        "                  retry_policy: {retry_on: 'connect-failure,refused-stream,reset-before-request', "
-        "num_retries: 2}\n"
+        "                  retry_policy:  # never re-sent once the host may have started it; on another host\n"
+        "                    retry_on: connect-failure,refused-stream,reset-before-request\n"
+        "                    num_retries: 2\n"
+        "                    retry_host_predicate:\n"
+        "                    - name: envoy.retry_host_predicates.previous_hosts\n"
+        "                      typed_config:\n"
+        '                        "@type": type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.'
+        "PreviousHostsPredicate\n"
+        "                    host_selection_retry_max_attempts: 3\n"
         f"{ask}"
         "                response_headers_to_add:\n"
         "                - header: {key: x-dplb-host, value: '%UPSTREAM_REMOTE_ADDRESS%'}\n"
@@ -181,6 +196,17 @@ def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: 
         "    connect_timeout: 2s\n"
         f"{policy}"
         "    common_lb_config: {healthy_panic_threshold: {value: 0}}  # a draining host never gets traffic back\n"
+        "    outlier_detection:  # a host that died between health checks: out after 2 connect failures\n"
+        "      split_external_local_origin_errors: true\n"
+        "      consecutive_local_origin_failure: 2\n"
+        "      enforcing_consecutive_local_origin_failure: 100\n"
+        "      enforcing_consecutive_5xx: 0\n"
+        "      enforcing_consecutive_gateway_failure: 0\n"
+        "      enforcing_success_rate: 0\n"
+        "      enforcing_local_origin_success_rate: 0\n"
+        "      interval: 1s\n"
+        "      base_ejection_time: 10s\n"
+        "      max_ejection_percent: 50\n"
         "    health_checks:\n"
         "    - timeout: 1s\n"
         "      interval: 1s\n"
@@ -227,7 +253,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         if name == "haproxy-config":
             q.add_argument("--affinity-header", default=None, metavar="NAME",
                            help="consistent hashing with bounded load on this request header (e.g. x-session-id)")
-            q.add_argument("--hash-balance-factor", type=int, default=150)
+            q.add_argument("--hash-balance-factor", type=int, default=150,
+                           help="with --affinity-header: a host takes at most this percent of the average load "
+                           "(default %(default)s)")
+            q.add_argument("--balance", choices=("roundrobin", "leastconn"), default="leastconn",
+                           help="HAProxy's algorithm without --affinity-header (default %(default)s)")
         else:
             q.add_argument("--round-robin", action="store_true", help="plain round robin (no ORCA weights)")
     p.set_defaults(func=_cmd_fleet)
@@ -237,7 +267,7 @@ def _cmd_fleet(args: argparse.Namespace, rest: list[str]) -> int:
     hosts = parse_hosts(args.hosts, args.agent_port)
     if args.fleet_cmd == "haproxy-config":
         text = haproxy_config(hosts, args.listen, affinity_header=args.affinity_header,
-                              balance_factor=args.hash_balance_factor)
+                              balance_factor=args.hash_balance_factor, algorithm=args.balance)
     else:
         text = envoy_config(hosts, args.listen, orca=not args.round_robin)
     if args.probe:

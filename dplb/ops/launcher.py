@@ -184,12 +184,13 @@ class Launcher:
     # ---- start ---------------------------------------------------------------------------------------------
     def preflight(self) -> None:
         """Refuse to start next to a running deployment or on a path DPLB must not touch: every port the stack binds
-        (router, workers' metrics) must be free, the worker sockets unserved, ``--model`` a model, and the segment
-        path missing or a stale DPLB segment. Raises :class:`ConfigError`/:class:`ShmError` naming the problem and
-        the flag to change (nothing has been started or touched yet)."""
+        (router, agent-check, workers' metrics) must be free, the worker sockets unserved, ``--model`` a model, and
+        the segment path missing or a stale DPLB segment. Raises :class:`ConfigError`/:class:`ShmError` naming the
+        problem and the flag to change (nothing has been started or touched yet)."""
         check_model(self.args.model)
         check_takeover(self.shm_path)
-        check_ports(self.args.host, self.args.port, self.args.metrics_host, self.metrics_ports)
+        check_ports(self.args.host, self.args.port, self.args.metrics_host, self.metrics_ports,
+                    self.router_cfg.agent_port)
         live = live_sockets(self.run_dir)  # the same test as `dplb doctor`'s run_dir check
         if live:
             raise ConfigError(f"{live[0]} is served by a running process (another `dplb launch`?). Stop it, or "

@@ -20,6 +20,10 @@ Contract
   - ``utilization`` = min(1, max(load, kv_usage)): **a host is full when nothing more would start at once**, either
     because every batch slot is taken or because the KV cache is (vLLM then preempts). 1 while the host drains or
     has no routable worker.
+  - ``pressure`` = max(load, kv_usage), not capped (at least 1 while the host drains or is down): what the ORCA
+    report sends as ``application_utilization``, which may exceed 1 above the host's soft limit (xds
+    ``orca_load_report.proto``). Envoy weights a host by qps ÷ utilization; capped at 1, every saturated host
+    would be weighted by its throughput alone and a backlog would never drain faster than it built.
   - ``agent_weight`` = 100 ÷ (1 + load), at least 1: the share of service a new request would get under processor
     sharing of a host already holding ``load`` batches' worth of requests (Kleinrock, *Queueing Systems* vol. 2,
     §4.4: a processor-sharing server with n jobs gives each 1/n of its rate). Unlike ``1 − utilization`` it keeps
@@ -29,6 +33,8 @@ Contract
   - ``routable``/``draining``/``workers``: worker ids routable, worker ids whose lifecycle is DRAINING, slot count.
   - ``models``/``adapters``: the names the workers serve (``/v1/models``); adapters are the served names other than
     the segment's model name (vLLM lists loaded LoRA adapters beside the base model).
+  - ``max_loras``: the routable workers' published ``max_loras`` summed (vLLM ``--max-loras`` per worker: how many
+    adapters the host holds in its batches at once, each worker holding its own); 0 when none publishes one.
 - ``state``: ``drain`` once :meth:`HostReporter.begin_drain` was called (SIGUSR1 of the router, or SIGTERM, after
   which the router serves ``--drain-notice`` seconds more: :meth:`HostReporter.drain_notice`), else
   ``down`` with a reason when no worker is routable, else ``up``. Without a segment the router serves on its own
@@ -67,6 +73,7 @@ class HostReport:
     capacity: int = 0
     load: float = 0.0
     utilization: float = 1.0
+    pressure: float = 1.0
     agent_weight: int = 1
     kv_usage: float = 0.0
     kv_used_blocks: int = 0
@@ -78,6 +85,7 @@ class HostReport:
     draining: tuple[int, ...] = ()
     models: tuple[str, ...] = ()
     adapters: tuple[str, ...] = field(default=())
+    max_loras: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """JSON-friendly dict."""
@@ -203,6 +211,7 @@ class HostReporter:
             state, reason, util = STATE_UP, "state segment missing: routing on in-flight counts", min(1.0, load)
         return HostReport(**common, state=state, reason=reason, running=running,  # type: ignore[arg-type]
                           capacity=capacity, load=load, utilization=util,
+                          pressure=load if state == STATE_UP else max(1.0, load),
                           agent_weight=max(1, min(100, round(100 / (1 + load)))), routable=tuple(socks))
 
     def _from_snapshot(self, snap: list[WorkerState], routable: list[int], common: dict[str, object]) -> HostReport:
@@ -226,8 +235,10 @@ class HostReporter:
         weight = max(1, min(100, round(100 / (1 + load))))
         return HostReport(**common, state=state, reason=reason, waiting=waiting,  # type: ignore[arg-type]
                           router_pending=pending, running=running, capacity=capacity, load=load,
-                          utilization=util, agent_weight=weight, kv_usage=kv, kv_used_blocks=used,
-                          kv_total_blocks=total, kv_block_size=bs, routable=tuple(routable), draining=draining)
+                          utilization=util, pressure=max(load, kv) if state == STATE_UP else max(1.0, load, kv),
+                          agent_weight=weight, kv_usage=kv, kv_used_blocks=used,
+                          kv_total_blocks=total, kv_block_size=bs, routable=tuple(routable), draining=draining,
+                          max_loras=sum(w.max_loras for w in ws))
 
 
 __all__ = ["RATE_WINDOW_S", "STATE_DOWN", "STATE_DRAIN", "STATE_UP", "HostReport", "HostReporter", "kv_figures"]

@@ -5,7 +5,8 @@ Contract
 - :func:`orca_header` renders a :class:`dplb.router.host_report.HostReport` as ``endpoint-load-metrics`` in the
   ``TEXT`` or ``JSON`` format Envoy parses (envoyproxy/envoy ``source/common/orca/orca_parser.h``: a ``TEXT ``,
   ``JSON `` or ``BIN `` prefix; fields ``application_utilization``, ``rps_fractional``, ``named_metrics.<name>``).
-  It carries what CSWRR needs — ``application_utilization`` (the host's utilization 0–1) and ``rps_fractional``
+  It carries what CSWRR needs — ``application_utilization`` (the host report's ``pressure``: its utilization, not
+  capped at 1, so a host with a queue reports more than a host that is merely full) and ``rps_fractional``
   (its completed requests per second; Envoy's weight is qps ÷ utilization) — plus the named metrics vLLM's own
   header sends (``kv_cache_usage_perc``, ``num_requests_waiting``) and ``num_requests_running``.
 - :class:`OrcaResponder` decides per request (mode :data:`MODES`): ``off``: never; ``asked`` (the default): when
@@ -31,7 +32,7 @@ MIN_RPS = 0.01  # requests per second sent instead of 0 (see module docstring)
 
 def orca_fields(report: Any) -> dict[str, float]:
     """The report's ORCA fields: ``application_utilization``, ``rps_fractional`` and ``named_metrics.*``."""
-    return {"application_utilization": round(float(report.utilization), 4),
+    return {"application_utilization": round(float(report.pressure), 4),
             "rps_fractional": round(max(MIN_RPS, float(report.rps)), 4),
             "named_metrics.kv_cache_usage_perc": round(float(report.kv_usage), 4),
             "named_metrics.num_requests_waiting": float(report.waiting),

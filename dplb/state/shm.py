@@ -30,7 +30,7 @@ Byte layout (little-endian; offsets in bytes)::
       8   u32  pid                   0 = slot never written
       12  u8   lifecycle             Lifecycle enum (0 unset, 1 starting, 2 warming, 3 ready, 4 draining, 5 stopped)
       13  u8   flags                 bit0 NO_GPU (NVML absent: memory fields are 0), bit1 GPU_BUSY
-      14  u16  reserved
+      14  u16  max_loras             LoRA adapters one batch can hold (vLLM --max-loras; 0 = LoRA off or unknown)
       16  u64  heartbeat_mono_ns     CLOCK_MONOTONIC ns at publish (system-wide on Linux; used for staleness)
       24  u64  heartbeat_unix_ns     CLOCK_REALTIME ns at publish (for humans and metrics)
       32  u32  num_running           engine requests running (decode/prefill batch)
@@ -139,7 +139,8 @@ class WorkerState:
     """One worker's published state (a decoded slot). Units: seconds, bytes, fractions 0–1, ns timestamps;
     ``kv_total_blocks`` in blocks and ``kv_block_size`` in tokens per block (0 = the engine did not say);
     ``progress_total``: a monotone count of engine progress (tokens, prefill, iterations) and ``progress_mono_ns``
-    the CLOCK_MONOTONIC ns at which it last moved (0 = never published)."""
+    the CLOCK_MONOTONIC ns at which it last moved (0 = never published);
+    ``max_loras``: LoRA adapters one batch holds (0 = LoRA off or unknown; at most 65535)."""
 
     worker_id: int
     pid: int = 0
@@ -167,6 +168,7 @@ class WorkerState:
     kv_block_size: int = 0
     progress_total: int = 0
     progress_mono_ns: int = 0
+    max_loras: int = 0
     seq: int = 0
     torn: bool = False
 
@@ -393,7 +395,7 @@ class Segment:
             return WorkerState(
                 worker_id, v[1], _LIFECYCLES[v[2]] if v[2] < len(_LIFECYCLES) else Lifecycle.UNSET, v[3],
                 v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18],
-                v[19], v[20], v[21], v[22], v[23], v[24], v[25], v[26], seq,
+                v[19], v[20], v[21], v[22], v[23], v[24], v[25], v[26], v[4], seq,
             )
         return WorkerState(worker_id, torn=True)
 
@@ -420,7 +422,7 @@ class Segment:
             out.append(WorkerState(
                 k, v[1], lifes[v[2]] if v[2] < nl else Lifecycle.UNSET, v[3], v[5], v[6], v[7], v[8], v[9], v[10],
                 v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18], v[19], v[20], v[21], v[22], v[23], v[24],
-                v[25], v[26], seq,
+                v[25], v[26], v[4], seq,
             ))
         return out
 
@@ -472,7 +474,8 @@ class SlotWriter:
         seq = self._seq + 1
         seqs[self._si] = seq  # odd: update in progress
         _BODY.pack_into(
-            mm, off + 8, state.pid, int(state.lifecycle), state.flags, 0, state.heartbeat_mono_ns,
+            mm, off + 8, state.pid, int(state.lifecycle), state.flags, min(0xFFFF, max(0, state.max_loras)),
+            state.heartbeat_mono_ns,
             state.heartbeat_unix_ns, state.num_running, state.num_waiting, state.max_num_seqs,
             state.last_prompt_tokens, state.kv_cache_usage, state.gpu_memory_used_bytes,
             state.gpu_memory_total_bytes, state.avg_latency_s, state.avg_ttft_s, state.requests_total,

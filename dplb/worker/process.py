@@ -162,6 +162,7 @@ class Collector:
             s.kv_cache_usage, s.max_num_seqs = es.kv_cache_usage, es.max_num_seqs
             s.last_prompt_tokens = es.last_prompt_tokens
             s.kv_total_blocks, s.kv_block_size = es.kv_total_blocks, es.kv_block_size
+            s.max_loras = es.max_loras
             s.gpu_memory_used_bytes, s.gpu_memory_total_bytes = used, total
             s.flags = (FLAG_NO_GPU if not self.gpu.available else 0) | (FLAG_GPU_BUSY if busy else 0)
             s.avg_latency_s, s.avg_ttft_s = lat, ttfb

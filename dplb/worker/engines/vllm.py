@@ -105,7 +105,7 @@ class VllmEngine:
         self._oom = _OomCounter()
         self._collectors: list[Any] = []
         self._max_num_seqs = 0
-        self._kv_blocks = self._kv_block_size = 0
+        self._kv_blocks = self._kv_block_size = self._max_loras = 0
         self._prompt_tokens = self._requests = 0.0
         self._last_prompt = 0
         self.args: Namespace | None = None
@@ -151,6 +151,9 @@ class VllmEngine:
         with contextlib.suppress(Exception):  # the cache config's figures (num_gpu_blocks is set once profiled)
             self._kv_block_size = int(client.vllm_config.cache_config.block_size or 0)
             self._kv_blocks = int(client.vllm_config.cache_config.num_gpu_blocks or 0)
+        with contextlib.suppress(Exception):  # --max-loras; no lora_config without --enable-lora
+            lora = client.vllm_config.lora_config
+            self._max_loras = int(lora.max_loras) if lora is not None else 0
         loggers = getattr(getattr(client, "logger_manager", None), "stat_loggers", None)
         if isinstance(loggers, list):  # None with --disable-log-stats: progress unknown, no stall check
             loggers.append(self._progress)
@@ -218,7 +221,7 @@ class VllmEngine:
             num_running=int(self._value(run_c)), num_waiting=int(self._value(wait_c)),
             kv_cache_usage=min(1.0, max(0.0, self._value(kv_c))), max_num_seqs=self._max_num_seqs,
             cuda_oom_total=self._oom.count, last_prompt_tokens=self._last_prompt,
-            kv_total_blocks=self._kv_blocks, kv_block_size=self._kv_block_size,
+            kv_total_blocks=self._kv_blocks, kv_block_size=self._kv_block_size, max_loras=self._max_loras,
             progress_total=self._progress.total, progress_known=self._progress_known,
         )
 

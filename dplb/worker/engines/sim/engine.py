@@ -172,7 +172,7 @@ class SimEngine:
                            max_num_seqs=self.config.max_num_seqs, cuda_oom_total=self.cuda_oom_total,
                            last_prompt_tokens=self.last_prompt_tokens, kv_total_blocks=self.config.kv_blocks,
                            kv_block_size=self.config.block_size, progress_total=s.progress_total,
-                           progress_known=True)
+                           progress_known=True, max_loras=self.config.max_loras)
 
     def metrics_text(self) -> bytes:
         """The ``vllm:*`` metrics (private registry) in Prometheus text format."""

@@ -59,7 +59,9 @@ class SimConfig:
 
     Serving and model shape
     - ``model``: served model name (``/v1/models``, responses, the ``model_name`` metric label);
-      ``lora_adapters``: LoRA adapters served besides it, ``name`` or ``name=path``, comma-separated.
+      ``lora_adapters``: LoRA adapters served besides it, ``name`` or ``name=path``, comma-separated;
+      ``max_loras``: adapters one batch can hold (vLLM ``--max-loras``, default 1 as there), reported
+      (the slot's ``max_loras``, ``max_lora`` of ``vllm:lora_requests_info``); the sim does not limit batches by it.
     - ``max_num_seqs``: most sequences running at once (continuous batching slots).
     - ``kv_blocks``: KV cache capacity in blocks; ``block_size``: tokens per block. ``kv_blocks * block_size`` must
       hold one ``max_model_len`` sequence (vLLM refuses to start otherwise).
@@ -90,6 +92,7 @@ class SimConfig:
 
     model: str = "dplb-sim"
     lora_adapters: str = ""
+    max_loras: int = 1
     max_num_seqs: int = 16
     speed: float = 1.0
     prefill_s_per_token: float = 0.0002
@@ -123,7 +126,8 @@ class SimConfig:
                 raise ConfigError(f"sim engine: {f.name} must be a finite number, got {v!r}")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ConfigError(f"sim engine: model must be a non-empty name, got {self.model!r}")
-        minimum = {"max_num_seqs": 1, "kv_blocks": 1, "block_size": 1, "default_max_tokens": 1, "max_model_len": 2}
+        minimum = {"max_num_seqs": 1, "max_loras": 1, "kv_blocks": 1, "block_size": 1, "default_max_tokens": 1,
+                   "max_model_len": 2}
         for name, lo in minimum.items():
             if getattr(self, name) < lo:
                 raise ConfigError(f"sim engine: {name} must be at least {lo}, got {getattr(self, name)}")
