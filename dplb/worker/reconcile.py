@@ -38,7 +38,8 @@ PERSIST_TICKS = 3
 class Reconciler:
     """The reconciler of one worker. ``engine``: None when the engine cannot list its requests (then only the
     leaked-counter check runs). ``router_inflight()`` returns ``{router pid: in-flight to this worker}`` (empty
-    without a segment). Figures for the metrics: ``orphans``, ``orphan_aborts_total``, ``leaked``."""
+    without a segment). Figures for the metrics: ``orphans``, ``orphan_aborts_total``, ``leaked``,
+    ``engine_requests`` (what the engine held at the last tick)."""
 
     def __init__(self, engine: Reconcilable | None, stats: RequestStats,
                  router_inflight: Callable[[], dict[int, int]], worker_id: int, interval_s: float) -> None:
@@ -50,13 +51,15 @@ class Reconciler:
         self.orphans = 0
         self.orphan_aborts_total = 0
         self.leaked = 0
+        self.engine_requests = 0
         self._streak: dict[str, int] = {}  # engine id → consecutive ticks seen as an orphan
         self._aborted: set[str] = set()  # engine ids the reconciler already aborted
         self._excess: collections.deque[int] = collections.deque(maxlen=PERSIST_TICKS)
 
-    def figures(self) -> tuple[int, int, int]:
-        """(orphans now, orphan aborts sent in total, leaked router in-flight now), for the metrics."""
-        return self.orphans, self.orphan_aborts_total, self.leaked
+    def figures(self) -> tuple[int, int, int, int]:
+        """(orphans now, orphan aborts sent in total, leaked router in-flight now, engine requests at the last
+        tick), for the metrics."""
+        return self.orphans, self.orphan_aborts_total, self.leaked, self.engine_requests
 
     async def run(self) -> None:
         """Tick every ``interval_s`` until cancelled; a failing tick is logged, never fatal."""
@@ -71,7 +74,9 @@ class Reconciler:
         """One comparison of the three views (module docstring); aborts the orphans that persisted."""
         opened = list(self.stats.open)
         if self.engine is not None:
-            await self._orphans(self.engine.requests(), opened)
+            held = self.engine.requests()
+            self.engine_requests = len(held)
+            await self._orphans(held, opened)
         self._leaks(opened)
 
     # ---- orphans -----------------------------------------------------------------------------------------------
