@@ -29,8 +29,11 @@ from dplb.state.router_slots import RouterSlots
 
 N_ABORTS = 1000
 CONCURRENCY = 48
-# Prefill long enough to be cut inside it: 200 prompt words x 1 ms = 0.2 s; then 0.02 s per token.
-SIM = ["--sim-prefill-s-per-token", "0.001", "--sim-decode-step-s", "0.02", "--sim-max-num-seqs", "64"]
+# Prefill long enough to be cut inside it: 200 prompt words x 1 ms = 0.2 s; then ~0.02-0.05 s per token (8 tokens):
+# a background response, which by design runs on after its creating request is cut (as in vLLM), ends well within
+# the 2 s.
+SIM = ["--sim-prefill-s-per-token", "0.001", "--sim-decode-step-s", "0.02", "--sim-decode-step-s-per-seq", "0.0005",
+       "--sim-max-num-seqs", "64"]
 
 
 def _worker_metric(port: int, name: str) -> float:

@@ -138,8 +138,9 @@ class RequestStats:
 
     ``avg_latency_s``/``avg_ttfb_s``: means over the last :data:`LATENCY_WINDOW` (10) completed requests, seconds
     (0 until one completes). TTFB = time to the first response body byte, which is TTFT for streaming requests.
-    ``errors_total`` counts responses with status ≥ 500 and requests that died mid-response; client 4xx are not
-    worker errors. ``first_request_seconds`` is the E2E of the first request after the worker became ready.
+    ``errors_total`` counts responses with status ≥ 500 and responses the engine cut short; client 4xx and
+    requests whose client left first are not worker errors (nor latency samples). ``first_request_seconds`` is the
+    E2E of the first request after the worker became ready.
     """
 
     def __init__(self) -> None:
