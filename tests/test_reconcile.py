@@ -5,11 +5,14 @@ connections cut at random points, the worker's reconciler and its metrics.
   mid-stream; streamed and not; chat, completions, responses streamed and not, background responses): afterwards
   the routers' in-flight counts (router slots and ``dplb_worker_requests_inflight``) and the engines' (slot
   ``num_running + num_waiting``) are 0 within 2 s, no abort was lost (the reconciler aborted nothing) and no client
-  abort was counted as an engine error.
+  abort was counted as an engine error (half the clients close with RST, half with FIN). The same storm against
+  engines that lose every disconnect's abort: the reconciler cleans up, still within 2 s.
 - A lost abort (``--sim-lose-aborts``): the reconciler finds the orphan and aborts it within a few intervals.
 - An engine that ignores every abort (``--sim-ignore-aborts``): the orphan stays, counted.
+- Which engine requests are orphans, table-driven (the pure rule of :func:`dplb.worker.reconcile.find_orphans`).
 - A leaked router counter (a router slot that claims requests the worker does not have): counted after ≥ 2
   intervals, and back to 0 when the router's count is.
+- A client disconnect is not an engine error (``errors_total``).
 Timing: the segment's state interval is 200 ms; every wait allows ≥ 10 intervals on a loaded 2-core box.
 """
 
@@ -26,6 +29,8 @@ import httpx
 from cluster import Cluster, cluster, cut_stream, free_port, wait_for, worker_get
 
 from dplb.state.router_slots import RouterSlots
+from dplb.worker.engines.base import EngineRequest, OpenRequest
+from dplb.worker.reconcile import find_orphans
 
 N_ABORTS = 1000
 CONCURRENCY = 48
@@ -87,7 +92,10 @@ async def _abort_one(port: int, i: int, rng: random.Random, counts: dict[str, in
                     await asyncio.wait_for(reader.read(rng.randint(1, 400)), 30)
                     await asyncio.sleep(rng.uniform(0, 0.1))
     finally:
-        writer.transport.abort()  # RST: the client is gone at once
+        if i % 2:
+            writer.transport.abort()  # RST: the client is gone at once
+        else:
+            writer.close()  # FIN
     counts[f"{kind}/{point}"] = counts.get(f"{kind}/{point}", 0) + 1
 
 
@@ -238,3 +246,37 @@ def test_a_client_disconnect_is_not_an_engine_error(tmp_path: Path) -> None:
         wait_for(lambda: c.segment.read(0).requests_total == before.requests_total + 3, 5,  # type: ignore
                  "the three requests ended")
         assert c.segment.read(0).errors_total == before.errors_total
+
+
+def _open(xrid: str | None, state: str = "live") -> OpenRequest:
+    r = OpenRequest({"headers": [(b"x-request-id", xrid.encode())] if xrid else []})
+    r.closed, r.disconnected = state == "closed", state == "gone"
+    return r
+
+
+def test_find_orphans_table() -> None:
+    """Which engine requests no client waits for, given the requests open on the socket (pure)."""
+    a, b_gone, c_closed, d = _open("a"), _open("b", "gone"), _open("c", "closed"), _open("d")
+    anon, d2 = _open(None), _open("d")
+    cases: list[tuple[str, list[EngineRequest], list[OpenRequest], list[str]]] = [
+        ("sim: owner live / gone / closed", [EngineRequest("1", a), EngineRequest("2", b_gone),
+                                            EngineRequest("3", c_closed)], [a, b_gone, c_closed], ["2", "3"]),
+        ("background: never an orphan", [EngineRequest("1", None)], [], []),
+        ("vllm ids: chatcmpl-<xrid>, cmpl-<xrid>-<n>, the id itself",
+         [EngineRequest("i1", "chatcmpl-a"), EngineRequest("i2", "cmpl-b-0"), EngineRequest("i3", "c")],
+         [a, b_gone, c_closed], ["i2", "i3"]),
+        ("vllm: no open request at all", [EngineRequest("i1", "chatcmpl-zz")], [], ["i1"]),
+        ("vllm: an unmatched id is spared while a live request has no engine request (a responses id)",
+         [EngineRequest("i1", "chatcmpl-a"), EngineRequest("i2", "resp_x_0")], [a, d], []),
+        ("vllm: an unmatched id when every live request has its engine request",
+         [EngineRequest("i1", "chatcmpl-a"), EngineRequest("i2", "resp_x_0")], [a], ["i2"]),
+        ("vllm: an anonymous live request (no X-Request-Id) spares unmatched ids",
+         [EngineRequest("i1", "cmpl-5f2e")], [anon], []),
+        ("vllm: two requests sharing an X-Request-Id claim one each", [EngineRequest("i1", "chatcmpl-d"),
+                                                                      EngineRequest("i2", "resp_y_0")],
+         [d, d2], []),
+        ("vllm: several prompts of one request", [EngineRequest("i1", "cmpl-a-0"), EngineRequest("i2", "cmpl-a-1")],
+         [a], []),
+    ]
+    for name, held, opened, want in cases:
+        assert sorted(find_orphans(held, opened)) == want, name

@@ -138,10 +138,13 @@ def find_orphans(held: list[EngineRequest], opened: list[OpenRequest]) -> list[s
         match = _match(owner, by_xrid)
         if match is None:
             unmatched.append(e.id)
-        elif any(r.live for r in match):
-            claimed.update(match)
-        else:
+            continue
+        live = [r for r in match if r.live]
+        if not live:
             out.append(e.id)
+            continue
+        free = [r for r in live if r not in claimed]  # one claim each: requests may share an X-Request-Id
+        claimed.add(free[0] if free else live[0])
     if unmatched and not any(r.live and r not in claimed for r in opened):
         out += unmatched  # every live request has its engine request: these belong to none
     return out
