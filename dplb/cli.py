@@ -25,7 +25,7 @@ import logging
 from collections.abc import Sequence
 
 from dplb import __version__
-from dplb.config import LOG_FORMAT, METRICS_HOST, METRICS_PORT_BASE
+from dplb.config import LOG_FORMAT, METRICS_HOST, METRICS_PORT_BASE, STALL_AFTER_S, STALL_RESTART_AFTER_S
 from dplb.errors import DPLBError
 
 
@@ -72,6 +72,12 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--help-engine", choices=("sim", "vllm"), action=_HelpEngine,
                    help="show the engine's own arguments (the sim's --sim-* knobs; vLLM's server flags) and exit")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--stall-after", type=float, default=STALL_AFTER_S, metavar="S",
+                   help="the router's --stall-after: requests in flight and no engine progress for S s is a stall "
+                   f"(default {STALL_AFTER_S:g}; 0 = off)")
+    p.add_argument("--stall-restart-after", type=float, default=STALL_RESTART_AFTER_S, metavar="S",
+                   help="stalled S s since the engine's last progress: stop pinging systemd's watchdog and exit 1 so "
+                   f"the supervisor restarts the worker (default {STALL_RESTART_AFTER_S:g}; 0 = never)")
     p.set_defaults(func=_cmd_worker)
 
 
@@ -82,6 +88,7 @@ def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
     cfg = WorkerConfig(
         worker_id=args.worker_id, uds=args.uds, shm_path=args.shm_path, state_interval_ms=args.state_interval_ms,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_timeout_s=args.drain_timeout,
+        stall_after_s=args.stall_after, stall_restart_after_s=args.stall_restart_after,
     )
     engine = build_engine(args.engine, rest, model=args.model)
     worker = Worker(cfg, engine)

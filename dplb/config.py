@@ -76,6 +76,30 @@ def worker_metrics_ports(base: int | None, num_workers: int) -> list[int]:
     return [b + k for k in range(num_workers)] if b else []
 
 
+#: ``--stall-after``: a worker with requests outstanding whose engine made no progress this long is stalled (out of
+#: rotation, its requests failed fast; docs/DESIGN.md §6). Measured (tests/test_stall.py, tests/test_vllm_stall.py
+#: print it): a healthy busy engine's progress moved at every 200 ms publish (largest gap 0.21 s over ~400 moves of
+#: the sim at 20 req/s, 0.20 s for vLLM CPU with the tiny model at concurrency 4); a chunked-prefill step counts as
+#: progress, so a long prompt adds one step's time, not the whole prefill's. 5 s is ~25x that, and a stalled worker
+#: was out of rotation 5.0-5.3 s after its last progress (vLLM, SIGSTOP of the EngineCore), under the 10 s target.
+STALL_AFTER_S = 5.0
+#: ``--stall-restart-after``: a worker stalled this long since its last progress exits so that its supervisor (dplb
+#: launch, systemd) restarts it, and stops pinging systemd's watchdog. Long enough for a transient stall (a slow
+#: NCCL collective, a GPU reset) to clear; 0 = never.
+STALL_RESTART_AFTER_S = 120.0
+
+
+def check_stall(stall_after_s: float, stall_restart_after_s: float | None = None) -> None:
+    """Refuse bad stall settings (``--stall-after`` ≥ 0, 0 = off; ``--stall-restart-after`` 0 = off or more than
+    ``--stall-after``). Raises :class:`ConfigError` naming the flag."""
+    if not (math.isfinite(stall_after_s) and 0 <= stall_after_s <= 3600):
+        raise ConfigError(f"--stall-after must be 0 (off) or up to 3600 seconds, got {stall_after_s}")
+    r = stall_restart_after_s
+    if r is not None and not (math.isfinite(r) and (r == 0 or (stall_after_s > 0 and stall_after_s < r <= 86400))):
+        raise ConfigError(f"--stall-restart-after must be 0 (off) or more than --stall-after ({stall_after_s:g} s, "
+                          f"which must be on) and up to 86400 seconds, got {r}")
+
+
 POLICIES = ("dplb", "round_robin", "random", "least_loaded", "power_of_two", "prefix_hash")
 MemorySignal = Literal["kv", "gpu"]
 LatencySignal = Literal["e2e", "ttft"]
@@ -305,6 +329,11 @@ class RouterConfig:
       ``endpoint-load-metrics-format``) | ``always`` — the ORCA ``endpoint-load-metrics`` response header;
       ``drain_notice_s``: after SIGTERM (or SIGUSR1) the host reports ``drain`` and keeps serving this long before it
       stops accepting, so the front balancer moves new requests away first (≥ its check interval × its fall count).
+    - ``resume_streams``: a chat or completions SSE stream (n = 1) whose worker dies or stalls mid-stream is
+      re-issued to another worker with what the client already received as the continuation and stitched into the
+      same stream (:mod:`dplb.router.resume`, docs/DESIGN.md §14); off: such a stream ends with an error event.
+    - ``stall_after_s``: a worker with requests outstanding and no engine progress for this long is stalled
+      (:data:`STALL_AFTER_S`; 0 = no stall check; :mod:`dplb.policy.stall`).
 
     Handed from process to process as JSON (:meth:`to_json` / :meth:`from_json`), validated again on the way in.
     """
@@ -335,8 +364,11 @@ class RouterConfig:
     agent_port: int | None = None
     orca: str = "asked"
     drain_notice_s: float = 0.0
+    resume_streams: bool = False
+    stall_after_s: float = STALL_AFTER_S
 
     def __post_init__(self) -> None:
+        check_stall(self.stall_after_s)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
         if not 1 <= self.processes <= MAX_ROUTER_PROCESSES:

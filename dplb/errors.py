@@ -146,6 +146,8 @@ class RouterErrorKind(enum.Enum):
     UPSTREAM_UNREACHABLE = (502, "upstream_error", "worker_unreachable")
     UPSTREAM_TIMEOUT = (504, "upstream_error", "worker_timeout")
     UPSTREAM_FAILED = (502, "upstream_error", "worker_failed")
+    # The worker's engine stopped making progress (docs/DESIGN.md §6): retryable, with Retry-After.
+    WORKER_STALLED = (503, "service_unavailable", "worker_stalled")
     INTERNAL = (500, "server_error", "internal_error")  # a router bug: logged with its traceback, never sent
 
     @property

@@ -5,6 +5,7 @@
   Everything starts real ``dplb`` processes (``python -m dplb.cli …``) and cleans them up; nothing is mocked.
 - Requests: :func:`post` (JSON to the router), :func:`completion` (a request body), :func:`worker_get` (a worker's
   own endpoints over its socket), :func:`router_ready`, :func:`cut_stream` (a client that leaves mid-stream).
+- Engine progress: :func:`progress_gaps` (the largest silence of a healthy busy engine).
 - Checks and polling: :func:`assert_openai_error`, :func:`assert_no_internals`, :func:`wait_for`, :func:`read`,
   :func:`log_count`.
 - A real Prometheus scraping the stack (:class:`Prometheus`).
@@ -22,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -90,14 +92,15 @@ class Cluster:
         e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
         return e
 
-    def start_worker(self, k: int, *sim_args: str, wait: bool = True, metrics_port: int = 0) -> None:
+    def start_worker(self, k: int, *sim_args: str, wait: bool = True, metrics_port: int = 0,
+                     env: dict[str, str] | None = None) -> None:
         log = os.path.join(self.run_dir, f"worker-{k}.log")
         self.logs.append(log)
         f = open(log, "ab")  # noqa: SIM115 - the process owns it
         self.workers[k] = subprocess.Popen(
             dplb_cmd("worker", "--worker-id", str(k), "--uds", self.sock(k), "--metrics-port", str(metrics_port),
                      "--drain-timeout", "10", *sim_args),
-            env=self.env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**self.env(), **(env or {})}, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
         )
         if wait:
             self.wait_ready(k)
@@ -259,6 +262,22 @@ def router_ready(url: str) -> bool:
         return httpx.get(url + "/ready", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def progress_gaps(seg: Segment, workers: list[int], stop: threading.Event, gaps: list[float]) -> None:
+    """Until ``stop`` is set, append to ``gaps`` the seconds between two moves of each of ``workers``' engine
+    progress (``progress_mono_ns`` of its slot) after this call started: how long a healthy busy engine goes without
+    publishing progress (what ``--stall-after`` must stay well above). Run it on a thread."""
+    last = {k: seg.read(k).progress_mono_ns for k in workers}
+    counting = dict.fromkeys(workers, False)  # the first move after the start ends an idle stretch: not counted
+    while not stop.wait(0.02):
+        for k in workers:
+            w = seg.read(k)
+            t = w.progress_mono_ns
+            if not w.torn and t != last[k]:
+                if counting[k]:
+                    gaps.append((t - last[k]) / 1e9)
+                counting[k], last[k] = True, t
 
 
 # ---- checks and polling ------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def _full_state(k: int, i: int) -> WorkerState:
         gpu_memory_total_bytes=80 << 30, avg_latency_s=i / 7, avg_ttft_s=i / 11, requests_total=i * 3,
         errors_total=i * 5, cuda_oom_total=i * 7, warmup_seconds=i / 13, first_request_seconds=i / 17,
         started_unix_ns=3 * 10**18 + i, model_load_seconds=i / 19, kv_total_blocks=i % 100_000 + 1,
-        kv_block_size=16 + i % 3,
+        kv_block_size=16 + i % 3, progress_total=i * 11 + 1, progress_mono_ns=4 * 10**18 + i,
     )
 
 
@@ -63,12 +63,13 @@ def test_round_trip_every_field(shm_path: str) -> None:
 def test_layout_is_little_endian_at_documented_offsets(shm_path: str) -> None:
     seg = Segment.create(shm_path, 2, state_interval_ms=200, model="m")
     seg.writer(1).publish(WorkerState(1, pid=0x01020304, lifecycle=Lifecycle.READY, num_waiting=9, kv_cache_usage=0.25,
-                                      kv_total_blocks=2048, kv_block_size=16))
+                                      kv_total_blocks=2048, kv_block_size=16, progress_total=77,
+                                      progress_mono_ns=123456789))
     seg.close()
     with open(shm_path, "rb") as f:
         raw = f.read()
     assert raw[:4] == b"DPLB"
-    assert struct.unpack_from("<HHHHI", raw, 4) == (3, HEADER_SIZE, 2, SLOT_SIZE, 200)
+    assert struct.unpack_from("<HHHHI", raw, 4) == (4, HEADER_SIZE, 2, SLOT_SIZE, 200)
     slot = HEADER_SIZE + SLOT_SIZE
     assert slot % 64 == 0
     assert struct.unpack_from("<I", raw, slot + 8)[0] == 0x01020304
@@ -76,6 +77,8 @@ def test_layout_is_little_endian_at_documented_offsets(shm_path: str) -> None:
     assert struct.unpack_from("<I", raw, slot + 36)[0] == 9
     assert struct.unpack_from("<d", raw, slot + 48)[0] == 0.25
     assert struct.unpack_from("<II", raw, slot + 144) == (2048, 16)
+    assert struct.unpack_from("<QQ", raw, slot + 152) == (77, 123456789)
+    assert raw[slot + 168:slot + SLOT_SIZE] == bytes(SLOT_SIZE - 168)  # reserved
 
 
 def test_mode_is_0600(shm_path: str) -> None:

@@ -29,6 +29,7 @@ import uvicorn
 
 from dplb.errors import ConfigError
 from dplb.worker.engines.base import EngineStats
+from dplb.worker.engines.sim import logprobs
 from dplb.worker.engines.sim.engine import SimConfig, SimEngine
 from dplb.worker.engines.sim.scheduler import PrefixCache, block_hashes, tokenize
 
@@ -525,3 +526,34 @@ def test_tokenizer_block_hashes_and_lru() -> None:
     cache.insert(ha[3:5])  # evicts the two least recently used
     assert len(cache) == 3 and cache.match(ha, 5) == 0 and cache.match(ha[2:], 5) == 3
     assert PrefixCache(0).match(ha, 5) == 0
+
+
+def test_continuation_yields_the_rest_of_the_answer(sim: Callable[..., Served]) -> None:
+    """A chat continuing a partial assistant message (continue_final_message) and a completions prompt extended by
+    the delivered text both produce exactly the rest of the original answer: the text is a function of the
+    context, so there is no duplicated or lost token at the seam."""
+    s = sim()
+    chat = {"model": "dplb-sim", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 12}
+    r = s.client.post("/v1/chat/completions", json=chat).json()
+    full, p0 = r["choices"][0]["message"]["content"], r["usage"]["prompt_tokens"]
+    words = full.split(" ")
+    assert len(words) == 12
+    for d in (1, 5, 11):
+        part = " ".join(words[:d])
+        cont = {**chat, "messages": [*chat["messages"], {"role": "assistant", "content": part}], "max_tokens": 12 - d,
+                "continue_final_message": True, "add_generation_prompt": False}
+        rc = s.client.post("/v1/chat/completions", json=cont).json()
+        assert part + rc["choices"][0]["message"]["content"] == full, d
+        assert rc["usage"]["prompt_tokens"] == p0 + d
+    both = {**chat, "continue_final_message": True}  # add_generation_prompt defaults to true: vLLM's 400
+    assert s.client.post("/v1/chat/completions", json=both).status_code == 400
+    comp = _comp(12, prompt="once upon a time")
+    full = s.client.post("/v1/completions", json=comp).json()["choices"][0]["text"]
+    toks = logprobs.tokens_of(full)
+    assert full.startswith(" ") and len(toks) == 12  # continues the prompt's text: a leading space
+    for d in (1, 6):
+        part = "".join(toks[:d])
+        rest = s.client.post("/v1/completions", json=_comp(12 - d, prompt="once upon a time" + part)).json()
+        assert part + rest["choices"][0]["text"] == full, d
+    assert s.client.post("/v1/completions", json=_comp(3, prompt="ends with space ")).json()[
+        "choices"][0]["text"][0] != " "

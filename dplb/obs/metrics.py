@@ -48,7 +48,21 @@ ROUTING_DECISION_DURATION = "dplb_routing_decision_duration_seconds"
 STATE_READ_AGE = "dplb_state_read_age_seconds"
 REQUESTS_REJECTED = "dplb_requests_rejected"  # _total
 UPSTREAM_RETRIES = "dplb_upstream_retries"  # _total
+STREAMS_RESUMED = "dplb_streams_resumed"  # _total
+STREAM_RESUME_REFUSED = "dplb_stream_resume_refused"  # _total
+STREAM_RESUME_DURATION = "dplb_stream_resume_duration_seconds"
+#: Why a broken stream was not resumed (``--resume-streams``; the ``reason`` label of
+#: ``dplb_stream_resume_refused_total``): what the request asked for (``n``, ``logprobs``, ``structured_output``,
+#: ``tools``, ``echo``, ``prompt_not_text``, ``continued_message``), what was delivered (``tool_calls``,
+#: ``reasoning``), limits (``max_tokens``, ``body_too_large``, ``too_many_resumes``, ``finished``: the answer ended
+#: and only its usage was lost) and the resumed try (``no_worker``, ``worker_refused``).
+RESUME_REFUSALS = ("n", "logprobs", "structured_output", "tools", "echo", "prompt_not_text", "continued_message",
+                   "tool_calls", "reasoning", "max_tokens", "body_too_large", "too_many_resumes", "finished",
+                   "no_worker", "worker_refused")
 WORKER_EJECTIONS = "dplb_worker_ejections"  # _total
+WORKER_STALLED = "dplb_worker_stalled"  # 1 while stalled (requests outstanding, no engine progress)
+WORKER_STALLS = "dplb_worker_stalls"  # _total: times found stalled
+STALLED_REQUESTS_FAILED = "dplb_stalled_requests_failed"  # _total: in-flight requests failed fast on a stalled worker
 UPSTREAM_REQUEST_DURATION = "dplb_upstream_request_duration_seconds"
 UPSTREAM_TTFB = "dplb_upstream_time_to_first_byte_seconds"
 HTTP_REQUESTS = "dplb_http_requests"  # _total
@@ -98,7 +112,7 @@ GROUP_PER_PROCESS_SCRAPE = frozenset({LATENCY_BASELINE, PREFIX_INDEX_BLOCKS, PRE
 SHM_ERROR_LABELS = (("attach", "ShmMissingError"), ("attach", "ShmLayoutError"), ("attach", "ShmError"),
                     ("read", "segment_removed"))
 LIFECYCLE_STATES = ("unset", "starting", "warming", "ready", "draining", "stopped")
-OUTCOMES = ("ok", "upstream_error", "upstream_4xx", "upstream_5xx", "client_disconnect", "timeout")
+OUTCOMES = ("ok", "upstream_error", "upstream_4xx", "upstream_5xx", "client_disconnect", "timeout", "stalled")
 
 # Buckets: µs..ms for the decision, 5 ms..10 min for model requests (prefill of long prompts is slow).
 DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
@@ -198,8 +212,22 @@ class RouterMetrics:
                                 ["reason"], registry=reg)
         self.ejections = Counter(WORKER_EJECTIONS, "Times a worker was ejected for a few seconds after consecutive "
                                  "failed responses (passive health check).", ["worker"], registry=reg)
+        self.stalled = Gauge(WORKER_STALLED, "1 while the worker is stalled: requests in flight and no engine "
+                             "progress (token, prefill step) for --stall-after seconds.", ["worker"], registry=reg)
+        self.stalls = Counter(WORKER_STALLS, "Times the worker was found stalled (no engine progress with requests "
+                              "in flight).", ["worker"], registry=reg)
+        self.stalled_failed = Counter(STALLED_REQUESTS_FAILED, "In-flight requests the router failed fast (503 "
+                                      "worker_stalled, or an SSE error event) because their worker stalled.",
+                                      ["worker"], registry=reg)
         self.retries = Counter(UPSTREAM_RETRIES, "Requests re-sent to another worker after a failure before any "
                                "byte reached the first one.", registry=reg)
+        self.resumed = Counter(STREAMS_RESUMED, "Broken SSE streams re-issued to another worker with what the "
+                               "client already received as the continuation (--resume-streams).", registry=reg)
+        self.resume_refused = Counter(STREAM_RESUME_REFUSED, "Broken SSE streams not resumed, by reason (the "
+                                      "client got an error event).", ["reason"], registry=reg)
+        self.resume_duration = Histogram(STREAM_RESUME_DURATION, "Time from a stream's break to the first token "
+                                         "relayed from the worker resuming it, seconds.", buckets=REQUEST_BUCKETS,
+                                         registry=reg)
         self.upstream_duration = Histogram(UPSTREAM_REQUEST_DURATION, "Proxied request duration by worker and "
                                            "outcome, seconds.", ["worker", "outcome"], buckets=REQUEST_BUCKETS,
                                            registry=reg)
@@ -245,12 +273,17 @@ class RouterMetrics:
                 self.decisions.labels(str(k), r)
             self.upstream_ttfb.labels(str(k))
             self.ejections.labels(str(k))
+            self.stalled.labels(str(k)).set(0)
+            self.stalls.labels(str(k))
+            self.stalled_failed.labels(str(k))
             for o in OUTCOMES:
                 self.upstream_duration.labels(str(k), o)
         for r in DECISION_REASONS[4:]:
             self.decisions.labels("none", r)
         for kind in RouterErrorKind:
             self.rejected.labels(kind.code)
+        for reason in RESUME_REFUSALS:
+            self.resume_refused.labels(reason)
         for op, err in SHM_ERROR_LABELS:
             self.shm_errors.labels(op, err)
         from dplb.policy.decision import PREFIX_OUTCOMES

@@ -116,6 +116,13 @@ class NoTrace:
     def attempt_done(self, retry: Any) -> None:
         """The attempt ended; ``retry``: the error kind it is retried for elsewhere, or None."""
 
+    def resumed(self, broken: int, tokens: int, body_bytes: int) -> None:
+        """The stream broke on worker ``broken`` after ``tokens`` delivered tokens and is re-issued with a
+        continuation body of ``body_bytes`` bytes: the one place the router changes a body."""
+
+    def resume_refused(self, reason: str) -> None:
+        """The broken stream is not resumed, for ``reason`` (:data:`dplb.obs.metrics.RESUME_REFUSALS`)."""
+
     def exemplar(self) -> dict[str, str] | None:
         """``{"trace_id": …}`` for an OpenMetrics exemplar, or None."""
         return None
@@ -203,6 +210,13 @@ class RequestTrace(NoTrace):
             if retry is not None:
                 cs.set_status(Status(StatusCode.ERROR, retry.code))
             cs.end()
+
+    def resumed(self, broken: int, tokens: int, body_bytes: int) -> None:
+        self.server.add_event("dplb.stream_resumed", {"dplb.worker.id": broken, "dplb.resume.delivered_tokens":
+                                                      tokens, "dplb.resume.body_bytes": body_bytes})
+
+    def resume_refused(self, reason: str) -> None:
+        self.server.add_event("dplb.stream_resume_refused", {"dplb.resume.reason": reason})
 
     def exemplar(self) -> dict[str, str] | None:
         ctx = self.server.get_span_context()

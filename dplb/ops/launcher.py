@@ -11,8 +11,9 @@ Contract
   URL, a curl example and where the logs are.
 - Supervision: a worker or router that exits unexpectedly is restarted with exponential backoff (1 s doubling to
   30 s; reset after 60 s of uptime), after what it left in its process group is killed (a vLLM worker's
-  ``EngineCore`` outlives a SIGKILLed worker). A worker that fails before ever becoming ready
-  ``--max-start-failures`` times in a row stops the launch with its log tail.
+  ``EngineCore`` outlives a SIGKILLed worker). A worker whose engine stays stalled ``--stall-restart-after`` seconds
+  exits by itself (:mod:`dplb.worker.process`) and is restarted the same way. A worker that fails before ever
+  becoming ready ``--max-start-failures`` times in a row stops the launch with its log tail.
 - Ctrl-C / SIGTERM: SIGTERM to every worker (they drain) and the router, wait up to the drain timeout, SIGKILL what
   is left (each child's process group too), then remove the sockets, the segment and the run directory it created.
   Nothing is left in /dev/shm.
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 from dplb.config import (
     METRICS_HOST,
     METRICS_PORT_BASE,
+    STALL_RESTART_AFTER_S,
+    check_stall,
     default_run_dir,
     stack_metrics_port_base,
     stack_run_dir,
@@ -157,6 +160,7 @@ class Launcher:
             raise ConfigError(f"--metrics-port-base must be 0 (off) or a port with room for {len(self.plan)} "
                               f"workers, got {mbase}" + ("" if args.metrics_port_base is not None else
                                                           f" (--port {args.port} + 1): pass --metrics-port-base"))
+        check_stall(args.stall_after, args.stall_restart_after if args.stall_after else None)
         if args.max_start_failures < 1:
             raise ConfigError("--max-start-failures must be ≥ 1")
         self.per_worker_args = parse_worker_args(args.worker_args or [], len(self.plan))
@@ -219,7 +223,9 @@ class Launcher:
                 wenv["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(group)
             argv = _dplb("--log-level", self.args.log_level, "worker", "--worker-id", str(k), "--engine",
                          self.engine, "--uds", self.router_cfg.socket_path(k),
-                         "--drain-timeout", str(self.args.drain_timeout))
+                         "--drain-timeout", str(self.args.drain_timeout),
+                         "--stall-after", f"{self.router_cfg.stall_after_s:g}",
+                         "--stall-restart-after", f"{self.args.stall_restart_after:g}")
             if self.args.model:
                 argv += ["--model", self.args.model]
             if self.args.served_model_name:
@@ -454,6 +460,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "Prometheus)")
     p.add_argument("--max-start-failures", type=int, default=3,
                    help="give up after a worker fails to start N times in a row before becoming ready (default 3)")
+    p.add_argument("--stall-restart-after", type=float, default=STALL_RESTART_AFTER_S, metavar="S",
+                   help="a worker stalled (--stall-after) S seconds since its engine's last progress exits and is "
+                   f"restarted, its engine processes killed (default {STALL_RESTART_AFTER_S:g}; 0 = never)")
     p.add_argument("--remove-logs", action="store_true", help="remove the run directory and its logs on exit")
     p.add_argument("--worker-args", action="append", metavar="K=ARGS",
                    help="extra engine arguments for worker K only, after the shared ones (repeatable), e.g. "

@@ -7,7 +7,9 @@ place on a terminal and, when stdout is a file or a pipe, appends one flushed fr
 ``--json``).
 ``--json`` prints ``{"path", "header": {...}, "workers": [{...}, ...], "routers": [{...}, ...]}`` where each
 worker has every slot field plus ``worker``, ``heartbeat_age_s`` (null if never written), ``stale`` and
-``router_inflight`` (open requests of every router process to it), and each router slot its pid, port, process
+``router_inflight`` (open requests of every router process to it), ``progress_age_s`` (seconds since its engine
+progress last moved; null when the engine cannot tell; ``why`` is ``stalled`` and the state column says so when
+requests are in flight and it is over the default ``--stall-after``), and each router slot its pid, port, process
 index, heartbeat age and per-worker ``pending``/``inflight`` lists (:mod:`dplb.state.router_slots`).
 Each live worker and router process also gets ``cpus``: the CPUs the kernel lets it run on (its affinity, read from
 the pid on this host; null when it cannot be read), which is the placement ``dplb launch`` applied
@@ -22,9 +24,10 @@ import signal
 import time
 from typing import Any
 
-from dplb.config import PolicyConfig
+from dplb.config import STALL_AFTER_S, PolicyConfig
 from dplb.errors import ConfigError, ShmMissingError
 from dplb.policy import routable
+from dplb.policy.decision import WHY_STALLED
 from dplb.runtime.cpus import format_cpu_list, process_cpus
 from dplb.state.segments import segments
 from dplb.state.shm import ENV_SHM_PATH, SHM_DIR, Segment
@@ -69,6 +72,13 @@ def snapshot(seg: Segment) -> dict[str, object]:
         d["cpus"] = process_cpus(pid) if isinstance(pid, int) and pid > 0 else None
     for k, d in enumerate(workers):  # open requests of every router process to this worker (their router slots)
         d["router_inflight"] = sum(r["inflight"][k] for r in routers)
+        moved = snap[k].progress_mono_ns
+        prog_age = max(0.0, (now - moved) / 1e9)
+        d["progress_age_s"] = round(prog_age, 3) if moved else None
+        # The router's stall rule from one look (dplb.policy.stall; the router's own verdict also needs how long
+        # its requests have waited): requests in flight and no engine progress for the default --stall-after.
+        if d["routable"] and d["router_inflight"] and moved and prog_age > STALL_AFTER_S:
+            d["routable"], d["why"] = False, WHY_STALLED
     return {"path": seg.path, "header": seg.header.to_dict(), "workers": workers, "routers": routers}
 
 
@@ -108,7 +118,7 @@ def render_table(snap: dict) -> object:
         t.add_column(col, justify="right", no_wrap=True)
     for w in snap["workers"]:
         age = w["heartbeat_age_s"]
-        life = str(w["lifecycle"]) + ("!" if w["stale"] and w["pid"] else "")
+        life = "stalled" if w["why"] == WHY_STALLED else str(w["lifecycle"]) + ("!" if w["stale"] and w["pid"] else "")
         gpu = "-" if w["no_gpu"] else f"{_gib(w['gpu_memory_used_bytes'])}/{_gib(w['gpu_memory_total_bytes'])}"
         t.add_row(
             str(w["worker"]), str(w["pid"] or "-"), life, "-" if age is None else f"{age:.1f}",

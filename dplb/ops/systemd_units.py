@@ -77,7 +77,8 @@ def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
         lines = [
             f"# worker {k}: {('GPUs ' + cuda_visible_devices(group)) if group else 'CPU'}",
             f"CUDA_VISIBLE_DEVICES={cuda_visible_devices(group)}",
-            f"DPLB_WORKER_ARGS=--engine {engine} {model}{tp}{shlex.join(engine_args + per_worker.get(k, []))}".rstrip()
+            f"DPLB_WORKER_ARGS=--engine {engine} --stall-after {args.stall_after:g} --stall-restart-after "
+            f"{args.stall_restart_after:g} {model}{tp}{shlex.join(engine_args + per_worker.get(k, []))}".rstrip()
             + f" --metrics-host {mhost} --metrics-port {mports[k] if mports else 0}",  # what the targets file says
         ] + [f"{k_}={v}" for k_, v in placement.worker_env(k).items()]
         with open(os.path.join(out, f"worker-{k}.env"), "w") as f:

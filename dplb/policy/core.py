@@ -162,18 +162,20 @@ class Policy:
         self, snapshot: Sequence[WorkerState], now_mono_ns: int, request: RouteRequest | None = None, *,
         held: frozenset[int] = frozenset(), ejected: frozenset[int] = frozenset(), dry_run: bool = False,
         inflight: Sequence[int] | None = None, shared: Sequence[int] | None = None,
+        stalled: frozenset[int] = frozenset(),
     ) -> Decision:
         """Choose a worker for one request.
 
         ``snapshot``: one :class:`WorkerState` per worker (ids 0..n−1), as read from shm just now. ``now_mono_ns``:
         CLOCK_MONOTONIC ns (staleness). ``request``: the request's prompt and the workers it must not go to (None: no
-        prompt, nothing excluded); prepared first if nobody did (:meth:`prepare`). ``held``/``ejected``: the router's
-        heartbeat hysteresis and passive-health verdicts. ``inflight``: the router's own open requests per worker; the
-        correction never exceeds it (a request that already completed is in no queue). ``shared``: the other router
-        processes' correction per worker (:meth:`dplb.state.router_slots.RouterSlots.peer_correction`), added. Returns a
-        :class:`Decision`; ``worker`` is None when nobody is eligible (``reason`` says why). The chosen worker's
-        in-flight correction is incremented and the scorers' ``on_pick`` hooks run. ``dry_run=True`` evaluates without
-        choosing (no rotation, no correction, no hooks): what a metrics scrape uses.
+        prompt, nothing excluded); prepared first if nobody did (:meth:`prepare`). ``held``/``ejected``/``stalled``:
+        the router's heartbeat hysteresis, passive-health and stall verdicts. ``inflight``: the router's own open
+        requests per worker; the correction never exceeds it (a request that already completed is in no queue).
+        ``shared``: the other router processes' correction per worker
+        (:meth:`dplb.state.router_slots.RouterSlots.peer_correction`), added. Returns a :class:`Decision`; ``worker``
+        is None when nobody is eligible (``reason`` says why). The chosen worker's in-flight correction is incremented
+        and the scorers' ``on_pick`` hooks run. ``dry_run=True`` evaluates without choosing (no rotation, no
+        correction, no hooks): what a metrics scrape uses.
         """
         req = _NO_REQUEST if request is None else request
         if req.prompt is not None and not req.prepared:
@@ -195,7 +197,7 @@ class Policy:
             if shared is not None:
                 corr += shared[k]
             append(Candidate(w, corr, w.num_running + w.num_waiting + corr, now_mono_ns - hb))
-        ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected)
+        ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected, stalled)
         for f in self.filters:
             f.apply(cands, ctx)
         columns = [s.score(cands, ctx) for s in self.scorers]

@@ -25,11 +25,12 @@ WHY_DRAINING = "draining"
 WHY_NOT_READY = "not_ready"
 WHY_HELD_OUT = "held_out"  # heartbeat hysteresis: fresh again, on probation
 WHY_EJECTED = "ejected"  # refused a connection / failed responses in a row
+WHY_STALLED = "stalled"  # requests outstanding and no engine progress for --stall-after (dplb.policy.stall)
 WHY_EXCLUDED = "excluded"  # failed this request already (retry goes elsewhere)
 WHY_CANNOT_SERVE = "cannot_serve"  # does not serve the request's model, or another worker holds its response
 WHY_OVER_CAP = "over_cap"
 HEALTH_WHYS = frozenset({WHY_UNREGISTERED, WHY_TORN, WHY_STALE, WHY_DRAINING, WHY_NOT_READY, WHY_HELD_OUT,
-                         WHY_EJECTED})
+                         WHY_EJECTED, WHY_STALLED})
 WHYS = (OK, *sorted(HEALTH_WHYS), WHY_CANNOT_SERVE, WHY_EXCLUDED, WHY_OVER_CAP)
 
 # Decision reasons: a closed set (metric label values).

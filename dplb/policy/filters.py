@@ -1,7 +1,8 @@
 """Eligibility filters: the one definition of "may this worker take this request" (docs/DESIGN.md §5; staleness: §3.3).
 
 Contract: :data:`HEALTH_FILTERS` (about the worker: registered, consistent slot, fresh heartbeat, lifecycle
-``ready``, not held out by the router's heartbeat hysteresis, not ejected by its passive health check) then
+``ready``, not held out by the router's heartbeat hysteresis, not ejected by its passive health check, not stalled:
+requests outstanding and no engine progress, :mod:`dplb.policy.stall`) then
 :data:`REQUEST_FILTERS` (about this request: serves its model, not already tried, under the hard queue cap).
 The policy runs both (:func:`apply_filters`); ``/ready``, ``dplb_worker_up`` and ``dplb state`` ask
 :func:`routable`, which runs the health filters on the same :class:`~dplb.policy.decision.Candidate` objects, so the
@@ -24,6 +25,7 @@ from dplb.policy.decision import (
     WHY_NOT_READY,
     WHY_OVER_CAP,
     WHY_STALE,
+    WHY_STALLED,
     WHY_TORN,
     WHY_UNREGISTERED,
     Candidate,
@@ -117,6 +119,15 @@ class NotEjected(_NotIn):
         return ctx.ejected
 
 
+class NotStalled(_NotIn):
+    """Not stalled (requests outstanding, no engine progress for ``--stall-after``; :mod:`dplb.policy.stall`)."""
+
+    reasons = (WHY_STALLED,)
+
+    def ids(self, ctx: PickContext) -> frozenset[int]:
+        return ctx.stalled
+
+
 class NotTried(_NotIn):
     """Not already tried for this request (a retry goes to another worker)."""
 
@@ -151,7 +162,8 @@ class UnderHardCap(Filter):
                     c.why = WHY_OVER_CAP
 
 
-HEALTH_FILTERS: tuple[type[Filter], ...] = (Registered, Consistent, Fresh, Ready, NotHeldOut, NotEjected)
+HEALTH_FILTERS: tuple[type[Filter], ...] = (Registered, Consistent, Fresh, Ready, NotHeldOut, NotEjected,
+                                             NotStalled)
 REQUEST_FILTERS: tuple[type[Filter], ...] = (CanServe, NotTried, UnderHardCap)
 
 
@@ -169,14 +181,14 @@ def apply_filters(filters: Sequence[Filter], cands: list[Candidate], ctx: PickCo
 
 def routable(
     snapshot: Sequence[WorkerState], now_ns: int, cfg: PolicyConfig, held: frozenset[int] = frozenset(),
-    ejected: frozenset[int] = frozenset(),
+    ejected: frozenset[int] = frozenset(), stalled: frozenset[int] = frozenset(),
 ) -> list[Candidate]:
     """Every worker of ``snapshot`` with its health verdict (``why``; ``ok`` = routable), in snapshot order.
 
     The same health filters as the policy, without request-level ones: what ``/ready``, ``dplb_worker_up`` and
-    ``dplb state`` show. ``held``/``ejected``: the router's own verdicts (empty outside the router).
+    ``dplb state`` show. ``held``/``ejected``/``stalled``: the router's own verdicts (empty outside the router).
     """
     cands = [Candidate(w, 0, w.num_running + w.num_waiting, now_ns - w.heartbeat_mono_ns) for w in snapshot]
     apply_filters(build_filters(cfg, health_only=True), cands, PickContext(now_ns, RouteRequest(), None, held,
-                                                                           ejected))
+                                                                           ejected, stalled))
     return cands

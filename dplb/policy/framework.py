@@ -78,17 +78,20 @@ class RouteRequest:
 class PickContext:
     """The inputs one pick shares across plugins: ``now_ns`` (CLOCK_MONOTONIC), the request, the frozen latency
     baseline (seconds, None until frozen), and the router's own health verdicts: ``held`` (heartbeat hysteresis)
-    and ``ejected`` (refused connections, passive health check) worker ids."""
+    and ``ejected`` (refused connections, passive health check) and ``stalled`` (no engine progress,
+    :mod:`dplb.policy.stall`) worker ids."""
 
-    __slots__ = ("baseline_s", "ejected", "held", "now_ns", "request")
+    __slots__ = ("baseline_s", "ejected", "held", "now_ns", "request", "stalled")
 
     def __init__(self, now_ns: int, request: RouteRequest, baseline_s: float | None,
-                 held: frozenset[int] = frozenset(), ejected: frozenset[int] = frozenset()) -> None:
+                 held: frozenset[int] = frozenset(), ejected: frozenset[int] = frozenset(),
+                 stalled: frozenset[int] = frozenset()) -> None:
         self.now_ns = now_ns
         self.request = request
         self.baseline_s = baseline_s
         self.held = held
         self.ejected = ejected
+        self.stalled = stalled
 
 
 _KINDS: dict[type, str] = {int: "an integer", float: "a finite number", str: "a word", bool: "true or false"}

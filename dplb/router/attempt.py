@@ -108,7 +108,7 @@ class Attempt:
     came), ``outcome`` (how it ended so far), ``t0`` (``perf_counter`` seconds when connected), ``t_first`` (at the
     first body byte, or None)."""
 
-    __slots__ = ("conn", "ex", "is_sse", "outcome", "status", "t0", "t_first", "up", "worker")
+    __slots__ = ("conn", "ex", "is_sse", "outcome", "stalled", "status", "t0", "t_first", "up", "worker")
 
     def __init__(self, up: Upstreams, ex: Exchange, worker: int) -> None:
         self.up = up
@@ -120,13 +120,25 @@ class Attempt:
         self.t0 = 0.0
         self.t_first: float | None = None
         self.is_sse = False
+        self.stalled = False  # cut by the router: the worker's engine stalled (cut_stalled)
+
+    def cut_stalled(self) -> bool:
+        """Fail this attempt now because its worker stalled (:mod:`dplb.policy.stall`): the worker connection is
+        aborted, and the attempt answers 503 ``worker_stalled`` (before the response head) or ends an SSE stream with
+        that error event. True the first time (the caller counts it)."""
+        if self.stalled:
+            return False
+        self.stalled = True
+        if self.conn is not None:
+            self.conn.abort()
+        return True
 
     async def run(self) -> RouterErrorKind | None:
         """The whole attempt; returns the error kind to retry elsewhere for (:data:`RETRY`), or None when done."""
         ex, state, worker = self.ex, self.up.state, self.worker
         route = ex.route
         assert route is not None
-        state.acquire(worker)
+        state.acquire(worker, self)
         retry = None
         try:
             head = ex.trace.attempt(ex.head, worker, route.op, ex.peek.model)
@@ -138,7 +150,7 @@ class Attempt:
             retry = RETRY.get(self.outcome)
         finally:
             ex.trace.attempt_done(retry)
-            state.release(worker)
+            state.release(worker, self)
         return retry
 
     async def open(self) -> bool:
@@ -162,22 +174,30 @@ class Attempt:
         if ex.gone:  # the client left before this attempt (between a retry's two attempts)
             self.outcome = Outcome.CLIENT_LEFT_EARLY
             return False
+        if self.stalled:  # cut while connecting
+            self.outcome = Outcome.STALLED
+            await up.reject(ex, RouterErrorKind.WORKER_STALLED, self._stall_message(), worker)
+            return False
         conn.send_request(head, ex.body)
         try:
             status, up_headers = await conn.response_head(up.cfg.first_byte_timeout_s)
         except UpstreamTimeout as e:
             self.outcome = Outcome.TIMEOUT
             conn.abort()
-            await up.reject(ex, RouterErrorKind.UPSTREAM_TIMEOUT, f"worker {worker}: {e}", worker)
+            await self.no_head(RouterErrorKind.UPSTREAM_TIMEOUT, f"worker {worker}: {e}")
             return False
         except UpstreamClosed as e:
             if ex.gone:
                 self.outcome = Outcome.CLIENT_LEFT_EARLY
                 return False
+            if self.stalled:
+                self.outcome = Outcome.STALLED
+                await up.reject(ex, RouterErrorKind.WORKER_STALLED, self._stall_message(), worker)
+                return False
             log.warning("worker %d closed the connection before answering request %s (%s)", worker,
                         ex.rid.decode(), e)
-            await up.reject(ex, RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} closed the connection before "
-                            "answering", worker)
+            await self.no_head(RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} closed the connection before "
+                               "answering")
             return False
         up.ttfb[worker].observe(time.perf_counter() - self.t0)
         out, self.is_sse, draining = response_headers(up_headers, up.worker_ids[worker], ex.rid)
@@ -186,10 +206,19 @@ class Attempt:
         if status == 503 and draining:
             self.outcome = Outcome.DRAINING  # the worker refused before doing anything: safe to send elsewhere
             return False
-        self.status = ex.status = status
-        await ex.send({"type": "http.response.start", "status": status, "headers": out})
+        return await self.start_response(status, out)
+
+    async def start_response(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Relay the worker's response head (``status``, ``headers`` for the client) to the client; True: the body
+        follows."""
+        self.status = self.ex.status = status
+        await self.ex.send({"type": "http.response.start", "status": status, "headers": headers})
         self.outcome = Outcome.BROKEN  # from here on, a relay that does not complete is a broken response
         return True
+
+    async def no_head(self, kind: RouterErrorKind, message: str) -> None:
+        """The worker gave no response head (timeout, or it closed the connection): answer the router's error."""
+        await self.up.reject(self.ex, kind, message, self.worker)
 
     async def relay_body(self) -> None:
         """Relay the body chunk by chunk as it arrives (``: keep-alive`` comments between SSE events after
@@ -230,6 +259,12 @@ class Attempt:
         if self.ex.gone:
             self.outcome = Outcome.CLIENT_LEFT
             return
+        if self.stalled:
+            self.outcome = Outcome.STALLED
+            if self.is_sse:
+                evt = b"data: " + error_body(RouterErrorKind.WORKER_STALLED, self._stall_message()) + b"\n\n"
+                await self.ex.send({"type": "http.response.body", "body": evt, "more_body": True})
+            return
         timeout = isinstance(e, UpstreamTimeout)
         self.outcome = Outcome.TIMEOUT if timeout else Outcome.BROKEN
         log.warning("worker %d broke off a response mid-body (%s); closing the client stream with an error",
@@ -238,6 +273,10 @@ class Attempt:
             kind = RouterErrorKind.UPSTREAM_TIMEOUT if timeout else RouterErrorKind.UPSTREAM_FAILED
             evt = b"data: " + error_body(kind, f"worker {self.worker} stopped mid-response: {e}") + b"\n\n"
             await self.ex.send({"type": "http.response.body", "body": evt, "more_body": True})
+
+    def _stall_message(self) -> str:
+        return (f"worker {self.worker} stalled: its engine made no progress for {self.up.cfg.stall_after_s:g} s with "
+                "requests in flight; retry (another worker will take it)")
 
     def finish(self) -> None:
         """Account for the attempt by its outcome: pool or abort the connection, report to the state, record the

@@ -141,6 +141,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=d["connect_timeout_s"],
                    help=f"seconds to connect to a worker's socket before trying the next worker (default "
                    f"{d['connect_timeout_s']:g})")
+    p.add_argument("--stall-after", type=float, default=d["stall_after_s"], metavar="S",
+                   help="a worker with requests in flight whose engine made no progress (no token, no prefill step) "
+                   "for S seconds is stalled: out of rotation, its in-flight requests failed with 503 "
+                   f"worker_stalled, back once its progress resumes (default {d['stall_after_s']:g}; 0 = off)")
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
     p.add_argument("--router-processes", "--processes", dest="router_processes", type=int,
                    default=default_router_processes(),
@@ -159,6 +163,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, sent to every ready worker "
                    "(or ?workers=0,2); the workers need VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+    p.add_argument("--resume-streams", action="store_true",
+                   help="when a worker dies or stalls mid-stream on a chat or completions stream with n = 1, re-issue "
+                   "it to another worker with what the client already received as the continuation and stitch the "
+                   "answer into the same stream (one [DONE], usage that adds up); refused, with the reason in the "
+                   "error event, for n > 1, logprobs, structured outputs, tools and echo. Default off: the stream "
+                   "ends with an error event")
     g = p.add_argument_group("fleet (a balancer in front of many hosts)")
     g.add_argument("--agent-port", type=int, default=d["agent_port"], metavar="PORT",
                    help="answer HAProxy's agent-check on this TCP port (up NN%%, drain, down#reason from the host "
@@ -198,6 +208,8 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         sse_keepalive_s=args.sse_keepalive, models_refresh_s=args.models_refresh,
         allow_runtime_lora=args.allow_runtime_lora, processes=args.router_processes,
         agent_port=args.agent_port, orca=args.orca, drain_notice_s=args.drain_notice,
+        resume_streams=args.resume_streams,
+        stall_after_s=args.stall_after,
     )
 
 

@@ -60,6 +60,7 @@ class Outcome(enum.Enum):
     CLIENT_LEFT_EARLY = ("client_disconnect", False, Verdict.NONE)  # before the worker's answer began
     CLIENT_LEFT = ("client_disconnect", False, Verdict.SUCCESS)  # mid-response
     UNREACHABLE = (None, False, Verdict.UNREACHABLE)  # connect failed: no request byte was sent
+    STALLED = ("stalled", False, Verdict.NONE)  # failed fast: the worker's engine stalled (dplb.policy.stall)
 
     @property
     def recorded(self) -> str | None:

@@ -5,7 +5,8 @@ Contract
 - The request body is read whole (bounded: 413 from Content-Length before reading, or as soon as the bytes read
   exceed the limit; a rejection sent before the body was read closes the connection, so the rest of the upload is
   not read), peeked with msgspec for ``stream``, the model and the prompt (whose raw bytes go to the policy as they
-  are), and forwarded **byte for byte**: the router never re-serialises it.
+  are), and forwarded **byte for byte**: the router never re-serialises it (the one exception, opt-in: a stream
+  resumed on another worker with ``--resume-streams``, :mod:`dplb.router.resume`).
 - Every proxied response carries ``X-SG-Worker-ID: <k>`` and ``X-Request-Id``. Status, body and end-to-end headers
   pass through unchanged; hop-by-hop headers (RFC 9110 §7.6.1 + those named in ``Connection``) are never copied.
   A client's ``X-Request-Id`` is kept only when it is 1–128 characters of ``[A-Za-z0-9._:-]``; anything else (control
@@ -14,6 +15,7 @@ Contract
   their real status (never wrapped in a 200 stream); 503s carry ``Retry-After``.
 - Retry: once, on the next-best worker, only when nothing was generated: connect failure (no request byte sent),
   or the worker's explicit ``503 worker_draining`` refusal. Never after the response started.
+  With ``--resume-streams`` a broken chat/completions stream is resumed instead (docs/DESIGN.md §14).
 - A worker that dies, closes or goes idle mid-response: SSE streams get a final ``data: {"error": …}`` event, then
   the connection is closed without the terminating chunk (an abnormal close, never a clean ``[DONE]``); other
   bodies are cut (the client sees the short read).
@@ -45,6 +47,7 @@ from dplb.errors import RouterErrorKind, error_body
 from dplb.obs.tracing import Tracing
 from dplb.policy import RouteRequest
 from dplb.policy.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
+from dplb.router import resume
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, watch_disconnect
 from dplb.router.intake import (
@@ -179,6 +182,8 @@ class Proxy:
         # /v1/responses: the response's id is known up front when the client chose it, else read from the answer.
         capture: Any = ex.route is not None and ex.route.path == _RESPONSES and ex.scope["method"] == "POST"
         ex.capture = ex.peek.request_id if capture and isinstance(ex.peek.request_id, str) else capture
+        if self.cfg.resume_streams:
+            ex.resume = resume.track(ex)
         # The router's own server reports a disconnect through a hook; another ASGI server through receive().
         hook: Any = (ex.scope.get("extensions") or {}).get(DISCONNECT_EXT)
         watcher = None
@@ -197,23 +202,45 @@ class Proxy:
                 hook.callback = None
 
     async def _attempts(self, ex: Exchange, worker: int) -> None:
-        """Attempt ``worker``; retry once on the next-best worker when the attempt produced nothing."""
+        """Attempt ``worker``; retry once on the next-best worker when the attempt produced nothing. A tracked
+        stream that broke is resumed on another worker (:mod:`dplb.router.resume`) with a retry of its own."""
         tried: set[int] = set()
+        s = ex.resume
         while True:
-            retry = await Attempt(self.upstreams, ex, worker).run()
+            attempt = Attempt(self.upstreams, ex, worker) if s is None else \
+                resume.ResumableAttempt(self.upstreams, ex, worker, s)
+            retry = await attempt.run()
             if retry is None:
-                return
-            tried.add(worker)
-            if len(tried) > 1:
-                await self._reject(ex, retry, "no worker could take the request")
-                return
-            self.metrics.retries.inc()
+                if s is None or s.broken is None:
+                    return
+                body = await resume.prepare(self.upstreams, ex, worker)
+                if body is None:
+                    return
+                ex.body = body
+                ex.head = request_head(ex.scope, len(body), ex.rid, ex.decoded, self._req_skip, True)
+                tried = {worker}
+                why = "no other worker is ready to resume the stream"
+            else:
+                tried.add(worker)
+                if len(tried) > 1 + (s is not None and s.resumes > 0):
+                    await self._fail(ex, retry, "no worker could take the request")
+                    return
+                self.metrics.retries.inc()
+                why = "the chosen worker was unreachable and no other is ready"
             ex.request.exclude = frozenset(tried)
             next_worker = self._decide(ex)
             if next_worker is None:
-                await self._reject(ex, retry, "the chosen worker was unreachable and no other is ready")
+                await self._fail(ex, retry or RouterErrorKind.NONE_ROUTABLE, why)
                 return
             worker = next_worker
+
+    async def _fail(self, ex: Exchange, kind: RouterErrorKind, message: str) -> None:
+        """The request cannot be placed: the router's error, or an error event when a resumed stream's head was
+        already sent."""
+        if ex.status:
+            await resume.end_stream(self.upstreams, ex, "no_worker", message)
+        else:
+            await self._reject(ex, kind, message)
 
 
 def _scan_headers(ex: Exchange) -> tuple[int, bytes, bytes, bytes]:

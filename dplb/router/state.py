@@ -17,6 +17,11 @@ Contract
 - Worker health (ejection for failures, heartbeat hysteresis) is :class:`dplb.router.health.WorkerHealth`, fed
   every snapshot this state reads and, through :meth:`RouterState.report`, every attempt's outcome; its ejected
   and held-out workers are passed to the policy.
+- Stalls (:class:`dplb.policy.stall.StallDetector`, off with ``stall_after_s`` 0): every monitor step feeds it the
+  snapshot and every router process's in-flight counts; a stalled worker is passed to the policy (``stalled``), and
+  the attempts open on it (registered by :meth:`acquire`) are cut (``cut_stalled()``: answered 503
+  ``worker_stalled`` or ended with an SSE error event). ``dplb_worker_stalled``, ``dplb_worker_stalls_total`` and
+  ``dplb_stalled_requests_failed_total`` count it.
 - A segment that comes back after it was lost is attached at once but routed on only when one of its workers is
   routable (or after :data:`PROMOTE_GRACE_S`): a freshly recreated segment is empty until the workers re-publish,
   and routing on it meanwhile would answer 503 ``no_workers_registered`` although every worker is serving.
@@ -30,12 +35,22 @@ import dataclasses
 import logging
 import os
 import time
+from typing import Protocol
 
 from dplb.config import PolicyConfig, RouterConfig
 from dplb.errors import ShmError
 from dplb.obs.metrics import RouterMetrics
 from dplb.policy import Policy, RouteRequest, make_policy, routable
-from dplb.policy.decision import OK, REASON_FALLBACK, REASON_NO_WORKERS, WHY_HELD_OUT, WHY_STALE, Decision
+from dplb.policy.decision import (
+    OK,
+    REASON_FALLBACK,
+    REASON_NO_WORKERS,
+    WHY_HELD_OUT,
+    WHY_STALE,
+    WHY_STALLED,
+    Decision,
+)
+from dplb.policy.stall import StallDetector
 from dplb.router.health import READMIT_INTERVALS, Outcome, WorkerHealth
 from dplb.state.router_slots import RouterSlots
 from dplb.state.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
@@ -43,6 +58,14 @@ from dplb.state.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
 log = logging.getLogger("dplb.router")
 PROMOTE_GRACE_S = 5.0  # a returned segment without any routable worker is routed on after this long anyway
 _READY = Lifecycle.READY
+
+
+class Cuttable(Protocol):
+    """An open attempt the state can fail when its worker stalls (:class:`dplb.router.attempt.Attempt`)."""
+
+    def cut_stalled(self) -> bool:
+        """Fail the attempt now; True the first time."""
+        ...
 
 
 class RouterState:
@@ -69,6 +92,9 @@ class RouterState:
         ejections = metrics.ejections
         self.health = WorkerHealth(n, self.pid_of, lambda k: ejections.labels(str(k)).inc())
         self._had_segment = self.segment is not None
+        self.stall = StallDetector(n, cfg.stall_after_s) if cfg.stall_after_s > 0 else None
+        self.attempts: list[set[Cuttable]] = [set() for _ in range(n)]  # open attempts per worker (stall cuts)
+        self._stalled_shown: frozenset[int] = frozenset()
         self._pending: Segment | None = None  # a returned segment not routed on yet (see module docstring)
         self._pending_since = 0.0
         metrics.init_workers(n)
@@ -152,7 +178,7 @@ class RouterState:
             if slots is not None and self.policy.shares and slots.has_peers:
                 self.policy.absorb(slots.drain_prefix(), now)  # what the other router processes learnt meanwhile
             d = self.policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight,
-                                 shared=self._shared(snap, now))
+                                 shared=self._shared(snap, now), stalled=self.stalled(now))
             if request.learned and slots is not None and slots.has_peers and d.worker is not None:
                 slots.publish_prefix(d.worker, request.learned)  # alone on the segment: nobody to tell
         self.metrics.observe_decision(d, time.perf_counter() - t0)
@@ -167,7 +193,12 @@ class RouterState:
         now = time.monotonic_ns()
         health = self.health
         return self.policy.pick(snap, now, held=health.held_out(), ejected=health.ejected(snap), dry_run=True,
-                                inflight=self.inflight, shared=self._shared(snap, now))
+                                inflight=self.inflight, shared=self._shared(snap, now), stalled=self.stalled(now))
+
+    def stalled(self, now_ns: int) -> frozenset[int]:
+        """Stalled workers not to route to at ``now_ns`` (a stalled worker free of requests for ``--stall-after``
+        may take one probe request; :mod:`dplb.policy.stall`)."""
+        return self.stall.excluded(now_ns) if self.stall is not None else frozenset()
 
     def _shared(self, snap: list[WorkerState], now: int) -> list[int] | None:
         """The other router processes' correction per worker (None when there are none or none sent lately)."""
@@ -202,16 +233,21 @@ class RouterState:
         seg = self.segment
         return seg.read(worker).pid if seg is not None else 0
 
-    def acquire(self, worker: int) -> None:
-        """A request was dispatched to ``worker`` (published to this process's router slot)."""
+    def acquire(self, worker: int, attempt: Cuttable | None = None) -> None:
+        """A request was dispatched to ``worker`` (published to this process's router slot); ``attempt`` is cut if
+        the worker stalls before :meth:`release`."""
+        if attempt is not None:
+            self.attempts[worker].add(attempt)
         n = self.inflight[worker] = self.inflight[worker] + 1
         slots = self.slots
         if slots is not None and worker < slots.num_workers:
             c = self.policy.correction(worker)
             slots.publish(worker, c if c < n else n, n, time.monotonic_ns())
 
-    def release(self, worker: int) -> None:
+    def release(self, worker: int, attempt: Cuttable | None = None) -> None:
         """A request to ``worker`` ended (any outcome)."""
+        if attempt is not None:
+            self.attempts[worker].discard(attempt)
         n = self.inflight[worker] = self.inflight[worker] - 1
         slots = self.slots
         if slots is not None and worker < slots.num_workers:
@@ -252,15 +288,36 @@ class RouterState:
             return
         now = time.monotonic_ns()
         held = self.health.observe(snap, now, self._interval_ms())
-        for c in routable(snap, now, self._policy_cfg(), held):  # ejection is not a (de)registration
+        self._check_stalls(snap, now)
+        # Ejection is not a (de)registration; hysteresis and stalls log their own transitions.
+        for c in routable(snap, now, self._policy_cfg(), held, stalled=self.stalled(now)):
             k, w = c.worker_id, c.state
             ok = c.why is OK
             if ok and not self._routable[k]:
                 log.info("worker %d registered (pid %d, %s)", k, w.pid, w.lifecycle.name.lower())
-            elif not ok and self._routable[k] and c.why != WHY_HELD_OUT:  # hysteresis logs its own transitions
+            elif not ok and self._routable[k] and c.why not in (WHY_HELD_OUT, WHY_STALLED):
                 log.warning("worker %d deregistered (%s)", k, "stale heartbeat" if c.why == WHY_STALE else c.why)
             self._routable[k] = ok
             self._pids[k] = w.pid
+
+    def _check_stalls(self, snap: list[WorkerState], now: int) -> None:
+        """Feed the stall detector; cut the open attempts of the workers it says to; keep the metrics in step."""
+        st = self.stall
+        if st is None:
+            return
+        st.observe(snap, self.inflight_all(), now)
+        m = self.metrics
+        for k in st.newly_stalled:
+            m.stalls.labels(str(k)).inc()
+        for k in st.cut:
+            for a in list(self.attempts[k]):
+                if a.cut_stalled():
+                    m.stalled_failed.labels(str(k)).inc()
+        shown = st.stalled()
+        if shown != self._stalled_shown:
+            for k in shown ^ self._stalled_shown:
+                m.stalled.labels(str(k)).set(1 if k in shown else 0)
+            self._stalled_shown = shown
 
     def _reattach(self) -> None:
         """Without a segment: attach one that (re)appeared. After a loss, route on it only once one of its workers
@@ -297,8 +354,9 @@ class RouterState:
         snap = self.snapshot()
         if snap is None:
             return [k for k in range(self.num_workers) if os.path.exists(self.cfg.socket_path(k))]
-        return [c.worker_id for c in routable(snap, time.monotonic_ns(), self._policy_cfg(), self.health.held_out(),
-                                              self.health.ejected(snap)) if c.why is OK]
+        now = time.monotonic_ns()
+        return [c.worker_id for c in routable(snap, now, self._policy_cfg(), self.health.held_out(),
+                                              self.health.ejected(snap), self.stalled(now)) if c.why is OK]
 
     def _policy_cfg(self) -> PolicyConfig:
         """The policy configuration with the segment's state interval (what staleness is measured against)."""

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError
 
 MAGIC = b"DPLB"
-LAYOUT_VERSION = 3  # 3: KV blocks in each worker slot; 2: router slots, 16 router entries (docs/DESIGN.md §3)
+LAYOUT_VERSION = 4  # 4: engine progress in each worker slot; 3: KV blocks in each worker slot; 2: router slots, 16
+#                      router entries (docs/DESIGN.md §3)
 HEADER_SIZE = 4096
 SLOT_SIZE = 192
 MAX_WORKERS = 64

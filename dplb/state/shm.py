@@ -8,8 +8,8 @@ Byte layout (little-endian; offsets in bytes)::
 
     Header, HEADER_SIZE = 4096 bytes (one page), written once by the creator (except the router registry)
       0   4s   magic                 b"DPLB"
-      4   u16  layout_version        LAYOUT_VERSION (3; 2 had no KV block figures in the slot, 1 had 8 router
-                                     entries and no router slots)
+      4   u16  layout_version        LAYOUT_VERSION (4; 3 had no engine progress in the slot, 2 no KV block
+                                     figures, 1 had 8 router entries and no router slots)
       6   u16  header_size           4096
       8   u16  num_workers           1..MAX_WORKERS (64)
       10  u16  slot_size             SLOT_SIZE (192)
@@ -52,7 +52,11 @@ Byte layout (little-endian; offsets in bytes)::
       136 f64  model_load_seconds    engine load (process start of the engine → engine up), seconds (0 until loaded)
       144 u32  kv_total_blocks       KV-cache capacity in blocks (vLLM: cache_config.num_gpu_blocks; 0 = unknown)
       148 u32  kv_block_size         tokens per KV-cache block (vLLM: cache_config.block_size; 0 = unknown)
-      152..191 reserved (zeros)
+      152 u64  progress_total        monotone count of engine progress: tokens generated + prompt tokens prefilled +
+                                     engine iterations finished (vLLM: its own counters; sim: scheduler steps); only
+                                     its changes matter (the router's stall check, docs/DESIGN.md §6)
+      160 u64  progress_mono_ns      CLOCK_MONOTONIC ns of the publish that first saw progress_total at its value
+      168..191 reserved (zeros)
 
     Router slots: 16 × 1088 bytes after the last worker slot, at HEADER_SIZE + num_workers·SLOT_SIZE, one per router
     process (its per-worker in-flight correction and in-flight count), then 16 prefix rings of 65600 bytes (the
@@ -114,10 +118,10 @@ READ_RETRIES = 64
 FLAG_NO_GPU = 0x01
 FLAG_GPU_BUSY = 0x02
 
-# Slot body without seq: from offset 8 to 152.
-_BODY = struct.Struct("<IBBHQQIIIIdQQddQQQddQdII")
+# Slot body without seq: from offset 8 to 168.
+_BODY = struct.Struct("<IBBHQQIIIIdQQddQQQddQdIIQQ")
 _SLOT = struct.Struct("<Q" + _BODY.format[1:])  # seq + body, for one-slice decoding
-assert _SLOT.size == 152 <= SLOT_SIZE and SLOT_SIZE % 64 == 0
+assert _SLOT.size == 168 <= SLOT_SIZE and SLOT_SIZE % 64 == 0
 
 
 class Lifecycle(enum.IntEnum):
@@ -134,7 +138,9 @@ class Lifecycle(enum.IntEnum):
 @dataclass(slots=True)
 class WorkerState:
     """One worker's published state (a decoded slot). Units: seconds, bytes, fractions 0–1, ns timestamps;
-    ``kv_total_blocks`` in blocks and ``kv_block_size`` in tokens per block (0 = the engine did not say)."""
+    ``kv_total_blocks`` in blocks and ``kv_block_size`` in tokens per block (0 = the engine did not say);
+    ``progress_total``: a monotone count of engine progress (tokens, prefill, iterations) and ``progress_mono_ns``
+    the CLOCK_MONOTONIC ns at which it last moved (0 = never published)."""
 
     worker_id: int
     pid: int = 0
@@ -160,6 +166,8 @@ class WorkerState:
     model_load_seconds: float = 0.0
     kv_total_blocks: int = 0
     kv_block_size: int = 0
+    progress_total: int = 0
+    progress_mono_ns: int = 0
     seq: int = 0
     torn: bool = False
 
@@ -386,7 +394,7 @@ class Segment:
             return WorkerState(
                 worker_id, v[1], _LIFECYCLES[v[2]] if v[2] < len(_LIFECYCLES) else Lifecycle.UNSET, v[3],
                 v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18],
-                v[19], v[20], v[21], v[22], v[23], v[24], seq,
+                v[19], v[20], v[21], v[22], v[23], v[24], v[25], v[26], seq,
             )
         return WorkerState(worker_id, torn=True)
 
@@ -413,7 +421,7 @@ class Segment:
             out.append(WorkerState(
                 k, v[1], lifes[v[2]] if v[2] < nl else Lifecycle.UNSET, v[3], v[5], v[6], v[7], v[8], v[9], v[10],
                 v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18], v[19], v[20], v[21], v[22], v[23], v[24],
-                seq,
+                v[25], v[26], seq,
             ))
         return out
 
@@ -479,6 +487,7 @@ class SlotWriter:
             state.gpu_memory_total_bytes, state.avg_latency_s, state.avg_ttft_s, state.requests_total,
             state.errors_total, state.cuda_oom_total, state.warmup_seconds, state.first_request_seconds,
             state.started_unix_ns, state.model_load_seconds, state.kv_total_blocks, state.kv_block_size,
+            state.progress_total, state.progress_mono_ns,
         )
         seq += 1
         seqs[self._si] = seq  # even: consistent again

@@ -11,6 +11,11 @@ Contract (docs/DESIGN.md §8, §3)
 - The worker's own metrics (:data:`dplb.obs.metrics.WORKER_SIDE`: what the slot does not carry) and the engine's
   ``vllm:*`` metrics are served on ``metrics_host:metrics_port`` (127.0.0.1 unless ``--metrics-host``).
 - ``model_load_seconds`` (engine start until the engine is up, i.e. the model load) is published with ``warming``.
+- Engine progress: every tick publishes the engine's ``progress_total`` and, when it moved, ``progress_mono_ns``
+  (0 while the engine cannot tell). The collector runs the router's stall check on its own slot (the routers'
+  in-flight counts from their router slots, :class:`dplb.policy.stall.StallDetector`): stalled for
+  ``stall_restart_after_s`` since the engine's last progress, it stops pinging systemd's watchdog and the worker
+  exits 1 (logged), so ``dplb launch`` (which then kills what is left of its process group) or systemd restarts it.
 - Every state interval the reconciler (:mod:`dplb.worker.reconcile`, docs/DESIGN.md §8.1) compares the engine's
   requests, the requests open on the socket and the routers' in-flight counts for this worker, aborts orphans and
   exports the figures (``dplb_worker_orphan_requests``, ``dplb_worker_orphan_aborts_total``,
@@ -39,12 +44,14 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb import __version__
-from dplb.config import METRICS_HOST, METRICS_PORT_BASE
+from dplb.config import METRICS_HOST, METRICS_PORT_BASE, STALL_AFTER_S, STALL_RESTART_AFTER_S, check_stall
 from dplb.errors import ConfigError, ShmError, ShmMissingError
 from dplb.obs.metrics import WorkerMetrics, worker_metrics
+from dplb.policy.stall import StallDetector
 from dplb.runtime.gpu import GpuReader, visible_gpu_indices
 from dplb.runtime.sd_notify import Watchdog, notify
 from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
+from dplb.state.router_slots import ROUTER_STALE_S, read_router_slots
 from dplb.state.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, Lifecycle, Segment, SlotWriter, WorkerState
 from dplb.worker.engines.base import Engine, Reconcilable, RequestStats, RequestStatsMiddleware, Scope
 from dplb.worker.reconcile import Reconciler
@@ -56,7 +63,9 @@ WORKER_MAX_HEAD_BYTES = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    """Worker settings. ``metrics_port`` None = 30001 + worker_id; 0 = no metrics server."""
+    """Worker settings. ``metrics_port`` None = 30001 + worker_id; 0 = no metrics server. ``stall_after_s``: the
+    router's ``--stall-after`` (0 = no stall check); ``stall_restart_after_s``: stalled this long since the last
+    progress, the worker exits for a restart (0 = never). Seconds."""
 
     worker_id: int
     uds: str
@@ -66,8 +75,11 @@ class WorkerConfig:
     metrics_host: str = METRICS_HOST
     drain_timeout_s: float = 30.0
     warmup_timeout_s: float = 900.0
+    stall_after_s: float = STALL_AFTER_S
+    stall_restart_after_s: float = STALL_RESTART_AFTER_S
 
     def __post_init__(self) -> None:
+        check_stall(self.stall_after_s, self.stall_restart_after_s if self.stall_after_s else None)
         if self.worker_id < 0:
             raise ConfigError(f"--worker-id must be ≥ 0, got {self.worker_id}")
         if not self.uds:
@@ -91,7 +103,8 @@ class Collector:
     """
 
     def __init__(self, writer: SlotWriter, engine: Engine, req: RequestStats, gpu: GpuReader,
-                 interval_s: float, metrics: WorkerMetrics) -> None:
+                 interval_s: float, metrics: WorkerMetrics, stall_after_s: float = 0.0,
+                 stall_restart_after_s: float = 0.0) -> None:
         self.writer = writer
         self.engine = engine
         self.req = req
@@ -108,6 +121,11 @@ class Collector:
         self._watchdog = Watchdog()
         self._detached = False  # the segment file was removed/replaced; publishing waits for a new one
         self._attach_error = ""
+        self._restart_after_s = stall_restart_after_s
+        self._stall = (StallDetector(writer.segment.num_workers, stall_after_s)
+                       if stall_after_s > 0 and stall_restart_after_s > 0 else None)
+        #: Set (a message) once the engine has been stalled ``stall_restart_after_s``: the worker exits.
+        self.stall_failure: str | None = None
 
     @property
     def segment(self) -> Segment:
@@ -164,10 +182,37 @@ class Collector:
                     "more tensor parallelism (--tensor-parallel-size).", self._wid, es.cuda_oom_total)
                 self._last_oom = es.cuda_oom_total
             s.cuda_oom_total = es.cuda_oom_total
+            now = time.monotonic_ns()
+            if not es.progress_known:
+                s.progress_mono_ns = 0  # the router's stall check skips an engine that cannot tell
+            elif es.progress_total != s.progress_total or not s.progress_mono_ns:
+                s.progress_total, s.progress_mono_ns = es.progress_total, now
             self._follow_segment()
             self.writer.publish_now(s)
-        self._watchdog.maybe_ping()  # systemd: the heartbeat thread is alive
+            self._check_stall(now)
+        if self.stall_failure is None:
+            self._watchdog.maybe_ping()  # systemd: the heartbeat thread is alive and the engine is not stalled
         self.metrics.collector_tick.labels(self._wid).observe(time.perf_counter() - t0)
+
+    def _check_stall(self, now: int) -> None:
+        """The router's stall check on this worker's slot (caller holds the lock); sets :attr:`stall_failure` once
+        the engine has been stalled ``stall_restart_after_s`` since its last progress."""
+        st = self._stall
+        if st is None or self.stall_failure is not None:
+            return
+        k = self.writer.worker_id
+        seg = self.writer.segment
+        outstanding = [0] * seg.num_workers
+        for r in read_router_slots(seg._mm, seg.num_workers):
+            age = r["heartbeat_age_s"]
+            if age is not None and age < ROUTER_STALE_S:
+                outstanding[k] += r["inflight"][k]
+        st.observe([self.state], outstanding, now)
+        stalled_s = st.no_progress_s(k, now)
+        if stalled_s > self._restart_after_s:
+            self.stall_failure = (f"engine made no progress for {stalled_s:.0f} s with requests in flight (stalled "
+                                  f"longer than --stall-restart-after {self._restart_after_s:g} s); withholding the "
+                                  "systemd watchdog and exiting for a restart")
 
     def _follow_segment(self) -> bool:
         """Switch to a segment that replaced ours at the same path (caller holds the lock); one ``stat`` per tick.
@@ -244,7 +289,7 @@ class Worker:
         self.metrics = worker_metrics(cfg.worker_id, __version__, engine.name, lambda: (
             self.req.requests_total, self.req.errors_total, self.gpu.errors_total), self.reconciler.figures)
         self.collector = Collector(self.segment.writer(cfg.worker_id), engine, self.req, self.gpu,
-                                   self.interval_ms / 1000, self.metrics)
+                                   self.interval_ms / 1000, self.metrics, cfg.stall_after_s, cfg.stall_restart_after_s)
         self.accepting = True
         self._stop = asyncio.Event()
 
@@ -343,7 +388,7 @@ class Worker:
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), 1.0)
-            msg = failure() if failure is not None else None
+            msg = (failure() if failure is not None else None) or self.collector.stall_failure
             if msg:
                 return str(msg)
         return None

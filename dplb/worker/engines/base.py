@@ -38,7 +38,10 @@ LATENCY_WINDOW = 10  # requests: the slot's "last 10 requests" figures (docs/DES
 @dataclass(slots=True)
 class EngineStats:
     """What the engine's scheduler says right now. Units: requests, fraction 0–1, tokens; ``kv_total_blocks``:
-    the KV cache's capacity in blocks, ``kv_block_size``: tokens per block (0 when the engine does not say)."""
+    the KV cache's capacity in blocks, ``kv_block_size``: tokens per block (0 when the engine does not say).
+    ``progress_total``: a monotone count of the engine's work done (tokens generated + prompt tokens prefilled +
+    iterations finished; only its changes matter), meaningful when ``progress_known`` (an engine that cannot tell
+    leaves it False, and the router's stall check skips the worker, docs/DESIGN.md §6)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -48,6 +51,8 @@ class EngineStats:
     last_prompt_tokens: int = 0
     kv_total_blocks: int = 0
     kv_block_size: int = 0
+    progress_total: int = 0
+    progress_known: bool = False
 
 
 REQUEST_EXT = "dplb.request"  # scope["extensions"] key of a request's OpenRequest (set by RequestStatsMiddleware)

@@ -10,6 +10,11 @@ Contract
 - :meth:`stats` reads vLLM's gauges (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
   ``vllm:kv_cache_usage_perc``) straight from the in-process Prometheus registry where vLLM's
   ``PrometheusStatLogger`` keeps them (vllm/v1/metrics/loggers.py): no HTTP, no text parsing.
+- Engine progress (the slot's ``progress_total``, the router's stall check): a stat logger of DPLB's own is added to
+  the engine client's ``StatLoggerManager`` (vLLM's stat-logger interface, ``StatLoggerBase``); vLLM records every
+  engine step there (a ``SchedulerStats`` comes with every step's outputs, even a chunked-prefill step that emits no
+  token) and each step's tokens (``IterationStats``). It counts steps + generated + prompt tokens. With
+  ``--disable-log-stats`` vLLM records nothing, and the engine says its progress is unknown.
 - CUDA OOMs: a logging handler on the ``vllm`` loggers counts records that report an out-of-memory error and the
   collector logs them with the remedy. An OOM that kills the EngineCore shows up as engine death: :meth:`failure`
   returns the error, and the worker exits non-zero so the launcher/systemd restarts it.
@@ -56,6 +61,35 @@ class _OomCounter(logging.Handler):
             self.count += 1
 
 
+class _ProgressLogger:
+    """A vLLM stat logger (the ``StatLoggerBase`` methods) that counts engine progress: ``total`` = steps recorded
+    (each ``record`` with scheduler stats) + generated + prompt tokens. Called on vLLM's output-handler task; the
+    collector thread reads ``total`` (one int)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        n = 0 if scheduler_stats is None else 1
+        if iteration_stats is not None:
+            n += (getattr(iteration_stats, "num_generation_tokens", 0) or 0) + (
+                getattr(iteration_stats, "num_prompt_tokens", 0) or 0)
+        self.total += n
+
+    def log(self) -> None:
+        """Nothing to print (vLLM calls it every log interval)."""
+
+    def log_engine_initialized(self) -> None:
+        """Nothing to print."""
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        """Sleep mode is not progress."""
+
+    def record_admission_rejection(self, reason: str) -> None:
+        """A refused request is not progress."""
+
+
 class VllmEngine:
     """vLLM behind the DPLB worker. ``engine_args`` are vLLM server arguments (``--dtype``, ``--max-model-len``,
     ``--tensor-parallel-size``, …); ``model`` is the model path or name."""
@@ -79,6 +113,8 @@ class VllmEngine:
         self._prompt_tokens = self._requests = 0.0
         self._last_prompt = 0
         self.args: Namespace | None = None
+        self._progress = _ProgressLogger()
+        self._progress_known = False
 
     @property
     def app(self) -> ASGIApp | None:
@@ -119,6 +155,13 @@ class VllmEngine:
         with contextlib.suppress(Exception):  # the cache config's figures (num_gpu_blocks is set once profiled)
             self._kv_block_size = int(client.vllm_config.cache_config.block_size or 0)
             self._kv_blocks = int(client.vllm_config.cache_config.num_gpu_blocks or 0)
+        loggers = getattr(getattr(client, "logger_manager", None), "stat_loggers", None)
+        if isinstance(loggers, list):  # None with --disable-log-stats: progress unknown, no stall check
+            loggers.append(self._progress)
+            self._progress_known = True
+        else:
+            log.warning("vLLM records no engine statistics (--disable-log-stats?): the router cannot tell a "
+                        "stalled engine from a busy one for this worker")
         names = getattr(REGISTRY, "_names_to_collectors", {})
         self._collectors = [names.get(n) for n in _GAUGES]
         # Prompt length per *finished* request (observed together with the finish, unlike vllm:prompt_tokens,
@@ -180,6 +223,7 @@ class VllmEngine:
             kv_cache_usage=min(1.0, max(0.0, self._value(kv_c))), max_num_seqs=self._max_num_seqs,
             cuda_oom_total=self._oom.count, last_prompt_tokens=self._last_prompt,
             kv_total_blocks=self._kv_blocks, kv_block_size=self._kv_block_size,
+            progress_total=self._progress.total, progress_known=self._progress_known,
         )
 
     def requests(self) -> list[EngineRequest]:

@@ -19,9 +19,11 @@ Contract
   request body bytes) in its response (tests of byte-for-byte forwarding); no other response carries an ``x-sim-*``
   header. Responses echo ``X-Request-Id``; the response id is ``chatcmpl-<X-Request-Id>``/``cmpl-<…>`` (random
   when absent), as vLLM.
-- Tokens: the prompt's whitespace-separated words (chat: messages rendered as ``"role: content\\n"`` lines). Output:
-  ``max_tokens`` words drawn by a PRNG seeded from (``seed``, prompt hash, choice index), so the same request gives
-  the same text; ``finish_reason`` is always ``"length"``.
+- Tokens: the prompt's whitespace-separated words (chat: messages rendered as ``"role: content\\n"`` lines;
+  ``continue_final_message`` renders the final message open). Output: ``max_tokens`` words, each a deterministic
+  function of (``seed``, choice index, the context so far) (:mod:`dplb.worker.engines.sim.text`), so the same
+  request gives the same text and a request continuing a partial answer gives the rest of it;
+  ``finish_reason`` is always ``"length"``.
 - Timing: one scheduler step lasts ``(decode_step_s + decode_step_s_per_seq * running + prefill_s_per_token *
   uncached prompt tokens admitted this step) / speed`` seconds, and yields one token per running sequence; see
   :mod:`dplb.worker.engines.sim.scheduler` for batching, KV blocks and the prefix cache.
@@ -42,7 +44,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import random
 import time
 import uuid
 from collections import deque
@@ -54,20 +55,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb.runtime.asgi import send_json, until_disconnect
 from dplb.worker.engines.base import REQUEST_EXT, ASGIApp, EngineRequest, EngineStats, Receive, Scope, Send
-from dplb.worker.engines.sim import logprobs
+from dplb.worker.engines.sim import logprobs, text
 from dplb.worker.engines.sim.api import SimApi
 from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
 from dplb.worker.engines.sim.scheduler import (
-    WORDS,
     SimConfig,
     SimRequest,
     SimScheduler,
     block_hashes,
     completion_prompts,
     prompt_hash,
-    render_chat,
     tokenize,
 )
+from dplb.worker.engines.sim.text import render_prompt
 
 __all__ = ["SimConfig", "SimEngine", "main"]
 
@@ -88,6 +88,7 @@ class ParsedRequest:
     include_usage: bool
     continuous_usage: bool
     logprobs: int | None = None  # alternatives per token (dplb.worker.engines.sim.logprobs); None: off
+    leads: list[bool] | None = None  # per prompt: its answer's first token has a leading space (sim.text)
 
 
 def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str] = frozenset()) -> ParsedRequest:
@@ -113,7 +114,11 @@ def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str
     if not isinstance(stream, bool) or not isinstance(opts, dict):
         raise HTTPError(400, "'stream' must be a boolean and 'stream_options' an object")
     try:
-        prompts = [tokenize(render_chat(data.get("messages")))] if chat else completion_prompts(data.get("prompt"))
+        if chat:
+            rendered, lead = render_prompt(data)
+            prompts, leads = [tokenize(rendered)], [lead]
+        else:
+            prompts, leads = completion_prompts(data.get("prompt")), text.leads(data.get("prompt"))
     except ValueError as e:
         raise HTTPError(400, str(e)) from None
     for ids in prompts:
@@ -123,15 +128,16 @@ def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str
     max_tokens = [min(req_max or cfg.default_max_tokens, cfg.max_model_len - len(ids)) for ids in prompts]
     return ParsedRequest(prompts, max_tokens, n, stream, bool(opts.get("include_usage")),
                          bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
-                         logprobs.requested(data, chat))
+                         logprobs.requested(data, chat), leads)
 
 
 class SimEngine:
     """A vLLM-like engine on CPU. Serve ``engine.app`` with uvicorn (any socket); call :meth:`start` first.
 
     Counters (plain attributes, per HTTP request): ``requests_total`` (valid model requests; the ``oom_after``
-    count), ``completed_total`` (responses fully sent; the ``crash_after``/``hang_after`` count), ``aborted_total``
-    (client disconnects or shutdown before completion), ``cuda_oom_total``, ``overloaded_total`` (503s).
+    count), ``completed_total`` (responses fully sent; the ``crash_after``/``hang_after``/``stall_after`` count),
+    ``aborted_total`` (client disconnects or shutdown before completion), ``cuda_oom_total``, ``overloaded_total``
+    (503s).
     """
 
     name = "sim"
@@ -146,6 +152,7 @@ class SimEngine:
         self.last_prompt_tokens = 0
         self.started = False
         self.hung = False
+        self.stalled = False
         self.debug_requests: deque[dict[str, Any]] = deque(maxlen=DEBUG_RECORDS)
         self._active: dict[SimRequest, dict[str, Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop (bound on the first HTTP call)
@@ -167,7 +174,8 @@ class SimEngine:
         return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
                            max_num_seqs=self.config.max_num_seqs, cuda_oom_total=self.cuda_oom_total,
                            last_prompt_tokens=self.last_prompt_tokens, kv_total_blocks=self.config.kv_blocks,
-                           kv_block_size=self.config.block_size)
+                           kv_block_size=self.config.block_size, progress_total=s.progress_total,
+                           progress_known=True)
 
     def requests(self) -> list[EngineRequest]:
         """Every request the scheduler holds (waiting or running), with the open HTTP request it serves (None for
@@ -349,13 +357,14 @@ class SimEngine:
         True when the full response was sent."""
         cfg = self.config
         req = SimRequest(stream=p.stream, owner=owner)
-        seeds = []
+        seeds, rngs = [], []
         for pi, ids in enumerate(p.prompts):
             hashes, ph = block_hashes(ids, cfg.block_size), prompt_hash(ids)
+            lead = bool(p.leads and p.leads[pi])
             for j in range(p.n):
                 req.add_seq(pi * p.n + j, len(ids), hashes, p.max_tokens[pi], cfg.block_size)
                 seeds.append(f"{cfg.seed}:{ph}:{pi * p.n + j}")
-        rngs = [random.Random(s) for s in seeds]
+                rngs.append(text.TextGen(cfg.seed, ids, j, lead))
         lps = None if p.logprobs is None else [logprobs.SequenceLogprobs(s, p.logprobs, chat) for s in seeds]
         prompt_tokens = sum(len(ids) for ids in p.prompts)
         rec["prompt_tokens"] = self.last_prompt_tokens = prompt_tokens
@@ -376,11 +385,11 @@ class SimEngine:
                     return False
             choices: list[dict[str, Any]] = []
             for i, (seq, rng) in enumerate(zip(req.seqs, rngs, strict=True)):
-                text = " ".join(rng.choice(WORDS) for _ in range(seq.max_tokens))
-                choice: dict[str, Any] = ({"index": seq.index, "message": {"role": "assistant", "content": text,
+                out = rng.text(seq.max_tokens)
+                choice: dict[str, Any] = ({"index": seq.index, "message": {"role": "assistant", "content": out,
                                            "refusal": None, "tool_calls": [], "reasoning_content": None}}
-                                          if chat else {"index": seq.index, "text": text})
-                choice.update(logprobs=lps[i].chunk(logprobs.tokens_of(text)) if lps else None,
+                                          if chat else {"index": seq.index, "text": out})
+                choice.update(logprobs=lps[i].chunk(logprobs.tokens_of(out)) if lps else None,
                               finish_reason="length", stop_reason=None)
                 choices.append(choice)
             completion = sum(s.max_tokens for s in req.seqs)
@@ -399,7 +408,7 @@ class SimEngine:
             rec["cached_tokens"] = sum(s.cached_tokens for s in req.seqs)
 
     async def _stream(self, send: Send, req: SimRequest, p: ParsedRequest, rid: str, rec: dict[str, Any],
-                      headers: list[tuple[bytes, bytes]], chat: bool, rngs: list[random.Random],
+                      headers: list[tuple[bytes, bytes]], chat: bool, rngs: list[text.TextGen],
                       prompt_tokens: int, lps: list[logprobs.SequenceLogprobs] | None) -> bool:
         cfg = self.config
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -432,13 +441,12 @@ class SimEngine:
             first = False
             for i, seq in enumerate(req.seqs):
                 while sent[i] < seq.generated:
-                    word = rngs[i].choice(WORDS)
-                    text = word if sent[i] == 0 else " " + word
+                    tok = rngs[i].token()
                     sent[i] += 1
                     done = sent[i] == seq.max_tokens
-                    c: dict[str, Any] = ({"index": seq.index, "delta": {"content": text}} if chat
-                                         else {"index": seq.index, "text": text})
-                    c.update(logprobs=lps[i].chunk([text]) if lps else None, finish_reason="length" if done else None)
+                    c: dict[str, Any] = ({"index": seq.index, "delta": {"content": tok}} if chat
+                                         else {"index": seq.index, "text": tok})
+                    c.update(logprobs=lps[i].chunk([tok]) if lps else None, finish_reason="length" if done else None)
                     if done or not chat:
                         c["stop_reason"] = None
                     events.append(event([c], p.continuous_usage))
@@ -463,11 +471,25 @@ class SimEngine:
             log.error("sim engine: crash_after=%d requests reached; exiting with status 1 (simulated crash)",
                       cfg.crash_after)
             asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+        if cfg.stall_after and self.completed_total == cfg.stall_after and not self.stalled:
+            log.error("sim engine: stall_after=%d requests reached; the engine makes no progress %s (simulated "
+                      "stall: HTTP, health and the collector carry on)", cfg.stall_after,
+                      f"for {cfg.stall_for_s:g} s" if cfg.stall_for_s else "any more")
+            self.stalled = True
+            self.scheduler.freeze()
+            if cfg.stall_for_s:
+                asyncio.get_running_loop().call_later(cfg.stall_for_s, self._end_stall)
         if cfg.hang_after and self.completed_total >= cfg.hang_after and not self.hung:
             log.error("sim engine: hang_after=%d requests reached; no longer answering (simulated hang)",
                       cfg.hang_after)
             self.hung = True
             self.scheduler.freeze()
+
+    def _end_stall(self) -> None:
+        """The stall fault's ``stall_for_s`` passed: the scheduler steps again."""
+        log.warning("sim engine: stall over after %g s; the engine makes progress again", self.config.stall_for_s)
+        self.stalled = False
+        self.scheduler.thaw()
 
 
 def main(argv: list[str] | None = None) -> None:

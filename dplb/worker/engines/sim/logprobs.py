@@ -16,11 +16,13 @@ Contract
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 from dplb.worker.engines.sim.http import HTTPError
 from dplb.worker.engines.sim.scheduler import WORDS
 
+_TOKEN = re.compile(r" ?[^ ]+")
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
@@ -86,10 +88,9 @@ class SequenceLogprobs:
 
 
 def tokens_of(text: str) -> list[str]:
-    """The sim's output tokens of ``text`` as they are streamed: the first word, then each later word with its
-    leading space."""
-    words = text.split(" ")
-    return [w if i == 0 else " " + w for i, w in enumerate(words)] if text else []
+    """The sim's output tokens of ``text`` as they are streamed: each word with its leading space (the first one
+    without, when the text starts without one)."""
+    return _TOKEN.findall(text)
 
 
 __all__ = ["MAX_LOGPROBS", "SequenceLogprobs", "requested", "tokens_of"]

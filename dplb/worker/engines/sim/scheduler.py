@@ -78,6 +78,9 @@ class SimConfig:
     - ``crash_after``: after N completed requests the process exits with ``os._exit(1)``.
     - ``hang_after``: after N completed requests nothing is answered any more (requests, health, metrics over HTTP);
       in-flight streams stop mid-way; the socket keeps accepting connections.
+    - ``stall_after``: after N completed requests the engine makes no progress (no step, no token) for
+      ``stall_for_s`` seconds (0 = for good), while HTTP, ``/health``, metrics and the worker's collector carry on
+      and new requests are accepted and queued: vLLM with a stopped or deadlocked EngineCore.
     - ``oom_after``: the Nth and every later model request fails with HTTP 500 "CUDA out of memory".
     - ``max_inflight_503``: with more than N model requests in flight, answer 503 ``server_overloaded`` at once.
     - ``chunk_delay_s``: extra delay after each streamed token chunk.
@@ -105,6 +108,8 @@ class SimConfig:
     warmup_delay_s: float = 0.0
     crash_after: int = 0
     hang_after: int = 0
+    stall_after: int = 0
+    stall_for_s: float = 0.0
     oom_after: int = 0
     first_request_delay_s: float = 0.0
     max_inflight_503: int = 0
@@ -128,9 +133,9 @@ class SimConfig:
         for name, lo in minimum.items():
             if getattr(self, name) < lo:
                 raise ConfigError(f"sim engine: {name} must be at least {lo}, got {getattr(self, name)}")
-        for name in ("prefix_cache_blocks", "crash_after", "hang_after", "oom_after", "max_inflight_503",
-                     "prefill_s_per_token", "decode_step_s_per_seq", "warmup_delay_s", "chunk_delay_s",
-                     "first_request_delay_s"):
+        for name in ("prefix_cache_blocks", "crash_after", "hang_after", "stall_after", "stall_for_s", "oom_after",
+                     "max_inflight_503", "prefill_s_per_token", "decode_step_s_per_seq", "warmup_delay_s",
+                     "chunk_delay_s", "first_request_delay_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"sim engine: {name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
         for name in ("speed", "decode_step_s"):
@@ -155,25 +160,31 @@ def render_chat(messages: Any) -> str:
         raise ValueError("'messages' is required and must be a non-empty list of {role, content} objects")
     lines = []
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise ValueError(f"messages[{i}] must be an object with a string 'role'")
-        content = msg.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise ValueError(f"messages[{i}].content parts must be objects with a 'type'")
-                if part["type"] == "text":
-                    if not isinstance(part.get("text"), str):
-                        raise ValueError(f"messages[{i}].content text parts need a string 'text'")
-                    texts.append(part["text"])
-            content = "\n".join(texts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string, a list of parts or null")
+        content = message_content(i, msg)  # validates msg first
         lines.append(f"{msg['role']}: {content}\n")
     return "".join(lines)
+
+
+def message_content(i: int, msg: Any) -> str:
+    """The text of chat message ``i`` (text parts joined by newlines; null is empty). Raises ValueError."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+        raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+    content = msg.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ValueError(f"messages[{i}].content parts must be objects with a 'type'")
+            if part["type"] == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content text parts need a string 'text'")
+                texts.append(part["text"])
+        return "\n".join(texts)
+    if content is None:
+        return ""
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a string, a list of parts or null")
+    return content
 
 
 def completion_prompts(prompt: Any) -> list[list[int]]:
@@ -356,7 +367,9 @@ class SimMetrics:
 
 class SimScheduler:
     """Continuous-batching scheduler (see the module docstring for the model). Counters are plain attributes:
-    ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens), ``generation_tokens_total``."""
+    ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens), ``generation_tokens_total``,
+    ``progress_total`` (steps finished + tokens generated + prompt tokens admitted: the engine progress a worker
+    publishes; it stands still while the scheduler is frozen)."""
 
     def __init__(self, config: SimConfig) -> None:
         self.cfg = config
@@ -367,6 +380,7 @@ class SimScheduler:
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
         self.generation_tokens_total = 0
+        self.progress_total = 0
         self.metrics = SimMetrics(self, config.model)
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -437,8 +451,15 @@ class SimScheduler:
         return True
 
     def freeze(self) -> None:
-        """Stop stepping for good (hang fault): running and waiting sequences never progress again."""
+        """Stop stepping (hang and stall faults): running and waiting sequences make no progress until
+        :meth:`thaw`; submissions and aborts still work."""
         self._frozen = True
+
+    def thaw(self) -> None:
+        """Resume stepping after :meth:`freeze` (call on the serving loop)."""
+        self._frozen = False
+        if self._wake is not None:
+            self._wake.set()
 
     def stop(self) -> None:
         """Cancel the step task (call on its loop). Queued requests are left for the caller to abort."""
@@ -453,8 +474,10 @@ class SimScheduler:
         wake = self._wake
         assert wake is not None
         while True:
-            if self._frozen:
-                await loop.create_future()  # never resolved; cancelled by stop()
+            if self._frozen:  # until thaw() (or a submission) wakes the task again
+                wake.clear()
+                await wake.wait()
+                continue
             if not self.running and not self.waiting:
                 wake.clear()
                 await wake.wait()
@@ -524,6 +547,7 @@ class SimScheduler:
             else:
                 still.append(seq)
         n = len(self.running)
+        self.progress_total += 1 + n + sum(s.prompt_tokens for s in self.running if s.generated == 1)
         self.generation_tokens_total += n
         m.generation_tokens.inc(n)
         self.running = still

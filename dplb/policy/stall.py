@@ -1,0 +1,109 @@
+"""Stall detection by engine progress (docs/DESIGN.md §6): which workers hold requests their engine does not work on.
+
+Contract
+- A worker's heartbeat comes from its collector thread, not from its engine, so a stopped or deadlocked engine
+  (vLLM's EngineCore stopped, an NCCL hang, a wedged GPU) keeps a fresh heartbeat and frozen gauges. Its progress
+  does not move: ``progress_total`` of its slot (tokens + prompt tokens + engine iterations, §3.3) and
+  ``progress_mono_ns``, the time it last moved.
+- A worker **owes** progress from the moment it has outstanding requests (the routers' in-flight counts, given by
+  the caller: a stopped engine's own queue gauges freeze) until its progress moves. Owing it longer than
+  ``stall_after_s`` (measured from the later of the last progress and the start of the debt) makes it **stalled**.
+  A debt is forgiven when the requests leave before that (a client gave up before the engine got to it).
+- A stalled worker stays stalled until its progress moves (no flapping in on a fresh heartbeat). Its outstanding
+  requests are to be failed (:attr:`StallDetector.cut`); then, every ``stall_after_s`` without outstanding requests,
+  it may take **one** request as a probe (:meth:`StallDetector.excluded` leaves it out of the set): the probe's
+  progress brings it back, a probe that gets none is failed like the rest after ``stall_after_s``.
+- A worker that restarted (another pid), is not ``ready``, or whose engine does not report progress
+  (``progress_mono_ns`` 0) is never stalled; its state is reset.
+- Pure state: no I/O but logs; time from the caller (CLOCK_MONOTONIC ns). Used by the router (routing, failing
+  requests fast) and by the worker itself (withholding systemd's watchdog, exiting after ``--stall-restart-after``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from dplb.state.shm import Lifecycle, WorkerState
+
+log = logging.getLogger("dplb.stall")
+_READY = Lifecycle.READY
+
+
+class StallDetector:
+    """Stall state of ``num_workers`` workers (module docstring). ``stall_after_s`` > 0 seconds.
+
+    After each :meth:`observe`: :attr:`newly_stalled` (workers that became stalled at this observation),
+    :attr:`recovered` (stalled workers whose progress moved), :attr:`cut` (stalled workers whose outstanding requests
+    are to be failed now)."""
+
+    def __init__(self, num_workers: int, stall_after_s: float) -> None:
+        if stall_after_s <= 0:
+            raise ValueError(f"stall_after_s must be > 0, got {stall_after_s}")
+        n = num_workers
+        self.stall_after_ns = int(stall_after_s * 1e9)
+        self._pid = [0] * n
+        self._progress = [0] * n
+        self._owed_since = [0] * n  # ns; 0 = owes nothing
+        self._stalled_since = [0] * n  # ns of the last progress (or debt start) when it stalled; 0 = not stalled
+        self._free_since = [0] * n  # ns since which a stalled worker has no outstanding request (probe timing)
+        self.newly_stalled: frozenset[int] = frozenset()
+        self.recovered: frozenset[int] = frozenset()
+        self.cut: frozenset[int] = frozenset()
+
+    def observe(self, snap: Sequence[WorkerState], outstanding: Sequence[int], now_ns: int) -> None:
+        """Update from one snapshot and the outstanding requests per worker (routers' in-flight counts)."""
+        new: set[int] = set()
+        back: set[int] = set()
+        cut: set[int] = set()
+        for w in snap:
+            k = w.worker_id
+            if w.pid != self._pid[k] or w.progress_total != self._progress[k] or w.lifecycle != _READY \
+                    or not w.progress_mono_ns:
+                if self._stalled_since[k] and w.pid == self._pid[k] and w.progress_total != self._progress[k]:
+                    back.add(k)
+                    log.warning("worker %d: engine progress resumed after %.1f s; routing to it again", k,
+                                (now_ns - self._stalled_since[k]) / 1e9)
+                self._pid[k], self._progress[k] = w.pid, w.progress_total
+                self._owed_since[k] = self._stalled_since[k] = self._free_since[k] = 0
+            busy = outstanding[k] > 0 if k < len(outstanding) else False
+            if not busy:
+                self._owed_since[k] = 0
+                if self._stalled_since[k] and not self._free_since[k]:
+                    self._free_since[k] = now_ns
+                continue
+            self._free_since[k] = 0
+            if not self._owed_since[k]:
+                self._owed_since[k] = now_ns
+            if w.lifecycle != _READY or not w.progress_mono_ns:
+                continue
+            ref = max(self._owed_since[k], w.progress_mono_ns)
+            if now_ns - ref <= self.stall_after_ns:
+                continue
+            if not self._stalled_since[k]:
+                self._stalled_since[k] = ref
+                new.add(k)
+                log.error("worker %d: engine made no progress for %.1f s with %d request(s) outstanding; stalled: "
+                          "not routing to it and failing its requests until its progress resumes", k,
+                          (now_ns - w.progress_mono_ns) / 1e9, outstanding[k])
+            cut.add(k)
+        self.newly_stalled, self.recovered, self.cut = frozenset(new), frozenset(back), frozenset(cut)
+
+    def stalled(self) -> frozenset[int]:
+        """Workers stalled right now (probing or not)."""
+        return frozenset(k for k, t in enumerate(self._stalled_since) if t)
+
+    def excluded(self, now_ns: int) -> frozenset[int]:
+        """Stalled workers not to route to at ``now_ns``: all but those free of requests for ``stall_after_s``
+        (they may take one probe request)."""
+        lim = self.stall_after_ns
+        return frozenset(k for k, t in enumerate(self._stalled_since)
+                         if t and not (self._free_since[k] and now_ns - self._free_since[k] >= lim))
+
+    def no_progress_s(self, worker: int, now_ns: int) -> float:
+        """Seconds since a stalled worker's last progress (0.0 when it is not stalled)."""
+        t = self._stalled_since[worker]
+        return (now_ns - t) / 1e9 if t else 0.0
+
+
+__all__ = ["StallDetector"]

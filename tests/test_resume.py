@@ -1,0 +1,320 @@
+"""Streams that survive their worker (``--resume-streams``, dplb/router/resume.py): the eligibility table, the
+continuation body, the SSE stitcher, and the fault test with a real router, real sim workers and real SIGKILLs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from dplb.router.resume import ResumeStream, _fields, continuation, refusal
+from dplb.state.shm import Lifecycle
+from dplb.worker.engines.sim.scheduler import render_chat, tokenize
+from dplb.worker.engines.sim.text import TextGen, leads
+from tests.cluster import Cluster, cluster
+
+SIM = ["--sim-decode-step-s", "0.04", "--sim-max-num-seqs", "64"]
+NOT_RESUMED = "the stream was not resumed on another worker: "
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+
+
+# ---- eligibility and the continuation body (pure) ------------------------------------------------------------------
+@pytest.mark.parametrize(("chat", "body", "reason"), [
+    (True, {"messages": []}, None),
+    (True, {"n": 1, "logprobs": False, "response_format": {"type": "text"}, "tools": [{"x": 1}],
+            "tool_choice": "none"}, None),
+    (True, {"n": 2}, "n"),
+    (False, {"prompt": "p", "best_of": 3}, "n"),
+    (True, {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    (False, {"prompt": "p", "logprobs": 0}, "logprobs"),
+    (False, {"prompt": "p", "prompt_logprobs": 1}, "logprobs"),
+    (True, {"response_format": {"type": "json_schema", "json_schema": {}}}, "structured_output"),
+    (True, {"response_format": {"type": "json_object"}}, "structured_output"),
+    (False, {"prompt": "p", "guided_regex": "a+"}, "structured_output"),
+    (True, {"structured_outputs": {"choice": ["a"]}}, "structured_output"),
+    (True, {"tools": [{"type": "function"}]}, "tools"),
+    (False, {"prompt": "p", "echo": True}, "echo"),
+    (False, {"prompt": ["a", "b"]}, "prompt_not_text"),
+    (False, {"prompt": [1, 2, 3]}, "prompt_not_text"),
+    (True, {"continue_final_message": True}, "continued_message"),
+])
+def test_refusal_table(chat: bool, body: dict[str, Any], reason: str | None) -> None:
+    assert refusal(chat, _fields.decode(json.dumps(body).encode())) == reason
+
+
+def test_continuation_body_table() -> None:
+    chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+                       "max_completion_tokens": 12, "min_tokens": 3, "stream": True, "extra": [1]}).encode()
+    out = continuation(chat, True, "a b c", 3, 1 << 20)
+    assert isinstance(out, bytes)
+    obj = json.loads(out)
+    assert obj["messages"][-1] == {"role": "assistant", "content": "a b c"} and len(obj["messages"]) == 2
+    assert (obj["continue_final_message"], obj["add_generation_prompt"]) == (True, False)
+    assert (obj["max_tokens"], obj["max_completion_tokens"], obj["min_tokens"], obj["extra"]) == (7, 9, 0, [1])
+    comp = json.dumps({"prompt": "once", "max_tokens": 5, "stream": True}).encode()
+    assert json.loads(continuation(comp, False, " upon a", 2, 1 << 20))["prompt"] == "once upon a"
+    assert continuation(comp, False, " a b c d e", 5, 1 << 20) == "max_tokens"  # nothing left to generate
+    grown = continuation(comp, False, " a", 1, 1 << 20)
+    assert isinstance(grown, bytes) and continuation(comp, False, " a", 1, len(grown) - 1) == "body_too_large"
+    assert continuation(comp, False, "", 0, 10) is comp  # nothing delivered: the body as it was
+
+
+def _ev(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def test_stitcher_relays_whole_events_and_stitches_the_resumed_answer() -> None:
+    s = ResumeStream(True, b"{}", None, True)
+    first = [_ev({"id": "A", "created": 1, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+             _ev({"id": "A", "created": 1, "choices": [{"index": 0, "delta": {"content": "one"}}]}),
+             _ev({"id": "A", "created": 1, "choices": [{"index": 0, "delta": {"content": " two"}}]})]
+    raw = b"".join(first)
+    cut = raw + b'data: {"id": "A", "choi'  # the worker dies mid-event
+    assert s.feed(cut[:10]) == b"" and s.feed(cut[10:]) == raw  # whole events only; the partial one is held
+    assert (s.text, s.tokens, s.id) == ("one two", 2, "A")
+    s.broken = "killed"
+    s.next_segment()
+    resumed = [_ev({"id": "B", "created": 9, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+               _ev({"id": "B", "created": 9, "choices": [{"index": 0, "delta": {"content": " three"},
+                                                          "finish_reason": "length"}]}),
+               _ev({"id": "B", "created": 9, "choices": [],
+                    "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}}),
+               b"data: [DONE]\n\n"]
+    out = s.feed(b"".join(resumed)).split(b"\n\n")
+    assert out[-1] == b"" and out[-2] == b"data: [DONE]" and len(out) == 4  # role chunk dropped
+    a, u = msgspec.json.decode(out[0][6:]), msgspec.json.decode(out[1][6:])
+    assert (a["id"], a["created"], a["choices"][0]["delta"]) == ("A", 1, {"content": " three"})
+    assert u["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}  # 7 − 2 delivered
+    assert s.text == "one two three" and s.done and s.feed(b"data: [DONE]\n\n") == b""  # one [DONE] only
+
+
+def test_stitcher_treats_a_5xx_error_event_as_a_break_and_passes_a_4xx_one() -> None:
+    s = ResumeStream(False, b"{}", None, False)
+    e4 = _ev({"error": {"message": "bad", "code": 400}})
+    assert s.feed(e4) == e4 and s.broken is None
+    ok = _ev({"id": "c", "choices": [{"index": 0, "text": " x"}]})
+    assert s.feed(ok + _ev({"error": {"message": "engine dead", "code": 500}}) + ok) == ok
+    assert s.broken is not None and "engine dead" in s.broken and s.tokens == 1
+
+
+# ---- the fault test ------------------------------------------------------------------------------------------------
+@dataclass
+class Stream:
+    """One client stream as the client saw it."""
+
+    path: str
+    body: dict[str, Any]
+    reason: str | None = None  # the refusal expected if it breaks (None: eligible)
+    status: int = 0
+    events: list[Any] = field(default_factory=list)
+    done: int = 0
+    error: str | None = None
+    after_done: bool = False
+    cut: bool = False  # the response ended without its terminating chunk
+
+    @property
+    def text(self) -> str:
+        key = "delta" if self.path == CHAT else None
+        out = []
+        for e in self.events:
+            for c in e.get("choices") or ():
+                piece = (c.get("delta") or {}).get("content") if key else c.get("text")
+                out.append(piece or "")
+        return "".join(out)
+
+
+async def _run(client: httpx.AsyncClient, st: Stream) -> Stream:
+    try:
+        async with client.stream("POST", st.path, json=st.body, timeout=90) as r:
+            st.status = r.status_code
+            async for line in r.aiter_lines():
+                _line(st, line)
+    except httpx.RemoteProtocolError:  # the abnormal close after an error event
+        st.cut = True
+    return st
+
+
+def _line(st: Stream, line: str) -> None:
+    if not line.startswith("data: "):
+        return
+    if st.done:
+        st.after_done = True
+    data = line[6:]
+    if data == "[DONE]":
+        st.done += 1
+        return
+    obj = json.loads(data)
+    if "error" in obj:
+        st.error = obj["error"]["message"]
+    else:
+        st.events.append(obj)
+
+
+def _expected(st: Stream) -> tuple[str, int]:
+    """(the answer the sim gives this request, its prompt tokens) from the sim's own text function."""
+    if st.path == CHAT:
+        ids, lead = tokenize(render_chat(st.body["messages"])), False
+    else:
+        ids, lead = tokenize(st.body["prompt"]), leads(st.body["prompt"])[0]
+    return TextGen(0, ids, 0, lead).text(st.body["max_tokens"]), len(ids)
+
+
+_REFUSED = {
+    "n": (CHAT, {"n": 2}), "logprobs": (CHAT, {"logprobs": True}),
+    "structured_output": (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                           "schema": {}}}}),
+    "tools": (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    "echo": (COMP, {"echo": True}),
+}
+
+
+def _body(path: str, rng: random.Random, tag: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    b: dict[str, Any] = {"model": "dplb-sim", "stream": True, "max_tokens": rng.randint(20, 40),
+                         "stream_options": {"include_usage": True}, **(extra or {})}
+    if path == CHAT:
+        b["messages"] = [{"role": "user", "content": f"story {tag}"}]
+    else:
+        b["prompt"] = f"once upon {tag}"
+    return b
+
+
+def _ready(c: Cluster, k: int) -> bool:
+    """Worker k's current process is alive and ready (fresh heartbeat)."""
+    seg = c.segment
+    assert seg is not None
+    s = seg.read(k)
+    p = c.workers[k]
+    return s.lifecycle == Lifecycle.READY and not s.is_stale(seg.state_interval_ms) and p.poll() is None and \
+        s.pid == p.pid
+
+
+async def _storm(c: Cluster, kills: int, clients: int) -> tuple[list[Stream], float]:
+    """``clients`` looping streams (2 per refused kind, the rest eligible chat/completions) while ``kills`` ready
+    workers are SIGKILLed one at a time (at most 2 down) and restarted. Returns the streams and the storm's length."""
+    rng = random.Random(7)
+    stop = asyncio.Event()
+    out: list[Stream] = []
+    kinds = [k for k in _REFUSED for _ in range(2)]
+
+    async def client(i: int, http: httpx.AsyncClient) -> None:
+        j = 0
+        while not stop.is_set():
+            tag = f"{i}-{j}"
+            if i < len(kinds):
+                path, extra = _REFUSED[kinds[i]]
+                st = Stream(path, _body(path, rng, tag, extra if path == CHAT else {**extra}), kinds[i])
+            else:
+                path = CHAT if i % 2 else COMP
+                st = Stream(path, _body(path, rng, tag))
+            out.append(await _run(http, st))
+            j += 1
+
+    async def killer() -> None:
+        n = c.num_workers
+        for i in range(kills):
+            await asyncio.sleep(0.8)
+            while True:
+                ready = [k for k in range(n) if _ready(c, k)]
+                if ready and n - len(ready) < 2:
+                    break
+                await asyncio.sleep(0.1)
+            k = ready[i % len(ready)]
+            await asyncio.to_thread(c.kill_worker, k, signal.SIGKILL)
+            c.start_worker(k, *SIM, wait=False)
+        stop.set()
+
+    t0 = time.monotonic()
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=c.url, limits=limits) as http:
+        await asyncio.gather(killer(), *(client(i, http) for i in range(clients)))
+    return out, time.monotonic() - t0
+
+
+def test_20_sigkills_under_32_streams_every_eligible_stream_completes_seamlessly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """20 worker SIGKILLs under 32 concurrent streams with --resume-streams: every eligible stream ends with one
+    [DONE], its text is exactly the sim's answer (the delivered and resumed parts joined: no duplicated or lost
+    token at the seam), ids and usage add up; every refused kind that broke ends with an error event naming why."""
+    with cluster(str(tmp_path), 4, worker_args={k: SIM for k in range(4)}, router_args=["--resume-streams"]) as c:
+        streams, took = asyncio.run(_storm(c, kills=20, clients=32))
+        resumed = c.metric("dplb_streams_resumed_total") or 0
+        lat_sum = c.metric("dplb_stream_resume_duration_seconds_sum") or 0
+        lat_n = c.metric("dplb_stream_resume_duration_seconds_count") or 0
+        refused = {r: c.metric("dplb_stream_resume_refused_total", {"reason": r}) or 0 for r in _REFUSED}
+    eligible = [s for s in streams if s.reason is None]
+    bad = []
+    for st in eligible:
+        want, prompt = _expected(st)
+        ids = {e["id"] for e in st.events}
+        usage = [e["usage"] for e in st.events if e.get("usage")]
+        n = st.body["max_tokens"]
+        ok = (st.status == 200 and st.done == 1 and not st.after_done and st.error is None and st.text == want
+              and len(ids) == 1 and all(c["index"] == 0 for e in st.events for c in e["choices"])
+              and usage == [{"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}])
+        if not ok:
+            bad.append((st.path, st.body, st.status, st.done, st.error, st.text, want, usage))
+    assert not bad, (len(bad), bad[:3], c.tail())
+    broke = {r: [s for s in streams if s.reason == r and s.error is not None] for r in _REFUSED}
+    for r, ss in broke.items():
+        assert ss, f"no {r} stream was on a killed worker"
+        assert all(NOT_RESUMED + r in (s.error or "") and s.done == 0 for s in ss), (r, [s.error for s in ss])
+        assert refused[r] >= len(ss)
+    clean = [s for s in streams if s.reason is not None and s.error is None]
+    assert all(s.done == 1 and s.status == 200 for s in clean)
+    assert resumed >= 20 and lat_n >= 20
+    print(f"\nstorm {took:.1f} s: {len(eligible)} eligible streams all seamless, {int(resumed)} resumes, mean resume "
+          f"latency {1000 * lat_sum / max(lat_n, 1):.0f} ms over {int(lat_n)}; refused by reason "
+          f"{ {r: len(v) for r, v in broke.items()} }")
+
+
+def test_without_the_flag_a_killed_worker_ends_the_stream_with_an_error_event(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Off by default: the stream of a SIGKILLed worker ends with the error event as before, no [DONE], nothing
+    resumed."""
+    with cluster(str(tmp_path), 2, worker_args={k: SIM for k in range(2)}) as c:
+        async def main() -> Stream:
+            st = Stream(CHAT, _body(CHAT, random.Random(1), "x", {"max_tokens": 200}))
+            try:
+                async with httpx.AsyncClient(base_url=c.url) as http, \
+                        http.stream("POST", CHAT, json=st.body, timeout=30) as r:
+                    worker = int(r.headers["x-sg-worker-id"])
+                    async for line in r.aiter_lines():
+                        _line(st, line)
+                        if len(st.events) == 3 and c.workers[worker].poll() is None:
+                            await asyncio.to_thread(c.kill_worker, worker)
+            except httpx.RemoteProtocolError:
+                st.cut = True
+            return st
+
+        st = asyncio.run(main())
+        assert st.error is not None and "stopped mid-response" in st.error and NOT_RESUMED not in st.error
+        assert st.done == 0 and st.cut and c.metric("dplb_streams_resumed_total") == 0
+
+
+def test_a_stream_on_a_stalled_worker_is_resumed_on_another(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The stall check and --resume-streams together: worker 0's engine stalls for good after its first 2 answers
+    (its process and collector live on); the router cuts its open streams after --stall-after and, the flag being
+    on, resumes them on worker 1 instead of ending them with the worker_stalled error event. Every stream ends with
+    one [DONE] and exactly the sim's answer."""
+    stall = {0: [*SIM, "--sim-stall-after", "2", "--sim-stall-for-s", "0"], 1: SIM}
+    with cluster(str(tmp_path), 2, worker_args=stall, router_args=["--resume-streams", "--stall-after", "1"]) as c:
+        async def main() -> list[Stream]:
+            rng = random.Random(7)
+            streams = [Stream(CHAT if i % 2 else COMP, _body(CHAT if i % 2 else COMP, rng, f"s{i}",
+                                                              {"max_tokens": 60})) for i in range(8)]
+            async with httpx.AsyncClient(base_url=c.url) as http:
+                return list(await asyncio.gather(*(_run(http, st) for st in streams)))
+
+        streams = asyncio.run(main())
+        resumed = c.metric("dplb_streams_resumed_total") or 0
+        stalls = c.metric("dplb_worker_stalls_total", {"worker": "0"}) or 0
+    for st in streams:
+        want, _ = _expected(st)
+        assert st.status == 200 and st.done == 1 and st.error is None and st.text == want, (st.path, st.error)
+    assert stalls >= 1 and resumed >= 1, (stalls, resumed)

@@ -1,0 +1,217 @@
+"""Stalled engines (dplb.policy.stall, docs/DESIGN.md §6): the detector's state machine table-driven with made-up
+snapshots, then the hang scenario on a real router and 4 real sim workers, one of whose engine stalls (its process,
+HTTP and collector live on) and later resumes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from cluster import cluster, progress_gaps
+
+from dplb.policy.stall import StallDetector
+from dplb.state.shm import Lifecycle, WorkerState
+
+S = 1_000_000_000  # ns per second
+T0 = 10**12
+
+
+def _w(progress: int, moved_at_s: float, pid: int = 7, life: Lifecycle = Lifecycle.READY) -> WorkerState:
+    return WorkerState(0, pid=pid, lifecycle=life, progress_total=progress,
+                       progress_mono_ns=T0 + int(moved_at_s * S) if moved_at_s >= 0 else 0)
+
+
+# (case, observations (t s, worker state, outstanding), {t: (stalled, excluded, cut)} checked at those times)
+_IDLE = _w(5, 0.0)
+CASES: list[tuple[str, list[tuple[float, WorkerState, int]], dict[float, tuple[bool, bool, bool]]]] = [
+    ("idle for long is not a stall", [(t, _IDLE, 0) for t in range(0, 30, 5)], {25: (False, False, False)}),
+    ("busy and progressing is not a stall",
+     [(t / 2, _w(t, t / 2), 3) for t in range(0, 20)], {9.5: (False, False, False)}),
+    ("a request after a long idle: the debt starts when it arrives",
+     [(100.0, _IDLE, 1), (101.5, _IDLE, 1), (102.5, _IDLE, 1)], {101.5: (False, False, False),
+                                                               102.5: (True, True, True)}),
+    ("busy, no progress past stall_after: stalled and cut",
+     [(0.0, _w(5, 0.0), 2), (1.9, _w(5, 0.0), 2), (2.1, _w(5, 0.0), 2)],
+     {1.9: (False, False, False), 2.1: (True, True, True)}),
+    ("requests gone before stall_after: the debt is forgiven",
+     [(0.0, _w(5, 0.0), 2), (1.5, _w(5, 0.0), 0), (2.5, _w(5, 0.0), 0), (3.0, _w(5, 0.0), 1), (4.5, _w(5, 0.0), 1)],
+     {2.5: (False, False, False), 4.5: (False, False, False)}),
+    ("stalled stays out after its requests were cut, then takes one probe, whose progress brings it back",
+     [(0.0, _w(5, 0.0), 2), (2.1, _w(5, 0.0), 2), (2.2, _w(5, 0.0), 0), (3.0, _w(5, 0.0), 0),
+      (4.3, _w(5, 0.0), 0), (4.4, _w(5, 0.0), 1), (5.0, _w(9, 4.9), 1)],
+     {3.0: (True, True, False), 4.3: (True, False, False), 4.4: (True, True, False), 5.0: (False, False, False)}),
+    ("a probe without progress is cut after stall_after",
+     [(0.0, _w(5, 0.0), 2), (2.1, _w(5, 0.0), 2), (2.2, _w(5, 0.0), 0), (4.3, _w(5, 0.0), 0),
+      (4.4, _w(5, 0.0), 1), (6.3, _w(5, 0.0), 1), (6.5, _w(5, 0.0), 1)],
+     {6.3: (True, True, False), 6.5: (True, True, True)}),
+    ("a restart (new pid) lifts the stall", [(0.0, _w(5, 0.0), 2), (2.1, _w(5, 0.0), 2), (3.0, _w(0, 3.0, pid=8), 0)],
+     {2.1: (True, True, True), 3.0: (False, False, False)}),
+    ("an engine that cannot tell its progress is never stalled",
+     [(0.0, _w(0, -1), 2), (10.0, _w(0, -1), 2)], {10.0: (False, False, False)}),
+    ("a worker that is not ready is never stalled",
+     [(0.0, _w(5, 0.0, life=Lifecycle.DRAINING), 2), (10.0, _w(5, 0.0, life=Lifecycle.DRAINING), 2)],
+     {10.0: (False, False, False)}),
+]
+
+
+@pytest.mark.parametrize(("case", "obs", "want"), CASES, ids=[c[0] for c in CASES])
+def test_stall_state_machine(case: str, obs: list[tuple[float, WorkerState, int]],
+                             want: dict[float, tuple[bool, bool, bool]]) -> None:
+    d = StallDetector(1, stall_after_s=2.0)
+    seen = {}
+    for t, w, outstanding in obs:
+        now = T0 + int(t * S)
+        d.observe([w], [outstanding], now)
+        seen[t] = (0 in d.stalled(), 0 in d.excluded(now), 0 in d.cut)
+    for t, v in want.items():
+        assert seen[t] == v, (case, t, seen)
+
+
+def test_transitions_are_reported_once() -> None:
+    d = StallDetector(1, stall_after_s=2.0)
+    events = []
+    for t, w, n in [(0.0, _w(5, 0.0), 1), (2.1, _w(5, 0.0), 1), (2.6, _w(5, 0.0), 1), (3.0, _w(6, 3.0), 1),
+                    (3.5, _w(7, 3.5), 1)]:
+        d.observe([w], [n], T0 + int(t * S))
+        events.append((t, set(d.newly_stalled), set(d.recovered)))
+    assert [e for e in events if e[1] or e[2]] == [(2.1, {0}, set()), (3.0, set(), {0})]
+    assert d.no_progress_s(0, T0 + 3 * S) == 0.0
+
+
+# ---- the hang scenario, real processes ---------------------------------------------------------------------------
+STALL_AFTER = 2.0  # the router's --stall-after here (the default is 5 s; the mechanism is the same)
+STALL_FOR = 10.0  # worker 2's engine makes no progress this long
+
+
+async def _load(url: str, seconds: float, rate: float) -> list[dict[str, Any]]:
+    """``rate`` requests/s for ``seconds`` (every other one streamed); one record per request."""
+    out: list[dict[str, Any]] = []
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": "dplb-sim", "prompt": f"req {i}", "max_tokens": 12, "stream": i % 2 == 0}
+        t0 = time.monotonic()
+        rec: dict[str, Any] = {"i": i, "t0": t0, "stream": body["stream"]}
+        try:
+            if body["stream"]:
+                async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                    rec.update(status=r.status_code, worker=r.headers.get("x-sg-worker-id"),
+                               retry_after=r.headers.get("retry-after"))
+                    rec["body"] = ""
+                    async for chunk in r.aiter_raw():
+                        rec["body"] += chunk.decode()
+            else:
+                r = await client.post(url + "/v1/completions", json=body)
+                rec.update(status=r.status_code, worker=r.headers.get("x-sg-worker-id"),
+                           retry_after=r.headers.get("retry-after"), body=r.text)
+        except httpx.HTTPError as e:  # a cut stream ends abnormally after its error event
+            rec.update(status=rec.get("status", 0), error=type(e).__name__)
+        rec["took"] = time.monotonic() - t0
+        out.append(rec)
+
+    async with httpx.AsyncClient(timeout=20) as client:
+        tasks = []
+        for i in range(int(seconds * rate)):
+            tasks.append(asyncio.create_task(one(client, i)))
+            await asyncio.sleep(1 / rate)
+        await asyncio.gather(*tasks)
+    return out
+
+
+def test_a_stalled_sim_engine_leaves_rotation_fails_fast_and_comes_back(tmp_path: str) -> None:
+    """Worker 2's engine stalls after 10 completed requests for STALL_FOR s while its process, HTTP and collector
+    live on; 20 req/s with a 20 s client timeout. No request waits past --stall-after + one router check (+ 2.5 s of
+    margin for a loaded 2-core box); those on worker 2 fail with the retryable 503 worker_stalled (an SSE error
+    event once streaming); worker 2 leaves rotation and takes requests again after its engine resumes."""
+    with cluster(str(tmp_path), 4, worker_args={2: ["--sim-stall-after", "10", "--sim-stall-for-s", str(STALL_FOR)]},
+                 router_args=["--stall-after", str(STALL_AFTER)]) as c:
+        assert c.segment is not None
+        stop, gaps = threading.Event(), []  # type: ignore[var-annotated]
+        watcher = threading.Thread(target=progress_gaps, args=(c.segment, [0, 1, 3], stop, gaps), daemon=True)
+        watcher.start()
+        recs = asyncio.run(_load(c.url, 26, 20))
+        stop.set()
+        watcher.join()
+        log = c.router_log()
+        stalls = c.metric("dplb_worker_stalls_total", {"worker": "2"})
+        failed = c.metric("dplb_stalled_requests_failed_total", {"worker": "2"})
+    recs.sort(key=lambda r: r["t0"])
+    limit = STALL_AFTER + 0.5 + 2.5
+    slow = [r for r in recs if r["took"] > limit]
+    assert not slow, slow[:3]
+    ok = [r for r in recs if r["status"] == 200 and "worker_stalled" not in r.get("body", "") and not r.get("error")]
+    stalled = [r for r in recs if r not in ok]
+    assert stalled and all(r["worker"] == "2" for r in stalled), [r for r in stalled if r["worker"] != "2"][:3]
+    for r in stalled:
+        if r["status"] == 503:
+            assert '"code":"worker_stalled"' in r["body"].replace(" ", "") and r["retry_after"] == "1", r
+        else:  # a stream cut after its head: the error event, no [DONE]
+            assert r["stream"] and "worker_stalled" in r["body"] and "[DONE]" not in r["body"], r
+    assert stalls is not None and stalls >= 1 and failed is not None and failed >= len(stalled) - 2
+    # Out of rotation: while stalled, worker 2 takes no request but the probes (one at a time, every STALL_AFTER s).
+    t_out = min(r["t0"] + r["took"] for r in stalled)  # the first fast failure: the router found the stall
+    t_last = stalled[-1]["t0"]
+    on2 = [r for r in recs if r["worker"] == "2" and t_out < r["t0"] <= t_last]
+    assert len(on2) <= (t_last - t_out) / STALL_AFTER + 2, [(round(r["t0"] - t_out, 2), r["status"]) for r in on2]
+    # And back: worker 2 served requests after its engine resumed.
+    assert any(r["worker"] == "2" and r in ok and r["t0"] > t_last for r in recs), "worker 2 never came back"
+    m = re.search(r"worker 2: engine made no progress for ([0-9.]+) s", log)
+    assert m, log[-2000:]
+    detect_s = float(m.group(1))
+    print(f"sim detection: last progress -> stalled in {detect_s:.1f} s (--stall-after {STALL_AFTER:g}); "
+          f"{len(stalled)} of {len(recs)} requests failed fast; slowest {max(r['took'] for r in recs):.2f} s; "
+          f"healthy workers' largest gap between progress moves {max(gaps):.2f} s over {len(gaps)} moves")
+    assert STALL_AFTER <= detect_s <= STALL_AFTER + 1.5
+    assert "progress resumed" in log
+
+
+def test_a_worker_stalled_past_stall_restart_after_stops_its_watchdog_and_exits(tmp_path: str) -> None:
+    """systemd's protocol for real: the worker pings WATCHDOG=1 on a datagram socket the test binds as
+    NOTIFY_SOCKET; once its engine has been stalled --stall-restart-after (3 s) since its last progress with the
+    router's requests on it, the pings stop and the worker exits 1 (its supervisor restarts it)."""
+    sock_path = os.path.join(str(tmp_path), "notify.sock")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(sock_path)
+    notify.settimeout(0.2)
+    pings: list[float] = []
+
+    def listen(stop: threading.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                if b"WATCHDOG=1" in notify.recv(4096):
+                    pings.append(time.monotonic())
+
+    stop = threading.Event()
+    listener = threading.Thread(target=listen, args=(stop,), daemon=True)
+    listener.start()
+    try:
+        with cluster(str(tmp_path), 1, start_workers=False, wait_router_ready=False,
+                     router_args=["--stall-after", "1"]) as c:
+            c.start_worker(0, "--stall-after", "1", "--stall-restart-after", "3", "--sim-stall-after", "2",
+                           env={"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "400000"})
+            body = {"model": "dplb-sim", "prompt": "x", "max_tokens": 4}
+            assert httpx.post(c.url + "/v1/completions", json=body, timeout=30).status_code == 200  # → stalled
+            t_stall = time.monotonic()
+            codes = []
+            while c.workers[0].poll() is None and time.monotonic() - t_stall < 40:
+                with contextlib.suppress(httpx.HTTPError):
+                    codes.append(httpx.post(c.url + "/v1/completions", json=body, timeout=10).status_code)
+                time.sleep(0.2)
+            assert c.workers[0].poll() == 1, c.tail()
+            log = c.tail(200)
+    finally:
+        stop.set()
+        listener.join()
+        notify.close()
+    assert 503 in codes, codes
+    assert "withholding the systemd watchdog and exiting for a restart" in log, log
+    assert pings and min(pings) < t_stall, "the worker never pinged the watchdog"
+    last = max(pings)
+    assert last - t_stall < 1 + 3 + 2.5, (last - t_stall)  # pings stopped once stalled 3 s (+ margin)
