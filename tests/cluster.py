@@ -4,7 +4,7 @@
   the soak script's launcher and load (``scripts/soak.py``: :data:`LaunchedCluster`, :data:`SteadyLoad`, …).
   Everything starts real ``dplb`` processes (``python -m dplb.cli …``) and cleans them up; nothing is mocked.
 - Requests: :func:`post` (JSON to the router), :func:`completion` (a request body), :func:`worker_get` (a worker's
-  own endpoints over its socket), :func:`router_ready`.
+  own endpoints over its socket), :func:`router_ready`, :func:`cut_stream` (a client that leaves mid-stream).
 - Engine progress: :func:`progress_gaps` (the largest silence of a healthy busy engine).
 - Checks and polling: :func:`assert_openai_error`, :func:`assert_no_internals`, :func:`wait_for`, :func:`read`,
   :func:`log_count`.
@@ -236,6 +236,16 @@ def worker_get(sock: str, path: str) -> httpx.Response:
     """``GET path`` on a worker's Unix socket (the sim engine's own endpoints: ``/debug/requests``, ``/metrics``)."""
     with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://worker", timeout=10) as c:
         return c.get(path)
+
+
+def cut_stream(c: Cluster, max_tokens: int, prompt: str = "cut") -> None:
+    """Start a streamed completion of ``max_tokens`` through the router of ``c``, read its first bytes, then close
+    the connection (the client leaves mid-stream)."""
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", c.url + "/v1/completions",
+            json={"model": "dplb-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        next(r.iter_bytes())
 
 
 def sim_aborts(sock: str) -> float:

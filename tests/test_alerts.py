@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import yaml
-from cluster import ROOT, Cluster, Prometheus, cluster, free_port, need
+from cluster import ROOT, Cluster, Prometheus, cluster, cut_stream, free_port, need
 
 from dplb.obs import metrics as M
 
@@ -39,6 +39,14 @@ SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_info", "_created")
 def metric_names(expr: str) -> set[str]:
     """The dplb_* and vllm:* metric names an expression reads."""
     return set(re.findall(r"\b(?:dplb_[a-z0-9_]+|vllm:[a-z0-9_:]+)", expr))
+
+
+def _base(name: str) -> str:
+    """``name`` without an exposition suffix (``_total``, ``_bucket``, …)."""
+    for suffix in SUFFIXES:
+        if name.endswith(suffix) and name[: -len(suffix)] in KNOWN_DPLB:
+            return name[: -len(suffix)]
+    return name
 
 
 def known_dplb(name: str) -> bool:
@@ -124,8 +132,11 @@ def test_every_alert_is_named_labelled_annotated_and_linked() -> None:
         used = metric_names(r["expr"])
         assert used or re.search(r'up\{job="dplb-(router|workers)"\}', r["expr"]), name
         assert all(known_dplb(n) for n in used), (name, [n for n in used if not known_dplb(n)])
-        assert 'job="dplb-router"' in r["expr"] or r["expr"].strip() == 'up{job="dplb-workers"} == 0', \
-            f"{name}: scope the expression to the router's job"
+        # Scoped to the job that owns its metrics: the workers' job for names only a worker exports
+        # (dplb.obs.metrics.WORKER_SIDE), the router's for everything else.
+        job = "dplb-workers" if used and all(_base(n) in M.WORKER_SIDE for n in used) else "dplb-router"
+        assert f'job="{job}"' in r["expr"] or r["expr"].strip() == 'up{job="dplb-workers"} == 0', \
+            f"{name}: scope the expression to the {job} job"
 
 
 def test_requests_rejected_excludes_exactly_the_client_errors_and_worker_timeouts() -> None:
@@ -350,6 +361,20 @@ def test_drill_failing_worker_fires_upstream_errors(prometheus_bin: str, tmp_pat
         failed = sum(1 for s in load.statuses if s == 500)
         assert failed and set(load.statuses) <= {200, 500}, load.statuses
         print(f"drill: {failed}/{len(load.statuses)} requests failed with a CUDA OOM")
+
+
+def test_drill_engine_that_ignores_aborts_fires_inflight_mismatch(prometheus_bin: str, tmp_path: Path) -> None:
+    """A client leaves a long stream on an engine that ignores aborts (--sim-ignore-aborts): the orphan stays after
+    the worker's reconciler aborted it, and DPLBInflightMismatch fires for that worker."""
+    port = free_port()
+    with cluster(str(tmp_path), 1, start_workers=False, wait_router_ready=False) as c:
+        c.start_worker(0, "--sim-ignore-aborts", "true", metrics_port=port)
+        c.start_router()
+        with drill_prom(prometheus_bin, tmp_path, c, [port]) as prom:
+            assert prom.firing() == {}
+            cut_stream(c, 5000)  # 100 s of decode nobody reads
+            expect_exactly(prom, {"DPLBInflightMismatch": {"job": "dplb-workers", "worker": "0"}})
+            assert prom.query('dplb_worker_orphan_aborts_total{job="dplb-workers"}')[0]["value"][1] == "1"
 
 
 def test_drill_worker_metrics_port_gone_fires_scrape_down(prometheus_bin: str, tmp_path: Path) -> None:

@@ -28,8 +28,9 @@ class VllmWorker:
     vLLM flags and ``env`` variables on top (tests/test_vllm_lora.py)."""
 
     def __init__(self, tmp: str, otlp_endpoint: str | None, extra: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, metrics_port: int = 0) -> None:
         self.tmp = tmp
+        self.metrics_port = metrics_port
         self.shm = f"/dev/shm/dplb_state_test_{uuid.uuid4().hex[:10]}"
         self.seg = Segment.create(self.shm, 1, model="tiny")
         self.sock = os.path.join(tmp, "worker-0.sock")
@@ -41,7 +42,7 @@ class VllmWorker:
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(
                 dplb_cmd("worker", "--worker-id", "0", "--engine", "vllm", "--uds", self.sock, "--model", TINY_MODEL,
-                         "--metrics-port", "0", "--drain-timeout", "60", *VLLM_CPU_ARGS, *otlp, *extra),
+                         "--metrics-port", str(metrics_port), "--drain-timeout", "60", *VLLM_CPU_ARGS, *otlp, *extra),
                 env=penv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         t0 = time.monotonic()
         while self.seg.read(0).lifecycle != Lifecycle.READY:
@@ -83,7 +84,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> Iterator[VllmWorker]:
     require_vllm()
-    w = VllmWorker(str(tmp_path_factory.mktemp("vllm")), receiver.endpoint)
+    w = VllmWorker(str(tmp_path_factory.mktemp("vllm")), receiver.endpoint, metrics_port=free_port())
     try:
         yield w
     finally:
@@ -188,6 +189,55 @@ def test_vllm_llm_request_span_nests_under_dplb_client_span(worker: VllmWorker, 
     finally:
         router.send_signal(signal.SIGTERM)
         router.wait(30)
+
+
+def _reconciler(worker: VllmWorker) -> dict[str, float]:
+    """The worker's reconciler figures from its metrics port: {metric name: value}."""
+    out = {}
+    for line in httpx.get(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in ("dplb_worker_orphan_requests", "dplb_worker_orphan_aborts_total", "dplb_worker_engine_requests"):
+            out[name] = float(line.rpartition(" ")[2])
+    return out
+
+
+def test_reconciler_sees_live_vllm_requests_spares_them_and_vllm_aborts_cut_ones(worker: VllmWorker) -> None:
+    """Streams on chat, completions and responses, held open for 10+ state intervals: the reconciler sees each in
+    vLLM's engine client and takes none for an orphan (a responses id does not carry X-Request-Id); cut, vLLM
+    aborts each itself (the reconciler aborts nothing) and nothing is left running."""
+    bodies = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hold"}], "max_tokens": 400}),
+              ("/v1/completions", {"prompt": "hold me", "max_tokens": 400}),
+              ("/v1/responses", {"input": "hold", "max_output_tokens": 400})]
+    seen: list[dict[str, float]] = []
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=worker.sock), base_url="http://w",
+                                     timeout=120) as cl:
+            streams = []
+            for i, (path, body) in enumerate(bodies):
+                cm = cl.stream("POST", path, headers={"x-request-id": f"hold-{i}"},
+                               json={"model": "tiny", "stream": True, "ignore_eos": True, **body})
+                r = await cm.__aenter__()
+                assert r.status_code == 200, (path, await r.aread())
+                lines = r.aiter_lines()
+                await anext(lines)
+                streams.append((cm, lines))
+            for _ in range(10):  # keep reading so every stream keeps generating; 10 x 0.2 s = 10 state intervals
+                for _, lines in streams:
+                    await anext(lines)
+                await asyncio.sleep(0.2)
+            seen.append(_reconciler(worker))
+            for cm, _ in streams:
+                await cm.__aexit__(None, None, None)  # the client leaves mid-stream
+
+    asyncio.run(main())
+    assert seen[0]["dplb_worker_engine_requests"] == 3 and seen[0]["dplb_worker_orphan_requests"] == 0, seen
+    t0 = time.monotonic()
+    while worker.seg.read(0).num_running + worker.seg.read(0).num_waiting or _reconciler(worker)[
+            "dplb_worker_engine_requests"]:
+        assert time.monotonic() - t0 < 30, (worker.seg.read(0), _reconciler(worker), worker.tail())
+        time.sleep(0.2)
+    assert _reconciler(worker)["dplb_worker_orphan_aborts_total"] == 0, worker.tail()
 
 
 def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:

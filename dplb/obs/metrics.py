@@ -79,13 +79,18 @@ WORKER_ERRORS = "dplb_worker_errors"  # _total (worker side)
 WORKER_COLLECTOR_TICK = "dplb_worker_collector_tick_seconds"
 WORKER_INFO = "dplb_worker"  # exposed as dplb_worker_info{worker, engine} (worker side; joins engine series)
 WORKER_MODEL_LOAD_DURATION = "dplb_worker_model_load_duration_seconds"
+WORKER_ORPHANS = "dplb_worker_orphan_requests"  # worker side: engine requests no client waits for (persisting)
+WORKER_ORPHAN_ABORTS = "dplb_worker_orphan_aborts"  # _total (worker side): aborts the reconciler sent
+WORKER_LEAKED_INFLIGHT = "dplb_worker_leaked_inflight"  # worker side: router in-flight the worker does not have
+WORKER_ENGINE_REQUESTS = "dplb_worker_engine_requests"  # worker side: requests the engine holds (reconciler's view)
 ROUTER_PROCESSES = "dplb_router_processes"  # {state="configured"|"answered"}: a router group's processes
 
 #: One owner per name: the router exports every per-worker figure that travels through the shm slot
 #: (lifecycle, warm-up, first request, model load, CUDA OOMs, scoring inputs) for all workers, even those whose
 #: metrics port is off; a worker's own port exports only what the slot does not carry. No name is in both jobs
 #: except dplb_build_info (told apart by its ``component`` label), so an unfiltered ``sum`` never double-counts.
-WORKER_SIDE = frozenset({BUILD_INFO, WORKER_INFO, WORKER_REQUESTS, WORKER_ERRORS, NVML_ERRORS, WORKER_COLLECTOR_TICK})
+WORKER_SIDE = frozenset({BUILD_INFO, WORKER_INFO, WORKER_REQUESTS, WORKER_ERRORS, NVML_ERRORS, WORKER_COLLECTOR_TICK,
+                         WORKER_ORPHANS, WORKER_ORPHAN_ABORTS, WORKER_LEAKED_INFLIGHT, WORKER_ENGINE_REQUESTS})
 
 #: How a router group's /metrics merges its processes (:mod:`dplb.router.siblings`). GROUP_SHARED: figures every
 #: process derives from the same shm segment and router slots (the per-worker scoring inputs, health, lifecycle)
@@ -126,10 +131,13 @@ class WorkerMetrics:
 
 
 class _WorkerCounters:
-    """Scrape-time counters of one worker: ``source()`` returns (requests_total, errors_total, nvml_errors_total)."""
+    """Scrape-time figures of one worker: ``source()`` returns (requests_total, errors_total, nvml_errors_total);
+    ``reconcile()`` the reconciler's (orphans now, orphan aborts sent in total, leaked router in-flight now, engine
+    requests at its last tick)."""
 
-    def __init__(self, worker: str, source: Callable[[], tuple[int, int, int]]) -> None:
-        self.worker, self.source = worker, source
+    def __init__(self, worker: str, source: Callable[[], tuple[int, int, int]],
+                 reconcile: Callable[[], tuple[int, int, int, int]]) -> None:
+        self.worker, self.source, self.reconcile = worker, source, reconcile
 
     def describe(self) -> list[Metric]:
         return []
@@ -142,18 +150,40 @@ class _WorkerCounters:
             fam = CounterMetricFamily(name, doc, labels=["worker"])
             fam.add_metric([self.worker], v)
             yield fam
+        orphans, aborts, leaked, held = self.reconcile()
+        g = GaugeMetricFamily(WORKER_ORPHANS, "Engine requests whose client is gone (no open request on the worker's "
+                              "socket), seen for at least two state intervals.", labels=["worker"])
+        g.add_metric([self.worker], orphans)
+        yield g
+        c = CounterMetricFamily(WORKER_ORPHAN_ABORTS, "Aborts the worker's reconciler sent to its engine for orphan "
+                                "requests (an abort that the client's disconnect should have caused).",
+                                labels=["worker"])
+        c.add_metric([self.worker], aborts)
+        yield c
+        g = GaugeMetricFamily(WORKER_LEAKED_INFLIGHT, "Requests the routers count in flight to this worker that are "
+                              "not open on its socket, for at least two state intervals (summed over routers).",
+                              labels=["worker"])
+        g.add_metric([self.worker], leaked)
+        yield g
+        g = GaugeMetricFamily(WORKER_ENGINE_REQUESTS, "Requests the engine holds (waiting or running) as the "
+                              "reconciler saw them at its last tick (vLLM: one per prompt).", labels=["worker"])
+        g.add_metric([self.worker], held)
+        yield g
 
 
 def worker_metrics(worker_id: int, version: str, engine: str = "sim",
-                   counters: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)) -> WorkerMetrics:
+                   counters: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
+                   reconcile: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0)) -> WorkerMetrics:
     """Build a worker's metrics in a fresh registry (see :data:`WORKER_SIDE`). ``counters()`` returns the running
-    totals (requests completed, requests failed, NVML errors) exported as counters at scrape time."""
+    totals (requests completed, requests failed, NVML errors) exported as counters at scrape time; ``reconcile()``
+    the reconciler's figures (orphans now, orphan aborts in total, leaked router in-flight now, engine requests;
+    docs/DESIGN.md §8.1)."""
     reg = CollectorRegistry(auto_describe=True)
     w = str(worker_id)
     Info(BUILD_INFO, "DPLB build", registry=reg).info({"version": version, "component": "worker"})
     Info(WORKER_INFO, "This worker's id and engine (joins the engine's vllm:* series to a worker id by instance).",
          registry=reg).info({"worker": w, "engine": engine})
-    reg.register(_WorkerCounters(w, counters))
+    reg.register(_WorkerCounters(w, counters, reconcile))
     m = WorkerMetrics(
         registry=reg,
         collector_tick=Histogram(WORKER_COLLECTOR_TICK, "Time one collector tick takes, seconds.", ["worker"],

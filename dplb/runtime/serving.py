@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -50,12 +51,15 @@ DISCONNECT_EXT = "dplb.disconnect"  # scope["extensions"] key of a request's Dis
 class DisconnectHook:
     """``scope["extensions"]["dplb.disconnect"]`` of a request served by :func:`bounded_protocol`: ``gone`` turns
     True and ``callback()`` (set by the app, once) is called when the client's connection is lost before the
-    response completed — what uvicorn's ``receive()`` reports as ``http.disconnect``, without a task awaiting it."""
+    response completed — what uvicorn's ``receive()`` reports as ``http.disconnect``, without a task awaiting it.
+    ``peer_pid``: the client process on a Unix socket (``SO_PEERCRED``, read once per connection; 0 on TCP or when
+    unknown) — a worker tells which router process sent a request by it (docs/DESIGN.md §8.1)."""
 
-    __slots__ = ("callback", "gone")
+    __slots__ = ("callback", "gone", "peer_pid")
 
-    def __init__(self) -> None:
+    def __init__(self, peer_pid: int = 0) -> None:
         self.gone = False
+        self.peer_pid = peer_pid
         self.callback: Callable[[], None] | None = None
 
     def fire(self) -> None:
@@ -104,6 +108,21 @@ class _CorkedTransport:
         return getattr(self._transport, name)
 
 
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (Linux)
+
+
+def peer_pid(transport: Any) -> int:
+    """The pid of the process at the other end of a Unix-socket ``transport`` (``SO_PEERCRED``, Linux); 0 for TCP,
+    other platforms or any error (never raises)."""
+    try:
+        sock = transport.get_extra_info("socket")
+        if sock is None or sock.family != socket.AF_UNIX:
+            return 0
+        return int(_PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0])
+    except (OSError, AttributeError, struct.error, ValueError):
+        return 0
+
+
 def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | None = None) -> type:
     """uvicorn's httptools protocol with request heads capped at ``max_head_bytes`` (431 + close above it) and
     OpenAI-shaped 400s for malformed HTTP. ``on_reject(code)`` is called for each (metrics). Each request's scope
@@ -120,6 +139,12 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
         _raw_bytes = 0  # bytes read while the head is incomplete (bounds memory before a header completes)
         _in_head = True
         _too_large = False
+
+        _peer_pid = 0  # SO_PEERCRED of a Unix-socket client, read once per connection
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._peer_pid = peer_pid(transport)
 
         def on_message_begin(self) -> None:
             self._in_head, self._head_bytes, self._raw_bytes = True, 0, 0
@@ -138,7 +163,7 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             if self._head_bytes > max_head_bytes:
                 self._too_large = True
                 raise ValueError("request head too large")  # httptools stops parsing; send_400_response below
-            self.scope["extensions"] = {DISCONNECT_EXT: DisconnectHook()}  # type: ignore[dict-item]
+            self.scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid)}  # type: ignore[dict-item]
             prev = self.cycle
             super().on_headers_complete()
             if self.cycle is not prev and self.cycle is not None:  # (an upgrade request makes no cycle)

@@ -296,6 +296,34 @@ class RouterSlots:
         return out
 
 
+def router_inflight(mm: mmap.mmap, q: memoryview, num_workers: int, worker: int,
+                    now_ns: int | None = None) -> dict[int, int]:
+    """What each live router process believes ``worker`` has in flight: ``{router pid: open requests}`` for every
+    router slot whose pid is set and whose heartbeat is within :data:`ROUTER_STALE_S` (``now_ns``: CLOCK_MONOTONIC
+    ns, default now). ``mm`` is a segment mapping with ``num_workers`` worker slots and ``q`` its
+    ``memoryview.cast("Q")``; each slot is read under its seqlock (one torn :data:`READ_RETRIES` times is left out).
+    The worker's reconciler compares it with the requests open on its socket (docs/DESIGN.md §8.1)."""
+    base = routers_offset(num_workers)
+    now = time.monotonic_ns() if now_ns is None else now_ns
+    limit = int(ROUTER_STALE_S * 1e9)
+    out: dict[int, int] = {}
+    entry = 64 + 16 * worker + 4
+    for r in range(MAX_ROUTERS):
+        off = base + r * ROUTER_SLOT_SIZE
+        si = off >> 3
+        for _ in range(READ_RETRIES):
+            seq = q[si]
+            if seq & 1:
+                continue
+            pid, hb = q[si + 1] & 0xFFFFFFFF, q[si + 2]
+            (inflight,) = struct.unpack_from("<I", mm, off + entry)
+            if q[si] == seq:
+                if pid and now - hb <= limit:
+                    out[pid] = out.get(pid, 0) + inflight
+                break
+    return out
+
+
 def read_router_slots(mm: mmap.mmap | bytes, num_workers: int) -> list[dict[str, Any]]:
     """Decode every used router slot of a segment's bytes (``dplb state --json``): pid, port, process index,
     heartbeat age (seconds) and per-worker pending/inflight lists. Not seqlocked: for display only."""

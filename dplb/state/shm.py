@@ -43,7 +43,8 @@ Byte layout (little-endian; offsets in bytes)::
       72  f64  avg_latency_s         mean E2E latency of the last 10 requests, seconds (0 = none yet)
       80  f64  avg_ttft_s            mean TTFT of the last 10 requests, seconds (0 = none yet)
       88  u64  requests_total
-      96  u64  errors_total          requests the engine failed (5xx)
+      96  u64  errors_total          requests the engine failed (5xx, or cut short by the engine; a client's
+                                     disconnect is not one)
       104 u64  cuda_oom_total
       112 f64  warmup_seconds        duration of the warm-up request (0 until warmed)
       120 f64  first_request_seconds duration of the first real request after ready (0 until served)
@@ -432,6 +433,14 @@ class Segment:
         from dplb.state.router_slots import read_router_slots
 
         return read_router_slots(self._mm, self.num_workers)
+
+    def router_inflight(self, worker_id: int) -> dict[int, int]:
+        """``{router pid: requests it has open to worker_id}`` for every live router process on this segment
+        (:func:`dplb.state.router_slots.router_inflight`; seqlocked)."""
+        from dplb.state.router_slots import router_inflight
+
+        self._slot_offset(worker_id)  # raises ShmWorkerIdError for a worker outside the segment
+        return router_inflight(self._mm, self._seqs, self.num_workers, worker_id)
 
     # ---- writing ---------------------------------------------------------------------------------------------
     def writer(self, worker_id: int) -> SlotWriter:

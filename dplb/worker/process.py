@@ -16,6 +16,11 @@ Contract (docs/DESIGN.md §8, §3)
   in-flight counts from their router slots, :class:`dplb.policy.stall.StallDetector`): stalled for
   ``stall_restart_after_s`` since the engine's last progress, it stops pinging systemd's watchdog and the worker
   exits 1 (logged), so ``dplb launch`` (which then kills what is left of its process group) or systemd restarts it.
+- Every state interval the reconciler (:mod:`dplb.worker.reconcile`, docs/DESIGN.md §8.1) compares the engine's
+  requests, the requests open on the socket and the routers' in-flight counts for this worker, aborts orphans and
+  exports the figures (``dplb_worker_orphan_requests``, ``dplb_worker_orphan_aborts_total``,
+  ``dplb_worker_leaked_inflight``) on the metrics port. The socket's server is the bounded one
+  (:func:`dplb.runtime.serving.bounded_protocol`): each request knows its client process and its disconnect.
 - A missing segment is a :class:`dplb.errors.ShmMissingError` before anything starts (the CLI prints it).
 - A segment removed or replaced at runtime (a cleanup, ``dplb segment create`` again) does not stop the worker: it
   keeps serving (and publishing into its old mapping), the collector notices at its next tick (one ``stat``), logs
@@ -48,9 +53,12 @@ from dplb.runtime.sd_notify import Watchdog, notify
 from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
 from dplb.state.router_slots import ROUTER_STALE_S, read_router_slots
 from dplb.state.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, Lifecycle, Segment, SlotWriter, WorkerState
-from dplb.worker.engines.base import Engine, RequestStats, RequestStatsMiddleware, Scope
+from dplb.worker.engines.base import Engine, Reconcilable, RequestStats, RequestStatsMiddleware, Scope
+from dplb.worker.reconcile import Reconciler
 
 log = logging.getLogger("dplb.worker")
+#: Request line + headers a worker accepts (431 above): the router forwards at most 64 KiB; direct clients get more.
+WORKER_MAX_HEAD_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,12 +283,23 @@ class Worker:
         self.interval_ms = cfg.state_interval_ms or self.segment.state_interval_ms
         self.req = RequestStats()
         self.gpu = GpuReader(visible_gpu_indices())
+        reconcilable: Reconcilable | None = engine if callable(getattr(engine, "requests", None)) and callable(
+            getattr(engine, "abort", None)) else None  # type: ignore[assignment]
+        self.reconciler = Reconciler(reconcilable, self.req, self._router_inflight, cfg.worker_id,
+                                     self.interval_ms / 1000)
         self.metrics = worker_metrics(cfg.worker_id, __version__, engine.name, lambda: (
-            self.req.requests_total, self.req.errors_total, self.gpu.errors_total))
+            self.req.requests_total, self.req.errors_total, self.gpu.errors_total), self.reconciler.figures)
         self.collector = Collector(self.segment.writer(cfg.worker_id), engine, self.req, self.gpu,
                                    self.interval_ms / 1000, self.metrics, cfg.stall_after_s, cfg.stall_restart_after_s)
         self.accepting = True
         self._stop = asyncio.Event()
+
+    def _router_inflight(self) -> dict[int, int]:
+        """Each live router process's in-flight count for this worker (empty while the segment is unreadable)."""
+        try:
+            return self.collector.segment.router_inflight(self.cfg.worker_id)
+        except (ShmError, ValueError):  # a replaced segment with fewer slots, or one closed meanwhile
+            return {}
 
     def request_stop(self) -> None:
         """Begin draining (signal handler)."""
@@ -296,6 +315,7 @@ class Worker:
         self.collector.start()
         log.info("Worker %d starting (engine %s, pid %d, socket %s)", k, self.engine.name, os.getpid(), self.cfg.uds)
         servers = []
+        reconcile: asyncio.Task[None] | None = None
         try:
             # Metrics first: the port answers (lifecycle "starting") while a model loads for minutes.
             self.collector.set_lifecycle(Lifecycle.STARTING)
@@ -311,8 +331,9 @@ class Worker:
             load_s = time.perf_counter() - t_load
             if self.engine.app is not None:
                 app = RequestStatsMiddleware(self.engine.app, self.req, lambda: self.accepting)
-                srv = make_server(app, graceful_s=self.cfg.drain_timeout_s)
+                srv = make_server(app, graceful_s=self.cfg.drain_timeout_s, max_head_bytes=WORKER_MAX_HEAD_BYTES)
                 servers.append((srv, asyncio.create_task(srv.serve(sockets=[bind_uds(self.cfg.uds)]))))
+                reconcile = asyncio.create_task(self.reconciler.run(), name=f"dplb-reconcile-{k}")
             self.collector.set_lifecycle(Lifecycle.WARMING, model_load_seconds=load_s)
             log.info("Worker %d warming up (engine loaded in %.1f s)", k, load_s)
             if not self._stop.is_set():
@@ -331,6 +352,8 @@ class Worker:
             log.error("Worker %d failed: %s", k, e)
             return 1
         finally:
+            if reconcile is not None:
+                reconcile.cancel()
             for srv, task in servers:
                 srv.should_exit = True
                 with contextlib.suppress(Exception):

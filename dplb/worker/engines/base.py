@@ -6,6 +6,13 @@ Contract
   engine, the latest scrape for vLLM), since the collector calls it every ``state_interval_ms``.
 - Per-request figures (E2E latency, time to first byte, counts, errors) are measured for every engine the same way,
   by :class:`RequestStatsMiddleware` around the engine's app, and kept in :class:`RequestStats`.
+- Every HTTP request on the worker's socket is registered while it is open (:class:`OpenRequest`, in
+  :attr:`RequestStats.open` and in ``scope["extensions"]["dplb.request"]``): its ``X-Request-Id``, the client
+  process (the router process, by ``SO_PEERCRED``) and whether that client has gone. An engine that can list and
+  abort its requests (:class:`Reconcilable`: ``requests()`` and ``abort()``) lets the worker's reconciler find and
+  abort orphans (docs/DESIGN.md §8.1).
+- A request whose client disconnected is not an engine error: it is counted in ``requests_total``, not in
+  ``errors_total``, and gives no latency sample.
 - Engine differences stay behind this module: the collector, lifecycle and router never look past it.
 """
 
@@ -20,6 +27,7 @@ from typing import Any, Protocol
 
 from dplb.errors import openai_error_body
 from dplb.runtime.asgi import Message, Receive, Send, send_json
+from dplb.runtime.serving import DISCONNECT_EXT
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -47,6 +55,64 @@ class EngineStats:
     progress_total: int = 0
     progress_known: bool = False
     max_loras: int = 0
+
+
+REQUEST_EXT = "dplb.request"  # scope["extensions"] key of a request's OpenRequest (set by RequestStatsMiddleware)
+
+
+class OpenRequest:
+    """One HTTP request open on the worker's socket: ``xrid`` (its ``X-Request-Id``, or None), ``peer_pid`` (the
+    client process on the Unix socket, 0 when unknown), ``t0`` (``time.monotonic()`` at arrival). ``gone`` is True
+    once the client's connection was lost before the response completed (the server's disconnect hook, or an
+    ``http.disconnect`` the app received); ``closed`` once the app returned."""
+
+    __slots__ = ("_hook", "closed", "disconnected", "peer_pid", "t0", "xrid")
+
+    def __init__(self, scope: Scope) -> None:
+        xrid = None
+        for k, v in scope.get("headers") or ():
+            if k == b"x-request-id":
+                xrid = v.decode("latin-1")
+                break
+        self.xrid = xrid
+        self._hook: Any = (scope.get("extensions") or {}).get(DISCONNECT_EXT)
+        self.peer_pid = int(getattr(self._hook, "peer_pid", 0) or 0)
+        self.t0 = time.monotonic()
+        self.disconnected = False
+        self.closed = False
+
+    @property
+    def gone(self) -> bool:
+        """True when the client left before the response completed."""
+        return self.disconnected or bool(self._hook is not None and self._hook.gone)
+
+    @property
+    def live(self) -> bool:
+        """True while the app still serves the request for a client that is still there."""
+        return not self.closed and not self.gone
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One request the engine holds now. ``id``: the engine's own id (what :meth:`Reconcilable.abort` takes).
+    ``owner``: the :class:`OpenRequest` it serves (the sim knows it), else the engine's external request id (vLLM:
+    ``chatcmpl-<X-Request-Id>``, matched against the open requests' ``X-Request-Id``), or None for work that has no
+    client by design (a ``background: true`` response). ``t0``: ``time.monotonic()`` when it entered the engine."""
+
+    id: str
+    owner: OpenRequest | str | None
+    t0: float = 0.0
+
+
+class Reconcilable(Protocol):
+    """An engine whose requests the worker's reconciler can list and abort (docs/DESIGN.md §8.1)."""
+
+    def requests(self) -> list[EngineRequest]:
+        """Every request the engine holds now (waiting or running). Cheap; called on the serving loop each tick."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort engine request ``request_id`` (an :attr:`EngineRequest.id`); no-op when it is already gone."""
 
 
 class Engine(Protocol):
@@ -79,8 +145,9 @@ class RequestStats:
 
     ``avg_latency_s``/``avg_ttfb_s``: means over the last :data:`LATENCY_WINDOW` (10) completed requests, seconds
     (0 until one completes). TTFB = time to the first response body byte, which is TTFT for streaming requests.
-    ``errors_total`` counts responses with status ≥ 500 and requests that died mid-response; client 4xx are not
-    worker errors. ``first_request_seconds`` is the E2E of the first request after the worker became ready.
+    ``errors_total`` counts responses with status ≥ 500 and responses the engine cut short; client 4xx and
+    requests whose client left first are not worker errors (nor latency samples). ``first_request_seconds`` is the
+    E2E of the first request after the worker became ready.
     """
 
     def __init__(self) -> None:
@@ -90,6 +157,7 @@ class RequestStats:
         self.requests_total = 0
         self.errors_total = 0
         self.inflight = 0
+        self.open: set[OpenRequest] = set()  # every HTTP request open on the socket (serving loop only)
         self.first_request_seconds = 0.0
         self.counting_first = False  # set once the worker is ready; the warm-up request is not "first"
 
@@ -98,15 +166,16 @@ class RequestStats:
         with self._lock:
             self.inflight += 1
 
-    def end(self, e2e_s: float, ttfb_s: float | None, error: bool) -> None:
-        """A request left the engine after ``e2e_s`` seconds (``ttfb_s`` None if no body byte was sent)."""
+    def end(self, e2e_s: float, ttfb_s: float | None, error: bool, gone: bool = False) -> None:
+        """A request left the engine after ``e2e_s`` seconds (``ttfb_s`` None if no body byte was sent); ``error``:
+        the engine failed it; ``gone``: the client left first (neither an error nor a latency sample)."""
         with self._lock:
             self.inflight -= 1
             self.requests_total += 1
             if error:
                 self.errors_total += 1
                 return
-            if not self.counting_first:
+            if gone or not self.counting_first:
                 return  # the warm-up request: not a sample of this worker's latency under real traffic
             self._lat.append(e2e_s)
             if ttfb_s is not None:
@@ -140,6 +209,9 @@ class RequestStatsMiddleware:
 
     ``accepting()`` is consulted for every model request: when it returns False (draining) the request is answered
     503 ``{"error": …, "code": "worker_draining"}`` without reaching the engine, so the router retries elsewhere.
+    Every HTTP request (model or not) is registered in ``stats.open`` while the app serves it (:class:`OpenRequest`).
+    A model request that ends incomplete because its client left is not an error (``errors_total`` counts 5xx
+    answers and responses the engine cut short).
     """
 
     def __init__(self, app: ASGIApp, stats: RequestStats, accepting: Callable[[], bool]) -> None:
@@ -148,9 +220,31 @@ class RequestStatsMiddleware:
         self.accepting = accepting
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in TIMED_PATHS:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        req = OpenRequest(scope)
+        ext = scope.get("extensions")
+        scope["extensions"] = {**(ext or {}), REQUEST_EXT: req}
+
+        async def watched_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                req.disconnected = True
+            return message
+
+        opened = self.stats.open
+        opened.add(req)
+        try:
+            if scope["path"] in TIMED_PATHS:
+                await self._timed(scope, watched_receive, send, req)
+            else:
+                await self.app(scope, watched_receive, send)
+        finally:
+            req.closed = True
+            opened.discard(req)
+
+    async def _timed(self, scope: Scope, receive: Receive, send: Send, req: OpenRequest) -> None:
         if not self.accepting():
             # x-dplb-draining tells the router nothing was started here, so it may send the request elsewhere.
             await send_json(send, 503, _DRAINING, [(b"x-dplb-draining", b"1"), (b"retry-after", b"1")])
@@ -177,4 +271,5 @@ class RequestStatsMiddleware:
             await self.app(scope, receive, timed_send)
         finally:
             e2e = time.perf_counter() - t0
-            stats.end(e2e, first[0] if first else None, status[0] >= 500 or not complete[0])
+            gone = not complete[0] and req.gone
+            stats.end(e2e, first[0] if first else None, status[0] >= 500 or (not complete[0] and not gone), gone)

@@ -18,6 +18,10 @@ Contract
 - CUDA OOMs: a logging handler on the ``vllm`` loggers counts records that report an out-of-memory error and the
   collector logs them with the remedy. An OOM that kills the EngineCore shows up as engine death: :meth:`failure`
   returns the error, and the worker exits non-zero so the launcher/systemd restarts it.
+- Reconciliation (docs/DESIGN.md §8.1): :meth:`requests` lists the requests vLLM's engine client holds
+  (``output_processor.request_states``: internal id → state with its external id, ``chatcmpl-<X-Request-Id>`` and
+  the like), a background response's requests with no owner (``openai_serving_responses.background_tasks``);
+  :meth:`abort` is ``AsyncLLM.abort(internal_id, internal=True)``, which aborts it in EngineCore too.
 - Import of vllm happens in :meth:`start` only: importing this module is cheap and never pulls torch.
 """
 
@@ -32,7 +36,7 @@ from typing import Any
 from prometheus_client import REGISTRY, generate_latest
 
 from dplb.errors import ConfigError
-from dplb.worker.engines.base import ASGIApp, EngineStats
+from dplb.worker.engines.base import ASGIApp, EngineRequest, EngineStats
 
 log = logging.getLogger("dplb.engine.vllm")
 _OOM_RE = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.IGNORECASE)
@@ -224,6 +228,26 @@ class VllmEngine:
             kv_total_blocks=self._kv_blocks, kv_block_size=self._kv_block_size, max_loras=self._max_loras,
             progress_total=self._progress.total, progress_known=self._progress_known,
         )
+
+    def requests(self) -> list[EngineRequest]:
+        """The requests vLLM's engine client holds now: (internal id, external id as owner; None for a background
+        response's). Empty before the engine is up or when vLLM's internals differ."""
+        states = getattr(getattr(self._client, "output_processor", None), "request_states", None)
+        if not isinstance(states, dict):
+            return []
+        serving = getattr(getattr(self._app, "state", None), "openai_serving_responses", None)
+        background = tuple(getattr(serving, "background_tasks", None) or ())
+        out = []
+        for iid, st in list(states.items()):
+            ext = str(getattr(st, "external_req_id", None) or iid)
+            owner = None if background and ext.startswith(background) else ext
+            out.append(EngineRequest(str(iid), owner))
+        return out
+
+    async def abort(self, request_id: str) -> None:
+        """Abort the engine request with internal id ``request_id`` (output processor and EngineCore)."""
+        if self._client is not None:
+            await self._client.abort(request_id, internal=True)
 
     def metrics_text(self) -> bytes:
         """vLLM's metrics (and the process's) in Prometheus text format."""

@@ -44,7 +44,7 @@ import msgspec
 from dplb.config import split_list
 from dplb.errors import ConfigError
 from dplb.runtime.asgi import send_json, until_disconnect
-from dplb.worker.engines.base import Receive, Scope, Send
+from dplb.worker.engines.base import REQUEST_EXT, Receive, Scope, Send
 from dplb.worker.engines.sim import pooling
 from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
 from dplb.worker.engines.sim.pooling import POOLING_PATHS
@@ -165,7 +165,8 @@ class SimApi:
             data = self._parse(path, body, hdr.get(b"content-type", b""))
             rec["model"] = data.get("model")
             if path == _RESPONSES:
-                await self._respond(receive, send, data, headers, rec)
+                owner = (scope.get("extensions") or {}).get(REQUEST_EXT)
+                await self._respond(receive, send, data, headers, rec, owner)
                 return
             rec["status"] = 200
             await send_json(send, 200, _json(self._generic(path, data)), headers)
@@ -246,7 +247,7 @@ class SimApi:
         return _json(resp)
 
     async def _respond(self, receive: Receive, send: Send, data: dict[str, Any],
-                       headers: list[tuple[bytes, bytes]], rec: dict[str, Any]) -> None:
+                       headers: list[tuple[bytes, bytes]], rec: dict[str, Any], owner: Any = None) -> None:
         eng, cfg = self.engine, self.engine.config
         prev = data.get("previous_response_id")
         if prev is not None and prev not in self.responses:
@@ -267,7 +268,7 @@ class SimApi:
         rid = given if isinstance(given, str) else f"resp_{uuid.uuid4().hex}"
         rec["request_id"] = rid
         stream = data.get("stream") is True
-        req = SimRequest(stream=stream)
+        req = SimRequest(stream=stream, owner=None if data.get("background") is True else owner)
         req.add_seq(0, len(ids), block_hashes(ids, cfg.block_size), max_tokens, cfg.block_size)
         rng = random.Random(f"{cfg.seed}:{prompt_hash(ids)}:0")
         rec["prompt_tokens"] = eng.last_prompt_tokens = len(ids)
@@ -394,7 +395,7 @@ class SimApi:
                        "total_tokens": prompt_tokens + len(words)})
         finally:
             if not req.done:
-                sched.abort(req)
+                sched.abort(req, client=False)  # a cancel is not a disconnect: the lose_aborts knob spares it
             self.background.pop(str(resp["id"]), None)
 
     async def _watch(self, receive: Receive, req: SimRequest) -> None:

@@ -27,7 +27,10 @@ Contract
 - Timing: one scheduler step lasts ``(decode_step_s + decode_step_s_per_seq * running + prefill_s_per_token *
   uncached prompt tokens admitted this step) / speed`` seconds, and yields one token per running sequence; see
   :mod:`dplb.worker.engines.sim.scheduler` for batching, KV blocks and the prefix cache.
-- A client disconnect (ASGI ``http.disconnect``) aborts the request at once and frees its KV blocks.
+- A client disconnect (ASGI ``http.disconnect``) aborts the request at once and frees its KV blocks (unless the
+  ``lose_aborts``/``ignore_aborts`` fault knobs say otherwise). :meth:`SimEngine.requests` lists what the scheduler
+  holds, each with the worker's open HTTP request it serves; :meth:`SimEngine.abort` aborts one by engine id (the
+  worker's reconciler, docs/DESIGN.md §8.1).
 - The HTTP layer is a small raw ASGI app, not Litestar: measured in-process, ~4 µs per request against ~95 µs for
   the same handler in Litestar, and it watches ``http.disconnect`` directly. Serve it with uvicorn, e.g.
   ``python -m dplb.worker.engines.sim --uds /run/dplb/worker-0.sock --max-num-seqs 8 --speed 0.5``.
@@ -51,7 +54,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb.runtime.asgi import send_json, until_disconnect
-from dplb.worker.engines.base import ASGIApp, EngineStats, Receive, Scope, Send
+from dplb.worker.engines.base import REQUEST_EXT, ASGIApp, EngineRequest, EngineStats, Receive, Scope, Send
 from dplb.worker.engines.sim import logprobs, text
 from dplb.worker.engines.sim.api import SimApi
 from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
@@ -174,6 +177,20 @@ class SimEngine:
                            kv_block_size=self.config.block_size, progress_total=s.progress_total,
                            progress_known=True, max_loras=self.config.max_loras)
 
+    def requests(self) -> list[EngineRequest]:
+        """Every request the scheduler holds (waiting or running), with the open HTTP request it serves (None for
+        a background response); ``t0`` on the serving loop's clock."""
+        return [EngineRequest(r.id, r.owner, r.t0) for r in list(self.scheduler.live.values())]
+
+    async def abort(self, request_id: str) -> None:
+        """Abort engine request ``request_id`` (the reconciler's abort: lost only under ``ignore_aborts``)."""
+        req = self.scheduler.live.get(request_id)
+        if req is not None and self.scheduler.abort(req, client=False):
+            self.aborted_total += 1
+            rec = self._active.get(req)
+            if rec is not None:
+                rec["aborted"] = True
+
     def metrics_text(self) -> bytes:
         """The ``vllm:*`` metrics (private registry) in Prometheus text format."""
         return generate_latest(self.scheduler.metrics.registry)
@@ -198,8 +215,12 @@ class SimEngine:
 
     def _close_on_loop(self) -> None:
         self.scheduler.stop()
-        for req, rec in list(self._active.items()):
-            self._abort(req, rec)
+        for req in list(self.scheduler.live.values()):  # background responses too
+            if self.scheduler.abort_now(req):
+                self.aborted_total += 1
+                rec = self._active.get(req)
+                if rec is not None:
+                    rec["aborted"] = True
         if self._release is not None:
             self._release.set()
 
@@ -324,16 +345,18 @@ class SimEngine:
                 rec["status"] = e.status
                 await send_json(send, e.status, e.body(), headers)
                 return
-            if await self._generate(receive, send, p, rid, rec, headers, chat):
+            owner = (scope.get("extensions") or {}).get(REQUEST_EXT)
+            if await self._generate(receive, send, p, rid, rec, headers, chat, owner):
                 self._completed()
         finally:
             self.inflight -= 1
 
     async def _generate(self, receive: Receive, send: Send, p: ParsedRequest, rid: str, rec: dict[str, Any],
-                        headers: list[tuple[bytes, bytes]], chat: bool) -> bool:
-        """Run ``p`` through the scheduler and answer it; True when the full response was sent."""
+                        headers: list[tuple[bytes, bytes]], chat: bool, owner: Any = None) -> bool:
+        """Run ``p`` through the scheduler and answer it (``owner``: the worker's open HTTP request it serves);
+        True when the full response was sent."""
         cfg = self.config
-        req = SimRequest(stream=p.stream)
+        req = SimRequest(stream=p.stream, owner=owner)
         seeds, rngs = [], []
         for pi, ids in enumerate(p.prompts):
             hashes, ph = block_hashes(ids, cfg.block_size), prompt_hash(ids)

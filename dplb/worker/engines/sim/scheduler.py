@@ -88,6 +88,10 @@ class SimConfig:
     - ``chunk_delay_s``: extra delay after each streamed token chunk.
     - ``first_request_delay_s``: the second model request (the first after the worker's warm-up one) waits this
       long before it is scheduled: a cold first request (CUDA graphs, cold caches); drills DPLBWorkerColdStartSlow.
+    - ``lose_aborts``: a client disconnect does not abort the request (a lost abort): it keeps running, unread,
+      until its ``max_tokens``; an abort from the worker's reconciler still works.
+    - ``ignore_aborts``: no abort works, neither a disconnect's nor the reconciler's: an orphan keeps running until
+      its ``max_tokens`` (drills DPLBInflightMismatch). Shutdown still aborts everything.
     """
 
     model: str = "dplb-sim"
@@ -113,6 +117,8 @@ class SimConfig:
     first_request_delay_s: float = 0.0
     max_inflight_503: int = 0
     chunk_delay_s: float = 0.0
+    lose_aborts: bool = False
+    ignore_aborts: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -277,12 +283,17 @@ class Seq:
 
 class SimRequest:
     """One HTTP request: its sequences, and an event the scheduler sets on progress (every token when
-    ``stream``, else only when the request is done) and on abort."""
+    ``stream``, else only when the request is done) and on abort. ``id``: the engine's own id (unique in this
+    process, set by :meth:`SimScheduler.submit`); ``owner``: what :meth:`SimEngine.requests` reports it serves (the
+    worker's open HTTP request, or None for work without a client, such as a background response)."""
 
-    __slots__ = ("aborted", "done", "event", "seqs", "stream", "unfinished")
+    __slots__ = ("aborted", "done", "event", "id", "owner", "seqs", "stream", "t0", "unfinished")
 
-    def __init__(self, stream: bool) -> None:
+    def __init__(self, stream: bool, owner: Any = None) -> None:
         self.stream = stream
+        self.owner = owner
+        self.id = ""
+        self.t0 = 0.0
         self.seqs: list[Seq] = []
         self.event = asyncio.Event()
         self.unfinished = 0
@@ -379,6 +390,8 @@ class SimScheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._frozen = False
+        self.live: dict[str, SimRequest] = {}  # engine id → request, from submit until it finishes or is aborted
+        self._ids = 0
 
     # --- cheap reads (any thread) ---
     @property
@@ -405,17 +418,29 @@ class SimScheduler:
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._run(), name="dplb-sim-scheduler")
         now = loop.time()
+        self._ids += 1
+        req.id, req.t0 = f"sim-{self._ids}", now
+        self.live[req.id] = req
         for seq in req.seqs:
             seq.t_arrival = now
             self.waiting.append(seq)
         assert self._wake is not None
         self._wake.set()
 
-    def abort(self, req: SimRequest) -> bool:
-        """Remove ``req``'s sequences at once and free their blocks. Returns False if it was already done/aborted."""
+    def abort(self, req: SimRequest, client: bool = True) -> bool:
+        """Remove ``req``'s sequences at once and free their blocks. Returns False if it was already done/aborted,
+        or when the abort is lost: a ``client`` abort (a disconnect) under ``lose_aborts``, any abort under
+        ``ignore_aborts`` (the fault knobs)."""
+        if req.done or req.aborted or self.cfg.ignore_aborts or (client and self.cfg.lose_aborts):
+            return False
+        return self.abort_now(req)
+
+    def abort_now(self, req: SimRequest) -> bool:
+        """Abort ``req`` whatever the fault knobs say (shutdown). Returns False if it was already done/aborted."""
         if req.done or req.aborted:
             return False
         req.aborted = True
+        self.live.pop(req.id, None)
         for seq in req.seqs:
             if seq.state == WAITING:
                 self.waiting.remove(seq)
@@ -521,6 +546,7 @@ class SimScheduler:
                 req.unfinished -= 1
                 if req.unfinished == 0:
                     req.done = True
+                    self.live.pop(req.id, None)
                     req.event.set()
             else:
                 still.append(seq)
