@@ -47,19 +47,11 @@ from dplb.policy import RouteRequest
 from dplb.policy.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, watch_disconnect
-from dplb.router.intake import (
-    Peek,
-    Rejected,
-    bearer_credential,
-    bearer_ok,
-    check_head,
-    excluded,
-    read_body,
-    receive_body,
-)
+from dplb.router.intake import Peek, Rejected, check_head, excluded, read_body, receive_body
 from dplb.router.models import ServedModels
 from dplb.router.routes import PROXY_PATHS, ResponseIds, match
 from dplb.router.state import RouterState
+from dplb.router.tenancy import Gate
 from dplb.router.upstream import UpstreamPool
 from dplb.runtime.serving import DISCONNECT_EXT
 
@@ -86,7 +78,8 @@ class Proxy:
         self.response_ids = ResponseIds(cfg.response_ids)
         self.metrics = state.metrics
         self.upstreams = Upstreams(cfg, state, pool, self.response_ids)
-        self._auth = bearer_credential(cfg.api_key)
+        # Tenants (the API key, --tenants), their limits, the fair queue and the usage ledger (docs/DESIGN.md §14).
+        self.gate = Gate(cfg, state, self.metrics.registry, self.upstreams.reject)
         self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.obs.tracing.make_tracer)
         self._tracing: Tracing | None = None
         self._req_skip = REQ_OWN
@@ -129,10 +122,16 @@ class Proxy:
 
     async def _handle(self, ex: Exchange) -> None:
         clen, ctype, auth, encoding = _scan_headers(ex)
-        if self._auth is not None and not bearer_ok(auth, self._auth):
+        if not self.gate.identify(ex, auth):
             await self._reject(ex, RouterErrorKind.UNAUTHORIZED, "missing or wrong API key (Authorization: "
                                "Bearer <key>)")
             return
+        try:
+            await self._handle_known(ex, clen, ctype, encoding)
+        finally:
+            self.gate.leave(ex)
+
+    async def _handle_known(self, ex: Exchange, clen: int, ctype: bytes, encoding: bytes) -> None:
         if ex.route is None:
             scope = ex.scope
             await self._reject(ex, RouterErrorKind.METHOD_NOT_ALLOWED, f"{scope['method']} is not allowed "
@@ -171,6 +170,8 @@ class Proxy:
 
     async def _dispatch(self, ex: Exchange, exclude: frozenset[int]) -> None:
         ex.request = self._route_request(ex.peek, exclude)
+        if not await self.gate.enter(ex):  # limits and the fair queue (dplb.router.tenancy); answered if False
+            return
         worker = self._decide(ex)
         if worker is None:
             await self._reject(ex, *_NO_WORKER.get(ex.decision.reason, _NONE_READY))
