@@ -102,8 +102,8 @@ def test_vtc_alternates_between_equal_tenants_and_a_flooder_does_not_starve_the_
     for i in range(10):
         push(q, "A", f"a{i}")
     push(q, "B", "b0")
-    # A's first request is served, then B (its counter 0 < A's 10), then A again.
-    assert names(q, 3) == ["a0", "b0", "a1"]
+    # B is lifted to A's counter; on the tie the tenant with fewer queued goes first; then A alone.
+    assert names(q, 3) == ["b0", "a0", "a1"]
 
 
 def test_weights_split_service_by_tokens() -> None:
@@ -131,7 +131,9 @@ def test_counter_lift_a_newcomer_banks_no_credit_for_idle_time() -> None:
     push(q, "B", "b0")  # B was idle: lifted to A's 1000, not left at 0
     assert q.counters["B"] == 1000.0
     push(q, "A", "a1")
-    assert names(q, 3) == ["a0", "b0", "a1"]  # ties by arrival: not B's whole backlog first
+    push(q, "B", "b1")
+    # Equal counters: the tenant with fewer queued first (B's newcomer), then alternation by counter.
+    assert names(q, 4) == ["a0", "b0", "a1", "b1"]
 
 
 def test_lift_when_the_queue_is_empty_uses_the_last_tenant_that_left() -> None:

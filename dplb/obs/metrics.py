@@ -73,6 +73,8 @@ TENANT_QUEUE_WAIT = "dplb_tenant_queue_wait_seconds"
 TENANT_TTFT = "dplb_tenant_ttft_seconds"
 TENANT_E2E = "dplb_tenant_e2e_seconds"
 TENANT_QUEUED = "dplb_tenant_queued_requests"
+TENANT_SLO_EVENTS = "dplb_tenant_slo_events"  # _total, by tenant, priority, slo (availability, ttft), result
+TENANT_SLO_OBJECTIVE = "dplb_tenant_slo_objective"  # by priority, slo: the tenants file's target (0-1)
 
 #: One owner per name: the router exports every per-worker figure that travels through the shm slot
 #: (lifecycle, warm-up, first request, model load, CUDA OOMs, scoring inputs) for all workers, even those whose
@@ -294,6 +296,11 @@ class TenantMetrics:
                              buckets=REQUEST_BUCKETS, registry=registry)
         self.queued = Gauge(TENANT_QUEUED, "Requests waiting in the router's fair queue, by tenant.", ["tenant"],
                             registry=registry)
+        self.slo_events = Counter(TENANT_SLO_EVENTS, "Requests counted by a class's SLO: availability (bad = a 5xx), "
+                                  "ttft (bad = TTFT over the class's ttft_s), by result good/bad.",
+                                  ["tenant", "priority", "slo", "result"], registry=registry)
+        self.slo_objective = Gauge(TENANT_SLO_OBJECTIVE, "A priority class's SLO target from the tenants file (0-1).",
+                                   ["priority", "slo"], registry=registry)
 
 
 class WorkerStateCollector:

@@ -3,8 +3,8 @@
 Contract (pure logic: no I/O, no event loop; the clock is injected so tests drive time)
 - :class:`FairQueue` holds the requests that found no worker with room, bounded by ``max_len`` requests and
   ``timeout_s`` seconds each. :meth:`FairQueue.pop` takes the next one: the most urgent priority class first
-  (rank 0), then within the class the tenant with the smallest Virtual Token Counter, then that tenant's oldest
-  request (FIFO within a tenant).
+  (rank 0), then within the class the tenant with the smallest Virtual Token Counter (ties: the tenant with fewer
+  requests queued, then the older head), then that tenant's oldest request (FIFO within a tenant).
 - Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024, Algorithm 2): a
   tenant's counter grows by ``(w_p · prompt tokens + w_q · generated tokens) / weight`` as it is served — the
   prompt when the request is dispatched (:meth:`FairQueue.pop`, :meth:`FairQueue.charge`), generated tokens as
@@ -161,17 +161,22 @@ class FairQueue:
         self._take(cls, w)
         return True
 
+    def _tenants(self, cls: dict[str, collections.deque[Waiter]]) -> list[str]:
+        """A class's tenants in dequeue order: smallest counter, then fewest queued (a newcomer lifted to the
+        others' counter goes first), then the oldest head."""
+        return sorted(cls, key=lambda t: (self.counters[t], self._queued[t], cls[t][0].seq))
+
     def order(self) -> Iterator[Waiter]:
         """The queued requests in dequeue order of their tenants' heads (class, counter, arrival)."""
         for cls in self._classes:
-            for tenant in sorted(cls, key=lambda t: (self.counters[t], cls[t][0].seq)):
+            for tenant in self._tenants(cls):
                 yield from cls[tenant]
 
     def pop(self, can_serve: Callable[[Waiter], bool] = lambda w: True) -> Waiter | None:
         """Remove and return the next request some worker can take (``can_serve``), its prompt charged; None when
         none can be taken."""
         for cls in self._classes:
-            for tenant in sorted(cls, key=lambda t: (self.counters[t], cls[t][0].seq)):
+            for tenant in self._tenants(cls):
                 for w in cls[tenant]:
                     if can_serve(w):
                         self.charge(w.tenant, w.weight, w.prompt_tokens)

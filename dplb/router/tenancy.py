@@ -132,6 +132,7 @@ class Gate:
         self._children: dict[str, tuple[Any, Any, Any]] = {}
         self.recent: collections.OrderedDict[str, str] = collections.OrderedDict()  # request id → tenant
         self.closed = False
+        self._publish_slos()
 
     # ---- configuration ----------------------------------------------------------------------------------------
     def _read(self) -> TenantsConfig:
@@ -167,11 +168,32 @@ class Gate:
             return False
         self.config = tc
         self._set_limits()
+        self._publish_slos()
         if self.fq is not None:
             self.fq.resize(len(tc.classes))
             self.fq.w_prompt, self.fq.w_output = tc.prompt_token_weight, tc.output_token_weight
         log.info("tenants file %s reloaded: %d tenants, classes %s", tc.path, len(tc.tenants), ", ".join(tc.classes))
         return True
+
+    def _publish_slos(self) -> None:
+        """``dplb_tenant_slo_objective`` from the file (what the burn-rate alerts divide by)."""
+        for cls, slo in self.config.slos.items():
+            if slo.availability is not None:
+                self.metrics.slo_objective.labels(cls, "availability").set(slo.availability)
+            if slo.ttft_s is not None:
+                self.metrics.slo_objective.labels(cls, "ttft").set(slo.ttft_target)
+
+    def _count_slo(self, t: Tenant, outcome: str, ttft_s: float | None) -> None:
+        """One request against its class's SLOs: availability counts ok, client_error (good) and server_error
+        (bad); TTFT counts successful requests, bad when over ``ttft_s``."""
+        slo = self.config.slos.get(t.priority)
+        if slo is None:
+            return
+        ev = self.metrics.slo_events
+        if slo.availability is not None and outcome in ("ok", "client_error", "server_error"):
+            ev.labels(t.name, t.priority, "availability", "bad" if outcome == "server_error" else "good").inc()
+        if slo.ttft_s is not None and outcome == "ok" and ttft_s is not None:
+            ev.labels(t.name, t.priority, "ttft", "bad" if ttft_s > slo.ttft_s else "good").inc()
 
     # ---- identification -----------------------------------------------------------------------------------------
     def tenant_of(self, authorization: bytes) -> Tenant | None:
@@ -285,6 +307,7 @@ class Gate:
             self._prepare(ex, tk)
             return True
         if got == _GONE:
+            self._ungrant(tk)  # granted after its client left (the grant raced the disconnect): give it back
             ex.gone = True
             await self.reject(ex, RouterErrorKind.CLIENT_CLOSED, "the client left while its request was queued")
             return False
@@ -354,7 +377,8 @@ class Gate:
             return
 
         def can(w: Waiter) -> bool:
-            return self._best(free, w.data.cannot) is not None
+            fut = w.data.fut
+            return fut is not None and not fut.done() and self._best(free, w.data.cannot) is not None
 
         while fq.length:
             w = fq.pop(can)
@@ -406,8 +430,10 @@ class Gate:
                    else "client_error")
         self.metrics.requests.labels(t.name, t.priority, outcome).inc()
         end = time.perf_counter()
-        if tk.t_first is not None:
-            self.metrics.ttft.labels(t.name, t.priority).observe(tk.t_first - ex.t_start)
+        ttft = tk.t_first - ex.t_start if tk.t_first is not None else None
+        if ttft is not None:
+            self.metrics.ttft.labels(t.name, t.priority).observe(ttft)
+        self._count_slo(t, outcome, ttft)
         if outcome == "ok":
             self.metrics.e2e.labels(t.name, t.priority).observe(end - ex.t_start)
         if self.cfg.access_log:
