@@ -277,3 +277,15 @@ def test_meter_json_body_and_a_stream_without_usage() -> None:
 ])
 def test_with_fields_writes_first_and_keeps_the_rest(body: bytes, out: bytes) -> None:
     assert with_fields(body, b'"priority":1') == out
+
+
+def test_expected_output_is_charged_at_dispatch_so_a_batch_started_together_is_not_all_one_tenants() -> None:
+    q = FairQueue(1, 100, 60, w_prompt=1.0, w_output=2.0, clock=Clock())
+    for i in range(4):
+        q.arrive("A")
+        q.push(Waiter("A", 1.0, 0, 10, f"a{i}", output_tokens=64))
+        q.arrive("B")
+        q.push(Waiter("B", 1.0, 0, 10, f"b{i}", output_tokens=64))
+    # Four slots free at once (nothing has completed yet): two each, not four of whoever is first.
+    got = names(q, 4)
+    assert sorted(n[0] for n in got) == ["a", "a", "b", "b"] and q.counters["A"] == q.counters["B"] == 2 * 138

@@ -7,8 +7,11 @@ Contract (pure logic: no I/O, no event loop; the clock is injected so tests driv
   requests queued, then the older head), then that tenant's oldest request (FIFO within a tenant).
 - Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024, Algorithm 2): a
   tenant's counter grows by ``(w_p · prompt tokens + w_q · generated tokens) / weight`` as it is served — the
-  prompt when the request is dispatched (:meth:`FairQueue.pop`, :meth:`FairQueue.charge`), generated tokens as
-  they stream (:meth:`FairQueue.charge`). Counter lift: a tenant that arrives with nothing queued is lifted to the
+  prompt and the expected output (the request's ``max_tokens``, the caller's estimate) when the request is
+  dispatched (:meth:`FairQueue.pop`), generated tokens beyond that as they stream, and the difference to the
+  engine's count at the end (:meth:`FairQueue.charge`, negative for a refund). Charging the expected output up
+  front keeps requests that started together from all looking cheap until they end (a response that is not a
+  stream shows no token before its end). Counter lift: a tenant that arrives with nothing queued is lifted to the
   smallest counter of the tenants that are queued (or, when none is, to the counter of the tenant that left the
   queue last), so idle time is not banked as credit. Work-conserving: :meth:`FairQueue.pop` skips a request no
   worker can take (``can_serve``) and takes the next one, and a lone tenant gets every slot.
@@ -32,17 +35,19 @@ from dplb.errors import RouterErrorKind
 
 class Waiter:
     """One request as the queue sees it: ``tenant`` (name), ``weight`` (> 0), ``rank`` (priority class, 0 = most
-    urgent), ``prompt_tokens`` (the estimate charged when it is dispatched), ``seq`` and ``t_enq`` (set by the
+    urgent), ``prompt_tokens`` and ``output_tokens`` (the estimates charged when it is dispatched: the prompt from
+    its size, the output from its ``max_tokens``), ``seq`` and ``t_enq`` (set by the
     queue: arrival order and clock seconds), ``data`` (the caller's)."""
 
-    __slots__ = ("data", "prompt_tokens", "rank", "seq", "t_enq", "tenant", "weight")
+    __slots__ = ("data", "output_tokens", "prompt_tokens", "rank", "seq", "t_enq", "tenant", "weight")
 
     def __init__(self, tenant: str, weight: float = 1.0, rank: int = 0, prompt_tokens: int = 0,
-                 data: Any = None) -> None:
+                 data: Any = None, output_tokens: int = 0) -> None:
         self.tenant = tenant
         self.weight = weight
         self.rank = rank
         self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens
         self.data = data
         self.seq = 0
         self.t_enq = 0.0
@@ -179,7 +184,7 @@ class FairQueue:
             for tenant in self._tenants(cls):
                 for w in cls[tenant]:
                     if can_serve(w):
-                        self.charge(w.tenant, w.weight, w.prompt_tokens)
+                        self.charge(w.tenant, w.weight, w.prompt_tokens, w.output_tokens)
                         self._take(cls, w)
                         return w
         return None

@@ -34,6 +34,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from dplb.config import RouterConfig
 from dplb.errors import ConfigError, RouterErrorKind
 from dplb.obs.metrics import TenantMetrics
@@ -59,8 +61,8 @@ class Ticket:
     """One request's tenant state, on :attr:`Exchange.tenant`: ``tenant``, ``rank`` (class), the prompt-token
     estimate, the queue future, the usage meter and timings (perf_counter seconds)."""
 
-    __slots__ = ("cannot", "charged", "counted", "est", "fut", "gate", "granted_to", "limits", "meter", "rank",
-                 "relayed", "strip", "t_first", "tenant", "wait_s", "waiter")
+    __slots__ = ("cannot", "charged", "counted", "est", "expected", "fut", "gate", "granted_to", "limits", "meter",
+                 "rank", "relayed", "strip", "t_first", "tenant", "wait_s", "waiter")
 
     def __init__(self, gate: Gate, tenant: Tenant, rank: int, limits: TenantLimits | None) -> None:
         self.gate = gate
@@ -76,7 +78,8 @@ class Ticket:
         self.strip = False
         self.relayed = False  # the worker's response head was relayed
         self.cannot: frozenset[int] = frozenset()  # workers that cannot serve it (model, pinned response)
-        self.charged = 0  # generated events charged to the VTC so far
+        self.charged = 0  # output tokens charged to the VTC so far (the expected output at dispatch, then events)
+        self.expected = 0  # the request's max_tokens (0 when it sets none)
         self.t_first: float | None = None
         self.wait_s = 0.0
 
@@ -96,9 +99,9 @@ class Ticket:
         if m is None:
             return data
         out = m.chunk(data)
-        if m.new and self.gate.fq is not None:
-            self.gate.fq.charge(self.tenant.name, self.tenant.weight, output_tokens=m.new)
-            self.charged += m.new
+        if m.events > self.charged and self.gate.fq is not None:  # past the expected output: charge as produced
+            self.gate.fq.charge(self.tenant.name, self.tenant.weight, output_tokens=m.events - self.charged)
+            self.charged = m.events
         return out
 
 
@@ -247,9 +250,11 @@ class Gate:
             self._prepare(ex, tk)
             return True
         fq.arrive(t.name)
+        tk.expected = _max_tokens(ex.body) if ex.route is not None and ex.route.body == "json" else 0
         free = self._free()
         if fq.length == 0 and (not free or self._best(free, ex.request.cannot_serve) is not None):
-            fq.charge(t.name, t.weight, tk.est)
+            fq.charge(t.name, t.weight, tk.est, tk.expected)
+            tk.charged = tk.expected
             self._steer(ex, free)
             self._prepare(ex, tk)
             self._observe_wait(tk, 0.0)
@@ -266,7 +271,7 @@ class Gate:
         t = tk.tenant
         loop = asyncio.get_running_loop()
         fut = tk.fut = loop.create_future()
-        w = tk.waiter = Waiter(t.name, t.weight, tk.rank, tk.est, tk)
+        w = tk.waiter = Waiter(t.name, t.weight, tk.rank, tk.est, tk, tk.expected)
         tk.cannot = ex.request.cannot_serve
         try:
             out = fq.push(w)
@@ -303,6 +308,7 @@ class Gate:
         self._observe_wait(tk, time.perf_counter() - t0)
         if got == _GRANTED:
             self._ungrant(tk)
+            tk.charged = tk.expected  # charged by the queue's pop
             self._steer(ex, self._free())
             self._prepare(ex, tk)
             return True
@@ -424,6 +430,8 @@ class Gate:
                 tk.limits.correct(usage.prompt_tokens + completion - tk.est)
         elif m is not None and m.events:
             c[1].inc(m.events)
+        if usage is None and self.fq is not None and tk.charged:  # no engine count: keep what was seen produced
+            self.fq.charge(t.name, t.weight, 0, (m.events if m is not None else 0) - tk.charged)
         status = ex.status
         outcome = ("cancelled" if ex.gone or status in (0, 499) else "ok" if status < 400 else
                    "server_error" if status >= 500 else "rejected" if status in (401, 403, 429) and not tk.relayed
@@ -468,6 +476,28 @@ _MESSAGES = {
     RouterErrorKind.QUEUE_TIMEOUT: "no batch slot freed within --queue-timeout {timeout:g} s; retry later",
     RouterErrorKind.DRAINING_QUEUED: "the router is shutting down; retry on another router",
 }
+
+
+class _Limit(msgspec.Struct):
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    max_output_tokens: Any = None
+
+
+_decode_limit = msgspec.json.Decoder(_Limit).decode
+
+
+def _max_tokens(body: bytes) -> int:
+    """The output-token limit a JSON body asks for (``max_tokens``, ``max_completion_tokens``,
+    ``max_output_tokens``), 0 when none is an integer."""
+    try:
+        lim = _decode_limit(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0
+    for v in (lim.max_completion_tokens, lim.max_tokens, lim.max_output_tokens):
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0
 
 
 def _resolve(tk: Ticket, value: Any) -> None:
