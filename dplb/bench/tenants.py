@@ -14,10 +14,10 @@ Contract
      measured: completion tokens each got over a window, and Jain's fairness index ``(Σx)² / (n·Σx²)`` of the two.
   B's TTFT alone (no A) is measured once on the fifo cluster first.
 - The physical bound of B's TTFT under a flood: its solo TTFT P99 plus the wait for the next free batch slot —
-  for each of B's arrivals, the time until the next of A's requests (which hold every slot) completes, P99 over
-  the arrivals, measured in the fair run. On average a slot frees every ``FLOOD_OUTPUT · step / slots`` seconds
-  (``step`` = ``DECODE_STEP_S + DECODE_STEP_S_PER_SEQ · MAX_NUM_SEQS``; printed as ``slot_gap_ms``), but the
-  slots' phases drift, so the P99 wait is several gaps.
+  for each of B's arrivals, the time until the next request (A's or B's: together they hold every slot)
+  completes, P99 over the arrivals, measured in the fair run. On average a slot frees every
+  ``FLOOD_OUTPUT · step / slots`` seconds (``step`` = ``DECODE_STEP_S + DECODE_STEP_S_PER_SEQ · MAX_NUM_SEQS``;
+  printed as ``slot_gap_ms``), but the slots' phases drift, so the P99 wait is several gaps.
 - Returns a compare entry: ``policies`` holds B's flood-phase summary per mode (the compare table's rows) and
   ``tenants`` the headline figures; :func:`tenant_targets` turns them into target rows.
 """
@@ -109,7 +109,8 @@ async def _phase_flood(url: str, run_dir: str, workers: int, n_light: int, seed:
                                         request_rate=LIGHT_RATE, seed=seed + 1))
     g0, t0 = await asyncio.to_thread(_generated, run_dir, workers), time.perf_counter()
     results, wall = await run_workload(b, light)
-    waits = next_slot_waits([t0 + r.start_s for r in results], [t for t, r in done if r.ok])
+    frees = [t for t, r in done if r.ok] + [t0 + r.start_s + r.e2e_s for r in results if r.ok and r.e2e_s]
+    waits = next_slot_waits([t0 + r.start_s for r in results], frees)
     g1, t1 = await asyncio.to_thread(_generated, run_dir, workers), time.perf_counter()
     flood.cancel()
     with contextlib.suppress(asyncio.CancelledError):

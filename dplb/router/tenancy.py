@@ -248,6 +248,7 @@ class Gate:
         fq = self.fq
         if fq is None:
             self._prepare(ex, tk)
+            self._observe_wait(tk, 0.0)
             return True
         fq.arrive(t.name)
         tk.expected = _max_tokens(ex.body) if ex.route is not None and ex.route.body == "json" else 0
