@@ -289,3 +289,10 @@ def test_expected_output_is_charged_at_dispatch_so_a_batch_started_together_is_n
     # Four slots free at once (nothing has completed yet): two each, not four of whoever is first.
     got = names(q, 4)
     assert sorted(n[0] for n in got) == ["a", "a", "b", "b"] and q.counters["A"] == q.counters["B"] == 2 * 138
+
+
+def test_bench_fairness_index_and_next_slot_waits() -> None:
+    from dplb.bench.tenants import jain, next_slot_waits
+
+    assert jain([5.0, 5.0]) == 1.0 and jain([3.0, 1.0]) == pytest.approx(0.8) and jain([0.0, 0.0]) is None
+    assert next_slot_waits([0.0, 1.5, 9.0], [2.0, 1.0, 3.0]) == [1.0, 0.5]  # 9.0 is past the last free slot
