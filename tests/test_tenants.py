@@ -296,3 +296,16 @@ def test_bench_fairness_index_and_next_slot_waits() -> None:
 
     assert jain([5.0, 5.0]) == 1.0 and jain([3.0, 1.0]) == pytest.approx(0.8) and jain([0.0, 0.0]) is None
     assert next_slot_waits([0.0, 1.5, 9.0], [2.0, 1.0, 3.0]) == [1.0, 0.5]  # 9.0 is past the last free slot
+
+
+def test_hash_key_cli_reads_stdin_and_refuses_an_empty_key(monkeypatch, capsys) -> None:
+    import io
+
+    from dplb.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("key-one\n"))
+    assert main(["tenants", "hash-key", "-"]) == 0
+    assert capsys.readouterr().out.strip() == H1
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
+    assert main(["tenants", "hash-key", "-"]) == 1
+    assert "the key is empty" in capsys.readouterr().err

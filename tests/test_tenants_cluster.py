@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dplb.ops.usage import ledger_of
+from dplb.ops.usage import format_table, ledger_of, read_ledger
 from dplb.tenants import hash_key
 from tests.cluster import assert_openai_error, cluster, post, wait_for, worker_get
 
@@ -89,8 +89,9 @@ def test_keys_models_and_rate_limits(tmp_path: Path) -> None:
         assert post(c, "/v1/chat/completions", chat(), headers=auth("small")).status_code == 200
         decisions = httpx.get(c.url + "/debug/decisions", headers=auth("chat"), timeout=5).json()
         assert {d["tenant"] for d in decisions} >= {"chat"}
-        text = httpx.get(c.url + "/metrics", timeout=5).text
-        led = ledger_of(text)
+        led = read_ledger(c.url)  # what `dplb usage` prints
+        table = format_table(led).splitlines()
+        assert table[0].split()[:3] == ["TENANT", "OK", "REQUESTS"] and any(ln.startswith("small ") for ln in table)
         assert led["small"]["requests"] == {"ok": 2, "rejected": 1}
         assert led["narrow"]["requests"] == {"rejected": 1} and led["chat"]["requests"] == {"ok": 1}
 

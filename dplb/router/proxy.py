@@ -5,7 +5,9 @@ Contract
 - The request body is read whole (bounded: 413 from Content-Length before reading, or as soon as the bytes read
   exceed the limit; a rejection sent before the body was read closes the connection, so the rest of the upload is
   not read), peeked with msgspec for ``stream``, the model and the prompt (whose raw bytes go to the policy as they
-  are), and forwarded **byte for byte**: the router never re-serialises it.
+  are), and forwarded **byte for byte**: the router never re-serialises it (with ``--tenants``, the tenant gate may
+  write one or two fields first: ``priority`` with ``--engine-priority``, ``stream_options`` for the usage ledger;
+  :mod:`dplb.router.tenancy`).
 - Every proxied response carries ``X-SG-Worker-ID: <k>`` and ``X-Request-Id``. Status, body and end-to-end headers
   pass through unchanged; hop-by-hop headers (RFC 9110 §7.6.1 + those named in ``Connection``) are never copied.
   A client's ``X-Request-Id`` is kept only when it is 1–128 characters of ``[A-Za-z0-9._:-]``; anything else (control
@@ -18,7 +20,8 @@ Contract
   the connection is closed without the terminating chunk (an abnormal close, never a clean ``[DONE]``); other
   bodies are cut (the client sees the short read).
 - A client that disconnects makes the router abort the worker connection at once (the engine aborts the request).
-- In-flight counts are released on every exit path (``finally``).
+- In-flight counts are released on every exit path (``finally``), and so is the request's tenant state
+  (:meth:`dplb.router.tenancy.Gate.leave`: ledger, corrections, the fair queue's next request).
 - Each try on a worker is one :class:`dplb.router.attempt.Attempt`; the request's state (route, body, peek,
   decision, head) lives on its :class:`Exchange`; tracing is the exchange's hooks (:mod:`dplb.obs.tracing`) on this
   one path.
