@@ -8,8 +8,7 @@ import pytest
 from dplb.errors import ConfigError, RouterErrorKind
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
 from dplb.router.limits import TenantLimits, TokenBucket, reset_text
-from dplb.router.tenancy import with_fields
-from dplb.router.usage import Meter
+from dplb.router.usage import Meter, max_tokens, with_fields
 from dplb.tenants import Tenant, hash_key, load_tenants, parse_tenants
 
 H1, H2 = hash_key("key-one"), hash_key("key-two")
@@ -309,3 +308,9 @@ def test_hash_key_cli_reads_stdin_and_refuses_an_empty_key(monkeypatch, capsys) 
     monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
     assert main(["tenants", "hash-key", "-"]) == 1
     assert "the key is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("body", "n"), [(b'{"max_tokens": 64}', 64), (b'{"max_completion_tokens": 9, "max_tokens": 64}', 9),
+                                         (b'{"max_tokens": true}', 0), (b'{"x": 1}', 0), (b"not json", 0)])
+def test_max_tokens_reads_the_output_limit(body: bytes, n: int) -> None:
+    assert max_tokens(body) == n

@@ -278,7 +278,8 @@ def run_compare(scenario_names: list[str], policies: dict[str, list[str]], *, nu
                 from dplb.bench.tenants import run_tenants
 
                 out["scenarios"][name] = run_tenants(sc, next(iter(policies.values())), num_workers=num_workers,
-                                                     quick=quick, seed=seed, workdir=workdir, progress=progress)
+                                                     quick=quick, seed=seed, workdir=workdir, progress=progress,
+                                                     cluster=SimCluster, ready=_router_ready, uds_get=_uds_get)
                 runs[name] = {}
                 continue
             spec = sc.workload(num_workers, quick, seed)

@@ -65,12 +65,10 @@ def _flood(n: int, output: int, stagger_s: float, slots: int, seed: int) -> list
     return reqs
 
 
-def _generated(run_dir: str, workers: int) -> float:
-    from dplb.bench.compare import _uds_get
-
+def _generated(run_dir: str, workers: int, uds_get: Callable[[str, str], str]) -> float:
     total = 0.0
     for k in range(workers):
-        for line in _uds_get(os.path.join(run_dir, f"worker-{k}.sock"), "/metrics").splitlines():
+        for line in uds_get(os.path.join(run_dir, f"worker-{k}.sock"), "/metrics").splitlines():
             if line.startswith("vllm:generation_tokens_total"):
                 total += float(line.rsplit(" ", 1)[1])
     return total
@@ -95,8 +93,8 @@ def next_slot_waits(arrivals: list[float], frees: list[float]) -> list[float]:
     return out
 
 
-async def _phase_flood(url: str, run_dir: str, workers: int, n_light: int, seed: int,
-                       warm_s: float) -> dict[str, Any]:
+async def _phase_flood(url: str, run_dir: str, workers: int, n_light: int, seed: int, warm_s: float,
+                       uds_get: Callable[[str, str], str]) -> dict[str, Any]:
     step = DECODE_STEP_S + DECODE_STEP_S_PER_SEQ * MAX_NUM_SEQS
     a = Target(url, "dplb-sim", "chat", stream=False, api_key=KEYS["A"])
     b = Target(url, "dplb-sim", "chat", stream=True, api_key=KEYS["B"])
@@ -107,11 +105,11 @@ async def _phase_flood(url: str, run_dir: str, workers: int, n_light: int, seed:
     await asyncio.sleep(warm_s)
     light = build_workload(WorkloadSpec(num_prompts=n_light, input_len=16, output_len=LIGHT_OUTPUT,
                                         request_rate=LIGHT_RATE, seed=seed + 1))
-    g0, t0 = await asyncio.to_thread(_generated, run_dir, workers), time.perf_counter()
+    g0, t0 = await asyncio.to_thread(_generated, run_dir, workers, uds_get), time.perf_counter()
     results, wall = await run_workload(b, light)
     frees = [t for t, r in done if r.ok] + [t0 + r.start_s + r.e2e_s for r in results if r.ok and r.e2e_s]
     waits = next_slot_waits([t0 + r.start_s for r in results], frees)
-    g1, t1 = await asyncio.to_thread(_generated, run_dir, workers), time.perf_counter()
+    g1, t1 = await asyncio.to_thread(_generated, run_dir, workers, uds_get), time.perf_counter()
     flood.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await flood
@@ -152,7 +150,8 @@ def _ttft_p(results: list[RequestResult], q: float) -> float | None:
 
 
 async def _one_mode(url: str, run_dir: str, num_workers: int, n_light: int, seed: int, solo: bool,
-                    window_s: float) -> tuple[list[RequestResult] | None, dict[str, Any], dict[str, float]]:
+                    window_s: float, uds_get: Callable[[str, str], str],
+                    ) -> tuple[list[RequestResult] | None, dict[str, Any], dict[str, float]]:
     """One cluster's phases: B alone (when ``solo``), the flood, the backlog."""
     alone = None
     if solo:
@@ -160,16 +159,16 @@ async def _one_mode(url: str, run_dir: str, num_workers: int, n_light: int, seed
                                            request_rate=LIGHT_RATE, seed=seed + 1))
         alone, _ = await run_workload(Target(url, "dplb-sim", "chat", stream=True, api_key=KEYS["B"]), reqs)
     step = DECODE_STEP_S + DECODE_STEP_S_PER_SEQ * MAX_NUM_SEQS
-    flood = await _phase_flood(url, run_dir, num_workers, n_light, seed, FLOOD_OUTPUT * step * 2)
+    flood = await _phase_flood(url, run_dir, num_workers, n_light, seed, FLOOD_OUTPUT * step * 2, uds_get)
     backlog = await _phase_backlog(url, seed, BACKLOG_OUTPUT * step * 3, window_s)
     return alone, flood, backlog
 
 
 def run_tenants(sc: Scenario, flags: list[str], *, num_workers: int, quick: bool, seed: int, workdir: str,
-                progress: Callable[[str], None]) -> dict[str, Any]:
-    """Both modes of the scenario (module docstring); ``flags``: the first policy's launch flags."""
-    from dplb.bench.compare import SimCluster, _router_ready
-
+                progress: Callable[[str], None], cluster: Any, ready: Callable[[str], bool],
+                uds_get: Callable[[str, str], str]) -> dict[str, Any]:
+    """Both modes of the scenario (module docstring); ``flags``: the first policy's launch flags; ``cluster``,
+    ``ready``, ``uds_get``: compare's sim cluster, its router readiness check and its worker-socket GET."""
     n_light = sc.quick_prompts if quick else sc.full_prompts
     window_s = 15.0 if quick else 40.0
     tf = tenants_file(os.path.join(workdir, "tenants.toml"))
@@ -177,11 +176,11 @@ def run_tenants(sc: Scenario, flags: list[str], *, num_workers: int, quick: bool
     figures: dict[str, Any] = {}
     for mode, extra in (("fifo", []), ("fair", ["--tenants", tf])):
         t = time.monotonic()
-        with SimCluster(num_workers, sc, [*flags, *extra], workdir) as cluster:
-            while not _router_ready(cluster.url):
+        with cluster(num_workers, sc, [*flags, *extra], workdir) as c:
+            while not ready(c.url):
                 time.sleep(0.05)
-            solo, flood, backlog = asyncio.run(_one_mode(cluster.url, cluster.run_dir, num_workers, n_light, seed,
-                                                         mode == "fifo", window_s))
+            solo, flood, backlog = asyncio.run(_one_mode(c.url, c.run_dir, num_workers, n_light, seed,
+                                                         mode == "fifo", window_s, uds_get))
         if solo is not None:
             figures["solo_ttft_p99_ms"] = (_ttft_p(solo, 99) or 0) * 1000
         light = flood["light"]

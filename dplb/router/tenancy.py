@@ -34,14 +34,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from dplb.config import RouterConfig
 from dplb.errors import ConfigError, RouterErrorKind
 from dplb.obs.metrics import TenantMetrics
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
 from dplb.router.limits import TenantLimits
-from dplb.router.usage import Meter
+from dplb.router.usage import Meter, max_tokens, with_fields
 from dplb.runtime.asgi import until_disconnect
 from dplb.runtime.serving import DISCONNECT_EXT
 from dplb.tenants import DEFAULT_TENANT, Tenant, TenantsConfig, hash_key, load_tenants, single_tenant
@@ -103,15 +101,6 @@ class Ticket:
             self.gate.fq.charge(self.tenant.name, self.tenant.weight, output_tokens=m.events - self.charged)
             self.charged = m.events
         return out
-
-
-def with_fields(body: bytes, fields: bytes) -> bytes:
-    """``body`` (a JSON object) with ``fields`` (``"k":v`` pairs, comma-separated) written first; the rest of the
-    bytes unchanged."""
-    i = body.find(b"{")
-    rest = body[i + 1:]
-    sep = b"" if rest.lstrip().startswith(b"}") else b","
-    return body[: i + 1] + fields + sep + rest
 
 
 class Gate:
@@ -251,7 +240,7 @@ class Gate:
             self._observe_wait(tk, 0.0)
             return True
         fq.arrive(t.name)
-        tk.expected = _max_tokens(ex.body) if ex.route is not None and ex.route.body == "json" else 0
+        tk.expected = max_tokens(ex.body) if ex.route is not None and ex.route.body == "json" else 0
         free = self._free()
         if fq.length == 0 and (not free or self._best(free, ex.request.cannot_serve) is not None):
             fq.charge(t.name, t.weight, tk.est, tk.expected)
@@ -479,28 +468,6 @@ _MESSAGES = {
 }
 
 
-class _Limit(msgspec.Struct):
-    max_tokens: Any = None
-    max_completion_tokens: Any = None
-    max_output_tokens: Any = None
-
-
-_decode_limit = msgspec.json.Decoder(_Limit).decode
-
-
-def _max_tokens(body: bytes) -> int:
-    """The output-token limit a JSON body asks for (``max_tokens``, ``max_completion_tokens``,
-    ``max_output_tokens``), 0 when none is an integer."""
-    try:
-        lim = _decode_limit(body)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return 0
-    for v in (lim.max_completion_tokens, lim.max_tokens, lim.max_output_tokens):
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return 0
-
-
 def _resolve(tk: Ticket, value: Any) -> None:
     fut = tk.fut
     if fut is not None and not fut.done():
@@ -512,4 +479,4 @@ async def _watch(receive: Any, tk: Ticket) -> None:
     _resolve(tk, _GONE)
 
 
-__all__ = ["Gate", "Ticket", "with_fields"]
+__all__ = ["Gate", "Ticket"]

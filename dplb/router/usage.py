@@ -14,10 +14,14 @@ Contract
   then forwards complete events only (a stream that breaks off mid-event loses that fragment, which would
   otherwise corrupt the router's closing error event). Without any usage (another route, a broken stream)
   :attr:`Meter.exact` is False and the ledger counts the generated events as completion tokens.
+- :func:`with_fields` writes fields first into a JSON body (the rest of its bytes unchanged); :func:`max_tokens`
+  reads a body's output-token limit.
 - Bounded: a JSON body is kept up to :data:`MAX_JSON` bytes for its usage; SSE keeps only the unfinished event.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -118,4 +122,35 @@ def _usage_of(payload: bytes) -> Usage | None:
         return None
 
 
-__all__ = ["MAX_JSON", "Meter", "Usage"]
+def with_fields(body: bytes, fields: bytes) -> bytes:
+    """``body`` (a JSON object) with ``fields`` (``"k":v`` pairs, comma-separated) written first; the rest of the
+    bytes unchanged."""
+    i = body.find(b"{")
+    rest = body[i + 1:]
+    sep = b"" if rest.lstrip().startswith(b"}") else b","
+    return body[: i + 1] + fields + sep + rest
+
+
+class _Limit(msgspec.Struct):
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    max_output_tokens: Any = None
+
+
+_decode_limit = msgspec.json.Decoder(_Limit).decode
+
+
+def max_tokens(body: bytes) -> int:
+    """The output-token limit a JSON body asks for (``max_tokens``, ``max_completion_tokens``,
+    ``max_output_tokens``), 0 when none is an integer."""
+    try:
+        lim = _decode_limit(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0
+    for v in (lim.max_completion_tokens, lim.max_tokens, lim.max_output_tokens):
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0
+
+
+__all__ = ["MAX_JSON", "Meter", "Usage", "max_tokens", "with_fields"]
