@@ -1,4 +1,5 @@
-"""The ``dplb`` command line: ``launch``, ``worker``, ``router``, ``state``, ``doctor``, ``segment``, ``bench``.
+"""The ``dplb`` command line: ``launch``, ``worker``, ``router``, ``state``, ``doctor``, ``segment``, ``bench``,
+``usage``, ``tenants``.
 
 Contract: argparse parses and validates into typed ``*Config`` objects once; a :class:`dplb.errors.DPLBError` is
 printed as one clear message without a traceback (exit 2 for configuration errors, 1 otherwise). Subcommands
@@ -161,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_state(sub)
     _add_segment(sub)
     from dplb.bench import cli as bench_cli
-    from dplb.ops import doctor, fleet, launcher
+    from dplb.ops import doctor, fleet, launcher, usage
     from dplb.router import cli as router_cli
 
     launcher.add_parser(sub)
@@ -169,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_parser(sub)
     bench_cli.add_parser(sub)
     fleet.add_parser(sub)
+    usage.add_parsers(sub)
     return p
 
 

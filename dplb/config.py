@@ -335,6 +335,11 @@ class RouterConfig:
     - ``stall_after_s``: a worker with requests outstanding and no engine progress for this long is stalled
       (:data:`STALL_AFTER_S`; 0 = no stall check; :mod:`dplb.policy.stall`).
 
+    - Tenants (docs/DESIGN.md §15): ``tenants_file``: the TOML file of :mod:`dplb.tenants` (None = one tenant,
+      ``default``, holding ``api_key``); with it, requests that find no worker with room wait in the router's fair
+      queue: at most ``queue_max`` of them, each at most ``queue_timeout_s`` seconds; ``engine_priority``: write the
+      tenant's priority class rank into the body's ``priority`` field (vLLM ``--scheduling-policy priority``).
+
     Handed from process to process as JSON (:meth:`to_json` / :meth:`from_json`), validated again on the way in.
     """
 
@@ -367,8 +372,19 @@ class RouterConfig:
     resume_streams: bool = False
     stall_after_s: float = STALL_AFTER_S
 
+    tenants_file: str | None = None
+    queue_max: int = 1024
+    queue_timeout_s: float = 30.0
+    engine_priority: bool = False
+
     def __post_init__(self) -> None:
         check_stall(self.stall_after_s)
+        if self.queue_max <= 0:
+            raise ConfigError(f"--queue-max must be > 0 requests, got {self.queue_max}")
+        if not (math.isfinite(self.queue_timeout_s) and self.queue_timeout_s > 0):
+            raise ConfigError(f"--queue-timeout must be > 0 seconds, got {self.queue_timeout_s}")
+        if self.engine_priority and self.tenants_file is None:
+            raise ConfigError("--engine-priority needs --tenants (the priority classes are in the tenants file)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
         if not 1 <= self.processes <= MAX_ROUTER_PROCESSES:

@@ -237,7 +237,9 @@ def test_every_query_evaluates_and_returns_data_against_a_live_cluster(tmp_path:
                         failures.append(f"{name} / {title}: NaN/Inf (a division by zero)\n  {q}")
                     if any(r["metric"].get("worker") == "none" for r in res):
                         failures.append(f"{name} / {title}: a worker=\"none\" series\n  {q}")
-                    if not res and not (no_value_text(name, title) == "no GPU" and M.WORKER_GPU_MEMORY_TOTAL in expr):
+                    no_gpu = no_value_text(name, title) == "no GPU" and M.WORKER_GPU_MEMORY_TOTAL in expr
+                    no_slo = no_value_text(name, title) == "no SLO" and M.TENANT_SLO_OBJECTIVE in expr  # no tenants
+                    if not res and not (no_gpu or no_slo):
                         failures.append(f"{name} / {title}: no data\n  {q}")
                     elif res and worker == "1" and "worker" in res[0]["metric"] and \
                             {r["metric"]["worker"] for r in res} != {"1"}:

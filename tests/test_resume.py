@@ -19,7 +19,7 @@ from dplb.router.resume import ResumeStream, _fields, continuation, refusal
 from dplb.state.shm import Lifecycle
 from dplb.worker.engines.sim.scheduler import render_chat, tokenize
 from dplb.worker.engines.sim.text import TextGen, leads
-from tests.cluster import Cluster, cluster
+from tests.cluster import Cluster, cluster, wait_for
 
 SIM = ["--sim-decode-step-s", "0.04", "--sim-max-num-seqs", "64"]
 NOT_RESUMED = "the stream was not resumed on another worker: "
@@ -318,3 +318,38 @@ def test_a_stream_on_a_stalled_worker_is_resumed_on_another(tmp_path) -> None:  
         want, _ = _expected(st)
         assert st.status == 200 and st.done == 1 and st.error is None and st.text == want, (st.path, st.error)
     assert stalls >= 1 and resumed >= 1, (stalls, resumed)
+
+
+def test_with_tenants_a_resumed_stream_is_metered_and_keeps_the_events_the_client_asked_for(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--tenants asks the engine for a usage event the client did not ask for and takes it out of the stream;
+    --resume-streams relays whole events through its stitcher. Together: a stream broken by a SIGKILL and resumed
+    still reaches the client without a usage-only event, with one [DONE] and the sim's exact answer, and the ledger
+    counts the tokens of both parts."""
+    from dplb.tenants import hash_key
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.chat]\napi_key_sha256 = ["{hash_key("k")}"]\n')
+    with cluster(str(tmp_path), 2, worker_args={k: SIM for k in range(2)},
+                 router_args=["--resume-streams", "--tenants", str(tenants)]) as c:
+        async def main() -> tuple[Stream, list[str]]:
+            body = _body(CHAT, random.Random(3), "t", {"max_tokens": 40})
+            del body["stream_options"]
+            st, raw = Stream(CHAT, body), []
+            async with httpx.AsyncClient(base_url=c.url) as http, \
+                    http.stream("POST", CHAT, json=body, timeout=60, headers={"authorization": "Bearer k"}) as r:
+                st.status, worker = r.status_code, int(r.headers["x-sg-worker-id"])
+                async for line in r.aiter_lines():
+                    raw.append(line)
+                    _line(st, line)
+                    if len(st.events) == 5 and c.workers[worker].poll() is None:
+                        await asyncio.to_thread(c.kill_worker, worker)
+            return st, raw
+
+        st, raw = asyncio.run(main())
+        resumed = c.metric("dplb_streams_resumed_total") or 0
+        completion = wait_for(lambda: c.metric("dplb_tenant_tokens_total", {"kind": "completion", "tenant": "chat"}),
+                              5, "the ledger's count (written when the request ends)")
+    want, _ = _expected(st)
+    assert resumed == 1 and st.status == 200 and st.done == 1 and st.error is None and st.text == want
+    assert not [e for e in st.events if e.get("usage") or not e.get("choices")], raw[-4:]
+    assert completion == 40

@@ -274,6 +274,14 @@ def run_compare(scenario_names: list[str], policies: dict[str, list[str]], *, nu
     with tempfile.TemporaryDirectory(prefix="dplb-bench-") as workdir:
         for name in scenario_names:
             sc = SCENARIOS[name]
+            if sc.runner == "tenants":
+                from dplb.bench.tenants import run_tenants
+
+                out["scenarios"][name] = run_tenants(sc, next(iter(policies.values())), num_workers=num_workers,
+                                                     quick=quick, seed=seed, workdir=workdir, progress=progress,
+                                                     cluster=SimCluster, ready=_router_ready, uds_get=_uds_get)
+                runs[name] = {}
+                continue
             spec = sc.workload(num_workers, quick, seed)
             labels = dict(policies)
             for extra in sc.extra_policies:
@@ -317,6 +325,12 @@ def evaluate_targets(result: dict[str, Any], default: str = "dplb") -> list[dict
 
     for name, entry in result["scenarios"].items():
         p = entry["policies"]
+        if "tenants" in entry:
+            from dplb.bench.tenants import tenant_targets
+
+            for target, value, limit, higher in tenant_targets(entry):
+                add(name, target, value, limit, higher)
+            continue
         if default not in p:
             continue
         d = p[default]

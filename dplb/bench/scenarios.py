@@ -8,7 +8,7 @@ Contract
   client or router being the bottleneck. Capacity (requests/s) is derived from that timing model
   (:func:`capacity_rps`), so "70 % load" stays 70 % if the knobs change.
 - ``extra_policies`` are reference policies run only in that scenario (``prefix_hash`` in ``shared-prefix``: the
-  hit rate of pure affinity).
+  hit rate of pure affinity). A scenario with a ``runner`` has its own (``tenants``: :mod:`dplb.bench.tenants`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class Scenario:
     quick_prompts: int = 150
     full_prompts: int = 600
     extra_policies: tuple[str, ...] = ()
+    runner: str = ""  # "tenants": its own runner (dplb.bench.tenants), not one seeded workload per policy
 
     def mean_lengths(self) -> tuple[float, float]:
         """(mean input, mean output) tokens per request of this workload (multi-turn: over the turns, with the
@@ -109,6 +110,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("multi-turn-slow", "multi-turn with the last worker at half speed", MULTI_TURN,
              sim_args="--sim-prefix-cache-blocks 4096", worker_args={-1: "--sim-speed 0.5"}, quick_prompts=200,
              full_prompts=600, extra_policies=("prefix_hash",)),
+    Scenario("tenants", "tenant A floods (96 open requests of 200 tokens, 3x the batch slots) while tenant B sends "
+             "3 req/s of 16 tokens; FIFO (no tenants file) vs the router's fair queue (--tenants, equal weights); "
+             "then both backlogged (Jain's index); the first policy only",
+             WorkloadSpec(input_len=16, output_len=16), load=None, warmup=0, quick_prompts=60, full_prompts=150,
+             runner="tenants"),
     Scenario("burst-herd", "64 requests at once to idle workers (per-worker max/min share)",
              WorkloadSpec(input_len=128, output_len=32, burst_size=64, burst_interval_s=1.0), load=None, warmup=0,
              quick_prompts=64, full_prompts=64),

@@ -84,6 +84,15 @@ WORKER_ORPHAN_ABORTS = "dplb_worker_orphan_aborts"  # _total (worker side): abor
 WORKER_LEAKED_INFLIGHT = "dplb_worker_leaked_inflight"  # worker side: router in-flight the worker does not have
 WORKER_ENGINE_REQUESTS = "dplb_worker_engine_requests"  # worker side: requests the engine holds (reconciler's view)
 ROUTER_PROCESSES = "dplb_router_processes"  # {state="configured"|"answered"}: a router group's processes
+# The usage ledger (docs/DESIGN.md §15): labels tenant (the configured ones + "default") and priority class.
+TENANT_REQUESTS = "dplb_tenant_requests"  # _total, by tenant, priority, outcome (TENANT_OUTCOMES)
+TENANT_TOKENS = "dplb_tenant_tokens"  # _total, by tenant, kind (prompt, completion, cached)
+TENANT_QUEUE_WAIT = "dplb_tenant_queue_wait_seconds"
+TENANT_TTFT = "dplb_tenant_ttft_seconds"
+TENANT_E2E = "dplb_tenant_e2e_seconds"
+TENANT_QUEUED = "dplb_tenant_queued_requests"
+TENANT_SLO_EVENTS = "dplb_tenant_slo_events"  # _total, by tenant, priority, slo (availability, ttft), result
+TENANT_SLO_OBJECTIVE = "dplb_tenant_slo_objective"  # by priority, slo: the tenants file's target (0-1)
 
 #: One owner per name: the router exports every per-worker figure that travels through the shm slot
 #: (lifecycle, warm-up, first request, model load, CUDA OOMs, scoring inputs) for all workers, even those whose
@@ -112,6 +121,9 @@ GROUP_PER_PROCESS_SCRAPE = frozenset({LATENCY_BASELINE, PREFIX_INDEX_BLOCKS, PRE
 SHM_ERROR_LABELS = (("attach", "ShmMissingError"), ("attach", "ShmLayoutError"), ("attach", "ShmError"),
                     ("read", "segment_removed"))
 LIFECYCLE_STATES = ("unset", "starting", "warming", "ready", "draining", "stopped")
+#: ok (2xx), client_error (4xx of the worker), rejected (the router's 401/403/429), server_error (5xx, the router's
+#: 503s included: what an availability SLO counts as bad), cancelled (the client left first).
+TENANT_OUTCOMES = ("ok", "client_error", "rejected", "server_error", "cancelled")
 OUTCOMES = ("ok", "upstream_error", "upstream_4xx", "upstream_5xx", "client_disconnect", "timeout", "stalled")
 
 # Buckets: µs..ms for the decision, 5 ms..10 min for model requests (prefill of long prompts is slow).
@@ -328,6 +340,30 @@ class RouterMetrics:
                 if child is None:
                     child = cache[(worker, "\0" + note)] = counter.labels(str(worker))
                 child.inc(amount)  # type: ignore[attr-defined]
+
+
+class TenantMetrics:
+    """The usage ledger's families in ``registry`` (names above); children looked up per (tenant, class)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        lt, lp = ["tenant", "priority"], ["tenant", "priority", "outcome"]
+        self.requests = Counter(TENANT_REQUESTS, "Proxied requests by tenant, priority class and outcome.", lp,
+                                registry=registry)
+        self.tokens = Counter(TENANT_TOKENS, "Tokens by tenant and kind (prompt, completion, cached: the engine's "
+                              "usage counts).", ["tenant", "kind"], registry=registry)
+        self.queue_wait = Histogram(TENANT_QUEUE_WAIT, "Time requests waited in the router's fair queue, seconds.",
+                                    lt, buckets=REQUEST_BUCKETS, registry=registry)
+        self.ttft = Histogram(TENANT_TTFT, "Time from arrival to the first response body byte, seconds.", lt,
+                              buckets=REQUEST_BUCKETS, registry=registry)
+        self.e2e = Histogram(TENANT_E2E, "Time from arrival to the end of the response, seconds.", lt,
+                             buckets=REQUEST_BUCKETS, registry=registry)
+        self.queued = Gauge(TENANT_QUEUED, "Requests waiting in the router's fair queue, by tenant.", ["tenant"],
+                            registry=registry)
+        self.slo_events = Counter(TENANT_SLO_EVENTS, "Requests counted by a class's SLO: availability (bad = a 5xx), "
+                                  "ttft (bad = TTFT over the class's ttft_s), by result good/bad.",
+                                  ["tenant", "priority", "slo", "result"], registry=registry)
+        self.slo_objective = Gauge(TENANT_SLO_OBJECTIVE, "A priority class's SLO target from the tenants file (0-1).",
+                                   ["priority", "slo"], registry=registry)
 
 
 class WorkerStateCollector:

@@ -101,6 +101,9 @@ class NoTrace:
     def dispatched(self, request_id: str) -> None:
         """The request was read and accepted and will be routed (``request_id``: its ``X-Request-Id``)."""
 
+    def tenant(self, name: str) -> None:
+        """The request's tenant is known (``dplb.tenant``; a configured name, bounded)."""
+
     def deciding(self) -> None:
         """A routing decision starts now."""
 
@@ -171,6 +174,9 @@ class RequestTrace(NoTrace):
 
     def dispatched(self, request_id: str) -> None:
         self.server.set_attribute("dplb.request_id", request_id)
+
+    def tenant(self, name: str) -> None:
+        self.server.set_attribute("dplb.tenant", name)
 
     def deciding(self) -> None:
         self._decide_ns = time.time_ns()

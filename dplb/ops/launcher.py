@@ -283,6 +283,7 @@ class Launcher:
             signal.signal(sig, self._on_signal)
         # SIGUSR1: the router reports drain to the front balancer (Kubernetes preStop: kill -USR1 1).
         signal.signal(signal.SIGUSR1, lambda signum, frame: self.router.signal(signal.SIGUSR1) if self.router else None)
+        signal.signal(signal.SIGHUP, lambda signum, frame: self.router.signal(signal.SIGHUP) if self.router else None)
         self.preflight()
         try:
             self._prepare()

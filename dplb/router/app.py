@@ -17,8 +17,9 @@ Contract (docs/DESIGN.md §4, §6)
 - CORS (``--cors-allowed-origins``, off by default): Litestar's CORS config answers preflights (``OPTIONS`` with
   ``Origin``, before the API key check, on every path) and adds the headers to local routes; proxied responses get
   the same headers from the same config.
-- With an API key, every path except ``public_paths`` needs ``Authorization: Bearer <key>`` (constant-time
-  compare); failures are OpenAI-shaped 401s.
+- With an API key or a tenants file, every path except ``public_paths`` needs ``Authorization: Bearer <key>``
+  (a tenant's key: :mod:`dplb.router.tenancy`; constant-time compare); failures are OpenAI-shaped 401s. SIGHUP
+  reloads the tenants file; ``/debug/decisions`` entries name the request's tenant.
 - The router starts before any worker is ready and answers 503 until one is.
 - The HTTP edge is bounded: request heads over :data:`MAX_HEAD_BYTES` get 431 ``headers_too_large`` and malformed
   HTTP gets 400 ``invalid_http`` (both OpenAI-shaped, connection closed); an unexpected exception is logged with its
@@ -55,7 +56,6 @@ from dplb.obs.tracing import shutdown as tracing_shutdown
 from dplb.router.agent import bind_agent, start_agent
 from dplb.router.fanout import fan_out, parse_workers
 from dplb.router.host_report import HostReporter
-from dplb.router.intake import bearer_credential, bearer_ok
 from dplb.router.models import ServedModels
 from dplb.router.orca import OrcaResponder
 from dplb.router.proxy import Exchange, Proxy
@@ -109,7 +109,7 @@ class RouterApp:
         self.host_registry.register(HostReportCollector(lambda: self.host.report))
         if cfg.orca != "off":
             self.proxy.upstreams.on_response_head = OrcaResponder(cfg.orca, lambda: self.host.report)
-        self._auth = bearer_credential(cfg.api_key)
+        self._keyed = bool(cfg.api_key or cfg.tenants_file)  # local routes need a key (a tenant's, with --tenants)
         self._http_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self.litestar = self._build_litestar()
 
@@ -218,7 +218,9 @@ class RouterApp:
             if limit <= 0:
                 raise HTTPException(status_code=400, detail="limit must be > 0")
             items = list(state.decisions)[-limit:]
-            own = [{"time": t, "request_id": rid, **d.to_dict()} for t, rid, d in reversed(items)]
+            tenant_of = self.proxy.gate.recent.get
+            own = [{"time": t, "request_id": rid, "tenant": tenant_of(rid), **d.to_dict()}
+                   for t, rid, d in reversed(items)]
             if cfg.processes == 1:
                 return own
             if request.query_params.get("scope") == SCOPE_PROCESS:
@@ -268,7 +270,7 @@ class RouterApp:
         try:
             if origin is not None and scope["method"] == "OPTIONS":
                 await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]  # CORS preflight
-            elif self._auth is not None and path not in self.cfg.public_paths and not self._authorized(scope):
+            elif self._keyed and path not in self.cfg.public_paths and not self._authorized(scope):
                 self.metrics.rejected.labels(RouterErrorKind.UNAUTHORIZED.code).inc()
                 await send_json(self._cors_send(send_wrapper, origin) if origin else send_wrapper, 401,
                             error_body(RouterErrorKind.UNAUTHORIZED, "missing or wrong API key"))
@@ -315,10 +317,9 @@ class RouterApp:
         return wrapped
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
-        assert self._auth is not None
         for n, v in scope["headers"]:
             if n == b"authorization":
-                return bearer_ok(v, self._auth)
+                return self.proxy.gate.tenant_of(v) is not None
         return False
 
 
@@ -377,6 +378,7 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, app.host.begin_drain, "drain requested (SIGUSR1)")
+    loop.add_signal_handler(signal.SIGHUP, app.proxy.gate.reload)  # the tenants file (docs/DESIGN.md §15)
     monitor = asyncio.create_task(app.state.monitor())
     reporter = asyncio.create_task(app.host.run())
     agent = await start_agent(agent_sock, lambda: app.host.report) if agent_sock is not None else None
@@ -396,6 +398,7 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     if stopped.done() and not serve.done():  # report drain and keep serving before the socket closes
         notice = asyncio.create_task(app.host.drain_notice(cfg.drain_notice_s))
         await _run_until(serve, notice, watchdog)
+    app.proxy.gate.close()  # requests still queued in the router are answered 503, none is left unanswered
     server.should_exit = True
     with contextlib.suppress(Exception):
         await asyncio.wait_for(serve, 10)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dplb.config import RouterConfig
@@ -79,10 +79,11 @@ class Upstreams:
             child = self._durations[key] = self.metrics.upstream_duration.labels(str(worker), label)
         return child
 
-    async def reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None) -> None:
+    async def reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None, *,
+                     retry_after: int | None = None, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Answer ``ex`` with one of the router's own errors: OpenAI-shaped JSON with ``kind``'s status,
-        ``Retry-After`` on 503/429, ``X-SG-Worker-ID`` when a worker is named; closes the connection when the
-        request body was not read."""
+        ``Retry-After`` on 503/429 (``retry_after`` seconds, else ``--retry-after``), ``X-SG-Worker-ID`` when a
+        worker is named, then ``extra_headers``; closes the connection when the request body was not read."""
         self.metrics.rejected.labels(kind.code).inc()
         if kind is RouterErrorKind.CLIENT_CLOSED:  # nobody to answer: record the 499, send nothing
             ex.status = kind.status
@@ -91,13 +92,15 @@ class Upstreams:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"x-request-id", ex.rid)]
         if kind.status in (503, 429):
-            headers.append((b"retry-after", str(self.cfg.retry_after_s).encode()))
+            wait = self.cfg.retry_after_s if retry_after is None else retry_after
+            headers.append((b"retry-after", str(wait).encode()))
         if worker is not None:
             headers.append((b"x-sg-worker-id", self.worker_ids[worker]))
         if kind in _BODY_UNREAD:
             # Close instead of keep-alive: uvicorn would otherwise read and discard the rest of the body, however
             # large (a 100 MB upload was consumed whole after its 413).
             headers.append((b"connection", b"close"))
+        headers += extra_headers
         ex.status = kind.status
         await ex.send({"type": "http.response.start", "status": kind.status, "headers": headers})
         await ex.send({"type": "http.response.body", "body": body})
@@ -211,6 +214,8 @@ class Attempt:
     async def start_response(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
         """Relay the worker's response head (``status``, ``headers`` for the client) to the client; True: the body
         follows."""
+        if self.ex.tenant is not None:  # x-ratelimit-* headers, usage metering (dplb.router.tenancy)
+            self.ex.tenant.head(status, headers, self.is_sse)
         self.status = self.ex.status = status
         await self.ex.send({"type": "http.response.start", "status": status, "headers": headers})
         self.outcome = Outcome.BROKEN  # from here on, a relay that does not complete is a broken response
@@ -239,6 +244,8 @@ class Attempt:
                     continue
                 if self.t_first is None:
                     self.t_first = time.perf_counter()
+                if ex.tenant is not None and not (chunk := ex.tenant.chunk(chunk)):
+                    continue  # held back until its SSE event is complete (dplb.router.usage)
                 if capture is not None:
                     capture = self._capture_id(capture + chunk)
                 if keepalive:

@@ -169,6 +169,20 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    "answer into the same stream (one [DONE], usage that adds up); refused, with the reason in the "
                    "error event, for n > 1, logprobs, structured outputs, tools and echo. Default off: the stream "
                    "ends with an error event")
+    t = p.add_argument_group("tenants (docs/DESIGN.md §15)")
+    t.add_argument("--tenants", default=None, metavar="FILE",
+                   help="TOML file of tenants (keys as SHA-256 digests, weights, priority classes, limits, models; "
+                   "`dplb tenants hash-key`); turns on the router's fair queue. SIGHUP reloads it (default: off, "
+                   "one tenant 'default')")
+    t.add_argument("--queue-max", type=int, default=d["queue_max"], metavar="N",
+                   help=f"requests the fair queue holds at most; past it 429 (a tenant over its share) or 503 "
+                   f"(default {d['queue_max']})")
+    t.add_argument("--queue-timeout", type=float, default=d["queue_timeout_s"], metavar="S",
+                   help=f"seconds a request may wait in the fair queue before 429/503 (default "
+                   f"{d['queue_timeout_s']:g})")
+    t.add_argument("--engine-priority", action="store_true",
+                   help="write the tenant's priority class rank (0 = first in [priorities] order) into the body's "
+                   "'priority' field; the vLLM workers need --scheduling-policy priority")
     g = p.add_argument_group("fleet (a balancer in front of many hosts)")
     g.add_argument("--agent-port", type=int, default=d["agent_port"], metavar="PORT",
                    help="answer HAProxy's agent-check on this TCP port (up NN%%, drain, down#reason from the host "
@@ -210,7 +224,21 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         agent_port=args.agent_port, orca=args.orca, drain_notice_s=args.drain_notice,
         resume_streams=args.resume_streams,
         stall_after_s=args.stall_after,
+        tenants_file=_tenants_file(args.tenants), queue_max=args.queue_max, queue_timeout_s=args.queue_timeout,
+        engine_priority=args.engine_priority,
     )
+
+
+def _tenants_file(path: str | None) -> str | None:
+    """``--tenants``: the absolute path of a file that loads (checked now, so a bad file stops the start with one
+    line). Raises :class:`ConfigError`."""
+    if path is None:
+        return None
+    from dplb.tenants import load_tenants
+
+    path = os.path.abspath(path)
+    load_tenants(path)
+    return path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -48,11 +48,12 @@ class Exchange:
     and the response id in its path); ``body`` (the bytes forwarded), ``decoded`` (the router decoded its
     ``Content-Encoding``) and ``peek`` (its few parsed fields); ``request`` (the policy's view) and ``decision``
     (the last pick); ``head`` (the request head for the workers, with its blank line); ``capture`` (False, True:
-    remember the id found in the answer, or the ``/v1/responses`` id itself); ``trace`` (tracing hooks);
-    ``resume`` (a :class:`dplb.router.resume.ResumeStream` when ``--resume-streams`` tracks it, else None)."""
+    remember the id found in the answer, or the ``/v1/responses`` id itself); ``trace`` (tracing hooks); ``tenant``
+    (the :class:`dplb.router.tenancy.Ticket` of its tenant, None before it is known); ``resume`` (a
+    :class:`dplb.router.resume.ResumeStream` when ``--resume-streams`` tracks it, else None)."""
 
     __slots__ = ("body", "capture", "conn", "decision", "decoded", "gone", "head", "peek", "pin", "receive",
-                 "request", "resume", "rid", "route", "scope", "send", "status", "t_start", "trace")
+                 "request", "resume", "rid", "route", "scope", "send", "status", "t_start", "tenant", "trace")
 
     def __init__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         self.scope = scope
@@ -71,6 +72,7 @@ class Exchange:
         self.head = b""
         self.capture: Any = False
         self.resume: Any = None
+        self.tenant: Any = None
         self.peek: Peek
         self.request: RouteRequest
         self.decision: Decision

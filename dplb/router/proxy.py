@@ -5,8 +5,10 @@ Contract
 - The request body is read whole (bounded: 413 from Content-Length before reading, or as soon as the bytes read
   exceed the limit; a rejection sent before the body was read closes the connection, so the rest of the upload is
   not read), peeked with msgspec for ``stream``, the model and the prompt (whose raw bytes go to the policy as they
-  are), and forwarded **byte for byte**: the router never re-serialises it (the one exception, opt-in: a stream
-  resumed on another worker with ``--resume-streams``, :mod:`dplb.router.resume`).
+  are), and forwarded **byte for byte**: the router never re-serialises it (the exceptions, opt-in: with
+  ``--tenants``, the tenant gate may write one or two fields first: ``priority`` with ``--engine-priority``,
+  ``stream_options`` for the usage ledger, :mod:`dplb.router.tenancy`; a stream resumed on another worker with
+  ``--resume-streams``, :mod:`dplb.router.resume`).
 - Every proxied response carries ``X-SG-Worker-ID: <k>`` and ``X-Request-Id``. Status, body and end-to-end headers
   pass through unchanged; hop-by-hop headers (RFC 9110 §7.6.1 + those named in ``Connection``) are never copied.
   A client's ``X-Request-Id`` is kept only when it is 1–128 characters of ``[A-Za-z0-9._:-]``; anything else (control
@@ -20,7 +22,8 @@ Contract
   the connection is closed without the terminating chunk (an abnormal close, never a clean ``[DONE]``); other
   bodies are cut (the client sees the short read).
 - A client that disconnects makes the router abort the worker connection at once (the engine aborts the request).
-- In-flight counts are released on every exit path (``finally``).
+- In-flight counts are released on every exit path (``finally``), and so is the request's tenant state
+  (:meth:`dplb.router.tenancy.Gate.leave`: ledger, corrections, the fair queue's next request).
 - Each try on a worker is one :class:`dplb.router.attempt.Attempt`; the request's state (route, body, peek,
   decision, head) lives on its :class:`Exchange`; tracing is the exchange's hooks (:mod:`dplb.obs.tracing`) on this
   one path.
@@ -50,19 +53,11 @@ from dplb.policy.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
 from dplb.router import resume
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, watch_disconnect
-from dplb.router.intake import (
-    Peek,
-    Rejected,
-    bearer_credential,
-    bearer_ok,
-    check_head,
-    excluded,
-    read_body,
-    receive_body,
-)
+from dplb.router.intake import Peek, Rejected, check_head, excluded, read_body, receive_body
 from dplb.router.models import ServedModels
 from dplb.router.routes import PROXY_PATHS, ResponseIds, match
 from dplb.router.state import RouterState
+from dplb.router.tenancy import Gate
 from dplb.router.upstream import UpstreamPool
 from dplb.runtime.serving import DISCONNECT_EXT
 
@@ -89,7 +84,8 @@ class Proxy:
         self.response_ids = ResponseIds(cfg.response_ids)
         self.metrics = state.metrics
         self.upstreams = Upstreams(cfg, state, pool, self.response_ids)
-        self._auth = bearer_credential(cfg.api_key)
+        # Tenants (the API key, --tenants), their limits, the fair queue and the usage ledger (docs/DESIGN.md §15).
+        self.gate = Gate(cfg, state, self.metrics.registry, self.upstreams.reject)
         self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.obs.tracing.make_tracer)
         self._tracing: Tracing | None = None
         self._req_skip = REQ_OWN
@@ -132,10 +128,16 @@ class Proxy:
 
     async def _handle(self, ex: Exchange) -> None:
         clen, ctype, auth, encoding = _scan_headers(ex)
-        if self._auth is not None and not bearer_ok(auth, self._auth):
+        if not self.gate.identify(ex, auth):
             await self._reject(ex, RouterErrorKind.UNAUTHORIZED, "missing or wrong API key (Authorization: "
                                "Bearer <key>)")
             return
+        try:
+            await self._handle_known(ex, clen, ctype, encoding)
+        finally:
+            self.gate.leave(ex)
+
+    async def _handle_known(self, ex: Exchange, clen: int, ctype: bytes, encoding: bytes) -> None:
         if ex.route is None:
             scope = ex.scope
             await self._reject(ex, RouterErrorKind.METHOD_NOT_ALLOWED, f"{scope['method']} is not allowed "
@@ -174,6 +176,8 @@ class Proxy:
 
     async def _dispatch(self, ex: Exchange, exclude: frozenset[int]) -> None:
         ex.request = self._route_request(ex.peek, exclude)
+        if not await self.gate.enter(ex):  # limits and the fair queue (dplb.router.tenancy); answered if False
+            return
         worker = self._decide(ex)
         if worker is None:
             await self._reject(ex, *_NO_WORKER.get(ex.decision.reason, _NONE_READY))

@@ -348,6 +348,8 @@ class ResumableAttempt(Attempt):
                         await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
                     continue
                 out = s.feed(chunk)
+                if out and ex.tenant is not None:  # the usage ledger meters (and may drop) whole events
+                    out = ex.tenant.chunk(out)
                 if out:
                     if self.t_first is None:
                         self.t_first = time.perf_counter()

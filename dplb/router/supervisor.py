@@ -186,11 +186,12 @@ class RouterGroup:
         self.stopping = True
 
     def _forward_drain(self, signum: int, frame: object) -> None:
-        """SIGUSR1 (report drain to the front balancer, dplb.router.host_report): passed on to every child."""
+        """SIGUSR1 (report drain to the front balancer, dplb.router.host_report) and SIGHUP (reload the tenants
+        file, dplb.router.tenancy): passed on to every child."""
         for m in self.members:
             if m.proc is not None and m.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    m.proc.send_signal(signal.SIGUSR1)
+                    m.proc.send_signal(signum)
 
     def run(self) -> int:
         """Reserve the port, start the children, supervise them until SIGTERM/SIGINT, stop them. Returns the exit
@@ -201,6 +202,7 @@ class RouterGroup:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         signal.signal(signal.SIGUSR1, self._forward_drain)
+        signal.signal(signal.SIGHUP, self._forward_drain)
         try:
             for m in self.members:
                 self._start(m)

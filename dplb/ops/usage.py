@@ -1,0 +1,127 @@
+"""``dplb usage`` and ``dplb tenants hash-key``: the usage ledger of a running router, and a key's digest for the
+tenants file (docs/DESIGN.md §15).
+
+Contract
+- :func:`read_ledger` reads the router's ``/metrics`` (a group's answer covers every process) and sums the
+  ``dplb_tenant_*`` families per tenant: ``{tenant: {requests: {outcome: n}, prompt_tokens, completion_tokens,
+  cached_tokens, queued, queue_wait_s_mean, ttft_s_mean, e2e_s_mean}}`` (means from the histograms' sum / count;
+  None when no sample). Raises :class:`~dplb.errors.DPLBError` naming the URL when the router does not answer.
+- :func:`format_table` renders it as one row per tenant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import getpass
+import json
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from dplb.errors import DPLBError
+from dplb.obs.metrics import TENANT_E2E, TENANT_QUEUE_WAIT, TENANT_QUEUED, TENANT_REQUESTS, TENANT_TOKENS, TENANT_TTFT
+from dplb.tenants import hash_key
+
+_MEANS = {TENANT_QUEUE_WAIT: "queue_wait_s_mean", TENANT_TTFT: "ttft_s_mean", TENANT_E2E: "e2e_s_mean"}
+
+
+def read_ledger(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+    """The per-tenant ledger of the router at ``url`` (module docstring)."""
+    req = urllib.request.Request(url.rstrip("/") + "/metrics",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            text = r.read().decode()
+    except (OSError, urllib.error.URLError) as e:
+        raise DPLBError(f"cannot read {url}/metrics: {getattr(e, 'reason', e)} (is the router running? --url)") \
+            from None
+    return ledger_of(text)
+
+
+def ledger_of(text: str) -> dict[str, dict[str, Any]]:
+    """The ledger from Prometheus text (module docstring)."""
+    out: dict[str, dict[str, Any]] = collections.defaultdict(lambda: {
+        "requests": collections.Counter(), "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+        "queued": 0})
+    sums: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            tenant = s.labels.get("tenant")
+            if tenant is None:
+                continue
+            if s.name == TENANT_REQUESTS + "_total":
+                out[tenant]["requests"][s.labels["outcome"]] += int(s.value)
+            elif s.name == TENANT_TOKENS + "_total":
+                out[tenant][f"{s.labels['kind']}_tokens"] += int(s.value)
+            elif s.name == TENANT_QUEUED:
+                out[tenant]["queued"] += int(s.value)
+            elif s.name.endswith(("_sum", "_count")) and s.name.rsplit("_", 1)[0] in _MEANS:
+                base, part = s.name.rsplit("_", 1)
+                sums[(tenant, base)][0 if part == "sum" else 1] += s.value
+    for (tenant, base), (total, count) in sums.items():
+        out[tenant][_MEANS[base]] = total / count if count else None
+    for row in out.values():
+        row["requests"] = dict(row["requests"])
+        for key in _MEANS.values():
+            row.setdefault(key, None)
+    return dict(out)
+
+
+def format_table(ledger: dict[str, dict[str, Any]]) -> str:
+    """One row per tenant: requests (ok / total), tokens, queued now, mean queue wait, TTFT and E2E."""
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.0f}"
+
+    rows = [("TENANT", "OK", "REQUESTS", "PROMPT", "COMPLETION", "CACHED", "QUEUED", "WAIT_MS", "TTFT_MS", "E2E_MS")]
+    for name in sorted(ledger):
+        r = ledger[name]
+        rows.append((name, str(r["requests"].get("ok", 0)), str(sum(r["requests"].values())), str(r["prompt_tokens"]),
+                     str(r["completion_tokens"]), str(r["cached_tokens"]), str(r["queued"]),
+                     ms(r["queue_wait_s_mean"]), ms(r["ttft_s_mean"]), ms(r["e2e_s_mean"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths,
+                                                                                                    strict=True)))
+                     for row in rows)
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Register ``dplb usage`` and ``dplb tenants``."""
+    p = sub.add_parser("usage", help="print the per-tenant usage ledger of a running router",
+                       description="Read the router's /metrics and print requests, tokens (the engine's counts), "
+                       "queue wait, TTFT and E2E per tenant.")
+    p.add_argument("--url", default="http://127.0.0.1:30000", help="the router (default %(default)s)")
+    p.add_argument("--api-key", default=None, help="a key the router accepts, when /metrics needs one")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_usage)
+    t = sub.add_parser("tenants", help="tenants file helpers")
+    ts = t.add_subparsers(dest="tenants_cmd", required=True)
+    h = ts.add_parser("hash-key", help="print the SHA-256 digest of an API key for api_key_sha256",
+                      description="Print the digest of KEY (or of a key typed at the prompt, or read from stdin "
+                      "with '-': keeps it out of the shell history).")
+    h.add_argument("key", nargs="?", default=None, help="the key; omit to type it, '-' to read stdin")
+    h.set_defaults(func=_cmd_hash_key)
+
+
+def _cmd_usage(args: argparse.Namespace, rest: list[str]) -> int:
+    ledger = read_ledger(args.url, args.api_key)
+    print(json.dumps(ledger, indent=2, sort_keys=True) if args.json else format_table(ledger))
+    return 0
+
+
+def _cmd_hash_key(args: argparse.Namespace, rest: list[str]) -> int:
+    key = args.key
+    if key == "-":
+        key = sys.stdin.readline().rstrip("\r\n")
+    elif key is None:
+        key = getpass.getpass("API key: ")
+    if not key:
+        raise DPLBError("the key is empty")
+    print(hash_key(key))
+    return 0
+
+
+__all__ = ["add_parsers", "format_table", "ledger_of", "read_ledger"]

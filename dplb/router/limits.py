@@ -1,0 +1,121 @@
+"""Per-tenant rate limits: token buckets on requests and tokens, and OpenAI's ``x-ratelimit-*`` headers
+(docs/DESIGN.md §15).
+
+Contract (pure logic; the clock is injected)
+- :class:`TokenBucket`: ``rate`` units per second refill a bucket of ``capacity`` units (it starts full); a take
+  may drive the level below zero (a debt: tokens counted after the response), and nothing is admitted until it is
+  paid back.
+- :class:`TenantLimits` holds one tenant's buckets: ``requests_per_s`` (capacity one second's worth, at least 1)
+  and ``tokens_per_min`` (capacity one minute's worth). :meth:`TenantLimits.check` refuses a request with the
+  error kind and the exact ``Retry-After`` (whole seconds, rounded up: when the bucket holds enough again) or
+  admits it and takes one request and the prompt-token estimate; :meth:`TenantLimits.correct` adds the
+  difference between the engine's token count and what was taken.
+- :meth:`TenantLimits.headers`: ``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``,
+  ``x-ratelimit-reset-requests`` (time until the bucket is full, OpenAI's ``1s`` / ``6m0s`` / ``20ms`` form) and
+  the same three for ``tokens`` — only for the limits the tenant has.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from dplb.errors import RouterErrorKind
+from dplb.tenants import Tenant
+
+
+class TokenBucket:
+    """``rate`` units/s into a bucket of ``capacity`` units (module docstring). ``clock``: seconds."""
+
+    __slots__ = ("capacity", "clock", "level", "rate", "t")
+
+    def __init__(self, rate: float, capacity: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.capacity = capacity
+        self.clock = clock
+        self.level = capacity
+        self.t = clock()
+
+    def refill(self) -> float:
+        """The level now (refilled since the last look)."""
+        now = self.clock()
+        self.level = min(self.capacity, self.level + (now - self.t) * self.rate)
+        self.t = now
+        return self.level
+
+    def wait_s(self, amount: float) -> float:
+        """Seconds until the bucket holds ``amount`` (capped at its capacity); 0 when it does now."""
+        need = min(amount, self.capacity) - self.refill()
+        return need / self.rate if need > 0 else 0.0
+
+    def take(self, amount: float) -> None:
+        """Take ``amount`` (may go negative); :meth:`refill` first."""
+        self.refill()
+        self.level -= amount
+
+    def reset_s(self) -> float:
+        """Seconds until the bucket is full again."""
+        return max(0.0, self.capacity - self.refill()) / self.rate
+
+
+def reset_text(seconds: float) -> str:
+    """OpenAI's reset duration: ``"20ms"`` below 1 s, ``"1.5s"``, ``"6m0s"``."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    if seconds < 60:
+        return f"{math.ceil(seconds * 1000) / 1000:g}s"
+    m, s = divmod(math.ceil(seconds), 60)
+    return f"{m}m{s}s"
+
+
+class TenantLimits:
+    """One tenant's request and token buckets (None where the tenant sets no limit)."""
+
+    def __init__(self, tenant: Tenant, clock: Callable[[], float] = time.monotonic) -> None:
+        r, t = tenant.requests_per_s, tenant.tokens_per_min
+        self.requests = TokenBucket(r, max(1.0, r), clock) if r else None
+        self.tokens = TokenBucket(t / 60.0, t, clock) if t else None
+
+    @property
+    def any(self) -> bool:
+        """True when the tenant has a request or token limit."""
+        return self.requests is not None or self.tokens is not None
+
+    def check(self, tokens: int) -> tuple[RouterErrorKind, int, str] | None:
+        """Refuse (kind, Retry-After seconds, message) or admit a request estimated at ``tokens`` prompt tokens
+        (then one request and ``tokens`` are taken)."""
+        if self.requests is not None:
+            w = self.requests.wait_s(1)
+            if w > 0:
+                return (RouterErrorKind.RATE_LIMITED, math.ceil(w), f"rate limit of {self.requests.rate:g} "
+                        f"requests/s reached; retry in {reset_text(w)}")
+        if self.tokens is not None:
+            w = self.tokens.wait_s(max(tokens, 1))
+            if w > 0:
+                return (RouterErrorKind.TOKENS_RATE_LIMITED, math.ceil(w), f"rate limit of "
+                        f"{self.tokens.capacity:g} tokens/min reached; retry in {reset_text(w)}")
+        if self.requests is not None:
+            self.requests.take(1)
+        if self.tokens is not None:
+            self.tokens.take(tokens)
+        return None
+
+    def correct(self, tokens: int) -> None:
+        """Take ``tokens`` more (negative: give back) once the engine's count is known."""
+        if self.tokens is not None and tokens:
+            self.tokens.take(tokens)
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The ``x-ratelimit-*`` response headers (module docstring)."""
+        out: list[tuple[bytes, bytes]] = []
+        for name, b in ((b"requests", self.requests), (b"tokens", self.tokens)):
+            if b is None:
+                continue
+            out += [(b"x-ratelimit-limit-" + name, b"%d" % math.floor(b.capacity)),
+                    (b"x-ratelimit-remaining-" + name, b"%d" % max(0, math.floor(b.refill()))),
+                    (b"x-ratelimit-reset-" + name, reset_text(b.reset_s()).encode())]
+        return out
+
+
+__all__ = ["TenantLimits", "TokenBucket", "reset_text"]

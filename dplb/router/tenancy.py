@@ -1,0 +1,482 @@
+"""The tenant gate of the proxy: who sent a request, whether it may run now, and what it used
+(docs/DESIGN.md §15).
+
+Contract
+- :meth:`Gate.identify` (before the body is read): the tenant of ``Authorization: Bearer <key>``
+  (:meth:`dplb.tenants.TenantsConfig.lookup`, constant time); False = answer 401. Without any key configured
+  (no ``--tenants``, no ``--api-key``) every request is tenant ``default``. ``--api-key``'s key is tenant
+  ``default`` too, with or without a tenants file.
+- :meth:`Gate.enter` (after the body is read): 403 ``model_not_allowed`` outside the tenant's ``models``; 429 for
+  its ``max_concurrent`` and its rate limits (:mod:`dplb.router.limits`, exact ``Retry-After``); then, with a
+  tenants file, the fair queue (:mod:`dplb.router.admission`): the request runs at once when it is alone and a
+  worker has room, else it waits in the router — never in the engines — until :meth:`_pump` grants it a freed
+  slot, it times out, it is pushed out, the router drains (503 ``router_draining``), or its client leaves (499,
+  nothing sent). Returns False when the request was answered (or its client left).
+- Room (docs/DESIGN.md §15): worker ``k`` has ``max_num_seqs(k) − open(k) − granted(k)`` free slots, where
+  ``open`` is every router process's in-flight requests to ``k`` (:meth:`RouterState.inflight_all`: running +
+  waiting in the engine as far as DPLB sent them, plus those in transit), ``max_num_seqs`` is what the worker
+  publishes (the policy's ``max_queue`` when it publishes none) and ``granted`` counts requests let out of the
+  queue that have not reached :meth:`RouterState.acquire` yet. A granted request is routed among the workers
+  with room only.
+- With ``engine_priority`` the tenant's class rank is written into the body's ``priority`` field (vLLM: lower
+  runs first; needs ``--scheduling-policy priority``), only when the body has no ``priority`` of its own.
+- :meth:`Gate.leave` (every exit path): the ledger (:class:`dplb.obs.metrics.TenantMetrics`), the VTC and token
+  bucket corrections from the engine's usage (:mod:`dplb.router.usage`), then the queue is pumped.
+- :meth:`Gate.reload` (SIGHUP): a new tenants file replaces the old one between two requests; queued and running
+  requests keep their tenant; a file that does not load keeps the old one and logs why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from dplb.config import RouterConfig
+from dplb.errors import ConfigError, RouterErrorKind
+from dplb.obs.metrics import TenantMetrics
+from dplb.router.admission import FairQueue, QueueRefusal, Waiter
+from dplb.router.limits import TenantLimits
+from dplb.router.usage import Meter, max_tokens, with_fields
+from dplb.runtime.asgi import until_disconnect
+from dplb.runtime.serving import DISCONNECT_EXT
+from dplb.tenants import DEFAULT_TENANT, Tenant, TenantsConfig, hash_key, load_tenants, single_tenant
+
+if TYPE_CHECKING:
+    from dplb.router.exchange import Exchange
+    from dplb.router.state import RouterState
+
+log = logging.getLogger("dplb.router.tenants")
+TICK_S = 0.01  # how often a non-empty queue looks for room freed elsewhere (other processes) and for timeouts
+BYTES_PER_TOKEN = 4  # prompt-token estimate at admission (OpenAI's rule of thumb for English text)
+_GRANTED, _GONE = "granted", "gone"
+_USAGE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+class Ticket:
+    """One request's tenant state, on :attr:`Exchange.tenant`: ``tenant``, ``rank`` (class), the prompt-token
+    estimate, the queue future, the usage meter and timings (perf_counter seconds)."""
+
+    __slots__ = ("cannot", "charged", "counted", "est", "expected", "fut", "gate", "granted_to", "limits", "meter",
+                 "rank", "relayed", "strip", "t_first", "tenant", "wait_s", "waiter")
+
+    def __init__(self, gate: Gate, tenant: Tenant, rank: int, limits: TenantLimits | None) -> None:
+        self.gate = gate
+        self.tenant = tenant
+        self.rank = rank
+        self.limits = limits
+        self.est = 0
+        self.counted = False
+        self.fut: asyncio.Future[Any] | None = None
+        self.waiter: Waiter | None = None
+        self.granted_to: int | None = None
+        self.meter: Meter | None = None
+        self.strip = False
+        self.relayed = False  # the worker's response head was relayed
+        self.cannot: frozenset[int] = frozenset()  # workers that cannot serve it (model, pinned response)
+        self.charged = 0  # output tokens charged to the VTC so far (the expected output at dispatch, then events)
+        self.expected = 0  # the request's max_tokens (0 when it sets none)
+        self.t_first: float | None = None
+        self.wait_s = 0.0
+
+    # ---- hooks of the attempt ------------------------------------------------------------------------------
+    def head(self, status: int, headers: list[tuple[bytes, bytes]], sse: bool) -> None:
+        """The worker's response head is about to be relayed: add ``x-ratelimit-*``, start metering."""
+        if self.limits is not None and self.limits.any:
+            headers += self.limits.headers()
+        self.relayed = True
+        self.meter = Meter(sse, self.strip) if status < 300 else None
+
+    def chunk(self, data: bytes) -> bytes:
+        """One body chunk about to be relayed; returns what to relay (:meth:`dplb.router.usage.Meter.chunk`)."""
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        m = self.meter
+        if m is None:
+            return data
+        out = m.chunk(data)
+        if m.events > self.charged and self.gate.fq is not None:  # past the expected output: charge as produced
+            self.gate.fq.charge(self.tenant.name, self.tenant.weight, output_tokens=m.events - self.charged)
+            self.charged = m.events
+        return out
+
+
+class Gate:
+    """Tenants, limits, fair queue and ledger of one router process (module docstring)."""
+
+    def __init__(self, cfg: RouterConfig, state: RouterState, registry: Any, reject: Any) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.reject = reject  # dplb.router.attempt.Upstreams.reject
+        self.metrics = TenantMetrics(registry)
+        self.config = self._read()
+        self.fq: FairQueue | None = None
+        if cfg.tenants_file is not None:
+            self.fq = FairQueue(len(self.config.classes), cfg.queue_max, cfg.queue_timeout_s,
+                                self.config.prompt_token_weight, self.config.output_token_weight)
+        self._limits: dict[str, TenantLimits] = {}
+        self._set_limits()
+        self.active: dict[str, int] = collections.defaultdict(int)
+        self._granted: dict[int, int] = collections.defaultdict(int)
+        self._ticker: asyncio.Task[None] | None = None
+        self._children: dict[str, tuple[Any, Any, Any]] = {}
+        self.recent: collections.OrderedDict[str, str] = collections.OrderedDict()  # request id → tenant
+        self.closed = False
+        self._publish_slos()
+
+    # ---- configuration ----------------------------------------------------------------------------------------
+    def _read(self) -> TenantsConfig:
+        path, key = self.cfg.tenants_file, self.cfg.api_key
+        if path is None:
+            return single_tenant(key)
+        tc = load_tenants(path)
+        if key:
+            extra = Tenant(DEFAULT_TENANT, (hash_key(key),), priority=tc.classes[-1])
+            tc = TenantsConfig(tc.path, (*tc.tenants, extra), tc.classes, tc.prompt_token_weight,
+                               tc.output_token_weight, tc.slos)
+        return tc
+
+    def _set_limits(self) -> None:
+        old = self._limits
+        new = {}
+        for t in self.config.tenants:
+            prev = old.get(t.name)
+            same = prev is not None and (prev.requests.rate if prev.requests else None) == t.requests_per_s and (
+                prev.tokens.capacity if prev.tokens else None) == t.tokens_per_min
+            new[t.name] = prev if same and prev is not None else TenantLimits(t)
+        self._limits = new
+
+    def reload(self) -> bool:
+        """Read the tenants file again (SIGHUP). False (and a log line) when it does not load: the old one stays."""
+        if self.cfg.tenants_file is None:
+            log.info("SIGHUP: no --tenants file to reload")
+            return False
+        try:
+            tc = self._read()
+        except ConfigError as e:
+            log.error("tenants file not reloaded, keeping the previous one: %s", e)
+            return False
+        self.config = tc
+        self._set_limits()
+        self._publish_slos()
+        if self.fq is not None:
+            self.fq.resize(len(tc.classes))
+            self.fq.w_prompt, self.fq.w_output = tc.prompt_token_weight, tc.output_token_weight
+        log.info("tenants file %s reloaded: %d tenants, classes %s", tc.path, len(tc.tenants), ", ".join(tc.classes))
+        return True
+
+    def _publish_slos(self) -> None:
+        """``dplb_tenant_slo_objective`` from the file (what the burn-rate alerts divide by)."""
+        for cls, slo in self.config.slos.items():
+            if slo.availability is not None:
+                self.metrics.slo_objective.labels(cls, "availability").set(slo.availability)
+            if slo.ttft_s is not None:
+                self.metrics.slo_objective.labels(cls, "ttft").set(slo.ttft_target)
+
+    def _count_slo(self, t: Tenant, outcome: str, ttft_s: float | None) -> None:
+        """One request against its class's SLOs: availability counts ok, client_error (good) and server_error
+        (bad); TTFT counts successful requests, bad when over ``ttft_s``."""
+        slo = self.config.slos.get(t.priority)
+        if slo is None:
+            return
+        ev = self.metrics.slo_events
+        if slo.availability is not None and outcome in ("ok", "client_error", "server_error"):
+            ev.labels(t.name, t.priority, "availability", "bad" if outcome == "server_error" else "good").inc()
+        if slo.ttft_s is not None and outcome == "ok" and ttft_s is not None:
+            ev.labels(t.name, t.priority, "ttft", "bad" if ttft_s > slo.ttft_s else "good").inc()
+
+    # ---- identification -----------------------------------------------------------------------------------------
+    def tenant_of(self, authorization: bytes) -> Tenant | None:
+        """The tenant of an ``Authorization`` header value (module docstring), or None (answer 401)."""
+        tc = self.config
+        if not any(t.key_sha256 for t in tc.tenants):
+            return tc.tenants[0]
+        if authorization[:7].lower() != b"bearer ":
+            return None
+        return tc.lookup(authorization[7:].strip())
+
+    def identify(self, ex: Exchange, authorization: bytes) -> bool:
+        """Set ``ex.tenant`` from the header; False when no tenant has that key."""
+        t = self.tenant_of(authorization)
+        if t is None:
+            return False
+        ex.tenant = Ticket(self, t, self.config.rank(t.priority), self._limits.get(t.name))
+        ex.trace.tenant(t.name)
+        recent = self.recent
+        recent[ex.rid.decode()] = t.name
+        if len(recent) > self.cfg.debug_ring:
+            recent.popitem(last=False)
+        return True
+
+    # ---- admission ----------------------------------------------------------------------------------------------
+    async def enter(self, ex: Exchange) -> bool:
+        """Admit ``ex`` now, after waiting, or answer it (module docstring). False when it was answered."""
+        tk: Ticket = ex.tenant
+        t = tk.tenant
+        model = ex.peek.model
+        if not t.may_use(model):
+            await self.reject(ex, RouterErrorKind.MODEL_NOT_ALLOWED, f"tenant {t.name} may not use the model "
+                              f"`{model}`; allowed: {', '.join(sorted(t.models or ()))}")
+            return False
+        tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
+        if t.max_concurrent is not None and self.active[t.name] >= t.max_concurrent:
+            await self.reject(ex, RouterErrorKind.CONCURRENCY_LIMITED, f"tenant {t.name} has {t.max_concurrent} "
+                              "requests open, its max_concurrent; retry when one ends",
+                              retry_after=self.cfg.retry_after_s)
+            return False
+        if tk.limits is not None and tk.limits.any:
+            refused = tk.limits.check(tk.est)
+            if refused is not None:
+                await self.reject(ex, refused[0], f"tenant {t.name}: {refused[2]}", retry_after=refused[1],
+                                  extra_headers=tk.limits.headers())
+                return False
+        self.active[t.name] += 1
+        tk.counted = True
+        fq = self.fq
+        if fq is None:
+            self._prepare(ex, tk)
+            self._observe_wait(tk, 0.0)
+            return True
+        fq.arrive(t.name)
+        tk.expected = max_tokens(ex.body) if ex.route is not None and ex.route.body == "json" else 0
+        free = self._free()
+        if fq.length == 0 and (not free or self._best(free, ex.request.cannot_serve) is not None):
+            fq.charge(t.name, t.weight, tk.est, tk.expected)
+            tk.charged = tk.expected
+            self._steer(ex, free)
+            self._prepare(ex, tk)
+            self._observe_wait(tk, 0.0)
+            return True
+        return await self._wait(ex, tk)
+
+    async def _wait(self, ex: Exchange, tk: Ticket) -> bool:
+        fq = self.fq
+        assert fq is not None
+        if self.closed:
+            await self.reject(ex, RouterErrorKind.DRAINING_QUEUED, "the router is shutting down; retry on another "
+                              "router", retry_after=self.cfg.retry_after_s)
+            return False
+        t = tk.tenant
+        loop = asyncio.get_running_loop()
+        fut = tk.fut = loop.create_future()
+        w = tk.waiter = Waiter(t.name, t.weight, tk.rank, tk.est, tk, tk.expected)
+        tk.cannot = ex.request.cannot_serve
+        try:
+            out = fq.push(w)
+        except QueueRefusal as e:
+            await self.reject(ex, e.kind, str(e), retry_after=self.cfg.retry_after_s)
+            return False
+        if out is not None:
+            _resolve(out.data, RouterErrorKind.QUEUE_SHARE_EXCEEDED)
+        self.metrics.queued.labels(t.name).inc()
+        t0 = time.perf_counter()
+        hook: Any = (ex.scope.get("extensions") or {}).get(DISCONNECT_EXT)
+        watcher = None
+        if hook is not None:
+            if hook.gone:
+                _resolve(tk, _GONE)
+            hook.callback = lambda: _resolve(tk, _GONE)
+        else:
+            watcher = asyncio.ensure_future(_watch(ex.receive, tk))
+        self._pump()
+        if not fut.done() and (self._ticker is None or self._ticker.done()):
+            self._ticker = asyncio.ensure_future(self._tick())
+        try:
+            got = await fut
+        except BaseException:  # the server cancels the request (shutdown): leave nothing behind
+            self._ungrant(tk)
+            raise
+        finally:
+            self.metrics.queued.labels(t.name).dec()
+            if hook is not None:
+                hook.callback = None
+            elif watcher is not None:
+                watcher.cancel()
+            fq.remove(w)  # still queued when its client left
+        self._observe_wait(tk, time.perf_counter() - t0)
+        if got == _GRANTED:
+            self._ungrant(tk)
+            tk.charged = tk.expected  # charged by the queue's pop
+            self._steer(ex, self._free())
+            self._prepare(ex, tk)
+            return True
+        if got == _GONE:
+            self._ungrant(tk)  # granted after its client left (the grant raced the disconnect): give it back
+            ex.gone = True
+            await self.reject(ex, RouterErrorKind.CLIENT_CLOSED, "the client left while its request was queued")
+            return False
+        kind: RouterErrorKind = got
+        await self.reject(ex, kind, _MESSAGES[kind].format(tenant=t.name, timeout=self.cfg.queue_timeout_s),
+                          retry_after=self.cfg.retry_after_s)
+        return False
+
+    def _ungrant(self, tk: Ticket) -> None:
+        """A granted request reached its worker pick (or was cancelled): it no longer holds a granted slot."""
+        k, tk.granted_to = tk.granted_to, None
+        if k is not None:
+            self._granted[k] -= 1
+
+    def _observe_wait(self, tk: Ticket, seconds: float) -> None:
+        tk.wait_s = seconds
+        self.metrics.queue_wait.labels(tk.tenant.name, tk.tenant.priority).observe(seconds)
+
+    def _prepare(self, ex: Exchange, tk: Ticket) -> None:
+        """The body changes the gate makes on a request it lets through (module docstring)."""
+        fields = []
+        route = ex.route
+        if self.cfg.engine_priority and b'"priority"' not in ex.body:
+            fields.append(b'"priority":%d' % tk.rank)
+        if (self.fq is not None and ex.peek.stream is True and route is not None and route.path in _USAGE_ROUTES
+                and b'"stream_options"' not in ex.body):
+            fields.append(b'"stream_options":{"include_usage":true}')
+            tk.strip = True
+        if fields and ex.body.lstrip().startswith(b"{"):
+            ex.body = with_fields(ex.body, b",".join(fields))
+
+    # ---- room -------------------------------------------------------------------------------------------------
+    def _free(self) -> dict[int, int]:
+        """Free slots per routable worker (module docstring); {} when none is routable."""
+        st = self.state
+        ks = st.routable_workers()
+        if not ks:
+            return {}
+        snap = st.snapshot()
+        load = st.inflight_all()
+        default = self.cfg.policy.max_queue
+        granted = self._granted
+        return {k: (snap[k].max_num_seqs if snap is not None and snap[k].max_num_seqs > 0 else default)
+                - load[k] - granted[k] for k in ks}
+
+    @staticmethod
+    def _best(free: dict[int, int], cannot: frozenset[int]) -> int | None:
+        """The eligible worker with the most free slots, None when none has one."""
+        best = max(((n, -k) for k, n in free.items() if k not in cannot), default=None)
+        return -best[1] if best is not None and best[0] > 0 else None
+
+    @staticmethod
+    def _steer(ex: Exchange, free: dict[int, int]) -> None:
+        """Route the request among the workers with room (when one is left)."""
+        req = ex.request
+        full = frozenset(k for k, n in free.items() if n <= 0)
+        if full and any(k not in req.cannot_serve and k not in full for k in free):
+            req.cannot_serve = req.cannot_serve | full
+
+    def _pump(self) -> None:
+        """Grant queued requests as long as workers have room."""
+        fq = self.fq
+        if fq is None or not fq.length:
+            return
+        free = self._free()
+        if not free:
+            return
+
+        def can(w: Waiter) -> bool:
+            fut = w.data.fut
+            return fut is not None and not fut.done() and self._best(free, w.data.cannot) is not None
+
+        while fq.length:
+            w = fq.pop(can)
+            if w is None:
+                return
+            tk: Ticket = w.data
+            k = self._best(free, tk.cannot)
+            assert k is not None
+            free[k] -= 1
+            self._granted[k] += 1
+            tk.granted_to = k
+            _resolve(tk, _GRANTED)
+
+    async def _tick(self) -> None:
+        """While requests wait: time them out, and look for room every :data:`TICK_S`."""
+        fq = self.fq
+        assert fq is not None
+        while fq.length:
+            await asyncio.sleep(TICK_S)
+            for w, kind in fq.expire():
+                _resolve(w.data, kind)
+            self._pump()
+
+    def leave(self, ex: Exchange) -> None:
+        """``ex`` ended (any way): ledger, corrections, and the next queued request (module docstring)."""
+        tk: Ticket | None = ex.tenant
+        if tk is None:
+            return
+        t = tk.tenant
+        if tk.counted:
+            self.active[t.name] -= 1
+        m = tk.meter
+        usage = m.finish() if m is not None else None
+        c = self._child(t.name)
+        if usage is not None:
+            completion = usage.completion_tokens or 0
+            c[0].inc(usage.prompt_tokens)
+            c[1].inc(completion)
+            c[2].inc(usage.cached)
+            if self.fq is not None:
+                self.fq.charge(t.name, t.weight, usage.prompt_tokens - tk.est, completion - tk.charged)
+            if tk.limits is not None:
+                tk.limits.correct(usage.prompt_tokens + completion - tk.est)
+        elif m is not None and m.events:
+            c[1].inc(m.events)
+        if usage is None and self.fq is not None and tk.charged:  # no engine count: keep what was seen produced
+            self.fq.charge(t.name, t.weight, 0, (m.events if m is not None else 0) - tk.charged)
+        status = ex.status
+        outcome = ("cancelled" if ex.gone or status in (0, 499) else "ok" if status < 400 else
+                   "server_error" if status >= 500 else "rejected" if status in (401, 403, 429) and not tk.relayed
+                   else "client_error")
+        self.metrics.requests.labels(t.name, t.priority, outcome).inc()
+        end = time.perf_counter()
+        ttft = tk.t_first - ex.t_start if tk.t_first is not None else None
+        if ttft is not None:
+            self.metrics.ttft.labels(t.name, t.priority).observe(ttft)
+        self._count_slo(t, outcome, ttft)
+        if outcome == "ok":
+            self.metrics.e2e.labels(t.name, t.priority).observe(end - ex.t_start)
+        if self.cfg.access_log:
+            log.info("%s tenant=%s status=%d outcome=%s queue_wait_ms=%.0f prompt_tokens=%s completion_tokens=%s",
+                     ex.rid.decode(), t.name, status, outcome, tk.wait_s * 1000,
+                     usage.prompt_tokens if usage else "-", (usage.completion_tokens if usage else None) or "-")
+        self._pump()
+
+    def _child(self, tenant: str) -> tuple[Any, Any, Any]:
+        """The (prompt, completion, cached) token counters of ``tenant``."""
+        c = self._children.get(tenant)
+        if c is None:
+            tok = self.metrics.tokens
+            c = self._children[tenant] = (tok.labels(tenant, "prompt"), tok.labels(tenant, "completion"),
+                                          tok.labels(tenant, "cached"))
+        return c
+
+    def close(self) -> None:
+        """The router stops: every queued request is answered 503 ``router_draining`` (none is left unanswered)."""
+        self.closed = True
+        fq = self.fq
+        if fq is None:
+            return
+        for w in list(fq.order()):
+            fq.remove(w)
+            _resolve(w.data, RouterErrorKind.DRAINING_QUEUED)
+
+
+_MESSAGES = {
+    RouterErrorKind.QUEUE_SHARE_EXCEEDED: "tenant {tenant} holds more than its share of the router's queue; retry "
+                                          "later",
+    RouterErrorKind.QUEUE_TIMEOUT: "no batch slot freed within --queue-timeout {timeout:g} s; retry later",
+    RouterErrorKind.DRAINING_QUEUED: "the router is shutting down; retry on another router",
+}
+
+
+def _resolve(tk: Ticket, value: Any) -> None:
+    fut = tk.fut
+    if fut is not None and not fut.done():
+        fut.set_result(value)
+
+
+async def _watch(receive: Any, tk: Ticket) -> None:
+    await until_disconnect(receive)
+    _resolve(tk, _GONE)
+
+
+__all__ = ["Gate", "Ticket"]

@@ -1,0 +1,238 @@
+"""Tenants: who may call the router, with which weight, priority class, limits and models (docs/DESIGN.md §15).
+
+Contract
+- :func:`load_tenants` reads a TOML file (``--tenants FILE``) into a validated, immutable :class:`TenantsConfig`,
+  or raises :class:`~dplb.errors.ConfigError` with one line naming the file and the key (``tenants.toml:
+  tenants.chat.weight must be a number > 0, got -1``). Parsed once at start and on every reload; the router never
+  looks at the file's text again.
+- Keys are never stored: a tenant lists the SHA-256 hex digests of its keys (``dplb tenants hash-key`` prints one).
+  :meth:`TenantsConfig.lookup` hashes the presented key once and compares it against **every** configured digest
+  with :func:`hmac.compare_digest` (no early exit), so the time does not depend on which digest matched.
+- ``[priorities] order`` lists the priority classes, most urgent first (default: one class, ``default``); a
+  tenant's ``priority`` names one. ``[fair_queue]`` holds the Virtual Token Counter's token weights (Sheng et al.,
+  "Fairness in Serving Large Language Models", OSDI 2024, §4: a prompt token costs ``prompt_token_weight``, a
+  generated one ``output_token_weight``; the paper's evaluation uses 1 and 2). ``[slo.<class>]`` holds that
+  class's objectives: ``availability`` (fraction of requests not failed by the server) and ``ttft_s`` with
+  ``ttft_target`` (the fraction of requests whose TTFT must be ≤ ``ttft_s``).
+- :data:`DEFAULT_TENANT` is the tenant of requests when no tenants file is given (and of ``--api-key``'s key).
+
+Example::
+
+    [priorities]
+    order = ["interactive", "batch"]
+
+    [tenants.chat]
+    api_key_sha256 = ["<hex sha256 of a key>"]
+    weight = 2.0
+    priority = "interactive"
+    requests_per_s = 50
+    tokens_per_min = 200000
+    max_concurrent = 64
+    models = ["llama-3.1-8b", "lora-a"]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from dplb.errors import ConfigError
+
+DEFAULT_TENANT = "default"
+DEFAULT_CLASS = "default"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_TENANT_KEYS = frozenset({"api_key_sha256", "weight", "priority", "requests_per_s", "tokens_per_min",
+                          "max_concurrent", "models"})
+_TOP_KEYS = frozenset({"tenants", "priorities", "fair_queue", "slo"})
+_SLO_KEYS = frozenset({"availability", "ttft_s", "ttft_target"})
+
+
+def hash_key(key: str) -> str:
+    """The SHA-256 hex digest (64 lower-case hex digits) of an API key, as the tenants file lists it."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """One tenant. ``weight``: its fair share relative to the others (> 0); ``priority``: its class;
+    ``requests_per_s`` / ``tokens_per_min`` (prompt + generated tokens) / ``max_concurrent``: optional limits
+    (None = none); ``models``: the model ids it may use (None = all)."""
+
+    name: str
+    key_sha256: tuple[str, ...] = ()
+    weight: float = 1.0
+    priority: str = DEFAULT_CLASS
+    requests_per_s: float | None = None
+    tokens_per_min: float | None = None
+    max_concurrent: int | None = None
+    models: frozenset[str] | None = None
+
+    def may_use(self, model: Any) -> bool:
+        """True when the request's ``model`` (any JSON value; None = not named) is allowed to this tenant."""
+        return self.models is None or not isinstance(model, str) or model in self.models
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """One priority class's objectives: ``availability`` (0–1, None = none), ``ttft_s`` (seconds) with
+    ``ttft_target`` (0–1: the fraction of requests whose TTFT is at most ``ttft_s``)."""
+
+    availability: float | None = None
+    ttft_s: float | None = None
+    ttft_target: float = 0.99
+
+
+@dataclass(frozen=True, slots=True)
+class TenantsConfig:
+    """A validated tenants file (module docstring). ``classes``: priority classes, most urgent first."""
+
+    path: str
+    tenants: tuple[Tenant, ...]
+    classes: tuple[str, ...] = (DEFAULT_CLASS,)
+    prompt_token_weight: float = 1.0
+    output_token_weight: float = 2.0
+    slos: dict[str, Slo] = field(default_factory=dict)
+
+    def names(self) -> tuple[str, ...]:
+        """Every tenant name, :data:`DEFAULT_TENANT` included (the bounded ``tenant`` label set)."""
+        return tuple(dict.fromkeys((*(t.name for t in self.tenants), DEFAULT_TENANT)))
+
+    def by_name(self, name: str) -> Tenant | None:
+        """The tenant called ``name``, or None."""
+        return next((t for t in self.tenants if t.name == name), None)
+
+    def rank(self, priority: str) -> int:
+        """The class's position in :attr:`classes` (0 = most urgent); an unknown class ranks last."""
+        return self.classes.index(priority) if priority in self.classes else len(self.classes)
+
+    def lookup(self, key: bytes) -> Tenant | None:
+        """The tenant whose digests include SHA-256(``key``), or None. Constant time in which digest matched:
+        every digest is compared (module docstring)."""
+        digest = hashlib.sha256(key).hexdigest().encode()
+        found: Tenant | None = None
+        for t in self.tenants:
+            for h in t.key_sha256:
+                if hmac.compare_digest(digest, h.encode()) and found is None:
+                    found = t
+        return found
+
+
+def _number(where: str, v: Any, *, integer: bool = False, minimum: float = 0.0, inclusive: bool = False) -> float:
+    ok = isinstance(v, int) if integer else isinstance(v, int | float)
+    if isinstance(v, bool) or not ok or not math.isfinite(v) or v < minimum or (v == minimum and not inclusive):
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"{where} must be {kind} {'≥' if inclusive else '>'} {minimum:g}, got {v!r}")
+    return float(v)
+
+
+def _tenant(path: str, name: str, raw: Any, classes: tuple[str, ...], seen: dict[str, str]) -> Tenant:
+    where = f"{path}: tenants.{name}"
+    if not _NAME.fullmatch(name):
+        raise ConfigError(f"{where}: a tenant name is 1-64 letters, digits, '_', '.' or '-'")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a table ([tenants.{name}])")
+    unknown = sorted(set(raw) - _TENANT_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]} is not a tenant key; use {', '.join(sorted(_TENANT_KEYS))}")
+    hashes = raw.get("api_key_sha256", [])
+    if isinstance(hashes, str):
+        hashes = [hashes]
+    if not isinstance(hashes, list) or not hashes:
+        raise ConfigError(f"{where}.api_key_sha256 must list at least one key digest (dplb tenants hash-key KEY)")
+    for h in hashes:
+        if not isinstance(h, str) or not _HEX64.fullmatch(h.lower()):
+            raise ConfigError(f"{where}.api_key_sha256: {h!r} is not a SHA-256 hex digest (64 hex digits; "
+                              "dplb tenants hash-key KEY prints one)")
+        if h.lower() in seen:
+            raise ConfigError(f"{where}.api_key_sha256: the digest {h[:12]}… is also tenant {seen[h.lower()]}'s")
+        seen[h.lower()] = name
+    priority = raw.get("priority", classes[0] if len(classes) == 1 else None)
+    if priority not in classes:
+        raise ConfigError(f"{where}.priority must be one of [priorities] order ({', '.join(classes)}), "
+                          f"got {priority!r}")
+    models = raw.get("models")
+    if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)):
+        raise ConfigError(f"{where}.models must be a list of model ids, got {models!r}")
+    limits: dict[str, Any] = {}
+    for key in ("requests_per_s", "tokens_per_min", "max_concurrent"):
+        if key in raw:
+            limits[key] = _number(f"{where}.{key}", raw[key], integer=key == "max_concurrent")
+    if "max_concurrent" in limits:
+        limits["max_concurrent"] = int(limits["max_concurrent"])
+    return Tenant(name, tuple(h.lower() for h in hashes), _number(f"{where}.weight", raw.get("weight", 1.0)),
+                  priority, models=frozenset(models) if models is not None else None, **limits)
+
+
+def _slos(path: str, raw: Any, classes: tuple[str, ...]) -> dict[str, Slo]:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: slo must be a table of classes ([slo.<class>])")
+    out: dict[str, Slo] = {}
+    for cls, body in raw.items():
+        where = f"{path}: slo.{cls}"
+        if cls not in classes:
+            raise ConfigError(f"{where}: {cls!r} is not a class of [priorities] order ({', '.join(classes)})")
+        if not isinstance(body, dict) or set(body) - _SLO_KEYS:
+            raise ConfigError(f"{where} must be a table of {', '.join(sorted(_SLO_KEYS))}")
+        avail = body.get("availability")
+        for key in ("availability", "ttft_target"):
+            if key in body and not (isinstance(body[key], int | float) and 0 < body[key] < 1):
+                raise ConfigError(f"{where}.{key} must be a fraction in (0, 1) like 0.999, got {body[key]!r}")
+        ttft = _number(f"{where}.ttft_s", body["ttft_s"]) if "ttft_s" in body else None
+        out[cls] = Slo(float(avail) if avail is not None else None, ttft, float(body.get("ttft_target", 0.99)))
+    return out
+
+
+def parse_tenants(path: str, doc: dict[str, Any]) -> TenantsConfig:
+    """Validate a parsed TOML document (``path`` names it in errors). Raises :class:`ConfigError`."""
+    unknown = sorted(set(doc) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: {unknown[0]} is not a section; use {', '.join(sorted(_TOP_KEYS))}")
+    prio = doc.get("priorities", {})
+    order = prio.get("order", [DEFAULT_CLASS]) if isinstance(prio, dict) else None
+    if (not isinstance(order, list) or not order or not all(isinstance(c, str) and _NAME.fullmatch(c) for c in order)
+            or len(set(order)) != len(order)):
+        raise ConfigError(f"{path}: priorities.order must list distinct class names, most urgent first, got {order!r}")
+    classes = tuple(order)
+    fq = doc.get("fair_queue", {})
+    if not isinstance(fq, dict) or set(fq) - {"prompt_token_weight", "output_token_weight"}:
+        raise ConfigError(f"{path}: fair_queue takes prompt_token_weight and output_token_weight")
+    wp = _number(f"{path}: fair_queue.prompt_token_weight", fq.get("prompt_token_weight", 1.0), inclusive=True)
+    wq = _number(f"{path}: fair_queue.output_token_weight", fq.get("output_token_weight", 2.0), inclusive=True)
+    if wp + wq == 0:
+        raise ConfigError(f"{path}: fair_queue weights must not both be 0")
+    raw = doc.get("tenants")
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{path}: no tenant; add at least one [tenants.<name>] table")
+    if DEFAULT_TENANT in raw:
+        raise ConfigError(f"{path}: tenants.{DEFAULT_TENANT}: the name is reserved (--api-key's tenant)")
+    seen: dict[str, str] = {}
+    tenants = tuple(_tenant(path, name, body, classes, seen) for name, body in raw.items())
+    return TenantsConfig(path, tenants, classes, wp, wq, _slos(path, doc.get("slo", {}), classes))
+
+
+def load_tenants(path: str) -> TenantsConfig:
+    """Read and validate the tenants file at ``path``. Raises :class:`ConfigError` (one line: file, key, why)."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"--tenants {path}: cannot read it: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return parse_tenants(path, doc)
+
+
+def single_tenant(api_key: str | None) -> TenantsConfig:
+    """The configuration without a tenants file: one tenant, :data:`DEFAULT_TENANT`, holding ``api_key`` (if any)."""
+    hashes = (hash_key(api_key),) if api_key else ()
+    return TenantsConfig("", (Tenant(DEFAULT_TENANT, hashes),))
+
+
+__all__ = ["DEFAULT_CLASS", "DEFAULT_TENANT", "Slo", "Tenant", "TenantsConfig", "hash_key", "load_tenants",
+           "parse_tenants", "single_tenant"]

@@ -1,0 +1,316 @@
+"""Tenants without a cluster: the tenants file's validation, the fair queue's order (VTC, priority classes, bounds),
+the token buckets and the usage meter — each table-driven with an injected clock (docs/DESIGN.md §15)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dplb.errors import ConfigError, RouterErrorKind
+from dplb.router.admission import FairQueue, QueueRefusal, Waiter
+from dplb.router.limits import TenantLimits, TokenBucket, reset_text
+from dplb.router.usage import Meter, max_tokens, with_fields
+from dplb.tenants import Tenant, hash_key, load_tenants, parse_tenants
+
+H1, H2 = hash_key("key-one"), hash_key("key-two")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def doc(**tenants: dict) -> dict:
+    return {"tenants": tenants}
+
+
+# ---- the tenants file ---------------------------------------------------------------------------------------
+def test_a_valid_file_loads_with_defaults_and_lookup_finds_the_key(tmp_path) -> None:
+    p = tmp_path / "t.toml"
+    p.write_text(f'[priorities]\norder = ["interactive", "batch"]\n[fair_queue]\noutput_token_weight = 3\n'
+                 f'[tenants.chat]\napi_key_sha256 = ["{H1}"]\nweight = 2\npriority = "interactive"\n'
+                 f'models = ["m1"]\nrequests_per_s = 5\n[tenants.batch]\napi_key_sha256 = "{H2.upper()}"\n'
+                 f'priority = "batch"\n[slo.interactive]\navailability = 0.999\nttft_s = 0.5\n')
+    tc = load_tenants(str(p))
+    assert [t.name for t in tc.tenants] == ["chat", "batch"] and tc.names() == ("chat", "batch", "default")
+    assert tc.classes == ("interactive", "batch") and tc.rank("batch") == 1 and tc.output_token_weight == 3
+    chat = tc.lookup(b"key-one")
+    assert chat is not None and chat.name == "chat" and chat.weight == 2 and chat.requests_per_s == 5
+    assert chat.may_use("m1") and not chat.may_use("m2") and chat.may_use(None)
+    batch = tc.lookup(b"key-two")
+    assert batch is not None and batch.name == "batch" and batch.weight == 1.0 and batch.models is None
+    assert tc.lookup(b"key-three") is None and tc.lookup(b"") is None
+    assert tc.slos["interactive"].availability == 0.999 and tc.slos["interactive"].ttft_s == 0.5
+
+
+@pytest.mark.parametrize(("document", "needle"), [
+    ({}, "no tenant"),
+    (doc(a={"weight": 1}), "tenants.a.api_key_sha256 must list"),
+    (doc(a={"api_key_sha256": ["abc"]}), "tenants.a.api_key_sha256: 'abc' is not a SHA-256"),
+    (doc(a={"api_key_sha256": [H1], "weight": -1}), "tenants.a.weight must be a number > 0, got -1"),
+    (doc(a={"api_key_sha256": [H1], "weight": True}), "tenants.a.weight must be a number"),
+    (doc(a={"api_key_sha256": [H1], "max_concurrent": 1.5}), "tenants.a.max_concurrent must be an integer"),
+    (doc(a={"api_key_sha256": [H1], "colour": 1}), "tenants.a.colour is not a tenant key"),
+    (doc(a={"api_key_sha256": [H1], "priority": "gold"}), "tenants.a.priority must be one of"),
+    (doc(a={"api_key_sha256": [H1]}, b={"api_key_sha256": [H1]}), "is also tenant a's"),
+    (doc(a={"api_key_sha256": [H1], "models": "m"}), "tenants.a.models must be a list"),
+    (doc(default={"api_key_sha256": [H1]}), "tenants.default: the name is reserved"),
+    ({"priorities": {"order": []}, **doc(a={"api_key_sha256": [H1]})}, "priorities.order must list"),
+    ({"slo": {"gold": {}}, **doc(a={"api_key_sha256": [H1]})}, "slo.gold: 'gold' is not a class"),
+    ({"slo": {"default": {"availability": 2}}, **doc(a={"api_key_sha256": [H1]})},
+     "slo.default.availability must be a fraction"),
+    ({"extra": 1, **doc(a={"api_key_sha256": [H1]})}, "extra is not a section"),
+])
+def test_a_bad_file_is_one_line_naming_the_file_and_key(document: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_tenants("t.toml", document)
+    msg = str(e.value)
+    assert msg.startswith("t.toml: ") and needle in msg and "\n" not in msg, msg
+
+
+def test_unreadable_and_invalid_toml_name_the_file(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"--tenants .*missing\.toml: cannot read it"):
+        load_tenants(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[tenants.a\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml: not valid TOML"):
+        load_tenants(str(bad))
+
+
+# ---- the fair queue -------------------------------------------------------------------------------------------
+def names(q: FairQueue, n: int) -> list[str]:
+    out = []
+    for _ in range(n):
+        w = q.pop()
+        assert w is not None
+        out.append(w.data)
+    return out
+
+
+def push(q: FairQueue, tenant: str, tag: str, weight: float = 1.0, rank: int = 0, prompt: int = 10) -> Waiter:
+    q.arrive(tenant)
+    w = Waiter(tenant, weight, rank, prompt, tag)
+    assert q.push(w) is None
+    return w
+
+
+def test_vtc_alternates_between_equal_tenants_and_a_flooder_does_not_starve_the_light_one() -> None:
+    q = FairQueue(1, 100, 60, clock=Clock())
+    for i in range(10):
+        push(q, "A", f"a{i}")
+    push(q, "B", "b0")
+    # B is lifted to A's counter; on the tie the tenant with fewer queued goes first; then A alone.
+    assert names(q, 3) == ["b0", "a0", "a1"]
+
+
+def test_weights_split_service_by_tokens() -> None:
+    q = FairQueue(1, 100, 60, clock=Clock())
+    for i in range(20):
+        push(q, "A", f"a{i}", weight=2.0)
+        push(q, "B", f"b{i}", weight=1.0)
+    got = names(q, 12)
+    assert got.count("a0") == 1 and sum(n.startswith("a") for n in got) == 8  # 2:1 by weight
+
+
+def test_output_tokens_charged_as_produced_reorder_the_queue() -> None:
+    q = FairQueue(1, 100, 60, w_prompt=1.0, w_output=2.0, clock=Clock())
+    push(q, "A", "a0")
+    push(q, "B", "b0")
+    q.charge("A", 1.0, output_tokens=50)  # A's earlier request streamed 50 tokens meanwhile
+    assert q.counters["A"] == 100
+    assert names(q, 2) == ["b0", "a0"]
+
+
+def test_counter_lift_a_newcomer_banks_no_credit_for_idle_time() -> None:
+    q = FairQueue(1, 100, 60, clock=Clock())
+    q.counters["A"] = 1000.0
+    push(q, "A", "a0")
+    push(q, "B", "b0")  # B was idle: lifted to A's 1000, not left at 0
+    assert q.counters["B"] == 1000.0
+    push(q, "A", "a1")
+    push(q, "B", "b1")
+    # Equal counters: the tenant with fewer queued first (B's newcomer), then alternation by counter.
+    assert names(q, 4) == ["a0", "b0", "a1", "b1"]
+
+
+def test_lift_when_the_queue_is_empty_uses_the_last_tenant_that_left() -> None:
+    q = FairQueue(1, 100, 60, clock=Clock())
+    q.counters["A"] = 500.0
+    push(q, "A", "a0")
+    names(q, 1)
+    q.arrive("B")
+    assert q.counters["B"] == 510.0  # A left with 500 + its 10 prompt tokens
+
+
+def test_priority_class_first_then_fairness_within_it() -> None:
+    q = FairQueue(2, 100, 60, clock=Clock())
+    push(q, "batch", "x0", rank=1)
+    push(q, "batch", "x1", rank=1)
+    push(q, "chat", "c0", rank=0)
+    q.counters["chat"] = 1e6  # even a chat tenant far ahead on tokens goes first: the class is the first key
+    assert names(q, 3) == ["c0", "x0", "x1"]
+
+
+def test_work_conserving_skips_a_request_no_worker_can_take() -> None:
+    q = FairQueue(1, 100, 60, clock=Clock())
+    push(q, "A", "a0")
+    push(q, "B", "b0")
+    w = q.pop(lambda w: w.data != "a0")
+    assert w is not None and w.data == "b0" and q.length == 1
+
+
+def test_full_queue_pushes_out_the_tenant_over_its_share_or_refuses() -> None:
+    q = FairQueue(1, 4, 60, clock=Clock())
+    for i in range(4):
+        push(q, "A", f"a{i}")
+    q.arrive("B")
+    out = q.push(Waiter("B", 1.0, 0, 10, "b0"))  # A holds the whole queue: its newest request goes
+    assert out is not None and out.data == "a3" and q.queued("B") == 1
+    q.arrive("A")
+    with pytest.raises(QueueRefusal) as e:  # A (3 of 4, share 2) arrives again: 429 over its share
+        q.push(Waiter("A", 1.0, 0, 10, "a4"))
+    assert e.value.kind is RouterErrorKind.QUEUE_SHARE_EXCEEDED
+    lone = FairQueue(1, 2, 60, clock=Clock())
+    push(lone, "A", "a0")
+    push(lone, "A", "a1")
+    with pytest.raises(QueueRefusal) as e:  # a lone tenant fills the server: 503, not its fault
+        lone.push(Waiter("A", 1.0, 0, 10, "a2"))
+    assert e.value.kind is RouterErrorKind.QUEUE_FULL
+
+
+def test_timeouts_expire_with_429_over_share_else_503_and_remove_takes_out() -> None:
+    clock = Clock()
+    q = FairQueue(1, 4, 5.0, clock=clock)
+    a = [push(q, "A", f"a{i}") for i in range(3)]
+    push(q, "B", "b0")
+    clock.t += 4.9
+    assert q.expire() == []
+    clock.t += 0.1
+    got = [(w.data, kind.code) for w, kind in q.expire()]
+    # a0 leaves while A holds 3 of 4 (share 2): 429; then A is within its share: 503 like B's.
+    assert got == [("a0", "queue_share_exceeded"), ("a1", "queue_timeout"), ("a2", "queue_timeout"),
+                   ("b0", "queue_timeout")]
+    assert q.length == 0 and not q.remove(a[0])
+    w = push(q, "A", "a9")
+    assert q.remove(w) and q.length == 0 and q.pop() is None
+
+
+def test_resize_keeps_queued_requests() -> None:
+    q = FairQueue(2, 10, 60, clock=Clock())
+    push(q, "A", "a0", rank=1)
+    push(q, "B", "b0", rank=0)
+    q.resize(1)
+    assert q.length == 2 and sorted(names(q, 2)) == ["a0", "b0"]
+
+
+# ---- limits -----------------------------------------------------------------------------------------------------
+def test_request_bucket_refuses_with_the_exact_retry_after_and_refills() -> None:
+    clock = Clock()
+    lim = TenantLimits(Tenant("a", requests_per_s=2), clock)
+    assert lim.check(10) is None and lim.check(10) is None
+    refused = lim.check(10)
+    assert refused is not None and refused[0] is RouterErrorKind.RATE_LIMITED and refused[1] == 1
+    clock.t += 0.5
+    assert lim.check(10) is None
+    hdr = dict(lim.headers())
+    assert hdr[b"x-ratelimit-limit-requests"] == b"2" and hdr[b"x-ratelimit-remaining-requests"] == b"0"
+    assert hdr[b"x-ratelimit-reset-requests"] == b"1s"
+
+
+def test_token_bucket_debt_from_the_engines_count_delays_the_next_request() -> None:
+    clock = Clock()
+    lim = TenantLimits(Tenant("a", tokens_per_min=600), clock)  # 10 tokens/s
+    assert lim.check(100) is None
+    lim.correct(550)  # the engine counted 650 in all: the bucket is 50 in debt
+    refused = lim.check(100)
+    assert refused is not None and refused[0] is RouterErrorKind.TOKENS_RATE_LIMITED and refused[1] == 15
+    clock.t += 15
+    assert lim.check(100) is None
+
+
+@pytest.mark.parametrize(("s", "text"), [(0.02, "20ms"), (1.0, "1s"), (1.5, "1.5s"), (360, "6m0s"), (61.2, "1m2s")])
+def test_reset_text_is_openais_format(s: float, text: str) -> None:
+    assert reset_text(s) == text
+
+
+def test_token_bucket_caps_a_wait_at_its_capacity() -> None:
+    b = TokenBucket(1.0, 5.0, Clock())
+    b.take(5)
+    assert b.wait_s(100) == 5.0
+
+
+# ---- usage metering and body fields ---------------------------------------------------------------------------
+USAGE = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}\n\n'
+EVENTS = [b'data: {"id":"x","choices":[{"delta":{"content":"a"}}]}\n\n'] * 3
+
+
+@pytest.mark.parametrize("split", [1, 7, 50, 10000])
+def test_meter_reads_the_usage_chunk_however_the_stream_is_cut(split: int) -> None:
+    stream = b"".join(EVENTS) + USAGE + b"data: [DONE]\n\n"
+    for strip in (False, True):
+        m = Meter(True, strip)
+        relayed = b"".join(m.chunk(stream[i:i + split]) for i in range(0, len(stream), split))
+        u = m.finish()
+        assert u is not None and (u.prompt_tokens, u.completion_tokens) == (7, 3) and m.exact
+        assert m.events == 3
+        assert relayed == (b"".join(EVENTS) + b"data: [DONE]\n\n" if strip else stream)
+
+
+def test_meter_json_body_and_a_stream_without_usage() -> None:
+    m = Meter(False)
+    m.chunk(b'{"usage": {"prompt_tokens": 5, "completion_tokens": 2, "prompt_tokens_details": ')
+    m.chunk(b'{"cached_tokens": 4}}}')
+    u = m.finish()
+    assert u is not None and (u.prompt_tokens, u.completion_tokens, u.cached) == (5, 2, 4)
+    m = Meter(True)
+    m.chunk(b"".join(EVENTS) + b"data: [DONE]\n\n")
+    assert m.finish() is None and not m.exact and m.events == 3
+
+
+@pytest.mark.parametrize(("body", "out"), [
+    (b'{"model":"m"}', b'{"priority":1,"model":"m"}'),
+    (b' {}', b' {"priority":1}'),
+    (b'{ }', b'{"priority":1 }'),
+])
+def test_with_fields_writes_first_and_keeps_the_rest(body: bytes, out: bytes) -> None:
+    assert with_fields(body, b'"priority":1') == out
+
+
+def test_expected_output_is_charged_at_dispatch_so_a_batch_started_together_is_not_all_one_tenants() -> None:
+    q = FairQueue(1, 100, 60, w_prompt=1.0, w_output=2.0, clock=Clock())
+    for i in range(4):
+        q.arrive("A")
+        q.push(Waiter("A", 1.0, 0, 10, f"a{i}", output_tokens=64))
+        q.arrive("B")
+        q.push(Waiter("B", 1.0, 0, 10, f"b{i}", output_tokens=64))
+    # Four slots free at once (nothing has completed yet): two each, not four of whoever is first.
+    got = names(q, 4)
+    assert sorted(n[0] for n in got) == ["a", "a", "b", "b"] and q.counters["A"] == q.counters["B"] == 2 * 138
+
+
+def test_bench_fairness_index_and_next_slot_waits() -> None:
+    from dplb.bench.tenants import jain, next_slot_waits
+
+    assert jain([5.0, 5.0]) == 1.0 and jain([3.0, 1.0]) == pytest.approx(0.8) and jain([0.0, 0.0]) is None
+    assert next_slot_waits([0.0, 1.5, 9.0], [2.0, 1.0, 3.0]) == [1.0, 0.5]  # 9.0 is past the last free slot
+
+
+def test_hash_key_cli_reads_stdin_and_refuses_an_empty_key(monkeypatch, capsys) -> None:
+    import io
+
+    from dplb.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("key-one\n"))
+    assert main(["tenants", "hash-key", "-"]) == 0
+    assert capsys.readouterr().out.strip() == H1
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
+    assert main(["tenants", "hash-key", "-"]) == 1
+    assert "the key is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("body", "n"), [(b'{"max_tokens": 64}', 64), (b'{"max_completion_tokens": 9, "max_tokens": 64}', 9),
+                                         (b'{"max_tokens": true}', 0), (b'{"x": 1}', 0), (b"not json", 0)])
+def test_max_tokens_reads_the_output_limit(body: bytes, n: int) -> None:
+    assert max_tokens(body) == n
