@@ -12,6 +12,8 @@ four can never disagree. Each filter sets the first ``why`` that rejects a candi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
+from typing import ClassVar
 
 from dplb.config import PolicyConfig
 from dplb.policy.decision import (
@@ -42,7 +44,7 @@ class Registered(Filter):
 
     def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
         for c in cands:
-            if c.why is OK and c.state.pid == 0:
+            if c.state.pid == 0 and c.why is OK:
                 c.why = WHY_UNREGISTERED
 
 
@@ -53,7 +55,7 @@ class Consistent(Filter):
 
     def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
         for c in cands:
-            if c.why is OK and c.state.torn:
+            if c.state.torn and c.why is OK:
                 c.why = WHY_TORN
 
 
@@ -69,7 +71,7 @@ class Fresh(Filter):
     def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
         lim = self.stale_ns
         for c in cands:
-            if c.why is OK and c.age_ns > lim:
+            if c.age_ns > lim and c.why is OK:
                 c.why = WHY_STALE
 
 
@@ -80,22 +82,22 @@ class Ready(Filter):
 
     def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
         for c in cands:
-            if c.why is OK and c.state.lifecycle != _READY:
+            if c.state.lifecycle is not _READY and c.why is OK:
                 c.why = WHY_DRAINING if c.state.lifecycle == _DRAINING else WHY_NOT_READY
 
 
 class _NotIn(Filter):
-    """Rejects candidates whose worker id is in a set of ids the context carries (:meth:`ids`)."""
+    """Rejects candidates whose worker id is in a set of ids the context carries: ``ids(ctx)``, a getter of that
+    :class:`PickContext` attribute (a C call, not a method)."""
 
-    def ids(self, ctx: PickContext) -> frozenset[int]:
-        raise NotImplementedError
+    ids: ClassVar[attrgetter[frozenset[int]]]
 
     def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
         ids = self.ids(ctx)
         if ids:
             why = self.reasons[0]
             for c in cands:
-                if c.why is OK and c.worker_id in ids:
+                if c.worker_id in ids and c.why is OK:
                     c.why = why
 
 
@@ -104,8 +106,7 @@ class NotHeldOut(_NotIn):
 
     reasons = (WHY_HELD_OUT,)
 
-    def ids(self, ctx: PickContext) -> frozenset[int]:
-        return ctx.held
+    ids = attrgetter("held")
 
 
 class NotEjected(_NotIn):
@@ -113,8 +114,7 @@ class NotEjected(_NotIn):
 
     reasons = (WHY_EJECTED,)
 
-    def ids(self, ctx: PickContext) -> frozenset[int]:
-        return ctx.ejected
+    ids = attrgetter("ejected")
 
 
 class NotTried(_NotIn):
@@ -123,8 +123,7 @@ class NotTried(_NotIn):
     reasons = (WHY_EXCLUDED,)
     health = False
 
-    def ids(self, ctx: PickContext) -> frozenset[int]:
-        return ctx.request.exclude
+    ids = attrgetter("request.exclude")
 
 
 class CanServe(_NotIn):
@@ -133,8 +132,7 @@ class CanServe(_NotIn):
     reasons = (WHY_CANNOT_SERVE,)
     health = False
 
-    def ids(self, ctx: PickContext) -> frozenset[int]:
-        return ctx.request.cannot_serve
+    ids = attrgetter("request.cannot_serve")
 
 
 class UnderHardCap(Filter):
@@ -147,7 +145,7 @@ class UnderHardCap(Filter):
         cap = self.cfg.hard_queue_cap
         if cap:
             for c in cands:
-                if c.why is OK and c.queue >= cap:
+                if c.queue >= cap and c.why is OK:
                     c.why = WHY_OVER_CAP
 
 
