@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError
@@ -55,14 +55,9 @@ from dplb.policy.framework import (
     build_scorers,
     clamp_unit,
 )
-from dplb.policy.plugins import validate
+from dplb.policy.plugins import PROFILES, validate
 from dplb.state.shm import WorkerState
 
-#: Policy name → picker name. Every profile runs the same filters and scorers (the terms are visible whatever picks).
-PROFILES: Final = {
-    "dplb": "max_score", "round_robin": "round_robin", "random": "random", "least_loaded": "least_loaded",
-    "power_of_two": "power_of_two", "prefix_hash": "prefix_hash",
-}
 _NO_REQUEST = RouteRequest()
 _new = object.__new__
 
