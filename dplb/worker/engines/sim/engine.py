@@ -54,17 +54,8 @@ from dplb.worker.engines.base import ASGIApp, EngineStats, Receive, Scope, Send
 from dplb.worker.engines.sim import logprobs
 from dplb.worker.engines.sim.api import SimApi
 from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
-from dplb.worker.engines.sim.scheduler import (
-    WORDS,
-    SimConfig,
-    SimRequest,
-    SimScheduler,
-    block_hashes,
-    completion_prompts,
-    prompt_hash,
-    render_chat,
-    tokenize,
-)
+from dplb.worker.engines.sim.prompts import block_hashes, completion_prompts, prompt_hash, render_chat, tokenize
+from dplb.worker.engines.sim.scheduler import WORDS, SimConfig, SimRequest, SimScheduler
 
 __all__ = ["SimConfig", "SimEngine", "main"]
 
