@@ -212,6 +212,69 @@ def cluster(tmp_path: str, num_workers: int, worker_args: dict[int, list[str]] |
 
 
 # ---- requests ----------------------------------------------------------------------------------------------------
+@dataclass
+class Launch:
+    """A ``dplb launch`` a test started with :func:`launched`: its process, base URL, segment path, log file and run
+    directory."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    shm: str
+    log: Path
+    run_dir: str
+
+    def state(self) -> dict[str, Any]:
+        """``dplb state --json`` of this stack's segment. Raises json.JSONDecodeError while it has none."""
+        out = subprocess.run(dplb_cmd("state", "--json", "--shm-path", self.shm), capture_output=True, text=True,
+                             timeout=30).stdout
+        return json.loads(out)  # type: ignore[no-any-return]
+
+    def wait_ready(self, timeout_s: float, workers: bool = False, step_s: float = 0.2) -> dict[str, Any] | None:
+        """Wait until the router's ``/ready`` is 200 (with ``workers``: and every worker's lifecycle is ready; the
+        state is returned then). Fails with the log's tail when the launcher exits or ``timeout_s`` passes."""
+        t0 = time.monotonic()
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()[-4000:]
+            assert time.monotonic() - t0 < timeout_s, self.log.read_text()[-4000:]
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    if not workers:
+                        return None
+                    st = self.state()
+                    if all(w["lifecycle"] == "ready" for w in st["workers"]):
+                        return st
+            except (json.JSONDecodeError, httpx.HTTPError):
+                pass
+            time.sleep(step_s)
+
+
+@contextlib.contextmanager
+def launched(tmp_path: Path, *args: str, tag: str | None = None, env: dict[str, str] | None = None,
+             cleanup: Callable[[], None] | None = None, **popen: Any) -> Iterator[Launch]:
+    """Start ``dplb launch ARGS`` on a free port of 127.0.0.1 with its own segment and run directory (named by
+    ``tag``), no per-worker metrics ports, and its output in ``tmp_path/launch.log``; on exit kill it if it still
+    runs, call ``cleanup`` and remove its segment. ``popen``: more ``subprocess.Popen`` arguments."""
+    tag = tag or uuid.uuid4().hex[:10]
+    shm = f"/dev/shm/dplb_state_test_{tag}"
+    port = free_port()
+    run_dir = str(tmp_path / f"run-{tag}")
+    log = tmp_path / "launch.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            dplb_cmd("launch", "--port", str(port), "--host", "127.0.0.1", "--shm-path", shm, "--run-dir", run_dir,
+                     "--metrics-port-base", "0", *args), env=env, stdout=f, stderr=subprocess.STDOUT, **popen)
+    try:
+        yield Launch(proc, f"http://127.0.0.1:{port}", shm, log, run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if cleanup is not None:
+            cleanup()
+        if os.path.exists(shm):
+            os.unlink(shm)
+
+
 def post(c: Cluster, path: str, body: bytes | dict[str, Any], headers: dict[str, str | bytes] | None = None,
          timeout: float = 30, sim_debug: bool = False) -> httpx.Response:
     """``POST`` ``body`` (bytes as given, a dict as JSON) to the router of ``c`` with Content-Type JSON;

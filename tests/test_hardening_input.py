@@ -196,6 +196,18 @@ def test_oversized_heads_get_431_and_malformed_http_400(fuzz: Cluster) -> None:
     assert httpx.get(fuzz.url + "/health").status_code == 200
 
 
+def test_malformed_chunked_body_gets_an_openai_400(fuzz: Cluster) -> None:
+    """A request body whose chunked framing is broken (a chunk size that is not hex, a chunk longer than its size)
+    is answered 400 ``invalid_http`` in the OpenAI shape, not a connection closed without an answer; the router
+    keeps serving."""
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    for body in (b"5\r\n{\"a\":\r\nzz\r\n1}\r\n0\r\n\r\n", b"2\r\n{}xxxxxx\r\n0\r\n\r\n"):
+        resp = _raw(fuzz, head + body)
+        assert resp.startswith(b"HTTP/1.1 400"), resp[:200]
+        assert json.loads(resp.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_http"
+    assert httpx.get(fuzz.url + "/health").status_code == 200
+
+
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
 def test_100_mb_body_is_refused_without_being_read(fuzz: Cluster, framing: str) -> None:
     """A real 100 MB upload: 413 arrives while the client is still sending, and the router closes instead of

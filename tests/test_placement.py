@@ -4,19 +4,15 @@ pinning its children (and keeping them in its session, one kernel autogroup)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 
-import httpx
 import pytest
-from cluster import ROOT, dplb_cmd, free_port
+from cluster import ROOT, dplb_cmd, launched
 
 from dplb.errors import ConfigError
 from dplb.ops.placement import OMP_ENV, plan_placement, resolve
@@ -236,19 +232,6 @@ def _verify_with_dropins(out: Path) -> None:
     assert r.returncode == 0 and r.stdout.strip() == "" and r.stderr.strip() == "", r.stdout + r.stderr
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(log.read_text()[-3000:])
-
-
 @pytest.mark.parametrize("spec", [None, "auto"])
 def test_launch_pins_sim_workers_only_when_asked_and_keeps_them_in_its_session(tmp_path: Path,
                                                                               spec: str | None) -> None:
@@ -257,21 +240,12 @@ def test_launch_pins_sim_workers_only_when_asked_and_keeps_them_in_its_session(t
     session: a session is a kernel autogroup, and engines in separate autogroups starved each other."""
     if spec and len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs")
-    tag = uuid.uuid4().hex[:10]
-    shm = f"/dev/shm/dplb_state_test_{tag}"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "launch.log"
     extra = ["--worker-cpus", spec] if spec else []
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            dplb_cmd("launch", "--num-workers", "2", "--port", str(port), "--host", "127.0.0.1", "--shm-path", shm,
-                     "--run-dir", str(tmp_path / "run"), "--metrics-port-base", "0", "--drain-timeout", "5", *extra),
-            stdout=f, stderr=subprocess.STDOUT, process_group=0)  # like a shell's job: its own process group
-    try:
-        _wait_ready(url, proc, log)
-        st = json.loads(subprocess.run(dplb_cmd("state", "--json", "--shm-path", shm), capture_output=True,
-                                       text=True, timeout=30).stdout)
+    # process_group=0: like a shell's job, its own process group
+    with launched(tmp_path, "--num-workers", "2", "--drain-timeout", "5", *extra, process_group=0) as ln:
+        proc, log, shm = ln.proc, ln.log, ln.shm
+        ln.wait_ready(60)
+        st = ln.state()
         pids = [w["pid"] for w in st["workers"]] + [r["pid"] for r in st["routers"]]
         sets = [_affinity(p) for p in pids]
         assert [w["cpus"] for w in st["workers"]] == [sorted(s) for s in sets[:2]]  # dplb state shows it
@@ -289,9 +263,3 @@ def test_launch_pins_sim_workers_only_when_asked_and_keeps_them_in_its_session(t
         assert proc.wait(30) == 0
         assert "stopped; sockets removed" in log.read_text()
         assert not os.path.exists(shm)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        if os.path.exists(shm):
-            os.unlink(shm)

@@ -121,7 +121,7 @@ _FLAG_VALUES = {
 }
 
 
-def test_every_router_flag_reaches_the_router_config() -> None:
+def test_every_router_flag_reaches_the_router_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`dplb launch` hands its router the validated :class:`RouterConfig` whole (JSON in the environment)
     instead of re-emitting flags, so a flag can only be lost where the config is built. Every flag of the router and
     policy groups must change the config when set, and the config must survive the JSON hand-off unchanged."""
@@ -136,17 +136,22 @@ def test_every_router_flag_reaches_the_router_config() -> None:
     def build(argv: list[str]) -> RouterConfig:
         return router_config(p.parse_args(argv), run_dir="/tmp/x", shm_path=None, num_workers=2)
 
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenants.a]\napi_key_sha256 = ["' + "0" * 64 + '"]\n')
+    values = {**_FLAG_VALUES, "--tenants": str(tenants)}
     base = build([])
     for action in p._actions:
         if not action.option_strings or action.dest == "help":
             continue
         flag = action.option_strings[0]
-        if action.nargs == 0:
+        if flag == "--engine-priority":  # needs the tenants file's classes
+            argv = [flag, "--tenants", str(tenants)]
+        elif action.nargs == 0:
             argv = [flag]
         elif action.choices:
             argv = [flag, next(str(c) for c in action.choices if c != action.default)]
-        elif flag in _FLAG_VALUES:
-            argv = [flag, _FLAG_VALUES[flag]]
+        elif flag in values:
+            argv = [flag, values[flag]]
         else:
             argv = [flag, str(type(action.default)(action.default * 2 + 1))]  # int/float defaults
         cfg = build(argv)
@@ -306,12 +311,29 @@ def test_scorer_param_on_the_command_line() -> None:
     for arg, needle in (("nope.x=1", "--scorer-param nope.x=1: no plugin 'nope'; scorers: "),
                         ("prefix.size=1", "--scorer-param prefix.size=1: prefix has no parameter 'size'"),
                         ("prefix.block_bytes=abc", "prefix.block_bytes must be an integer, 1..65536 bytes"),
-                        ("prefix-block_bytes", "--scorer-param must be PLUGIN.PARAM=VALUE")):
+                        ("prefix-block_bytes", "--scorer-param must be PLUGIN.PARAM=VALUE"),
+                        ("random.seed=1", "--scorer-param random.seed=1: random is not in use")):
         r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--num-workers", "1", "--port", "0",
                             "--run-dir", "/tmp/dplb-noexist", "--scorer-param", arg], capture_output=True, text=True,
                            timeout=30)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode != 0 and needle in r.stderr and len(lines) == 1, r.stderr
+
+
+def test_a_parameter_for_a_plugin_not_in_use_is_refused() -> None:
+    """A ``--scorer-param`` that would change nothing (its scorer is not weighted, its picker is not the policy's)
+    is a one-line error naming the flag, after the value itself was checked; the same parameter is accepted where
+    the plugin runs."""
+    unweighted = PolicyConfig(weights=(("queue", 1.0),), params=(("prefix", "block_bytes", "64"),))
+    with pytest.raises(ConfigError, match=r"^--scorer-param prefix\.block_bytes=64: prefix is not in use \(this "
+                       r"configuration runs scorers queue, picker max_score \(--policy dplb\)\); weight it in "
+                       r"--weights or drop the flag$"):
+        make_policy(unweighted, 2)
+    with pytest.raises(ConfigError, match=r"random\.seed=3: random is not in use .* choose the --policy that uses"):
+        make_policy(PolicyConfig(params=(("random", "seed", "3"),)), 2)
+    assert make_policy(PolicyConfig(name="random", params=(("random", "seed", "3"),)), 2).picker.params["seed"] == 3
+    with pytest.raises(ConfigError, match=r"prefix\.block_bytes must be an integer"):  # the value is checked first
+        make_policy(PolicyConfig(weights=(("queue", 1.0),), params=(("prefix", "block_bytes", "x"),)), 2)
 
 
 def test_one_namespace_for_scorers_and_pickers() -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from dplb.router.resume import ResumeStream, _fields, continuation, refusal
 from dplb.state.shm import Lifecycle
-from dplb.worker.engines.sim.scheduler import render_chat, tokenize
+from dplb.worker.engines.sim.prompts import render_chat, tokenize
 from dplb.worker.engines.sim.text import TextGen, leads
 from tests.cluster import Cluster, cluster, wait_for
 

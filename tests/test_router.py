@@ -19,7 +19,7 @@ import pytest
 from cluster import Cluster, assert_openai_error, cluster, worker_get
 from cluster import post as cluster_post
 
-from dplb.state.shm import Lifecycle, WorkerState
+from dplb.state.shm import Lifecycle, Segment, WorkerState
 
 CHAT = {"model": "dplb-sim", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
 
@@ -458,6 +458,21 @@ def test_failing_worker_is_ejected_instead_of_attracting_traffic(tmp_path: str) 
         assert failed < 20 and codes[(200, "0")] == 40 - failed, codes
         assert (c.metric("dplb_worker_ejections_total", {"worker": "1"}) or 0) >= 1
         assert "ejecting it" in c.router_log()
+
+
+def test_more_workers_than_the_segment_has_slots_is_a_start_up_error(tmp_path: str) -> None:
+    """``dplb router --num-workers 100`` on a segment of 4 worker slots stops at once with one line naming the flag
+    and the segment's slot count (it used to log, ignore the segment and serve on its fallback forever)."""
+    import subprocess
+    import sys
+
+    path = os.path.join(str(tmp_path), "seg")
+    Segment.create(path, 4).close()
+    r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--num-workers", "100", "--port", "0",
+                        "--run-dir", str(tmp_path), "--shm-path", path], capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert "--num-workers 100" in lines[0] and "has 4 worker slots" in lines[0], r.stderr
 
 
 def test_segment_deleted_at_runtime_router_keeps_serving_on_its_own_counts(tmp_path: str) -> None:

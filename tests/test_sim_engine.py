@@ -31,7 +31,7 @@ from dplb.errors import ConfigError
 from dplb.worker.engines.base import EngineStats
 from dplb.worker.engines.sim import logprobs
 from dplb.worker.engines.sim.engine import SimConfig, SimEngine
-from dplb.worker.engines.sim.scheduler import PrefixCache, block_hashes, tokenize
+from dplb.worker.engines.sim.prompts import PrefixCache, block_hashes, tokenize
 
 FAST: dict[str, Any] = {"decode_step_s": 0.002, "decode_step_s_per_seq": 0.0, "prefill_s_per_token": 0.0}
 

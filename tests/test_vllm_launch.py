@@ -13,7 +13,7 @@ from collections import Counter
 import httpx
 import openai
 import pytest
-from cluster import dplb_cmd, free_port
+from cluster import dplb_cmd, launched
 from proc_tags import kill_tagged, new_tag, ppid, tagged_env, tagged_procs
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
@@ -28,29 +28,11 @@ def _state(shm: str) -> dict:  # type: ignore[type-arg]
 def test_launch_two_real_vllm_workers_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     require_vllm()
     tag = new_tag()
-    shm = f"/dev/shm/dplb_state_test_{tag}"
-    run_dir = str(tmp_path / f"run-{tag}")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "launch.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            dplb_cmd("launch", "--model", TINY_MODEL, "--num-workers", "2", "--port", str(port), "--host",
-                     "127.0.0.1", "--shm-path", shm, "--run-dir", run_dir, "--metrics-port-base", "0",
-                     *VLLM_CPU_ARGS),
-            env=tagged_env(tag, vllm_env()), stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with launched(tmp_path, "--model", TINY_MODEL, "--num-workers", "2", *VLLM_CPU_ARGS, tag=tag,
+                  env=tagged_env(tag, vllm_env()), cleanup=lambda: kill_tagged(tag)) as ln:  # only what it started
+        proc, log_path, shm, url, run_dir = ln.proc, ln.log, ln.shm, ln.url, ln.run_dir
         t0 = time.monotonic()
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-4000:]
-            assert time.monotonic() - t0 < STARTUP_TIMEOUT_S, log_path.read_text()[-4000:]
-            try:
-                st = _state(shm)
-                if all(w["lifecycle"] == "ready" for w in st["workers"]) and httpx.get(url + "/ready").status_code == 200:
-                    break
-            except (json.JSONDecodeError, httpx.HTTPError):
-                pass
-            time.sleep(1)
+        ln.wait_ready(STARTUP_TIMEOUT_S, workers=True, step_s=1)
         print(f"2 real vLLM CPU workers ready in {time.monotonic() - t0:.1f} s")
         assert "SIM engine" not in log_path.read_text()
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -98,10 +80,3 @@ def test_launch_two_real_vllm_workers_end_to_end(tmp_path) -> None:  # type: ign
         while (leftovers := tagged_procs(tag)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert leftovers == [], leftovers
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        kill_tagged(tag)  # only what this test started: never another stack on the host
-        if os.path.exists(shm):
-            os.unlink(shm)

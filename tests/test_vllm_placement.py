@@ -8,17 +8,13 @@ CPUs must be disjoint; on a 2-core host each worker has one core.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import time
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
-from cluster import dplb_cmd, free_port
+from cluster import launched
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
 from dplb.runtime.cpus import format_cpu_list
@@ -69,31 +65,11 @@ def test_two_vllm_cpu_workers_never_share_a_core(tmp_path: Path) -> None:
     allowed = set(os.sched_getaffinity(0))
     if len(allowed) < 2:
         pytest.skip("two vLLM CPU workers need 2 CPUs")
-    tag = uuid.uuid4().hex[:10]
-    shm = f"/dev/shm/dplb_state_test_{tag}"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "launch.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            dplb_cmd("launch", "--model", TINY_MODEL, "--num-workers", "2", "--port", str(port), "--host",
-                     "127.0.0.1", "--shm-path", shm, "--run-dir", str(tmp_path / f"run-{tag}"),
-                     "--metrics-port-base", "0", *VLLM_CPU_ARGS),
-            env=vllm_env(), stdout=log, stderr=subprocess.STDOUT)  # vllm_env's nobind: the launcher replaces it
-    try:
-        t0 = time.monotonic()
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-4000:]
-            assert time.monotonic() - t0 < STARTUP_TIMEOUT_S, log_path.read_text()[-4000:]
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    st = json.loads(subprocess.run(dplb_cmd("state", "--json", "--shm-path", shm),
-                                                   capture_output=True, text=True, timeout=30).stdout)
-                    if all(w["lifecycle"] == "ready" for w in st["workers"]):
-                        break
-            except (json.JSONDecodeError, httpx.HTTPError):
-                pass
-            time.sleep(1)
+    # vllm_env's nobind: the launcher replaces it
+    with launched(tmp_path, "--model", TINY_MODEL, "--num-workers", "2", *VLLM_CPU_ARGS, env=vllm_env()) as ln:
+        proc, log_path, url = ln.proc, ln.log, ln.url
+        st = ln.wait_ready(STARTUP_TIMEOUT_S, workers=True, step_s=1)
+        assert st is not None
         banner = log_path.read_text()
         per_worker: list[set[int]] = []
         for w in st["workers"]:
@@ -119,9 +95,3 @@ def test_two_vllm_cpu_workers_never_share_a_core(tmp_path: Path) -> None:
             assert r.status_code == 200, r.text
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        if os.path.exists(shm):
-            os.unlink(shm)

@@ -13,6 +13,8 @@ four can never disagree. Each filter sets the first ``why`` that rejects a candi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
+from typing import ClassVar
 
 from dplb.config import PolicyConfig
 from dplb.policy.decision import (
@@ -44,7 +46,7 @@ class Registered(Filter):
 
     def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
         for c in cands:
-            if c.why is OK and c.state.pid == 0:
+            if c.state.pid == 0 and c.why is OK:
                 c.why = WHY_UNREGISTERED
 
 
@@ -55,7 +57,7 @@ class Consistent(Filter):
 
     def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
         for c in cands:
-            if c.why is OK and c.state.torn:
+            if c.state.torn and c.why is OK:
                 c.why = WHY_TORN
 
 
@@ -71,7 +73,7 @@ class Fresh(Filter):
     def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
         lim = self.stale_ns
         for c in cands:
-            if c.why is OK and c.age_ns > lim:
+            if c.age_ns > lim and c.why is OK:
                 c.why = WHY_STALE
 
 
@@ -82,22 +84,22 @@ class Ready(Filter):
 
     def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
         for c in cands:
-            if c.why is OK and c.state.lifecycle != _READY:
+            if c.state.lifecycle is not _READY and c.why is OK:
                 c.why = WHY_DRAINING if c.state.lifecycle == _DRAINING else WHY_NOT_READY
 
 
 class _NotIn(Filter):
-    """Rejects candidates whose worker id is in a set of ids the context carries (:meth:`ids`)."""
+    """Rejects candidates whose worker id is in a set of ids the context carries: ``ids(ctx)``, a getter of that
+    :class:`PickContext` attribute (a C call, not a method)."""
 
-    def ids(self, ctx: PickContext) -> frozenset[int]:
-        raise NotImplementedError
+    ids: ClassVar[attrgetter[frozenset[int]]]
 
     def apply(self, cands: list[Candidate], ctx: PickContext) -> None:
         ids = self.ids(ctx)
         if ids:
             why = self.reasons[0]
             for c in cands:
-                if c.why is OK and c.worker_id in ids:
+                if c.worker_id in ids and c.why is OK:
                     c.why = why
 
 
@@ -106,8 +108,7 @@ class NotHeldOut(_NotIn):
 
     reasons = (WHY_HELD_OUT,)
 
-    def ids(self, ctx: PickContext) -> frozenset[int]:
-        return ctx.held
+    ids = attrgetter("held")
 
 
 class NotEjected(_NotIn):
@@ -115,8 +116,7 @@ class NotEjected(_NotIn):
 
     reasons = (WHY_EJECTED,)
 
-    def ids(self, ctx: PickContext) -> frozenset[int]:
-        return ctx.ejected
+    ids = attrgetter("ejected")
 
 
 class NotStalled(_NotIn):
@@ -124,8 +124,7 @@ class NotStalled(_NotIn):
 
     reasons = (WHY_STALLED,)
 
-    def ids(self, ctx: PickContext) -> frozenset[int]:
-        return ctx.stalled
+    ids = attrgetter("stalled")
 
 
 class NotTried(_NotIn):
@@ -134,8 +133,7 @@ class NotTried(_NotIn):
     reasons = (WHY_EXCLUDED,)
     health = False
 
-    def ids(self, ctx: PickContext) -> frozenset[int]:
-        return ctx.request.exclude
+    ids = attrgetter("request.exclude")
 
 
 class CanServe(_NotIn):
@@ -144,8 +142,7 @@ class CanServe(_NotIn):
     reasons = (WHY_CANNOT_SERVE,)
     health = False
 
-    def ids(self, ctx: PickContext) -> frozenset[int]:
-        return ctx.request.cannot_serve
+    ids = attrgetter("request.cannot_serve")
 
 
 class UnderHardCap(Filter):
@@ -158,7 +155,7 @@ class UnderHardCap(Filter):
         cap = self.cfg.hard_queue_cap
         if cap:
             for c in cands:
-                if c.why is OK and c.queue >= cap:
+                if c.queue >= cap and c.why is OK:
                     c.why = WHY_OVER_CAP
 
 

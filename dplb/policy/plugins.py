@@ -10,6 +10,7 @@ importable module and start the router with ``--policy-plugin MODULE`` (``dplb l
 from __future__ import annotations
 
 import importlib
+from typing import Final
 
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError
@@ -29,6 +30,12 @@ register_picker(LeastLoaded)
 register_picker(PowerOfTwo)
 register_picker(PrefixHash)
 
+#: Policy name → picker name. Every profile runs the same filters and scorers (the terms are visible whatever picks).
+PROFILES: Final = {
+    "dplb": "max_score", "round_robin": "round_robin", "random": "random", "least_loaded": "least_loaded",
+    "power_of_two": "power_of_two", "prefix_hash": "prefix_hash",
+}
+
 
 def validate(cfg: PolicyConfig) -> None:
     """Load ``cfg.plugins``, check that every weighted scorer is registered and that every ``--scorer-param``
@@ -45,6 +52,21 @@ def validate(cfg: PolicyConfig) -> None:
             raise ConfigError(f"--scorer-param {value}: no plugin {plugin!r}; scorers: {', '.join(sorted(SCORERS))}; "
                               f"pickers: {', '.join(sorted(PICKERS))}")
         resolve_params(cls, cfg)
+    check_in_use(cfg)
+
+
+def check_in_use(cfg: PolicyConfig) -> None:
+    """Refuse a ``--scorer-param`` for a plugin this configuration does not run (a scorer not in ``--weights``, a
+    picker other than the ``--policy`` profile's): the value would change nothing, which hides a mistake (a
+    forgotten weight, another policy meant). Raises :class:`ConfigError` (one line naming the flag)."""
+    weighted = [n for n, _ in cfg.effective_weights()]
+    picker = PROFILES.get(cfg.name)
+    for plugin, name, text in cfg.params:
+        if plugin not in weighted and plugin != picker:
+            runs = f"scorers {', '.join(weighted)}" + (f", picker {picker} (--policy {cfg.name})" if picker else "")
+            hint = "weight it in --weights" if plugin in SCORERS else "choose the --policy that uses it"
+            raise ConfigError(f"--scorer-param {plugin}.{name}={text}: {plugin} is not in use (this configuration "
+                              f"runs {runs}); {hint} or drop the flag")
 
 
 def load_plugins(modules: tuple[str, ...]) -> None:

@@ -78,7 +78,7 @@ class PrefixIndex:
     ``num_workers``: worker ids 0..n−1 (a bit each). Not thread-safe (one router event loop).
     """
 
-    __slots__ = ("_all", "_map", "_ttl_ns", "capacity", "num_workers")
+    __slots__ = ("_all", "_map", "_ttl_ns", "_walk", "capacity", "num_workers")
 
     def __init__(self, capacity: int, ttl_s: float, num_workers: int) -> None:
         self.capacity = capacity
@@ -86,6 +86,8 @@ class PrefixIndex:
         self._ttl_ns = int(ttl_s * 1e9)
         self._all = (1 << num_workers) - 1
         self._map: OrderedDict[int, list[int]] = OrderedDict()
+        # The last match's walk while the index is unchanged: (keys, now_ns, workers with every block, entries).
+        self._walk: tuple[Sequence[int], int, int, list[list[int]]] | None = None
 
     def __len__(self) -> int:
         return len(self._map)
@@ -99,30 +101,42 @@ class PrefixIndex:
         """Leading blocks of ``keys`` each worker was sent (list indexed by worker id; 0 = no match).
 
         Walks from the first block and stops as soon as no worker has the next one, so an unmatched prompt costs
-        one lookup. Entries older than ``ttl_s`` count as absent.
+        one lookup. Entries older than ``ttl_s`` count as absent. When some worker has every block, the walk is
+        remembered until the index changes, so that :meth:`record` of the same keys at the same ``now_ns`` (the
+        routed request) does not look them up again.
         """
+        self._walk = None
         depth = [0] * self.num_workers
-        if not keys:
-            return depth
         get = self._map.get
         cutoff = now_ns - self._ttl_ns
         cur = self._all
-        i = 0
-        for i, key in enumerate(keys):
+        walked: list[list[int]] = []  # the entries of the blocks every worker in ``cur`` has
+        for key in keys:
             e = get(key)
-            nxt = cur & e[0] if e is not None and e[1] >= cutoff else 0
-            if nxt != cur:
-                gone = cur & ~nxt
-                while gone:
-                    b = gone & -gone
-                    depth[b.bit_length() - 1] = i
-                    gone ^= b
-                cur = nxt
-                if not cur:
-                    return depth
+            if e is not None and e[1] >= cutoff:
+                nxt = cur & e[0]
+                if nxt == cur:
+                    walked.append(e)
+                    continue
+            else:
+                nxt = 0
+            i = len(walked)  # the workers that lose this block have the i before it
+            gone = cur & ~nxt
+            while gone:
+                b = gone & -gone
+                depth[b.bit_length() - 1] = i
+                gone ^= b
+            if not nxt:
+                return depth
+            cur = nxt
+            walked.append(e)  # type: ignore[arg-type]  # nxt != 0: e is an entry
+        if not keys:
+            return depth
+        i = len(walked)
+        self._walk = (keys, now_ns, cur, walked)
         while cur:  # workers that have every block
             b = cur & -cur
-            depth[b.bit_length() - 1] = i + 1
+            depth[b.bit_length() - 1] = i
             cur ^= b
         return depth
 
@@ -132,7 +146,28 @@ class PrefixIndex:
         time stamp: new, new for ``worker``, or refreshed after ``_REFRESH_NS`` (what other router processes must
         learn, :mod:`dplb.state.router_slots`)."""
         m = self._map
-        bit = 1 << worker
+        stale = now_ns - _REFRESH_NS
+        walk, self._walk = self._walk, None
+        start = 0
+        if walk is not None and walk[0] is keys and walk[1] == now_ns and walk[2] >> worker & 1:
+            # The routed request of the last match, and ``worker`` has every block: where the entries were sent
+            # within _REFRESH_NS, only their time stamps change (no lookup, no LRU move, nothing to learn).
+            start = len(keys)
+            walked = walk[3]
+            for e in walked:
+                if e[1] < stale:
+                    start = walked.index(e)
+                    break
+                e[1] = now_ns
+        changed = self._mark(keys[start:] if start else keys, 1 << worker, now_ns) if start < len(keys) else []
+        cutoff = now_ns - self._ttl_ns
+        while m and (len(m) > self.capacity or next(iter(m.values()))[1] < cutoff):
+            m.popitem(last=False)
+        return changed
+
+    def _mark(self, keys: Sequence[int], bit: int, now_ns: int) -> list[int]:
+        """:meth:`record`'s entry updates, key by key; returns the keys that changed beyond a time stamp."""
+        m = self._map
         move = m.move_to_end
         stale = now_ns - _REFRESH_NS
         changed: list[int] = []
@@ -150,14 +185,12 @@ class PrefixIndex:
                 if e[1] < stale:  # LRU order to within _REFRESH_NS: a hot block is not moved on every request
                     move(key)
                 e[1] = now_ns
-        cutoff = now_ns - self._ttl_ns
-        while m and (len(m) > self.capacity or next(iter(m.values()))[1] < cutoff):
-            m.popitem(last=False)
         return changed
 
     def forget_worker(self, worker: int) -> int:
         """Drop ``worker`` from every entry (it restarted: its prefix cache is empty). O(entries); called once per
         restart. Returns how many entries lost the worker."""
+        self._walk = None
         bit = 1 << worker
         dropped = 0
         m = self._map

@@ -72,6 +72,12 @@ class QueueScorer(Scorer):
         cfg = self.cfg
         ww1 = self.waiting_weight - 1.0
         out = []
+        if ww1 <= 0.0 and not cfg.max_queue_from_worker:  # the default: one cap, every request counts once
+            mq = cfg.max_queue
+            for c in cands:
+                t = 1.0 - c.queue / mq
+                out.append(t if t > 0.0 else 0.0)
+            return out
         for c in cands:
             w = c.state
             q: float = c.queue
@@ -111,10 +117,12 @@ class MemoryScorer(Scorer):
         self.signal: str = self.params["signal"]
 
     def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
-        sig = self.signal
-        # The common case (kv) without a call per candidate.
-        ratios = [c.state.kv_cache_usage for c in cands] if sig == "kv" else [memory_ratio(c, sig) for c in cands]
-        return [0.0 if r > 1.0 else (1.0 if r < 0.0 else 1.0 - r) for r in ratios]
+        kv = self.signal == "kv"  # the common case without a call per candidate
+        out = []
+        for c in cands:
+            r = c.state.kv_cache_usage if kv else memory_ratio(c, self.signal)
+            out.append(0.0 if r > 1.0 else (1.0 if r < 0.0 else 1.0 - r))
+        return out
 
     def inputs(self, c: Candidate, ctx: PickContext) -> dict[str, Any]:
         return {"memory_ratio": memory_ratio(c, self.signal)}
@@ -142,33 +150,31 @@ class LatencyScorer(Scorer):
         if base is None:
             return [1.0] * len(cands)
         ttft = self.cfg.latency_signal == "ttft"
-        out = []
-        missing = False
-        el_sum, el_n = 0.0, 0  # eligible workers with a current sample: their mean latency (deadband)
+        out: list[float] = []
+        timed: list[int] = []  # indices of the eligible workers with a current sample (the deadband's mean)
+        lats: list[float] = []  # their latencies
+        i = -1
         for c in cands:
-            w = c.state
-            lat = w.avg_ttft_s if ttft else w.avg_latency_s
-            if lat <= 0.0 or c.queue == 0:
-                out.append(-1.0)  # no sample yet, or idle: the peers' mean below
-                missing = True
+            i += 1
+            lat = c.state.avg_ttft_s if ttft else c.state.avg_latency_s
+            if lat <= 0.0 or not c.queue:
+                out.append(-1.0)  # no sample yet, or idle (old news): the peers' mean below
                 continue
             t = 1.0 - lat / base
             out.append(t if t > 0.0 else 0.0)
             if c.why is OK:
-                el_sum += lat
-                el_n += 1
+                timed.append(i)
+                lats.append(lat)
         band = self.deadband
-        if band > 0.0 and el_n > 1:
-            mean = el_sum / el_n
+        if band > 0.0 and len(timed) > 1:
+            mean = sum(lats) / len(lats)
             tm = 1.0 - mean / base
             tm = tm if tm > 0.0 else 0.0
             lim = band * mean
-            for i, c in enumerate(cands):
-                if out[i] >= 0.0 and c.why is OK:
-                    w = c.state
-                    if abs((w.avg_ttft_s if ttft else w.avg_latency_s) - mean) <= lim:
-                        out[i] = tm
-        if missing:
+            for i, lat in zip(timed, lats, strict=True):
+                if -lim <= lat - mean <= lim:  # |lat − mean| ≤ lim without a call
+                    out[i] = tm
+        if -1.0 in out:  # every other term is ≥ 0
             have = [t for c, t in zip(cands, out, strict=True) if t >= 0.0 and c.state.pid]
             neutral = sum(have) / len(have) if have else 1.0
             out = [neutral if t < 0.0 else t for t in out]
@@ -220,7 +226,7 @@ class PrefixScorer(Scorer):
 
     def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
         req = ctx.request
-        q = req.derived.get("prefix") if req.derived else None
+        q = req.derived.get("prefix")
         if q is None:
             return [0.0] * len(cands)
         blocks = q.blocks
@@ -231,16 +237,20 @@ class PrefixScorer(Scorer):
         lo, best = min(el), max(el)
         if best == lo:  # nobody has more than the rest: no preference
             return [0.0] * len(cands)
-        req.preferred = next(c.worker_id for c in cands if c.why is OK and depth[c.worker_id] == best)
+        for c in cands:
+            if depth[c.worker_id] == best and c.why is OK:
+                req.preferred = c.worker_id
+                break
         span = len(blocks) - lo
         cfg = self.cfg
+        mq = 0 if cfg.max_queue_from_worker else cfg.max_queue
         out = []
         for c in cands:
             d = depth[c.worker_id]
             if d <= lo:
                 out.append(0.0)
                 continue
-            head = 1.0 - c.queue / max_queue_of(c.state, cfg)
+            head = 1.0 - c.queue / (mq or max_queue_of(c.state, cfg))
             out.append((d - lo) / span * head if head > 0.0 else 0.0)
         return out
 
@@ -252,7 +262,7 @@ class PrefixScorer(Scorer):
 
     def on_pick(self, request: RouteRequest, worker: int, now_ns: int) -> None:
         """Record the request's blocks for ``worker`` (``request.learned``: the keys the index learnt)."""
-        q = request.derived.get("prefix") if request.derived else None
+        q = request.derived.get("prefix")
         if q is not None:
             request.learned = self.index.record(q.blocks, worker, now_ns)
 

@@ -38,7 +38,7 @@ import time
 from typing import Protocol
 
 from dplb.config import PolicyConfig, RouterConfig
-from dplb.errors import ShmError
+from dplb.errors import ConfigError, ShmError
 from dplb.obs.metrics import RouterMetrics
 from dplb.policy import Policy, RouteRequest, make_policy, routable
 from dplb.policy.decision import (
@@ -112,7 +112,12 @@ class RouterState:
             self._attach_error = err
             return False
         if self.cfg.num_workers and seg.num_workers < self.cfg.num_workers:
-            if self._attach_error != "too_few_slots":
+            if initial:  # at start-up a wrong count is the operator's to fix: refuse to start
+                seg.close()
+                raise ConfigError(f"--num-workers {self.cfg.num_workers}: the state segment {seg.path} has "
+                                  f"{seg.num_workers} worker slots; pass --num-workers {seg.num_workers} or fewer, "
+                                  f"or recreate it with `dplb segment create --num-workers {self.cfg.num_workers}`")
+            if self._attach_error != "too_few_slots":  # replaced at runtime by a smaller one: ignore it
                 log.error("segment %s has %d slots, fewer than --num-workers %d; ignoring it (recreate it with "
                           "`dplb segment create --num-workers %d`)", seg.path, seg.num_workers,
                           self.cfg.num_workers, self.cfg.num_workers)

@@ -6,7 +6,8 @@ handling, so the worker/router decide what SIGTERM means (drain first) and stop 
 ``server.should_exit = True``. ``make_server(max_head_bytes=N)`` (the router's edge) caps each request head (request
 line + headers): uvicorn/httptools buffer a head without limit and concatenate it piece by piece, so one client
 sending a 50 MB header cost the router 5 s of CPU and 50 MB of memory; over the cap the client gets a 431 and the
-connection is closed. Malformed HTTP gets a 400 in the same OpenAI error shape as every other router error. The
+connection is closed. Malformed HTTP (a broken chunk of a request body too) gets a 400 in the same OpenAI error shape
+as every other router error. The
 same server gives each request a :class:`DisconnectHook` (a callback on client disconnect, instead of a task per
 request awaiting ``receive()``) and writes a response head together with the body bytes sent right after it.
 :func:`run_async` runs a process's main coroutine on uvloop (asyncio without it).
@@ -190,7 +191,11 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             code = "headers_too_large" if self._too_large else "invalid_http"
             if on_reject is not None:
                 on_reject(code)
-            if self.cycle is None or self.cycle.response_complete:  # else a pipelined request mid-response: close
+            cycle = self.cycle
+            # No request open, or the bad bytes are the open request's own body (a malformed chunk) before its
+            # answer began: answer 400; its app then sees a disconnect. Else (a pipelined request while the previous
+            # one is still being answered, or its answer is streaming) a 400 would read as that answer: only close.
+            if cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started):
                 self.transport.write(too_large if self._too_large else bad_http)
             self.transport.close()
 

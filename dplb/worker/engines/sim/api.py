@@ -48,16 +48,8 @@ from dplb.worker.engines.base import REQUEST_EXT, Receive, Scope, Send
 from dplb.worker.engines.sim import pooling
 from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
 from dplb.worker.engines.sim.pooling import POOLING_PATHS
-from dplb.worker.engines.sim.scheduler import (
-    WORDS,
-    SimConfig,
-    SimRequest,
-    SimScheduler,
-    block_hashes,
-    prompt_hash,
-    render_chat,
-    tokenize,
-)
+from dplb.worker.engines.sim.prompts import block_hashes, prompt_hash, render_chat, tokenize
+from dplb.worker.engines.sim.scheduler import WORDS, SimConfig, SimRequest, SimScheduler
 
 
 class SimEngine(Protocol):

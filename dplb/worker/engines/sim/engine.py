@@ -58,15 +58,8 @@ from dplb.worker.engines.base import REQUEST_EXT, ASGIApp, EngineRequest, Engine
 from dplb.worker.engines.sim import logprobs, text
 from dplb.worker.engines.sim.api import SimApi
 from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
-from dplb.worker.engines.sim.scheduler import (
-    SimConfig,
-    SimRequest,
-    SimScheduler,
-    block_hashes,
-    completion_prompts,
-    prompt_hash,
-    tokenize,
-)
+from dplb.worker.engines.sim.prompts import block_hashes, completion_prompts, prompt_hash, tokenize
+from dplb.worker.engines.sim.scheduler import SimConfig, SimRequest, SimScheduler
 from dplb.worker.engines.sim.text import render_prompt
 
 __all__ = ["SimConfig", "SimEngine", "main"]

@@ -27,7 +27,8 @@ from typing import Any
 import msgspec
 
 from dplb.worker.engines.sim.http import HTTPError
-from dplb.worker.engines.sim.scheduler import WORDS, tokenize
+from dplb.worker.engines.sim.prompts import tokenize
+from dplb.worker.engines.sim.scheduler import WORDS
 
 EMBED_DIM = 32  # small: the sim's vectors are for plumbing, not semantics
 POOLING_PATHS = frozenset({"/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank",

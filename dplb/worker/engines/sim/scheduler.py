@@ -1,5 +1,7 @@
-"""Core of the sim engine: configuration, tokenisation, prefix cache, a vLLM-like continuous-batching scheduler, and
-the engine's ``vllm:*`` Prometheus metrics. The HTTP side lives in :mod:`dplb.worker.engines.sim.engine`.
+"""Core of the sim engine: configuration, a vLLM-like continuous-batching scheduler (the queue, admission and the
+step loop), and the engine's ``vllm:*`` Prometheus metrics. What a prompt is (tokens, chat rendering, block hashes)
+and the prefix cache the scheduler consults at admission live in :mod:`dplb.worker.engines.sim.prompts`; the HTTP
+side in :mod:`dplb.worker.engines.sim.engine`.
 
 Contract
 - :class:`SimScheduler` runs one asyncio task (created lazily on the event loop of the first :meth:`submit`) that
@@ -30,10 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-import zlib
-from array import array
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -42,6 +42,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dplb.errors import ConfigError
+from dplb.worker.engines.sim.prompts import PrefixCache
 
 #: Output vocabulary: every generated token is one of these words.
 WORDS = (
@@ -150,112 +151,6 @@ class SimConfig:
                 f"sim engine: the KV cache ({self.kv_blocks} blocks x {self.block_size} tokens = "
                 f"{self.kv_blocks * self.block_size} tokens) cannot hold one max_model_len={self.max_model_len} "
                 "sequence; raise kv_blocks or lower max_model_len (vLLM refuses to start in this case too)")
-
-
-def tokenize(text: str) -> list[int]:
-    """Token ids of ``text``: the CRC-32 of each whitespace-separated word; ``[0]`` for a blank text (≥ 1 token)."""
-    ids = [zlib.crc32(w.encode()) for w in text.split()]
-    return ids or [0]
-
-
-def render_chat(messages: Any) -> str:
-    """The chat prompt: one ``"role: content\\n"`` line per message (text parts joined). Raises ValueError."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' is required and must be a non-empty list of {role, content} objects")
-    lines = []
-    for i, msg in enumerate(messages):
-        content = message_content(i, msg)  # validates msg first
-        lines.append(f"{msg['role']}: {content}\n")
-    return "".join(lines)
-
-
-def message_content(i: int, msg: Any) -> str:
-    """The text of chat message ``i`` (text parts joined by newlines; null is empty). Raises ValueError."""
-    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-        raise ValueError(f"messages[{i}] must be an object with a string 'role'")
-    content = msg.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise ValueError(f"messages[{i}].content parts must be objects with a 'type'")
-            if part["type"] == "text":
-                if not isinstance(part.get("text"), str):
-                    raise ValueError(f"messages[{i}].content text parts need a string 'text'")
-                texts.append(part["text"])
-        return "\n".join(texts)
-    if content is None:
-        return ""
-    if not isinstance(content, str):
-        raise ValueError(f"messages[{i}].content must be a string, a list of parts or null")
-    return content
-
-
-def completion_prompts(prompt: Any) -> list[list[int]]:
-    """Token ids of each prompt of a completions request (string, token ids, or a list of either). ValueError."""
-    def ids(p: Any) -> list[int] | None:
-        if isinstance(p, str):
-            return tokenize(p)
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
-            return list(p)
-        return None
-
-    one = ids(prompt)
-    if one is not None:
-        return [one]
-    if isinstance(prompt, list) and prompt:
-        many = [ids(p) for p in prompt]
-        if all(m is not None for m in many):
-            return [m for m in many if m is not None]
-    raise ValueError("'prompt' is required: a string, a list of strings, a list of token ids or a list of "
-                         "token id lists (non-empty)")
-
-
-def prompt_hash(ids: list[int]) -> int:
-    """A stable 32-bit hash of a token id list (seeds the output text)."""
-    return zlib.crc32(array("I", [i & 0xFFFFFFFF for i in ids]).tobytes())
-
-
-def block_hashes(ids: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the full ``block_size`` blocks of ``ids`` (a trailing partial block is not hashed)."""
-    out: list[int] = []
-    h = 0
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        h = hash((h, tuple(ids[start:start + block_size])))
-        out.append(h)
-    return out
-
-
-class PrefixCache:
-    """LRU set of block hashes with a capacity in blocks (0 = disabled)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._lru: OrderedDict[int, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    def match(self, hashes: list[int], max_blocks: int) -> int:
-        """Number of leading ``hashes`` (at most ``max_blocks``) that are cached; hits become most recent."""
-        n = 0
-        for h in hashes[:max_blocks]:
-            if h not in self._lru:
-                break
-            self._lru.move_to_end(h)
-            n += 1
-        return n
-
-    def insert(self, hashes: Iterable[int]) -> None:
-        """Add ``hashes`` as most recently used, evicting the least recently used beyond capacity."""
-        if self.capacity <= 0:
-            return
-        lru = self._lru
-        for h in hashes:
-            lru[h] = None
-            lru.move_to_end(h)
-        while len(lru) > self.capacity:
-            lru.popitem(last=False)
 
 
 WAITING, RUNNING, FINISHED, ABORTED = range(4)

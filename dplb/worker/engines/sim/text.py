@@ -4,7 +4,7 @@ continues a partial answer produces exactly the tokens the original request woul
 Contract
 - Token k of an answer is drawn from :data:`~dplb.worker.engines.sim.scheduler.WORDS` by a CRC-32 of (``seed``,
   choice index) started from the CRC-32 of the context so far: the prompt's token ids followed by the k tokens
-  generated before it (:func:`~dplb.worker.engines.sim.scheduler.prompt_hash` of that list, extended one token at a
+  generated before it (:func:`~dplb.worker.engines.sim.prompts.prompt_hash` of that list, extended one token at a
   time: ``crc32(b, crc32(a)) == crc32(a + b)``). So the next token depends on the whole context and nothing else:
   a prompt that already ends with the first D generated words (a completions prompt plus the text delivered, or a
   chat whose final assistant message holds them, rendered open by :func:`render_prompt`) yields token D + 1 next.
@@ -12,7 +12,7 @@ Contract
   (a chat answer, or a completions prompt that is empty, token ids, or ends with whitespace): it has none. So the
   answer's text joined onto the prompt's text tokenizes (whitespace split) to the prompt's ids plus the answer's.
 - Chat template (:func:`render_prompt`): each message is a ``"role: content\\n"`` line
-  (:func:`~dplb.worker.engines.sim.scheduler.render_chat`); the generation prompt is empty. With
+  (:func:`~dplb.worker.engines.sim.prompts.render_chat`); the generation prompt is empty. With
   ``continue_final_message: true`` (vLLM's flag; it needs ``add_generation_prompt: false``, else 400) the final
   message is rendered as its bare content, left open, and the answer continues it.
 """
@@ -23,7 +23,8 @@ import zlib
 from array import array
 from typing import Any
 
-from dplb.worker.engines.sim.scheduler import WORDS, message_content, prompt_hash, render_chat
+from dplb.worker.engines.sim.prompts import message_content, prompt_hash, render_chat
+from dplb.worker.engines.sim.scheduler import WORDS
 
 _PACKED = tuple(array("I", [zlib.crc32(w.encode())]).tobytes() for w in WORDS)  # each word's token id, as hashed
 
