@@ -60,7 +60,8 @@ def test_emit_systemd_env_files(tmp_path) -> None:  # type: ignore[no-untyped-de
     w0 = (out / "worker-0.env").read_text()
     w1 = (out / "worker-1.env").read_text()
     assert "CUDA_VISIBLE_DEVICES=0,1\n" in w0 and "CUDA_VISIBLE_DEVICES=2,3\n" in w1
-    assert f"--engine vllm --model {model} --tensor-parallel-size 2 --max-model-len 4096" in w1
+    assert "--engine vllm --stall-after 5 --stall-restart-after 120 " in w1  # the defaults, carried to the worker
+    assert f"--model {model} --tensor-parallel-size 2 --max-model-len 4096" in w1
     common = (out / "dplb.env").read_text()
     assert "DPLB_NUM_WORKERS=2" in common and "DPLB_SHM_PATH=/dev/shm/dplb_state_systemd" in common
 
@@ -80,6 +81,25 @@ def test_emit_systemd_checks_the_model_first_and_says_when_it_emits_the_sim(tmp_
                        text=True, timeout=60)
     assert r.returncode == 0 and "no --model given" in r.stderr and "SIM engine" in r.stderr, r.stderr
     assert "--engine sim" in (out / "worker-0.env").read_text()
+
+
+@pytest.mark.parametrize("flags", [
+    ("--stall-after", "-1"), ("--stall-after", "nan"), ("--stall-after", "1e9"),
+    ("--stall-after", "2", "--stall-restart-after", "1"), ("--stall-restart-after", "1e9"),
+    ("--drain-timeout", "-5"), ("--max-start-failures", "0"), ("--metrics-port-base", "70000"),
+    ("--idle-timeout", "-3"), ("--weights", "queue=1,"), ("--sse-keepalive", "-1"),
+])
+def test_emit_systemd_refuses_what_launch_and_the_router_refuse(tmp_path, flags: tuple[str, ...]) -> None:  # type: ignore[no-untyped-def]
+    """Regression: --emit-systemd skipped the launcher's flag checks and the router's configuration, so
+    `--stall-after -1` (or a stray comma in --weights) was written into units that then failed at every start."""
+    out = tmp_path / "etc"
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--emit-systemd", str(out), *flags),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "error:" in r.stderr, r.stderr
+    assert not out.exists()  # refused before any file is written
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--run-dir", str(tmp_path / "run"), *flags),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "error:" in r.stderr, r.stderr  # the same flags, refused the same way at launch
 
 
 def test_sd_notify_ready_and_watchdog_from_a_real_worker(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

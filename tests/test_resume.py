@@ -297,6 +297,31 @@ def test_without_the_flag_a_killed_worker_ends_the_stream_with_an_error_event(tm
         assert st.done == 0 and st.cut and c.metric("dplb_streams_resumed_total") == 0
 
 
+def test_a_stream_no_worker_can_take_is_refused_not_counted_as_resumed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: with one worker, a SIGKILLed stream had no worker to continue on, yet it was logged as "resuming
+    stream …" and counted in dplb_streams_resumed_total as well as in refused{no_worker}. Now it counts only as
+    refused, and its error event says why."""
+    with cluster(str(tmp_path), 1, worker_args={0: SIM}, router_args=["--resume-streams"]) as c:
+        async def main() -> Stream:
+            st = Stream(CHAT, _body(CHAT, random.Random(2), "x", {"max_tokens": 200}))
+            try:
+                async with httpx.AsyncClient(base_url=c.url) as http, \
+                        http.stream("POST", CHAT, json=st.body, timeout=30) as r:
+                    async for line in r.aiter_lines():
+                        _line(st, line)
+                        if len(st.events) == 3 and c.workers[0].poll() is None:
+                            await asyncio.to_thread(c.kill_worker, 0)
+            except httpx.RemoteProtocolError:
+                st.cut = True
+            return st
+
+        st = asyncio.run(main())
+        assert st.error is not None and NOT_RESUMED + "no_worker" in st.error and st.done == 0, st.error
+        assert c.metric("dplb_streams_resumed_total") == 0
+        assert c.metric("dplb_stream_resume_refused_total", {"reason": "no_worker"}) == 1
+        assert "resuming stream" not in c.router_log()
+
+
 def test_a_stream_on_a_stalled_worker_is_resumed_on_another(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The stall check and --resume-streams together: worker 0's engine stalls for good after its first 2 answers
     (its process and collector live on); the router cuts its open streams after --stall-after and, the flag being

@@ -17,8 +17,9 @@ import httpx
 import pytest
 from cluster import cluster, progress_gaps
 
+from dplb.ops.state_cli import snapshot
 from dplb.policy.stall import StallDetector
-from dplb.state.shm import Lifecycle, WorkerState
+from dplb.state.shm import Lifecycle, Segment, WorkerState
 
 S = 1_000_000_000  # ns per second
 T0 = 10**12
@@ -125,20 +126,30 @@ async def _load(url: str, seconds: float, rate: float) -> list[dict[str, Any]]:
     return out
 
 
+def _state_of(seg: Segment, k: int, stop: threading.Event, out: list[tuple[float, str]]) -> None:
+    """Worker ``k``'s ``why`` in ``dplb state --json`` (:func:`dplb.ops.state_cli.snapshot`) every 0.2 s."""
+    while not stop.wait(0.2):
+        out.append((time.monotonic(), snapshot(seg)["workers"][k]["why"]))  # type: ignore[index]
+
+
 def test_a_stalled_sim_engine_leaves_rotation_fails_fast_and_comes_back(tmp_path: str) -> None:
     """Worker 2's engine stalls after 10 completed requests for STALL_FOR s while its process, HTTP and collector
     live on; 20 req/s with a 20 s client timeout. No request waits past --stall-after + one router check (+ 2.5 s of
     margin for a loaded 2-core box); those on worker 2 fail with the retryable 503 worker_stalled (an SSE error
     event once streaming); worker 2 leaves rotation and takes requests again after its engine resumes."""
-    with cluster(str(tmp_path), 4, worker_args={2: ["--sim-stall-after", "10", "--sim-stall-for-s", str(STALL_FOR)]},
-                 router_args=["--stall-after", str(STALL_AFTER)]) as c:
+    stall = ["--stall-after", str(STALL_AFTER), "--sim-stall-after", "10", "--sim-stall-for-s", str(STALL_FOR)]
+    with cluster(str(tmp_path), 4, worker_args={2: stall}, router_args=["--stall-after", str(STALL_AFTER)]) as c:
         assert c.segment is not None
         stop, gaps = threading.Event(), []  # type: ignore[var-annotated]
         watcher = threading.Thread(target=progress_gaps, args=(c.segment, [0, 1, 3], stop, gaps), daemon=True)
         watcher.start()
+        shown: list[tuple[float, str]] = []  # (t, why) of worker 2 in `dplb state --json`, every 0.2 s
+        seen = threading.Thread(target=_state_of, args=(c.segment, 2, stop, shown), daemon=True)
+        seen.start()
         recs = asyncio.run(_load(c.url, 26, 20))
         stop.set()
         watcher.join()
+        seen.join()
         log = c.router_log()
         stalls = c.metric("dplb_worker_stalls_total", {"worker": "2"})
         failed = c.metric("dplb_stalled_requests_failed_total", {"worker": "2"})
@@ -170,6 +181,17 @@ def test_a_stalled_sim_engine_leaves_rotation_fails_fast_and_comes_back(tmp_path
           f"healthy workers' largest gap between progress moves {max(gaps):.2f} s over {len(gaps)} moves")
     assert STALL_AFTER <= detect_s <= STALL_AFTER + 1.5
     assert "progress resumed" in log
+    # The router log: no "registered" line for worker 2 while it is stalled (a probe window is not a registration).
+    during = log[m.start():log.index("progress resumed", m.start())]
+    assert "worker 2 registered" not in during, during
+    # `dplb state` says stalled for the whole stall, not only while a request happens to be in flight: from the
+    # first sample that shows it to the last, every sample does (its requests are failed, so the routers'
+    # in-flight count to worker 2 is mostly 0 meanwhile).
+    marks = [i for i, (_, why) in enumerate(shown) if why == "stalled"]
+    assert marks, shown
+    span = shown[marks[0]:marks[-1] + 1]
+    assert all(why == "stalled" for _, why in span), span
+    assert span[-1][0] - span[0][0] >= STALL_FOR - STALL_AFTER - 2.5, (span[0], span[-1])
 
 
 def test_a_worker_stalled_past_stall_restart_after_stops_its_watchdog_and_exits(tmp_path: str) -> None:

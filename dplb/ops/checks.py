@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import socket
 import stat
 import sys
 
+from dplb.config import check_stall, stack_metrics_port_base
 from dplb.errors import ConfigError, bind_error
 from dplb.ops.doctor import model_path_problem
 from dplb.runtime.serving import bind_tcp
@@ -70,6 +72,24 @@ def check_socket_paths(paths: list[str]) -> None:
                               f"{MAX_SOCKET_PATH_BYTES} a Unix socket allows; pass a shorter --run-dir")
         if os.path.lexists(p) and not stat.S_ISSOCK(os.lstat(p).st_mode):
             raise ConfigError(f"{p} exists and is not a socket; remove it or pass another --run-dir")
+
+
+def check_launch_flags(args: argparse.Namespace, num_workers: int) -> int:
+    """Refuse bad ``dplb launch`` supervision flags (what the launcher and ``--emit-systemd`` both check before
+    anything is started or written): ``--drain-timeout``, ``--metrics-port-base``, ``--stall-after`` /
+    ``--stall-restart-after`` (:func:`dplb.config.check_stall`), ``--max-start-failures``. Returns the metrics port
+    base (0 = off). Raises :class:`ConfigError` naming the flag."""
+    if args.drain_timeout < 0:
+        raise ConfigError(f"--drain-timeout must be ≥ 0 seconds, got {args.drain_timeout}")
+    mbase = stack_metrics_port_base(args.port, args.metrics_port_base)
+    if not (mbase == 0 or 1 <= mbase <= 65535 - num_workers):
+        raise ConfigError(f"--metrics-port-base must be 0 (off) or a port with room for {num_workers} "
+                          f"workers, got {mbase}" + ("" if args.metrics_port_base is not None else
+                                                      f" (--port {args.port} + 1): pass --metrics-port-base"))
+    check_stall(args.stall_after, args.stall_restart_after if args.stall_after else None)
+    if args.max_start_failures < 1:
+        raise ConfigError("--max-start-failures must be ≥ 1")
+    return mbase
 
 
 def check_model(model: str | None) -> None:

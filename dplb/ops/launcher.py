@@ -37,14 +37,13 @@ from dplb.config import (
     METRICS_HOST,
     METRICS_PORT_BASE,
     STALL_RESTART_AFTER_S,
-    check_stall,
     default_run_dir,
-    stack_metrics_port_base,
     stack_run_dir,
     worker_metrics_ports,
 )
 from dplb.errors import ConfigError
 from dplb.ops.checks import (
+    check_launch_flags,
     check_model,
     check_ports,
     check_socket_paths,
@@ -153,16 +152,7 @@ class Launcher:
         self.placement = host_placement(args, self.plan, self.engine)
         if not gpus and args.tensor_parallel_size > 1:
             raise ConfigError(f"--tensor-parallel-size {args.tensor_parallel_size} needs GPUs, and none is visible")
-        if args.drain_timeout < 0:
-            raise ConfigError(f"--drain-timeout must be ≥ 0 seconds, got {args.drain_timeout}")
-        mbase = stack_metrics_port_base(args.port, args.metrics_port_base)
-        if not (mbase == 0 or 1 <= mbase <= 65535 - len(self.plan)):
-            raise ConfigError(f"--metrics-port-base must be 0 (off) or a port with room for {len(self.plan)} "
-                              f"workers, got {mbase}" + ("" if args.metrics_port_base is not None else
-                                                          f" (--port {args.port} + 1): pass --metrics-port-base"))
-        check_stall(args.stall_after, args.stall_restart_after if args.stall_after else None)
-        if args.max_start_failures < 1:
-            raise ConfigError("--max-start-failures must be ≥ 1")
+        mbase = check_launch_flags(args, len(self.plan))
         self.per_worker_args = parse_worker_args(args.worker_args or [], len(self.plan))
         if self.engine == "sim":  # each worker's --sim-* arguments, checked before anything starts
             for k in range(len(self.plan)):

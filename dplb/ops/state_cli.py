@@ -8,7 +8,8 @@ place on a terminal and, when stdout is a file or a pipe, appends one flushed fr
 ``--json`` prints ``{"path", "header": {...}, "workers": [{...}, ...], "routers": [{...}, ...]}`` where each
 worker has every slot field plus ``worker``, ``heartbeat_age_s`` (null if never written), ``stale`` and
 ``router_inflight`` (open requests of every router process to it), ``progress_age_s`` (seconds since its engine
-progress last moved; null when the engine cannot tell; ``why`` is ``stalled`` and the state column says so when
+progress last moved; null when the engine cannot tell; ``why`` is ``stalled`` and the state column says so while
+the worker's own stall check says so (its slot's ``FLAG_STALLED``, with the stack's ``--stall-after``), or when
 requests are in flight and it is over the default ``--stall-after``), and each router slot its pid, port, process
 index, heartbeat age and per-worker ``pending``/``inflight`` lists (:mod:`dplb.state.router_slots`).
 Each live worker and router process also gets ``cpus``: the CPUs the kernel lets it run on (its affinity, read from
@@ -30,7 +31,7 @@ from dplb.policy import routable
 from dplb.policy.decision import WHY_STALLED
 from dplb.runtime.cpus import format_cpu_list, process_cpus
 from dplb.state.segments import segments
-from dplb.state.shm import ENV_SHM_PATH, SHM_DIR, Segment
+from dplb.state.shm import ENV_SHM_PATH, FLAG_STALLED, SHM_DIR, Segment
 
 
 def find_segment(path: str | None, directory: str = SHM_DIR) -> str:
@@ -75,9 +76,10 @@ def snapshot(seg: Segment) -> dict[str, object]:
         moved = snap[k].progress_mono_ns
         prog_age = max(0.0, (now - moved) / 1e9)
         d["progress_age_s"] = round(prog_age, 3) if moved else None
-        # The router's stall rule from one look (dplb.policy.stall; the router's own verdict also needs how long
-        # its requests have waited): requests in flight and no engine progress for the default --stall-after.
-        if d["routable"] and d["router_inflight"] and moved and prog_age > STALL_AFTER_S:
+        # Stalled: the worker's own stall check (the router's rule with the stack's --stall-after), or for a worker
+        # that does not run it, the rule from one look: requests in flight, no engine progress for the default.
+        if d["routable"] and (snap[k].flags & FLAG_STALLED or (d["router_inflight"] and moved
+                              and prog_age > STALL_AFTER_S)):
             d["routable"], d["why"] = False, WHY_STALLED
     return {"path": seg.path, "header": seg.header.to_dict(), "workers": workers, "routers": routers}
 

@@ -210,6 +210,7 @@ class Proxy:
         stream that broke is resumed on another worker (:mod:`dplb.router.resume`) with a retry of its own."""
         tried: set[int] = set()
         s = ex.resume
+        broken = -1  # the worker whose stream break the continuation being placed follows (-1: none)
         while True:
             attempt = Attempt(self.upstreams, ex, worker) if s is None else \
                 resume.ResumableAttempt(self.upstreams, ex, worker, s)
@@ -217,9 +218,10 @@ class Proxy:
             if retry is None:
                 if s is None or s.broken is None:
                     return
-                body = await resume.prepare(self.upstreams, ex, worker)
+                body = await resume.prepare(self.upstreams, ex)
                 if body is None:
                     return
+                broken = worker
                 ex.body = body
                 ex.head = request_head(ex.scope, len(body), ex.rid, ex.decoded, self._req_skip, True)
                 tried = {worker}
@@ -236,6 +238,9 @@ class Proxy:
             if next_worker is None:
                 await self._fail(ex, retry or RouterErrorKind.NONE_ROUTABLE, why)
                 return
+            if broken >= 0:
+                resume.resumed(self.upstreams, ex, broken, next_worker)
+                broken = -1
             worker = next_worker
 
     async def _fail(self, ex: Exchange, kind: RouterErrorKind, message: str) -> None:

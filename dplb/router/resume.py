@@ -417,9 +417,10 @@ async def end_stream(up: Upstreams, ex: Exchange, reason: str, message: str) -> 
         await ex.send({"type": "http.response.body", "body": evt, "more_body": True})
 
 
-async def prepare(up: Upstreams, ex: Exchange, worker: int) -> bytes | None:
-    """After the attempt on ``worker`` broke ``ex``'s tracked stream: the continuation body to send to another
-    worker (counted and traced), or None when the stream is done with (finished, refused: error event sent)."""
+async def prepare(up: Upstreams, ex: Exchange) -> bytes | None:
+    """After an attempt broke ``ex``'s tracked stream: the continuation body to send to another worker (counted by
+    :func:`resumed` once a worker takes it), or None when the stream is done with (finished, refused: error event
+    sent)."""
     s = ex.resume
     assert s is not None and s.broken is not None
     if ex.gone:
@@ -439,12 +440,20 @@ async def prepare(up: Upstreams, ex: Exchange, worker: int) -> bytes | None:
     if isinstance(body, str):
         await end_stream(up, ex, body, s.broken)
         return None
-    log.warning("resuming stream %s after %d tokens on another worker (%s)", ex.rid.decode(), s.tokens, s.broken)
-    up.metrics.resumed.inc()
-    ex.trace.resumed(worker, s.tokens, len(body))
     s.next_segment()
     return body
 
 
+def resumed(up: Upstreams, ex: Exchange, broken: int, worker: int) -> None:
+    """The continuation of ``ex``'s stream (its body in ``ex.body``), broken on worker ``broken``, goes to
+    ``worker``: logged, counted (``dplb_streams_resumed_total``) and traced. A continuation no worker takes is not
+    counted here but as refused (``no_worker``)."""
+    s = ex.resume
+    assert s is not None
+    log.warning("resuming stream %s after %d tokens on worker %d (%s)", ex.rid.decode(), s.tokens, worker, s.broken)
+    up.metrics.resumed.inc()
+    ex.trace.resumed(broken, s.tokens, len(ex.body))
+
+
 __all__ = ["MAX_RESUMES", "ResumableAttempt", "ResumeStream", "continuation", "end_stream", "prepare", "refusal",
-           "track"]
+           "resumed", "track"]

@@ -294,11 +294,13 @@ class RouterState:
         now = time.monotonic_ns()
         held = self.health.observe(snap, now, self._interval_ms())
         self._check_stalls(snap, now)
-        # Ejection is not a (de)registration; hysteresis and stalls log their own transitions.
+        # Ejection is not a (de)registration; hysteresis and stalls log their own transitions (a stalled worker
+        # let in for one probe request is not registered again).
+        probing = self.stall.stalled() if self.stall is not None else frozenset()
         for c in routable(snap, now, self._policy_cfg(), held, stalled=self.stalled(now)):
             k, w = c.worker_id, c.state
             ok = c.why is OK
-            if ok and not self._routable[k]:
+            if ok and not self._routable[k] and k not in probing:
                 log.info("worker %d registered (pid %d, %s)", k, w.pid, w.lifecycle.name.lower())
             elif not ok and self._routable[k] and c.why not in (WHY_HELD_OUT, WHY_STALLED):
                 log.warning("worker %d deregistered (%s)", k, "stale heartbeat" if c.why == WHY_STALE else c.why)

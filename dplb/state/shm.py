@@ -29,7 +29,9 @@ Byte layout (little-endian; offsets in bytes)::
       0   u64  seq                   seqlock counter: odd while the writer is mid-update
       8   u32  pid                   0 = slot never written
       12  u8   lifecycle             Lifecycle enum (0 unset, 1 starting, 2 warming, 3 ready, 4 draining, 5 stopped)
-      13  u8   flags                 bit0 NO_GPU (NVML absent: memory fields are 0), bit1 GPU_BUSY
+      13  u8   flags                 bit0 NO_GPU (NVML absent: memory fields are 0), bit1 GPU_BUSY, bit2 STALLED
+                                     (the worker's own stall check, dplb.policy.stall, with the router's
+                                     --stall-after: requests in flight and no engine progress; set until it moves)
       14  u16  max_loras             LoRA adapters one batch can hold (vLLM --max-loras; 0 = LoRA off or unknown)
       16  u64  heartbeat_mono_ns     CLOCK_MONOTONIC ns at publish (system-wide on Linux; used for staleness)
       24  u64  heartbeat_unix_ns     CLOCK_REALTIME ns at publish (for humans and metrics)
@@ -117,6 +119,7 @@ READ_RETRIES = 64
 
 FLAG_NO_GPU = 0x01
 FLAG_GPU_BUSY = 0x02
+FLAG_STALLED = 0x04
 
 # Slot body without seq: from offset 8 to 168.
 _BODY = struct.Struct("<IBBHQQIIIIdQQddQQQddQdIIQQ")
@@ -508,7 +511,8 @@ class SlotWriter:
 
 
 __all__ = [
-    "ENV_SHM_PATH", "FLAG_GPU_BUSY", "FLAG_NO_GPU", "MAX_WORKERS", "SEGMENT_PREFIX", "SHM_DIR", "STALE_INTERVALS",
+    "ENV_SHM_PATH", "FLAG_GPU_BUSY", "FLAG_NO_GPU", "FLAG_STALLED", "MAX_WORKERS", "SEGMENT_PREFIX", "SHM_DIR",
+    "STALE_INTERVALS",
     "Lifecycle", "Segment", "SegmentHeader", "SlotWriter", "WorkerState", "default_segment_path", "list_segments",
     "resolve_path", "segment_size",
 ]

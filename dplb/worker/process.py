@@ -13,9 +13,11 @@ Contract (docs/DESIGN.md §8, §3)
 - ``model_load_seconds`` (engine start until the engine is up, i.e. the model load) is published with ``warming``.
 - Engine progress: every tick publishes the engine's ``progress_total`` and, when it moved, ``progress_mono_ns``
   (0 while the engine cannot tell). The collector runs the router's stall check on its own slot (the routers'
-  in-flight counts from their router slots, :class:`dplb.policy.stall.StallDetector`): stalled for
-  ``stall_restart_after_s`` since the engine's last progress, it stops pinging systemd's watchdog and the worker
-  exits 1 (logged), so ``dplb launch`` (which then kills what is left of its process group) or systemd restarts it.
+  in-flight counts from their router slots, :class:`dplb.policy.stall.StallDetector`) and publishes its verdict as
+  the slot's ``FLAG_STALLED`` (what ``dplb state`` shows: the router's own in-flight count to a stalled worker drops
+  to 0 once it fails its requests); stalled for ``stall_restart_after_s`` (> 0) since the engine's last progress, it
+  stops pinging systemd's watchdog and the worker exits 1 (logged), so ``dplb launch`` (which then kills what is
+  left of its process group) or systemd restarts it.
 - Every state interval the reconciler (:mod:`dplb.worker.reconcile`, docs/DESIGN.md §8.1) compares the engine's
   requests, the requests open on the socket and the routers' in-flight counts for this worker, aborts orphans and
   exports the figures (``dplb_worker_orphan_requests``, ``dplb_worker_orphan_aborts_total``,
@@ -52,7 +54,7 @@ from dplb.runtime.gpu import GpuReader, visible_gpu_indices
 from dplb.runtime.sd_notify import Watchdog, notify
 from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
 from dplb.state.router_slots import ROUTER_STALE_S, read_router_slots
-from dplb.state.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, Lifecycle, Segment, SlotWriter, WorkerState
+from dplb.state.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, FLAG_STALLED, Lifecycle, Segment, SlotWriter, WorkerState
 from dplb.worker.engines.base import Engine, Reconcilable, RequestStats, RequestStatsMiddleware, Scope
 from dplb.worker.reconcile import Reconciler
 
@@ -122,8 +124,7 @@ class Collector:
         self._detached = False  # the segment file was removed/replaced; publishing waits for a new one
         self._attach_error = ""
         self._restart_after_s = stall_restart_after_s
-        self._stall = (StallDetector(writer.segment.num_workers, stall_after_s)
-                       if stall_after_s > 0 and stall_restart_after_s > 0 else None)
+        self._stall = StallDetector(writer.segment.num_workers, stall_after_s) if stall_after_s > 0 else None
         #: Set (a message) once the engine has been stalled ``stall_restart_after_s``: the worker exits.
         self.stall_failure: str | None = None
 
@@ -189,17 +190,21 @@ class Collector:
             elif es.progress_total != s.progress_total or not s.progress_mono_ns:
                 s.progress_total, s.progress_mono_ns = es.progress_total, now
             self._follow_segment()
-            self.writer.publish_now(s)
             self._check_stall(now)
+            self.writer.publish_now(s)
         if self.stall_failure is None:
             self._watchdog.maybe_ping()  # systemd: the heartbeat thread is alive and the engine is not stalled
         self.metrics.collector_tick.labels(self._wid).observe(time.perf_counter() - t0)
 
     def _check_stall(self, now: int) -> None:
-        """The router's stall check on this worker's slot (caller holds the lock); sets :attr:`stall_failure` once
-        the engine has been stalled ``stall_restart_after_s`` since its last progress."""
+        """The router's stall check on this worker's slot (caller holds the lock, before publishing): sets the
+        slot's ``FLAG_STALLED`` while stalled, and :attr:`stall_failure` once the engine has been stalled
+        ``stall_restart_after_s`` (> 0) since its last progress."""
         st = self._stall
-        if st is None or self.stall_failure is not None:
+        if st is None:
+            return
+        if self.stall_failure is not None:
+            self.state.flags |= FLAG_STALLED
             return
         k = self.writer.worker_id
         seg = self.writer.segment
@@ -210,7 +215,9 @@ class Collector:
                 outstanding[k] += r["inflight"][k]
         st.observe([self.state], outstanding, now)
         stalled_s = st.no_progress_s(k, now)
-        if stalled_s > self._restart_after_s:
+        if stalled_s:
+            self.state.flags |= FLAG_STALLED
+        if stalled_s and self._restart_after_s and stalled_s > self._restart_after_s:
             self.stall_failure = (f"engine made no progress for {stalled_s:.0f} s with requests in flight (stalled "
                                   f"longer than --stall-restart-after {self._restart_after_s:g} s); withholding the "
                                   "systemd watchdog and exiting for a restart")
