@@ -149,13 +149,14 @@ class ResumeStream:
     up-front reason it cannot be resumed (None: eligible); ``broken``: why the current attempt ended early (None:
     it did not); ``resumes``: continuations sent."""
 
-    __slots__ = ("body", "broken", "buf", "chat", "created", "done", "finished", "id", "parts", "prompt_tokens",
-                 "reasoning", "refused", "resumes", "role_sent", "seg_chunks", "seg_usage", "t_break", "tokens_before",
-                 "tool_calls", "usage_sent", "want_usage")
+    __slots__ = ("body", "break_kind", "broken", "buf", "chat", "created", "done", "finished", "id", "parts",
+                 "prompt_tokens", "reasoning", "refused", "resumes", "role_sent", "seg_chunks", "seg_usage", "t_break",
+                 "tokens_before", "tool_calls", "usage_sent", "want_usage")
 
     def __init__(self, chat: bool, body: bytes, refused: str | None, want_usage: bool) -> None:
         self.chat, self.body, self.refused, self.want_usage = chat, body, refused, want_usage
         self.broken: str | None = None
+        self.break_kind = RouterErrorKind.UPSTREAM_FAILED  # the error kind of the event if not resumed
         self.buf = b""
         self.parts: list[str] = []
         self.tokens_before = 0  # tokens delivered by the segments before the current one
@@ -378,6 +379,7 @@ class ResumableAttempt(Attempt):
             return
         if self.stalled:  # cut by the stall check (dplb.policy.stall): resumed like a worker that died
             self.outcome, why = Outcome.STALLED, self._stall_message()
+            s.break_kind = RouterErrorKind.WORKER_STALLED
         else:
             self.outcome = Outcome.TIMEOUT if isinstance(e, UpstreamTimeout) else Outcome.BROKEN
             why = f"worker {self.worker} stopped mid-response: {e}"
@@ -410,7 +412,7 @@ async def end_stream(up: Upstreams, ex: Exchange, reason: str, message: str) -> 
     assert reason in RESUME_REFUSALS, reason
     up.metrics.resume_refused.labels(reason).inc()
     ex.trace.resume_refused(reason)
-    kind = RouterErrorKind.UPSTREAM_FAILED
+    kind = ex.resume.break_kind if ex.resume is not None else RouterErrorKind.UPSTREAM_FAILED
     evt = b"data: " + error_body(kind, f"{message}; the stream was not resumed on another worker: {reason}") + b"\n\n"
     log.warning("stream %s not resumed (%s): %s", ex.rid.decode(), reason, message)
     if not ex.gone:
