@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ from collections import Counter
 
 import httpx
 import pytest
-from cluster import dplb_cmd, free_port, router_ready
+from cluster import dplb_cmd, free_port, launched, router_ready
 from proc_tags import kill_tagged, new_tag, tagged_procs
 
 
@@ -256,3 +257,30 @@ def test_log_tail_shows_only_this_launchers_lines(tmp_path) -> None:  # type: ig
     assert c.proc is not None and c.proc.wait(10) == 0
     assert c.log_tail() == "this run\n"
     assert "old run" in log.read_text()  # kept, just not shown
+
+
+def test_launch_restarts_a_worker_frozen_past_stall_restart_after(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A worker whose process lives but publishes nothing (SIGSTOP: its collector cannot run, so it cannot exit by
+    itself as a stalled worker does) is killed by the launcher once its heartbeat is --stall-restart-after stale,
+    and restarted: a new pid in its slot, ready again; the other worker is untouched."""
+    with launched(tmp_path, "--num-workers", "2", "--stall-after", "1", "--stall-restart-after", "3",
+                  process_group=0) as ln:
+        before = {w["worker"]: w["pid"] for w in (ln.wait_ready(120, workers=True) or {})["workers"]}
+        os.kill(before[1], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            while True:
+                assert time.monotonic() - t0 < 60, ln.log.read_text()[-3000:]
+                st = ln.state()
+                w1 = next(w for w in st["workers"] if w["worker"] == 1)
+                if w1["pid"] not in (0, before[1]) and w1["lifecycle"] == "ready":
+                    break
+                time.sleep(0.3)
+            took = time.monotonic() - t0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(before[1], signal.SIGCONT)
+        w0 = next(w for w in st["workers"] if w["worker"] == 0)
+        assert w0["pid"] == before[0]
+        assert "published nothing for" in ln.log.read_text()
+        print(f"frozen worker replaced and ready {took:.1f} s after SIGSTOP (--stall-restart-after 3)")

@@ -12,8 +12,9 @@ Contract
 - Supervision: a worker or router that exits unexpectedly is restarted with exponential backoff (1 s doubling to
   30 s; reset after 60 s of uptime), after what it left in its process group is killed (a vLLM worker's
   ``EngineCore`` outlives a SIGKILLed worker). A worker whose engine stays stalled ``--stall-restart-after`` seconds
-  exits by itself (:mod:`dplb.worker.process`) and is restarted the same way. A worker that fails before ever
-  becoming ready ``--max-start-failures`` times in a row stops the launch with its log tail.
+  exits by itself (:mod:`dplb.worker.process`) and is restarted the same way; one that publishes nothing that long
+  while its process lives (SIGSTOPped, its collector wedged) is killed (its process group) and restarted. A worker
+  that fails before ever becoming ready ``--max-start-failures`` times in a row stops the launch with its log tail.
 - Ctrl-C / SIGTERM: SIGTERM to every worker (they drain) and the router, wait up to the drain timeout, SIGKILL what
   is left (each child's process group too), then remove the sockets, the segment and the run directory it created.
   Nothing is left in /dev/shm.
@@ -303,6 +304,8 @@ class Launcher:
                     w.ever_ready = True
                     w.start_failures = 0
                 if w.alive() or self.stopping:
+                    if w.ever_ready and not self.stopping:
+                        self._kill_if_frozen(k, w)
                     continue
                 if w.next_start == 0.0:  # just exited: schedule a restart
                     w.reap()
@@ -341,6 +344,25 @@ class Launcher:
                       file=sys.stderr, flush=True)
             time.sleep(0.1)
         return 0
+
+    def _kill_if_frozen(self, k: int, w: Child) -> None:
+        """Kill worker ``k``'s process group when its own slot's heartbeat has been stale ``--stall-restart-after``
+        seconds while its process lives (stopped, or its collector wedged): such a worker cannot exit by itself, as
+        a stalled one does (:mod:`dplb.worker.process`), and under systemd the watchdog does the same. The exit is
+        then restarted like any other."""
+        limit = self.args.stall_restart_after
+        assert self.segment is not None and w.proc is not None
+        if limit <= 0:
+            return
+        s = self.segment.read(k)
+        if s.torn or s.pid != w.proc.pid or not s.heartbeat_mono_ns:
+            return
+        age_s = (time.monotonic_ns() - s.heartbeat_mono_ns) / 1e9
+        if age_s > limit:
+            log.warning("%s published nothing for %.0f s (--stall-restart-after %g) though its process lives "
+                        "(stopped or wedged); killing it to restart it", w.name, age_s, limit)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(w.proc.pid, signal.SIGKILL)
 
     def _gives_up(self, c: Child, rc: int | None) -> bool:
         """Count an exit before ``c`` ever became ready; True (after printing its log tail) once that happened
