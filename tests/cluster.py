@@ -119,6 +119,9 @@ class Cluster:
         raise TimeoutError(f"worker {k} not ready after {timeout}s:\n{self.tail()}")
 
     def start_router(self, *args: str, wait_ready: bool = True) -> None:
+        """Start the router (stopping the one running first: a test that restarts it with other flags must not
+        leave the first behind); wait for ``/ready`` (``/health`` without ``wait_ready``)."""
+        self.stop_router()
         self.port = free_port()
         log = os.path.join(self.run_dir, "router.log")
         self.logs.append(log)
@@ -137,6 +140,18 @@ class Cluster:
                     return
             time.sleep(0.05)
         raise TimeoutError(f"router not {path} after 30 s:\n{self.tail()}")
+
+    def stop_router(self) -> None:
+        """SIGTERM the router if it runs (it drains), SIGKILL after 10 s."""
+        r = self.router
+        if r is None or r.poll() is not None:
+            return
+        r.terminate()
+        try:
+            r.wait(10)
+        except subprocess.TimeoutExpired:
+            r.kill()
+            r.wait(5)
 
     def router_log(self) -> str:
         with open(os.path.join(self.run_dir, "router.log"), errors="replace") as f:
