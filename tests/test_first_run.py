@@ -102,6 +102,12 @@ def test_early_ctrl_c_prints_no_traceback(tmp_path: Path, delay_s: float) -> Non
                           "--metrics-port-base", "0", "--run-dir", str(tmp_path / "run"), "--drain-timeout", "1",
                           "--shm-path", f"/dev/shm/dplb_state_ctrlc_{os.getpid()}_{int(delay_s * 1000)}"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # At exec, before Python's start-up installs its own SIGINT handler, SIGINT is at its default too: wait for
+    # that handler first (if dplb already replaced it by then, the wait below returns at once).
+    deadline = time.monotonic() + 10
+    while _sigint_is_default(p.pid) and time.monotonic() < deadline:
+        assert p.poll() is None
+        time.sleep(0.001)
     deadline = time.monotonic() + 30
     while not _sigint_is_default(p.pid):
         assert p.poll() is None and time.monotonic() < deadline

@@ -239,7 +239,10 @@ def test_two_router_processes_share_room_through_the_segment(tmp_path: Path) -> 
         # Everything beyond the 2 slots waited in the routers, not the engine (a request granted a freed slot may be
         # seen waiting for the engine's next step, 50 ms; without the fair queue the engine would hold 8).
         assert max(waiting) <= 1, waiting
-        assert light < 3.0, (light, sorted(flood))
+        # The next free slot comes within one 2 s flood request; with 2 processes the slot may go to the other
+        # process's queued flood request first (each process grants from its own queue), so up to two. FIFO would
+        # put the light request behind the whole flood (10 requests on 2 slots: ~10 s).
+        assert light < 4.5, (light, sorted(flood))
         assert max(flood) > 6.0
         led = ledger_of(httpx.get(c.url + "/metrics", timeout=5).text)  # the group's merged answer
         assert led["batch"]["requests"] == {"ok": 10} and led["chat"]["requests"] == {"ok": 1}
