@@ -5,19 +5,38 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from cluster import need
-from proc_tags import become_subreaper
+from proc_tags import become_subreaper, kill_tagged, new_tag, tagged_procs
 
 from dplb.state.shm import SHM_DIR
 
 # Orphans of what the tests start come back to this process instead of PID 1, so a leak check finds them by
 # ancestry (tests/proc_tags.py) and never mistakes another user's processes for the test's.
 become_subreaper()
+LEAK_GRACE_S = 15.0  # a child stopped at a module's end may take this long to exit (a draining vLLM engine)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_leaked_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test module (its fixtures torn down): every process the module started must be gone. What is
+    left after :data:`LEAK_GRACE_S` is killed and fails the module, with the command lines: a leaked router or
+    engine would keep its port, socket or memory and falsify later tests (found by ancestry and start time,
+    tests/proc_tags.py, so nothing this suite did not start is ever touched)."""
+    tag = new_tag()
+    yield
+    deadline = time.monotonic() + LEAK_GRACE_S
+    while (left := tagged_procs(tag)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        kill_tagged(tag)
+        pytest.fail(f"{request.module.__name__} left {len(left)} process(es) running (killed now): "
+                    + "; ".join(cmd[:160] for _, cmd in left[:5]))
 
 
 @pytest.fixture
