@@ -226,12 +226,13 @@ def test_reconciler_sees_live_vllm_requests_spares_them_and_vllm_aborts_cut_ones
                 for _, lines in streams:
                     await anext(lines)
                 await asyncio.sleep(0.2)
-            seen.append(_reconciler(worker))
+                seen.append(_reconciler(worker))  # the tiny model may finish its 400 tokens within these 2 s
             for cm, _ in streams:
                 await cm.__aexit__(None, None, None)  # the client leaves mid-stream
 
     asyncio.run(main())
-    assert seen[0]["dplb_worker_engine_requests"] == 3 and seen[0]["dplb_worker_orphan_requests"] == 0, seen
+    assert max(x["dplb_worker_engine_requests"] for x in seen) == 3, seen
+    assert all(x["dplb_worker_orphan_requests"] == 0 for x in seen), seen
     t0 = time.monotonic()
     while worker.seg.read(0).num_running + worker.seg.read(0).num_waiting or _reconciler(worker)[
             "dplb_worker_engine_requests"]:
