@@ -240,8 +240,8 @@ class RouterState:
 
     def acquire(self, worker: int, attempt: Cuttable | None = None) -> None:
         """A request was dispatched to ``worker`` (published to this process's router slot); ``attempt`` is cut if
-        the worker stalls before :meth:`release`."""
-        if attempt is not None:
+        the worker stalls before :meth:`release` (kept only while the stall check is on)."""
+        if attempt is not None and self.stall is not None:
             self.attempts[worker].add(attempt)
         n = self.inflight[worker] = self.inflight[worker] + 1
         slots = self.slots
@@ -251,7 +251,7 @@ class RouterState:
 
     def release(self, worker: int, attempt: Cuttable | None = None) -> None:
         """A request to ``worker`` ended (any outcome)."""
-        if attempt is not None:
+        if attempt is not None and self.stall is not None:
             self.attempts[worker].discard(attempt)
         n = self.inflight[worker] = self.inflight[worker] - 1
         slots = self.slots
