@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from multiprocessing import resource_tracker
 import subprocess
 import time
 import uuid
@@ -19,6 +20,9 @@ from dplb.state.shm import SHM_DIR
 # Orphans of what the tests start come back to this process instead of PID 1, so a leak check finds them by
 # ancestry (tests/proc_tags.py) and never mistakes another user's processes for the test's.
 become_subreaper()
+# The spawn context's resource tracker lives as long as this process: start it now, before any module's tag, so
+# the leak check never takes it for something a module left behind (and never kills it under a later module).
+resource_tracker.ensure_running()
 LEAK_GRACE_S = 15.0  # a child stopped at a module's end may take this long to exit (a draining vLLM engine)
 
 

@@ -42,3 +42,23 @@ def test_tagged_tree_is_found_and_killed_and_strangers_are_not(env_tag: bool) ->
         stranger.kill()
         stranger.wait(10)
         kill_tagged(tag)
+
+
+def _noop() -> None:
+    """Target for a spawned child: exits at once."""
+
+
+def test_the_resource_tracker_of_this_process_is_never_a_leak() -> None:
+    """A spawned child (the shm torn-read stress, the orphan-segment test) uses this process's multiprocessing
+    resource tracker, which lives until pytest exits. conftest starts it before any tag, so a module's leak check
+    neither reports it nor kills it (CI once failed two modules on it)."""
+    import multiprocessing as mp
+
+    tag = new_tag()
+    proc = mp.get_context("spawn").Process(target=_noop)
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0
+    _wait(lambda: not tagged_procs(tag), timeout=5)
+    assert [cmd for _, cmd in tagged_procs(tag) if "resource_tracker" in cmd] == []
+    assert tagged_procs(tag) == []
