@@ -59,7 +59,8 @@ def sim_vllm_names() -> set[str]:
 def test_committed_json_equals_regenerated_json() -> None:
     gen = _generator()
     out = gen.generate()
-    assert {p.name for p in out} == {"dplb-overview.json", "dplb-routing.json", "dplb-engine.json", "dplb-fleet.json"}
+    assert {p.name for p in out} == {"dplb-overview.json", "dplb-routing.json", "dplb-engine.json", "dplb-fleet.json",
+                                     "dplb-integrity.json"}
     for path, text in out.items():
         assert path.exists(), f"{path.name} not committed: run .venv/bin/python dashboards/generate.py"
         assert path.read_text() == text, f"{path.name} differs from its source: run .venv/bin/python dashboards/generate.py"
@@ -179,6 +180,17 @@ def test_the_issue_panels_are_all_there() -> None:
         assert f"histogram_quantile({q}, sum by (le) (rate({M.UPSTREAM_TTFB}_bucket" in text, q
     for term in ("queue", "memory", "latency"):
         assert f'term="{term}"' in text, term
+
+
+def test_integrity_metrics_are_on_a_dashboard() -> None:
+    """Stalls, failed-fast requests, ejections, retries, resumed streams and the reconciler's counts each have a
+    panel (an SRE paged by DPLBWorkerStalled or DPLBInflightMismatch needs them in one place)."""
+    text = " ".join(e for name, _, e in all_exprs() if name == "dplb-integrity.json")
+    for needed in (M.WORKER_STALLED, M.WORKER_STALLS + "_total", M.STALLED_REQUESTS_FAILED + "_total",
+                   M.WORKER_EJECTIONS + "_total", M.UPSTREAM_RETRIES + "_total", M.STREAMS_RESUMED + "_total",
+                   M.STREAM_RESUME_REFUSED + "_total", M.WORKER_ORPHANS, M.WORKER_ORPHAN_ABORTS + "_total",
+                   M.WORKER_LEAKED_INFLIGHT, M.WORKER_ENGINE_REQUESTS):
+        assert needed in text, needed
 
 
 def test_panels_named_in_runbooks_exist() -> None:

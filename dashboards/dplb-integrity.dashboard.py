@@ -1,0 +1,54 @@
+"""DPLB integrity: stalled workers, failed-fast and resumed streams, passive ejections, retries, and the worker's
+in-flight reconciliation (docs/DESIGN.md §8.1, §13, §14). → dplb-integrity.json"""
+
+from _common import RI, WORKERS, Layout, make_dashboard, r, targets, ts
+
+from dplb.obs import metrics as M
+
+BY_W = "sum by (worker)"
+W = f'{{{WORKERS}, worker=~"$worker"}}'
+ROUTER_SEL = 'job="dplb-router", instance=~"$instance"'
+
+L = Layout()
+L.row("Stalls (engine progress)").add(
+    ts("Stalled workers", "none", targets((f"max by (worker) ({r(M.WORKER_STALLED)})", "worker {{worker}}")),
+       "1 while a worker has requests in flight and its engine made no progress (no token, no prefill step) for "
+       "--stall-after seconds: out of rotation (runbook DPLBWorkerStalled).",
+       drawStyle="line", lineInterpolation="stepAfter", valueMin=0, valueMax=1),
+    ts("Stalls and requests failed fast per worker (per minute)", "none",
+       targets((f"{BY_W} (increase({r(M.WORKER_STALLS + '_total')}[{RI}]))", "stalls {{worker}}"),
+               (f"{BY_W} (increase({r(M.STALLED_REQUESTS_FAILED + '_total')}[{RI}]))", "failed fast {{worker}}")),
+       "Times each worker was found stalled, and its in-flight requests the router failed fast (503 "
+       "worker_stalled, or an SSE error event) instead of letting clients wait."),
+)
+L.row("Failures the router absorbed").add(
+    ts("Ejections per worker (per minute)", "none",
+       targets((f"{BY_W} (increase({r(M.WORKER_EJECTIONS + '_total')}[{RI}]))", "worker {{worker}}")),
+       "Passive health check: a worker ejected for a few seconds after consecutive failed responses."),
+    ts("Retries and resumed streams/s", "reqps",
+       targets((f"sum (rate({M.UPSTREAM_RETRIES}_total{{{ROUTER_SEL}}}[{RI}]))", "retried before the first byte"),
+               (f"sum (rate({M.STREAMS_RESUMED}_total{{{ROUTER_SEL}}}[{RI}]))", "streams resumed"),
+               (f"sum by (reason) (rate({M.STREAM_RESUME_REFUSED}_total{{{ROUTER_SEL}}}[{RI}]))",
+                "resume refused: {{reason}}")),
+       "Requests re-sent to another worker before any byte reached the client, broken SSE streams continued on "
+       "another worker (--resume-streams), and streams that could not be resumed (the client got an error event)."),
+)
+L.row("In-flight reconciliation (worker side)").add(
+    ts("Orphan engine requests and leaked in-flight per worker", "none",
+       targets((f"{BY_W} ({M.WORKER_ORPHANS}{W})", "orphans {{worker}}"),
+               (f"{BY_W} ({M.WORKER_LEAKED_INFLIGHT}{W})", "leaked in-flight {{worker}}")),
+       "Orphans: requests the engine holds that no client waits for (the reconciler aborts them). Leaked: "
+       "requests the routers count in flight that are not open on the worker's socket (runbook "
+       "DPLBInflightMismatch)."),
+    ts("Reconciler aborts per worker (per minute)", "none",
+       targets((f"{BY_W} (increase({M.WORKER_ORPHAN_ABORTS}_total{W}[{RI}]))", "worker {{worker}}"),
+               (f"{BY_W} ({M.WORKER_ENGINE_REQUESTS}{W})", "engine holds {{worker}}")),
+       "Aborts the reconciler sent for orphans (each one an abort a client's disconnect should have caused), beside "
+       "the requests the engine held at the reconciler's last tick."),
+)
+
+
+dashboard = make_dashboard(
+    "DPLB integrity", "dplb-integrity",
+    "Stalled workers, requests failed fast, passive ejections, retries, resumed streams and the workers' in-flight "
+    "reconciliation. Generated from dashboards/dplb-integrity.dashboard.py; do not edit the JSON.", L)
