@@ -10,7 +10,7 @@ Contract
   with :func:`hmac.compare_digest` (no early exit), so the time does not depend on which digest matched.
 - ``[priorities] order`` lists the priority classes, most urgent first (default: one class, ``default``); a
   tenant's ``priority`` names one. ``[priorities] reserve`` (default 0) holds batch slots of every worker for the
-  more urgent classes: class rank ``r`` of ``C`` may fill a worker up to ``max_num_seqs − reserve · (C − 1 − r)``
+  more urgent classes: class rank ``r`` (0 = most urgent) may fill a worker up to ``max_num_seqs − reserve · r``
   slots (the most urgent class all of them), so an urgent request finds a slot at once while a less urgent class
   floods (docs/DESIGN.md §15). ``[fair_queue]`` holds the Virtual Token Counter's token weights (Sheng et al.,
   "Fairness in Serving Large Language Models", OSDI 2024, §4: a prompt token costs ``prompt_token_weight``, a
@@ -119,7 +119,7 @@ class TenantsConfig:
 
     def held(self, rank: int) -> int:
         """Batch slots per worker that class ``rank`` leaves free for the more urgent classes (module docstring)."""
-        return self.reserve * max(0, len(self.classes) - 1 - rank)
+        return self.reserve * min(rank, len(self.classes) - 1)
 
     def lookup(self, key: bytes) -> Tenant | None:
         """The tenant whose digests include SHA-256(``key``), or None. Constant time in which digest matched:

@@ -6,15 +6,35 @@ vLLM's field."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from dplb.errors import ConfigError
-from dplb.worker.engines.sim.engine import SimConfig
-from tests.test_sim_engine import FAST, Served, _comp, sim, sock_dir  # noqa: F401 (fixtures)
+from dplb.worker.engines.sim.engine import SimConfig, SimEngine
+from tests.test_sim_engine import FAST, Served, _comp
+
+
+@pytest.fixture
+def sim() -> Iterator[Callable[..., Served]]:
+    """Factory: ``sim(**SimConfig fields)`` → a served engine, stopped after the test."""
+    d = tempfile.mkdtemp(prefix="dplbprio", dir="/tmp")  # short: UDS paths are limited to ~107 bytes
+    servers: list[Served] = []
+
+    def make(**kw: Any) -> Served:
+        s = Served(SimEngine(SimConfig(**kw)), os.path.join(d, f"w{len(servers)}.sock"))
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.stop()
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _order(s: Served, first: dict[str, Any], then: list[dict[str, Any]]) -> list[int]:

@@ -6,14 +6,16 @@ Contract
   ``stats()`` (no I/O), ``metrics_text()``, ``shutdown()`` (idempotent). Configure it with a
   :class:`~dplb.worker.engines.sim.scheduler.SimConfig` (knobs, units and faults are documented there).
 - HTTP surface, in vLLM's shapes: ``POST /v1/chat/completions`` and ``/v1/completions`` (non-streaming and SSE
-  streaming, ``n``, ``stream_options.include_usage``/``continuous_usage_stats``; sampling parameters are accepted
+  streaming, ``n``, ``stream_options.include_usage``/``continuous_usage_stats``, ``priority`` (the scheduler's
+  ``scheduling_policy``); sampling parameters are accepted
   and ignored), ``GET /v1/models``, ``/health`` (200, empty), ``/load`` (``{"num_running", "num_waiting",
   "kv_cache_usage"}``), ``/metrics`` (``vllm:*`` Prometheus text), ``/debug/requests`` (the last 256 model
   requests); LoRA adapters, ``/v1/responses`` and the pooling/scoring/tokenizer/audio routes are
   :mod:`dplb.worker.engines.sim.api`. Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``; a
   ``model`` that is neither the served one nor a loaded adapter is a 404 like vLLM's.
 - ``/debug/requests`` records per request: ``request_id``, ``x_request_id``, ``traceparent``, ``path``,
-  ``body_sha256``, ``prompt_tokens``, ``completion_tokens`` (sent), ``cached_tokens``, ``status``, ``aborted``,
+  ``body_sha256``, ``prompt_tokens``, ``completion_tokens`` (sent), ``cached_tokens``, ``priority`` (the body's,
+  0 when absent; set once the body parsed), ``status``, ``aborted``,
   ``time_unix``, ``header_names`` (the lower-case request header names received; the router's hop-by-hop tests).
 - A model request sent with ``x-sim-debug: body-sha256`` gets ``x-sim-body-sha256`` (hex SHA-256 of the exact
   request body bytes) in its response (tests of byte-for-byte forwarding); no other response carries an ``x-sim-*``
@@ -253,8 +255,9 @@ class SimEngine:
             rec: dict[str, Any] = {
                 "request_id": rid, "x_request_id": xrid.decode("latin-1") if xrid else None,
                 "traceparent": tp.decode("latin-1") if tp else None, "path": scope["path"], "body_sha256": None,
-                "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "status": 0, "aborted": False,
-                "time_unix": time.time(), "header_names": sorted({k.decode("latin-1") for k, _ in scope["headers"]})}
+                "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "priority": 0, "status": 0,
+                "aborted": False, "time_unix": time.time(),
+                "header_names": sorted({k.decode("latin-1") for k, _ in scope["headers"]})}
             self.debug_requests.append(rec)
             headers = [(b"x-request-id", xrid)] if xrid else []
             try:
@@ -272,6 +275,7 @@ class SimEngine:
                                          "flight. Retry later or on another worker.", "ServiceUnavailableError",
                                     "server_overloaded")
                 p = parse_request(body, chat, cfg, self.api.served)
+                rec["priority"] = p.priority
                 self.requests_total += 1
                 if cfg.first_request_delay_s and self.requests_total == 2:  # the first after the warm-up request
                     await asyncio.sleep(cfg.first_request_delay_s)
