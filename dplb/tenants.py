@@ -9,7 +9,10 @@ Contract
   :meth:`TenantsConfig.lookup` hashes the presented key once and compares it against **every** configured digest
   with :func:`hmac.compare_digest` (no early exit), so the time does not depend on which digest matched.
 - ``[priorities] order`` lists the priority classes, most urgent first (default: one class, ``default``); a
-  tenant's ``priority`` names one. ``[fair_queue]`` holds the Virtual Token Counter's token weights (Sheng et al.,
+  tenant's ``priority`` names one. ``[priorities] reserve`` (default 0) holds batch slots of every worker for the
+  more urgent classes: class rank ``r`` (0 = most urgent) may fill a worker up to ``max_num_seqs − reserve · r``
+  slots (the most urgent class all of them), so an urgent request finds a slot at once while a less urgent class
+  floods (docs/DESIGN.md §15). ``[fair_queue]`` holds the Virtual Token Counter's token weights (Sheng et al.,
   "Fairness in Serving Large Language Models", OSDI 2024, §4: a prompt token costs ``prompt_token_weight``, a
   generated one ``output_token_weight``; the paper's evaluation uses 1 and 2). ``[slo.<class>]`` holds that
   class's objectives: ``availability`` (fraction of requests not failed by the server) and ``ttft_s`` with
@@ -20,6 +23,7 @@ Example::
 
     [priorities]
     order = ["interactive", "batch"]
+    reserve = 2
 
     [tenants.chat]
     api_key_sha256 = ["<hex sha256 of a key>"]
@@ -90,7 +94,8 @@ class Slo:
 
 @dataclass(frozen=True, slots=True)
 class TenantsConfig:
-    """A validated tenants file (module docstring). ``classes``: priority classes, most urgent first."""
+    """A validated tenants file (module docstring). ``classes``: priority classes, most urgent first;
+    ``reserve``: batch slots per worker held for each more urgent class."""
 
     path: str
     tenants: tuple[Tenant, ...]
@@ -98,6 +103,7 @@ class TenantsConfig:
     prompt_token_weight: float = 1.0
     output_token_weight: float = 2.0
     slos: dict[str, Slo] = field(default_factory=dict)
+    reserve: int = 0
 
     def names(self) -> tuple[str, ...]:
         """Every tenant name, :data:`DEFAULT_TENANT` included (the bounded ``tenant`` label set)."""
@@ -110,6 +116,10 @@ class TenantsConfig:
     def rank(self, priority: str) -> int:
         """The class's position in :attr:`classes` (0 = most urgent); an unknown class ranks last."""
         return self.classes.index(priority) if priority in self.classes else len(self.classes)
+
+    def held(self, rank: int) -> int:
+        """Batch slots per worker that class ``rank`` leaves free for the more urgent classes (module docstring)."""
+        return self.reserve * min(rank, len(self.classes) - 1)
 
     def lookup(self, key: bytes) -> Tenant | None:
         """The tenant whose digests include SHA-256(``key``), or None. Constant time in which digest matched:
@@ -199,6 +209,10 @@ def parse_tenants(path: str, doc: dict[str, Any]) -> TenantsConfig:
             or len(set(order)) != len(order)):
         raise ConfigError(f"{path}: priorities.order must list distinct class names, most urgent first, got {order!r}")
     classes = tuple(order)
+    unknown = sorted(set(prio) - {"order", "reserve"}) if isinstance(prio, dict) else []
+    if unknown:
+        raise ConfigError(f"{path}: priorities.{unknown[0]} is not a key; use order, reserve")
+    reserve = int(_number(f"{path}: priorities.reserve", prio.get("reserve", 0), integer=True, inclusive=True))
     fq = doc.get("fair_queue", {})
     if not isinstance(fq, dict) or set(fq) - {"prompt_token_weight", "output_token_weight"}:
         raise ConfigError(f"{path}: fair_queue takes prompt_token_weight and output_token_weight")
@@ -213,7 +227,7 @@ def parse_tenants(path: str, doc: dict[str, Any]) -> TenantsConfig:
         raise ConfigError(f"{path}: tenants.{DEFAULT_TENANT}: the name is reserved (--api-key's tenant)")
     seen: dict[str, str] = {}
     tenants = tuple(_tenant(path, name, body, classes, seen) for name, body in raw.items())
-    return TenantsConfig(path, tenants, classes, wp, wq, _slos(path, doc.get("slo", {}), classes))
+    return TenantsConfig(path, tenants, classes, wp, wq, _slos(path, doc.get("slo", {}), classes), reserve)
 
 
 def load_tenants(path: str) -> TenantsConfig:

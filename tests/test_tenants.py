@@ -45,6 +45,13 @@ def test_a_valid_file_loads_with_defaults_and_lookup_finds_the_key(tmp_path) -> 
     assert tc.slos["interactive"].availability == 0.999 and tc.slos["interactive"].ttft_s == 0.5
 
 
+def test_reserve_holds_slots_per_less_urgent_class() -> None:
+    tc = parse_tenants("t.toml", {"priorities": {"order": ["a", "b", "c"], "reserve": 2},
+                                  **doc(x={"api_key_sha256": [H1], "priority": "c"})})
+    assert [tc.held(r) for r in range(4)] == [0, 2, 4, 4]  # rank 3: a class no longer in the file ranks last
+    assert parse_tenants("t.toml", doc(x={"api_key_sha256": [H1]})).held(0) == 0
+
+
 @pytest.mark.parametrize(("document", "needle"), [
     ({}, "no tenant"),
     (doc(a={"weight": 1}), "tenants.a.api_key_sha256 must list"),
@@ -62,6 +69,10 @@ def test_a_valid_file_loads_with_defaults_and_lookup_finds_the_key(tmp_path) -> 
     ({"slo": {"default": {"availability": 2}}, **doc(a={"api_key_sha256": [H1]})},
      "slo.default.availability must be a fraction"),
     ({"extra": 1, **doc(a={"api_key_sha256": [H1]})}, "extra is not a section"),
+    ({"priorities": {"reserve": -1}, **doc(a={"api_key_sha256": [H1]})},
+     "priorities.reserve must be an integer ≥ 0, got -1"),
+    ({"priorities": {"reserve": 1.5}, **doc(a={"api_key_sha256": [H1]})}, "priorities.reserve must be an integer"),
+    ({"priorities": {"reserved": 1}, **doc(a={"api_key_sha256": [H1]})}, "priorities.reserved is not a key"),
 ])
 def test_a_bad_file_is_one_line_naming_the_file_and_key(document: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -246,3 +246,61 @@ def test_two_router_processes_share_room_through_the_segment(tmp_path: Path) -> 
         assert max(flood) > 6.0
         led = ledger_of(httpx.get(c.url + "/metrics", timeout=5).text)  # the group's merged answer
         assert led["batch"]["requests"] == {"ok": 10} and led["chat"]["requests"] == {"ok": 1}
+
+
+def test_reserve_holds_a_slot_for_the_urgent_class(tmp_path: Path) -> None:
+    """One worker with 2 batch slots, [priorities] reserve = 1: the batch class fills one slot, the other waits for
+    chat, which runs at once (without the reserve it would wait ~1.5 s for the next free slot); with
+    --engine-priority the engine receives each request's class rank as ``priority``."""
+    path = tmp_path / "tenants.toml"
+    write_tenants(path)
+    path.write_text(path.read_text().replace('order = ["interactive", "batch"]',
+                                             'order = ["interactive", "batch"]\nreserve = 1'))
+    with cluster(str(tmp_path), 1, worker_args={0: [*SLOW, "--sim-scheduling-policy", "priority"]},
+                 router_args=["--tenants", str(path), "--engine-priority"]) as c:
+        assert c.segment is not None
+        segment = c.segment
+
+        async def go() -> tuple[float, list[float], list[int]]:
+            running = []
+            async with httpx.AsyncClient(timeout=60) as client:
+                flood = [asyncio.create_task(_ttft(client, c.url, "batch", 40)) for _ in range(3)]
+                for _ in range(5):
+                    await asyncio.sleep(0.1)
+                    running.append(segment.read(0).num_running)
+                light = await _ttft(client, c.url, "chat", 2)
+                return light, await asyncio.gather(*flood), running
+        light, flood, running = asyncio.run(go())
+        assert max(running) == 1, running  # the batch class leaves the reserved slot free
+        assert light < 0.9, (light, sorted(flood))
+        assert sorted(flood)[2] > 3.5, flood  # TTFTs: one batch request at a time (2 s each); on 2 slots: 0, 0, 2 s
+        reqs = [r for r in worker_get(c.sock(0), "/debug/requests").json() if r["path"] == "/v1/chat/completions"]
+        assert sorted(r["priority"] for r in reqs) == [0, 1, 1, 1]  # --engine-priority: the class rank
+
+
+def test_two_router_processes_split_a_backlog_fairly_when_connections_spread(tmp_path: Path) -> None:
+    """--processes 2, one class, equal weights, 4 batch slots: A keeps 32 requests open, B 8, each on a new
+    connection (so SO_REUSEPORT spreads both tenants over both processes, and each stays backlogged in each). Each
+    process runs its own VTC over the requests it holds and the room is shared, so the served tokens split about
+    evenly (FIFO would split them 32:8, Jain 0.74)."""
+    tf = tmp_path / "tenants.toml"
+    tf.write_text("".join(f'[tenants.{t}]\napi_key_sha256 = ["{hash_key(KEYS[t])}"]\n\n' for t in ("chat", "batch")))
+    fast = ["--sim-max-num-seqs", "4", "--sim-decode-step-s", "0.02", "--sim-decode-step-s-per-seq", "0"]
+    with cluster(str(tmp_path), 1, worker_args={0: fast}, router_args=["--tenants", str(tf), "--processes", "2"]) as c:
+        async def go() -> dict[str, int]:
+            served = {"chat": 0, "batch": 0}
+            stop = time.monotonic() + 8.0
+            window = (time.monotonic() + 2.0, stop)  # after the backlog has formed
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+                async def loop(tenant: str) -> None:
+                    while time.monotonic() < stop:
+                        r = await client.post(c.url + "/v1/chat/completions", json=chat(20), headers=auth(tenant))
+                        assert r.status_code == 200, r.text
+                        if window[0] <= time.monotonic() <= window[1]:
+                            served[tenant] += r.json()["usage"]["completion_tokens"]
+                await asyncio.gather(*(loop("batch") for _ in range(32)), *(loop("chat") for _ in range(8)))
+            return served
+        served = asyncio.run(go())
+    a, b = served["batch"], served["chat"]
+    jain = (a + b) ** 2 / (2 * (a * a + b * b))
+    assert jain >= 0.9, served

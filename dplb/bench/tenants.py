@@ -18,6 +18,11 @@ Contract
   completes, P99 over the arrivals, measured in the fair run. On average a slot frees every
   ``FLOOD_OUTPUT · step / slots`` seconds (``step`` = ``DECODE_STEP_S + DECODE_STEP_S_PER_SEQ · MAX_NUM_SEQS``;
   printed as ``slot_gap_ms``), but the slots' phases drift, so the P99 wait is several gaps.
+- Priority modes (the flood phase only, on fresh clusters): B is class ``interactive``, A class ``batch``
+  (:func:`priority_tenants_file`, ``[priorities] reserve`` = :data:`RESERVE` slots per worker held for
+  ``interactive``), ``--engine-priority`` and the sims on ``--sim-scheduling-policy priority``:
+  ``priority`` (one router process), ``priority-2proc`` (``--router-processes 2``) and ``priority-noreserve``
+  (reserve 0: what the engine's priority scheduling alone gives). Target: B's TTFT P99 ≤ 3× its solo P99.
 - Returns a compare entry: ``policies`` holds B's flood-phase summary per mode (the compare table's rows) and
   ``tenants`` the headline figures; :func:`tenant_targets` turns them into target rows.
 """
@@ -45,6 +50,8 @@ LIGHT_OUTPUT = 16
 BACKLOG = {"A": 96, "B": 32}
 BACKLOG_OUTPUT = 64
 KEYS = {"A": "bench-tenant-a", "B": "bench-tenant-b"}
+RESERVE = 2  # slots per worker: B's mean concurrency (3 req/s × ~0.7 s) is ~2 over 4 workers, P(> 8) < 0.1 %
+PRIORITY_MODES = {"priority": (RESERVE, 1), "priority-2proc": (RESERVE, 2), "priority-noreserve": (0, 1)}
 FLOOD_REQUESTS = 1000  # more than a closed loop completes in a phase (it is cancelled at the phase's end)
 
 
@@ -53,6 +60,17 @@ def tenants_file(path: str) -> str:
     with open(path, "w") as f:
         for name, key in KEYS.items():
             f.write(f'[tenants.{name}]\napi_key_sha256 = ["{hash_key(key)}"]\nweight = 1.0\n\n')
+    return path
+
+
+def priority_tenants_file(path: str, reserve: int) -> str:
+    """Write a priority run's tenants file at ``path``: B ``interactive``, A ``batch``, equal weights, ``reserve``
+    slots per worker held for ``interactive``; returns it."""
+    with open(path, "w") as f:
+        f.write(f'[priorities]\norder = ["interactive", "batch"]\nreserve = {reserve}\n\n')
+        for name, key in KEYS.items():
+            cls = "interactive" if name == "B" else "batch"
+            f.write(f'[tenants.{name}]\napi_key_sha256 = ["{hash_key(key)}"]\npriority = "{cls}"\n\n')
     return path
 
 
@@ -195,12 +213,45 @@ def run_tenants(sc: Scenario, flags: list[str], *, num_workers: int, quick: bool
         progress(f"tenants        {mode:14s} B TTFT P99 {f['b_ttft_p99_ms']:8.0f} ms  {f['tokens_per_s']:6.0f} tok/s  "
                  f"Jain {f['jain'] or 0:.3f}  ({time.monotonic() - t:.0f} s)")
     _headline(figures, num_workers)
+    _priority_modes(policies, figures, flags, num_workers, n_light, seed, workdir, progress,
+                    lambda f: cluster(num_workers, sc, f, workdir), ready, uds_get)
     return {"description": sc.description, "workload": {
         "flood": {"tenant": "A", "concurrency": FLOOD_CONCURRENCY, "output_tokens": FLOOD_OUTPUT, "stream": False},
         "light": {"tenant": "B", "rate_rps": LIGHT_RATE, "output_tokens": LIGHT_OUTPUT, "requests": n_light,
                   "stream": True},
         "backlog": {"concurrency": BACKLOG, "output_tokens": BACKLOG_OUTPUT, "window_s": window_s}},
         "policies": policies, "tenants": figures}
+
+
+def _priority_modes(policies: dict[str, Any], figures: dict[str, Any], flags: list[str], num_workers: int,
+                    n_light: int, seed: int, workdir: str, progress: Callable[[str], None],
+                    cluster: Callable[[list[str]], Any], ready: Callable[[str], bool],
+                    uds_get: Callable[[str, str], str]) -> None:
+    """The priority modes (module docstring): B's flood-phase summary into ``policies``, figures into
+    ``figures`` (which holds ``solo_ttft_p99_ms`` already)."""
+    for mode, (reserve, procs) in PRIORITY_MODES.items():
+        t = time.monotonic()
+        ptf = priority_tenants_file(os.path.join(workdir, f"tenants-{mode}.toml"), reserve)
+        extra = ["--tenants", ptf, "--engine-priority", "--sim-scheduling-policy", "priority",
+                 "--router-processes", str(procs)]
+        with cluster([*flags, *extra]) as c:
+            while not ready(c.url):
+                time.sleep(0.05)
+            step = DECODE_STEP_S + DECODE_STEP_S_PER_SEQ * MAX_NUM_SEQS
+            flood = asyncio.run(_phase_flood(c.url, c.run_dir, num_workers, n_light, seed, FLOOD_OUTPUT * step * 2,
+                                             uds_get))
+        light = flood["light"]
+        summary = summarize(light, flood["wall"], workers=[str(k) for k in range(num_workers)])
+        summary.update(label=mode, policy_flags=[*flags, *extra])
+        policies[mode] = summary
+        p99 = (_ttft_p(light, 99) or 0) * 1000
+        f = figures[mode] = {"b_ttft_p50_ms": (_ttft_p(light, 50) or 0) * 1000, "b_ttft_p99_ms": p99,
+                             "tokens_per_s": flood["tokens_per_s"], "flood_failed": flood["flood_failed"],
+                             "reserve": reserve, "router_processes": procs,
+                             "b_p99_vs_solo": p99 / figures["solo_ttft_p99_ms"] if figures["solo_ttft_p99_ms"]
+                             else None}
+        progress(f"tenants        {mode:18s} B TTFT P99 {p99:8.0f} ms  {f['tokens_per_s']:6.0f} tok/s  "
+                 f"({time.monotonic() - t:.0f} s)")
 
 
 def _headline(figures: dict[str, Any], num_workers: int) -> None:
@@ -227,7 +278,9 @@ def tenant_targets(entry: dict[str, Any]) -> list[tuple[str, float | None, float
          False),
         ("throughput fair / FIFO ≥ 0.95", f["throughput_fair_vs_fifo"], 0.95, True),
         ("Jain's index of served tokens, both backlogged, equal weights ≥ 0.95", f["fair"]["jain"], 0.95, True),
+        *((f"two classes ({m}): B's TTFT P99 / solo ≤ 3", f[m]["b_p99_vs_solo"], 3.0, False)
+          for m in PRIORITY_MODES if m in f),
     ]
 
 
-__all__ = ["jain", "run_tenants", "tenant_targets", "tenants_file"]
+__all__ = ["jain", "priority_tenants_file", "run_tenants", "tenant_targets", "tenants_file"]

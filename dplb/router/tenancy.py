@@ -16,8 +16,9 @@ Contract
   ``open`` is every router process's in-flight requests to ``k`` (:meth:`RouterState.inflight_all`: running +
   waiting in the engine as far as DPLB sent them, plus those in transit), ``max_num_seqs`` is what the worker
   publishes (the policy's ``max_queue`` when it publishes none) and ``granted`` counts requests let out of the
-  queue that have not reached :meth:`RouterState.acquire` yet. A granted request is routed among the workers
-  with room only.
+  queue that have not reached :meth:`RouterState.acquire` yet. A request of class rank ``r`` sees room only in
+  the free slots beyond :meth:`TenantsConfig.held` (``[priorities] reserve``, kept for the more urgent classes).
+  A granted request is routed among the workers with room only.
 - With ``engine_priority`` the tenant's class rank is written into the body's ``priority`` field (vLLM: lower
   runs first; needs ``--scheduling-policy priority``), only when the body has no ``priority`` of its own.
 - :meth:`Gate.leave` (every exit path): the ledger (:class:`dplb.obs.metrics.TenantMetrics`), the VTC and token
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -134,8 +136,7 @@ class Gate:
         tc = load_tenants(path)
         if key:
             extra = Tenant(DEFAULT_TENANT, (hash_key(key),), priority=tc.classes[-1])
-            tc = TenantsConfig(tc.path, (*tc.tenants, extra), tc.classes, tc.prompt_token_weight,
-                               tc.output_token_weight, tc.slos)
+            tc = dataclasses.replace(tc, tenants=(*tc.tenants, extra))
         return tc
 
     def _set_limits(self) -> None:
@@ -242,10 +243,11 @@ class Gate:
         fq.arrive(t.name)
         tk.expected = max_tokens(ex.body) if ex.route is not None and ex.route.body == "json" else 0
         free = self._free()
-        if fq.length == 0 and (not free or self._best(free, ex.request.cannot_serve) is not None):
+        held = self.config.held(tk.rank)
+        if fq.length == 0 and (not free or self._best(free, ex.request.cannot_serve, held) is not None):
             fq.charge(t.name, t.weight, tk.est, tk.expected)
             tk.charged = tk.expected
-            self._steer(ex, free)
+            self._steer(ex, free, held)
             self._prepare(ex, tk)
             self._observe_wait(tk, 0.0)
             return True
@@ -299,7 +301,7 @@ class Gate:
         if got == _GRANTED:
             self._ungrant(tk)
             tk.charged = tk.expected  # charged by the queue's pop
-            self._steer(ex, self._free())
+            self._steer(ex, self._free(), self.config.held(tk.rank))
             self._prepare(ex, tk)
             return True
         if got == _GONE:
@@ -350,16 +352,17 @@ class Gate:
                 - load[k] - granted[k] for k in ks}
 
     @staticmethod
-    def _best(free: dict[int, int], cannot: frozenset[int]) -> int | None:
-        """The eligible worker with the most free slots, None when none has one."""
+    def _best(free: dict[int, int], cannot: frozenset[int], held: int = 0) -> int | None:
+        """The eligible worker with the most free slots, None when none has more than ``held`` (the slots kept
+        for more urgent classes)."""
         best = max(((n, -k) for k, n in free.items() if k not in cannot), default=None)
-        return -best[1] if best is not None and best[0] > 0 else None
+        return -best[1] if best is not None and best[0] > held else None
 
     @staticmethod
-    def _steer(ex: Exchange, free: dict[int, int]) -> None:
+    def _steer(ex: Exchange, free: dict[int, int], held: int = 0) -> None:
         """Route the request among the workers with room (when one is left)."""
         req = ex.request
-        full = frozenset(k for k, n in free.items() if n <= 0)
+        full = frozenset(k for k, n in free.items() if n <= held)
         if full and any(k not in req.cannot_serve and k not in full for k in free):
             req.cannot_serve = req.cannot_serve | full
 
@@ -372,16 +375,18 @@ class Gate:
         if not free:
             return
 
+        held = self.config.held
+
         def can(w: Waiter) -> bool:
             fut = w.data.fut
-            return fut is not None and not fut.done() and self._best(free, w.data.cannot) is not None
+            return fut is not None and not fut.done() and self._best(free, w.data.cannot, held(w.rank)) is not None
 
         while fq.length:
             w = fq.pop(can)
             if w is None:
                 return
             tk: Ticket = w.data
-            k = self._best(free, tk.cannot)
+            k = self._best(free, tk.cannot, held(w.rank))
             assert k is not None
             free[k] -= 1
             self._granted[k] += 1

@@ -6,14 +6,16 @@ Contract
   ``stats()`` (no I/O), ``metrics_text()``, ``shutdown()`` (idempotent). Configure it with a
   :class:`~dplb.worker.engines.sim.scheduler.SimConfig` (knobs, units and faults are documented there).
 - HTTP surface, in vLLM's shapes: ``POST /v1/chat/completions`` and ``/v1/completions`` (non-streaming and SSE
-  streaming, ``n``, ``stream_options.include_usage``/``continuous_usage_stats``; sampling parameters are accepted
+  streaming, ``n``, ``stream_options.include_usage``/``continuous_usage_stats``, ``priority`` (the scheduler's
+  ``scheduling_policy``); sampling parameters are accepted
   and ignored), ``GET /v1/models``, ``/health`` (200, empty), ``/load`` (``{"num_running", "num_waiting",
   "kv_cache_usage"}``), ``/metrics`` (``vllm:*`` Prometheus text), ``/debug/requests`` (the last 256 model
   requests); LoRA adapters, ``/v1/responses`` and the pooling/scoring/tokenizer/audio routes are
   :mod:`dplb.worker.engines.sim.api`. Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``; a
   ``model`` that is neither the served one nor a loaded adapter is a 404 like vLLM's.
 - ``/debug/requests`` records per request: ``request_id``, ``x_request_id``, ``traceparent``, ``path``,
-  ``body_sha256``, ``prompt_tokens``, ``completion_tokens`` (sent), ``cached_tokens``, ``status``, ``aborted``,
+  ``body_sha256``, ``prompt_tokens``, ``completion_tokens`` (sent), ``cached_tokens``, ``priority`` (the body's,
+  0 when absent; set once the body parsed), ``status``, ``aborted``,
   ``time_unix``, ``header_names`` (the lower-case request header names received; the router's hop-by-hop tests).
 - A model request sent with ``x-sim-debug: body-sha256`` gets ``x-sim-body-sha256`` (hex SHA-256 of the exact
   request body bytes) in its response (tests of byte-for-byte forwarding); no other response carries an ``x-sim-*``
@@ -47,7 +49,7 @@ import os
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import msgspec
@@ -57,10 +59,10 @@ from dplb.runtime.asgi import send_json, until_disconnect
 from dplb.worker.engines.base import REQUEST_EXT, ASGIApp, EngineRequest, EngineStats, Receive, Scope, Send
 from dplb.worker.engines.sim import logprobs, text
 from dplb.worker.engines.sim.api import SimApi
-from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
-from dplb.worker.engines.sim.prompts import block_hashes, completion_prompts, prompt_hash, tokenize
+from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, read_body
+from dplb.worker.engines.sim.prompts import block_hashes, prompt_hash
+from dplb.worker.engines.sim.request import ParsedRequest, parse_request
 from dplb.worker.engines.sim.scheduler import SimConfig, SimRequest, SimScheduler
-from dplb.worker.engines.sim.text import render_prompt
 
 __all__ = ["SimConfig", "SimEngine", "main"]
 
@@ -68,60 +70,6 @@ log = logging.getLogger(__name__)
 DEBUG_RECORDS = 256
 _json = msgspec.json.Encoder().encode
 _CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-
-
-@dataclass(slots=True)
-class ParsedRequest:
-    """A validated model request: token ids per prompt, capped ``max_tokens`` per prompt, ``n`` choices each."""
-
-    prompts: list[list[int]]
-    max_tokens: list[int]
-    n: int
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    logprobs: int | None = None  # alternatives per token (dplb.worker.engines.sim.logprobs); None: off
-    leads: list[bool] | None = None  # per prompt: its answer's first token has a leading space (sim.text)
-
-
-def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str] = frozenset()) -> ParsedRequest:
-    """Validate a model request body like vLLM; raises :class:`HTTPError` (400; 404: model not served)."""
-    data = decode_object(body)
-    model = data.get("model")
-    if model is not None and model != cfg.model and model not in served:
-        raise HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError")
-
-    def int_field(name: str, value: Any, lo: int, hi: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise HTTPError(400, f"{name} must be an integer between {lo} and {hi}, got {value!r}")
-        return value
-
-    n = 1 if data.get("n") is None else int_field("n", data["n"], 1, 1 << 16)
-    name, req_max = "max_tokens", data.get("max_tokens")
-    if chat and data.get("max_completion_tokens") is not None:
-        name, req_max = "max_completion_tokens", data["max_completion_tokens"]
-    if req_max is not None:
-        req_max = int_field(name, req_max, 1, cfg.max_model_len)
-    stream = data.get("stream") or False
-    opts = data.get("stream_options") or {}
-    if not isinstance(stream, bool) or not isinstance(opts, dict):
-        raise HTTPError(400, "'stream' must be a boolean and 'stream_options' an object")
-    try:
-        if chat:
-            rendered, lead = render_prompt(data)
-            prompts, leads = [tokenize(rendered)], [lead]
-        else:
-            prompts, leads = completion_prompts(data.get("prompt")), text.leads(data.get("prompt"))
-    except ValueError as e:
-        raise HTTPError(400, str(e)) from None
-    for ids in prompts:
-        if len(ids) >= cfg.max_model_len:
-            raise HTTPError(400, f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
-                                 f"your request has {len(ids)} input tokens. Please reduce the length of the input.")
-    max_tokens = [min(req_max or cfg.default_max_tokens, cfg.max_model_len - len(ids)) for ids in prompts]
-    return ParsedRequest(prompts, max_tokens, n, stream, bool(opts.get("include_usage")),
-                         bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
-                         logprobs.requested(data, chat), leads)
 
 
 class SimEngine:
@@ -307,8 +255,9 @@ class SimEngine:
             rec: dict[str, Any] = {
                 "request_id": rid, "x_request_id": xrid.decode("latin-1") if xrid else None,
                 "traceparent": tp.decode("latin-1") if tp else None, "path": scope["path"], "body_sha256": None,
-                "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "status": 0, "aborted": False,
-                "time_unix": time.time(), "header_names": sorted({k.decode("latin-1") for k, _ in scope["headers"]})}
+                "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "priority": 0, "status": 0,
+                "aborted": False, "time_unix": time.time(),
+                "header_names": sorted({k.decode("latin-1") for k, _ in scope["headers"]})}
             self.debug_requests.append(rec)
             headers = [(b"x-request-id", xrid)] if xrid else []
             try:
@@ -326,6 +275,7 @@ class SimEngine:
                                          "flight. Retry later or on another worker.", "ServiceUnavailableError",
                                     "server_overloaded")
                 p = parse_request(body, chat, cfg, self.api.served)
+                rec["priority"] = p.priority
                 self.requests_total += 1
                 if cfg.first_request_delay_s and self.requests_total == 2:  # the first after the warm-up request
                     await asyncio.sleep(cfg.first_request_delay_s)
@@ -349,7 +299,7 @@ class SimEngine:
         """Run ``p`` through the scheduler and answer it (``owner``: the worker's open HTTP request it serves);
         True when the full response was sent."""
         cfg = self.config
-        req = SimRequest(stream=p.stream, owner=owner)
+        req = SimRequest(stream=p.stream, owner=owner, priority=p.priority)
         seeds, rngs = [], []
         for pi, ids in enumerate(p.prompts):
             hashes, ph = block_hashes(ids, cfg.block_size), prompt_hash(ids)

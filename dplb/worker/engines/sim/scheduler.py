@@ -5,10 +5,19 @@ side in :mod:`dplb.worker.engines.sim.engine`.
 
 Contract
 - :class:`SimScheduler` runs one asyncio task (created lazily on the event loop of the first :meth:`submit`) that
-  executes *steps*. Up to ``max_num_seqs`` sequences run; the rest wait in FIFO order. The head of the queue is
+  executes *steps*. Up to ``max_num_seqs`` sequences run; the rest wait. The head of the queue is
   admitted when a running slot is free **and** its KV blocks fit: a sequence reserves
   ``ceil((prompt_tokens + max_tokens) / block_size)`` blocks at admission and releases them when it finishes or is
   aborted. Admission stops at the first sequence that does not fit (head-of-line, like vLLM's FCFS policy).
+- ``scheduling_policy`` (vLLM ``--scheduling-policy``): ``fcfs`` keeps the waiting queue in arrival order;
+  ``priority`` orders it by (the request's ``priority``, arrival), lower first, as vLLM V1's
+  ``PriorityRequestQueue``. Like vLLM V1, a full batch (``max_num_seqs`` running) preempts nothing: a waiting
+  request of any priority waits for a running one to end. Under KV pressure vLLM V1 preempts the running request
+  with the largest (priority, arrival) when a running request cannot get its next block; the sim reserves a
+  sequence's blocks at admission, so that moment is admission here: when the head does not fit and the least
+  urgent running sequence is strictly less urgent than it, that one is preempted (recompute: its blocks freed, back
+  to the waiting queue in its place, its generated tokens kept and prefilled again with its prompt when it is
+  admitted again; ``vllm:num_preemptions_total``). Under ``fcfs`` the sim preempts nothing.
 - Timing model: one step lasts ::
 
       step_s = (decode_step_s + decode_step_s_per_seq * num_running
@@ -70,6 +79,7 @@ class SimConfig:
     - ``default_max_tokens``: output tokens when a request gives no ``max_tokens``; ``max_model_len``: most
       prompt + output tokens of one sequence.
     - ``seed``: seeds the deterministic output text.
+    - ``scheduling_policy``: ``fcfs`` or ``priority`` (vLLM ``--scheduling-policy``; module docstring).
 
     Timing (seconds; every time is divided by ``speed``, a per-worker speed factor: 0.5 = half as fast)
     - ``prefill_s_per_token``: prefill cost of one uncached prompt token.
@@ -109,6 +119,7 @@ class SimConfig:
     default_max_tokens: int = 64
     max_model_len: int = 8192
     seed: int = 0
+    scheduling_policy: str = "fcfs"
     warmup_delay_s: float = 0.0
     crash_after: int = 0
     hang_after: int = 0
@@ -124,13 +135,16 @@ class SimConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(f.default, bool) or f.name == "model":
+            if isinstance(f.default, bool | str):
                 continue
             if isinstance(f.default, int) and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ConfigError(f"sim engine: {f.name} must be an integer, got {v!r}")
             if isinstance(f.default, float) and (isinstance(v, bool) or not isinstance(v, int | float)
                                                  or not math.isfinite(v)):
                 raise ConfigError(f"sim engine: {f.name} must be a finite number, got {v!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"sim engine: scheduling_policy must be fcfs or priority (vLLM's --scheduling-policy), "
+                              f"got {self.scheduling_policy!r}")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ConfigError(f"sim engine: model must be a non-empty name, got {self.model!r}")
         minimum = {"max_num_seqs": 1, "max_loras": 1, "kv_blocks": 1, "block_size": 1, "default_max_tokens": 1,
@@ -180,13 +194,15 @@ class SimRequest:
     """One HTTP request: its sequences, and an event the scheduler sets on progress (every token when
     ``stream``, else only when the request is done) and on abort. ``id``: the engine's own id (unique in this
     process, set by :meth:`SimScheduler.submit`); ``owner``: what :meth:`SimEngine.requests` reports it serves (the
-    worker's open HTTP request, or None for work without a client, such as a background response)."""
+    worker's open HTTP request, or None for work without a client, such as a background response); ``priority``:
+    vLLM's request priority (lower runs first under the ``priority`` policy)."""
 
-    __slots__ = ("aborted", "done", "event", "id", "owner", "seqs", "stream", "t0", "unfinished")
+    __slots__ = ("aborted", "done", "event", "id", "owner", "priority", "seqs", "stream", "t0", "unfinished")
 
-    def __init__(self, stream: bool, owner: Any = None) -> None:
+    def __init__(self, stream: bool, owner: Any = None, priority: int = 0) -> None:
         self.stream = stream
         self.owner = owner
+        self.priority = priority
         self.id = ""
         self.t0 = 0.0
         self.seqs: list[Seq] = []
@@ -259,6 +275,8 @@ class SimMetrics:
                         _LATENCY_BUCKETS).labels(model)
         self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                         _ITL_BUCKETS).labels(model)
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.").labels(
+            model)
         self.queue_time = hist("vllm:request_queue_time_seconds",
                                "Histogram of time spent in WAITING phase for request.", _LATENCY_BUCKETS).labels(model)
         r.register(_GaugeCollector(sched, model))
@@ -318,7 +336,7 @@ class SimScheduler:
         self.live[req.id] = req
         for seq in req.seqs:
             seq.t_arrival = now
-            self.waiting.append(seq)
+            self._enqueue(seq)
         assert self._wake is not None
         self._wake.set()
 
@@ -393,13 +411,51 @@ class SimScheduler:
             if not self._frozen:
                 self._emit(loop.time())
 
+    @staticmethod
+    def _urgency(seq: Seq) -> tuple[int, float]:
+        """The priority policy's order key: (priority, arrival), lower first (vLLM V1's ``Request.__lt__``)."""
+        return seq.req.priority, seq.t_arrival
+
+    def _enqueue(self, seq: Seq, preempted: bool = False) -> None:
+        """Put ``seq`` in the waiting queue: FCFS appends (a preempted one goes first, as vLLM prepends it),
+        the priority policy inserts it in (priority, arrival) order (after its equals)."""
+        if self.cfg.scheduling_policy != "priority":
+            if preempted:
+                self.waiting.appendleft(seq)
+            else:
+                self.waiting.append(seq)
+            return
+        key = self._urgency(seq)
+        i = len(self.waiting)
+        while i > 0 and self._urgency(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, seq)
+
+    def _preempt_for(self, head: Seq) -> bool:
+        """Priority policy, KV pressure: preempt the least urgent running sequence when it is strictly less urgent
+        than ``head`` (module docstring); False when there is none to preempt."""
+        if self.cfg.scheduling_policy != "priority" or not self.running:
+            return False
+        victim = max(self.running, key=self._urgency)
+        if self._urgency(victim) <= self._urgency(head):
+            return False
+        self.running.remove(victim)
+        self.used_blocks -= victim.blocks
+        victim.state = WAITING
+        self.metrics.preemptions.inc()
+        self._enqueue(victim, preempted=True)
+        return True
+
     def _admit(self, now: float) -> int:
-        """Admit waiting sequences that fit; returns their uncached prompt tokens (the prefill work of this step)."""
+        """Admit waiting sequences that fit; returns their uncached prompt tokens (the prefill work of this step;
+        a preempted sequence's generated tokens are prefilled again)."""
         cfg, m = self.cfg, self.metrics
         uncached = 0
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             if self.used_blocks + seq.blocks > cfg.kv_blocks:
+                if self._preempt_for(seq):
+                    continue
                 break
             self.waiting.popleft()
             self.used_blocks += seq.blocks
@@ -409,7 +465,9 @@ class SimScheduler:
             hit_blocks = self.prefix_cache.match(seq.block_hashes, (seq.prompt_tokens - 1) // cfg.block_size)
             seq.cached_tokens = hit_blocks * cfg.block_size
             self.prefix_cache.insert(seq.block_hashes)
-            uncached += seq.prompt_tokens - seq.cached_tokens
+            uncached += seq.prompt_tokens - seq.cached_tokens + seq.generated
+            if seq.generated:  # resumed after a preemption: counted when it was first admitted
+                continue
             self.prefix_cache_queries_total += seq.prompt_tokens
             self.prefix_cache_hits_total += seq.cached_tokens
             m.prefix_queries.inc(seq.prompt_tokens)
