@@ -253,13 +253,15 @@ def test_deeply_nested_json_is_an_openai_400(fuzz: Cluster, depth: int) -> None:
     def nested(n: int) -> str:
         return '{"a":' * n + "1" + "}" * n
 
-    for body in (nested(depth), '{"model": "dplb-sim", "prompt": "x", "max_tokens": 1, "x": %s}' % nested(depth)):
+    def request(n: int) -> str:
+        return '{"model": "dplb-sim", "prompt": "x", "max_tokens": 1, "x": ' + nested(n) + "}"
+
+    for body in (nested(depth), request(depth)):
         r = httpx.post(fuzz.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
                        timeout=10)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
         assert "nested too deeply" in r.json()["error"]["message"]
-    ok = '{"model": "dplb-sim", "prompt": "x", "max_tokens": 1, "x": %s}' % nested(50)
-    r = httpx.post(fuzz.url + "/v1/completions", content=ok, headers={"content-type": "application/json"}, timeout=10)
+    r = httpx.post(fuzz.url + "/v1/completions", content=request(50), headers={"content-type": "application/json"}, timeout=10)
     assert r.status_code == 200 and r.headers["x-sg-worker-id"] in ("0", "1"), r.text
 
 
