@@ -4,6 +4,7 @@ and the packaging metadata. Each is refused with one line (or ends quietly) befo
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -215,3 +216,23 @@ def test_emit_systemd_again_without_api_key_removes_the_old_router_env(tmp_path:
     (out / "router.env").write_text("DPLB_API_KEY=hand-written\n")  # not ours: kept
     r = subprocess.run(dplb_cmd(*base), capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0 and (out / "router.env").read_text() == "DPLB_API_KEY=hand-written\n", r.stderr
+
+
+def test_readme_alert_table_lists_every_alert_with_its_severity_and_for() -> None:
+    """Regression: four alerts of alerts/dplb.rules.yml (the fleet and SLO groups) were missing from the README's
+    alert table, the table an SRE reads to know what can page."""
+    import yaml
+
+    rules = yaml.safe_load((ROOT / "alerts" / "dplb.rules.yml").read_text())
+    want = {r["alert"]: (r["labels"]["severity"], r.get("for", "0m")) for g in rules["groups"] for r in g["rules"]
+            if "alert" in r}
+    readme = (ROOT / "README.md").read_text()
+    rows = {m[1]: (m[2], m[3]) for m in re.finditer(r"^\| `(DPLB\w+)` \| (critical|warning) \| .* \| (\d+[smh]) \|$",
+                                                    readme, re.M)}
+    assert rows == want
+
+
+def test_readme_states_the_segment_layout_version() -> None:
+    from dplb.state.layout import LAYOUT_VERSION
+
+    assert f"The segment layout is version {LAYOUT_VERSION} " in (ROOT / "README.md").read_text()
