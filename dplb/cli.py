@@ -120,7 +120,7 @@ def _cmd_state(args: argparse.Namespace, rest: list[str]) -> int:
 # ---- segment (for systemd's dplb-segment.service) ----------------------------------------------------------
 def _add_segment(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("segment", help="create or remove the shm state segment (systemd's dplb-segment.service)")
-    p.add_argument("action", choices=("create", "remove"))
+    p.add_argument("action", choices=("create", "remove"), metavar="{create,remove}")
     p.add_argument("--shm-path", help="segment path (default $DPLB_SHM_PATH)")
     p.add_argument("--num-workers", type=int, help="slots (default $DPLB_NUM_WORKERS)")
     p.add_argument("--state-interval-ms", type=int, help="(default $DPLB_STATE_INTERVAL_MS or 200)")
@@ -132,9 +132,13 @@ def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
     import os
 
     from dplb.errors import ConfigError
-    from dplb.state.layout import check_not_foreign
+    from dplb.ops.systemd_units import SYSTEMD_SHM_PATH
+    from dplb.state.layout import ENV_SHM_PATH, check_not_foreign
     from dplb.state.shm import Segment, resolve_path
 
+    if not (args.shm_path or os.environ.get(ENV_SHM_PATH)):
+        raise ConfigError(f"dplb segment {args.action} needs the segment's path: pass --shm-path PATH (or set "
+                          f"{ENV_SHM_PATH}; the systemd units' is {SYSTEMD_SHM_PATH})")
     path = resolve_path(args.shm_path)
     check_not_foreign(path)  # never overwrite or remove a file that is not a DPLB segment
     if args.action == "remove":
@@ -157,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dplb", description="DPLB: data-parallel load balancer for vLLM")
     p.add_argument("--version", action="version", version=f"dplb {__version__}")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_worker(sub)
     _add_state(sub)
     _add_segment(sub)

@@ -64,7 +64,7 @@ def stack_run_dir(port: int) -> str:
 def stack_metrics_port_base(port: int, given: int | None) -> int:
     """The workers' metrics port base of the stack on router ``port``: ``given`` (``--metrics-port-base``) when
     set, else :data:`METRICS_PORT_BASE` for :data:`DEFAULT_PORT` (or 0), else ``port + 1`` (worker K on
-    ``port + 1 + K``; ports 30000–30001+N of the first stack stay clear when the second is ≥ N + 2 above it)."""
+    ``port + 1 + K``; ports 30000–30000+N of the first stack stay clear when the second is ≥ N + 1 above it)."""
     if given is not None:
         return given
     return METRICS_PORT_BASE if port in (DEFAULT_PORT, 0) else port + 1

@@ -4,6 +4,7 @@ and the packaging metadata. Each is refused with one line (or ends quietly) befo
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,17 +44,18 @@ def test_split_list_empty_is_an_error_unless_allowed() -> None:
 # Every comma-list parser of the CLI, the router and the sim: (what, parser, a good value).
 def _parsers() -> list[tuple[str, object, str]]:
     from dplb.bench.compare import parse_policies
+    from dplb.ops.fleet import parse_hosts
     from dplb.router.cli import parse_exempt
     from dplb.router.fanout import parse_workers
     from dplb.worker.engines.sim.api import parse_adapters
 
     return [("--weights", parse_weights, "queue=1"), ("--api-key-exempt", parse_exempt, "/health"),
             ("?workers=", lambda t: parse_workers(t, 4), "0"), ("--sim-lora-adapters", parse_adapters, "a"),
-            ("--policies", lambda t: parse_policies(t, []), "dplb")]
+            ("--policies", lambda t: parse_policies(t, []), "dplb"), ("--hosts", parse_hosts, "10.0.0.1:30000")]
 
 
-@pytest.mark.parametrize("index", range(5), ids=["weights", "api-key-exempt", "workers", "lora-adapters",
-                                                 "policies"])
+@pytest.mark.parametrize("index", range(6), ids=["weights", "api-key-exempt", "workers", "lora-adapters",
+                                                 "policies", "hosts"])
 def test_every_list_flag_refuses_a_stray_comma(index: int) -> None:
     _, parse, good = _parsers()[index]
     parse(good)  # type: ignore[operator]  # the value itself is fine
@@ -151,3 +153,86 @@ def test_dashboard_generator_without_the_venv_says_which_python_to_use() -> None
     r = subprocess.run([sys.executable, "-S", str(ROOT / "dashboards" / "generate.py"), "--check"],
                        capture_output=True, text=True, timeout=60)  # -S: no site-packages, so no grafanalib
     assert r.returncode == 2 and "Traceback" not in r.stderr and ".venv/bin/python" in r.stderr, r.stderr
+
+
+# What an SRE mistypes outside `dplb launch`: each is one line on stderr naming the fix, never a traceback.
+@pytest.mark.parametrize(("args", "says"), [
+    (["usage", "--url", "localhost:30000"], "--url must be the router's http://HOST:PORT"),
+    (["fleet", "haproxy-config", "--hosts", "10.0.0.1:30000", "-o", "/nonexistent/dir/haproxy.cfg"],
+     "-o /nonexistent/dir/haproxy.cfg: cannot write it: No such file or directory"),
+    (["launch", "--num-workers", "1", "--emit-systemd", "/dev/null"], "exists and is not a directory"),
+    (["launch", "--num-workers", "1", "--port", "70000"], "--port must be 0..65535, got 70000"),
+    (["segment", "create", "--num-workers", "2"], "pass --shm-path PATH (or set DPLB_SHM_PATH"),
+    (["tenants", "hash-key"], "no key given"),
+    (["fleet"], "required: {haproxy-config,envoy-config}"),
+    (["tenants"], "required: {hash-key}"),
+    (["segment"], "required: {create,remove}"),
+    ([], "required: COMMAND"),
+], ids=["usage-url", "fleet-output", "emit-systemd-file", "launch-port", "segment-path", "hash-key-eof",
+        "fleet-sub", "tenants-sub", "segment-sub", "no-command"])
+def test_cli_mistakes_are_one_line(args: list[str], says: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DPLB_SHM_PATH"}
+    r = subprocess.run(dplb_cmd(*args), capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                       env=env)
+    last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr and says in last, r.stderr
+    assert "_cmd" not in r.stderr, r.stderr  # argparse's internal dest names never reach the user
+
+
+def test_doctor_with_a_port_past_65535_fails_the_ports_check() -> None:
+    """Regression: ``dplb doctor --port 99999`` died with an OverflowError traceback from bind()."""
+    r = subprocess.run(dplb_cmd("doctor", "--port", "99999", "--num-workers", "1"), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "[FAIL] ports           not TCP ports (0..65535): [99999, 100000]" in r.stdout, r.stdout
+
+
+def test_try_line_carries_the_key_a_pasted_curl_needs() -> None:
+    """The launch banner's curl: no header without keys; ``$DPLB_API_KEY`` with --api-key (a note when that
+    variable is not the key); ``$KEY`` and the file with --tenants alone (without it the router answers 401)."""
+    from dplb.ops.launcher import try_line
+
+    url = "http://127.0.0.1:30000"
+    plain = try_line(url, "m", None, None, None)
+    assert "Authorization" not in plain and '"model": "m"' in plain and "\n" not in plain
+    assert "$DPLB_API_KEY" in try_line(url, "m", "k", None, "k") and "\n" not in try_line(url, "m", "k", None, "k")
+    assert "export DPLB_API_KEY" in try_line(url, "m", "k", "/t.toml", None)
+    tenants = try_line(url, "m", None, "/etc/dplb/tenants.toml", None)
+    assert '-H "Authorization: Bearer $KEY"' in tenants and "a tenant in /etc/dplb/tenants.toml" in tenants
+    assert not any("s3cret" in try_line(url, "m", "s3cret", t, e) for t in (None, "/t.toml") for e in (None, "s3cret"))
+
+
+def test_emit_systemd_again_without_api_key_removes_the_old_router_env(tmp_path: Path) -> None:
+    """Regression: emitting again without --api-key left the earlier router.env, so the router unit still
+    required the old key. A router.env that --emit-systemd did not write is left alone."""
+    out = tmp_path / "units"
+    base = ["launch", "--num-workers", "1", "--emit-systemd", str(out)]
+    r = subprocess.run(dplb_cmd(*base, "--api-key", "old-key"), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "DPLB_API_KEY=old-key" in (out / "router.env").read_text(), r.stderr
+    env = {k: v for k, v in os.environ.items() if k != "DPLB_API_KEY"}
+    r = subprocess.run(dplb_cmd(*base), capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and not (out / "router.env").exists(), r.stderr
+    assert f"removed {out}/router.env" in r.stderr
+    (out / "router.env").write_text("DPLB_API_KEY=hand-written\n")  # not ours: kept
+    r = subprocess.run(dplb_cmd(*base), capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and (out / "router.env").read_text() == "DPLB_API_KEY=hand-written\n", r.stderr
+
+
+def test_readme_alert_table_lists_every_alert_with_its_severity_and_for() -> None:
+    """Regression: four alerts of alerts/dplb.rules.yml (the fleet and SLO groups) were missing from the README's
+    alert table, the table an SRE reads to know what can page."""
+    import yaml
+
+    rules = yaml.safe_load((ROOT / "alerts" / "dplb.rules.yml").read_text())
+    want = {r["alert"]: (r["labels"]["severity"], r.get("for", "0m")) for g in rules["groups"] for r in g["rules"]
+            if "alert" in r}
+    readme = (ROOT / "README.md").read_text()
+    rows = {m[1]: (m[2], m[3]) for m in re.finditer(r"^\| `(DPLB\w+)` \| (critical|warning) \| .* \| (\d+[smh]) \|$",
+                                                    readme, re.M)}
+    assert rows == want
+
+
+def test_readme_states_the_segment_layout_version() -> None:
+    from dplb.state.layout import LAYOUT_VERSION
+
+    assert f"The segment layout is version {LAYOUT_VERSION} " in (ROOT / "README.md").read_text()

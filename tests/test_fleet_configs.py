@@ -63,7 +63,8 @@ def test_hosts_list_errors_are_one_line() -> None:
     assert parse_hosts("10.0.0.1:30000, 10.0.0.2:30001/30091") == [
         FleetHost("10.0.0.1", 30000, 30090), FleetHost("10.0.0.2", 30001, 30091)]
     for bad, why in (("10.0.0.1", "is not HOST:PORT"), ("10.0.0.1:0", "1..65535"), ("a:1,a:1", "listed twice"),
-                     ("", "at least one"), ("h:1/99999", "1..65535")):
+                     ("", "must not be empty"), ("h:1/99999", "1..65535"), ("a:1,,b:2", "empty item"),
+                     ("a:1,", "empty item")):
         with pytest.raises(ConfigError, match=why):
             parse_hosts(bad)
     r = subprocess.run([sys.executable, "-m", "dplb.cli", "fleet", "haproxy-config", "--hosts", "10.0.0.1:x"],

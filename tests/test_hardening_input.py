@@ -246,6 +246,32 @@ def test_100_mb_body_is_refused_without_being_read(fuzz: Cluster, framing: str) 
     assert sent < 50 * 2**20, f"the router read {sent >> 20} MB of a rejected body"
 
 
+def test_a_wrong_method_on_a_local_route_is_an_openai_405_with_allow(fuzz: Cluster) -> None:
+    """Regression: the 405 of a local route (``DELETE /health``) dropped the ``Allow`` header RFC 9110 requires."""
+    r = httpx.request("DELETE", fuzz.url + "/health", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+    assert "GET" in r.headers.get("allow", ""), r.headers
+
+
+@pytest.mark.parametrize("depth", [1000, 5000])
+def test_deeply_nested_json_is_an_openai_400(fuzz: Cluster, depth: int) -> None:
+    """JSON nested deeper than the decoder's recursion limit, as the whole body or inside a valid request, is 400
+    ``invalid_json`` (not a 500 ``internal_error``); the same request nested 50 deep reaches a worker."""
+    def nested(n: int) -> str:
+        return '{"a":' * n + "1" + "}" * n
+
+    def request(n: int) -> str:
+        return '{"model": "dplb-sim", "prompt": "x", "max_tokens": 1, "x": ' + nested(n) + "}"
+
+    for body in (nested(depth), request(depth)):
+        r = httpx.post(fuzz.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                       timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        assert "nested too deeply" in r.json()["error"]["message"]
+    r = httpx.post(fuzz.url + "/v1/completions", content=request(50), headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 200 and r.headers["x-sg-worker-id"] in ("0", "1"), r.text
+
+
 @pytest.mark.parametrize("body", [
     {"max_tokens": 10**30}, {"max_tokens": -1}, {"n": -1}, {"n": 0}, {"max_tokens": "many"}, {"stream": 12},
 ])

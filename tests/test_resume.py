@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -345,6 +346,10 @@ def test_a_stream_on_a_stalled_worker_is_resumed_on_another(tmp_path) -> None:  
         streams = asyncio.run(main())
         resumed = c.metric("dplb_streams_resumed_total") or 0
         stalls = c.metric("dplb_worker_stalls_total", {"worker": "0"}) or 0
+        log = c.router_log()
+    # The log says where each stream went and where it broke (not the break's reason, reset by then: "(None)").
+    assert re.search(r"resuming stream \S+ after \d+ tokens on worker 1 \(broken on worker 0\)", log), log[-2000:]
+    assert "(None)" not in log
     for st in streams:
         if st.reason is not None and st.error is not None:  # refused and cut by the stall: says so
             assert st.code == "worker_stalled" and NOT_RESUMED + "logprobs" in st.error and st.done == 0, st.error

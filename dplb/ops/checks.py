@@ -76,11 +76,13 @@ def check_socket_paths(paths: list[str]) -> None:
 
 def check_launch_flags(args: argparse.Namespace, num_workers: int) -> int:
     """Refuse bad ``dplb launch`` supervision flags (what the launcher and ``--emit-systemd`` both check before
-    anything is started or written): ``--drain-timeout``, ``--metrics-port-base``, ``--stall-after`` /
+    anything is started or written): ``--drain-timeout``, ``--port``, ``--metrics-port-base``, ``--stall-after`` /
     ``--stall-restart-after`` (:func:`dplb.config.check_stall`), ``--max-start-failures``. Returns the metrics port
     base (0 = off). Raises :class:`ConfigError` naming the flag."""
     if args.drain_timeout < 0:
         raise ConfigError(f"--drain-timeout must be ≥ 0 seconds, got {args.drain_timeout}")
+    if not 0 <= args.port <= 65535:  # before the metrics ports derived from it
+        raise ConfigError(f"--port must be 0..65535, got {args.port}")
     mbase = stack_metrics_port_base(args.port, args.metrics_port_base)
     if not (mbase == 0 or 1 <= mbase <= 65535 - num_workers):
         raise ConfigError(f"--metrics-port-base must be 0 (off) or a port with room for {num_workers} "

@@ -165,7 +165,11 @@ def check_stale_segments(directory: str = SHM_DIR) -> Check:
 
 
 def check_ports(host: str, ports: list[int]) -> Check:
-    """The router and metrics ports are free."""
+    """The router and metrics ports are TCP ports (0..65535) and free."""
+    bad = [p for p in ports if not 0 <= p <= 65535]
+    if bad:
+        return Check("ports", "fail", f"not TCP ports (0..65535): {bad}",
+                     "pass a --port (and --metrics-port-base) with room for the router and every worker below 65536")
     busy = []
     for port in ports:
         with socket.socket() as s:

@@ -1,8 +1,9 @@
 """Front-balancer configurations for a fleet of DPLB hosts: ``dplb fleet haproxy-config`` / ``envoy-config``.
 
 Contract
-- :func:`parse_hosts` reads ``HOST:PORT[/AGENT_PORT]`` entries (comma-separated); a malformed entry, a port
-  outside 1..65535 or a duplicate raises :class:`dplb.errors.ConfigError` naming it (one CLI line).
+- :func:`parse_hosts` reads ``HOST:PORT[/AGENT_PORT]`` entries (comma-separated); an empty item (a stray comma),
+  a malformed entry, a port outside 1..65535 or a duplicate raises :class:`dplb.errors.ConfigError` naming it (one
+  CLI line).
 - :func:`haproxy_config` writes a complete ``haproxy.cfg`` (HAProxy ≥ 2.6): one backend, every host a server with
   an HTTP readiness check on ``/ready`` (503 while the host drains) and DPLB's agent-check (:mod:`dplb.router.agent`:
   ``up ready NN%`` sets the weight, ``drain`` stops new requests, ``down#reason`` takes it out). ``balance`` is
@@ -30,6 +31,7 @@ import sys
 import urllib.request
 from dataclasses import dataclass
 
+from dplb.config import split_list
 from dplb.errors import ConfigError
 
 DEFAULT_AGENT_PORT = 30090
@@ -55,9 +57,7 @@ class FleetHost:
 def parse_hosts(text: str, default_agent_port: int = DEFAULT_AGENT_PORT) -> list[FleetHost]:
     """``"10.0.0.1:30000,10.0.0.2:30000/30091"`` → hosts. Raises :class:`ConfigError` (module docstring)."""
     out: list[FleetHost] = []
-    for raw in (t.strip() for t in text.split(",")):
-        if not raw:
-            continue
+    for raw in split_list(text, "--hosts"):  # a stray comma is an error, as in every comma list
         m = _HOST_RE.match(raw)
         if m is None:
             raise ConfigError(f"--hosts: {raw!r} is not HOST:PORT or HOST:PORT/AGENT_PORT (e.g. 10.0.0.2:30000)")
@@ -68,8 +68,6 @@ def parse_hosts(text: str, default_agent_port: int = DEFAULT_AGENT_PORT) -> list
         if any((o.host, o.port) == (h.host, h.port) for o in out):
             raise ConfigError(f"--hosts: {h.host}:{h.port} is listed twice")
         out.append(h)
-    if not out:
-        raise ConfigError("--hosts: give at least one HOST:PORT")
     return out
 
 
@@ -240,7 +238,7 @@ def probe(hosts: list[FleetHost], timeout_s: float = 2.0) -> list[str]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``dplb fleet haproxy-config|envoy-config``."""
     p = sub.add_parser("fleet", help="write a front balancer's config for many DPLB hosts (HAProxy, Envoy)")
-    fs = p.add_subparsers(dest="fleet_cmd", required=True)
+    fs = p.add_subparsers(dest="fleet_cmd", required=True, metavar="{haproxy-config,envoy-config}")
     for name, what in (("haproxy-config", "haproxy.cfg (agent-check weights)"),
                        ("envoy-config", "an Envoy bootstrap (ORCA client-side weighted round robin)")):
         q = fs.add_parser(name, help=f"print {what}")
@@ -274,8 +272,11 @@ def _cmd_fleet(args: argparse.Namespace, rest: list[str]) -> int:
         for line in probe(hosts):
             print(line, file=sys.stderr)
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
+        try:
+            with open(args.output, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise ConfigError(f"-o {args.output}: cannot write it: {e.strerror or e}") from None
     else:
         with contextlib.suppress(BrokenPipeError):
             sys.stdout.write(text)

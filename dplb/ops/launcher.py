@@ -72,6 +72,23 @@ BACKOFF_START_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
 _RUN_MARK = "=== dplb launch"
 
 
+def try_line(url: str, model: str, api_key: str | None, tenants_file: str | None, env_key: str | None) -> str:
+    """The banner's ``try:`` line: a curl of one chat completion that works when pasted. The key is never
+    printed: the line reads ``$DPLB_API_KEY`` (with a note when that is not the key given) or, with a tenants file
+    and no ``--api-key``, ``$KEY`` (a tenant's key: without one the router answers 401)."""
+    auth, note = "", ""
+    if api_key:
+        auth = '-H "Authorization: Bearer $DPLB_API_KEY" '
+        if env_key != api_key:
+            note = "\n           (export DPLB_API_KEY=<the key> in that shell first)"
+    elif tenants_file:
+        auth = '-H "Authorization: Bearer $KEY" '
+        note = f"\n           (KEY: a key of a tenant in {tenants_file}; any other key gets 401)"
+    return (f"  try:     curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' {auth}"
+            f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+            f"\"max_tokens\": 16}}'{note}")
+
+
 @dataclass
 class Child:
     """One supervised process."""
@@ -250,11 +267,6 @@ class Launcher:
         plan = ", ".join(f"worker {k}: {('GPUs ' + cuda_visible_devices(g)) if g else 'CPU'}"
                          for k, g in enumerate(self.plan))
         model = self.args.served_model_name or self.args.model or "dplb-sim"
-        # The key is never printed; the curl line reads it from the environment, which the user may not have set
-        # (with --api-key KEY and no such variable, the pasted line gets a 401: say so).
-        from_env = bool(self.args.api_key) and os.environ.get("DPLB_API_KEY") == self.args.api_key
-        auth = '-H "Authorization: Bearer $DPLB_API_KEY" ' if self.args.api_key else ""
-        note = "\n           (export DPLB_API_KEY=<the key> in that shell first)" if auth and not from_env else ""
         print(f"DPLB: {len(self.plan)} {self.engine} worker(s) [{plan}]\n"
               f"  router:  {url}  (policy {self.args.policy}; listening on {self.args.host}:{self.args.port}"
               f"{', all interfaces' if self.args.host in ('0.0.0.0', '::') else ''}"
@@ -263,10 +275,8 @@ class Launcher:
               + f"  segment: {self.shm_path}   (dplb state --shm-path {self.shm_path})\n"
               f"  logs:    {self.run_dir}/worker-K.log, {self.run_dir}/router.log (kept after exit)\n"
               f"  scrape:  {self.targets_path} (Prometheus file_sd: jobs dplb-router, dplb-workers)\n"
-              f"  try:     curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
-              f"{auth}"
-              f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
-              f"\"max_tokens\": 16}}'{note}", file=sys.stderr, flush=True)
+              + try_line(url, model, self.args.api_key, getattr(self.args, "tenants", None),
+                         os.environ.get("DPLB_API_KEY")), file=sys.stderr, flush=True)
 
     # ---- run -----------------------------------------------------------------------------------------------
     def run(self) -> int:

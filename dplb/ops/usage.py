@@ -30,7 +30,10 @@ _MEANS = {TENANT_QUEUE_WAIT: "queue_wait_s_mean", TENANT_TTFT: "ttft_s_mean", TE
 
 
 def read_ledger(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
-    """The per-tenant ledger of the router at ``url`` (module docstring)."""
+    """The per-tenant ledger of the router at ``url`` (module docstring). Raises :class:`DPLBError` when ``url`` is
+    not ``http(s)://…`` or the router cannot be read."""
+    if not url.startswith(("http://", "https://")):
+        raise DPLBError(f"--url must be the router's http://HOST:PORT, got {url!r}")
     req = urllib.request.Request(url.rstrip("/") + "/metrics",
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
@@ -98,7 +101,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_usage)
     t = sub.add_parser("tenants", help="tenants file helpers")
-    ts = t.add_subparsers(dest="tenants_cmd", required=True)
+    ts = t.add_subparsers(dest="tenants_cmd", required=True, metavar="{hash-key}")
     h = ts.add_parser("hash-key", help="print the SHA-256 digest of an API key for api_key_sha256",
                       description="Print the digest of KEY (or of a key typed at the prompt, or read from stdin "
                       "with '-': keeps it out of the shell history).")
@@ -117,7 +120,10 @@ def _cmd_hash_key(args: argparse.Namespace, rest: list[str]) -> int:
     if key == "-":
         key = sys.stdin.readline().rstrip("\r\n")
     elif key is None:
-        key = getpass.getpass("API key: ")
+        try:
+            key = getpass.getpass("API key: ")
+        except EOFError:  # no terminal and nothing on stdin
+            raise DPLBError("no key given: pass KEY, type it at the prompt, or pipe it with '-'") from None
     if not key:
         raise DPLBError("the key is empty")
     print(hash_key(key))

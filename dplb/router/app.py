@@ -333,7 +333,8 @@ def _openai_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> R
     message = "internal error" if status >= 500 else (
         f"no route {request.method} {request.url.path}" if status == 404 else str(exc.detail))
     body = openai_error_body(message, "server_error" if status >= 500 else "invalid_request_error", code)
-    return Response(body, status_code=status, media_type="application/json")
+    headers = exc.headers if status < 500 else None  # e.g. a 405's Allow (RFC 9110 §15.5.6: it must be sent)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
 def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:

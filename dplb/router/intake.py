@@ -137,6 +137,9 @@ def read_body(route: Route, body: bytes, encoding: bytes, limit: int) -> tuple[b
             raise Rejected(RouterErrorKind.NOT_AN_OBJECT, "request body must be a JSON object") from None
         except msgspec.DecodeError as e:
             raise Rejected(RouterErrorKind.INVALID_JSON, f"request body is not valid JSON: {e}") from None
+        except RecursionError:  # nested deeper than the interpreter's recursion limit (~1000 levels)
+            raise Rejected(RouterErrorKind.INVALID_JSON, "request body is not valid JSON: nested too deeply") \
+                from None
         return body, peek, peek.model, decoded
     return body, NO_PEEK, multipart_model(body) if route.body == "multipart" else None, decoded
 

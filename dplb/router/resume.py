@@ -452,7 +452,8 @@ def resumed(up: Upstreams, ex: Exchange, broken: int, worker: int) -> None:
     counted here but as refused (``no_worker``)."""
     s = ex.resume
     assert s is not None
-    log.warning("resuming stream %s after %d tokens on worker %d (%s)", ex.rid.decode(), s.tokens, worker, s.broken)
+    log.warning("resuming stream %s after %d tokens on worker %d (broken on worker %d)", ex.rid.decode(), s.tokens,
+                worker, broken)
     up.metrics.resumed.inc()
     ex.trace.resumed(broken, s.tokens, len(ex.body))
 
