@@ -153,7 +153,8 @@ class Proxy:
         except Rejected as e:
             await self._reject(ex, e.kind, str(e))
             return
-        ex.trace.dispatched(ex.rid.decode())
+        if self._tracing is not None:
+            ex.trace.dispatched(ex.rid.decode())
         await self._dispatch(ex, exclude)
 
     async def _read(self, ex: Exchange, clen: int, ctype: bytes, encoding: bytes) -> frozenset[int]:
