@@ -111,7 +111,9 @@ L.row("Router capacity").add(
        "(DPLBRouterProcessDown when fewer).", drawStyle="line", lineInterpolation="stepAfter"),
 )
 # Tenants (docs/DESIGN.md §15): one series per tenant (the configured ones and "default"), one per class for SLOs.
+# Without --tenants, --api-key or --access-log the router keeps no tenant ledger: these panels say "no tenants".
 _T = f"{{{ROUTER}}}"
+_NO_TENANTS = {"fieldConfig": {"defaults": {"noValue": "no tenants"}}}
 _BUDGET = (f"1 - (sum by (priority, slo) (increase({M.TENANT_SLO_EVENTS}_total{{{ROUTER}, result=\"bad\"}}[30d])) "
            f"/ sum by (priority, slo) (increase({M.TENANT_SLO_EVENTS}_total{_T}[30d]))) "
            f"/ on (priority, slo) (1 - max by (priority, slo) ({M.TENANT_SLO_OBJECTIVE}{_T}))")
@@ -119,18 +121,19 @@ L.row("Tenants").add(
     ts("Tokens/s by tenant", "none",
        targets((f"sum by (tenant, kind) (rate({M.TENANT_TOKENS}_total{_T}[$__rate_interval]))", "{{tenant}} {{kind}}")),
        "Prompt, completion and cached tokens per second by tenant: the engines' usage counts (dplb usage prints the "
-       "totals)."),
+       "totals).", extraJson=_NO_TENANTS),
     ts("Requests/s by tenant and outcome", "reqps",
        targets((f"sum by (tenant, outcome) (rate({M.TENANT_REQUESTS}_total{_T}[$__rate_interval]))",
                 "{{tenant}} {{outcome}}")),
        "ok, client_error (the worker's 4xx), rejected (401/403/429 by the router: keys, models, limits, queue "
-       "share), server_error (5xx: what the availability SLO counts), cancelled."),
+       "share), server_error (5xx: what the availability SLO counts), cancelled.", extraJson=_NO_TENANTS),
     ts("Queue wait P99 by tenant", "s",
        targets((quantile(0.99, f"{M.TENANT_QUEUE_WAIT}_bucket{_T}", "tenant"), "{{tenant}}")),
-       "How long requests waited in the router's fair queue for a batch slot (0 without --tenants)."),
+       "How long requests waited in the router's fair queue for a batch slot (0 with --api-key alone).",
+       extraJson=_NO_TENANTS),
     ts("TTFT P99 by tenant", "s",
        targets((quantile(0.99, f"{M.TENANT_TTFT}_bucket{_T}", "tenant"), "{{tenant}}")),
-       "Arrival at the router to the first response byte, queue wait included."),
+       "Arrival at the router to the first response byte, queue wait included.", extraJson=_NO_TENANTS),
     ts("Error budget remaining (30 d) by class", "percentunit",
        targets((_BUDGET, "{{priority}} {{slo}}")),
        "1 − (bad ÷ all SLO events over 30 days) ÷ (1 − objective), per priority class and SLO of the tenants file "

@@ -304,3 +304,18 @@ def test_two_router_processes_split_a_backlog_fairly_when_connections_spread(tmp
     a, b = served["batch"], served["chat"]
     jain = (a + b) ** 2 / (2 * (a * a + b * b))
     assert jain >= 0.9, served
+
+
+def test_without_tenants_key_or_access_log_the_router_keeps_no_ledger(tmp_path: Path) -> None:
+    """The gate is off by default (docs/DESIGN.md §15, "Off costs nothing"): no dplb_tenant_* sample, the tenant is
+    still "default" in /debug/decisions; with --api-key the default tenant is metered again."""
+    with cluster(str(tmp_path), 1) as c:
+        for stream in (False, True):
+            assert post(c, "/v1/chat/completions", chat(stream=stream)).status_code == 200
+        assert read_ledger(c.url) == {}
+        assert {d["tenant"] for d in httpx.get(c.url + "/debug/decisions", timeout=5).json()} == {"default"}
+        c.start_router("--api-key", "k")
+        key = {"authorization": "Bearer k"}
+        assert post(c, "/v1/chat/completions", chat(), headers=key).status_code == 200  # JSON: the engine's usage
+        led = wait_for(lambda: read_ledger(c.url, "k") or None, 5, "the default tenant's ledger")
+        assert led["default"]["requests"] == {"ok": 1} and led["default"]["completion_tokens"] == 4

@@ -111,6 +111,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_usage(args: argparse.Namespace, rest: list[str]) -> int:
     ledger = read_ledger(args.url, args.api_key)
+    if not ledger:  # the router keeps no ledger without a tenants file, an API key or the access log
+        print(f"{args.url} keeps no usage ledger (it runs without --tenants, --api-key and --access-log)",
+              file=sys.stderr)
     print(json.dumps(ledger, indent=2, sort_keys=True) if args.json else format_table(ledger))
     return 0
 

@@ -29,6 +29,8 @@ from dplb.state.shm import Lifecycle, WorkerState
 log = logging.getLogger("dplb.stall")
 _READY = Lifecycle.READY
 
+_NONE: frozenset[int] = frozenset()
+
 
 class StallDetector:
     """Stall state of ``num_workers`` workers (module docstring). ``stall_after_s`` > 0 seconds.
@@ -96,6 +98,8 @@ class StallDetector:
     def excluded(self, now_ns: int) -> frozenset[int]:
         """Stalled workers not to route to at ``now_ns``: all but those free of requests for ``stall_after_s``
         (they may take one probe request)."""
+        if not any(self._stalled_since):  # the common case, on every pick
+            return _NONE
         lim = self.stall_after_ns
         return frozenset(k for k, t in enumerate(self._stalled_since)
                          if t and not (self._free_since[k] and now_ns - self._free_since[k] >= lim))

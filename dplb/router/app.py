@@ -66,6 +66,7 @@ from dplb.router.upstream import UpstreamPool
 from dplb.runtime.asgi import Message, send_json
 from dplb.runtime.sd_notify import Watchdog, notify
 from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
+from dplb.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("dplb.router")
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more gets 431 (nginx allows 32 KiB, Node 16 KiB)
@@ -218,7 +219,8 @@ class RouterApp:
             if limit <= 0:
                 raise HTTPException(status_code=400, detail="limit must be > 0")
             items = list(state.decisions)[-limit:]
-            tenant_of = self.proxy.gate.recent.get
+            gate = self.proxy.gate
+            tenant_of = gate.recent.get if gate.on else _default_tenant
             own = [{"time": t, "request_id": rid, "tenant": tenant_of(rid), **d.to_dict()}
                    for t, rid, d in reversed(items)]
             if cfg.processes == 1:
@@ -324,6 +326,10 @@ class RouterApp:
 
 
 _HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
+
+
+def _default_tenant(_request_id: str) -> str:
+    return DEFAULT_TENANT
 
 
 def _openai_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from dplb.config import RouterConfig
@@ -230,35 +230,55 @@ class Attempt:
         ``sse_keepalive_s`` of silence), then end the response."""
         ex, conn, cfg = self.ex, self.conn, self.up.cfg
         assert conn is not None
-        send = ex.send
         capture = self._capture_start()
         keepalive = cfg.sse_keepalive_s if self.is_sse else 0.0
-        at_boundary = True  # a keep-alive comment may only go between SSE events
         try:
-            async for chunk in conn.chunks(cfg.idle_timeout_s, keepalive):
-                if ex.gone:
-                    break
-                if not chunk:
-                    if at_boundary:
-                        await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
-                    continue
-                if self.t_first is None:
-                    self.t_first = time.perf_counter()
-                if ex.tenant is not None and not (chunk := ex.tenant.chunk(chunk)):
-                    continue  # held back until its SSE event is complete (dplb.router.usage)
-                if capture is not None:
-                    capture = self._capture_id(capture + chunk)
-                if keepalive:
-                    at_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if capture is None and not keepalive and ex.tenant is None:
+                await self._relay_plain(conn.chunks(cfg.idle_timeout_s))
+            else:
+                await self._relay_hooked(conn.chunks(cfg.idle_timeout_s, keepalive), capture, keepalive)
         except UpstreamError as e:
             await self._broken(e)
             return
         if ex.gone:
             self.outcome = Outcome.CLIENT_LEFT
             return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await ex.send({"type": "http.response.body", "body": b"", "more_body": False})
         self.outcome = Outcome.of_status(self.status)
+
+    async def _relay_plain(self, chunks: AsyncIterator[bytes]) -> None:
+        """The body loop when no feature looks at the chunks: each one is sent as it came (the common case, kept
+        to the few operations per chunk it needs)."""
+        ex = self.ex
+        send = ex.send
+        async for chunk in chunks:
+            if ex.gone:
+                break
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def _relay_hooked(self, chunks: AsyncIterator[bytes], capture: bytes | None, keepalive: float) -> None:
+        """The body loop with keep-alive comments, the response-id capture and the tenant's meter."""
+        ex = self.ex
+        send = ex.send
+        at_boundary = True  # a keep-alive comment may only go between SSE events
+        async for chunk in chunks:
+            if ex.gone:
+                break
+            if not chunk:
+                if at_boundary:
+                    await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
+                continue
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
+            if ex.tenant is not None and not (chunk := ex.tenant.chunk(chunk)):
+                continue  # held back until its SSE event is complete (dplb.router.usage)
+            if capture is not None:
+                capture = self._capture_id(capture + chunk)
+            if keepalive:
+                at_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def _broken(self, e: UpstreamError) -> None:
         """The worker broke off mid-body: end an SSE stream with an error event; the response stays incomplete

@@ -62,20 +62,15 @@ class Outcome(enum.Enum):
     UNREACHABLE = (None, False, Verdict.UNREACHABLE)  # connect failed: no request byte was sent
     STALLED = ("stalled", False, Verdict.NONE)  # failed fast: the worker's engine stalled (dplb.policy.stall)
 
-    @property
-    def recorded(self) -> str | None:
-        """The ``outcome`` label of ``dplb_upstream_duration_seconds`` (None: the duration is not recorded)."""
-        return self.value[0]
-
-    @property
-    def reusable(self) -> bool:
-        """True when the response was read completely: the connection may go back to the pool (if keep-alive)."""
-        return self.value[1]
-
-    @property
-    def verdict(self) -> Verdict:
-        """What this outcome tells :class:`WorkerHealth` about the worker."""
-        return self.value[2]
+    def __init__(self, recorded: str | None, reusable: bool, verdict: Verdict) -> None:
+        #: The ``outcome`` label of ``dplb_upstream_duration_seconds`` (None: the duration is not recorded).
+        self.recorded = recorded
+        #: True when the response was read completely: the connection may go back to the pool (if keep-alive).
+        self.reusable = reusable
+        #: What this outcome tells :class:`WorkerHealth` about the worker.
+        self.verdict = verdict
+        # Plain attributes, not properties over ``value``: read on every attempt (an enum property costs a
+        # descriptor call each time).
 
     @property
     def latency_sample(self) -> bool:

@@ -60,6 +60,7 @@ from dplb.router.state import RouterState
 from dplb.router.tenancy import Gate
 from dplb.router.upstream import UpstreamPool
 from dplb.runtime.serving import DISCONNECT_EXT
+from dplb.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("dplb.router.proxy")
 __all__ = ["PROXY_PATHS", "Exchange", "Proxy", "error_body"]
@@ -128,6 +129,10 @@ class Proxy:
 
     async def _handle(self, ex: Exchange) -> None:
         clen, ctype, auth, encoding = _scan_headers(ex)
+        if not self.gate.on:  # no tenants, key or access log: no tenant state (dplb.router.tenancy)
+            ex.trace.tenant(DEFAULT_TENANT)
+            await self._handle_known(ex, clen, ctype, encoding)
+            return
         if not self.gate.identify(ex, auth):
             await self._reject(ex, RouterErrorKind.UNAUTHORIZED, "missing or wrong API key (Authorization: "
                                "Bearer <key>)")
@@ -148,7 +153,8 @@ class Proxy:
         except Rejected as e:
             await self._reject(ex, e.kind, str(e))
             return
-        ex.trace.dispatched(ex.rid.decode())
+        if self._tracing is not None:
+            ex.trace.dispatched(ex.rid.decode())
         await self._dispatch(ex, exclude)
 
     async def _read(self, ex: Exchange, clen: int, ctype: bytes, encoding: bytes) -> frozenset[int]:
@@ -176,7 +182,8 @@ class Proxy:
 
     async def _dispatch(self, ex: Exchange, exclude: frozenset[int]) -> None:
         ex.request = self._route_request(ex.peek, exclude)
-        if not await self.gate.enter(ex):  # limits and the fair queue (dplb.router.tenancy); answered if False
+        # Limits and the fair queue (dplb.router.tenancy); answered when False.
+        if self.gate.on and not await self.gate.enter(ex):
             return
         worker = self._decide(ex)
         if worker is None:

@@ -2,6 +2,9 @@
 (docs/DESIGN.md §15).
 
 Contract
+- Off unless a feature needs it (:attr:`Gate.on`: ``--tenants``, ``--api-key`` or ``--access-log``): then the proxy
+  never calls the gate and a request carries no tenant state at all (no ticket, no usage meter on its chunks, no
+  ``dplb_tenant_*`` sample); its tenant is ``default`` where one is shown (trace, ``/debug/decisions``).
 - :meth:`Gate.identify` (before the body is read): the tenant of ``Authorization: Bearer <key>``
   (:meth:`dplb.tenants.TenantsConfig.lookup`, constant time); False = answer 401. Without any key configured
   (no ``--tenants``, no ``--api-key``) every request is tenant ``default``. ``--api-key``'s key is tenant
@@ -112,6 +115,8 @@ class Gate:
         self.cfg = cfg
         self.state = state
         self.reject = reject  # dplb.router.attempt.Upstreams.reject
+        #: Whether requests go through the gate (module docstring): a tenants file, an API key or the access log.
+        self.on = cfg.tenants_file is not None or bool(cfg.api_key) or cfg.access_log
         self.metrics = TenantMetrics(registry)
         self.config = self._read()
         self.fq: FairQueue | None = None
