@@ -17,6 +17,12 @@ each turn sending the whole history, the next 1 s after the answer), scaled to t
 Δ``vllm:prefix_cache_hits_total`` / Δ``vllm:prefix_cache_queries_total`` over the measured requests (DPLB: the
 workers' metrics ports; vLLM: its ``/metrics``).
 
+The load generator runs in its own session (its own kernel autogroup) at nice -10 where permitted
+(``--no-client-priority`` leaves it alone): on a shared 2-core box it was otherwise starved for seconds and its
+stall became every in-flight request's TTFT. ``--sched`` prints, per measured window, each server process's CPU,
+run-queue wait and longest starvation streak (and the client's), and the slowest requests; ``--windows N``
+measures N windows per start.
+
 Usage (a quiet machine; every figure is from one box, read the ratios)::
 
     python benchmarks/bench_placement.py --runs 3 --output benchmarks/results/placement.json
