@@ -34,7 +34,7 @@ import msgspec
 
 log = logging.getLogger("dplb.worker.kv_events")
 ZMQ_AVAILABLE = importlib.util.find_spec("zmq") is not None
-BlockHash = int | bytes
+BlockHash = Any  # int (vLLM's default) or bytes
 
 
 @dataclass(slots=True)
@@ -151,7 +151,7 @@ class KvEventPublisher:
     def __init__(self, endpoint: str, topic: str = "", map_events: bool = True, hwm: int = 100_000) -> None:
         import zmq
 
-        self._ctx = zmq.Context.instance()
+        self._ctx: Any = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -210,7 +210,7 @@ class KvEventSubscriber:
     def _run(self) -> None:
         import zmq
 
-        ctx = zmq.Context.instance()
+        ctx: Any = zmq.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
