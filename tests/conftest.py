@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from multiprocessing import resource_tracker
 import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import pytest

@@ -15,8 +15,7 @@ from dplb.errors import ConfigError
 from dplb.policy import PickContext, RouteRequest, make_policy
 from dplb.policy.decision import Candidate
 from dplb.policy.framework import Scorer
-from dplb.policy.prefix import ENTRY_BYTES
-from dplb.policy.prefix import MAX_PREFIX_BLOCKS, block_hashes
+from dplb.policy.prefix import ENTRY_BYTES, MAX_PREFIX_BLOCKS, block_hashes
 from dplb.policy.scorers import LatencyScorer, MemoryScorer, PrefixScorer, QueueScorer
 from dplb.state.shm import Lifecycle, WorkerState
 

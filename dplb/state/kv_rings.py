@@ -20,11 +20,12 @@ Ops: :data:`OP_STORED` (the engine holds every token of the key's bytes: a confi
 longer does), :data:`OP_CLEARED` (key 0: it holds nothing). The writer stores ``reserve`` (where this append will
 end), then the entries, then the head (aligned 8-byte stores; x86-64 keeps store order): a reader that copied
 entries from ``start`` checks ``reserve`` afterwards, and every entry below ``reserve − KV_RING_ENTRIES`` may have
-been overwritten under it (checking the head instead would miss the append in progress); counters are single aligned 8-byte stores (a reader may see them one update
-apart, fine for metrics). Every reader keeps its own cursor per ring (:class:`KvRingReader`). A reader that fell more
-than KV_RING_ENTRIES behind, whose copy the writer lapped meanwhile (torn), or that sees the head go back (the
-worker restarted) cannot know what it missed: it gets an :data:`OP_CLEARED` first (drop every confirmation of that
-worker) and counts the loss in ``lost``; forgetting costs affinity, never a wrong belief.
+been overwritten under it (checking the head instead would miss the append in progress). Counters are single aligned
+8-byte stores (a reader may see them one update apart, fine for metrics). Every reader keeps its own cursor per ring
+(:class:`KvRingReader`). A reader that fell more than KV_RING_ENTRIES behind, whose copy the writer lapped meanwhile
+(torn), or that sees the head go back (the worker restarted) cannot know what it missed: it gets an
+:data:`OP_CLEARED` first (drop every confirmation of that worker) and counts the loss in ``lost``; forgetting costs
+affinity, never a wrong belief.
 """
 
 from __future__ import annotations
