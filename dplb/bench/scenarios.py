@@ -89,9 +89,10 @@ MULTI_TURN = WorkloadSpec(input_len=200, output_len=32, range_ratio=0.5, prefix_
                           num_prompts=5)
 
 #: Prefix cache per worker in the cache-pressure scenarios, blocks of 16 tokens. The working set: ~26 live
-#: conversations at the knee (2.8 conversations/s × ~9 s each), each ~40 blocks of its own on average over its
-#: turns plus the 38-block system prompt per worker: ~1,200 blocks against 4 × 128 = 512 cached, ~2.4×.
-CACHE_PRESSURE_BLOCKS = 128
+#: conversations at the knee (~2.4 conversations/s × ~11 s each), each up to ~70 blocks of its own (its history
+#: at the last turn, ~1,130 tokens beyond the system prompt), plus the 38-block system prompt on each worker:
+#: ~2,000 blocks against 4 × 192 = 768 cached, ~2.6×.
+CACHE_PRESSURE_BLOCKS = 192
 #: The policies of the cache-pressure scenarios beside the ones asked for: the sent-bytes index (the index before
 #: engine truth) and the oracle (dplb.bench.oracle: what every sim engine really holds, no lag).
 CACHE_PRESSURE_VARIANTS = {
@@ -124,7 +125,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("multi-turn-slow", "multi-turn with the last worker at half speed", MULTI_TURN,
              sim_args="--sim-prefix-cache-blocks 4096", worker_args={-1: "--sim-speed 0.5"}, quick_prompts=200,
              full_prompts=600, extra_policies=("prefix_hash",)),
-    Scenario("cache-pressure", "multi-turn with a working set ~2.4x the workers' total prefix cache (128 blocks per "
+    Scenario("cache-pressure", "multi-turn with a working set ~2.6x the workers' total prefix cache (192 blocks per "
              "worker), at the saturation knee (90 % of nominal load); adds the sent-bytes index and the oracle",
              MULTI_TURN, load=0.9, sim_args=f"--sim-prefix-cache-blocks {CACHE_PRESSURE_BLOCKS}",
              quick_prompts=200, full_prompts=600, extra_policies=("least_loaded", "round_robin"),
