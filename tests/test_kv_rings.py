@@ -138,3 +138,13 @@ def test_confirmations_for_unsent_keys_and_capacity() -> None:
     assert len(idx) == 3 and idx.match([1, 2], NOW) == [0, 0] and idx.match([2, 3, 4], NOW) == [0, 3]
     idx.apply_engine(1, [R | 9], NOW)  # removing what is not there is a no-op
     assert len(idx) == 3
+
+
+def test_confirmed_depths_for_views() -> None:
+    """What /debug/decisions shows next to the belief: the leading blocks each engine confirmed."""
+    idx = PrefixIndex(100, 600.0, 3)
+    idx.events = 0b011
+    idx.record([1, 2, 3], 2, NOW)  # worker 2 has no events: never "confirmed"
+    idx.apply_engine(0, [S | 1, S | 2, S | 3], NOW)
+    idx.apply_engine(1, [S | 1, S | 3], NOW)
+    assert idx.confirmed([1, 2, 3]) == [3, 1, 0] and idx.confirmed([]) == [0, 0, 0]

@@ -163,7 +163,8 @@ def test_prefix_scorer(queues: list[int], whys: list[str], prompt: bytes | None,
     assert terms == pytest.approx(expect)
     if want in ("history", "half", "zero"):
         assert c.request.preferred == 1
-        assert s.inputs(cs[1], c) == {"prefix_blocks": n, "prefix_matched_blocks": h, "prefix_match": h / n}
+        assert s.inputs(cs[1], c) == {"prefix_blocks": n, "prefix_matched_blocks": h, "prefix_match": h / n,
+                                      "prefix_confirmed_blocks": 0, "prefix_engine_events": False}
         assert s.inputs(cs[0], c)["prefix_matched_blocks"] == lo
 
 

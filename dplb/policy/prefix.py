@@ -166,6 +166,29 @@ class PrefixIndex:
             cur ^= b
         return depth
 
+    def confirmed(self, keys: Sequence[int]) -> list[int]:
+        """Leading blocks of ``keys`` each worker's engine confirmed (views only: ``/debug/decisions``, not the
+        hot path); 0 for a worker without events."""
+        depth = [0] * self.num_workers
+        get = self._map.get
+        cur = self.events
+        for i, key in enumerate(keys):
+            e = get(key)
+            nxt = cur & e[2] if e is not None else 0
+            gone = cur & ~nxt
+            while gone:
+                b = gone & -gone
+                depth[b.bit_length() - 1] = i
+                gone ^= b
+            cur = nxt
+            if not cur:
+                return depth
+        while cur:
+            b = cur & -cur
+            depth[b.bit_length() - 1] = len(keys)
+            cur ^= b
+        return depth
+
     def apply_engine(self, worker: int, entries: Sequence[int], now_ns: int) -> None:
         """Apply worker ``worker``'s KV-ring entries (``op << 56 | key``, :mod:`dplb.state.kv_rings`), in order:
         stored → the worker's confirmed bit (a new entry if the key is unknown), removed → the worker's bits

@@ -188,11 +188,12 @@ class LatencyScorer(Scorer):
 class _Query:
     """The prefix scorer's view of one request: its block keys and, once scored, each worker's matched depth."""
 
-    __slots__ = ("blocks", "depth")
+    __slots__ = ("blocks", "confirmed", "depth")
 
     def __init__(self, blocks: list[int]) -> None:
         self.blocks = blocks
         self.depth: list[int] | None = None
+        self.confirmed: list[int] | None = None  # engine-confirmed depths, computed for views only
 
 
 class PrefixScorer(Scorer):
@@ -265,7 +266,11 @@ class PrefixScorer(Scorer):
         q = ctx.request.derived.get("prefix")
         n = len(q.blocks) if q is not None else 0
         d = q.depth[c.worker_id] if q is not None and q.depth is not None else 0
-        return {"prefix_blocks": n, "prefix_matched_blocks": d, "prefix_match": d / n if n else 0.0}
+        if q is not None and q.confirmed is None:
+            q.confirmed = self.index.confirmed(q.blocks)
+        conf = q.confirmed[c.worker_id] if q is not None and q.confirmed is not None else 0
+        return {"prefix_blocks": n, "prefix_matched_blocks": d, "prefix_match": d / n if n else 0.0,
+                "prefix_confirmed_blocks": conf, "prefix_engine_events": bool(self.index.events >> c.worker_id & 1)}
 
     def on_pick(self, request: RouteRequest, worker: int, now_ns: int) -> None:
         """Record the request's blocks for ``worker`` (``request.learned``: the keys the index learnt)."""
