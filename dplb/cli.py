@@ -26,7 +26,14 @@ import logging
 from collections.abc import Sequence
 
 from dplb import __version__
-from dplb.config import LOG_FORMAT, METRICS_HOST, METRICS_PORT_BASE, STALL_AFTER_S, STALL_RESTART_AFTER_S
+from dplb.config import (
+    LOG_FORMAT,
+    METRICS_HOST,
+    METRICS_PORT_BASE,
+    PREFIX_BLOCK_BYTES,
+    STALL_AFTER_S,
+    STALL_RESTART_AFTER_S,
+)
 from dplb.errors import DPLBError
 
 
@@ -79,6 +86,11 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stall-restart-after", type=float, default=STALL_RESTART_AFTER_S, metavar="S",
                    help="stalled S s since the engine's last progress: stop pinging systemd's watchdog and exit 1 so "
                    f"the supervisor restarts the worker (default {STALL_RESTART_AFTER_S:g}; 0 = never)")
+    p.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
+                   help="follow the engine's KV-cache events and publish what it holds to the routers' prefix index "
+                   "(default on; needs pyzmq and an engine that publishes them: the sim does)")
+    p.add_argument("--prefix-block-bytes", type=int, default=PREFIX_BLOCK_BYTES, metavar="N",
+                   help="the routers' --prefix-block-bytes (the keys the KV events are translated into; 0 = off)")
     p.set_defaults(func=_cmd_worker)
 
 
@@ -90,6 +102,7 @@ def _cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
         worker_id=args.worker_id, uds=args.uds, shm_path=args.shm_path, state_interval_ms=args.state_interval_ms,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, drain_timeout_s=args.drain_timeout,
         stall_after_s=args.stall_after, stall_restart_after_s=args.stall_restart_after,
+        kv_events=args.kv_events, prefix_block_bytes=args.prefix_block_bytes,
     )
     engine = build_engine(args.engine, rest, model=args.model)
     worker = Worker(cfg, engine)

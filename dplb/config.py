@@ -108,6 +108,9 @@ Weights = tuple[tuple[str, float], ...]
 PluginParams = tuple[tuple[str, str, str], ...]
 #: Largest prefix block (bytes of the prompt): ``--prefix-block-bytes`` and the prefix plugins' ``block_bytes``.
 MAX_PREFIX_BLOCK_BYTES = 65536
+#: The prefix index's block size, bytes of the prompt (routers' --prefix-block-bytes; the workers translate their
+#: engines' KV events into keys of this size).
+PREFIX_BLOCK_BYTES = 128
 
 #: The seed article's weights (prefix scoring off).
 SEED_WEIGHTS: Weights = (("queue", 0.4), ("memory", 0.3), ("latency", 0.3))
@@ -168,7 +171,7 @@ class PolicyConfig:
     latency_signal: LatencySignal = "e2e"
     waiting_weight: float = 1.0
     latency_deadband: float = 0.25
-    prefix_block_bytes: int = 128
+    prefix_block_bytes: int = PREFIX_BLOCK_BYTES
     prefix_index_blocks: int = 65536
     prefix_ttl_s: float = 300.0
     state_interval_ms: int = 200

@@ -192,7 +192,10 @@ def test_capacity_model() -> None:
     assert math.isclose(capacity_rps(128, 32), 8 / (32 * 0.04 + 128 * 0.0002))
     assert math.isclose(capacity_rps(128, 32, speed=0.5), capacity_rps(128, 32) / 2)
     assert set(SCENARIOS) == {"homogeneous", "heterogeneous", "bursty", "mixed-lengths", "shared-prefix",
-                              "multi-turn", "multi-turn-slow", "burst-herd", "tenants"}
+                              "multi-turn", "multi-turn-slow", "burst-herd", "tenants", "cache-pressure",
+                              "cache-pressure-50"}
+    cp = SCENARIOS["cache-pressure"]
+    assert set(cp.extra_variants) == {"dplb-sent", "oracle"} and "least_loaded" in cp.extra_policies
     mt = SCENARIOS["multi-turn"]
     # mean over 5 turns of the history: 600 system + 200·(t+1) user + 32·t replies, t = 0..4
     assert mt.mean_lengths() == (600 + 200 * 3 + 32 * 2, 32.0)
@@ -396,3 +399,54 @@ def test_multi_turn_run_sends_one_session_header_per_conversation(tmp_path) -> N
     assert sorted(multi) == sorted((f"conversation-{c}", n) for c in range(3) for n in (2, 4)), multi
     assert [h for h, _ in seen] == [None] * 3
     assert bad.returncode == 2 and "--session-header" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_cache_pressure_targets() -> None:
+    """Engine truth against the sent-bytes index and the oracle: error ratio, TTFT P99 ratio at the knee only, hit
+    rate gap to the oracle."""
+    def summ(ttft_p99: float, err: float | None, hit: float) -> dict:
+        return {"e2e_ms": {"p99": 1000.0}, "ttft_ms": {"p99": ttft_p99}, "failed": 0, "worker_share_max_min": 1.0,
+                "prefix_cache_hit_rate": hit, "prediction_error_tokens": err}
+
+    pols = {"dplb": summ(400, 10, 0.50), "dplb-sent": summ(1000, 300, 0.45), "oracle": summ(380, 1, 0.52)}
+    rows = evaluate_targets({"scenarios": {"cache-pressure": {"policies": pols},
+                                           "cache-pressure-50": {"policies": dict(pols, dplb=summ(900, 100, 0.4))}}})
+    got = {(r["scenario"], r["target"].split(" ")[0] + r["target"].split(" ")[1]): (r["value"], r["passed"])
+           for r in rows}
+    assert got[("cache-pressure", "predictionerror")] == (30.0, True)
+    assert got[("cache-pressure", "TTFTP99")] == (0.4, True)
+    assert math.isclose(got[("cache-pressure", "enginehit")][0], 0.02) and got[("cache-pressure", "enginehit")][1]
+    assert got[("cache-pressure-50", "predictionerror")] == (3.0, False)
+    assert ("cache-pressure-50", "TTFTP99") not in got  # the TTFT target is the knee's
+    assert got[("cache-pressure-50", "enginehit")][1] is False
+
+
+def test_oracle_scores_what_the_engines_hold(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The bench oracle counts, per worker, the leading sim blocks its engine's events say it holds."""
+    import json as _json
+
+    from dplb.bench.oracle import OracleScorer
+    from dplb.config import PolicyConfig
+    from dplb.policy import RouteRequest, make_policy
+    from dplb.state.shm import Lifecycle, WorkerState
+    from dplb.worker.engines.sim.prompts import block_hashes as sim_blocks
+    from dplb.worker.engines.sim.prompts import render_chat, tokenize
+    from dplb.worker.kv_events import BlockRemoved, BlockStored, EventBatch
+
+    monkeypatch.delenv("DPLB_RUN_DIR", raising=False)
+    import dplb.bench.oracle  # noqa: F401  (registers the scorer)
+
+    pol = make_policy(PolicyConfig(weights=(("queue", 0.5), ("prefix_oracle", 0.5))), 2)
+    sc = pol.scorer("prefix_oracle")
+    assert isinstance(sc, OracleScorer)
+    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(100))}]
+    hashes = sim_blocks(tokenize(render_chat(messages)), 16)
+    sc.engines[1].on_batch(EventBatch(0.0, [BlockStored(hashes, None, [], 16)]), False)
+    sc.engines[0].on_batch(EventBatch(0.0, [BlockStored(hashes[:2], None, [], 16)]), False)
+    now = 10**12
+    snap = [WorkerState(k, pid=1 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=now) for k in range(2)]
+    d = pol.pick(snap, now, RouteRequest(_json.dumps(messages).encode()))
+    assert d.worker == 1 and d.notes is not None and d.notes["prefix_hit_blocks"] == len(hashes)
+    sc.engines[1].on_batch(EventBatch(0.0, [BlockRemoved(hashes[1:])]), False)
+    d = pol.pick(snap, now, RouteRequest(_json.dumps(messages).encode()))
+    assert d.worker == 0 and d.notes is not None and d.notes["prefix_hit_blocks"] == 2

@@ -177,14 +177,43 @@ def test_router_slot_and_ring_tables_match_code_and_bytes(shm_path: str) -> None
         seg.close()
 
 
+def test_kv_ring_table_matches_code_and_bytes(shm_path: str) -> None:
+    from dplb.state.kv_rings import KV_HEAD, OP_REMOVED, OP_STORED
+
+    rows = doc_table("kv-ring")
+    check_layout(rows, KV_HEAD.format)
+    seg = Segment.create(shm_path, 3)
+    try:
+        w = seg.kv_writer(1)
+        w.reset(128)
+        w.enable(777)
+        w.append(OP_STORED, [0x1234])
+        w.append(OP_REMOVED, [0x5678])
+        w.compare(cached=40, predicted=50)
+        w.lost_batches(2)
+        raw = Path(shm_path).read_bytes()
+        base = layout.kv_rings_offset(3) + layout.KV_RING_SIZE
+        got = {r["field"]: field_bytes(raw, base, r) for r in rows}
+        assert got == {"head": 2, "events_since_mono_ns": 777, "compared_total": 1, "cached_tokens_total": 40,
+                       "predicted_tokens_total": 50, "error_tokens_total": 10, "block_bytes": 128,
+                       "lost_batches": 2, "reserve": 2}
+        assert struct.unpack_from("<QQ", raw, base + 64) == (0x1234 | 1 << 56, 0x5678 | 2 << 56)
+        assert f"next goes to `head mod {layout.KV_RING_ENTRIES}`" in DOC.read_text()
+        w.close()
+    finally:
+        seg.close()
+
+
 def test_segment_map_sizes() -> None:
     text = DOC.read_text()
     h, s, r, p = layout.HEADER_SIZE, layout.SLOT_SIZE, layout.ROUTER_SLOT_SIZE, layout.PREFIX_RING_SIZE
+    m = layout.MAX_ROUTERS
     for row in (f"| 0 | {h} |", f"| {h} + {s}·w | {s} |", f"| {h} + {s}·n + {r}·r | {r} |",
-                f"| {h} + {s}·n + {layout.MAX_ROUTERS}·{r} + {p}·r | {p} |"):
+                f"| {h} + {s}·n + {m}·{r} + {p}·r | {p} |",
+                f"| {h} + {s}·n + {m}·{r} + {m}·{p} + {layout.KV_RING_SIZE}·w | {layout.KV_RING_SIZE} |"):
         assert row in text, f"docs/DESIGN.md §3.1 lacks the row starting {row!r}"
     assert f"head mod {layout.PREFIX_RING_ENTRIES}" in text
-    assert layout.segment_size(2) == h + 2 * s + layout.MAX_ROUTERS * (r + p)
+    assert layout.segment_size(2) == h + 2 * s + layout.MAX_ROUTERS * (r + p) + 2 * layout.KV_RING_SIZE
 
 
 _SECTION = re.compile(r"^##+ (\d+(?:\.\d+)?)\.? ", re.M)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,7 +150,9 @@ def test_second_launch_refuses_and_leaves_the_first_untouched(tmp_path) -> None:
         other_port = free_port()
         third = subprocess.run(dplb_cmd("launch", "--shm-path", shm + "_3", *common[:3], str(other_port),
                                         *common[4:]), capture_output=True, text=True, timeout=60)
-        assert third.returncode == 2 and "worker-0.sock is served by a running process" in third.stderr
+        # the first served socket of its run dir: a worker's, or its engine's KV-events socket (kv-events-0.sock)
+        assert third.returncode == 2 and re.search(r"(worker|kv-events)-0\.sock is served by a running process",
+                                                   third.stderr), third.stderr
         assert not os.path.exists(shm + "_2") and not os.path.exists(shm + "_3")
         for k in range(2):
             assert os.path.exists(os.path.join(run_dir, f"worker-{k}.sock"))

@@ -23,6 +23,7 @@ from dplb.obs.tracing import candidate_event_attributes
 from dplb.policy import PickContext, RouteRequest, Scorer, make_policy, register_scorer
 from dplb.policy.decision import Candidate
 from dplb.policy.framework import Param, Picker, clamp_unit, register_picker
+from dplb.policy.prefix import ENTRY_BYTES
 from dplb.policy.scorers import PrefixScorer
 from dplb.state.shm import Lifecycle, WorkerState
 
@@ -376,7 +377,7 @@ def test_metrics_read_plugin_notes_and_stats_by_name() -> None:
     assert f'dplb_prefix_hit_blocks_total{{worker="{chosen}"}} {2.0 * n}' in text
     fams = {f.name: f for f in WorkerStateCollector(lambda: (None, [0, 0], 2, None, p)).collect()}
     assert fams["dplb_prefix_index_blocks"].samples[0].value == n
-    assert fams["dplb_prefix_index_bytes"].samples[0].value == n * 180
+    assert fams["dplb_prefix_index_bytes"].samples[0].value == n * ENTRY_BYTES
     off = make_policy(PolicyConfig(prefix_block_bytes=0), 2)
     assert "dplb_prefix_index_blocks" not in {f.name for f in WorkerStateCollector(lambda: (None, [0, 0], 2, None,
                                                                                            off)).collect()}

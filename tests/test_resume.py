@@ -255,7 +255,9 @@ def test_20_sigkills_under_32_streams_every_eligible_stream_completes_seamlessly
     for st in eligible:
         want, prompt = _expected(st)
         ids = {e["id"] for e in st.events}
-        usage = [e["usage"] for e in st.events if e.get("usage")]
+        # the engine's prompt_tokens_details (cached tokens) is the last worker's own figure: not compared here
+        usage = [{k: v for k, v in e["usage"].items() if k != "prompt_tokens_details"} for e in st.events
+                 if e.get("usage")]
         n = st.body["max_tokens"]
         ok = (st.status == 200 and st.done == 1 and not st.after_done and st.error is None and st.text == want
               and len(ids) == 1 and all(c["index"] == 0 for e in st.events for c in e["choices"])

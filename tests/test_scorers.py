@@ -15,7 +15,7 @@ from dplb.errors import ConfigError
 from dplb.policy import PickContext, RouteRequest, make_policy
 from dplb.policy.decision import Candidate
 from dplb.policy.framework import Scorer
-from dplb.policy.prefix import MAX_PREFIX_BLOCKS, block_hashes
+from dplb.policy.prefix import ENTRY_BYTES, MAX_PREFIX_BLOCKS, block_hashes
 from dplb.policy.scorers import LatencyScorer, MemoryScorer, PrefixScorer, QueueScorer
 from dplb.state.shm import Lifecycle, WorkerState
 
@@ -163,7 +163,8 @@ def test_prefix_scorer(queues: list[int], whys: list[str], prompt: bytes | None,
     assert terms == pytest.approx(expect)
     if want in ("history", "half", "zero"):
         assert c.request.preferred == 1
-        assert s.inputs(cs[1], c) == {"prefix_blocks": n, "prefix_matched_blocks": h, "prefix_match": h / n}
+        assert s.inputs(cs[1], c) == {"prefix_blocks": n, "prefix_matched_blocks": h, "prefix_match": h / n,
+                                      "prefix_confirmed_blocks": 0, "prefix_engine_events": False}
         assert s.inputs(cs[0], c)["prefix_matched_blocks"] == lo
 
 
@@ -252,13 +253,14 @@ def test_prefix_scorer_learns_reports_and_shares() -> None:
     first = RouteRequest(NEXT)
     d = p.pick(snap, NOW, first)
     assert d.worker is not None and first.learned == keys(NEXT)
-    assert d.notes == {"prefix_outcome": "miss", "prefix_blocks": len(keys(NEXT)), "prefix_hit_blocks": 0}
+    assert d.notes == {"prefix_outcome": "miss", "prefix_blocks": len(keys(NEXT)), "prefix_hit_blocks": 0,
+                       "prefix_hit_bytes": 0}
     again = RouteRequest(NEXT)
     d2 = p.pick(snap, NOW + 1, again)
     assert d2.worker == d.worker and d2.prefix_outcome() == "hit" and again.learned == []  # nothing new to tell
     assert d2.notes is not None and d2.notes["prefix_hit_blocks"] == len(keys(NEXT))
     assert p.plugin_stats()["prefix"] == {"index_blocks": len(keys(NEXT)), "index_capacity_blocks": 65536,
-                                          "index_bytes": len(keys(NEXT)) * 180}
+                                          "index_bytes": len(keys(NEXT)) * ENTRY_BYTES}
     assert p.shares and peer.shares
     peer.absorb({d.worker: first.learned, 7: [1, 2]}, NOW)  # a worker id this policy does not have: ignored
     d3 = peer.pick(snap, NOW + 2, RouteRequest(NEXT))

@@ -522,9 +522,9 @@ def test_tokenizer_block_hashes_and_lru() -> None:
     assert block_hashes(a[8:], 8)[0] != ha[1]  # chained: same block, different prefix → different hash
     cache = PrefixCache(3)
     cache.insert(ha[:3])
-    assert cache.match(ha, 2) == 2 and cache.match(ha, 5) == 3  # recency order now 0, 1, 2
-    cache.insert(ha[3:5])  # evicts the two least recently used
-    assert len(cache) == 3 and cache.match(ha, 5) == 0 and cache.match(ha[2:], 5) == 3
+    assert cache.match(ha, 2) == 2 and cache.match(ha, 5) == 3  # a chain is touched tail first: 2, 1, 0 (oldest first)
+    cache.insert(ha[3:5])  # evicts the two least recently used: the first chain's tail (vLLM frees tails first)
+    assert len(cache) == 3 and cache.match(ha, 5) == 1 and cache.match(ha[3:], 5) == 2
     assert PrefixCache(0).match(ha, 5) == 0
 
 

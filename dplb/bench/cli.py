@@ -286,7 +286,8 @@ def _cells(s: dict[str, Any], ref: str, dash: str, extra_refs: tuple[str, ...] =
     cells = [_fmt(e["p50"], ".0f", dash), _fmt(e["p95"], ".0f", dash), _fmt(e["p99"], ".0f", dash),
              _fmt(t["p50"], ".0f", dash), _fmt(t["p99"], ".0f", dash), _fmt(s["requests_per_s"], ".2f", dash),
              _fmt(s["output_tokens_per_s"], ".0f", dash), _fmt(s["worker_share_max_min"], ".2f", dash),
-             _fmt(s.get("prefix_cache_hit_rate"), ".2f", dash), str(s["failed"])]
+             _fmt(s.get("prefix_cache_hit_rate"), ".2f", dash), _fmt(s.get("prediction_error_tokens"), ".0f", dash),
+             str(s["failed"])]
     return cells + [_fmt(s.get(f"p99_vs_{r}"), ".2f", dash) for r in (ref, *extra_refs)]
 
 
@@ -306,7 +307,7 @@ def compare_table(result: dict[str, Any]) -> Any:
     t = Table(title=f"dplb bench compare ({result['num_workers']} sim workers"
                     f"{', quick' if result['quick'] else ''}; latencies in ms)")
     for col in ("scenario", "policy", "E2E P50", "E2E P95", "E2E P99", "TTFT P50", "TTFT P99", "req/s", "tok/s",
-                "max/min", "prefix hit", "failed", "P99 ratio"):
+                "max/min", "prefix hit", "pred err", "failed", "P99 ratio"):
         t.add_column(col, justify="left" if col in ("scenario", "policy") else "right")
     for name, entry in result["scenarios"].items():
         ref = next(iter(entry["policies"]))
@@ -323,8 +324,8 @@ def compare_markdown(result: dict[str, Any]) -> str:
              f"{result['num_workers']} sim workers; matrix wall time {result.get('wall_s', 0):.0f} s.", "",
              f"Command: `{result.get('command', 'dplb bench compare')}`", "",
              "| scenario | policy | E2E P50 | E2E P95 | E2E P99 | TTFT P50 | TTFT P99 | req/s | tok/s | max/min share "
-             "| prefix hit | failed | P99 / first | P99 / round_robin | P99 / least_loaded |",
-             "|---|---|" + "---:|" * 13]
+             "| prefix hit | pred err (tokens) | failed | P99 / first | P99 / round_robin | P99 / least_loaded |",
+             "|---|---|" + "---:|" * 14]
     for name, entry in result["scenarios"].items():
         ref = next(iter(entry["policies"]))
         for label, s in entry["policies"].items():

@@ -178,6 +178,20 @@ class SimCluster:
                     queries += float(line.rsplit(" ", 1)[1])
         return hits, queries
 
+    def prediction_error(self) -> tuple[float, float, float]:
+        """(compared requests, Σ |predicted − engine cached| tokens, Σ engine cached tokens) summed over the workers,
+        from the router's /metrics (the workers' KV rings, docs/DESIGN.md §3.7)."""
+        names = {"dplb_prefix_compared_requests_total{": 0, "dplb_prefix_prediction_error_tokens_total{": 1,
+                 "dplb_prefix_engine_cached_tokens_total{": 2}
+        acc = [0.0, 0.0, 0.0]
+        with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                for prefix, i in names.items():
+                    if line.startswith(prefix):
+                        acc[i] += float(line.rsplit(" ", 1)[1])
+        n, err, cached = acc
+        return n, err, cached
+
     def prefix_cache_tokens(self) -> tuple[float, float]:
         """(hits, queries) in tokens summed over the workers' ``vllm:prefix_cache_*`` counters (over their UDS)."""
         hits = queries = 0.0
@@ -232,19 +246,22 @@ def run_one(scenario: Scenario, label: str, flags: list[str], *, num_workers: in
             time.sleep(0.05)
         target = Target(cluster.url, "dplb-sim", "chat", stream)
 
-        async def go() -> tuple[list[RequestResult], float, tuple[float, float, float, float]]:
-            async def counters_at_start() -> tuple[float, float, float, float]:
+        async def go() -> tuple[list[RequestResult], float, tuple[float, ...]]:
+            async def counters_at_start() -> tuple[float, ...]:
                 await asyncio.sleep(t_measure)
                 return (*await asyncio.to_thread(cluster.prefix_cache_tokens),
-                        *await asyncio.to_thread(cluster.predicted_blocks))
+                        *await asyncio.to_thread(cluster.predicted_blocks),
+                        *await asyncio.to_thread(cluster.prediction_error))
 
             before = asyncio.create_task(counters_at_start())
             results, wall = await run_workload(target, requests)
             return results, wall, await before
 
-        results, wall, (hits0, queries0, phits0, pq0) = asyncio.run(go())
+        results, wall, (hits0, queries0, phits0, pq0, n0, err0, _c0) = asyncio.run(go())
         hits1, queries1 = cluster.prefix_cache_tokens()
         phits1, pq1 = cluster.predicted_blocks()
+        time.sleep(0.3)  # the last requests' comparisons reach the rings after their responses
+        n1, err1, _c1 = cluster.prediction_error()
     results = results[warm:]
     for r in results:
         r.start_s -= t_measure
@@ -252,6 +269,8 @@ def run_one(scenario: Scenario, label: str, flags: list[str], *, num_workers: in
     q = queries1 - queries0
     summary["prefix_cache_hit_rate"] = (hits1 - hits0) / q if q > 0 else None
     summary["prefix_index_hit_rate"] = (phits1 - phits0) / (pq1 - pq0) if pq1 > pq0 else None
+    #: Mean |predicted − engine cached| prompt tokens per request (None: the policy predicts nothing).
+    summary["prediction_error_tokens"] = (err1 - err0) / (n1 - n0) if n1 > n0 else None
     summary["policy_flags"] = flags
     summary["label"] = label
     return results, summary
@@ -286,6 +305,8 @@ def run_compare(scenario_names: list[str], policies: dict[str, list[str]], *, nu
             labels = dict(policies)
             for extra in sc.extra_policies:
                 labels.setdefault(extra, ["--policy", extra])
+            for label, words in sc.extra_variants.items():
+                labels.setdefault(label, shlex.split(words))
             entry: dict[str, Any] = {"description": sc.description, "workload": asdict(spec),
                                      "warmup_requests": sc.warmup, "sim_args": f"{SIM_ARGS} {sc.sim_args}".strip(),
                                      "worker_args": {str(k % num_workers): v for k, v in sc.worker_args.items()},
@@ -352,9 +373,29 @@ def evaluate_targets(result: dict[str, Any], default: str = "dplb") -> list[dict
             add(name, f"prefix-cache hit rate {default} / best ({best}) ≥ 0.9", ratio, 0.9, True)
             if "least_loaded" in p:
                 add(name, f"P99 E2E {default} / least_loaded ≤ 0.9", d.get("p99_vs_least_loaded"), 0.9)
+        if name.startswith("cache-pressure"):
+            _cache_pressure_targets(name, p, default, add)
         if any(s["failed"] for s in p.values()):
             add(name, "no failed request in any run", float(sum(s["failed"] for s in p.values())), 0.0)
     return rows
+
+
+def _cache_pressure_targets(name: str, p: dict[str, Any], default: str,
+                            add: Callable[..., None]) -> None:
+    """Engine truth against the sent-bytes index (``dplb-sent``) and the oracle: prediction error ≥ 5× lower, hit
+    rate within 0.03 of the oracle, and (at the knee) TTFT P99 ≤ 0.5× the sent-bytes index's."""
+    d, sent, oracle = p[default], p.get("dplb-sent"), p.get("oracle")
+    if sent is not None:
+        e, es = d.get("prediction_error_tokens"), sent.get("prediction_error_tokens")
+        add(name, f"prediction error dplb-sent / {default} ≥ 5 (tokens per request)",
+            es / e if e and es is not None else None, 5.0, True)
+        if name == "cache-pressure":
+            t, ts = d["ttft_ms"]["p99"], sent["ttft_ms"]["p99"]
+            add(name, f"TTFT P99 {default} / dplb-sent ≤ 0.5", t / ts if ts else None, 0.5)
+    if oracle is not None:
+        h, ho = d.get("prefix_cache_hit_rate"), oracle.get("prefix_cache_hit_rate")
+        add(name, f"engine hit rate oracle − {default} ≤ 0.03", ho - h if h is not None and ho is not None else None,
+            0.03)
 
 
 def machine() -> dict[str, Any]:

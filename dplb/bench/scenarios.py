@@ -51,6 +51,8 @@ class Scenario:
     quick_prompts: int = 150
     full_prompts: int = 600
     extra_policies: tuple[str, ...] = ()
+    #: Reference variants run only in this scenario: label → `dplb launch` flags (the sent-bytes index, the oracle).
+    extra_variants: dict[str, str] = field(default_factory=dict)
     runner: str = ""  # "tenants": its own runner (dplb.bench.tenants), not one seeded workload per policy
 
     def mean_lengths(self) -> tuple[float, float]:
@@ -86,6 +88,19 @@ class Scenario:
 MULTI_TURN = WorkloadSpec(input_len=200, output_len=32, range_ratio=0.5, prefix_len=600, conversations=1, turns=5,
                           num_prompts=5)
 
+#: Prefix cache per worker in the cache-pressure scenarios, blocks of 16 tokens. The working set: ~26 live
+#: conversations at the knee (~2.4 conversations/s × ~11 s each), each up to ~70 blocks of its own (its history
+#: at the last turn, ~1,130 tokens beyond the system prompt), plus the 38-block system prompt on each worker:
+#: ~2,000 blocks against 4 × 192 = 768 cached, ~2.6×.
+CACHE_PRESSURE_BLOCKS = 192
+#: The policies of the cache-pressure scenarios beside the ones asked for: the sent-bytes index (the index before
+#: engine truth) and the oracle (dplb.bench.oracle: what every sim engine really holds, no lag).
+CACHE_PRESSURE_VARIANTS = {
+    "dplb-sent": "--policy dplb --scorer-param prefix.truth=sent",
+    "oracle": "--policy dplb --policy-plugin dplb.bench.oracle "
+              "--weights queue=0.3,memory=0.2,latency=0.2,prefix_oracle=0.3",
+}
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("homogeneous", "identical workers, Poisson arrivals at 70 % of capacity",
              WorkloadSpec(input_len=128, output_len=32, range_ratio=0.5)),
@@ -110,6 +125,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("multi-turn-slow", "multi-turn with the last worker at half speed", MULTI_TURN,
              sim_args="--sim-prefix-cache-blocks 4096", worker_args={-1: "--sim-speed 0.5"}, quick_prompts=200,
              full_prompts=600, extra_policies=("prefix_hash",)),
+    Scenario("cache-pressure", "multi-turn with a working set ~2.6x the workers' total prefix cache (192 blocks per "
+             "worker), at the saturation knee (90 % of nominal load); adds the sent-bytes index and the oracle",
+             MULTI_TURN, load=0.9, sim_args=f"--sim-prefix-cache-blocks {CACHE_PRESSURE_BLOCKS}",
+             quick_prompts=200, full_prompts=600, extra_policies=("least_loaded", "round_robin"),
+             extra_variants=CACHE_PRESSURE_VARIANTS),
+    Scenario("cache-pressure-50", "cache-pressure at 50 % load", MULTI_TURN, load=0.5,
+             sim_args=f"--sim-prefix-cache-blocks {CACHE_PRESSURE_BLOCKS}", quick_prompts=200, full_prompts=600,
+             extra_policies=("least_loaded", "round_robin"), extra_variants=CACHE_PRESSURE_VARIANTS),
     Scenario("tenants", "tenant A floods (96 open requests of 200 tokens, 3x the batch slots) while tenant B sends "
              "3 req/s of 16 tokens; FIFO (no tenants file) vs the router's fair queue (--tenants, equal weights); "
              "then both backlogged (Jain's index); the first policy only",

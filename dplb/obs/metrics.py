@@ -36,6 +36,14 @@ PREFIX_INDEX_BYTES = "dplb_prefix_index_bytes"
 PREFIX_ROUTED = "dplb_prefix_routed"  # _total, by outcome (hit / spill / miss)
 PREFIX_QUERY_BLOCKS = "dplb_prefix_query_blocks"  # _total, per chosen worker
 PREFIX_HIT_BLOCKS = "dplb_prefix_hit_blocks"  # _total, per chosen worker: blocks the index says it has cached
+# What each worker's engine really held, against the router's prediction (the workers' KV rings, dplb.state.kv_rings)
+PREFIX_COMPARED = "dplb_prefix_compared_requests"  # _total, per worker: requests compared
+PREFIX_ENGINE_CACHED = "dplb_prefix_engine_cached_tokens"  # _total, per worker: engine-cached prompt tokens
+PREFIX_PREDICTED = "dplb_prefix_predicted_tokens"  # _total, per worker: router-predicted cached tokens
+PREFIX_PREDICTION_ERROR = "dplb_prefix_prediction_error_tokens"  # _total, per worker: Σ|predicted − cached|
+PREFIX_ENGINE_EVENTS = "dplb_prefix_engine_events"  # gauge, per worker: 1 = the index follows its engine's events
+PREFIX_EVENTS_LOST = "dplb_prefix_engine_events_lost"  # _total, per worker: event batches its subscription lost
+PREFIX_RING_LOST = "dplb_prefix_kv_ring_lost"  # _total: KV-ring entries this router process could not read
 LATENCY_BASELINE = "dplb_latency_baseline_seconds"
 WORKER_SCORE = "dplb_worker_score"
 WORKER_SCORE_TERM = "dplb_worker_score_term"
@@ -460,6 +468,45 @@ class WorkerStateCollector:
         yield from _policy_families(policy)
 
 
+class KvTruthCollector:
+    """Scrape-time collector of the workers' KV-ring figures: per worker, the requests whose router prediction was
+    compared with the engine's cached tokens, the cached and predicted tokens and the absolute error summed over
+    them (mean error per request = error ÷ compared), whether the index follows the worker's engine events, and
+    the event batches its subscription lost; plus the ring entries this router process lost. ``source()`` returns
+    the segment's :class:`dplb.state.kv_rings.KvRingReader` (or None without a segment) and the worker count."""
+
+    def __init__(self, source: Callable[[], tuple[Any, int]]) -> None:
+        self.source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        reader, n = self.source()
+        docs = {PREFIX_COMPARED: "Requests whose predicted cached tokens the worker compared with its engine's.",
+                PREFIX_ENGINE_CACHED: "Prompt tokens the engine served from its prefix cache (compared requests).",
+                PREFIX_PREDICTED: "Prompt tokens the router's prefix index predicted cached (compared requests).",
+                PREFIX_PREDICTION_ERROR: "Sum over compared requests of |predicted - engine cached| prompt tokens.",
+                PREFIX_EVENTS_LOST: "KV event batches the worker's subscription to its engine lost."}
+        keys = {PREFIX_COMPARED: "compared_total", PREFIX_ENGINE_CACHED: "cached_tokens_total",
+                PREFIX_PREDICTED: "predicted_tokens_total", PREFIX_PREDICTION_ERROR: "error_tokens_total",
+                PREFIX_EVENTS_LOST: "lost_batches"}
+        fams = {name: CounterMetricFamily(name, doc, labels=["worker"]) for name, doc in docs.items()}
+        ev = GaugeMetricFamily(PREFIX_ENGINE_EVENTS, "1 when the router's prefix index follows the worker's engine "
+                               "(its KV events), 0 when it falls back to what it sent.", labels=["worker"])
+        lost = CounterMetricFamily(PREFIX_RING_LOST, "KV-ring entries this router process could not read (each gap "
+                                   "dropped that worker's confirmations).", value=reader.lost if reader else 0)
+        if reader is not None:
+            for k in range(n):
+                c = reader.counters(k)
+                for name, fam in fams.items():
+                    fam.add_metric([str(k)], c[keys[name]])
+                ev.add_metric([str(k)], c["events"])
+        yield from fams.values()
+        yield ev
+        yield lost
+
+
 def _policy_families(policy: Any) -> Iterator[Metric]:
     """The policy's settings (an info metric: the configuration, then every configured plugin's parameters in force
     as ``<plugin>_<parameter>``), one weight per scorer, and the gauges of what the plugins report (``stats()``)."""
@@ -581,4 +628,4 @@ class HostReportCollector:
         yield st
 
 
-__all__ += ["HostReportCollector"]
+__all__ += ["HostReportCollector", "KvTruthCollector"]

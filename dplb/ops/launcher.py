@@ -234,7 +234,8 @@ class Launcher:
                          self.engine, "--uds", self.router_cfg.socket_path(k),
                          "--drain-timeout", str(self.args.drain_timeout),
                          "--stall-after", f"{self.router_cfg.stall_after_s:g}",
-                         "--stall-restart-after", f"{self.args.stall_restart_after:g}")
+                         "--stall-restart-after", f"{self.args.stall_restart_after:g}",
+                         "--prefix-block-bytes", str(self.router_cfg.policy.prefix_block_bytes))
             if self.args.model:
                 argv += ["--model", self.args.model]
             if self.args.served_model_name:

@@ -92,6 +92,11 @@ class Policy:
             raise ConfigError(f"scorers {', '.join(s.name for s in sharers)} all share what they learn with the other "
                               "router processes; the router slots' rings carry one kind of key, so weight only one")
         self._sharer = sharers[0] if sharers else None
+        self._truth = [s for s in self.scorers if type(s).absorb_engine is not Scorer.absorb_engine]
+        #: True when a scorer follows the workers' KV rings (the router then drains them before each pick).
+        self.follows_engines = bool(self._truth)
+        #: The block size (bytes) of the keys the engine-following scorer expects in the KV rings (0: any).
+        self.truth_block_bytes: int = getattr(self._truth[0], "block_bytes", 0) if self._truth else 0
         #: True when a scorer learns from the other router processes (the router then drains their rings).
         self.shares = self._sharer is not None
         # Send times (CLOCK_MONOTONIC ns) of the requests each worker's published queue may not count yet.
@@ -131,6 +136,12 @@ class Policy:
         :meth:`dplb.state.router_slots.RouterSlots.drain_prefix`) to the scorer that shares what it learns."""
         if entries and self._sharer is not None:
             self._sharer.absorb(entries, now_ns)
+
+    def absorb_engine(self, entries: Mapping[int, Sequence[int]] | None, events_mask: int, now_ns: int) -> None:
+        """Apply the workers' KV-ring entries (worker id → raw entries, :meth:`dplb.state.kv_rings.KvRingReader.drain`;
+        None: nothing new) and which workers publish them to the scorers that follow the engines."""
+        for s in self._truth:
+            s.absorb_engine(entries, events_mask, now_ns)
 
     # ---- feedback ------------------------------------------------------------------------------------------
     def observe_latency(self, seconds: float, ttft_s: float | None = None) -> None:

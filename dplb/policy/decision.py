@@ -55,6 +55,10 @@ PREFIX_OUTCOMES = (PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS)
 NOTE_PREFIX_OUTCOME = "prefix_outcome"
 NOTE_PREFIX_BLOCKS = "prefix_blocks"
 NOTE_PREFIX_HIT_BLOCKS = "prefix_hit_blocks"
+#: Prompt bytes the prefix index predicted the chosen worker has cached (hit blocks × block bytes); the router
+#: tells the worker (request header ``x-dplb-prefix-predicted``), which compares it with its engine's cached tokens.
+NOTE_PREFIX_HIT_BYTES = "prefix_hit_bytes"
+PREFIX_PREDICTED_HEADER = b"x-dplb-prefix-predicted"
 # Stats a plugin reports about its own state (Plugin.stats(); read by name by dplb.obs.metrics): the prefix index's
 # entries, capacity (blocks) and estimated memory (bytes).
 STAT_INDEX_BLOCKS = "index_blocks"

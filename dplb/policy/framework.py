@@ -26,7 +26,8 @@ Contract of each extension point
   (asked only when someone looks, :attr:`dplb.policy.decision.Decision.notes`: it costs the pick nothing),
   ``forget_worker(worker)`` when a worker restarted, ``absorb(entries, now_ns)`` to apply what the other router
   processes learnt (the raw entries of their rings, :mod:`dplb.state.router_slots`; at most one configured scorer
-  may implement it: the rings carry one kind of key).
+  may implement it: the rings carry one kind of key), ``absorb_engine(entries, events_mask, now_ns)`` to apply
+  what the workers' engines confirmed and evicted (their KV rings, :mod:`dplb.state.kv_rings`).
 - :class:`Picker`: ``pick(eligible, ctx)`` chooses among the eligible candidates (given in rotated order, so
   "first" rotates) and returns ``(candidate, reason)``.
 
@@ -225,6 +226,11 @@ class Scorer(Plugin):
     def absorb(self, entries: Mapping[int, Sequence[int]], now_ns: int) -> None:
         """Apply what the other router processes learnt: ``entries`` = worker id → keys they published for it
         (``request.learned`` of their picks), in ring order."""
+
+    def absorb_engine(self, entries: Mapping[int, Sequence[int]] | None, events_mask: int, now_ns: int) -> None:
+        """Apply what the workers said their engines hold: ``entries`` = worker id → raw KV-ring entries
+        (``op << 56 | key``, :mod:`dplb.state.kv_rings`; None: nothing new), ``events_mask``: bit w set when
+        worker w publishes them. Called before every pick when the segment has KV rings."""
 
 
 def clamp_unit(column: list[float]) -> list[float]:

@@ -21,11 +21,16 @@ Contract
   keys from the first block and returns, per worker, how many leading blocks it was sent; :meth:`record` adds a
   routed request's blocks for its worker; :meth:`forget_worker` drops a worker (restart: its cache is empty).
 
-How stale the index may be: it remembers what was *sent*, not what the engine still holds. An engine evicts cached
-blocks under KV pressure (vLLM: LRU of free blocks) long before ``ttl_s``; until the LRU capacity or the TTL drops
-them, the index may believe a worker still holds a prefix it lost. A wrong belief costs one routing preference (the
-request pays its prefill on that worker), never a failure; ``dplb bench compare`` prints the index's predicted hit
-rate next to the engines' measured ``vllm:prefix_cache_*`` hit rate.
+How stale the index may be. For a worker without KV events it remembers what was *sent*, not what the engine still
+holds: an engine evicts cached blocks under KV pressure (vLLM: LRU of free blocks) long before ``ttl_s``, and until
+the LRU capacity or the TTL drops them the index may believe a worker still holds a prefix it lost. For an
+event-fed worker (:attr:`PrefixIndex.events`; its worker translates the engine's KV events into these keys and
+publishes them in its KV ring, :mod:`dplb.state.kv_rings`, applied by :meth:`PrefixIndex.apply_engine`) a block
+counts when the engine confirmed it, or for ``speculative_ttl_s`` after it was sent (the request may still be
+queued); an eviction is believed one event lag after it happened (docs/DESIGN.md §5, "staleness"). A wrong belief
+costs one routing preference (the request pays its prefill on that worker), never a failure; ``dplb bench compare``
+prints the index's predicted hit rate next to the engines' measured ``vllm:prefix_cache_*`` hit rate, and the
+workers publish the per-request prediction error (``dplb_prefix_prediction_error_tokens_total``).
 """
 
 from __future__ import annotations
@@ -35,12 +40,19 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Final
 
+from dplb.state.kv_rings import OP_CLEARED, OP_REMOVED, OP_STORED
+
 #: Most blocks hashed per request (128 KiB at 128-byte blocks): a longer prompt is told apart by then, and hashing
 #: a 32 MB body whole would cost ~50 ms of the event loop.
 MAX_PREFIX_BLOCKS: Final = 1024
 _REFRESH_NS: Final = 1_000_000_000  # LRU position is refreshed at most once a second per block
 #: Measured size of one index entry (key int, [mask, time] list, OrderedDict slot), bytes; see tests/test_prefix.py.
-ENTRY_BYTES: Final = 180
+ENTRY_BYTES: Final = 188
+_KEY_MASK: Final = (1 << 56) - 1
+#: How long an event-fed worker counts a block it was sent but has not confirmed, s: the gap between routing and
+#: the engine's BlockStored (queueing + one step + the event path, well under a second at the knee), as llm-d's
+#: precise scorer's speculative entries (2 s).
+SPECULATIVE_TTL_S: Final = 2.0
 
 
 def block_hashes(data: bytes | memoryview | Any, block_bytes: int, max_blocks: int = 0) -> list[int]:
@@ -72,16 +84,23 @@ def block_hashes(data: bytes | memoryview | Any, block_bytes: int, max_blocks: i
 
 
 class PrefixIndex:
-    """Bounded LRU: block key → (bitmask of workers sent that block, last-sent CLOCK_MONOTONIC ns).
+    """Bounded LRU: block key → [bitmask of workers sent that block, last-sent CLOCK_MONOTONIC ns, bitmask of
+    workers whose engine confirmed it].
 
-    ``capacity``: most entries kept (blocks, > 0); ``ttl_s``: an entry not sent for this long counts as absent;
-    ``num_workers``: worker ids 0..n−1 (a bit each). Not thread-safe (one router event loop).
+    ``capacity``: most entries kept (blocks, > 0); ``ttl_s``: a block not sent for this long counts as absent for
+    a worker without events; ``speculative_ttl_s``: the same for an event-fed worker (:attr:`events`) until its
+    engine confirms the block; ``num_workers``: worker ids 0..n−1 (a bit each). Not thread-safe (one event loop).
     """
 
-    __slots__ = ("_all", "_map", "_ttl_ns", "_walk", "capacity", "num_workers")
+    __slots__ = ("_all", "_map", "_spec_ns", "_ttl_ns", "_walk", "capacity", "events", "num_workers")
 
-    def __init__(self, capacity: int, ttl_s: float, num_workers: int) -> None:
+    def __init__(self, capacity: int, ttl_s: float, num_workers: int,
+                 speculative_ttl_s: float = SPECULATIVE_TTL_S) -> None:
         self.capacity = capacity
+        #: Bit w set: worker w's engine confirms what it holds (its KV ring), so what was only sent to it counts
+        #: for ``speculative_ttl_s`` instead of ``ttl_s``.
+        self.events = 0
+        self._spec_ns = int(speculative_ttl_s * 1e9)
         self.num_workers = num_workers
         self._ttl_ns = int(ttl_s * 1e9)
         self._all = (1 << num_workers) - 1
@@ -98,10 +117,12 @@ class PrefixIndex:
         return len(self._map) * ENTRY_BYTES
 
     def match(self, keys: list[int], now_ns: int) -> list[int]:
-        """Leading blocks of ``keys`` each worker was sent (list indexed by worker id; 0 = no match).
+        """Leading blocks of ``keys`` each worker holds (list indexed by worker id; 0 = no match).
 
         Walks from the first block and stops as soon as no worker has the next one, so an unmatched prompt costs
-        one lookup. Entries older than ``ttl_s`` count as absent. When some worker has every block, the walk is
+        one lookup. A worker holds a block when its engine confirmed it (event-fed workers, :attr:`events`), or
+        when it was sent the block within ``ttl_s`` (a worker without events) or within ``speculative_ttl_s`` (an
+        event-fed worker whose confirmation has not arrived yet). When some worker has every block, the walk is
         remembered until the index changes, so that :meth:`record` of the same keys at the same ``now_ns`` (the
         routed request) does not look them up again.
         """
@@ -109,12 +130,17 @@ class PrefixIndex:
         depth = [0] * self.num_workers
         get = self._map.get
         cutoff = now_ns - self._ttl_ns
+        ev = self.events
+        spec = now_ns - self._spec_ns
+        keep = ~ev
         cur = self._all
         walked: list[list[int]] = []  # the entries of the blocks every worker in ``cur`` has
         for key in keys:
             e = get(key)
-            if e is not None and e[1] >= cutoff:
-                nxt = cur & e[0]
+            if e is not None:
+                t = e[1]
+                held = (e[0] if t >= spec or not ev else e[0] & keep) if t >= cutoff else 0
+                nxt = cur & (held | e[2])
                 if nxt == cur:
                     walked.append(e)
                     continue
@@ -139,6 +165,59 @@ class PrefixIndex:
             depth[b.bit_length() - 1] = i
             cur ^= b
         return depth
+
+    def confirmed(self, keys: Sequence[int]) -> list[int]:
+        """Leading blocks of ``keys`` each worker's engine confirmed (views only: ``/debug/decisions``, not the
+        hot path); 0 for a worker without events."""
+        depth = [0] * self.num_workers
+        get = self._map.get
+        cur = self.events
+        for i, key in enumerate(keys):
+            e = get(key)
+            nxt = cur & e[2] if e is not None else 0
+            gone = cur & ~nxt
+            while gone:
+                b = gone & -gone
+                depth[b.bit_length() - 1] = i
+                gone ^= b
+            cur = nxt
+            if not cur:
+                return depth
+        while cur:
+            b = cur & -cur
+            depth[b.bit_length() - 1] = len(keys)
+            cur ^= b
+        return depth
+
+    def apply_engine(self, worker: int, entries: Sequence[int], now_ns: int) -> None:
+        """Apply worker ``worker``'s KV-ring entries (``op << 56 | key``, :mod:`dplb.state.kv_rings`), in order:
+        stored → the worker's confirmed bit (a new entry if the key is unknown), removed → the worker's bits
+        cleared, cleared → the worker forgotten (:meth:`forget_worker`)."""
+        self._walk = None
+        m = self._map
+        bit = 1 << worker
+        off = ~bit
+        move = m.move_to_end
+        for v in entries:
+            op, key = v >> 56, v & _KEY_MASK
+            if op == OP_STORED:
+                e = m.get(key)
+                if e is None:
+                    m[key] = [0, now_ns, bit]
+                elif not e[2] & bit:
+                    e[2] |= bit
+                    move(key)
+            elif op == OP_REMOVED:
+                e = m.get(key)
+                if e is not None:
+                    e[0] &= off
+                    e[2] &= off
+                    if not (e[0] | e[2]):
+                        del m[key]
+            elif op == OP_CLEARED:
+                self.forget_worker(worker)
+        while len(m) > self.capacity:
+            m.popitem(last=False)
 
     def record(self, keys: Sequence[int], worker: int, now_ns: int) -> list[int]:
         """``keys`` were sent to ``worker`` at ``now_ns``: mark them (most recent in the LRU), then evict the oldest
@@ -174,7 +253,7 @@ class PrefixIndex:
         for key in keys:
             e = m.get(key)
             if e is None:
-                m[key] = [bit, now_ns]
+                m[key] = [bit, now_ns, 0]
                 changed.append(key)
             else:
                 if not e[0] & bit:
@@ -194,10 +273,11 @@ class PrefixIndex:
         bit = 1 << worker
         dropped = 0
         m = self._map
-        for key in [k for k, e in m.items() if e[0] & bit]:
+        for key in [k for k, e in m.items() if (e[0] | e[2]) & bit]:
             e = m[key]
             e[0] &= ~bit
+            e[2] &= ~bit
             dropped += 1
-            if not e[0]:
+            if not (e[0] | e[2]):
                 del m[key]
         return dropped

@@ -42,6 +42,7 @@ from dplb.config import MAX_PREFIX_BLOCK_BYTES, PolicyConfig
 from dplb.policy.decision import (
     NOTE_PREFIX_BLOCKS,
     NOTE_PREFIX_HIT_BLOCKS,
+    NOTE_PREFIX_HIT_BYTES,
     NOTE_PREFIX_OUTCOME,
     OK,
     PREFIX_HIT,
@@ -53,7 +54,7 @@ from dplb.policy.decision import (
     Candidate,
 )
 from dplb.policy.framework import Param, PickContext, RouteRequest, Scorer, max_queue_of
-from dplb.policy.prefix import MAX_PREFIX_BLOCKS, PrefixIndex, block_hashes
+from dplb.policy.prefix import MAX_PREFIX_BLOCKS, SPECULATIVE_TTL_S, PrefixIndex, block_hashes
 
 
 class QueueScorer(Scorer):
@@ -187,11 +188,12 @@ class LatencyScorer(Scorer):
 class _Query:
     """The prefix scorer's view of one request: its block keys and, once scored, each worker's matched depth."""
 
-    __slots__ = ("blocks", "depth")
+    __slots__ = ("blocks", "confirmed", "depth")
 
     def __init__(self, blocks: list[int]) -> None:
         self.blocks = blocks
         self.depth: list[int] | None = None
+        self.confirmed: list[int] | None = None  # engine-confirmed depths, computed for views only
 
 
 class PrefixScorer(Scorer):
@@ -210,6 +212,11 @@ class PrefixScorer(Scorer):
               help="forget a block not sent for this long (--prefix-ttl)"),
         Param("max_blocks", int, default=MAX_PREFIX_BLOCKS, check=lambda v: 1 <= v <= MAX_PREFIX_BLOCKS,
               expect=f"1..{MAX_PREFIX_BLOCKS} blocks", help="most blocks hashed per prompt"),
+        Param("truth", str, default="events", choices=("events", "sent"),
+              help="events: follow what each event-fed worker's engine holds (its KV ring), the sent-bytes index "
+                   "for the others; sent: the sent-bytes index for every worker"),
+        Param("speculative_ttl_s", float, default=SPECULATIVE_TTL_S, check=lambda v: v > 0, expect="> 0 seconds",
+              help="an event-fed worker counts a block it was sent but has not confirmed for this long"),
     )
 
     def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
@@ -217,7 +224,8 @@ class PrefixScorer(Scorer):
         p = self.params
         self.block_bytes: int = p["block_bytes"]
         self.max_blocks: int = p["max_blocks"]
-        self.index = PrefixIndex(p["index_blocks"], p["ttl_s"], num_workers)
+        self.index = PrefixIndex(p["index_blocks"], p["ttl_s"], num_workers, p["speculative_ttl_s"])
+        self.follow_engines = p["truth"] == "events"
 
     def prepare(self, request: RouteRequest) -> None:
         blocks = block_hashes(request.prompt, self.block_bytes, self.max_blocks)
@@ -258,7 +266,11 @@ class PrefixScorer(Scorer):
         q = ctx.request.derived.get("prefix")
         n = len(q.blocks) if q is not None else 0
         d = q.depth[c.worker_id] if q is not None and q.depth is not None else 0
-        return {"prefix_blocks": n, "prefix_matched_blocks": d, "prefix_match": d / n if n else 0.0}
+        if q is not None and q.confirmed is None:
+            q.confirmed = self.index.confirmed(q.blocks)
+        conf = q.confirmed[c.worker_id] if q is not None and q.confirmed is not None else 0
+        return {"prefix_blocks": n, "prefix_matched_blocks": d, "prefix_match": d / n if n else 0.0,
+                "prefix_confirmed_blocks": conf, "prefix_engine_events": bool(self.index.events >> c.worker_id & 1)}
 
     def on_pick(self, request: RouteRequest, worker: int, now_ns: int) -> None:
         """Record the request's blocks for ``worker`` (``request.learned``: the keys the index learnt)."""
@@ -274,7 +286,8 @@ class PrefixScorer(Scorer):
             return None
         depth, pref = q.depth, request.preferred
         outcome = PREFIX_MISS if pref is None else PREFIX_HIT if depth[worker] >= depth[pref] else PREFIX_SPILL
-        return {NOTE_PREFIX_OUTCOME: outcome, NOTE_PREFIX_BLOCKS: len(q.blocks), NOTE_PREFIX_HIT_BLOCKS: depth[worker]}
+        return {NOTE_PREFIX_OUTCOME: outcome, NOTE_PREFIX_BLOCKS: len(q.blocks), NOTE_PREFIX_HIT_BLOCKS: depth[worker],
+                NOTE_PREFIX_HIT_BYTES: depth[worker] * self.block_bytes}
 
     def forget_worker(self, worker: int) -> None:
         self.index.forget_worker(worker)
@@ -284,6 +297,16 @@ class PrefixScorer(Scorer):
         for worker, keys in entries.items():
             if 0 <= worker < self.num_workers:
                 record(keys, worker, now_ns)
+
+    def absorb_engine(self, entries: Mapping[int, Sequence[int]] | None, events_mask: int, now_ns: int) -> None:
+        if not self.follow_engines:
+            return
+        idx = self.index
+        idx.events = events_mask
+        if entries:
+            for worker, raw in entries.items():
+                if 0 <= worker < self.num_workers:
+                    idx.apply_engine(worker, raw, now_ns)
 
     def stats(self) -> dict[str, float]:
         idx = self.index

@@ -50,7 +50,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_gener
 from dplb import __version__
 from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind, bind_error, error_body, openai_error_body
-from dplb.obs.metrics import HostReportCollector, RouterMetrics, WorkerStateCollector
+from dplb.obs.metrics import HostReportCollector, KvTruthCollector, RouterMetrics, WorkerStateCollector
 from dplb.obs.tracing import make_tracer
 from dplb.obs.tracing import shutdown as tracing_shutdown
 from dplb.router.agent import bind_agent, start_agent
@@ -100,6 +100,8 @@ class RouterApp:
         if self.tracer is not None:
             self.proxy.enable_tracing(self.tracer)
         self.metrics.registry.register(WorkerStateCollector(self._scrape_source))
+        self.metrics.registry.register(KvTruthCollector(lambda: (
+            self.state.segment.kv_reader() if self.state.segment is not None else None, self.state.num_workers)))
         if cfg.processes == 1:  # a group's answer adds the merged figure instead (dplb.router.siblings)
             self.metrics.registry.register(SingleProcess())
         # The host load report (dplb.router.host_report): /metrics' Model Server Protocol families, the HAProxy

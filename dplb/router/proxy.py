@@ -49,7 +49,7 @@ from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind, error_body
 from dplb.obs.tracing import Tracing
 from dplb.policy import RouteRequest
-from dplb.policy.decision import REASON_ALL_OVER_CAP, REASON_NO_WORKERS
+from dplb.policy.decision import NOTE_PREFIX_HIT_BYTES, PREFIX_PREDICTED_HEADER, REASON_ALL_OVER_CAP, REASON_NO_WORKERS
 from dplb.router import resume
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, watch_disconnect
@@ -190,6 +190,9 @@ class Proxy:
             await self._reject(ex, *_NO_WORKER.get(ex.decision.reason, _NONE_READY))
             return
         ex.head = request_head(ex.scope, len(ex.body), ex.rid, ex.decoded, self._req_skip, True)
+        notes = ex.decision.notes
+        if notes and (hit := notes.get(NOTE_PREFIX_HIT_BYTES)) is not None:  # the worker checks it (§5 staleness)
+            ex.head = b"%s%s: %d\r\n\r\n" % (ex.head[:-2], PREFIX_PREDICTED_HEADER, hit)
         # /v1/responses: the response's id is known up front when the client chose it, else read from the answer.
         capture: Any = ex.route is not None and ex.route.path == _RESPONSES and ex.scope["method"] == "POST"
         ex.capture = ex.peek.request_id if capture and isinstance(ex.peek.request_id, str) else capture

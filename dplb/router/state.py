@@ -182,6 +182,9 @@ class RouterState:
             slots = self.slots
             if slots is not None and self.policy.shares and slots.has_peers:
                 self.policy.absorb(slots.drain_prefix(), now)  # what the other router processes learnt meanwhile
+            if self.policy.follows_engines and self.segment is not None:
+                kv = self.segment.kv_reader()  # what the workers' engines confirmed and evicted meanwhile
+                self.policy.absorb_engine(kv.drain(), kv.refresh_mask(now, self.policy.truth_block_bytes), now)
             d = self.policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight,
                                  shared=self._shared(snap, now), stalled=self.stalled(now))
             if request.learned and slots is not None and slots.has_peers and d.worker is not None:

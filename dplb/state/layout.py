@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError
 
 MAGIC = b"DPLB"
-LAYOUT_VERSION = 4  # 4: engine progress in each worker slot; 3: KV blocks in each worker slot; 2: router slots, 16
+LAYOUT_VERSION = 5  # 5: a KV ring per worker (dplb.state.kv_rings);
+#                      4: engine progress in each worker slot; 3: KV blocks in each worker slot; 2: router slots, 16
 #                      router entries (docs/DESIGN.md §3)
 HEADER_SIZE = 4096
 SLOT_SIZE = 192
@@ -52,6 +53,9 @@ ROUTER_SLOT_SIZE = 64 + 16 * MAX_WORKERS  # 1088
 #: Prefix rings (dplb.state.router_slots) after the router slots, one per router slot: a 64-byte head + u64 entries.
 PREFIX_RING_ENTRIES = 8192
 PREFIX_RING_SIZE = 64 + 8 * PREFIX_RING_ENTRIES  # 65600
+#: KV rings (dplb.state.kv_rings) after the prefix rings, one per worker slot: a 64-byte head + u64 entries.
+KV_RING_ENTRIES = 8192
+KV_RING_SIZE = 64 + 8 * KV_RING_ENTRIES  # 65600
 assert HEADER.size == 160 and HEADER_READ <= HEADER_SIZE
 
 
@@ -78,7 +82,12 @@ class SegmentHeader:
 
 def segment_size(num_workers: int) -> int:
     """Total bytes of a segment with ``num_workers`` worker slots (plus the :data:`MAX_ROUTERS` router slots and
-    prefix rings: about 1 MiB)."""
+    prefix rings, about 1 MiB, and one KV ring of 64 KiB per worker)."""
+    return kv_rings_offset(num_workers) + num_workers * KV_RING_SIZE
+
+
+def kv_rings_offset(num_workers: int) -> int:
+    """Offset of worker 0's KV ring in a segment with ``num_workers`` worker slots, bytes."""
     return HEADER_SIZE + num_workers * SLOT_SIZE + MAX_ROUTERS * (ROUTER_SLOT_SIZE + PREFIX_RING_SIZE)
 
 

@@ -232,6 +232,7 @@ class Segment:
         # could see the transient 0 twice and accept a torn body.)
         self._seqs = self._view.cast("Q")
         self._seq_idx = [(HEADER_SIZE + k * SLOT_SIZE) >> 3 for k in range(header.num_workers)]
+        self._kv: Any = None  # this process's KV-ring reader (dplb.state.kv_rings), made on first use
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     @classmethod
@@ -351,6 +352,8 @@ class Segment:
         """Unmap and close. Idempotent. The file is kept."""
         if self._fd < 0:
             return
+        if self._kv is not None:
+            self._kv.close()
         self._seqs.release()
         self._view.release()
         with contextlib.suppress(BufferError):  # a live memoryview elsewhere; the GC will unmap
@@ -445,7 +448,23 @@ class Segment:
         self._slot_offset(worker_id)  # raises ShmWorkerIdError for a worker outside the segment
         return router_inflight(self._mm, self._seqs, self.num_workers, worker_id)
 
+    def kv_reader(self) -> Any:
+        """This process's :class:`dplb.state.kv_rings.KvRingReader` of every worker's KV ring (one per segment
+        object; its cursors start at what the rings hold now)."""
+        if self._kv is None:
+            from dplb.state.kv_rings import KvRingReader
+
+            self._kv = KvRingReader(self._mm, self.num_workers)
+        return self._kv
+
     # ---- writing ---------------------------------------------------------------------------------------------
+    def kv_writer(self, worker_id: int) -> Any:
+        """The single writer of worker ``worker_id``'s KV ring (:class:`dplb.state.kv_rings.KvRingWriter`)."""
+        from dplb.state.kv_rings import KvRingWriter
+
+        self._slot_offset(worker_id)
+        return KvRingWriter(self._mm, self.num_workers, worker_id)
+
     def writer(self, worker_id: int) -> SlotWriter:
         """The single writer of slot ``worker_id``."""
         return SlotWriter(self, worker_id)

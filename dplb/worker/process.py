@@ -46,7 +46,14 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb import __version__
-from dplb.config import METRICS_HOST, METRICS_PORT_BASE, STALL_AFTER_S, STALL_RESTART_AFTER_S, check_stall
+from dplb.config import (
+    METRICS_HOST,
+    METRICS_PORT_BASE,
+    PREFIX_BLOCK_BYTES,
+    STALL_AFTER_S,
+    STALL_RESTART_AFTER_S,
+    check_stall,
+)
 from dplb.errors import ConfigError, ShmError, ShmMissingError
 from dplb.obs.metrics import WorkerMetrics, worker_metrics
 from dplb.policy.stall import StallDetector
@@ -55,7 +62,9 @@ from dplb.runtime.sd_notify import Watchdog, notify
 from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
 from dplb.state.router_slots import ROUTER_STALE_S, read_router_slots
 from dplb.state.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, FLAG_STALLED, Lifecycle, Segment, SlotWriter, WorkerState
-from dplb.worker.engines.base import Engine, Reconcilable, RequestStats, RequestStatsMiddleware, Scope
+from dplb.worker.engines.base import TIMED_PATHS, Engine, Reconcilable, RequestStats, RequestStatsMiddleware, Scope
+from dplb.worker.kv_events import ZMQ_AVAILABLE, KvEventSubscriber
+from dplb.worker.kv_translate import KvTranslateMiddleware, KvTranslator
 from dplb.worker.reconcile import Reconciler
 
 log = logging.getLogger("dplb.worker")
@@ -67,7 +76,8 @@ WORKER_MAX_HEAD_BYTES = 1 << 20
 class WorkerConfig:
     """Worker settings. ``metrics_port`` None = 30001 + worker_id; 0 = no metrics server. ``stall_after_s``: the
     router's ``--stall-after`` (0 = no stall check); ``stall_restart_after_s``: stalled this long since the last
-    progress, the worker exits for a restart (0 = never). Seconds."""
+    progress, the worker exits for a restart (0 = never). Seconds. ``kv_events``: subscribe to the engine's KV
+    events and publish what it holds in the routers' keys (``prefix_block_bytes``: the routers' block size)."""
 
     worker_id: int
     uds: str
@@ -79,6 +89,8 @@ class WorkerConfig:
     warmup_timeout_s: float = 900.0
     stall_after_s: float = STALL_AFTER_S
     stall_restart_after_s: float = STALL_RESTART_AFTER_S
+    kv_events: bool = True
+    prefix_block_bytes: int = PREFIX_BLOCK_BYTES
 
     def __post_init__(self) -> None:
         check_stall(self.stall_after_s, self.stall_restart_after_s if self.stall_after_s else None)
@@ -300,6 +312,31 @@ class Worker:
                                    self.interval_ms / 1000, self.metrics, cfg.stall_after_s, cfg.stall_restart_after_s)
         self.accepting = True
         self._stop = asyncio.Event()
+        self.kv: KvTranslator | None = None
+        self._kv_sub: KvEventSubscriber | None = None
+        self._kv_ring = None
+        self._setup_kv_events()
+
+    def _setup_kv_events(self) -> None:
+        """Ask the engine to publish its KV events on ``ipc://<socket dir>/kv-events-K.sock`` and translate them
+        (nothing when off, without pyzmq, or when the engine cannot; the routers then keep their sent-bytes index
+        for this worker)."""
+        cfg = self.cfg
+        if not cfg.prefix_block_bytes:
+            return
+        self._kv_ring = ring = self.segment.kv_writer(cfg.worker_id)
+        ring.reset(cfg.prefix_block_bytes)
+        enable = getattr(self.engine, "enable_kv_events", None)
+        if not cfg.kv_events or not ZMQ_AVAILABLE or enable is None:
+            if cfg.kv_events and not ZMQ_AVAILABLE:
+                log.warning("Worker %d: pyzmq is not installed; no KV events (the router keeps its sent-bytes "
+                            "prefix index for this worker)", cfg.worker_id)
+            return
+        endpoint = f"ipc://{os.path.join(os.path.dirname(os.path.abspath(cfg.uds)), f'kv-events-{cfg.worker_id}.sock')}"
+        if not enable(endpoint):
+            return
+        self.kv = KvTranslator(ring, cfg.prefix_block_bytes)
+        self._kv_sub = KvEventSubscriber(endpoint, self.kv.on_batch)
 
     def _router_inflight(self) -> dict[int, int]:
         """Each live router process's in-flight count for this worker (empty while the segment is unreadable)."""
@@ -336,8 +373,14 @@ class Worker:
                 log.info("Worker %d: stop requested while the engine was loading", k)
                 return 0
             load_s = time.perf_counter() - t_load
+            if self._kv_sub is not None and self._kv_ring is not None:
+                self._kv_sub.start()
+                self._kv_ring.enable(time.monotonic_ns())
+                log.info("Worker %d: following the engine's KV events on %s", k, self._kv_sub.endpoint)
             if self.engine.app is not None:
-                app = RequestStatsMiddleware(self.engine.app, self.req, lambda: self.accepting)
+                inner = self.engine.app if self.kv is None else KvTranslateMiddleware(self.engine.app, self.kv,
+                                                                                       TIMED_PATHS)
+                app = RequestStatsMiddleware(inner, self.req, lambda: self.accepting)
                 srv = make_server(app, graceful_s=self.cfg.drain_timeout_s, max_head_bytes=WORKER_MAX_HEAD_BYTES)
                 servers.append((srv, asyncio.create_task(srv.serve(sockets=[bind_uds(self.cfg.uds)]))))
                 reconcile = asyncio.create_task(self.reconciler.run(), name=f"dplb-reconcile-{k}")
@@ -367,6 +410,11 @@ class Worker:
                     await asyncio.wait_for(task, timeout=max(5.0, self.cfg.drain_timeout_s))
             with contextlib.suppress(Exception):
                 await self.engine.shutdown()
+            if self._kv_sub is not None:
+                self._kv_sub.stop()
+            if self._kv_ring is not None:
+                self._kv_ring.enable(0)
+                self._kv_ring.close()
             self.collector.set_lifecycle(Lifecycle.STOPPED)
             self.collector.stop()
             log.info("Worker %d stopped", k)

@@ -64,9 +64,11 @@ class OpenRequest:
     """One HTTP request open on the worker's socket: ``xrid`` (its ``X-Request-Id``, or None), ``peer_pid`` (the
     client process on the Unix socket, 0 when unknown), ``t0`` (``time.monotonic()`` at arrival). ``gone`` is True
     once the client's connection was lost before the response completed (the server's disconnect hook, or an
-    ``http.disconnect`` the app received); ``closed`` once the app returned."""
+    ``http.disconnect`` the app received); ``closed`` once the app returned. An engine that knows them sets
+    ``prompt_token_ids`` (the prompt's token ids, once tokenized) and ``cached_tokens`` (prompt tokens its prefix
+    cache served, -1 until known): the worker's KV-event translation reads them (:mod:`dplb.worker.kv_translate`)."""
 
-    __slots__ = ("_hook", "closed", "disconnected", "peer_pid", "t0", "xrid")
+    __slots__ = ("_hook", "cached_tokens", "closed", "disconnected", "peer_pid", "prompt_token_ids", "t0", "xrid")
 
     def __init__(self, scope: Scope) -> None:
         xrid = None
@@ -80,6 +82,8 @@ class OpenRequest:
         self.t0 = time.monotonic()
         self.disconnected = False
         self.closed = False
+        self.prompt_token_ids: list[int] | None = None
+        self.cached_tokens = -1
 
     @property
     def gone(self) -> bool:

@@ -63,6 +63,7 @@ from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, read_body
 from dplb.worker.engines.sim.prompts import block_hashes, prompt_hash
 from dplb.worker.engines.sim.request import ParsedRequest, parse_request
 from dplb.worker.engines.sim.scheduler import SimConfig, SimRequest, SimScheduler
+from dplb.worker.kv_events import ZMQ_AVAILABLE, KvEventPublisher
 
 __all__ = ["SimConfig", "SimEngine", "main"]
 
@@ -70,6 +71,16 @@ log = logging.getLogger(__name__)
 DEBUG_RECORDS = 256
 _json = msgspec.json.Encoder().encode
 _CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def _cached(req: SimRequest) -> int:
+    """Prompt tokens the prefix cache served ``req``: per prompt, the most any of its choices got (the ``n`` choices of
+    one prompt share its hash list; ``usage.prompt_tokens`` counts each prompt once too)."""
+    best: dict[int, int] = {}
+    for s in req.seqs:
+        k = id(s.block_hashes)
+        best[k] = max(best.get(k, 0), s.cached_tokens)
+    return sum(best.values())
 
 
 class SimEngine:
@@ -101,10 +112,22 @@ class SimEngine:
         self._closed = False
         self._created = int(time.time())
         self.api = SimApi(self)
+        self._kv_endpoint = ""
 
     # ---- Engine protocol ----
+    def enable_kv_events(self, endpoint: str) -> bool:
+        """Publish the prefix cache's vLLM KV events on a ZMQ PUB socket bound at ``endpoint`` (from :meth:`start`
+        on; the encoding is ``kv_events_map``). False when pyzmq is missing or the cache is off (no events then)."""
+        if not ZMQ_AVAILABLE or self.config.prefix_cache_blocks <= 0:
+            return False
+        self._kv_endpoint = endpoint
+        self.scheduler.prefix_cache.record_events = True
+        return True
+
     async def start(self) -> None:
         """Simulated model load: sleeps ``warmup_delay_s``. Requests are served even before (as a warm-up probe)."""
+        if self._kv_endpoint and self.scheduler.publisher is None:
+            self.scheduler.publisher = KvEventPublisher(self._kv_endpoint, map_events=self.config.kv_events_map)
         if self.config.warmup_delay_s > 0:
             await asyncio.sleep(self.config.warmup_delay_s)
         self.started = True
@@ -156,6 +179,9 @@ class SimEngine:
 
     def _close_on_loop(self) -> None:
         self.scheduler.stop()
+        if self.scheduler.publisher is not None:
+            self.scheduler.publisher.close()
+            self.scheduler.publisher = None
         for req in list(self.scheduler.live.values()):  # background responses too
             if self.scheduler.abort_now(req):
                 self.aborted_total += 1
@@ -193,6 +219,11 @@ class SimEngine:
                 await send_json(send, 405, b'{"detail":"Method Not Allowed"}')
             else:
                 await self._model(scope, receive, send, path == _CHAT)
+            return
+        if path == "/reset_prefix_cache" and method == "POST":  # vLLM's dev-mode endpoint
+            self.scheduler.prefix_cache.clear()
+            self.scheduler.flush_events()
+            await send_json(send, 200, b"")
             return
         if self.api.handles(path):
             await self.api(scope, receive, send)
@@ -305,12 +336,14 @@ class SimEngine:
             hashes, ph = block_hashes(ids, cfg.block_size), prompt_hash(ids)
             lead = bool(p.leads and p.leads[pi])
             for j in range(p.n):
-                req.add_seq(pi * p.n + j, len(ids), hashes, p.max_tokens[pi], cfg.block_size)
+                req.add_seq(pi * p.n + j, len(ids), hashes, p.max_tokens[pi], cfg.block_size, ids)
                 seeds.append(f"{cfg.seed}:{ph}:{pi * p.n + j}")
                 rngs.append(text.TextGen(cfg.seed, ids, j, lead))
         lps = None if p.logprobs is None else [logprobs.SequenceLogprobs(s, p.logprobs, chat) for s in seeds]
         prompt_tokens = sum(len(ids) for ids in p.prompts)
         rec["prompt_tokens"] = self.last_prompt_tokens = prompt_tokens
+        if owner is not None and len(p.prompts) == 1:
+            owner.prompt_token_ids = p.prompts[0]
         self._active[req] = rec
         self.scheduler.submit(req)
         watcher = asyncio.ensure_future(self._watch(receive, req, rec))
@@ -341,14 +374,17 @@ class SimEngine:
                 "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": cfg.model, "choices": choices, "usage": {
                     "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion,
-                    "completion_tokens": completion, "prompt_tokens_details": None}}), headers)
+                    "completion_tokens": completion,
+                    "prompt_tokens_details": {"cached_tokens": _cached(req)}}}), headers)
             return True
         finally:
             watcher.cancel()
             self._active.pop(req, None)
             if not req.done:
                 self._abort(req, rec)
-            rec["cached_tokens"] = sum(s.cached_tokens for s in req.seqs)
+            rec["cached_tokens"] = cached = _cached(req)
+            if owner is not None:
+                owner.cached_tokens = cached
 
     async def _stream(self, send: Send, req: SimRequest, p: ParsedRequest, rid: str, rec: dict[str, Any],
                       headers: list[tuple[bytes, bytes]], chat: bool, rngs: list[text.TextGen],
@@ -358,9 +394,10 @@ class SimEngine:
                 "created": int(time.time()), "model": cfg.model}
         sent = [0] * len(req.seqs)
 
-        def usage() -> dict[str, int]:
+        def usage() -> dict[str, Any]:
             c = sum(sent)
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": c, "total_tokens": prompt_tokens + c}
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": c, "total_tokens": prompt_tokens + c,
+                    "prompt_tokens_details": {"cached_tokens": _cached(req)}}
 
         def event(choices: list[dict[str, Any]], with_usage: bool) -> bytes:
             obj: dict[str, Any] = {**head, "choices": choices}

@@ -28,9 +28,12 @@ Contract
   first token arrives at the end of the step that admitted it (prefill and first token in one step, like vLLM) and
   latency grows with the batch size.
 - Prefix cache: the prompt's full blocks are hashed as a chain (block *i*'s hash covers its tokens and block *i−1*'s
-  hash, like vLLM's block hashing) and kept in an LRU of ``prefix_cache_blocks`` entries. At admission the leading
-  cached blocks (within ``prompt_tokens − 1`` tokens, as vLLM always recomputes the last prompt token) are hits and
-  cost no prefill; then the prompt's blocks are inserted.
+  hash, like vLLM's block hashing) and kept in an LRU of ``prefix_cache_blocks`` entries (a chain's tail evicted
+  first, lazily: :class:`~dplb.worker.engines.sim.prompts.PrefixCache`). At admission the leading cached blocks
+  (within ``prompt_tokens − 1`` tokens, as vLLM always recomputes the last prompt token) are hits and cost no
+  prefill; then the prompt's blocks are inserted. With a ``publisher`` (the worker enabled KV events), the cache's
+  changes of each admission step are published as one batch of vLLM KV events (BlockStored / BlockRemoved /
+  AllBlocksCleared, :mod:`dplb.worker.kv_events`).
 - Sequences, not HTTP requests, are the scheduling unit (an ``n=2`` request is two sequences, as vLLM V1 fans out
   parallel sampling); ``vllm:*`` request metrics therefore count sequences. All times are seconds.
 - Thread safety: everything runs on the serving event loop; :meth:`SimScheduler.num_running` & co. are plain reads
@@ -103,6 +106,10 @@ class SimConfig:
       until its ``max_tokens``; an abort from the worker's reconciler still works.
     - ``ignore_aborts``: no abort works, neither a disconnect's nor the reconciler's: an orphan keeps running until
       its ``max_tokens`` (drills DPLBInflightMismatch). Shutdown still aborts everything.
+
+    KV events (published when the worker asks, :meth:`SimEngine.enable_kv_events`)
+    - ``kv_events_map``: each event a map ``{"type": …}`` (vLLM ≥ 0.24); False: a positional array led by its tag
+      (vLLM ≤ 0.23).
     """
 
     model: str = "dplb-sim"
@@ -131,6 +138,7 @@ class SimConfig:
     chunk_delay_s: float = 0.0
     lose_aborts: bool = False
     ignore_aborts: bool = False
+    kv_events_map: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -173,12 +181,13 @@ WAITING, RUNNING, FINISHED, ABORTED = range(4)
 class Seq:
     """One sequence (one choice of one prompt). Times are ``loop.time()`` seconds; 0.0 = not yet."""
 
-    __slots__ = ("block_hashes", "blocks", "cached_tokens", "generated", "index", "max_tokens", "prompt_tokens",
-                 "req", "state", "t_arrival", "t_first", "t_last", "t_scheduled")
+    __slots__ = ("block_hashes", "blocks", "cached_tokens", "generated", "ids", "index", "max_tokens",
+                 "prompt_tokens", "req", "state", "t_arrival", "t_first", "t_last", "t_scheduled")
 
     def __init__(self, req: SimRequest, index: int, prompt_tokens: int, hashes: list[int], max_tokens: int,
-                 block_size: int) -> None:
+                 block_size: int, ids: list[int] | None = None) -> None:
         self.req = req
+        self.ids = ids  # the prompt's token ids (the KV events' BlockStored carries them), or None
         self.index = index
         self.prompt_tokens = prompt_tokens
         self.block_hashes = hashes
@@ -211,9 +220,10 @@ class SimRequest:
         self.done = False
         self.aborted = False
 
-    def add_seq(self, index: int, prompt_tokens: int, hashes: list[int], max_tokens: int, block_size: int) -> Seq:
-        """Append a sequence (choice ``index``) to the request."""
-        seq = Seq(self, index, prompt_tokens, hashes, max_tokens, block_size)
+    def add_seq(self, index: int, prompt_tokens: int, hashes: list[int], max_tokens: int, block_size: int,
+                ids: list[int] | None = None) -> Seq:
+        """Append a sequence (choice ``index``; ``ids``: its prompt's token ids) to the request."""
+        seq = Seq(self, index, prompt_tokens, hashes, max_tokens, block_size, ids)
         self.seqs.append(seq)
         self.unfinished += 1
         return seq
@@ -294,6 +304,9 @@ class SimScheduler:
         self.running: list[Seq] = []
         self.used_blocks = 0
         self.prefix_cache = PrefixCache(config.prefix_cache_blocks)
+        #: Where the prefix cache's KV events go after each admission (set by the engine's start when the worker
+        #: enabled them): anything with ``send(events)``, e.g. :class:`dplb.worker.kv_events.KvEventPublisher`.
+        self.publisher: Any = None
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
         self.generation_tokens_total = 0
@@ -464,7 +477,7 @@ class SimScheduler:
             self.running.append(seq)
             hit_blocks = self.prefix_cache.match(seq.block_hashes, (seq.prompt_tokens - 1) // cfg.block_size)
             seq.cached_tokens = hit_blocks * cfg.block_size
-            self.prefix_cache.insert(seq.block_hashes)
+            self.prefix_cache.insert(seq.block_hashes, seq.ids, cfg.block_size)
             uncached += seq.prompt_tokens - seq.cached_tokens + seq.generated
             if seq.generated:  # resumed after a preemption: counted when it was first admitted
                 continue
@@ -474,7 +487,15 @@ class SimScheduler:
             m.prefix_hits.inc(seq.cached_tokens)
             m.prompt_tokens.inc(seq.prompt_tokens)
             m.queue_time.observe(now - seq.t_arrival)
+        self.flush_events()
         return uncached
+
+    def flush_events(self) -> None:
+        """Publish the prefix cache's KV events recorded since the last flush (one batch, like one vLLM step)."""
+        if self.publisher is not None:
+            events = self.prefix_cache.take_events()
+            if events:
+                self.publisher.send(events)
 
     def _emit(self, now: float) -> None:
         """One output token for every running sequence; finish those that reached ``max_tokens``."""
