@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -157,8 +158,6 @@ class KvEventPublisher:
         self._sock.setsockopt(zmq.LINGER, 0)
         if endpoint.startswith("ipc://"):
             with contextlib.suppress(FileNotFoundError):
-                import os
-
                 os.unlink(endpoint[6:])
         self._sock.bind(endpoint)
         self._topic = topic.encode()
@@ -178,8 +177,11 @@ class KvEventPublisher:
         self.seq += 1
 
     def close(self) -> None:
-        """Close the socket. Idempotent."""
+        """Close the socket and remove its ipc file (ZMQ leaves it behind). Idempotent."""
         self._sock.close(0)
+        if self.endpoint.startswith("ipc://"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.endpoint[6:])
 
 
 class KvEventSubscriber:

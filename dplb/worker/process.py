@@ -315,6 +315,7 @@ class Worker:
         self.kv: KvTranslator | None = None
         self._kv_sub: KvEventSubscriber | None = None
         self._kv_ring = None
+        self._kv_path = ""  # the ipc socket file the engine publishes on (removed at stop)
         self._setup_kv_events()
 
     def _setup_kv_events(self) -> None:
@@ -335,6 +336,7 @@ class Worker:
         endpoint = f"ipc://{os.path.join(os.path.dirname(os.path.abspath(cfg.uds)), f'kv-events-{cfg.worker_id}.sock')}"
         if not enable(endpoint):
             return
+        self._kv_path = endpoint.removeprefix("ipc://")
         self.kv = KvTranslator(ring, cfg.prefix_block_bytes)
         self._kv_sub = KvEventSubscriber(endpoint, self.kv.on_batch)
 
@@ -418,8 +420,10 @@ class Worker:
             self.collector.set_lifecycle(Lifecycle.STOPPED)
             self.collector.stop()
             log.info("Worker %d stopped", k)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.cfg.uds)
+            for path in (self.cfg.uds, self._kv_path):  # the engine's publisher may leave its ipc file
+                if path:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
             self.gpu.close()
             self.collector.segment.close()
 
