@@ -145,6 +145,7 @@ def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return 0
+    _refuse_live_segment(path)
     n = args.num_workers or int(os.environ.get("DPLB_NUM_WORKERS", "0"))
     if n <= 0:
         raise ConfigError("--num-workers (or DPLB_NUM_WORKERS) must be > 0")
@@ -153,6 +154,20 @@ def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
                    run_dir=os.environ.get("DPLB_RUN_DIR", "")).close()
     print(f"created {path} ({n} workers, {interval} ms)")
     return 0
+
+
+def _refuse_live_segment(path: str) -> None:
+    """``dplb segment create`` over a segment that live processes use would wipe their state (``dplb state`` then
+    shows ``model=-``): refuse it the way ``dplb launch`` does (:func:`dplb.state.segments.check_takeover`), and say
+    how to stop each kind of stack. Raises :class:`dplb.errors.ShmPathError`."""
+    from dplb.errors import ShmPathError
+    from dplb.state.segments import check_takeover
+
+    try:
+        check_takeover(path)
+    except ShmPathError as e:
+        raise ShmPathError(f"{e}. To stop it: Ctrl-C its `dplb launch`, or `systemctl stop dplb.target` for the "
+                           "systemd units (which recreate the segment when started)", path) from e
 
 
 # ---- entry point ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from cluster import ROOT, cluster, dplb_cmd, free_port, need
 
 from dplb.ops import doctor
 from dplb.runtime.gpu import GpuInfo
-from dplb.state.shm import Segment
+from dplb.state.shm import Lifecycle, Segment, WorkerState
 
 UNITS = ["dplb.target", "dplb-segment.service", "dplb-router.service", "dplb-worker@.service"]
 
@@ -187,6 +187,30 @@ def test_doctor_stale_segment_and_shm(tmp_path) -> None:  # type: ignore[no-unty
     assert "dplb_state_2" not in doctor.check_stale_segments(str(d)).detail
     live.close()
     assert doctor.check_shm(str(d)).status in ("pass", "warn")
+
+
+def test_segment_create_refuses_a_segment_a_live_process_uses(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: ``dplb segment create`` replaced a running stack's segment (its ``dplb state`` then showed
+    ``model=-``). The systemd case: the creator (``dplb segment create`` itself) is dead, a worker is alive."""
+    path = str(tmp_path / "dplb_state_live")
+    create = dplb_cmd("segment", "create", "--shm-path", path, "--num-workers", "1", "--model", "first")
+    env = {k: v for k, v in os.environ.items() if k != "DPLB_SHM_PATH"}
+    assert subprocess.run(create, capture_output=True, text=True, timeout=60, env=env).returncode == 0
+    with Segment.attach(path) as seg:  # a live worker publishes into its slot (this test's process)
+        seg.writer(0).publish_now(WorkerState(0, pid=os.getpid(), lifecycle=Lifecycle.READY))
+    again = [*create[:-1], "second"]
+    r = subprocess.run(again, capture_output=True, text=True, timeout=60, env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("dplb segment: error: "), r.stderr
+    assert f"pids {os.getpid()}" in lines[0] and "systemctl stop dplb.target" in lines[0], r.stderr
+    with Segment.attach(path, writable=False) as seg:  # untouched
+        assert seg.header.model == "first" and seg.read(0).pid == os.getpid()
+    with Segment.attach(path) as seg:  # the worker left: the segment is stale and may be recreated
+        seg.writer(0).clear()
+    r = subprocess.run(again, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    with Segment.attach(path, writable=False) as seg:
+        assert seg.header.model == "second"
 
 
 def test_doctor_calls_out_docker_64mb_shm(tmpfs) -> None:  # type: ignore[no-untyped-def]
