@@ -66,6 +66,38 @@ def test_emit_systemd_env_files(tmp_path) -> None:  # type: ignore[no-untyped-de
     assert "DPLB_NUM_WORKERS=2" in common and "DPLB_SHM_PATH=/dev/shm/dplb_state_systemd" in common
 
 
+def test_emit_systemd_again_with_fewer_workers_removes_what_it_wrote_for_the_others(tmp_path: Path) -> None:
+    """Regression: emitting 2 workers, then 1, left worker-1.env and the placement drop-ins behind (a unit
+    started from them ran a worker the configuration no longer has, pinned where it said). Only DPLB's files go."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs to pin two workers")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "units"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    base = ["launch", "--model", str(model), "--emit-systemd", str(out)]
+    r = subprocess.run(dplb_cmd(*base, "--num-workers", "2", "--worker-cpus", f"{cpus[0]}|{cpus[1]}",
+                                "--router-cpus", str(cpus[-1])), capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    dropin = {k: out / f"dplb-worker@{k}.service.d" / "placement.conf" for k in range(2)}
+    router_dropin = out / "dplb-router.service.d" / "placement.conf"
+    assert (out / "worker-1.env").exists() and dropin[1].exists() and router_dropin.exists()
+    assert "removed" not in r.stderr, r.stderr
+    (out / "worker-7.env").write_text("# my notes\n")  # an operator's files: kept
+    (out / "dplb-worker@1.service.d" / "override.conf").write_text("[Service]\nNice=5\n")
+    r = subprocess.run(dplb_cmd(*base, "--num-workers", "1", "--worker-cpus", str(cpus[0]), "--router-cpus", "off"),
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert not (out / "worker-1.env").exists() and not dropin[1].exists() and dropin[0].exists()
+    assert not router_dropin.exists() and not router_dropin.parent.exists()  # the router is not pinned now
+    assert (out / "worker-7.env").read_text() == "# my notes\n"
+    assert (out / "dplb-worker@1.service.d" / "override.conf").exists()
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("removed "))
+    assert line.split(" (")[0].split()[1:] == [str(router_dropin), str(dropin[1]), str(out / "worker-1.env")], line
+
+
 def test_emit_systemd_checks_the_model_first_and_says_when_it_emits_the_sim(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Regression: --emit-systemd skipped the --model check `dplb launch` makes (a missing model directory was
     written into the units) and emitted sim units without a word when --model was left out."""
