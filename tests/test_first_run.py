@@ -179,6 +179,19 @@ def test_cli_mistakes_are_one_line(args: list[str], says: str) -> None:
     assert "_cmd" not in r.stderr, r.stderr  # argparse's internal dest names never reach the user
 
 
+def test_hash_key_reads_a_pipe_without_a_getpass_warning() -> None:
+    """Regression: ``echo KEY | dplb tenants hash-key`` printed Python's GetPassWarning (getpass found no terminal);
+    stdin that is not a terminal is read as the key, and an empty pipe is one line."""
+    from dplb.tenants import hash_key
+
+    r = subprocess.run(dplb_cmd("tenants", "hash-key"), input="key-one\n", capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == hash_key("key-one") and r.stderr == "", r.stderr
+    r = subprocess.run(dplb_cmd("tenants", "hash-key"), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("dplb tenants: error: no key given"), r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "Warning" not in r.stderr, r.stderr
+
+
 def test_doctor_with_a_port_past_65535_fails_the_ports_check() -> None:
     """Regression: ``dplb doctor --port 99999`` died with an OverflowError traceback from bind()."""
     r = subprocess.run(dplb_cmd("doctor", "--port", "99999", "--num-workers", "1"), capture_output=True, text=True,
