@@ -2,7 +2,9 @@
 ``usage``, ``tenants``.
 
 Contract: argparse parses and validates into typed ``*Config`` objects once; a :class:`dplb.errors.DPLBError` is
-printed as one clear message without a traceback (exit 2 for configuration errors, 1 otherwise). Subcommands
+printed as one clear message without a traceback (exit 2 for configuration errors, 1 otherwise), prefixed with
+the (sub)command given (``dplb tenants hash-key: error: …``); a usage error is one line too, naming the subcommand and
+its ``--help`` (exit 2). Subcommands
 import their modules lazily so ``dplb state`` stays fast and the router never imports engine code.
 """
 

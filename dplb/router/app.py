@@ -214,8 +214,8 @@ class RouterApp:
             return await lora(request)
 
         @get("/debug/decisions")
-        async def decisions(request: Request[Any, Any, Any], limit: str = str(DECISIONS_LIMIT)) -> list[dict[str, Any]]:
-            n = _decisions_limit(limit)
+        async def decisions(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
+            n = _decisions_limit(request.query_params.get("limit", str(DECISIONS_LIMIT)))
             items = list(state.decisions)[-n:]
             tenant_of = self.proxy.gate.recent.get
             own = [{"time": t, "request_id": rid, "tenant": tenant_of(rid), **d.to_dict()}
