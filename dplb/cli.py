@@ -2,7 +2,9 @@
 ``usage``, ``tenants``.
 
 Contract: argparse parses and validates into typed ``*Config`` objects once; a :class:`dplb.errors.DPLBError` is
-printed as one clear message without a traceback (exit 2 for configuration errors, 1 otherwise). Subcommands
+printed as one clear message without a traceback (exit 2 for configuration errors, 1 otherwise), prefixed with
+the (sub)command given (``dplb tenants hash-key: error: …``); a usage error is one line too, naming the subcommand and
+its ``--help`` (exit 2). Subcommands
 import their modules lazily so ``dplb state`` stays fast and the router never imports engine code.
 """
 
@@ -23,6 +25,7 @@ if _ENTRY:
 import argparse
 import contextlib
 import logging
+import typing
 from collections.abc import Sequence
 
 from dplb import __version__
@@ -158,6 +161,7 @@ def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return 0
+    _refuse_live_segment(path)
     n = args.num_workers or int(os.environ.get("DPLB_NUM_WORKERS", "0"))
     if n <= 0:
         raise ConfigError("--num-workers (or DPLB_NUM_WORKERS) must be > 0")
@@ -168,10 +172,32 @@ def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _refuse_live_segment(path: str) -> None:
+    """``dplb segment create`` over a segment that live processes use would wipe their state (``dplb state`` then
+    shows ``model=-``): refuse it the way ``dplb launch`` does (:func:`dplb.state.segments.check_takeover`), and say
+    how to stop each kind of stack. Raises :class:`dplb.errors.ShmPathError`."""
+    from dplb.errors import ShmPathError
+    from dplb.state.segments import check_takeover
+
+    try:
+        check_takeover(path)
+    except ShmPathError as e:
+        raise ShmPathError(f"{e}. To stop it: Ctrl-C its `dplb launch`, or `systemctl stop dplb.target` for the "
+                           "systemd units (which recreate the segment when started)", path) from e
+
+
 # ---- entry point ---------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """The CLI's parser class (every subcommand's too: ``add_subparsers`` makes them of the parent's class): a
+    usage error is one line naming the (sub)command, ``dplb state: error: … (see `dplb state --help`)``, exit 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``dplb`` parser."""
-    p = argparse.ArgumentParser(prog="dplb", description="DPLB: data-parallel load balancer for vLLM")
+    p = _Parser(prog="dplb", description="DPLB: data-parallel load balancer for vLLM")
     p.add_argument("--version", action="version", version=f"dplb {__version__}")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -195,6 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
 _PASS_THROUGH = {"worker", "launch"}
 
 
+def _leaf_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command that was given (``dplb state``, ``dplb tenants hash-key``): its errors name
+    that command and show its usage, not the whole CLI's."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name not in (subs[0].choices if subs else {}):
+            return parser
+        parser = subs[0].choices[name]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point. Returns the exit code (130 after Ctrl-C, at any point: while the subcommands'
     modules are imported too, so an early Ctrl-C prints one line, never a traceback)."""
@@ -204,9 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args, rest = parser.parse_known_args(argv)
-        command = f"dplb {args.command}"
+        leaf = _leaf_parser(parser, args)
+        command = leaf.prog
         if rest and args.command not in _PASS_THROUGH:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            leaf.error(f"unrecognized arguments: {' '.join(rest)}")
         _setup_logging(args.log_level)
         return int(args.func(args, rest) or 0)
     except DPLBError as e:

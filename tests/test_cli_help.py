@@ -51,6 +51,26 @@ def test_help_engine_sim_lists_every_sim_knob() -> None:
     assert r.returncode == 2 and "`dplb worker --help-engine sim`" in r.stderr, r.stderr  # advertised, and it exists
 
 
+def test_help_engine_sim_describes_every_knob() -> None:
+    """Regression: every knob's help was only its default. Now each flag says what it does (from SimConfig's
+    docstring, where the knobs are declared) before its default, and the docstring describes every knob."""
+    import dataclasses
+
+    from dplb.worker.engines import knob_help, sim_arg_parser
+    from dplb.worker.engines.sim.scheduler import SimConfig
+
+    helps = knob_help(SimConfig.__doc__ or "")
+    assert set(helps) == {f.name for f in dataclasses.fields(SimConfig)}
+    for a in sim_arg_parser()._actions:
+        assert a.help and re.fullmatch(r"\S.{8,} \(default .+\)", a.help), (a.option_strings, a.help)
+    assert helps["block_size"] == "tokens per block" and helps["kv_blocks"] == "KV cache capacity in blocks"
+    assert helps["warmup_delay_s"] == "SimEngine.start sleeps this long (a slow cold start)"
+    r = subprocess.run(dplb_cmd("worker", "--help-engine", "sim"), capture_output=True, text=True, timeout=60)
+    text = " ".join(r.stdout.split())
+    assert "--sim-crash-after CRASH_AFTER after N completed requests the process exits with os._exit(1) (default 0)" \
+        in text, r.stdout
+
+
 def test_emit_systemd_enables_the_target_and_writes_scrape_targets(tmp_path: Path) -> None:
     r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--host", "10.0.0.5", "--port", "31000",
                                 "--metrics-host", "0.0.0.0", "--metrics-port-base", "32001", "--emit-systemd",

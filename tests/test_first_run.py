@@ -179,6 +179,51 @@ def test_cli_mistakes_are_one_line(args: list[str], says: str) -> None:
     assert "_cmd" not in r.stderr, r.stderr  # argparse's internal dest names never reach the user
 
 
+def _leaf_commands() -> list[list[str]]:
+    """Every (sub)command of the CLI, nested ones included (``tenants hash-key``), from its one parser builder."""
+    import argparse
+
+    from dplb.cli import build_parser
+
+    def walk(p: argparse.ArgumentParser, path: list[str]) -> list[list[str]]:
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return [path]
+        return [leaf for name, sp in subs[0].choices.items() for leaf in walk(sp, [*path, name])]
+
+    return walk(build_parser(), [])
+
+
+def test_every_subcommand_names_itself_in_a_one_line_usage_error() -> None:
+    """Regression: ``dplb state --bogus`` printed ``dplb: error`` after the whole CLI's usage. Each subcommand's
+    unknown argument (a bad value, for the two that pass unknown ones on to the engine) is one line naming it."""
+    leaves = _leaf_commands()
+    assert ["state"] in leaves and ["tenants", "hash-key"] in leaves and len(leaves) >= 12, leaves
+    for cmd in leaves:
+        prog = "dplb " + " ".join(cmd)
+        bad = {"launch": ["--num-workers", "x"], "worker": ["--worker-id", "x"],
+               "segment": ["create", "--bogus"], "fleet": ["--hosts", "10.0.0.1:30000", "--bogus"]}.get(cmd[0], ["--bogus"])
+        r = subprocess.run(dplb_cmd(*cmd, *bad), capture_output=True, text=True, timeout=60,
+                           stdin=subprocess.DEVNULL)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), (cmd, r.stderr)
+        assert ("unrecognized arguments: --bogus (" if bad[-1] == "--bogus" else "invalid int value: 'x'") in lines[0]
+        assert lines[0].endswith(f"(see `{prog} --help`)"), lines
+
+
+def test_hash_key_reads_a_pipe_without_a_getpass_warning() -> None:
+    """Regression: ``echo KEY | dplb tenants hash-key`` printed Python's GetPassWarning (getpass found no terminal);
+    stdin that is not a terminal is read as the key, and an empty pipe is one line."""
+    from dplb.tenants import hash_key
+
+    r = subprocess.run(dplb_cmd("tenants", "hash-key"), input="key-one\n", capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == hash_key("key-one") and r.stderr == "", r.stderr
+    r = subprocess.run(dplb_cmd("tenants", "hash-key"), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("dplb tenants hash-key: error: no key given"), r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "Warning" not in r.stderr, r.stderr
+
+
 def test_doctor_with_a_port_past_65535_fails_the_ports_check() -> None:
     """Regression: ``dplb doctor --port 99999`` died with an OverflowError traceback from bind()."""
     r = subprocess.run(dplb_cmd("doctor", "--port", "99999", "--num-workers", "1"), capture_output=True, text=True,

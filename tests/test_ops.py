@@ -16,7 +16,7 @@ from cluster import ROOT, cluster, dplb_cmd, free_port, need
 
 from dplb.ops import doctor
 from dplb.runtime.gpu import GpuInfo
-from dplb.state.shm import Segment
+from dplb.state.shm import Lifecycle, Segment, WorkerState
 
 UNITS = ["dplb.target", "dplb-segment.service", "dplb-router.service", "dplb-worker@.service"]
 
@@ -64,6 +64,38 @@ def test_emit_systemd_env_files(tmp_path) -> None:  # type: ignore[no-untyped-de
     assert f"--model {model} --tensor-parallel-size 2 --max-model-len 4096" in w1
     common = (out / "dplb.env").read_text()
     assert "DPLB_NUM_WORKERS=2" in common and "DPLB_SHM_PATH=/dev/shm/dplb_state_systemd" in common
+
+
+def test_emit_systemd_again_with_fewer_workers_removes_what_it_wrote_for_the_others(tmp_path: Path) -> None:
+    """Regression: emitting 2 workers, then 1, left worker-1.env and the placement drop-ins behind (a unit
+    started from them ran a worker the configuration no longer has, pinned where it said). Only DPLB's files go."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs to pin two workers")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "units"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    base = ["launch", "--model", str(model), "--emit-systemd", str(out)]
+    r = subprocess.run(dplb_cmd(*base, "--num-workers", "2", "--worker-cpus", f"{cpus[0]}|{cpus[1]}",
+                                "--router-cpus", str(cpus[-1])), capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    dropin = {k: out / f"dplb-worker@{k}.service.d" / "placement.conf" for k in range(2)}
+    router_dropin = out / "dplb-router.service.d" / "placement.conf"
+    assert (out / "worker-1.env").exists() and dropin[1].exists() and router_dropin.exists()
+    assert "removed" not in r.stderr, r.stderr
+    (out / "worker-7.env").write_text("# my notes\n")  # an operator's files: kept
+    (out / "dplb-worker@1.service.d" / "override.conf").write_text("[Service]\nNice=5\n")
+    r = subprocess.run(dplb_cmd(*base, "--num-workers", "1", "--worker-cpus", str(cpus[0]), "--router-cpus", "off"),
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert not (out / "worker-1.env").exists() and not dropin[1].exists() and dropin[0].exists()
+    assert not router_dropin.exists() and not router_dropin.parent.exists()  # the router is not pinned now
+    assert (out / "worker-7.env").read_text() == "# my notes\n"
+    assert (out / "dplb-worker@1.service.d" / "override.conf").exists()
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("removed "))
+    assert line.split(" (")[0].split()[1:] == [str(router_dropin), str(dropin[1]), str(out / "worker-1.env")], line
 
 
 def test_emit_systemd_checks_the_model_first_and_says_when_it_emits_the_sim(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -187,6 +219,30 @@ def test_doctor_stale_segment_and_shm(tmp_path) -> None:  # type: ignore[no-unty
     assert "dplb_state_2" not in doctor.check_stale_segments(str(d)).detail
     live.close()
     assert doctor.check_shm(str(d)).status in ("pass", "warn")
+
+
+def test_segment_create_refuses_a_segment_a_live_process_uses(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: ``dplb segment create`` replaced a running stack's segment (its ``dplb state`` then showed
+    ``model=-``). The systemd case: the creator (``dplb segment create`` itself) is dead, a worker is alive."""
+    path = str(tmp_path / "dplb_state_live")
+    create = dplb_cmd("segment", "create", "--shm-path", path, "--num-workers", "1", "--model", "first")
+    env = {k: v for k, v in os.environ.items() if k != "DPLB_SHM_PATH"}
+    assert subprocess.run(create, capture_output=True, text=True, timeout=60, env=env).returncode == 0
+    with Segment.attach(path) as seg:  # a live worker publishes into its slot (this test's process)
+        seg.writer(0).publish_now(WorkerState(0, pid=os.getpid(), lifecycle=Lifecycle.READY))
+    again = [*create[:-1], "second"]
+    r = subprocess.run(again, capture_output=True, text=True, timeout=60, env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("dplb segment: error: "), r.stderr
+    assert f"pids {os.getpid()}" in lines[0] and "systemctl stop dplb.target" in lines[0], r.stderr
+    with Segment.attach(path, writable=False) as seg:  # untouched
+        assert seg.header.model == "first" and seg.read(0).pid == os.getpid()
+    with Segment.attach(path) as seg:  # the worker left: the segment is stale and may be recreated
+        seg.writer(0).clear()
+    r = subprocess.run(again, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    with Segment.attach(path, writable=False) as seg:
+        assert seg.header.model == "second"
 
 
 def test_doctor_calls_out_docker_64mb_shm(tmpfs) -> None:  # type: ignore[no-untyped-def]

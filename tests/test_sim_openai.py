@@ -62,6 +62,30 @@ def _post(c: Cluster, path: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(c.url + path, json=body, timeout=30)
 
 
+@pytest.mark.parametrize("model", [5, ["dplb-sim"], {"name": "dplb-sim"}, True], ids=["int", "list", "object", "bool"])
+def test_a_model_that_is_not_a_string_is_a_400_on_every_model_route(two: Cluster, model: Any) -> None:
+    """Regression: ``"model": 5`` got 404 "does not exist" (a list or an object, a 500 from an unhashable lookup);
+    vLLM refuses a non-string model as a 400 validation error, before any lookup."""
+    bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+              "/v1/completions": {"prompt": "hi", "max_tokens": 2}, "/v1/embeddings": {"input": "hi"},
+              "/v1/responses": {"input": "hi", "max_output_tokens": 2}, "/tokenize": {"prompt": "hi"}}
+    for path, body in bodies.items():
+        r = _post(two, path, {**body, "model": model})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "BadRequestError", (path, r.text)
+        assert err["message"] == f"'model' must be a string, got {model!r}", (path, err)
+    r = _post(two, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "model": "no-such-model"})
+    assert r.status_code == 404, r.text  # a name is still looked up (here the router knows every worker's list)
+
+
+@pytest.mark.parametrize("prev", [5, ["resp_x"]], ids=["int", "list"])
+def test_a_previous_response_id_that_is_not_a_string_is_a_400(two: Cluster, prev: Any) -> None:
+    r = _post(two, "/v1/responses", {"model": MODEL, "input": "hi", "previous_response_id": prev})
+    assert r.status_code == 400 and "'previous_response_id' must be a string" in r.json()["error"]["message"], r.text
+    r = _post(two, "/v1/responses", {"model": MODEL, "input": "hi", "previous_response_id": "resp_nope"})
+    assert r.status_code == 404, r.text
+
+
 def test_classify_score_rerank_pooling_and_v2_embed_answer_every_input(two: Cluster) -> None:
     r = _post(two, "/classify", {"model": MODEL, "input": ["good", "bad"]}).json()
     assert [d["index"] for d in r["data"]] == [0, 1]

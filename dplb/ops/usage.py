@@ -104,8 +104,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ts = t.add_subparsers(dest="tenants_cmd", required=True, metavar="{hash-key}")
     h = ts.add_parser("hash-key", help="print the SHA-256 digest of an API key for api_key_sha256",
                       description="Print the digest of KEY (or of a key typed at the prompt, or read from stdin "
-                      "with '-': keeps it out of the shell history).")
-    h.add_argument("key", nargs="?", default=None, help="the key; omit to type it, '-' to read stdin")
+                      "with '-' or when stdin is not a terminal: keeps it out of the shell history).")
+    h.add_argument("key", nargs="?", default=None, help="the key; omit to type it (or to read a pipe), '-' to read "
+                   "stdin")
     h.set_defaults(func=_cmd_hash_key)
 
 
@@ -119,9 +120,15 @@ def _cmd_usage(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_hash_key(args: argparse.Namespace, rest: list[str]) -> int:
+    """Print KEY's digest; KEY from the argument, stdin ('-', or no KEY and stdin not a terminal: read without
+    getpass, whose fallback warns ``GetPassWarning``) or the terminal's prompt. Raises :class:`DPLBError` for no
+    key or an empty one."""
     key = args.key
-    if key == "-":
-        key = sys.stdin.readline().rstrip("\r\n")
+    if key == "-" or (key is None and not sys.stdin.isatty()):
+        line = sys.stdin.readline()
+        if not line and key is None:  # nothing piped in (stdin at EOF)
+            raise DPLBError("no key given: pass KEY, type it at the prompt, or pipe it with '-'")
+        key = line.rstrip("\r\n")
     elif key is None:
         try:
             key = getpass.getpass("API key: ")

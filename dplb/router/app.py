@@ -217,10 +217,9 @@ class RouterApp:
             return await lora(request)
 
         @get("/debug/decisions")
-        async def decisions(request: Request[Any, Any, Any], limit: int = 50) -> list[dict[str, Any]]:
-            if limit <= 0:
-                raise HTTPException(status_code=400, detail="limit must be > 0")
-            items = list(state.decisions)[-limit:]
+        async def decisions(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
+            n = _decisions_limit(request.query_params.get("limit", str(DECISIONS_LIMIT)))
+            items = list(state.decisions)[-n:]
             gate = self.proxy.gate
             tenant_of = gate.recent.get if gate.on else _default_tenant
             own = [{"time": t, "request_id": rid, "tenant": tenant_of(rid), **d.to_dict()}
@@ -229,8 +228,8 @@ class RouterApp:
                 return own
             if request.query_params.get("scope") == SCOPE_PROCESS:
                 return [{**d, "process": cfg.process_index} for d in own]
-            return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={limit}"),
-                                   limit)
+            return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={n}"),
+                                   n)
 
         return Litestar(route_handlers=[health, ready, metrics_endpoint, host_metrics, models, model, decisions,
                                         load_lora, unload_lora],
@@ -325,6 +324,21 @@ class RouterApp:
             if n == b"authorization":
                 return self.proxy.gate.tenant_of(v) is not None
         return False
+
+
+DECISIONS_LIMIT = 50  # /debug/decisions without ?limit=: the 50 most recent decisions
+
+
+def _decisions_limit(raw: str) -> int:
+    """``?limit=`` of ``/debug/decisions``: a positive integer (decimal digits). Raises :class:`HTTPException` 400
+    naming the parameter and what it accepts (Litestar's own message says only "Validation failed"). More digits
+    than an int64 has mean "every decision" (the ring is bounded; Python refuses to parse 4300+ digits)."""
+    digits = raw.lstrip("0") if raw.isascii() and raw.isdigit() else ""
+    n = int(digits[:18]) if digits else 0
+    if n <= 0:
+        raise HTTPException(status_code=400, detail=f"query parameter 'limit' must be a positive integer (the number "
+                            f"of most recent decisions; default {DECISIONS_LIMIT}), got {raw[:40]!r}")
+    return n
 
 
 _HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}

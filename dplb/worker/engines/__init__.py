@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import re
 import typing
 from collections.abc import Callable
 
@@ -35,13 +37,40 @@ def sim_arg_parser() -> argparse.ArgumentParser:
 
     p = _SimArgParser(prog="dplb worker --engine sim", add_help=False, allow_abbrev=False)
     hints = typing.get_type_hints(SimConfig)
+    helps = knob_help(SimConfig.__doc__ or "")
     for f in dataclasses.fields(SimConfig):
         typ = hints[f.name]
         convs: dict[object, Callable[[str], object]] = {int: int, float: float, bool: _bool}
         conv = convs.get(typ, str)
         p.add_argument(f"--sim-{f.name.replace('_', '-')}", dest=f.name, type=conv, default=f.default,
-                       help=f"(default {f.default!r})")
+                       help=f"{helps.get(f.name, '')} (default {f.default!r})".lstrip().replace("%", "%%"))
     return p
+
+
+_ENTRY = re.compile(r"(?:^|; )``(\w+)``: ")
+
+
+def knob_help(doc: str) -> dict[str, str]:
+    """``{knob: one-line help}`` from a config class's docstring, where each knob is described in a bullet as
+    ``- ``name``: text`` (several in one bullet are separated by ``; ``): the first sentence of its text, without the
+    reST literal marks and roles. Knobs the docstring does not describe are absent."""
+    bullets: list[str] = []
+    for line in inspect.cleandoc(doc).splitlines():
+        if line.startswith("- "):
+            bullets.append(line[2:])
+        elif line.startswith("  ") and bullets:
+            bullets[-1] += " " + line.strip()
+        else:
+            bullets.append("")  # a heading or a blank line ends the bullet
+    out: dict[str, str] = {}
+    for text in bullets:
+        found = list(_ENTRY.finditer(text))
+        ends = [m.start() for m in found[1:]] + [len(text)] * bool(found)
+        for m, end in zip(found, ends, strict=True):
+            entry = text[m.end():end]
+            out[m[1]] = re.split(r"\.\s", entry, maxsplit=1)[0].rstrip(" .;").replace("``", "")
+            out[m[1]] = re.sub(r":\w+:`~?([^`]*)`", r"\1", out[m[1]])  # :meth:`X` -> X
+    return out
 
 
 def _bool(s: str) -> bool:

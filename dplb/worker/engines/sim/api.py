@@ -46,7 +46,7 @@ from dplb.errors import ConfigError
 from dplb.runtime.asgi import send_json, until_disconnect
 from dplb.worker.engines.base import REQUEST_EXT, Receive, Scope, Send
 from dplb.worker.engines.sim import pooling
-from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, decode_object, read_body
+from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, check_model, decode_object, read_body
 from dplb.worker.engines.sim.pooling import POOLING_PATHS
 from dplb.worker.engines.sim.prompts import block_hashes, prompt_hash, render_chat, tokenize
 from dplb.worker.engines.sim.scheduler import WORDS, SimConfig, SimRequest, SimScheduler
@@ -175,9 +175,7 @@ class SimApi:
             data: Any = {"model": m.group(1).decode() if m else None, "bytes": len(body)}
         else:
             data = decode_object(body)
-        model = data.get("model")
-        if model is not None and model not in self.served:
-            raise HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError")
+        check_model(data.get("model"), self.served)
         return data
 
     # ---- LoRA --------------------------------------------------------------------------------------------------
@@ -242,6 +240,8 @@ class SimApi:
                        headers: list[tuple[bytes, bytes]], rec: dict[str, Any], owner: Any = None) -> None:
         eng, cfg = self.engine, self.engine.config
         prev = data.get("previous_response_id")
+        if prev is not None and not isinstance(prev, str):
+            raise HTTPError(400, f"'previous_response_id' must be a string, got {prev!r}")
         if prev is not None and prev not in self.responses:
             raise HTTPError(404, f"Response with id '{prev}' not found.", "invalid_request_error")
         inp = data.get("input")

@@ -1,11 +1,12 @@
 """The sim engine's HTTP plumbing, shared by its core endpoints (:mod:`dplb.worker.engines.sim.engine`) and the extra
 ones (:mod:`dplb.worker.engines.sim.api`): its error type (vLLM's error shape, built by
-:func:`dplb.errors.openai_error_body`), its bounded body reader (:func:`dplb.runtime.asgi.receive_body`) and its
-JSON-object decoder; responses go out through :func:`dplb.runtime.asgi.send_json`.
+:func:`dplb.errors.openai_error_body`), its bounded body reader (:func:`dplb.runtime.asgi.receive_body`), its
+JSON-object decoder and the body's ``model`` check; responses go out through :func:`dplb.runtime.asgi.send_json`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
 
 import msgspec
@@ -41,6 +42,17 @@ def decode_object(body: bytes) -> dict[str, Any]:
     return data
 
 
+def check_model(model: Any, served: Container[str]) -> None:
+    """vLLM's check of a body's ``model``: absent (None) passes (the served model answers); a non-string is 400 (vLLM's
+    validation error, never a lookup); a name not in ``served`` is 404 ``NotFoundError``. Raises :class:`HTTPError`."""
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise HTTPError(400, f"'model' must be a string, got {model!r}")
+    if model not in served:
+        raise HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError")
+
+
 async def read_body(receive: Receive) -> bytes | None:
     """The whole request body; None if the client disconnected first. Raises HTTPError(413) above
     :data:`MAX_BODY_BYTES`."""
@@ -50,4 +62,4 @@ async def read_body(receive: Receive) -> bytes | None:
         raise HTTPError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error") from None
 
 
-__all__ = ["DEBUG_HEADER", "MAX_BODY_BYTES", "HTTPError", "decode_object", "read_body"]
+__all__ = ["DEBUG_HEADER", "MAX_BODY_BYTES", "HTTPError", "check_model", "decode_object", "read_body"]

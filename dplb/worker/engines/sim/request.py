@@ -4,8 +4,8 @@ validated like vLLM (docs/DESIGN.md §8).
 Contract
 - :func:`parse_request` turns a body into a :class:`ParsedRequest` (token ids per prompt, ``max_tokens`` capped by
   ``max_model_len``, ``n``, streaming and usage options, logprobs, ``priority``) or raises
-  :class:`~dplb.worker.engines.sim.http.HTTPError`: 400 for a bad field (vLLM's message where it has one), 404 for a
-  model that is neither the served one nor a loaded adapter.
+  :class:`~dplb.worker.engines.sim.http.HTTPError`: 400 for a bad field (vLLM's message where it has one; a
+  ``model`` that is not a string too), 404 for a model that is neither the served one nor a loaded adapter.
 - ``priority`` is vLLM's field (an integer, default 0, lower runs first); it is read whatever the scheduling
   policy, and only the ``priority`` policy of :mod:`dplb.worker.engines.sim.scheduler` uses it (vLLM 0.32 with
   ``--scheduling-policy fcfs`` accepts and ignores it too).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dplb.worker.engines.sim import logprobs, text
-from dplb.worker.engines.sim.http import HTTPError, decode_object
+from dplb.worker.engines.sim.http import HTTPError, check_model, decode_object
 from dplb.worker.engines.sim.prompts import completion_prompts, tokenize
 from dplb.worker.engines.sim.scheduler import SimConfig
 from dplb.worker.engines.sim.text import render_prompt
@@ -42,8 +42,8 @@ def parse_request(body: bytes, chat: bool, cfg: SimConfig, served: frozenset[str
     """Validate a model request body like vLLM; raises :class:`HTTPError` (400; 404: model not served)."""
     data = decode_object(body)
     model = data.get("model")
-    if model is not None and model != cfg.model and model not in served:
-        raise HTTPError(404, f"The model `{model}` does not exist.", "NotFoundError")
+    if model != cfg.model:
+        check_model(model, served)
 
     def int_field(name: str, value: Any, lo: int, hi: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:

@@ -68,7 +68,8 @@ WORDS = (
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    """Knobs of the sim engine; validated on construction (raises :class:`~dplb.errors.ConfigError`).
+    """Knobs of the sim engine; validated on construction (raises :class:`~dplb.errors.ConfigError`). Each knob's
+    entry below (``name``: its first sentence) is its ``--sim-*`` flag's help (:func:`dplb.worker.engines.knob_help`).
 
     Serving and model shape
     - ``model``: served model name (``/v1/models``, responses, the ``model_name`` metric label);
@@ -84,7 +85,8 @@ class SimConfig:
     - ``seed``: seeds the deterministic output text.
     - ``scheduling_policy``: ``fcfs`` or ``priority`` (vLLM ``--scheduling-policy``; module docstring).
 
-    Timing (seconds; every time is divided by ``speed``, a per-worker speed factor: 0.5 = half as fast)
+    Timing (seconds; every time is divided by ``speed``)
+    - ``speed``: per-worker speed factor dividing every time (0.5 = half as fast).
     - ``prefill_s_per_token``: prefill cost of one uncached prompt token.
     - ``decode_step_s``: base time of one decode step; ``decode_step_s_per_seq``: extra step time per running
       sequence.
@@ -97,6 +99,7 @@ class SimConfig:
     - ``stall_after``: after N completed requests the engine makes no progress (no step, no token) for
       ``stall_for_s`` seconds (0 = for good), while HTTP, ``/health``, metrics and the worker's collector carry on
       and new requests are accepted and queued: vLLM with a stopped or deadlocked EngineCore.
+    - ``stall_for_s``: how long a ``stall_after`` stall lasts, seconds (0 = for good).
     - ``oom_after``: the Nth and every later model request fails with HTTP 500 "CUDA out of memory".
     - ``max_inflight_503``: with more than N model requests in flight, answer 503 ``server_overloaded`` at once.
     - ``chunk_delay_s``: extra delay after each streamed token chunk.
