@@ -199,3 +199,47 @@ def test_a_stale_older_layout_segment_is_replaced_a_live_one_refused(shm_path: s
         f.write(struct.pack("<H", 1))  # creator: this (live) process
     with pytest.raises(ShmPathError, match=f"made by another DPLB version .* processes {os.getpid()} still use it"):
         check_takeover(shm_path)
+
+
+def test_prefix_ring_torn_copies_never_deliver_lapped_entries(seg: Segment) -> None:
+    """A peer appending as fast as it can while this process drains (threads switch inside the append loop): every
+    delivery continues exactly where the last stopped, or the reader counts a loss first — never an entry the
+    writer overwrote while it was copied (a head read after the copy misses an append in progress; the writer's
+    reserve word does not)."""
+    import threading
+
+    from dplb.state.layout import PREFIX_RING_ENTRIES
+
+    a, b = _pair(seg)
+    stop = threading.Event()
+    total, step = 1_000_000, PREFIX_RING_ENTRIES // 2
+
+    def write() -> None:
+        i = 1
+        while i <= total and not stop.is_set():
+            a.publish_prefix(0, list(range(i, i + step)))
+            i += step
+
+    t = threading.Thread(target=write)
+    t.start()
+    last, lost_seen, deliveries = 0, 0, 0
+    try:
+        done = False
+        while not done:
+            done = not t.is_alive()
+            got = b.drain_prefix().get(0, [])
+            if not got:
+                continue
+            deliveries += 1
+            if b.prefix_lost != lost_seen:  # a loss was counted: the delivery may start later
+                lost_seen = b.prefix_lost
+                last = got[0] - 1
+            assert got == list(range(last + 1, last + 1 + len(got))), (last, got[:3], got[-3:])
+            last = got[-1]
+    finally:
+        stop.set()
+        t.join()
+    assert last >= total - step  # the last append arrived
+    assert deliveries >= 3  # the reader really ran beside the writer
+    a.close()
+    b.close()

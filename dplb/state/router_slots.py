@@ -28,7 +28,8 @@ Byte layout (little-endian; after the worker slots, at :func:`routers_offset` = 
     Prefix ring r at routers_offset(n) + MAX_ROUTERS·ROUTER_SLOT_SIZE + r·PREFIX_RING_SIZE, written only by the
     owner of router slot r
       0   u64  head                   entries ever written (the next one goes to head mod PREFIX_RING_ENTRIES)
-      8..63 reserved
+      8   u64  reserve                the head the entries being written will reach (≥ head; = head when idle)
+      16..63 reserved
       64 + 8·i  u64 entry             prefix block key (dplb.policy.prefix.block_hashes, < 2^42) | (worker + 1) << 56
 
 How the prefix index is shared: each process keeps its own :class:`dplb.policy.prefix.PrefixIndex` (the hot path reads
@@ -36,7 +37,10 @@ only local memory) and appends to its ring every block key its index learnt from
 or refreshed after a second: :meth:`PrefixIndex.record`'s return); before each pick a process replays the entries its
 peers appended since it last looked into its own index (:meth:`RouterSlots.drain_prefix`). So every process learns
 what every other sent, one pick later at most. A reader more than PREFIX_RING_ENTRIES behind loses the oldest
-entries (counted in ``prefix_lost``). In steady multi-turn traffic a request adds only its new turn's blocks.
+entries (counted in ``prefix_lost``); the writer stores ``reserve`` before it overwrites a slot, so a reader
+checks ``reserve`` (not ``head``) after its copy and drops every entry an append in progress may have lapped — a
+head read after the copy misses the entries being written. In steady multi-turn traffic a request adds only its
+new turn's blocks.
 
 How a reader counts the others (:meth:`RouterSlots.peer_correction`): for each other live router slot and worker
 k, ``min(pending, inflight)`` when that router's last dispatch to k is newer than k's current heartbeat minus half
@@ -136,7 +140,7 @@ class RouterSlots:
         slots = cls(path, fd, mm, num_workers, index)
         slots.pid = pid
         slots._write_head(pid, port, process_index, clear=True)
-        slots._q[slots._ring_q[index]] = 0  # an empty ring (a previous owner's entries are void)
+        slots._q[slots._ring_q[index]] = slots._q[slots._ring_q[index] + 1] = 0  # empty: a previous owner's are void
         slots.refresh_peers()
         return slots
 
@@ -193,6 +197,7 @@ class RouterSlots:
         head = q[h]
         tag = (worker + 1) << 56
         base = h + 8
+        q[h + 1] = head + len(keys)  # reserve first: readers learn these slots are being overwritten
         for key in keys:
             q[base + (head & _RING_MASK)] = key | tag
             head += 1
@@ -218,7 +223,8 @@ class RouterSlots:
                 start = head - PREFIX_RING_ENTRIES
             base = h + 8
             raw = [q[base + (i & _RING_MASK)] for i in range(start, head)]
-            overwritten = q[h] - PREFIX_RING_ENTRIES - start  # entries the writer lapped while we copied
+            # entries the writer lapped while we copied, an append in progress included (its reserve)
+            overwritten = max(q[h], q[h + 1]) - PREFIX_RING_ENTRIES - start
             if overwritten > 0:
                 self.prefix_lost += overwritten
                 raw = raw[overwritten:]
