@@ -18,7 +18,8 @@ from prometheus_client import generate_latest
 
 from dplb.config import PolicyConfig, parse_param
 from dplb.errors import ConfigError
-from dplb.obs.metrics import RouterMetrics, WorkerStateCollector
+from dplb.obs.metrics_router import RouterMetrics
+from dplb.obs.metrics_scrape import WorkerStateCollector
 from dplb.obs.tracing import candidate_event_attributes
 from dplb.policy import PickContext, RouteRequest, Scorer, make_policy, register_scorer
 from dplb.policy.decision import Candidate

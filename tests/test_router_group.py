@@ -247,13 +247,14 @@ def test_every_scrape_time_family_has_a_group_rule() -> None:
     (labelled per process); a new one must be put in one of the two sets in dplb/obs/metrics.py."""
     from dplb.config import PolicyConfig
     from dplb.obs import metrics as M
+    from dplb.obs.metrics_scrape import WorkerStateCollector
     from dplb.policy import make_policy
     from dplb.state.shm import Lifecycle, WorkerState
 
     p = make_policy(PolicyConfig(), 1)
     now = time.monotonic_ns()
     d = p.pick([WorkerState(0, pid=1, lifecycle=Lifecycle.READY, heartbeat_mono_ns=now)], now, dry_run=True)
-    names = {f.name for f in M.WorkerStateCollector(lambda: (d, [0], 1, 0.5, p)).collect()}
+    names = {f.name for f in WorkerStateCollector(lambda: (d, [0], 1, 0.5, p)).collect()}
     assert not M.GROUP_SHARED & M.GROUP_PER_PROCESS_SCRAPE
     assert names <= M.GROUP_SHARED | M.GROUP_PER_PROCESS_SCRAPE, names - M.GROUP_SHARED - M.GROUP_PER_PROCESS_SCRAPE
 

@@ -49,9 +49,9 @@ DECISION_REASONS = (
 # (spill: load won), or no worker had any block of the prompt.
 PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS = "hit", "spill", "miss"
 PREFIX_OUTCOMES = (PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS)
-# Notes a scorer gives about a routed request (Scorer.notes, via Decision.notes; read by name by dplb.obs.metrics):
-# the prefix scorer's outcome (one of PREFIX_OUTCOMES), the prompt's blocks, and the blocks the index says the chosen
-# worker has.
+# Notes a scorer gives about a routed request (Scorer.notes, via Decision.notes; read by name by
+# dplb.obs.metrics_router): the prefix scorer's outcome (one of PREFIX_OUTCOMES), the prompt's blocks, and the blocks
+# the index says the chosen worker has.
 NOTE_PREFIX_OUTCOME = "prefix_outcome"
 NOTE_PREFIX_BLOCKS = "prefix_blocks"
 NOTE_PREFIX_HIT_BLOCKS = "prefix_hit_blocks"
@@ -59,8 +59,8 @@ NOTE_PREFIX_HIT_BLOCKS = "prefix_hit_blocks"
 #: tells the worker (request header ``x-dplb-prefix-predicted``), which compares it with its engine's cached tokens.
 NOTE_PREFIX_HIT_BYTES = "prefix_hit_bytes"
 PREFIX_PREDICTED_HEADER = b"x-dplb-prefix-predicted"
-# Stats a plugin reports about its own state (Plugin.stats(); read by name by dplb.obs.metrics): the prefix index's
-# entries, capacity (blocks) and estimated memory (bytes).
+# Stats a plugin reports about its own state (Plugin.stats(); read by name by dplb.obs.metrics_scrape): the prefix
+# index's entries, capacity (blocks) and estimated memory (bytes).
 STAT_INDEX_BLOCKS = "index_blocks"
 STAT_INDEX_CAPACITY = "index_capacity_blocks"
 STAT_INDEX_BYTES = "index_bytes"

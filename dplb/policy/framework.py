@@ -10,7 +10,7 @@ Contract of each extension point
   default and accepted values, declared once; ``--scorer-param NAME.PARAM=VALUE`` sets one, resolved into
   ``self.params`` when the plugin is built), and optional hooks: ``prepare(request)`` once per request that
   carries a prompt, before its first pick (derive what the plugin needs from ``request.prompt`` and keep it in
-  ``request.derived[name]``); ``stats()`` for metrics (read by name in :mod:`dplb.obs.metrics`).
+  ``request.derived[name]``); ``stats()`` for metrics (read by name in :mod:`dplb.obs.metrics_scrape`).
 - :class:`Filter`: ``apply(cands, ctx)`` sets ``c.why`` to one of its ``reasons`` on every still-eligible
   candidate it rejects; never un-rejects. ``health = True`` for filters about the worker itself (registered, fresh,
   ready, …): those decide ``/ready``, ``dplb_worker_up`` and ``dplb state``; the others (retry exclusion, hard cap)

@@ -50,7 +50,9 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_gener
 from dplb import __version__
 from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind, bind_error, error_body, openai_error_body
-from dplb.obs.metrics import HostReportCollector, KvTruthCollector, RouterMetrics, WorkerStateCollector
+from dplb.obs.metrics_host import HostReportCollector
+from dplb.obs.metrics_router import RouterMetrics
+from dplb.obs.metrics_scrape import KvTruthCollector, WorkerStateCollector
 from dplb.obs.tracing import make_tracer
 from dplb.obs.tracing import shutdown as tracing_shutdown
 from dplb.router.agent import bind_agent, start_agent

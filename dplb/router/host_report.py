@@ -3,8 +3,9 @@
 Contract
 - :class:`HostReporter` computes a :class:`HostReport` every state interval (:meth:`HostReporter.run`, a
   background task of the router process) from the state segment and the router's own state; every fleet-facing
-  answer reads that one report: the Model Server Protocol families on ``/metrics`` (:mod:`dplb.obs.metrics`), the
-  HAProxy agent-check port (:mod:`dplb.router.agent`) and the ORCA response header (:mod:`dplb.router.orca`).
+  answer reads that one report: the Model Server Protocol families on ``/metrics``
+  (:mod:`dplb.obs.metrics_host`), the HAProxy agent-check port (:mod:`dplb.router.agent`) and the ORCA response
+  header (:mod:`dplb.router.orca`).
 - Figures, over the workers that are routable right now (:meth:`dplb.router.state.RouterState.routable_workers`):
 
   - ``waiting``: the workers' published waiting requests plus ``router_pending``, the requests the router (every

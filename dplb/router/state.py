@@ -39,7 +39,7 @@ from typing import Protocol
 
 from dplb.config import PolicyConfig, RouterConfig
 from dplb.errors import ConfigError, ShmError
-from dplb.obs.metrics import RouterMetrics
+from dplb.obs.metrics_router import RouterMetrics
 from dplb.policy import Policy, RouteRequest, make_policy, routable
 from dplb.policy.decision import (
     OK,

@@ -24,7 +24,7 @@ Contract
   A granted request is routed among the workers with room only.
 - With ``engine_priority`` the tenant's class rank is written into the body's ``priority`` field (vLLM: lower
   runs first; needs ``--scheduling-policy priority``), only when the body has no ``priority`` of its own.
-- :meth:`Gate.leave` (every exit path): the ledger (:class:`dplb.obs.metrics.TenantMetrics`), the VTC and token
+- :meth:`Gate.leave` (every exit path): the ledger (:class:`dplb.obs.metrics_tenant.TenantMetrics`), the VTC and token
   bucket corrections from the engine's usage (:mod:`dplb.router.usage`), then the queue is pumped.
 - :meth:`Gate.reload` (SIGHUP): a new tenants file replaces the old one between two requests; queued and running
   requests keep their tenant; a file that does not load keeps the old one and logs why.
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from dplb.config import RouterConfig
 from dplb.errors import ConfigError, RouterErrorKind
-from dplb.obs.metrics import TenantMetrics
+from dplb.obs.metrics_tenant import TenantMetrics
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
 from dplb.router.limits import TenantLimits
 from dplb.router.usage import Meter, max_tokens, with_fields

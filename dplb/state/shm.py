@@ -72,19 +72,20 @@ and would make the seq transiently 0. Each store is a separate C call, so stores
 x86-64's TSO keeps that order for other cores. There is exactly one writer per slot, so the writer needs no lock.
 
 Staleness: a slot whose heartbeat is older than ``3 × state_interval_ms`` is stale (not routable).
+
+The decoded slot (:class:`WorkerState`, :class:`Lifecycle`, the flag bits, the staleness rule) is
+:mod:`dplb.state.worker_state`, re-exported here; this module owns the bytes: the mapping, the layout and the seqlock.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import errno
 import mmap
 import os
 import stat
 import struct
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError, ShmSpaceError, ShmWorkerIdError
@@ -113,102 +114,21 @@ from dplb.state.layout import (
     resolve_path,
     segment_size,
 )
+from dplb.state.worker_state import (
+    FLAG_GPU_BUSY,
+    FLAG_NO_GPU,
+    FLAG_STALLED,
+    STALE_INTERVALS,
+    Lifecycle,
+    WorkerState,
+)
 
-STALE_INTERVALS = 3
 READ_RETRIES = 64
-
-FLAG_NO_GPU = 0x01
-FLAG_GPU_BUSY = 0x02
-FLAG_STALLED = 0x04
 
 # Slot body without seq: from offset 8 to 168.
 _BODY = struct.Struct("<IBBHQQIIIIdQQddQQQddQdIIQQ")
 _SLOT = struct.Struct("<Q" + _BODY.format[1:])  # seq + body, for one-slice decoding
 assert _SLOT.size == 168 <= SLOT_SIZE and SLOT_SIZE % 64 == 0
-
-
-class Lifecycle(enum.IntEnum):
-    """Worker lifecycle as published in its slot (docs/DESIGN.md §8)."""
-
-    UNSET = 0
-    STARTING = 1
-    WARMING = 2
-    READY = 3
-    DRAINING = 4
-    STOPPED = 5
-
-
-@dataclass(slots=True)
-class WorkerState:
-    """One worker's published state (a decoded slot). Units: seconds, bytes, fractions 0–1, ns timestamps;
-    ``kv_total_blocks`` in blocks and ``kv_block_size`` in tokens per block (0 = the engine did not say);
-    ``progress_total``: a monotone count of engine progress (tokens, prefill, iterations) and ``progress_mono_ns``
-    the CLOCK_MONOTONIC ns at which it last moved (0 = never published);
-    ``max_loras``: LoRA adapters one batch holds (0 = LoRA off or unknown; at most 65535)."""
-
-    worker_id: int
-    pid: int = 0
-    lifecycle: Lifecycle = Lifecycle.UNSET
-    flags: int = 0
-    heartbeat_mono_ns: int = 0
-    heartbeat_unix_ns: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    max_num_seqs: int = 0
-    last_prompt_tokens: int = 0
-    kv_cache_usage: float = 0.0
-    gpu_memory_used_bytes: int = 0
-    gpu_memory_total_bytes: int = 0
-    avg_latency_s: float = 0.0
-    avg_ttft_s: float = 0.0
-    requests_total: int = 0
-    errors_total: int = 0
-    cuda_oom_total: int = 0
-    warmup_seconds: float = 0.0
-    first_request_seconds: float = 0.0
-    started_unix_ns: int = 0
-    model_load_seconds: float = 0.0
-    kv_total_blocks: int = 0
-    kv_block_size: int = 0
-    progress_total: int = 0
-    progress_mono_ns: int = 0
-    max_loras: int = 0
-    seq: int = 0
-    torn: bool = False
-
-    @property
-    def registered(self) -> bool:
-        """True once the worker has written its slot at least once."""
-        return self.pid != 0
-
-    @property
-    def no_gpu(self) -> bool:
-        """True when the worker has no NVML GPU (memory fields are 0)."""
-        return bool(self.flags & FLAG_NO_GPU)
-
-    def age_s(self, now_mono_ns: int | None = None) -> float:
-        """Seconds since the last heartbeat (``inf`` if never written)."""
-        if self.heartbeat_mono_ns == 0:
-            return float("inf")
-        now = time.monotonic_ns() if now_mono_ns is None else now_mono_ns
-        return max(0.0, (now - self.heartbeat_mono_ns) / 1e9)
-
-    def is_stale(self, state_interval_ms: int, now_mono_ns: int | None = None) -> bool:
-        """True when torn, never written, or the heartbeat is older than 3 × ``state_interval_ms``."""
-        if self.torn or self.heartbeat_mono_ns == 0:
-            return True
-        now = time.monotonic_ns() if now_mono_ns is None else now_mono_ns
-        return now - self.heartbeat_mono_ns > STALE_INTERVALS * state_interval_ms * 1_000_000
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-friendly dict (lifecycle by name)."""
-        out: dict[str, object] = {name: getattr(self, name) for name in _FIELD_NAMES}
-        out["lifecycle"] = self.lifecycle.name.lower()
-        out["no_gpu"] = self.no_gpu
-        return out
-
-
-_FIELD_NAMES = [f for f in WorkerState.__dataclass_fields__ if f not in ("seq", "torn")]
 
 
 class Segment:

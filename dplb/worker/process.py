@@ -55,7 +55,7 @@ from dplb.config import (
     check_stall,
 )
 from dplb.errors import ConfigError, ShmError, ShmMissingError
-from dplb.obs.metrics import WorkerMetrics, worker_metrics
+from dplb.obs.metrics_worker import WorkerMetrics, worker_metrics
 from dplb.policy.stall import StallDetector
 from dplb.runtime.gpu import GpuReader, visible_gpu_indices
 from dplb.runtime.sd_notify import Watchdog, notify

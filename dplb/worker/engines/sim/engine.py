@@ -40,7 +40,6 @@ Contract
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hashlib
@@ -49,7 +48,6 @@ import os
 import time
 import uuid
 from collections import deque
-from dataclasses import fields
 from typing import Any
 
 import msgspec
@@ -65,7 +63,7 @@ from dplb.worker.engines.sim.request import ParsedRequest, parse_request
 from dplb.worker.engines.sim.scheduler import SimConfig, SimRequest, SimScheduler
 from dplb.worker.kv_events import ZMQ_AVAILABLE, KvEventPublisher
 
-__all__ = ["SimConfig", "SimEngine", "main"]
+__all__ = ["SimConfig", "SimEngine"]
 
 log = logging.getLogger(__name__)
 DEBUG_RECORDS = 256
@@ -471,36 +469,3 @@ class SimEngine:
         self.stalled = False
         self.scheduler.thaw()
 
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m dplb.worker.engines.sim --uds PATH | --port P [--<sim knob> VALUE …]``: serve one sim engine."""
-    ap = argparse.ArgumentParser(prog="python -m dplb.worker.engines.sim", description="Serve the DPLB sim engine.")
-    ap.add_argument("--uds", help="Unix socket path to serve on")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--log-level", default="warning")
-    for f in fields(SimConfig):
-        ap.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=f.default,
-                        help=f"(default {f.default!r})")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = SimConfig(**{f.name: getattr(args, f.name) for f in fields(SimConfig)})
-
-    async def serve() -> None:
-        import uvicorn
-
-        engine = SimEngine(cfg)
-        await engine.start()
-        assert engine.app is not None
-        server = uvicorn.Server(uvicorn.Config(engine.app, uds=args.uds, host=args.host, port=args.port,
-                                               lifespan="off", log_level=args.log_level))
-        try:
-            await server.serve()
-        finally:
-            await engine.shutdown()
-
-    asyncio.run(serve())
-
-
-if __name__ == "__main__":
-    main()

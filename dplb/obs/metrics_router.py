@@ -1,0 +1,182 @@
+"""The router's per-request families (docs/DESIGN.md §9): decisions, rejections, upstream outcomes and latencies,
+retries and resumed streams, stalls and ejections, shm errors, HTTP routes and the prefix-routing counters.
+
+Contract: :class:`RouterMetrics` builds them, with the process collector and the build info, in the router process's
+own registry; every known label value is pre-created at zero by ``init_workers``; the hot path only looks up cached
+label children. Names and label-value sets come from :mod:`dplb.obs.metrics`; the scrape-time figures are in
+:mod:`dplb.obs.metrics_scrape`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+
+from dplb.obs.metrics import (
+    BUILD_INFO,
+    DECISION_BUCKETS,
+    HTTP_REQUEST_DURATION,
+    HTTP_REQUESTS,
+    OUTCOMES,
+    PREFIX_HIT_BLOCKS,
+    PREFIX_QUERY_BLOCKS,
+    PREFIX_ROUTED,
+    REQUEST_BUCKETS,
+    REQUESTS_REJECTED,
+    RESUME_REFUSALS,
+    ROUTING_DECISION_DURATION,
+    ROUTING_DECISIONS,
+    SHM_ERROR_LABELS,
+    SHM_ERRORS,
+    SHM_SEGMENT_PRESENT,
+    STALLED_REQUESTS_FAILED,
+    STATE_READ_AGE,
+    STREAM_RESUME_DURATION,
+    STREAM_RESUME_REFUSED,
+    STREAMS_RESUMED,
+    UPSTREAM_REQUEST_DURATION,
+    UPSTREAM_RETRIES,
+    UPSTREAM_TTFB,
+    WORKER_EJECTIONS,
+    WORKER_STALLED,
+    WORKER_STALLS,
+)
+
+
+class RouterMetrics:
+    """The router's metrics in its own registry.
+
+    Per-worker scoring inputs are not stored here: :class:`WorkerStateCollector` reads them from shm and from the
+    policy at scrape time (``bind``), so they are exactly what the scorer sees, at no cost on the hot path.
+    """
+
+    def __init__(self, version: str) -> None:
+        reg = self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=reg)  # process_* (RSS, open fds, CPU seconds, start time) of the router
+        Info(BUILD_INFO, "DPLB build", registry=reg).info({"version": version, "component": "router"})
+        self.decisions = Counter(ROUTING_DECISIONS, "Routing decisions by chosen worker and reason.",
+                                 ["worker", "reason"], registry=reg)
+        self.decision_duration = Histogram(ROUTING_DECISION_DURATION, "shm read + pick() time, seconds.",
+                                           buckets=DECISION_BUCKETS, registry=reg)
+        self.rejected = Counter(REQUESTS_REJECTED, "Requests the router answered itself with an error, by reason.",
+                                ["reason"], registry=reg)
+        self.ejections = Counter(WORKER_EJECTIONS, "Times a worker was ejected for a few seconds after consecutive "
+                                 "failed responses (passive health check).", ["worker"], registry=reg)
+        self.stalled = Gauge(WORKER_STALLED, "1 while the worker is stalled: requests in flight and no engine "
+                             "progress (token, prefill step) for --stall-after seconds.", ["worker"], registry=reg)
+        self.stalls = Counter(WORKER_STALLS, "Times the worker was found stalled (no engine progress with requests "
+                              "in flight).", ["worker"], registry=reg)
+        self.stalled_failed = Counter(STALLED_REQUESTS_FAILED, "In-flight requests the router failed fast (503 "
+                                      "worker_stalled, or an SSE error event) because their worker stalled.",
+                                      ["worker"], registry=reg)
+        self.retries = Counter(UPSTREAM_RETRIES, "Requests re-sent to another worker after a failure before any "
+                               "byte reached the first one.", registry=reg)
+        self.resumed = Counter(STREAMS_RESUMED, "Broken SSE streams re-issued to another worker with what the "
+                               "client already received as the continuation (--resume-streams).", registry=reg)
+        self.resume_refused = Counter(STREAM_RESUME_REFUSED, "Broken SSE streams not resumed, by reason (the "
+                                      "client got an error event).", ["reason"], registry=reg)
+        self.resume_duration = Histogram(STREAM_RESUME_DURATION, "Time from a stream's break to the first token "
+                                         "relayed from the worker resuming it, seconds.", buckets=REQUEST_BUCKETS,
+                                         registry=reg)
+        self.upstream_duration = Histogram(UPSTREAM_REQUEST_DURATION, "Proxied request duration by worker and "
+                                           "outcome, seconds.", ["worker", "outcome"], buckets=REQUEST_BUCKETS,
+                                           registry=reg)
+        self.upstream_ttfb = Histogram(UPSTREAM_TTFB, "Time from dispatch to the worker's first response byte, "
+                                       "seconds.", ["worker"], buckets=REQUEST_BUCKETS, registry=reg)
+        self.shm_present = Gauge(SHM_SEGMENT_PRESENT, "1 when the router reads worker state from the shm segment.",
+                                 registry=reg)
+        self.shm_errors = Counter(SHM_ERRORS, "Shared-memory errors by operation and error.", ["operation", "error"],
+                                  registry=reg)
+        self.http_requests = Counter(HTTP_REQUESTS, "Router HTTP requests by route template, method and status.",
+                                     ["route", "method", "status"], registry=reg)
+        self.http_duration = Histogram(HTTP_REQUEST_DURATION, "Router HTTP request duration by route template, "
+                                       "seconds.", ["route", "method"], buckets=REQUEST_BUCKETS, registry=reg)
+        self.state_age = Histogram(STATE_READ_AGE, "Age of the chosen worker's published state when the router "
+                                   "decided, seconds.", buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.6, 1, 2, 5),
+                                   registry=reg)
+        self.prefix_routed = Counter(PREFIX_ROUTED, "Routed requests with a prefix key by outcome: hit (the worker "
+                                     "with the longest cached prefix got it), spill (load sent it elsewhere), miss "
+                                     "(no worker had any block).", ["outcome"], registry=reg)
+        self.prefix_query_blocks = Counter(PREFIX_QUERY_BLOCKS, "Prompt blocks of routed requests, by chosen worker "
+                                           "(the router's analogue of vllm:prefix_cache_queries).", ["worker"],
+                                           registry=reg)
+        self.prefix_hit_blocks = Counter(PREFIX_HIT_BLOCKS, "Prompt blocks the prefix index predicted the chosen "
+                                         "worker has cached (predicted hit rate = this / "
+                                         f"{PREFIX_QUERY_BLOCKS}_total).", ["worker"], registry=reg)
+        self._decision_children: dict[tuple[int | None, str], object] = {}
+        from dplb.policy.decision import NOTE_PREFIX_BLOCKS, NOTE_PREFIX_HIT_BLOCKS, NOTE_PREFIX_OUTCOME
+
+        # What the policy's plugins note about a routed request (Decision.notes), read by name: outcome notes
+        # (the value is the label) and worker notes (the amount added for the chosen worker). A plugin noting
+        # something not listed here is simply not exported.
+        self._outcome_notes = {NOTE_PREFIX_OUTCOME: self.prefix_routed}
+        self._worker_notes = {NOTE_PREFIX_BLOCKS: self.prefix_query_blocks,
+                              NOTE_PREFIX_HIT_BLOCKS: self.prefix_hit_blocks}
+
+    def init_workers(self, n: int) -> None:
+        """Pre-create every known label value at zero."""
+        from dplb.errors import RouterErrorKind
+        from dplb.policy.decision import DECISION_REASONS
+
+        for k in range(n):
+            for r in DECISION_REASONS[:4]:
+                self.decisions.labels(str(k), r)
+            self.upstream_ttfb.labels(str(k))
+            self.ejections.labels(str(k))
+            self.stalled.labels(str(k)).set(0)
+            self.stalls.labels(str(k))
+            self.stalled_failed.labels(str(k))
+            for o in OUTCOMES:
+                self.upstream_duration.labels(str(k), o)
+        for r in DECISION_REASONS[4:]:
+            self.decisions.labels("none", r)
+        for kind in RouterErrorKind:
+            self.rejected.labels(kind.code)
+        for reason in RESUME_REFUSALS:
+            self.resume_refused.labels(reason)
+        for op, err in SHM_ERROR_LABELS:
+            self.shm_errors.labels(op, err)
+        from dplb.policy.decision import PREFIX_OUTCOMES
+
+        for o in PREFIX_OUTCOMES:
+            self.prefix_routed.labels(o)
+        for k in range(n):
+            self.prefix_query_blocks.labels(str(k))
+            self.prefix_hit_blocks.labels(str(k))
+
+    def observe_decision(self, d: object, seconds: float) -> None:
+        """Count one decision (``d`` a :class:`dplb.policy.Decision`) and its duration."""
+        key = (d.worker, d.reason)  # type: ignore[attr-defined]
+        child = self._decision_children.get(key)
+        if child is None:
+            child = self._decision_children[key] = self.decisions.labels(
+                "none" if key[0] is None else str(key[0]), key[1])
+        child.inc()  # type: ignore[attr-defined]
+        self.decision_duration.observe(seconds)
+        age = d.chosen_age_s()  # type: ignore[attr-defined]
+        if age is not None:
+            self.state_age.observe(age)
+        notes = d.notes  # type: ignore[attr-defined]
+        if notes:
+            self._count_notes(notes, d.worker)  # type: ignore[attr-defined]
+
+    def _count_notes(self, notes: dict[str, Any], worker: int) -> None:
+        """Count what the policy's plugins noted about one routed request, by note name (see ``__init__``). Label
+        children are cached in the decisions' dict, under keys no decision has (reasons starting with NUL)."""
+        cache = self._decision_children
+        for note, counter in self._outcome_notes.items():
+            value = notes.get(note)
+            if value is not None:
+                child = cache.get((None, "\0" + value))
+                if child is None:
+                    child = cache[(None, "\0" + value)] = counter.labels(value)
+                child.inc()  # type: ignore[attr-defined]
+        for note, counter in self._worker_notes.items():
+            amount = notes.get(note)
+            if amount is not None:
+                child = cache.get((worker, "\0" + note))
+                if child is None:
+                    child = cache[(worker, "\0" + note)] = counter.labels(str(worker))
+                child.inc(amount)  # type: ignore[attr-defined]
+

@@ -1,0 +1,49 @@
+"""The usage ledger's families (docs/DESIGN.md §15): requests, tokens, fair-queue wait, TTFT and E2E, queued
+requests and SLO events, by tenant and priority class.
+
+Contract: :class:`TenantMetrics` registers them in the registry it is given (the router's); labels are bounded (the
+configured tenants + ``default``, the priority classes, the closed :data:`dplb.obs.metrics.TENANT_OUTCOMES`).
+Names come from :mod:`dplb.obs.metrics`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dplb.obs.metrics import (
+    REQUEST_BUCKETS,
+    TENANT_E2E,
+    TENANT_QUEUE_WAIT,
+    TENANT_QUEUED,
+    TENANT_REQUESTS,
+    TENANT_SLO_EVENTS,
+    TENANT_SLO_OBJECTIVE,
+    TENANT_TOKENS,
+    TENANT_TTFT,
+)
+
+
+class TenantMetrics:
+    """The usage ledger's families in ``registry`` (names in :mod:`dplb.obs.metrics`); children looked up per
+    (tenant, class)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        lt, lp = ["tenant", "priority"], ["tenant", "priority", "outcome"]
+        self.requests = Counter(TENANT_REQUESTS, "Proxied requests by tenant, priority class and outcome.", lp,
+                                registry=registry)
+        self.tokens = Counter(TENANT_TOKENS, "Tokens by tenant and kind (prompt, completion, cached: the engine's "
+                              "usage counts).", ["tenant", "kind"], registry=registry)
+        self.queue_wait = Histogram(TENANT_QUEUE_WAIT, "Time requests waited in the router's fair queue, seconds.",
+                                    lt, buckets=REQUEST_BUCKETS, registry=registry)
+        self.ttft = Histogram(TENANT_TTFT, "Time from arrival to the first response body byte, seconds.", lt,
+                              buckets=REQUEST_BUCKETS, registry=registry)
+        self.e2e = Histogram(TENANT_E2E, "Time from arrival to the end of the response, seconds.", lt,
+                             buckets=REQUEST_BUCKETS, registry=registry)
+        self.queued = Gauge(TENANT_QUEUED, "Requests waiting in the router's fair queue, by tenant.", ["tenant"],
+                            registry=registry)
+        self.slo_events = Counter(TENANT_SLO_EVENTS, "Requests counted by a class's SLO: availability (bad = a 5xx), "
+                                  "ttft (bad = TTFT over the class's ttft_s), by result good/bad.",
+                                  ["tenant", "priority", "slo", "result"], registry=registry)
+        self.slo_objective = Gauge(TENANT_SLO_OBJECTIVE, "A priority class's SLO target from the tenants file (0-1).",
+                                   ["priority", "slo"], registry=registry)
+
