@@ -373,6 +373,8 @@ class Worker:
                 log.info("Worker %d: stop requested while the engine was loading", k)
                 return 0
             load_s = time.perf_counter() - t_load
+            if self._kv_sub is not None and not getattr(self.engine, "kv_events_on", True):
+                self._kv_sub = self.kv = None  # the engine cannot give the requests' token ids after all
             if self._kv_sub is not None and self._kv_ring is not None:
                 self._kv_sub.start()
                 self._kv_ring.enable(time.monotonic_ns())

@@ -23,12 +23,15 @@ Contract
   the like), a background response's requests with no owner (``openai_serving_responses.background_tasks``);
   :meth:`abort` is ``AsyncLLM.abort(internal_id, internal=True)``, which aborts it in EngineCore too.
 - KV events (docs/DESIGN.md §3.7, §5): :meth:`enable_kv_events` adds ``--kv-events-config`` (vLLM's ZMQ publisher,
-  bound by EngineCore at the worker's ``ipc://`` endpoint) unless the arguments already set one or turn prefix
-  caching off. The translation's per-request inputs come from vLLM's own objects: the app is wrapped so that a
-  context variable holds the request's :class:`OpenRequest` while vLLM serves it, and the engine client's
-  ``output_processor.add_request`` (called in that context, with the tokenized ``EngineCoreRequest``) copies the
-  prompt's token ids onto it; at the request's end its ``RequestState.num_cached_tokens`` becomes
-  ``cached_tokens``. With ``n`` > 1 the first child's ids are kept (every child has the same prompt).
+  bound by EngineCore at the worker's ``ipc://`` endpoint) unless the arguments already set one, turn prefix
+  caching off, or set a data-parallel size > 1 (each rank would bind the same ``ipc://`` path). The translation's
+  per-request inputs come from vLLM's own objects: the app is wrapped so that a context variable holds the
+  request's :class:`OpenRequest` while vLLM serves it, and the engine client's ``output_processor.add_request``
+  (called in that context, with the tokenized ``EngineCoreRequest``) copies the prompt's token ids onto it; at the
+  request's end its ``RequestState.num_cached_tokens`` becomes ``cached_tokens``. With ``n`` > 1 the first child's
+  ids are kept (every child has the same prompt). EngineCore queues a step's events for its publisher thread
+  before it sends that step's outputs (two sockets, no ordering between them): a request's BlockStored usually
+  reaches the worker before its first response byte, and the translation looks again at the request's end.
 - Import of vllm happens in :meth:`start` only: importing this module is cheap and never pulls torch.
 """
 
@@ -56,6 +59,18 @@ _CURRENT: ContextVar[tuple[OpenRequest, list[Any]] | None] = ContextVar("dplb_vl
 
 def _has_flag(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _dp_size(argv: list[str]) -> int:
+    """The ``--data-parallel-size``/``-dp`` in ``argv`` (1 when absent or unreadable): vLLM gives every DP rank's
+    publisher the same ``ipc://`` endpoint (it offsets only tcp ports), so events are followed only for 1."""
+    for i, a in enumerate(argv):
+        for flag in ("--data-parallel-size", "-dp"):
+            val = a[len(flag) + 1:] if a.startswith(flag + "=") else argv[i + 1] if a == flag and i + 1 < len(
+                argv) else None
+            if val is not None:
+                return int(val) if val.isdigit() else 1
+    return 1
 
 
 class _RequestContext:
@@ -180,13 +195,21 @@ class VllmEngine:
         """vLLM's FastAPI app (after :meth:`start`; wrapped by :class:`_RequestContext` when KV events are on)."""
         return self._served if self._app is not None else None
 
+    @property
+    def kv_events_on(self) -> bool:
+        """True while the worker can translate this engine's KV events (enabled, and, once started, each
+        request's prompt token ids are reachable)."""
+        return self._kv_events
+
     def enable_kv_events(self, endpoint: str) -> bool:
         """Have EngineCore publish vLLM's KV events on a ZMQ PUB bound at ``endpoint`` (an ``ipc://`` path) from
         :meth:`start` on, and fill each request's prompt token ids and cached tokens. False (nothing changed)
         when the arguments set their own ``--kv-events-config`` or ``--no-enable-prefix-caching``."""
-        if _has_flag(self.argv, "--kv-events-config") or _has_flag(self.argv, "--no-enable-prefix-caching"):
-            log.warning("vLLM arguments set --kv-events-config or --no-enable-prefix-caching: DPLB does not "
-                        "follow this engine's KV events (the router keeps its sent-bytes prefix index for it)")
+        if (_has_flag(self.argv, "--kv-events-config") or _has_flag(self.argv, "--no-enable-prefix-caching")
+                or _dp_size(self.argv) > 1):
+            log.warning("vLLM arguments set --kv-events-config, --no-enable-prefix-caching or a data-parallel "
+                        "size > 1: DPLB does not follow this engine's KV events (the router keeps its sent-bytes "
+                        "prefix index for it)")
             return False
         cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
         self.argv += ["--kv-events-config", json.dumps(cfg)]
@@ -223,9 +246,10 @@ class VllmEngine:
         if self._kv_events and callable(getattr(processor, "add_request", None)):
             _watch_add_request(processor)
             self._served = _RequestContext(app)
-        elif self._kv_events:  # events still follow the engine; no request is translated into router keys
+        elif self._kv_events:  # no request could be translated into router keys: do not claim to follow
+            self._kv_events = False
             log.warning("this vLLM's engine client has no output_processor.add_request: prompt token ids unknown, "
-                        "the router keeps its sent-bytes prefix index for this worker's requests")
+                        "the router keeps its sent-bytes prefix index for this worker")
         # Something in vLLM's start-up sets the root logger to ERROR, which silenced DPLB's own INFO lines
         # ("Worker K registered", draining, stopped): put the level back.
         logging.root.setLevel(root_level)
