@@ -94,7 +94,9 @@ def test_ring_follows_the_engine_stored_removed_cleared(worker: VllmWorker) -> N
     # The same prompt again, with the router's prediction: the engine's cached tokens (read from vLLM's request
     # state) are its full blocks, and the worker counts the comparison.
     complete(worker, a, {PREDICTED_HEADER.decode(): str(len(json.dumps(a)))})
-    c = ring.reader.counters(0)
+    t0 = time.monotonic()  # the worker compares after the response's last byte went out
+    while (c := ring.reader.counters(0))["compared_total"] < 1 and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
     assert c["compared_total"] == 1 and c["cached_tokens_total"] == full * BLOCK, c
     assert 0 < c["predicted_tokens_total"] <= (usage["prompt_tokens"] - 1) // BLOCK * BLOCK, c
 
