@@ -315,6 +315,7 @@ class Worker:
         self.kv: KvTranslator | None = None
         self._kv_sub: KvEventSubscriber | None = None
         self._kv_ring = None
+        self._kv_path = ""  # the engine's KV-events socket file (removed at exit: vLLM's EngineCore leaves it)
         self._setup_kv_events()
 
     def _setup_kv_events(self) -> None:
@@ -335,6 +336,7 @@ class Worker:
         endpoint = f"ipc://{os.path.join(os.path.dirname(os.path.abspath(cfg.uds)), f'kv-events-{cfg.worker_id}.sock')}"
         if not enable(endpoint):
             return
+        self._kv_path = endpoint[len("ipc://"):]
         self.kv = KvTranslator(ring, cfg.prefix_block_bytes)
         self._kv_sub = KvEventSubscriber(endpoint, self.kv.on_batch)
 
@@ -414,6 +416,9 @@ class Worker:
                 await self.engine.shutdown()
             if self._kv_sub is not None:
                 self._kv_sub.stop()
+            if self._kv_path:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._kv_path)
             if self._kv_ring is not None:
                 self._kv_ring.enable(0)
                 self._kv_ring.close()
