@@ -315,7 +315,7 @@ class Worker:
         self.kv: KvTranslator | None = None
         self._kv_sub: KvEventSubscriber | None = None
         self._kv_ring = None
-        self._kv_path = ""  # the ipc socket file the engine publishes on (removed at stop)
+        self._kv_path = ""  # the engine's KV-events socket file (removed at exit: vLLM's EngineCore leaves it)
         self._setup_kv_events()
 
     def _setup_kv_events(self) -> None:
@@ -375,6 +375,8 @@ class Worker:
                 log.info("Worker %d: stop requested while the engine was loading", k)
                 return 0
             load_s = time.perf_counter() - t_load
+            if self._kv_sub is not None and not getattr(self.engine, "kv_events_on", True):
+                self._kv_sub = self.kv = None  # the engine cannot give the requests' token ids after all
             if self._kv_sub is not None and self._kv_ring is not None:
                 self._kv_sub.start()
                 self._kv_ring.enable(time.monotonic_ns())
@@ -414,16 +416,17 @@ class Worker:
                 await self.engine.shutdown()
             if self._kv_sub is not None:
                 self._kv_sub.stop()
+            if self._kv_path:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._kv_path)
             if self._kv_ring is not None:
                 self._kv_ring.enable(0)
                 self._kv_ring.close()
             self.collector.set_lifecycle(Lifecycle.STOPPED)
             self.collector.stop()
             log.info("Worker %d stopped", k)
-            for path in (self.cfg.uds, self._kv_path):  # the engine's publisher may leave its ipc file
-                if path:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.cfg.uds)
             self.gpu.close()
             self.collector.segment.close()
 

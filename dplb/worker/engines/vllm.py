@@ -22,25 +22,97 @@ Contract
   (``output_processor.request_states``: internal id → state with its external id, ``chatcmpl-<X-Request-Id>`` and
   the like), a background response's requests with no owner (``openai_serving_responses.background_tasks``);
   :meth:`abort` is ``AsyncLLM.abort(internal_id, internal=True)``, which aborts it in EngineCore too.
+- KV events (docs/DESIGN.md §3.7, §5): :meth:`enable_kv_events` adds ``--kv-events-config`` (vLLM's ZMQ publisher,
+  bound by EngineCore at the worker's ``ipc://`` endpoint) unless the arguments already set one, turn prefix
+  caching off, or set a data-parallel size > 1 (each rank would bind the same ``ipc://`` path). The translation's
+  per-request inputs come from vLLM's own objects: the app is wrapped so that a context variable holds the
+  request's :class:`OpenRequest` while vLLM serves it, and the engine client's ``output_processor.add_request``
+  (called in that context, with the tokenized ``EngineCoreRequest``) copies the prompt's token ids onto it; at the
+  request's end its ``RequestState.num_cached_tokens`` becomes ``cached_tokens``. With ``n`` > 1 the first child's
+  ids are kept (every child has the same prompt). EngineCore queues a step's events for its publisher thread
+  before it sends that step's outputs (two sockets, no ordering between them): a request's BlockStored usually
+  reaches the worker before its first response byte, and the translation looks again at the request's end.
 - Import of vllm happens in :meth:`start` only: importing this module is cheap and never pulls torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 from argparse import Namespace
+from contextvars import ContextVar
 from typing import Any
 
 from prometheus_client import REGISTRY, generate_latest
 
 from dplb.errors import ConfigError
-from dplb.worker.engines.base import ASGIApp, EngineRequest, EngineStats
+from dplb.worker.engines.base import REQUEST_EXT, ASGIApp, EngineRequest, EngineStats, OpenRequest, Receive, Scope, Send
 
 log = logging.getLogger("dplb.engine.vllm")
 _OOM_RE = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.IGNORECASE)
 _GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+#: The request vLLM is serving in this task: (its OpenRequest, [its RequestState once added]).
+_CURRENT: ContextVar[tuple[OpenRequest, list[Any]] | None] = ContextVar("dplb_vllm_request", default=None)
+
+
+def _has_flag(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _dp_size(argv: list[str]) -> int:
+    """The ``--data-parallel-size``/``-dp`` in ``argv`` (1 when absent or unreadable): vLLM gives every DP rank's
+    publisher the same ``ipc://`` endpoint (it offsets only tcp ports), so events are followed only for 1."""
+    for i, a in enumerate(argv):
+        for flag in ("--data-parallel-size", "-dp"):
+            val = a[len(flag) + 1:] if a.startswith(flag + "=") else argv[i + 1] if a == flag and i + 1 < len(
+                argv) else None
+            if val is not None:
+                return int(val) if val.isdigit() else 1
+    return 1
+
+
+class _RequestContext:
+    """ASGI wrapper of vLLM's app: sets :data:`_CURRENT` for each request the worker tracks and, when the app
+    returns, copies the engine's cached-token count onto the request (its ``RequestState``, kept by
+    :func:`_watch_add_request`)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        req = (scope.get("extensions") or {}).get(REQUEST_EXT)
+        if req is None:
+            await self.app(scope, receive, send)
+            return
+        held: list[Any] = []
+        token = _CURRENT.set((req, held))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _CURRENT.reset(token)
+            if held and req.cached_tokens < 0:
+                with contextlib.suppress(Exception):
+                    req.cached_tokens = int(held[0].num_cached_tokens)
+
+
+def _watch_add_request(output_processor: Any) -> None:
+    """Wrap ``output_processor.add_request(request, …)`` so that the request in :data:`_CURRENT` gets the
+    tokenized prompt (``request.prompt_token_ids``) and its ``RequestState`` is kept for the cached-token count."""
+    orig = output_processor.add_request
+
+    def add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(request, *args, **kwargs)
+        cur = _CURRENT.get()
+        if cur is not None and not cur[1]:
+            ids = getattr(request, "prompt_token_ids", None)
+            if ids is not None and len(ids):
+                cur[0].prompt_token_ids = list(ids)
+                cur[1].append(output_processor.request_states.get(request.request_id))
+        return out
+
+    output_processor.add_request = add_request
 
 
 class _OomCounter(logging.Handler):
@@ -115,11 +187,34 @@ class VllmEngine:
         self.args: Namespace | None = None
         self._progress = _ProgressLogger()
         self._progress_known = False
+        self._kv_events = False
+        self._served: ASGIApp | None = None
 
     @property
     def app(self) -> ASGIApp | None:
-        """vLLM's FastAPI app (after :meth:`start`)."""
-        return self._app
+        """vLLM's FastAPI app (after :meth:`start`; wrapped by :class:`_RequestContext` when KV events are on)."""
+        return self._served if self._app is not None else None
+
+    @property
+    def kv_events_on(self) -> bool:
+        """True while the worker can translate this engine's KV events (enabled, and, once started, each
+        request's prompt token ids are reachable)."""
+        return self._kv_events
+
+    def enable_kv_events(self, endpoint: str) -> bool:
+        """Have EngineCore publish vLLM's KV events on a ZMQ PUB bound at ``endpoint`` (an ``ipc://`` path) from
+        :meth:`start` on, and fill each request's prompt token ids and cached tokens. False (nothing changed)
+        when the arguments set their own ``--kv-events-config`` or ``--no-enable-prefix-caching``."""
+        if (_has_flag(self.argv, "--kv-events-config") or _has_flag(self.argv, "--no-enable-prefix-caching")
+                or _dp_size(self.argv) > 1):
+            log.warning("vLLM arguments set --kv-events-config, --no-enable-prefix-caching or a data-parallel "
+                        "size > 1: DPLB does not follow this engine's KV events (the router keeps its sent-bytes "
+                        "prefix index for it)")
+            return False
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+        self.argv += ["--kv-events-config", json.dumps(cfg)]
+        self._kv_events = True
+        return True
 
     async def start(self) -> None:
         """Start vLLM's engine and build its app. Raises with vLLM's own message if the model cannot load."""
@@ -146,7 +241,15 @@ class VllmEngine:
         tasks = await client.get_supported_tasks()
         app = build_app(args, tasks, client.model_config)
         await init_app_state(client, app.state, args, tasks)
-        self._app = app
+        self._app = self._served = app
+        processor = getattr(client, "output_processor", None)
+        if self._kv_events and callable(getattr(processor, "add_request", None)):
+            _watch_add_request(processor)
+            self._served = _RequestContext(app)
+        elif self._kv_events:  # no request could be translated into router keys: do not claim to follow
+            self._kv_events = False
+            log.warning("this vLLM's engine client has no output_processor.add_request: prompt token ids unknown, "
+                        "the router keeps its sent-bytes prefix index for this worker")
         # Something in vLLM's start-up sets the root logger to ERROR, which silenced DPLB's own INFO lines
         # ("Worker K registered", draining, stopped): put the level back.
         logging.root.setLevel(root_level)
@@ -255,6 +358,6 @@ class VllmEngine:
 
     async def shutdown(self) -> None:
         """Shut vLLM's engine down (EngineCore and its workers). Idempotent."""
-        self._app = None
+        self._app = self._served = None
         await self._stack.aclose()
         logging.getLogger("vllm").removeHandler(self._oom)
