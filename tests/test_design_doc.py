@@ -150,9 +150,9 @@ def test_worker_slot_table_matches_code_and_bytes(shm_path: str) -> None:
 
 def test_router_slot_and_ring_tables_match_code_and_bytes(shm_path: str) -> None:
     head_rows, entry_rows, ring_rows = doc_table("router-slot"), doc_table("router-entry"), doc_table("prefix-ring")
-    check_layout(head_rows, "<Q" + ROUTER_HEAD.format[1:])
+    check_layout(head_rows, "<Q" + ROUTER_HEAD.format[1:] + "Q")  # + urgent, one store outside the seqlocked head
     check_layout(entry_rows, ROUTER_ENTRY.format)
-    check_layout(ring_rows, "<Q")
+    check_layout(ring_rows, "<QQ")
     seg = Segment.create(shm_path, 3)
     slots = RouterSlots.claim(shm_path, 3, port=4321, process_index=1)
     assert slots is not None
@@ -160,6 +160,7 @@ def test_router_slot_and_ring_tables_match_code_and_bytes(shm_path: str) -> None
         sent = time.monotonic_ns()
         slots.publish(2, pending=3, inflight=5, sent_now_ns=sent)
         slots.publish_prefix(1, [0x1234, 0x5678])
+        slots.publish_urgent(1)
         raw = Path(shm_path).read_bytes()
         base = routers_offset(3) + slots.index * layout.ROUTER_SLOT_SIZE
         got = {r["field"]: field_bytes(raw, base, r) for r in head_rows}
@@ -167,10 +168,12 @@ def test_router_slot_and_ring_tables_match_code_and_bytes(shm_path: str) -> None
         assert (got["pid"], got["port"], got["process_index"], got["last_sent_mono_ns"]) == (os.getpid(), 4321, 1,
                                                                                             sent)
         assert 0 < got["heartbeat_mono_ns"] <= time.monotonic_ns()
+        assert got["urgent"] == 2  # class 1 queued, + 1
         entry = {r["field"]: field_bytes(raw, base + 64 + 16 * 2, r) for r in entry_rows}
         assert entry == {"pending": 3, "inflight": 5, "last_sent_mono_ns": sent}
         ring = routers_offset(3) + layout.MAX_ROUTERS * layout.ROUTER_SLOT_SIZE + slots.index * layout.PREFIX_RING_SIZE
         assert field_bytes(raw, ring, ring_rows[0]) == 2  # head: entries ever written
+        assert field_bytes(raw, ring, ring_rows[1]) == 2  # reserve: = head when no append is in progress
         assert struct.unpack_from("<QQ", raw, ring + 64) == (0x1234 | 2 << 56, 0x5678 | 2 << 56)  # key | (w+1) << 56
     finally:
         slots.close()

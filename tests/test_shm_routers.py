@@ -243,3 +243,21 @@ def test_prefix_ring_torn_copies_never_deliver_lapped_entries(seg: Segment) -> N
     assert deliveries >= 3  # the reader really ran beside the writer
     a.close()
     b.close()
+
+
+def test_peers_see_the_most_urgent_class_a_process_has_queued(seg: Segment) -> None:
+    """A router group's fair queues: each process publishes its most urgent queued class, so a process about to
+    grant a freed slot to a less urgent request leaves it to the peer's more urgent one."""
+    a, b = _pair(seg)
+    assert b.peers_urgent() is None  # nothing queued anywhere
+    a.publish_urgent(1)
+    assert b.peers_urgent() == 1 and a.peers_urgent() is None  # only peers count
+    a.publish_urgent(0)
+    assert b.peers_urgent() == 0
+    a.publish_urgent(None)
+    assert b.peers_urgent() is None
+    a.publish_urgent(2)
+    a.close()  # a closed slot is no peer and its value is void
+    b.refresh_peers()
+    assert b.peers_urgent() is None
+    b.close()

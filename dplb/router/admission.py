@@ -177,6 +177,10 @@ class FairQueue:
             for tenant in self._tenants(cls):
                 yield from cls[tenant]
 
+    def top_rank(self) -> int | None:
+        """The most urgent priority class with a request queued (0 = most urgent); None when the queue is empty."""
+        return next((r for r, cls in enumerate(self._classes) if cls), None)
+
     def pop(self, can_serve: Callable[[Waiter], bool] = lambda w: True) -> Waiter | None:
         """Remove and return the next request some worker can take (``can_serve``), its prompt charged; None when
         none can be taken."""

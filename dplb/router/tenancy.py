@@ -381,10 +381,15 @@ class Gate:
             return
 
         held = self.config.held
+        slots = self.state.slots
+        # A peer process's more urgent request goes first: leave it the slot (its tick takes it within TICK_S).
+        peer = slots.peers_urgent() if slots is not None and slots.has_peers else None
+        top = len(self.config.classes) if peer is None else peer
 
         def can(w: Waiter) -> bool:
             fut = w.data.fut
-            return fut is not None and not fut.done() and self._best(free, w.data.cannot, held(w.rank)) is not None
+            return (w.rank <= top and fut is not None and not fut.done()
+                    and self._best(free, w.data.cannot, held(w.rank)) is not None)
 
         while fq.length:
             w = fq.pop(can)
@@ -397,16 +402,25 @@ class Gate:
             self._granted[k] += 1
             tk.granted_to = k
             _resolve(tk, _GRANTED)
+        self._share_urgent()
+
+    def _share_urgent(self) -> None:
+        """Publish this process's most urgent queued class to its router slot (router groups: :meth:`_pump`)."""
+        slots = self.state.slots
+        if slots is not None and self.fq is not None:
+            slots.publish_urgent(self.fq.top_rank())
 
     async def _tick(self) -> None:
         """While requests wait: time them out, and look for room every :data:`TICK_S`."""
         fq = self.fq
         assert fq is not None
         while fq.length:
+            self._share_urgent()
             await asyncio.sleep(TICK_S)
             for w, kind in fq.expire():
                 _resolve(w.data, kind)
             self._pump()
+        self._share_urgent()
 
     def leave(self, ex: Exchange) -> None:
         """``ex`` ended (any way): ledger, corrections, and the next queued request (module docstring)."""

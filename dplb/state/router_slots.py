@@ -18,7 +18,9 @@ Byte layout (little-endian; after the worker slots, at :func:`routers_offset` = 
       14  u16  process_index          index within its router group (0 for a single-process router)
       16  u64  heartbeat_mono_ns      CLOCK_MONOTONIC ns, refreshed by the owner's monitor (every ≤ 0.5 s)
       24  u64  last_sent_mono_ns      the owner's most recent dispatch to any worker
-      32..63 reserved (zeros)
+      32  u64  urgent                 the most urgent priority class the owner's fair queue holds, + 1 (0: none
+                                      queued; dplb.router.tenancy), one 8-byte store outside the seqlock
+      40..63 reserved (zeros)
       64 + 16·k  per worker k < MAX_WORKERS:
                  u32 pending          the owner's correction for k: requests sent after k's last snapshot
                                       (minus half an interval), capped by its in-flight count to k
@@ -188,6 +190,21 @@ class RouterSlots:
             else:
                 self._ring_seen[r] = 0  # a later owner starts its ring at 0
         self._peers, self._peer_rings = peers, rings
+
+    def publish_urgent(self, rank: int | None) -> None:
+        """Publish the most urgent priority class this process has queued (None: nothing queued)."""
+        self._q[self._si + 4] = 0 if rank is None else rank + 1
+
+    def peers_urgent(self) -> int | None:
+        """The most urgent priority class any live peer has queued (None: none has a request queued). One load per
+        peer."""
+        q = self._q
+        best = 0
+        for si in self._peers:
+            v = q[si + 4]
+            if v and (not best or v < best):
+                best = v
+        return best - 1 if best else None
 
     # ---- prefix rings ----------------------------------------------------------------------------------------
     def publish_prefix(self, worker: int, keys: list[int]) -> None:
