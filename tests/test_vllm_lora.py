@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from cluster import dplb_cmd, free_port
 from test_vllm_worker import VllmWorker
-from vllm_support import require_vllm
+from vllm_support import require_vllm, router_on
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -50,29 +46,11 @@ def lora_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
     w = VllmWorker(tmp, None, ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules",
                                f"sql={sql}"),
                    {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1"})
-    port = free_port()
-    with open(os.path.join(tmp, "router.log"), "wb") as log:
-        router = subprocess.Popen(dplb_cmd("router", "--host", "127.0.0.1", "--port", str(port), "--run-dir", tmp,
-                                           "--allow-runtime-lora"),
-                                  env={**os.environ, "DPLB_SHM_PATH": w.shm}, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.monotonic()
-        while not _ok(url + "/ready"):
-            assert time.monotonic() - t0 < 30 and router.poll() is None
-            time.sleep(0.1)
-        yield url, chat, w
+        with router_on(tmp, w.shm, "--allow-runtime-lora") as url:
+            yield url, chat, w
     finally:
-        router.send_signal(signal.SIGTERM)
-        router.wait(30)
         w.stop()
-
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_lora_through_the_router_on_real_vllm(lora_router: tuple[str, str, VllmWorker]) -> None:

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from cluster import dplb_cmd, free_port, worker_get
+from cluster import worker_get
 from test_vllm_worker import VllmWorker
-from vllm_support import require_vllm
+from vllm_support import require_vllm, router_on
 
 from dplb.ops.usage import ledger_of
 from dplb.tenants import hash_key
@@ -36,29 +33,11 @@ def tenant_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
         for name, cls in (("chat", "interactive"), ("batch", "batch")):
             f.write(f'[tenants.{name}]\napi_key_sha256 = ["{hash_key(KEYS[name])}"]\npriority = "{cls}"\n\n')
     w = VllmWorker(tmp, None, ("--scheduling-policy", "priority"))
-    port = free_port()
-    with open(os.path.join(tmp, "router.log"), "wb") as log:
-        router = subprocess.Popen(dplb_cmd("router", "--host", "127.0.0.1", "--port", str(port), "--run-dir", tmp,
-                                           "--tenants", tf, "--engine-priority"),
-                                  env={**os.environ, "DPLB_SHM_PATH": w.shm}, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.monotonic()
-        while not _ok(url + "/ready"):
-            assert time.monotonic() - t0 < 30 and router.poll() is None
-            time.sleep(0.1)
-        yield url, w
+        with router_on(tmp, w.shm, "--tenants", tf, "--engine-priority") as url:
+            yield url, w
     finally:
-        router.send_signal(signal.SIGTERM)
-        router.wait(30)
         w.stop()
-
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _engine_tokens(w: VllmWorker) -> tuple[float, float]:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
 
+import httpx
 import pytest
 
 TINY_MODEL = os.environ.get("DPLB_TINY_MODEL_DIR", os.path.expanduser("~/.cache/dplb/tiny-llama"))
@@ -35,3 +41,33 @@ def vllm_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     return env
+
+
+@contextlib.contextmanager
+def router_on(run_dir: str, shm: str, *args: str) -> Iterator[str]:
+    """A ``dplb router`` (extra flags ``args``) on a free port in front of the workers of segment ``shm``; yields
+    its URL once ``/ready`` answers 200 (30 s), SIGTERMs it on exit. Its log goes to ``run_dir``/router.log."""
+    from cluster import dplb_cmd, free_port
+
+    port = free_port()
+    with open(os.path.join(run_dir, "router.log"), "wb") as log:
+        router = subprocess.Popen(dplb_cmd("router", "--host", "127.0.0.1", "--port", str(port), "--run-dir",
+                                           run_dir, *args),
+                                  env={**os.environ, "DPLB_SHM_PATH": shm}, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while not _ok(url + "/ready"):
+            assert time.monotonic() - t0 < 30 and router.poll() is None
+            time.sleep(0.1)
+        yield url
+    finally:
+        router.send_signal(signal.SIGTERM)
+        router.wait(30)
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

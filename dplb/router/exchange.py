@@ -49,7 +49,7 @@ class Exchange:
     ``Content-Encoding``) and ``peek`` (its few parsed fields); ``request`` (the policy's view) and ``decision``
     (the last pick); ``head`` (the request head for the workers, with its blank line); ``capture`` (False, True:
     remember the id found in the answer, or the ``/v1/responses`` id itself); ``trace`` (tracing hooks); ``tenant``
-    (the :class:`dplb.router.tenancy.Ticket` of its tenant, None before it is known); ``resume`` (a
+    (the :class:`dplb.router.ticket.Ticket` of its tenant, None before it is known); ``resume`` (a
     :class:`dplb.router.resume.ResumeStream` when ``--resume-streams`` tracks it, else None)."""
 
     __slots__ = ("body", "capture", "conn", "decision", "decoded", "gone", "head", "peek", "pin", "receive",

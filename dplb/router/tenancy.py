@@ -44,7 +44,8 @@ from dplb.errors import ConfigError, RouterErrorKind
 from dplb.obs.metrics_tenant import TenantMetrics
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
 from dplb.router.limits import TenantLimits
-from dplb.router.usage import Meter, max_tokens, with_fields
+from dplb.router.ticket import Ticket
+from dplb.router.usage import max_tokens, with_fields
 from dplb.runtime.asgi import until_disconnect
 from dplb.runtime.serving import DISCONNECT_EXT
 from dplb.tenants import DEFAULT_TENANT, Tenant, TenantsConfig, hash_key, load_tenants, single_tenant
@@ -58,54 +59,6 @@ TICK_S = 0.01  # how often a non-empty queue looks for room freed elsewhere (oth
 BYTES_PER_TOKEN = 4  # prompt-token estimate at admission (OpenAI's rule of thumb for English text)
 _GRANTED, _GONE = "granted", "gone"
 _USAGE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
-
-
-class Ticket:
-    """One request's tenant state, on :attr:`Exchange.tenant`: ``tenant``, ``rank`` (class), the prompt-token
-    estimate, the queue future, the usage meter and timings (perf_counter seconds)."""
-
-    __slots__ = ("cannot", "charged", "counted", "est", "expected", "fut", "gate", "granted_to", "limits", "meter",
-                 "rank", "relayed", "strip", "t_first", "tenant", "wait_s", "waiter")
-
-    def __init__(self, gate: Gate, tenant: Tenant, rank: int, limits: TenantLimits | None) -> None:
-        self.gate = gate
-        self.tenant = tenant
-        self.rank = rank
-        self.limits = limits
-        self.est = 0
-        self.counted = False
-        self.fut: asyncio.Future[Any] | None = None
-        self.waiter: Waiter | None = None
-        self.granted_to: int | None = None
-        self.meter: Meter | None = None
-        self.strip = False
-        self.relayed = False  # the worker's response head was relayed
-        self.cannot: frozenset[int] = frozenset()  # workers that cannot serve it (model, pinned response)
-        self.charged = 0  # output tokens charged to the VTC so far (the expected output at dispatch, then events)
-        self.expected = 0  # the request's max_tokens (0 when it sets none)
-        self.t_first: float | None = None
-        self.wait_s = 0.0
-
-    # ---- hooks of the attempt ------------------------------------------------------------------------------
-    def head(self, status: int, headers: list[tuple[bytes, bytes]], sse: bool) -> None:
-        """The worker's response head is about to be relayed: add ``x-ratelimit-*``, start metering."""
-        if self.limits is not None and self.limits.any:
-            headers += self.limits.headers()
-        self.relayed = True
-        self.meter = Meter(sse, self.strip) if status < 300 else None
-
-    def chunk(self, data: bytes) -> bytes:
-        """One body chunk about to be relayed; returns what to relay (:meth:`dplb.router.usage.Meter.chunk`)."""
-        if self.t_first is None:
-            self.t_first = time.perf_counter()
-        m = self.meter
-        if m is None:
-            return data
-        out = m.chunk(data)
-        if m.events > self.charged and self.gate.fq is not None:  # past the expected output: charge as produced
-            self.gate.fq.charge(self.tenant.name, self.tenant.weight, output_tokens=m.events - self.charged)
-            self.charged = m.events
-        return out
 
 
 class Gate:
@@ -208,7 +161,7 @@ class Gate:
         t = self.tenant_of(authorization)
         if t is None:
             return False
-        ex.tenant = Ticket(self, t, self.config.rank(t.priority), self._limits.get(t.name))
+        ex.tenant = Ticket(self.fq, t, self.config.rank(t.priority), self._limits.get(t.name))
         ex.trace.tenant(t.name)
         recent = self.recent
         recent[ex.rid.decode()] = t.name

@@ -1,0 +1,69 @@
+"""One request's tenant state (:class:`Ticket`, on :attr:`dplb.router.exchange.Exchange.tenant`), created and
+ended by the tenant gate (``dplb.router.tenancy``).
+
+Contract: the attempt calls :meth:`Ticket.head` once with the worker's response head it is about to relay (it may
+add ``x-ratelimit-*`` headers and starts the usage meter for a 2xx) and :meth:`Ticket.chunk` on every body chunk
+(it returns the bytes to relay: the meter may take out a usage event the client did not ask for, and it charges
+the fair queue for output beyond the expected tokens as it is produced).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from dplb.router.usage import Meter
+
+if TYPE_CHECKING:
+    from dplb.router.admission import FairQueue, Waiter
+    from dplb.router.limits import TenantLimits
+    from dplb.tenants import Tenant
+
+
+class Ticket:
+    """One request's tenant state, on :attr:`Exchange.tenant`: ``tenant``, ``rank`` (class), the prompt-token
+    estimate, the queue future, the usage meter and timings (perf_counter seconds)."""
+
+    __slots__ = ("cannot", "charged", "counted", "est", "expected", "fq", "fut", "granted_to", "limits", "meter",
+                 "rank", "relayed", "strip", "t_first", "tenant", "wait_s", "waiter")
+
+    def __init__(self, fq: FairQueue | None, tenant: Tenant, rank: int, limits: TenantLimits | None) -> None:
+        self.fq = fq  # the gate's fair queue (None without one), charged for output as it is produced
+        self.tenant = tenant
+        self.rank = rank
+        self.limits = limits
+        self.est = 0
+        self.counted = False
+        self.fut: asyncio.Future[Any] | None = None
+        self.waiter: Waiter | None = None
+        self.granted_to: int | None = None
+        self.meter: Meter | None = None
+        self.strip = False
+        self.relayed = False  # the worker's response head was relayed
+        self.cannot: frozenset[int] = frozenset()  # workers that cannot serve it (model, pinned response)
+        self.charged = 0  # output tokens charged to the VTC so far (the expected output at dispatch, then events)
+        self.expected = 0  # the request's max_tokens (0 when it sets none)
+        self.t_first: float | None = None
+        self.wait_s = 0.0
+
+    # ---- hooks of the attempt ------------------------------------------------------------------------------
+    def head(self, status: int, headers: list[tuple[bytes, bytes]], sse: bool) -> None:
+        """The worker's response head is about to be relayed: add ``x-ratelimit-*``, start metering."""
+        if self.limits is not None and self.limits.any:
+            headers += self.limits.headers()
+        self.relayed = True
+        self.meter = Meter(sse, self.strip) if status < 300 else None
+
+    def chunk(self, data: bytes) -> bytes:
+        """One body chunk about to be relayed; returns what to relay (:meth:`dplb.router.usage.Meter.chunk`)."""
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        m = self.meter
+        if m is None:
+            return data
+        out = m.chunk(data)
+        if m.events > self.charged and self.fq is not None:  # past the expected output: charge as produced
+            self.fq.charge(self.tenant.name, self.tenant.weight, output_tokens=m.events - self.charged)
+            self.charged = m.events
+        return out
