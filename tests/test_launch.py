@@ -251,7 +251,7 @@ def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[n
 def test_log_tail_shows_only_this_launchers_lines(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Regression: logs are kept across runs in one --run-dir, and a worker's "last log lines"
     mixed in an earlier run's error."""
-    from dplb.ops.launcher import Child
+    from dplb.ops.children import Child
 
     log = tmp_path / "worker-0.log"
     log.write_text("old run: argument --sim-speed: expected one argument\n")

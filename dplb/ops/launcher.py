@@ -32,7 +32,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
 
 from dplb.config import (
     METRICS_HOST,
@@ -54,22 +53,19 @@ from dplb.ops.checks import (
     scrape_targets,
     write_scrape_targets,
 )
+from dplb.ops.children import BACKOFF_MAX_S, BACKOFF_START_S, Child
 from dplb.ops.doctor import live_sockets
-from dplb.ops.placement import add_placement_args, host_placement, preexec
+from dplb.ops.placement import add_placement_args, host_placement
 from dplb.ops.plan import cuda_visible_devices, plan_gpus
 from dplb.router.cli import add_router_args, router_config
 from dplb.router.supervisor import child_env
 from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
-from dplb.runtime.procs import die_with_parent, reap_group
 from dplb.state.segments import check_takeover, inspect
 from dplb.state.shm import ENV_SHM_PATH, MAX_WORKERS, Lifecycle, Segment, default_segment_path
 from dplb.worker.engines import sim_config
 
 log = logging.getLogger("dplb.launch")
-BACKOFF_START_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
-
-
-_RUN_MARK = "=== dplb launch"
+STABLE_S = 60.0  # a child up this long has its restart backoff reset
 
 
 def try_line(url: str, model: str, api_key: str | None, tenants_file: str | None, env_key: str | None) -> str:
@@ -87,62 +83,6 @@ def try_line(url: str, model: str, api_key: str | None, tenants_file: str | None
     return (f"  try:     curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' {auth}"
             f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
             f"\"max_tokens\": 16}}'{note}")
-
-
-@dataclass
-class Child:
-    """One supervised process."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log_path: str
-    proc: subprocess.Popen[bytes] | None = None
-    started_at: float = 0.0
-    restarts: int = 0
-    backoff_s: float = BACKOFF_START_S
-    next_start: float = 0.0
-    start_failures: int = 0
-    ever_ready: bool = False
-    extra: dict[str, object] = field(default_factory=dict)
-    cpus: tuple[int, ...] = ()  # pinned to these CPUs before exec (dplb.ops.placement); () = not pinned
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as f:
-            if self.started_at == 0.0:  # first start by this launcher: mark where its lines begin (logs are kept)
-                f.write(f"{_RUN_MARK} {time.strftime('%Y-%m-%dT%H:%M:%S')} pid {os.getpid()}\n".encode())
-                f.flush()
-            # Its own process group (a terminal's Ctrl-C reaches the launcher only, which drains the children in
-            # order) but the launcher's session: a session is a kernel autogroup, and engines in separate
-            # autogroups do not share a core fairly (a yielding vLLM engine kept one for seconds).
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, process_group=0,
-                                         preexec_fn=preexec(self.cpus, die_with_parent))
-        self.started_at = time.monotonic()
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            assert self.proc is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, sig)
-
-    def reap(self) -> None:
-        """After the process exited: kill what it left in its process group (an engine's own children)."""
-        if self.proc is not None and self.proc.poll() is not None and reap_group(self.proc.pid):
-            log.info("%s: killed the processes it left behind (process group %d)", self.name, self.proc.pid)
-
-    def log_tail(self, n: int = 20) -> str:
-        """The last ``n`` lines this launcher's run wrote (earlier runs in the same run dir are left out)."""
-        try:
-            with open(self.log_path, errors="replace") as f:
-                lines = f.readlines()
-        except OSError:
-            return ""
-        starts = [i for i, ln in enumerate(lines) if ln.startswith(_RUN_MARK)]
-        return "".join(lines[starts[-1] + 1 if starts else 0:][-n:])
 
 
 def _http_ok(url: str) -> bool:
