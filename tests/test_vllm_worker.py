@@ -7,9 +7,11 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -21,6 +23,8 @@ from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_v
 from dplb.state.shm import Lifecycle, Segment
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+HOLD_CTX = 2048  # this module's worker's --max-model-len
+HOLD_TOKENS = 1800  # tokens a held stream asks for: ~4 s of decode for the tiny model on 2 loaded cores
 
 
 class VllmWorker:
@@ -84,7 +88,9 @@ def receiver() -> Iterator[OtlpReceiver]:
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> Iterator[VllmWorker]:
     require_vllm()
-    w = VllmWorker(str(tmp_path_factory.mktemp("vllm")), receiver.endpoint, metrics_port=free_port())
+    # a 2048-token context (the tiny model's maximum) so the held streams below last seconds even on a fast machine
+    w = VllmWorker(str(tmp_path_factory.mktemp("vllm")), receiver.endpoint, extra=("--max-model-len", str(HOLD_CTX)),
+                   metrics_port=free_port())
     try:
         yield w
     finally:
@@ -202,35 +208,48 @@ def _reconciler(worker: VllmWorker) -> dict[str, float]:
 
 
 def test_reconciler_sees_live_vllm_requests_spares_them_and_vllm_aborts_cut_ones(worker: VllmWorker) -> None:
-    """Streams on chat, completions and responses, held open for 10+ state intervals: the reconciler sees each in
-    vLLM's engine client and takes none for an orphan (a responses id does not carry X-Request-Id); cut, vLLM
-    aborts each itself (the reconciler aborts nothing) and nothing is left running."""
-    bodies = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hold"}], "max_tokens": 400}),
-              ("/v1/completions", {"prompt": "hold me", "max_tokens": 400}),
-              ("/v1/responses", {"input": "hold", "max_output_tokens": 400})]
+    """Streams on chat, completions and responses, opened together and held open for 10+ state intervals: the
+    reconciler sees each in vLLM's engine client and takes none for an orphan (a responses id does not carry
+    X-Request-Id); cut, vLLM aborts each itself (the reconciler aborts nothing) and nothing is left running."""
+    bodies = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hold"}], "max_tokens": HOLD_TOKENS}),
+              ("/v1/completions", {"prompt": "hold me", "max_tokens": HOLD_TOKENS}),
+              ("/v1/responses", {"input": "hold", "max_output_tokens": HOLD_TOKENS})]
     seen: list[dict[str, float]] = []
+    holding = threading.Event()
+
+    def sample() -> None:  # every 50 ms while the streams are held: the gauge changes at each 200 ms tick
+        while not holding.wait(0.05):
+            pass
+        while holding.is_set():
+            seen.append(_reconciler(worker))
+            time.sleep(0.05)
+
+    async def open_stream(cl: httpx.AsyncClient, i: int, path: str, body: dict[str, Any]) -> tuple[Any, Any]:
+        cm = cl.stream("POST", path, headers={"x-request-id": f"hold-{i}"},
+                       json={"model": "tiny", "stream": True, "ignore_eos": True, **body})
+        r = await cm.__aenter__()
+        assert r.status_code == 200, (path, await r.aread())
+        lines = r.aiter_lines()
+        await anext(lines)
+        return cm, lines
 
     async def main() -> None:
         async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=worker.sock), base_url="http://w",
                                      timeout=120) as cl:
-            streams = []
-            for i, (path, body) in enumerate(bodies):
-                cm = cl.stream("POST", path, headers={"x-request-id": f"hold-{i}"},
-                               json={"model": "tiny", "stream": True, "ignore_eos": True, **body})
-                r = await cm.__aenter__()
-                assert r.status_code == 200, (path, await r.aread())
-                lines = r.aiter_lines()
-                await anext(lines)
-                streams.append((cm, lines))
+            streams = await asyncio.gather(*[open_stream(cl, i, p, b) for i, (p, b) in enumerate(bodies)])
+            holding.set()
             for _ in range(10):  # keep reading so every stream keeps generating; 10 x 0.2 s = 10 state intervals
                 for _, lines in streams:
                     await anext(lines)
                 await asyncio.sleep(0.2)
-                seen.append(_reconciler(worker))  # the tiny model may finish its 400 tokens within these 2 s
+            holding.clear()
             for cm, _ in streams:
                 await cm.__aexit__(None, None, None)  # the client leaves mid-stream
 
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     asyncio.run(main())
+    sampler.join(10)
     assert max(x["dplb_worker_engine_requests"] for x in seen) == 3, seen
     assert all(x["dplb_worker_orphan_requests"] == 0 for x in seen), seen
     t0 = time.monotonic()
