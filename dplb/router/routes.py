@@ -90,6 +90,15 @@ def match(method: str, path: str) -> tuple[Route, str | None] | None:
     return None
 
 
+def allowed_methods(path: str) -> str:
+    """The ``Allow`` header value of a 405 on a proxied ``path`` (RFC 9110 §15.5.6: a 405 must list the target's
+    methods), e.g. ``"POST"``; ``"GET"`` / ``"POST"`` for ``/v1/responses/{id}`` / ``…/{id}/cancel``."""
+    methods = {m for (m, p) in PROXY_ROUTES if p == path}
+    if path.startswith(RESPONSES_PREFIX):
+        methods.add("POST" if path.endswith("/cancel") else "GET")
+    return ", ".join(sorted(methods))
+
+
 def is_proxy_path(path: str) -> bool:
     """True when ``path`` belongs to the proxy (any method: the proxy answers 405 for a wrong one)."""
     return path in PROXY_PATHS or path.startswith(RESPONSES_PREFIX)
