@@ -70,6 +70,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         "worker", help="run one worker (engine on a Unix socket + state collector)",
         description="Run one DPLB worker. Arguments after the known ones go to the engine: --sim-* knobs for the "
         "sim engine (`dplb worker --help-engine sim`), vLLM server arguments for the vllm engine.",
+        allow_abbrev=False,  # unknown arguments go to the engine: a prefix must not silently become a DPLB flag
     )
     p.add_argument("--worker-id", type=int, required=True, help="slot index in the shm segment (0-based)")
     p.add_argument("--engine", choices=("sim", "vllm"), default="sim")

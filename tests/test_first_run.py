@@ -172,13 +172,14 @@ def test_dashboard_generator_without_the_venv_says_which_python_to_use() -> None
       "--state-interval-ms", "0"], "--state-interval-ms must be 1..60000 ms, got 0"),
     (["launch", "--num-workers", "1", "--port", "0", "--state-interval-ms", "99999999999"],
      "--state-interval-ms must be 1..60000 ms, got 99999999999"),
+    (["launch", "--num-workers", "1", "--port", "0", "--engine", "sim"], "unknown sim engine argument(s): --engine sim"),
     (["tenants", "hash-key"], "no key given"),
     (["fleet"], "required: {haproxy-config,envoy-config}"),
     (["tenants"], "required: {hash-key}"),
     (["segment"], "required: {create,remove}"),
     ([], "required: COMMAND"),
 ], ids=["usage-url", "fleet-output", "emit-systemd-file", "launch-port", "segment-path", "segment-65-workers",
-        "segment-interval-0", "launch-interval-uint32", "hash-key-eof",
+        "segment-interval-0", "launch-interval-uint32", "launch-no-abbreviation", "hash-key-eof",
         "fleet-sub", "tenants-sub", "segment-sub", "no-command"])
 def test_cli_mistakes_are_one_line(args: list[str], says: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DPLB_SHM_PATH"}
