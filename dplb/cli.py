@@ -70,6 +70,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         "worker", help="run one worker (engine on a Unix socket + state collector)",
         description="Run one DPLB worker. Arguments after the known ones go to the engine: --sim-* knobs for the "
         "sim engine (`dplb worker --help-engine sim`), vLLM server arguments for the vllm engine.",
+        allow_abbrev=False,  # unknown arguments go to the engine: a prefix must not silently become a DPLB flag
     )
     p.add_argument("--worker-id", type=int, required=True, help="slot index in the shm segment (0-based)")
     p.add_argument("--engine", choices=("sim", "vllm"), default="sim")
@@ -147,9 +148,10 @@ def _add_segment(sub: argparse._SubParsersAction) -> None:
 def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
     import os
 
+    from dplb.config import check_state_interval_ms
     from dplb.errors import ConfigError
     from dplb.ops.systemd_units import SYSTEMD_SHM_PATH
-    from dplb.state.layout import ENV_SHM_PATH, check_not_foreign
+    from dplb.state.layout import ENV_SHM_PATH, MAX_WORKERS, check_not_foreign
     from dplb.state.shm import Segment, resolve_path
 
     if not (args.shm_path or os.environ.get(ENV_SHM_PATH)):
@@ -162,14 +164,31 @@ def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
             os.unlink(path)
         return 0
     _refuse_live_segment(path)
-    n = args.num_workers or int(os.environ.get("DPLB_NUM_WORKERS", "0"))
-    if n <= 0:
-        raise ConfigError("--num-workers (or DPLB_NUM_WORKERS) must be > 0")
-    interval = args.state_interval_ms or int(os.environ.get("DPLB_STATE_INTERVAL_MS", "200"))
+    n = _int_flag(args.num_workers, "--num-workers", "DPLB_NUM_WORKERS", "")
+    if not 1 <= n <= MAX_WORKERS:
+        raise ConfigError(f"--num-workers (or DPLB_NUM_WORKERS) must be 1..{MAX_WORKERS}, got {n}")
+    interval = check_state_interval_ms(_int_flag(args.state_interval_ms, "--state-interval-ms",
+                                                 "DPLB_STATE_INTERVAL_MS", "200"))
     Segment.create(path, n, state_interval_ms=interval, model=args.model, replace=True,
                    run_dir=os.environ.get("DPLB_RUN_DIR", "")).close()
     print(f"created {path} ({n} workers, {interval} ms)")
     return 0
+
+
+def _int_flag(value: int | None, flag: str, env: str, default: str) -> int:
+    """``value`` when the flag was given, else ``$env`` (else ``default``; "" reads as 0) as an integer. Raises
+    :class:`dplb.errors.ConfigError` naming the flag and the variable when the variable is not an integer."""
+    import os
+
+    from dplb.errors import ConfigError
+
+    if value is not None:
+        return value
+    raw = os.environ.get(env, default).strip() or "0"
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{flag} (from ${env}) must be an integer, got {raw!r}") from None
 
 
 def _refuse_live_segment(path: str) -> None:

@@ -111,6 +111,17 @@ MAX_PREFIX_BLOCK_BYTES = 65536
 #: The prefix index's block size, bytes of the prompt (routers' --prefix-block-bytes; the workers translate their
 #: engines' KV events into keys of this size).
 PREFIX_BLOCK_BYTES = 128
+#: Longest state publish interval, ms (``--state-interval-ms``): a slot is stale after 3 intervals, so one minute
+#: already means three minutes before a dead worker leaves rotation; the segment header stores it as a uint32.
+MAX_STATE_INTERVAL_MS = 60_000
+
+
+def check_state_interval_ms(ms: int) -> int:
+    """``ms`` when it is a publish interval in 1..:data:`MAX_STATE_INTERVAL_MS`; raises :class:`ConfigError`
+    naming ``--state-interval-ms`` otherwise."""
+    if not 1 <= ms <= MAX_STATE_INTERVAL_MS:
+        raise ConfigError(f"--state-interval-ms must be 1..{MAX_STATE_INTERVAL_MS} ms, got {ms}")
+    return ms
 
 #: The seed article's weights (prefix scoring off).
 SEED_WEIGHTS: Weights = (("queue", 0.4), ("memory", 0.3), ("latency", 0.3))
@@ -218,8 +229,7 @@ class PolicyConfig:
             raise ConfigError(f"--prefix-index-blocks must be > 0, got {self.prefix_index_blocks}")
         if not (math.isfinite(self.prefix_ttl_s) and self.prefix_ttl_s > 0):
             raise ConfigError(f"--prefix-ttl must be > 0 seconds, got {self.prefix_ttl_s}")
-        if self.state_interval_ms <= 0:
-            raise ConfigError(f"state_interval_ms must be > 0, got {self.state_interval_ms}")
+        check_state_interval_ms(self.state_interval_ms)
         seen: set[tuple[str, str]] = set()
         for entry in self.params:
             if len(entry) != 3 or not all(isinstance(x, str) for x in entry):

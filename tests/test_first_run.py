@@ -143,6 +143,9 @@ def test_state_into_a_pipe_keeps_the_whole_heading_at_80_columns(tmp_path: Path)
         assert r.returncode == 0, r.stderr
         head = r.stdout.splitlines()[0]
         assert len(head) > 80 and head.startswith(path) and head.rstrip().endswith("routers(pid:port)=-"), head
+        # the legend is one left-aligned line (a caption was wrapped at the table's width and centred)
+        assert r.stdout.splitlines()[-1].startswith("age, lat, TTFT, warm: seconds;"), r.stdout
+        assert r.stdout.rstrip().endswith("rtr: in flight from the routers"), r.stdout
     finally:
         seg.close()
         os.unlink(path)
@@ -163,12 +166,20 @@ def test_dashboard_generator_without_the_venv_says_which_python_to_use() -> None
     (["launch", "--num-workers", "1", "--emit-systemd", "/dev/null"], "exists and is not a directory"),
     (["launch", "--num-workers", "1", "--port", "70000"], "--port must be 0..65535, got 70000"),
     (["segment", "create", "--num-workers", "2"], "pass --shm-path PATH (or set DPLB_SHM_PATH"),
+    (["segment", "create", "--shm-path", "/dev/shm/dplb_state_never_made", "--num-workers", "65"],
+     "--num-workers (or DPLB_NUM_WORKERS) must be 1..64, got 65"),
+    (["segment", "create", "--shm-path", "/dev/shm/dplb_state_never_made", "--num-workers", "2",
+      "--state-interval-ms", "0"], "--state-interval-ms must be 1..60000 ms, got 0"),
+    (["launch", "--num-workers", "1", "--port", "0", "--state-interval-ms", "99999999999"],
+     "--state-interval-ms must be 1..60000 ms, got 99999999999"),
+    (["launch", "--num-workers", "1", "--port", "0", "--engine", "sim"], "unknown sim engine argument(s): --engine sim"),
     (["tenants", "hash-key"], "no key given"),
     (["fleet"], "required: {haproxy-config,envoy-config}"),
     (["tenants"], "required: {hash-key}"),
     (["segment"], "required: {create,remove}"),
     ([], "required: COMMAND"),
-], ids=["usage-url", "fleet-output", "emit-systemd-file", "launch-port", "segment-path", "hash-key-eof",
+], ids=["usage-url", "fleet-output", "emit-systemd-file", "launch-port", "segment-path", "segment-65-workers",
+        "segment-interval-0", "launch-interval-uint32", "launch-no-abbreviation", "hash-key-eof",
         "fleet-sub", "tenants-sub", "segment-sub", "no-command"])
 def test_cli_mistakes_are_one_line(args: list[str], says: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DPLB_SHM_PATH"}
@@ -177,6 +188,16 @@ def test_cli_mistakes_are_one_line(args: list[str], says: str) -> None:
     last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
     assert r.returncode in (1, 2) and "Traceback" not in r.stderr and says in last, r.stderr
     assert "_cmd" not in r.stderr, r.stderr  # argparse's internal dest names never reach the user
+
+
+def test_segment_create_names_a_bad_environment_variable_in_one_line() -> None:
+    """Regression: ``DPLB_NUM_WORKERS=abc dplb segment create`` (the systemd unit's variable) was a traceback."""
+    env = {**os.environ, "DPLB_SHM_PATH": "/dev/shm/dplb_state_never_made", "DPLB_NUM_WORKERS": "abc"}
+    r = subprocess.run(dplb_cmd("segment", "create"), capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == ("dplb segment: error: --num-workers (from $DPLB_NUM_WORKERS) must be an integer, "
+                                "got 'abc'")
+    assert not Path("/dev/shm/dplb_state_never_made").exists()
 
 
 def _leaf_commands() -> list[list[str]]:

@@ -76,6 +76,31 @@ def test_hosts_list_errors_are_one_line() -> None:
     assert r.returncode == 0 and "127.0.0.9:9 does not answer /health" in r.stderr and "dplb_hosts" in r.stdout
 
 
+def test_probe_of_a_host_answering_404_names_the_status() -> None:
+    """Regression: a host whose port answers 404 (another server there) was reported as "(Not Found)" alone."""
+    import http.server
+    import threading
+
+    from dplb.ops.fleet import probe
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_error(404)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        out = probe([FleetHost("127.0.0.1", srv.server_address[1])], timeout_s=5)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert len(out) == 1 and "does not answer /health (HTTP 404 Not Found)" in out[0], out
+
+
 HOSTS = [FleetHost("10.0.0.11", 30000), FleetHost("10.0.0.12", 30000, 30091)]
 
 

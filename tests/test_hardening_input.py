@@ -253,6 +253,26 @@ def test_a_wrong_method_on_a_local_route_is_an_openai_405_with_allow(fuzz: Clust
     assert "GET" in r.headers.get("allow", ""), r.headers
 
 
+@pytest.mark.parametrize(("method", "path", "allow"), [
+    ("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/completions", "POST"),
+    ("DELETE", "/v1/responses/resp_1", "GET"), ("GET", "/v1/responses/resp_1/cancel", "POST")])
+def test_a_wrong_method_on_a_proxied_route_is_an_openai_405_with_allow(fuzz: Cluster, method: str, path: str,
+                                                                       allow: str) -> None:
+    """Regression: the proxy's own 405 (``GET /v1/chat/completions``) had no ``Allow`` header (RFC 9110 §15.5.6)."""
+    r = httpx.request(method, fuzz.url + path, timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+    assert r.headers.get("allow") == allow, r.headers
+    assert f"allowed: {allow}" in r.json()["error"]["message"]
+
+
+def test_a_response_id_the_router_cannot_remember_is_the_workers_404_not_a_405(fuzz: Cluster) -> None:
+    """Regression: ``GET /v1/responses/a%20b`` (an id outside the remembered alphabet) was the proxy's 405 "GET is
+    not allowed", with GET the right method; it is routed by score like any unknown id and the worker says 404."""
+    for rid in ("a%20b", "x" * 300):
+        r = httpx.get(f"{fuzz.url}/v1/responses/{rid}", timeout=10)
+        assert r.status_code == 404 and "x-sg-worker-id" in r.headers, (r.status_code, r.text)
+
+
 @pytest.mark.parametrize("depth", [1000, 5000])
 def test_deeply_nested_json_is_an_openai_400(fuzz: Cluster, depth: int) -> None:
     """JSON nested deeper than the decoder's recursion limit, as the whole body or inside a valid request, is 400

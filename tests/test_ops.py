@@ -181,6 +181,7 @@ def test_doctor_plan_and_gpus() -> None:
     assert doctor.check_plan([0, 1, 2, 3], 2, 2).status == "pass"
     over = doctor.check_plan([], 65, 1)  # dplb launch refuses 65 workers: so does the pre-flight check
     assert over.status == "fail" and "--num-workers must be 1..64" in over.detail
+    assert over.fix != over.detail and "--num-workers" in over.fix  # a fix, not the message again
 
 
 def _llama_config(tmp_path, **kw: object) -> str:  # type: ignore[no-untyped-def]

@@ -60,7 +60,9 @@ def check_plan(indices: list[int], num_workers: int | None, tp: int) -> Check:
     try:
         plan = plan_gpus(indices, num_workers, tp)
     except ConfigError as e:
-        return Check("plan", "fail", str(e).split(". Fix:")[0], str(e).split("Fix: ")[-1])
+        what, _, fix = str(e).partition(". Fix: ")
+        return Check("plan", "fail", what, fix or "pass --num-workers and --tensor-parallel-size that fit the GPUs "
+                     "(dplb doctor --help)")
     return Check("plan", "pass", f"{len(plan)} worker(s) × TP {tp}: {plan}")
 
 

@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import re
 import sys
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
@@ -228,6 +229,8 @@ def probe(hosts: list[FleetHost], timeout_s: float = 2.0) -> list[str]:
                 if r.status == 200:
                     continue
                 why = f"HTTP {r.status}"
+        except urllib.error.HTTPError as e:  # an answer, but not 200 (another server on that port: its status)
+            why = f"HTTP {e.code} {e.reason}"
         except OSError as e:
             why = str(getattr(e, "reason", e))
         out.append(f"warning: {h.host}:{h.port} does not answer /health ({why}); the balancer keeps it out until "

@@ -405,6 +405,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Start N workers (vLLM with --model; the sim engine without) and the router, supervise them, "
         "and clean up on Ctrl-C. Unknown arguments are passed to every worker's engine (vLLM server arguments, or "
         "--sim-* knobs).",
+        allow_abbrev=False,  # unknown arguments go to the engines: `--engine` must not silently be --engine-priority
     )
     p.add_argument("--model", help="model path or name for vLLM (omit for the sim engine)")
     p.add_argument("--served-model-name", help="model name clients use (default: --model, or dplb-sim)")

@@ -99,8 +99,12 @@ def heading_text(snap: dict) -> str:
 def _print(console: Any, snap: dict) -> None:
     """Print one frame; into a file or a pipe the console is as wide as the heading (never cut at 80 columns)."""
     if not console.is_terminal:
-        console.width = max(80, len(heading_text(snap)))
+        console.width = max(80, len(heading_text(snap)), len(LEGEND))
     console.print(render_table(snap))
+
+
+#: The line under the table (left-aligned, whole in a pipe; a table caption was wrapped to the table and centred).
+LEGEND = "age, lat, TTFT, warm: seconds; lat, TTFT: mean of the last 10 requests; rtr: in flight from the routers"
 
 
 def render_table(snap: dict) -> object:
@@ -112,9 +116,7 @@ def render_table(snap: dict) -> object:
     from rich.text import Text
 
     heading = Text(heading_text(snap), style="bold", overflow="fold")
-    t = Table(caption="age, lat, TTFT, warm: seconds; lat, TTFT: mean of the last 10 requests; rtr: in flight "
-              "from the routers",
-              box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0))
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0))
     for col in ("id", "pid", "state", "age", "run", "wait", "rtr", "KV%", "GPU GiB", "lat s", "TTFT", "reqs",
                 "err", "OOM", "warm s"):
         t.add_column(col, justify="right", no_wrap=True)
@@ -129,7 +131,7 @@ def render_table(snap: dict) -> object:
             f"{w['avg_latency_s']:.3f}", f"{w['avg_ttft_s']:.3f}", str(w["requests_total"]), str(w["errors_total"]),
             str(w["cuda_oom_total"]), f"{w['warmup_seconds']:.2f}",
         )
-    return Group(heading, Text(placement_line(snap), overflow="fold"), t)
+    return Group(heading, Text(placement_line(snap), overflow="fold"), t, Text(LEGEND))
 
 
 def placement_line(snap: dict) -> str:

@@ -55,7 +55,7 @@ from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, watch_disconnect
 from dplb.router.intake import Peek, Rejected, check_head, excluded, read_body, receive_body
 from dplb.router.models import ServedModels
-from dplb.router.routes import PROXY_PATHS, ResponseIds, match
+from dplb.router.routes import PROXY_PATHS, ResponseIds, allowed_methods, match
 from dplb.router.state import RouterState
 from dplb.router.tenancy import Gate
 from dplb.router.upstream import UpstreamPool
@@ -145,8 +145,10 @@ class Proxy:
     async def _handle_known(self, ex: Exchange, clen: int, ctype: bytes, encoding: bytes) -> None:
         if ex.route is None:
             scope = ex.scope
-            await self._reject(ex, RouterErrorKind.METHOD_NOT_ALLOWED, f"{scope['method']} is not allowed "
-                               f"on {scope['path']}")
+            allow = allowed_methods(scope["path"])
+            await self.upstreams.reject(ex, RouterErrorKind.METHOD_NOT_ALLOWED, f"{scope['method']} is not allowed "
+                                        f"on {scope['path']} (allowed: {allow})",
+                                        extra_headers=((b"allow", allow.encode()),))
             return
         try:
             exclude = await self._read(ex, clen, ctype, encoding)

@@ -75,7 +75,8 @@ _RESP_ID = re.compile(r"[A-Za-z0-9._:\-]{1,256}")
 
 
 def match(method: str, path: str) -> tuple[Route, str | None] | None:
-    """The proxied route for ``method path`` and the response id named in it (or None); None when not proxied."""
+    """The proxied route for ``method path`` and the response id named in it (None when there is none, or when it is
+    not 1..256 of ``[A-Za-z0-9._:-]``: never remembered); None when not proxied."""
     r = PROXY_ROUTES.get((method, path))
     if r is not None:
         return r, None
@@ -85,9 +86,18 @@ def match(method: str, path: str) -> tuple[Route, str | None] | None:
             rid, pattern = rest[: -len("/cancel")], ("POST", "/v1/responses/{response_id}/cancel")
         else:
             rid, pattern = rest, ("GET", "/v1/responses/{response_id}")
-        if method == pattern[0] and _RESP_ID.fullmatch(rid):
-            return PROXY_ROUTES[pattern], rid
+        if method == pattern[0]:  # an id the table cannot hold is routed by score; its worker answers the 404
+            return PROXY_ROUTES[pattern], rid if _RESP_ID.fullmatch(rid) else None
     return None
+
+
+def allowed_methods(path: str) -> str:
+    """The ``Allow`` header value of a 405 on a proxied ``path`` (RFC 9110 §15.5.6: a 405 must list the target's
+    methods), e.g. ``"POST"``; ``"GET"`` / ``"POST"`` for ``/v1/responses/{id}`` / ``…/{id}/cancel``."""
+    methods = {m for (m, p) in PROXY_ROUTES if p == path}
+    if path.startswith(RESPONSES_PREFIX):
+        methods.add("POST" if path.endswith("/cancel") else "GET")
+    return ", ".join(sorted(methods))
 
 
 def is_proxy_path(path: str) -> bool:

@@ -88,6 +88,7 @@ import struct
 import time
 from typing import Any
 
+from dplb.config import MAX_STATE_INTERVAL_MS
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError, ShmSpaceError, ShmWorkerIdError
 from dplb.state.layout import (
     ENV_SHM_PATH,
@@ -179,8 +180,8 @@ class Segment:
         """
         if not 1 <= num_workers <= MAX_WORKERS:
             raise ValueError(f"num_workers must be 1..{MAX_WORKERS}, got {num_workers}")
-        if state_interval_ms <= 0:
-            raise ValueError(f"state_interval_ms must be > 0, got {state_interval_ms}")
+        if not 1 <= state_interval_ms <= MAX_STATE_INTERVAL_MS:
+            raise ValueError(f"state_interval_ms must be 1..{MAX_STATE_INTERVAL_MS}, got {state_interval_ms}")
         gmap = gpu_map or [[] for _ in range(num_workers)]
         if len(gmap) != num_workers:
             raise ValueError(f"gpu_map has {len(gmap)} entries for {num_workers} workers")

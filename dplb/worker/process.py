@@ -53,6 +53,7 @@ from dplb.config import (
     STALL_AFTER_S,
     STALL_RESTART_AFTER_S,
     check_stall,
+    check_state_interval_ms,
 )
 from dplb.errors import ConfigError, ShmError, ShmMissingError
 from dplb.obs.metrics_worker import WorkerMetrics, worker_metrics
@@ -98,8 +99,8 @@ class WorkerConfig:
             raise ConfigError(f"--worker-id must be ≥ 0, got {self.worker_id}")
         if not self.uds:
             raise ConfigError("--uds must name the worker's Unix socket path")
-        if self.state_interval_ms is not None and self.state_interval_ms <= 0:
-            raise ConfigError(f"--state-interval-ms must be > 0, got {self.state_interval_ms}")
+        if self.state_interval_ms is not None:
+            check_state_interval_ms(self.state_interval_ms)
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be ≥ 0 seconds, got {self.drain_timeout_s}")
 
