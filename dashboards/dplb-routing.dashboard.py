@@ -122,6 +122,26 @@ L.row("Prefix cache routing").add(
        "with the engines' measured vllm:prefix_cache_hits / queries: a prediction well above it means the engines "
        "evict sooner than the index forgets (lower --prefix-index-blocks or --prefix-ttl). No data while no prompt "
        "is long enough for a block (128 bytes).", w=8, **RANGE_0_1),
+    ts("Predicted vs engine-cached prompt tokens per worker", "none",
+       targets((f"max by (worker) (rate({r(M.PREFIX_PREDICTED + '_total')}[$__rate_interval])) / "
+                f"(max by (worker) (rate({r(M.PREFIX_COMPARED + '_total')}[$__rate_interval])) > 0)",
+                "worker {{worker}} predicted"),
+               (f"max by (worker) (rate({r(M.PREFIX_ENGINE_CACHED + '_total')}[$__rate_interval])) / "
+                f"(max by (worker) (rate({r(M.PREFIX_COMPARED + '_total')}[$__rate_interval])) > 0)",
+                "worker {{worker}} confirmed")),
+       "Per request routed to the worker, the prompt tokens the router's prefix index predicted cached and those "
+       "the engine served from its prefix cache (its KV ring's comparison). The two lines of a worker overlap while "
+       "the index follows that engine's KV events; predicted above confirmed means the index believes blocks the "
+       "engine evicted (a worker without events, or lost events). max by worker: each router process reads the "
+       "same ring counters.", w=8),
+    ts("Prefix prediction error per request", "none",
+       targets((f"max by (worker) (rate({r(M.PREFIX_PREDICTION_ERROR + '_total')}[$__rate_interval])) / "
+                f"(max by (worker) (rate({r(M.PREFIX_COMPARED + '_total')}[$__rate_interval])) > 0)",
+                "worker {{worker}} |predicted - confirmed|"),
+               (f"max by (worker) ({r(M.PREFIX_ENGINE_EVENTS)})", "worker {{worker}} follows engine events")),
+       "Mean |router-predicted − engine-cached| prompt tokens per request, and 1 while the index follows the "
+       "worker's engine events (0: it falls back to what it sent). Tens of tokens on an event-fed worker; hundreds "
+       "on the sent-bytes index under cache pressure (benchmarks/README.md).", w=8),
     ts("Prefix index size", "none",
        targets((f"max({M.PREFIX_INDEX_BLOCKS}{{{ROUTER}}})", "blocks"),
                (f"max({M.PREFIX_INDEX_CAPACITY}{{{ROUTER}}})", "capacity")),

@@ -131,6 +131,8 @@ def test_dashboard_is_importable_by_current_grafana(name: str) -> None:
 def expected_unit(expr: str) -> str | None:
     """The unit an expression's result has, when its shape tells (None: a plain count)."""
     expr = re.sub(r'"[^"]*"', '""', expr)  # label values (route regexes) are not operators
+    if re.search(r"_tokens_total\b.*/.*_requests_total\b", expr):
+        return None  # tokens per request: a count
     if "/" in expr or re.search(r"_(ratio|perc)\b", expr):
         return "percentunit"
     if "histogram_quantile" in expr or re.search(r"_seconds\b", expr):
@@ -221,6 +223,19 @@ def test_routing_dashboard_has_the_prefix_cache_hit_rate_panel() -> None:
     expr = p["targets"][0]["expr"]
     assert "vllm:prefix_cache_hits_total" in expr and "vllm:prefix_cache_queries_total" in expr and "> 0)" in expr
     assert p["fieldConfig"]["defaults"]["unit"] == "percentunit" and "worker" in p["targets"][0]["legendFormat"]
+
+
+def test_routing_dashboard_shows_predicted_against_confirmed_per_worker() -> None:
+    """The prefix rows compare, per worker, what the router's index predicted with what the engine confirmed (its
+    KV ring's counters), and show the prediction error per request; one series per worker, not per router process."""
+    panels = {p["title"]: p for p in data_panels(dashboards()["dplb-routing.json"])}
+    p = panels["Predicted vs engine-cached prompt tokens per worker"]
+    exprs = [t["expr"] for t in p["targets"]]
+    assert M.PREFIX_PREDICTED + "_total" in exprs[0] and M.PREFIX_ENGINE_CACHED + "_total" in exprs[1]
+    assert all(M.PREFIX_COMPARED + "_total" in e and "max by (worker)" in e for e in exprs)
+    assert [t["legendFormat"] for t in p["targets"]] == ["worker {{worker}} predicted", "worker {{worker}} confirmed"]
+    err = [t["expr"] for t in panels["Prefix prediction error per request"]["targets"]]
+    assert M.PREFIX_PREDICTION_ERROR + "_total" in err[0] and M.PREFIX_ENGINE_EVENTS in err[1]
 
 
 def test_every_query_evaluates_and_returns_data_against_a_live_cluster(tmp_path: Path) -> None:
