@@ -347,7 +347,7 @@ class Gate:
         while fq.length:
             w = fq.pop(can)
             if w is None:
-                return
+                break
             tk: Ticket = w.data
             k = self._best(free, tk.cannot, held(w.rank))
             assert k is not None
