@@ -121,10 +121,26 @@ def _rm_targets(c: doctor.Check) -> set[str]:
 
 
 # ---- launch: every port and the model checked before anything starts ---------------------------------------------
-def test_launch_checks_metrics_ports_and_model_before_starting(tmp_path: Path) -> None:
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
+def _busy_second_of_two_ports() -> socket.socket:
+    """A listening socket on port p+1 where p was free a moment ago (worker 0's port), so that the launcher's
+    refusal names worker 1's port and not some other process's port that happens to sit at p."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            p = first.getsockname()[1]
+            busy = socket.socket()
+            try:
+                busy.bind(("127.0.0.1", p + 1))
+            except OSError:
+                busy.close()
+                continue
         busy.listen(1)
+        return busy
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+def test_launch_checks_metrics_ports_and_model_before_starting(tmp_path: Path) -> None:
+    with _busy_second_of_two_ports() as busy:
         bport = busy.getsockname()[1]
         args = _launch_args(tmp_path, free_port())
         args[args.index("--metrics-port-base") + 1] = str(bport - 1)  # worker 1's metrics port is taken

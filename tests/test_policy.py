@@ -369,7 +369,8 @@ def test_decision_to_dict_has_every_input() -> None:
         ({"baseline_window": 0}, "baseline_window"),
         ({"memory_signal": "nvml"}, "memory_signal"),
         ({"name": "fastest"}, "unknown"),
-        ({"state_interval_ms": 0}, "state_interval_ms"),
+        ({"state_interval_ms": 0}, "state-interval-ms"),
+        ({"state_interval_ms": 60_001}, "state-interval-ms"),
     ],
 )
 def test_invalid_config_refused(kw: dict, needle: str) -> None:  # type: ignore[type-arg]

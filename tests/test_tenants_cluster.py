@@ -279,17 +279,18 @@ def test_reserve_holds_a_slot_for_the_urgent_class(tmp_path: Path) -> None:
 
 
 def test_two_router_processes_split_a_backlog_fairly_when_connections_spread(tmp_path: Path) -> None:
-    """--processes 2, one class, equal weights, 4 batch slots: A keeps 32 requests open, B 8, each on a new
+    """--processes 2, one class, equal weights, 4 batch slots: A keeps 64 requests open, B 16, each on a new
     connection (so SO_REUSEPORT spreads both tenants over both processes, and each stays backlogged in each). Each
     process runs its own VTC over the requests it holds and the room is shared, so the served tokens split about
-    evenly (FIFO would split them 32:8, Jain 0.74)."""
+    evenly (FIFO would split them 4:1, Jain 0.74). B holds 16, not fewer, so that each process nearly always holds
+    some of B's requests: a process holding none of them serves A alone, which is right but not what this tests."""
     tf = tmp_path / "tenants.toml"
     tf.write_text("".join(f'[tenants.{t}]\napi_key_sha256 = ["{hash_key(KEYS[t])}"]\n\n' for t in ("chat", "batch")))
     fast = ["--sim-max-num-seqs", "4", "--sim-decode-step-s", "0.02", "--sim-decode-step-s-per-seq", "0"]
     with cluster(str(tmp_path), 1, worker_args={0: fast}, router_args=["--tenants", str(tf), "--processes", "2"]) as c:
         async def go() -> dict[str, int]:
             served = {"chat": 0, "batch": 0}
-            stop = time.monotonic() + 8.0
+            stop = time.monotonic() + 10.0
             window = (time.monotonic() + 2.0, stop)  # after the backlog has formed
             async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as client:
                 async def loop(tenant: str) -> None:
@@ -298,7 +299,7 @@ def test_two_router_processes_split_a_backlog_fairly_when_connections_spread(tmp
                         assert r.status_code == 200, r.text
                         if window[0] <= time.monotonic() <= window[1]:
                             served[tenant] += r.json()["usage"]["completion_tokens"]
-                await asyncio.gather(*(loop("batch") for _ in range(32)), *(loop("chat") for _ in range(8)))
+                await asyncio.gather(*(loop("batch") for _ in range(64)), *(loop("chat") for _ in range(16)))
             return served
         served = asyncio.run(go())
     a, b = served["batch"], served["chat"]
