@@ -347,6 +347,8 @@ class RouterConfig:
       same stream (:mod:`dplb.router.resume`, docs/DESIGN.md §14); off: such a stream ends with an error event.
     - ``stall_after_s``: a worker with requests outstanding and no engine progress for this long is stalled
       (:data:`STALL_AFTER_S`; 0 = no stall check; :mod:`dplb.policy.stall`).
+    - ``direct_relay``: serve the common proxied request from the protocols' callbacks, without an ASGI task
+      (:mod:`dplb.router.direct`; the same behaviour, less CPU); off: every request takes the ASGI path.
 
     - Tenants (docs/DESIGN.md §15): ``tenants_file``: the TOML file of :mod:`dplb.tenants` (None = one tenant,
       ``default``, holding ``api_key``); with it, requests that find no worker with room wait in the router's fair
@@ -383,6 +385,7 @@ class RouterConfig:
     orca: str = "asked"
     drain_notice_s: float = 0.0
     resume_streams: bool = False
+    direct_relay: bool = True
     stall_after_s: float = STALL_AFTER_S
 
     tenants_file: str | None = None

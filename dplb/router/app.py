@@ -37,6 +37,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
@@ -56,6 +57,7 @@ from dplb.obs.metrics_scrape import KvTruthCollector, WorkerStateCollector
 from dplb.obs.tracing import make_tracer
 from dplb.obs.tracing import shutdown as tracing_shutdown
 from dplb.router.agent import bind_agent, start_agent
+from dplb.router.direct import DirectLane
 from dplb.router.fanout import fan_out, parse_workers
 from dplb.router.host_report import HostReporter
 from dplb.router.models import ServedModels
@@ -248,19 +250,8 @@ class RouterApp:
         if is_proxy_path(path) and (origin is None or scope["method"] != "OPTIONS"):
             # The hot path: the proxy records the status it sends on the exchange (no send wrapper).
             ex = Exchange(scope, receive, self._cors_send(send, origin) if origin else send)
-            try:
-                await self.proxy.serve(ex)
-            except Exception:
-                # A router bug must not leak a traceback or a non-OpenAI body: log it, answer a bare 500
-                # when nothing was sent yet (else the connection is cut mid-response).
-                log.exception("internal error handling %s %s", scope.get("method"), path)
-                if ex.status:
-                    raise
-                self.metrics.rejected.labels(RouterErrorKind.INTERNAL.code).inc()
-                ex.status = 500
-                await send_json(ex.send, 500, error_body(RouterErrorKind.INTERNAL, "internal error"))
-            finally:
-                self._observe(path, scope["method"], ex.status, t0)
+            ex.t_start = t0
+            await self.serve_proxy(ex, self.proxy.serve(ex))
             return
         status = [0]
         if scope["method"] == "HEAD" and path in _HEAD_PATHS:
@@ -283,6 +274,28 @@ class RouterApp:
                 await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]
         finally:
             self._observe(path, scope["method"], status[0], t0)
+
+    async def serve_proxy(self, ex: Exchange, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work``, the proxying of ``ex`` (from its start, or where the direct relay left it), then count it
+        in the HTTP metrics. A router bug must not leak a traceback or a non-OpenAI body: it is logged and answered
+        with a bare 500 when nothing was sent yet (else the connection is cut mid-response)."""
+        scope = ex.scope
+        try:
+            await work
+        except Exception:
+            log.exception("internal error handling %s %s", scope.get("method"), scope["path"])
+            if ex.status:
+                raise
+            self.metrics.rejected.labels(RouterErrorKind.INTERNAL.code).inc()
+            ex.status = 500
+            await send_json(ex.send, 500, error_body(RouterErrorKind.INTERNAL, "internal error"))
+        finally:
+            self._observe(scope["path"], scope["method"], ex.status, ex.t_start)
+
+    def direct_enabled(self) -> bool:
+        """Whether the direct relay may take a request now: no feature that needs the ASGI path is on."""
+        return self.cfg.direct_relay and not self.proxy.gate.on and self.proxy.tracer is None \
+            and self.cors is None and not self.cfg.resume_streams and not self.cfg.sse_keepalive_s
 
     def _observe(self, path: str, method: str, status: int, t0: float) -> None:
         """Count one request in ``dplb_http_requests_total`` and its duration since ``t0`` (perf_counter seconds)
@@ -391,8 +404,9 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
         raise bind_error(cfg.host, cfg.port, e) from e
     agent_sock = bind_agent(cfg.host, cfg.agent_port) if cfg.agent_port and cfg.process_index == 0 else None
     app = RouterApp(cfg)
+    lane = DirectLane(app.proxy, app.serve_proxy, app._observe, app.direct_enabled)
     server = make_server(app, graceful_s=5.0, access_log=cfg.access_log, max_head_bytes=MAX_HEAD_BYTES,
-                         on_reject=lambda code: app.metrics.rejected.labels(code).inc())
+                         on_reject=lambda code: app.metrics.rejected.labels(code).inc(), direct=lane)
     server.config.server_header = False  # upstream Server/Date headers pass through instead
     server.config.date_header = False
     sockets = [sock]

@@ -2,8 +2,8 @@
 worker, send the request, relay the response head and body to the client, and account for how it ended.
 
 Contract
-- :class:`Attempt` goes ``open`` → ``relay_head`` → ``relay_body`` → ``finish``; each step that ends the attempt
-  sets its :class:`dplb.router.health.Outcome`, and ``finish`` (always run) acts on that outcome alone: the
+- :class:`Attempt` goes ``open`` → ``send`` → ``await_head`` → ``relay_body`` → ``finish``; each step that ends
+  the attempt sets its :class:`dplb.router.health.Outcome`, and ``finish`` (always run) acts on that outcome alone: the
   connection goes back to the pool or is aborted (:attr:`Outcome.reusable`), the router's state hears it once
   (:meth:`dplb.router.state.RouterState.report`: worker health and the policy's latency baseline), and the
   duration is recorded under :attr:`Outcome.recorded`. The in-flight count of the worker is held for the whole
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from dplb.config import RouterConfig
@@ -138,23 +138,38 @@ class Attempt:
 
     async def run(self) -> RouterErrorKind | None:
         """The whole attempt; returns the error kind to retry elsewhere for (:data:`RETRY`), or None when done."""
-        ex, state, worker = self.ex, self.up.state, self.worker
-        route = ex.route
-        assert route is not None
-        state.acquire(worker, self)
+        self.up.state.acquire(self.worker, self)
+        return await self._complete(self._open_and_send())
+
+    async def resume(self) -> RouterErrorKind | None:
+        """The rest of an attempt whose request was sent by the direct relay (:mod:`dplb.router.direct`), which
+        stopped before relaying the response head (a timeout, a close, a draining refusal): what :meth:`run`
+        returns."""
+        return await self._complete(None)
+
+    async def _complete(self, first: Coroutine[Any, Any, bool] | None) -> RouterErrorKind | None:
+        """After ``first`` (open and send; None when already sent): the head, the body, then :meth:`finish` and the
+        release of the worker on every path."""
         retry = None
         try:
-            head = ex.trace.attempt(ex.head, worker, route.op, ex.peek.model)
             try:
-                if await self.open() and await self.relay_head(head):
+                if (first is None or await first) and await self.await_head():
                     await self.relay_body()
             finally:
                 self.finish()
             retry = RETRY.get(self.outcome)
         finally:
-            ex.trace.attempt_done(retry)
-            state.release(worker, self)
+            self.ex.trace.attempt_done(retry)
+            self.up.state.release(self.worker, self)
         return retry
+
+    async def _open_and_send(self) -> bool:
+        """Connect and send the request; False when the attempt ends here (its outcome set)."""
+        ex = self.ex
+        route = ex.route
+        assert route is not None
+        head = ex.trace.attempt(ex.head, self.worker, route.op, ex.peek.model)
+        return await self.open() and await self.send(head)
 
     async def open(self) -> bool:
         """Connect to the worker (pooled or new); False when it cannot be reached (outcome ``UNREACHABLE``)."""
@@ -169,19 +184,26 @@ class Attempt:
         self.t0 = time.perf_counter()
         return True
 
-    async def relay_head(self, head: bytes) -> bool:
-        """Send the request (``head`` ends with its blank line) and relay the worker's response head; True when
-        the body follows. A timeout or a close before the head is answered with the router's own error."""
-        ex, up, conn, worker = self.ex, self.up, self.conn, self.worker
+    async def send(self, head: bytes) -> bool:
+        """Send the request (``head`` ends with its blank line); False when the attempt ends before it (the client
+        left, or the worker stalled while connecting: answered 503)."""
+        ex, conn = self.ex, self.conn
         assert conn is not None
         if ex.gone:  # the client left before this attempt (between a retry's two attempts)
             self.outcome = Outcome.CLIENT_LEFT_EARLY
             return False
         if self.stalled:  # cut while connecting
             self.outcome = Outcome.STALLED
-            await up.reject(ex, RouterErrorKind.WORKER_STALLED, self._stall_message(), worker)
+            await self.up.reject(ex, RouterErrorKind.WORKER_STALLED, self._stall_message(), self.worker)
             return False
         conn.send_request(head, ex.body)
+        return True
+
+    async def await_head(self) -> bool:
+        """Wait for the worker's response head and relay it; True when the body follows. A timeout or a close
+        before the head is answered with the router's own error."""
+        ex, up, conn, worker = self.ex, self.up, self.conn, self.worker
+        assert conn is not None
         try:
             status, up_headers = await conn.response_head(up.cfg.first_byte_timeout_s)
         except UpstreamTimeout as e:
@@ -202,14 +224,22 @@ class Attempt:
             await self.no_head(RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} closed the connection before "
                                "answering")
             return False
+        out = self.accept_head(status, up_headers)
+        return out is not None and await self.start_response(status, out)
+
+    def accept_head(self, status: int, up_headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]] | None:
+        """The worker's response head arrived: time to first byte recorded, the headers for the client (the ORCA
+        hook may add some); None for a ``503 worker_draining`` refusal (outcome ``DRAINING``: nothing was generated,
+        safe to send elsewhere)."""
+        up, worker = self.up, self.worker
         up.ttfb[worker].observe(time.perf_counter() - self.t0)
-        out, self.is_sse, draining = response_headers(up_headers, up.worker_ids[worker], ex.rid)
+        out, self.is_sse, draining = response_headers(up_headers, up.worker_ids[worker], self.ex.rid)
         if up.on_response_head is not None:
-            up.on_response_head(ex.scope, out)
+            up.on_response_head(self.ex.scope, out)
         if status == 503 and draining:
-            self.outcome = Outcome.DRAINING  # the worker refused before doing anything: safe to send elsewhere
-            return False
-        return await self.start_response(status, out)
+            self.outcome = Outcome.DRAINING
+            return None
+        return out
 
     async def start_response(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
         """Relay the worker's response head (``status``, ``headers`` for the client) to the client; True: the body
@@ -283,23 +313,29 @@ class Attempt:
     async def _broken(self, e: UpstreamError) -> None:
         """The worker broke off mid-body: end an SSE stream with an error event; the response stays incomplete
         (the server closes the client connection abnormally)."""
+        evt = self.broken_event(e)
+        if evt is not None:
+            await self.ex.send({"type": "http.response.body", "body": evt, "more_body": True})
+
+    def broken_event(self, e: UpstreamError) -> bytes | None:
+        """The worker broke off mid-body (``e``): set the outcome (the client left, the worker stalled, timed out
+        or broke) and return the SSE error event that ends the stream, or None (not SSE, or nobody to tell)."""
         if self.ex.gone:
             self.outcome = Outcome.CLIENT_LEFT
-            return
+            return None
         if self.stalled:
             self.outcome = Outcome.STALLED
-            if self.is_sse:
-                evt = b"data: " + error_body(RouterErrorKind.WORKER_STALLED, self._stall_message()) + b"\n\n"
-                await self.ex.send({"type": "http.response.body", "body": evt, "more_body": True})
-            return
+            if not self.is_sse:
+                return None
+            return b"data: " + error_body(RouterErrorKind.WORKER_STALLED, self._stall_message()) + b"\n\n"
         timeout = isinstance(e, UpstreamTimeout)
         self.outcome = Outcome.TIMEOUT if timeout else Outcome.BROKEN
         log.warning("worker %d broke off a response mid-body (%s); closing the client stream with an error",
                     self.worker, e)
-        if self.is_sse:
-            kind = RouterErrorKind.UPSTREAM_TIMEOUT if timeout else RouterErrorKind.UPSTREAM_FAILED
-            evt = b"data: " + error_body(kind, f"worker {self.worker} stopped mid-response: {e}") + b"\n\n"
-            await self.ex.send({"type": "http.response.body", "body": evt, "more_body": True})
+        if not self.is_sse:
+            return None
+        kind = RouterErrorKind.UPSTREAM_TIMEOUT if timeout else RouterErrorKind.UPSTREAM_FAILED
+        return b"data: " + error_body(kind, f"worker {self.worker} stopped mid-response: {e}") + b"\n\n"
 
     def _stall_message(self) -> str:
         return (f"worker {self.worker} stalled: its engine made no progress for {self.up.cfg.stall_after_s:g} s with "

@@ -95,7 +95,7 @@ class Proxy:
     async def _reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None) -> None:
         await self.upstreams.reject(ex, kind, message, worker)
 
-    def _route_request(self, peek: Peek, cannot_serve: frozenset[int]) -> RouteRequest:
+    def route_request(self, peek: Peek, cannot_serve: frozenset[int]) -> RouteRequest:
         """The policy's view of the request: the workers that cannot serve it (model, pinned response) and its
         prompt's raw bytes (``messages`` JSON for chat, ``prompt`` for completions, ``input`` otherwise, as sent;
         what the policy's plugins derive from them is theirs: :mod:`dplb.policy.framework`)."""
@@ -128,7 +128,7 @@ class Proxy:
         trace.end(ex.status)
 
     async def _handle(self, ex: Exchange) -> None:
-        clen, ctype, auth, encoding = _scan_headers(ex)
+        clen, ctype, auth, encoding = scan_headers(ex)
         if not self.gate.on:  # no tenants, key or access log: no tenant state (dplb.router.tenancy)
             ex.trace.tenant(DEFAULT_TENANT)
             await self._handle_known(ex, clen, ctype, encoding)
@@ -175,7 +175,7 @@ class Proxy:
         ex.body, ex.peek, model, ex.decoded = read_body(route, body, encoding, limit)
         return excluded(route, ex.peek, model, ex.pin, self.models, self.response_ids, self.state.num_workers)
 
-    def _decide(self, ex: Exchange) -> int | None:
+    def decide(self, ex: Exchange) -> int | None:
         """One routing decision for ``ex`` (kept on it and traced); the chosen worker or None."""
         ex.trace.deciding()
         d = ex.decision = self.state.decide(ex.request, ex.rid.decode())
@@ -183,14 +183,23 @@ class Proxy:
         return d.worker
 
     async def _dispatch(self, ex: Exchange, exclude: frozenset[int]) -> None:
-        ex.request = self._route_request(ex.peek, exclude)
+        ex.request = self.route_request(ex.peek, exclude)
         # Limits and the fair queue (dplb.router.tenancy); answered when False.
         if self.gate.on and not await self.gate.enter(ex):
             return
-        worker = self._decide(ex)
+        worker = self.decide(ex)
         if worker is None:
-            await self._reject(ex, *_NO_WORKER.get(ex.decision.reason, _NONE_READY))
+            await self.no_worker(ex)
             return
+        await self.place(ex, worker)
+
+    async def no_worker(self, ex: Exchange) -> None:
+        """Answer ``ex`` whose decision chose no worker: why (no worker yet, all over their cap, none ready)."""
+        await self._reject(ex, *_NO_WORKER.get(ex.decision.reason, _NONE_READY))
+
+    def prepare(self, ex: Exchange) -> None:
+        """After the decision: the request head for the workers (with the predicted prefix hit), the response-id
+        capture and the stream tracking of ``ex``."""
         ex.head = request_head(ex.scope, len(ex.body), ex.rid, ex.decoded, self._req_skip, True)
         notes = ex.decision.notes
         if notes and (hit := notes.get(NOTE_PREFIX_HIT_BYTES)) is not None:  # the worker checks it (§5 staleness)
@@ -200,6 +209,12 @@ class Proxy:
         ex.capture = ex.peek.request_id if capture and isinstance(ex.peek.request_id, str) else capture
         if self.cfg.resume_streams:
             ex.resume = resume.track(ex)
+
+    async def place(self, ex: Exchange, worker: int, first: Attempt | None = None) -> None:
+        """Serve ``ex`` on the chosen ``worker`` (retries included), watching for the client's disconnect.
+        ``first``: an attempt the direct relay already sent (:mod:`dplb.router.direct`; ``ex`` is prepared)."""
+        if first is None:
+            self.prepare(ex)
         # The router's own server reports a disconnect through a hook; another ASGI server through receive().
         hook: Any = (ex.scope.get("extensions") or {}).get(DISCONNECT_EXT)
         watcher = None
@@ -210,23 +225,28 @@ class Proxy:
         else:
             hook.callback = ex.client_gone
         try:
-            await self._attempts(ex, worker)
+            await self._attempts(ex, worker, first)
         finally:
             if watcher is not None:
                 watcher.cancel()
             else:
                 hook.callback = None
 
-    async def _attempts(self, ex: Exchange, worker: int) -> None:
-        """Attempt ``worker``; retry once on the next-best worker when the attempt produced nothing. A tracked
-        stream that broke is resumed on another worker (:mod:`dplb.router.resume`) with a retry of its own."""
+    async def _attempts(self, ex: Exchange, worker: int, first: Attempt | None) -> None:
+        """Attempt ``worker`` (``first``: that attempt, already sent); retry once on the next-best worker when the
+        attempt produced nothing. A tracked stream that broke is resumed on another worker
+        (:mod:`dplb.router.resume`) with a retry of its own."""
         tried: set[int] = set()
         s = ex.resume
         broken = -1  # the worker whose stream break the continuation being placed follows (-1: none)
         while True:
-            attempt = Attempt(self.upstreams, ex, worker) if s is None else \
-                resume.ResumableAttempt(self.upstreams, ex, worker, s)
-            retry = await attempt.run()
+            if first is not None:
+                retry = await first.resume()
+                first = None
+            else:
+                attempt = Attempt(self.upstreams, ex, worker) if s is None else \
+                    resume.ResumableAttempt(self.upstreams, ex, worker, s)
+                retry = await attempt.run()
             if retry is None:
                 if s is None or s.broken is None:
                     return
@@ -246,7 +266,7 @@ class Proxy:
                 self.metrics.retries.inc()
                 why = "the chosen worker was unreachable and no other is ready"
             ex.request.exclude = frozenset(tried)
-            next_worker = self._decide(ex)
+            next_worker = self.decide(ex)
             if next_worker is None:
                 await self._fail(ex, retry or RouterErrorKind.NONE_ROUTABLE, why)
                 return
@@ -264,7 +284,7 @@ class Proxy:
             await self._reject(ex, kind, message)
 
 
-def _scan_headers(ex: Exchange) -> tuple[int, bytes, bytes, bytes]:
+def scan_headers(ex: Exchange) -> tuple[int, bytes, bytes, bytes]:
     """Set ``ex.rid`` (the client's ``X-Request-Id`` when sane, else a fresh 32-hex-digit id) and return
     (content-length: -1 absent, -2 malformed; content-type; authorization; content-encoding)."""
     rid = b""

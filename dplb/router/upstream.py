@@ -14,6 +14,11 @@ Contract
   makes the engine abort the generation.
 - Flow control: when the client reads slower than the worker writes, reading from the worker pauses
   (``pause_reading``) above :data:`HIGH_WATER` buffered bytes, so memory stays bounded.
+- A connection may instead hand its response to a :class:`Sink` (``conn.sink``, the router's direct relay:
+  :mod:`dplb.router.direct`): the head, each body chunk, the end and a failure are then calls on the sink from the
+  parser's callbacks, with ``sink.flush()`` after each read, and nothing is queued. The head is still recorded
+  (``status``, ``headers``, the head future), so a sink may detach (``conn.sink = None``) before the body and leave
+  the rest of the response to the awaitable API.
 
 Parsing is done by ``httptools`` (the parser uvicorn uses); only framing lives here.
 """
@@ -55,6 +60,29 @@ class UpstreamClosed(UpstreamError):
     """The worker closed the connection before the response was complete."""
 
 
+class Sink:
+    """What a connection with ``sink`` set calls instead of queueing its response (see the module docstring).
+    ``head`` comes once, then ``body`` per chunk and ``complete`` once, or ``failed`` once (instead of what is
+    left) when the connection breaks or the response is malformed; ``flush`` after each socket read."""
+
+    __slots__ = ()
+
+    def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """The response head: ``status`` and the worker's headers as parsed."""
+
+    def body(self, chunk: bytes) -> None:
+        """Body bytes as the socket delivered them (de-chunked)."""
+
+    def complete(self) -> None:
+        """The response is complete."""
+
+    def failed(self, exc: UpstreamError) -> None:
+        """The connection broke or the response was malformed before it was complete."""
+
+    def flush(self) -> None:
+        """The end of one socket read: write what the callbacks above produced."""
+
+
 class UpstreamConn(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection to a worker; one request at a time."""
 
@@ -64,6 +92,7 @@ class UpstreamConn(asyncio.Protocol):
         self.last_used = time.monotonic()
         self._parser = httptools.HttpResponseParser(self)
         self._error: UpstreamError | None = None
+        self.sink: Sink | None = None
         self._reset()
         self.closed = False
 
@@ -95,6 +124,9 @@ class UpstreamConn(asyncio.Protocol):
             self._fail(UpstreamClosed("unexpected upgrade from worker"))
         except httptools.HttpParserError as e:
             self._fail(UpstreamClosed(f"malformed response from worker: {e}"))
+        sink = self.sink
+        if sink is not None:
+            sink.flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -110,8 +142,14 @@ class UpstreamConn(asyncio.Protocol):
         self.keep_alive = self._parser.should_keep_alive()
         if not self._head.done():
             self._head.set_result(None)
+        if self.sink is not None:
+            self.sink.head(self.status, self.headers)
 
     def on_body(self, body: bytes) -> None:
+        sink = self.sink
+        if sink is not None:
+            sink.body(body)
+            return
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
@@ -121,6 +159,9 @@ class UpstreamConn(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._complete = True
+        if self.sink is not None:
+            self.sink.complete()
+            return
         self._wake()
 
     # ---- internals -----------------------------------------------------------------------------------------------
@@ -139,6 +180,9 @@ class UpstreamConn(asyncio.Protocol):
         self._error = exc
         if self.transport is not None:
             self.transport.close()
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.failed(exc)
 
     # ---- API -----------------------------------------------------------------------------------------------------
     def send_request(self, head: bytes, body: bytes) -> None:
@@ -163,6 +207,11 @@ class UpstreamConn(asyncio.Protocol):
         else:
             head.result()
         return self.status, self.headers
+
+    def expire_head(self, timeout_s: float) -> None:
+        """The first-byte timeout passed (timed by the caller): :meth:`response_head` raises
+        :class:`UpstreamTimeout` at once."""
+        _expire(self._head, "first_byte", timeout_s)
 
     async def chunks(self, idle_timeout_s: float, tick_s: float = 0.0) -> AsyncIterator[bytes]:
         """Body bytes as they arrive, until the message is complete. Raises :class:`UpstreamTimeout` after
@@ -263,14 +312,9 @@ class UpstreamPool:
 
     async def open(self, worker: int) -> UpstreamConn:
         """A pooled live connection to ``worker`` or a new one. Raises :class:`ConnectFailed`."""
-        idle = self._idle[worker]
-        now = time.monotonic()
-        while idle:
-            c = idle.pop()
-            if not c.closed and c.transport is not None and not c.transport.is_closing() \
-                    and now - c.last_used < POOL_IDLE_S:
-                return c
-            c.abort()
+        c = self.take_idle(worker)
+        if c is not None:
+            return c
         loop = asyncio.get_running_loop()
         try:
             _, proto = await asyncio.wait_for(
@@ -280,6 +324,19 @@ class UpstreamPool:
         except (OSError, TimeoutError) as e:
             raise ConnectFailed(f"cannot connect to worker {worker} at {self.socket_paths[worker]}: {e}") from e
         return proto
+
+    def take_idle(self, worker: int) -> UpstreamConn | None:
+        """A pooled live connection to ``worker``, or None when none is idle (no connect: the caller that cannot
+        wait for one uses :meth:`open`)."""
+        idle = self._idle[worker]
+        now = time.monotonic()
+        while idle:
+            c = idle.pop()
+            if not c.closed and c.transport is not None and not c.transport.is_closing() \
+                    and now - c.last_used < POOL_IDLE_S:
+                return c
+            c.abort()
+        return None
 
     def release(self, conn: UpstreamConn) -> None:
         """Return ``conn`` to the pool if it can carry another request, else close it."""

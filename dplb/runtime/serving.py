@@ -28,6 +28,7 @@ from typing import Any
 import uvicorn
 
 from dplb.errors import openai_error_body
+from dplb.runtime.direct import MAX_DIRECT_BODY
 
 log = logging.getLogger("dplb.serving")
 
@@ -124,12 +125,25 @@ def peer_pid(transport: Any) -> int:
         return 0
 
 
-def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | None = None) -> type:
+def _small_body(scope: dict[str, Any]) -> bool:
+    """Whether the request declares a ``Content-Length`` of at most :data:`MAX_DIRECT_BODY` bytes (a larger or
+    chunked body goes to the app, which may refuse it before reading it)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return value.isdigit() and int(value) <= MAX_DIRECT_BODY
+    return False
+
+
+def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | None = None,
+                     direct: Any = None) -> type:
     """uvicorn's httptools protocol with request heads capped at ``max_head_bytes`` (431 + close above it) and
     OpenAI-shaped 400s for malformed HTTP. ``on_reject(code)`` is called for each (metrics). Each request's scope
     carries a :class:`DisconnectHook` under :data:`DISCONNECT_EXT`, and its response head and first body bytes
-    are written together when sent back to back (:class:`_CorkedTransport`)."""
+    are written together when sent back to back (:class:`_CorkedTransport`). ``direct``: a direct handler
+    (:mod:`dplb.runtime.direct`) offered each request it ``wants`` once the body is complete, before any ASGI task."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    start_task = HttpToolsProtocol._start_asgi_task
 
     too_large = _error_response(431, b"Request Header Fields Too Large", "headers_too_large",
                                 f"request line and headers exceed {max_head_bytes} bytes")
@@ -142,6 +156,7 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
         _too_large = False
 
         _peer_pid = 0  # SO_PEERCRED of a Unix-socket client, read once per connection
+        _deferred: Any = None  # (cycle, app) held for the direct handler until the body is complete
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -170,8 +185,58 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             if self.cycle is not prev and self.cycle is not None:  # (an upgrade request makes no cycle)
                 self.cycle.transport = _CorkedTransport(self.transport)  # type: ignore[assignment]
 
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            if direct is not None and cycle is self.cycle and cycle.more_body and not cycle.waiting_for_100_continue \
+                    and _small_body(cycle.scope) and direct.wants(cycle.scope):
+                self._deferred = (cycle, app)  # offered to the direct handler at on_message_complete
+                return
+            start_task(self, cycle, app)
+
+        def on_body(self, body: bytes) -> None:
+            super().on_body(body)
+            deferred = self._deferred
+            if deferred is not None and len(deferred[0].body) > MAX_DIRECT_BODY:  # the app reads it (paused above)
+                self._deferred = None
+                start_task(self, *deferred)
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            deferred = self._deferred
+            if deferred is not None and deferred[0] is self.cycle:
+                self._deferred = None
+                cycle, app = deferred
+                if not self._offer(cycle):
+                    start_task(self, cycle, app)
+
+        def _offer(self, cycle: Any) -> bool:
+            corked, cycle.transport = cycle.transport, self.transport  # one write per read already: no cork
+            try:
+                if direct.begin(cycle, lambda a: start_task(self, cycle, a)):
+                    return True
+                cycle.transport = corked
+                return False
+            except Exception:  # a bug in the handler: the request is not lost, the connection is closed
+                log.exception("direct handler failed on %s %s", cycle.scope.get("method"), cycle.scope.get("path"))
+                self.transport.close()
+                return True
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            d = getattr(self.cycle, "direct", None)
+            if d is not None and d.pause is not None:
+                d.pause()
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            d = getattr(self.cycle, "direct", None)
+            if d is not None and d.resume is not None:
+                d.resume()
+
         def connection_lost(self, exc: Exception | None) -> None:
+            deferred, self._deferred = self._deferred, None
             super().connection_lost(exc)
+            if deferred is not None:  # the client left before its body was complete: the app hears the disconnect
+                start_task(self, *deferred)
             cycle = self.cycle
             if cycle is not None and cycle.disconnected:
                 hook: Any = cycle.scope.get("extensions", {}).get(DISCONNECT_EXT)
@@ -204,16 +269,17 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
 
 def make_server(app: Any, *, timeout_keep_alive: int = 75, graceful_s: float | None = 5.0,
                 access_log: bool = False, max_head_bytes: int | None = None,
-                on_reject: Callable[[str], None] | None = None) -> Server:
+                on_reject: Callable[[str], None] | None = None, direct: Any = None) -> Server:
     """A :class:`Server` for ``app`` with uvloop + httptools when available, lifespan on, quiet logs.
-    ``max_head_bytes``: cap request heads (see the module docstring); ``on_reject(code)`` counts those refusals."""
+    ``max_head_bytes``: cap request heads (see the module docstring); ``on_reject(code)`` counts those refusals;
+    ``direct``: a direct handler (:mod:`dplb.runtime.direct`; needs ``max_head_bytes``)."""
     try:
         import uvloop  # noqa: F401
 
         loop = "uvloop"
     except ImportError:  # pragma: no cover
         loop = "asyncio"
-    http: Any = "httptools" if max_head_bytes is None else bounded_protocol(max_head_bytes, on_reject)
+    http: Any = "httptools" if max_head_bytes is None else bounded_protocol(max_head_bytes, on_reject, direct)
     cfg = uvicorn.Config(
         app, loop=loop, http=http, lifespan="auto", log_level="info" if access_log else "warning",
         access_log=access_log, log_config=None,  # uvicorn's lines go through DPLB's logging format

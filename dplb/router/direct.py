@@ -1,0 +1,255 @@
+"""The direct relay: a proxied request served from the protocols' callbacks, with no task or coroutine when all goes
+well (docs/DESIGN.md §4, "The direct relay").
+
+Contract
+- :class:`DirectLane` is the router's direct handler (:mod:`dplb.runtime.direct`). It takes the common request:
+  ``POST`` on a proxied route other than ``/v1/responses``, ``Content-Length`` body, no ``Content-Encoding``, while
+  no feature that reads or rewrites the request or its chunks is on (tenants, API key, access log, tracing,
+  ``--resume-streams``, SSE keep-alives, CORS) and ``--no-direct-relay`` is not given. Anything else, and a
+  request the edge checks refuse, goes to the ASGI path (:class:`dplb.router.proxy.Proxy`) untouched: the lane
+  declines before it decides.
+- Once it decided, the lane owns the request and the behaviour is the ASGI path's, step for step: the same
+  Exchange, decision, request head, :class:`dplb.router.attempt.Attempt` accounting (``finish``, the outcome, the
+  worker's release, the HTTP metrics). It continues on the ASGI path — a coroutine, exactly the code the proxy runs
+  — whenever the simple case ends: no worker chosen, no idle pooled connection to the chosen worker, and before the
+  response head reached the client, a first-byte timeout, a close, a stall or a ``503 worker_draining``
+  (:meth:`Attempt.resume`, then the proxy's retry).
+- :class:`DirectAttempt` relays the worker's answer from the upstream connection's callbacks
+  (:class:`dplb.router.upstream.Sink`): the head, each chunk, the end, in one client write per socket read. The
+  idle timeout between chunks is one lazy timer per response. A worker that breaks off mid-body ends an SSE stream
+  with the same error event and cuts the connection; a client that leaves aborts the worker connection. Slow
+  client: the worker's socket stops being read while the client's write buffer is over its high-water mark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from dplb.router.attempt import Attempt, Upstreams
+from dplb.router.exchange import Exchange
+from dplb.router.health import Outcome
+from dplb.router.intake import Rejected, check_head, excluded, read_body
+from dplb.router.proxy import Proxy, scan_headers
+from dplb.router.routes import match
+from dplb.router.upstream import Sink, UpstreamConn, UpstreamError, UpstreamTimeout
+from dplb.runtime.direct import DirectResponse
+from dplb.runtime.serving import DISCONNECT_EXT
+
+_RESPONSES = "/v1/responses"
+
+#: ``(ex, work)`` → a coroutine that runs ``work`` as the ASGI path runs a proxied request (its error handling and
+#: HTTP metrics: :meth:`dplb.router.app.RouterApp.serve_proxy`).
+Runner = Callable[[Exchange, Coroutine[Any, Any, None]], Coroutine[Any, Any, None]]
+#: ``(path, method, status, t0)``: count a finished request in the HTTP metrics.
+Observer = Callable[[str, str, int, float], None]
+
+
+class DirectLane:
+    """The router's direct handler: ``wants`` and ``begin`` (:mod:`dplb.runtime.direct`). ``enabled()`` says whether
+    the features that need the ASGI path are all off (checked per request: tracing may be enabled after start)."""
+
+    def __init__(self, proxy: Proxy, run: Runner, observe: Observer, enabled: Callable[[], bool]) -> None:
+        self.proxy = proxy
+        self.up: Upstreams = proxy.upstreams
+        self.run = run
+        self.observe = observe
+        self.enabled = enabled
+        self.limit = proxy.cfg.max_body_bytes
+
+    def wants(self, scope: dict[str, Any]) -> bool:
+        """Whether the request may skip the ASGI task (asked at the end of its head)."""
+        return scope["method"] == "POST" and self.enabled()
+
+    def begin(self, cycle: Any, start: Callable[[Any], None]) -> bool:
+        """Serve the request of ``cycle`` (its body complete); False (nothing done) to leave it to the ASGI path."""
+        ex = self._read(cycle)
+        if ex is None:
+            return False
+        proxy = self.proxy
+        worker = proxy.decide(ex)  # from here on the request is this lane's
+        if worker is None:
+            self._continue(ex, start, proxy.no_worker(ex))
+            return True
+        conn = self.up.pool.take_idle(worker)
+        if conn is None:
+            self._continue(ex, start, proxy.place(ex, worker))
+            return True
+        proxy.prepare(ex)
+        hook = ex.scope["extensions"][DISCONNECT_EXT]
+        hook.callback = ex.client_gone
+        DirectAttempt(self, ex, worker, conn, cycle, start).begin()
+        return True
+
+    def _read(self, cycle: Any) -> Exchange | None:
+        """The request's Exchange with its body read and peeked, or None when the lane declines it."""
+        scope = cycle.scope
+        found = match("POST", scope["path"])
+        if found is None or found[0].path == _RESPONSES:
+            return None
+        ex = Exchange(scope, cycle.receive, cycle.send)
+        ex.route, ex.pin = found
+        clen, ctype, _, encoding = scan_headers(ex)
+        if encoding or clen < 0 or clen != len(cycle.body):
+            return None
+        try:
+            check_head(ex.route, ctype, encoding)
+            ex.body, ex.peek, model, ex.decoded = read_body(ex.route, bytes(cycle.body), encoding, self.limit)
+            exclude = excluded(ex.route, ex.peek, model, ex.pin, self.proxy.models, self.proxy.response_ids,
+                               self.proxy.state.num_workers)
+        except Rejected:
+            return None
+        ex.request = self.proxy.route_request(ex.peek, exclude)
+        return ex
+
+    def _continue(self, ex: Exchange, start: Callable[[Any], None], work: Coroutine[Any, Any, None]) -> None:
+        """Go on with ``work`` on the ASGI path (a task on the request's cycle)."""
+        run = self.run
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await run(ex, work)
+
+        start(app)
+
+
+class DirectAttempt(Attempt, Sink):
+    """An :class:`Attempt` relayed from callbacks: ``begin`` sends the request on the pooled ``conn``; the
+    connection's :class:`dplb.router.upstream.Sink` calls do the rest."""
+
+    __slots__ = ("clock", "deadline", "idle_s", "lane", "out", "start", "timer")
+
+    def __init__(self, lane: DirectLane, ex: Exchange, worker: int, conn: UpstreamConn, cycle: Any,
+                 start: Callable[[Any], None]) -> None:
+        super().__init__(lane.up, ex, worker)
+        self.lane = lane
+        self.conn = conn
+        self.start = start
+        self.out = DirectResponse(cycle)
+        self.idle_s = lane.up.cfg.idle_timeout_s
+        self.deadline = 0.0  # loop time of the idle timeout
+        self.clock = asyncio.get_running_loop().time
+        self.timer: asyncio.TimerHandle | None = None
+
+    def begin(self) -> None:
+        """Acquire the worker, send the request, arm the first-byte timer."""
+        ex, conn = self.ex, self.conn
+        assert conn is not None
+        self.up.state.acquire(self.worker, self)
+        ex.conn = conn
+        self.t0 = time.perf_counter()
+        conn.sink = self
+        conn.send_request(ex.head, ex.body)
+        self.timer = asyncio.get_running_loop().call_later(self.up.cfg.first_byte_timeout_s, self._first_byte_late)
+
+    # ---- before the response head: anything unusual continues on the ASGI path -----------------------------
+    def _first_byte_late(self) -> None:
+        self.timer = None
+        conn = self.conn
+        assert conn is not None
+        conn.sink = None
+        conn.expire_head(self.up.cfg.first_byte_timeout_s)
+        self._resume()
+
+    def _resume(self) -> None:
+        """Hand the attempt to the ASGI path (the response head was not relayed): :meth:`Attempt.resume` answers
+        the timeout, close or stall, or retries a draining refusal elsewhere."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.out.cycle.direct = None
+        self.lane._continue(self.ex, self.start, self.lane.proxy.place(self.ex, self.worker, self))
+
+    # ---- Sink ---------------------------------------------------------------------------------------------------
+    def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        if status == 503 or self.ex.gone:
+            self.conn.sink = None  # type: ignore[union-attr]  # a draining refusal, or nobody to answer
+            self._resume()
+            return
+        out = self.accept_head(status, headers)
+        assert out is not None
+        self.status = self.ex.status = status
+        self.out.start(status, out)
+        self.outcome = Outcome.BROKEN  # from here on, a relay that does not complete is a broken response
+        self.out.pause, self.out.resume = self._pause, self._unpause
+        if self.timer is not None:
+            self.timer.cancel()
+        self.deadline = self.clock() + self.idle_s
+        self.timer = asyncio.get_running_loop().call_at(self.deadline, self._idle_check)
+
+    def body(self, chunk: bytes) -> None:
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        self.out.body(chunk)
+        self.deadline = self.clock() + self.idle_s
+
+    def complete(self) -> None:
+        self.outcome = Outcome.of_status(self.status)
+        self._done()  # the connection back to the pool before the next pipelined request may start
+        self.out.end()
+
+    def failed(self, exc: UpstreamError) -> None:
+        if not self.status:  # before the head: the ASGI path answers (or the client left)
+            if self.ex.gone:
+                self.outcome = Outcome.CLIENT_LEFT_EARLY
+                self._done()
+                return
+            self._resume()
+            return
+        self._break(exc)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    # ---- after the response head -------------------------------------------------------------------------------
+    def _idle_check(self) -> None:
+        """The body phase's timer: the idle timeout when no chunk came for ``idle_s`` seconds, else re-armed at
+        the deadline the last chunk set (one timer per response, not one per chunk)."""
+        self.timer = None
+        if self.clock() < self.deadline:
+            self.timer = asyncio.get_running_loop().call_at(self.deadline, self._idle_check)
+            return
+        conn = self.conn
+        assert conn is not None
+        conn.sink = None
+        conn.abort()
+        self._break(UpstreamTimeout("idle", self.idle_s))
+
+    def _break(self, exc: UpstreamError) -> None:
+        """The worker broke off mid-body: the SSE error event, then the client connection is cut."""
+        evt = self.broken_event(exc)
+        if evt is not None:
+            self.out.body(evt)
+        self.out.cut()
+        self._done()
+
+    def _pause(self) -> None:
+        conn = self.conn
+        if conn is not None and conn.transport is not None:
+            conn.transport.pause_reading()
+
+    def _unpause(self) -> None:
+        conn = self.conn
+        if conn is not None and conn.transport is not None and not conn.closed:
+            conn.transport.resume_reading()
+
+    def _done(self) -> None:
+        """Account for the attempt (as :meth:`Attempt.run` does on its way out) and count the request."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        ex = self.ex
+        if self.conn is not None:
+            self.conn.sink = None
+        hook = ex.scope["extensions"][DISCONNECT_EXT]
+        hook.callback = None
+        try:
+            self.finish()
+        finally:
+            self.up.state.release(self.worker, self)
+            scope = ex.scope
+            self.lane.observe(scope["path"], "POST", ex.status, ex.t_start)
+
+
+__all__ = ["DirectAttempt", "DirectLane"]

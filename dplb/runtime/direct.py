@@ -1,0 +1,113 @@
+"""Answering a request from the server protocol's callbacks, without an ASGI task (the router's direct relay).
+
+Contract
+- A *direct handler* is what :func:`dplb.runtime.serving.make_server` may be given besides the ASGI app:
+  ``wants(scope)`` (cheap: may this request skip the ASGI task?) is asked when a request's head is parsed, and
+  ``begin(cycle, start)`` once its body is complete. ``begin`` returns False to have the request served by the ASGI
+  app as usual (nothing may have been done for it then), or True when it took the request: it then answers it with a
+  :class:`DirectResponse` on ``cycle``, or hands it to a coroutine with ``start(app)`` (an ASGI callable run as the
+  request's task, exactly as the server runs its app: its exceptions are logged and answered 500).
+- Only a request whose body can be held whole without pausing the socket (``Content-Length`` at most
+  :data:`MAX_DIRECT_BODY`) and that is not queued behind another on its connection (pipelining) is offered to
+  ``begin``; anything else goes to the ASGI app.
+- :class:`DirectResponse` writes one response on the cycle's transport the way uvicorn's ASGI ``send`` does
+  (the same status line, framing — Content-Length passed through, else chunked — ``connection: close`` when the
+  connection is not kept alive, the cycle's state flags and its ``on_response`` callback, which starts the next
+  pipelined request or arms the keep-alive timer), minus the per-message ASGI work. Writes are collected and go out
+  in one ``write`` per :meth:`DirectResponse.flush`. ``pause`` / ``resume`` are called when the client's transport
+  crosses its write-buffer marks (the caller stops and restarts its source).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+
+#: Largest request body a direct handler is offered (bytes): uvicorn pauses reading above 64 KiB until its app reads.
+MAX_DIRECT_BODY = 65536
+_NO_BODY_STATUS = (204, 304)
+
+
+class DirectResponse:
+    """One response written straight to ``cycle``'s transport (a uvicorn ``RequestResponseCycle``).
+
+    ``start(status, headers)`` once, ``body(data)`` per chunk, then ``end()`` (complete) or ``cut()`` (abnormal end:
+    the connection is closed without the terminating chunk). ``flush()`` writes what is pending. ``pause`` and
+    ``resume``: callables set by the owner, called by the protocol at the client transport's write-buffer marks."""
+
+    __slots__ = ("chunked", "cycle", "pause", "pending", "remaining", "resume", "transport")
+
+    def __init__(self, cycle: Any) -> None:
+        self.cycle = cycle
+        self.transport = cycle.transport
+        self.pending: list[bytes] = []
+        self.chunked = False
+        self.remaining = 0  # Content-Length bytes still to come
+        self.pause: Callable[[], None] | None = None
+        self.resume: Callable[[], None] | None = None
+        cycle.direct = self
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """The status line and ``headers`` (lower- or mixed-case names, as the worker sent them), framed as uvicorn
+        frames an ASGI response: a Content-Length is kept, else the body is chunked."""
+        cycle = self.cycle
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        parts = [STATUS_LINE[status]]
+        length = -1
+        for name, value in cycle.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            name = name.lower()  # as uvicorn's send writes them
+            if length < 0 and name == b"content-length":
+                length = int(value)
+            parts += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            parts.append(b"connection: close\r\n")
+        if length < 0 and status not in _NO_BODY_STATUS:
+            self.chunked = True
+            parts.append(b"transfer-encoding: chunked\r\n")
+        self.remaining = max(length, 0)
+        parts.append(b"\r\n")
+        self.pending.append(b"".join(parts))
+
+    def body(self, data: bytes) -> None:
+        """Body bytes (chunk-framed when the response is chunked)."""
+        if self.chunked:
+            self.pending += (b"%x\r\n" % len(data), data, b"\r\n")
+        else:
+            self.remaining -= len(data)
+            self.pending.append(data)
+
+    def end(self) -> None:
+        """Complete the response: the terminating chunk, flush, close unless kept alive, then the cycle's
+        ``on_response`` (next pipelined request, keep-alive timer)."""
+        if self.chunked:
+            self.pending.append(b"0\r\n\r\n")
+        self.flush()
+        cycle = self.cycle
+        cycle.response_complete = True
+        cycle.direct = None
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()
+
+    def cut(self) -> None:
+        """End abnormally: flush, then close the connection (the client sees the response cut short)."""
+        self.flush()
+        self.cycle.direct = None
+        self.transport.close()
+
+    def flush(self) -> None:
+        """Write the pending bytes in one ``write`` (nothing once the client is gone)."""
+        pending = self.pending
+        if pending:
+            data = pending[0] if len(pending) == 1 else b"".join(pending)
+            pending.clear()
+            if not self.cycle.disconnected:
+                self.transport.write(data)
+
+
+__all__ = ["MAX_DIRECT_BODY", "DirectResponse"]
