@@ -125,7 +125,7 @@ def peer_pid(transport: Any) -> int:
         return 0
 
 
-def _small_body(scope: dict[str, Any]) -> bool:
+def _small_body(scope: Any) -> bool:
     """Whether the request declares a ``Content-Length`` of at most :data:`MAX_DIRECT_BODY` bytes (a larger or
     chunked body goes to the app, which may refuse it before reading it)."""
     for name, value in scope["headers"]:
