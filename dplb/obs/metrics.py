@@ -54,6 +54,9 @@ ROUTING_DECISION_DURATION = "dplb_routing_decision_duration_seconds"
 STATE_READ_AGE = "dplb_state_read_age_seconds"
 REQUESTS_REJECTED = "dplb_requests_rejected"  # _total
 UPSTREAM_RETRIES = "dplb_upstream_retries"  # _total
+DIRECT_RELAY = "dplb_direct_relay_requests"  # _total
+#: How a request offered to the direct relay went (the ``path`` label of :data:`DIRECT_RELAY`).
+DIRECT_PATHS = ("direct", "continued", "declined")
 STREAMS_RESUMED = "dplb_streams_resumed"  # _total
 STREAM_RESUME_REFUSED = "dplb_stream_resume_refused"  # _total
 STREAM_RESUME_DURATION = "dplb_stream_resume_duration_seconds"

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from dplb.obs.metrics import (
     BUILD_INFO,
     DECISION_BUCKETS,
+    DIRECT_PATHS,
+    DIRECT_RELAY,
     HTTP_REQUEST_DURATION,
     HTTP_REQUESTS,
     OUTCOMES,
@@ -70,6 +72,12 @@ class RouterMetrics:
         self.stalled_failed = Counter(STALLED_REQUESTS_FAILED, "In-flight requests the router failed fast (503 "
                                       "worker_stalled, or an SSE error event) because their worker stalled.",
                                       ["worker"], registry=reg)
+        self.direct_relay = Counter(DIRECT_RELAY, "Proxied requests offered to the direct relay, by how they went: "
+                                    "answered from the protocol callbacks (direct), taken then continued on the ASGI "
+                                    "path (continued: no pooled connection, no worker, a failure before the head), or "
+                                    "left to the ASGI path (declined).", ["path"], registry=reg)
+        for p in DIRECT_PATHS:
+            self.direct_relay.labels(p)
         self.retries = Counter(UPSTREAM_RETRIES, "Requests re-sent to another worker after a failure before any "
                                "byte reached the first one.", registry=reg)
         self.resumed = Counter(STREAMS_RESUMED, "Broken SSE streams re-issued to another worker with what the "

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from dplb.obs.metrics import DIRECT_PATHS
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import Exchange
 from dplb.router.health import Outcome
@@ -58,6 +59,8 @@ class DirectLane:
         self.observe = observe
         self.enabled = enabled
         self.limit = proxy.cfg.max_body_bytes
+        counter = proxy.metrics.direct_relay
+        self.n_direct, self.n_continued, self.n_declined = (counter.labels(p) for p in DIRECT_PATHS)
 
     def wants(self, scope: dict[str, Any]) -> bool:
         """Whether the request may skip the ASGI task (asked at the end of its head)."""
@@ -67,6 +70,7 @@ class DirectLane:
         """Serve the request of ``cycle`` (its body complete); False (nothing done) to leave it to the ASGI path."""
         ex = self._read(cycle)
         if ex is None:
+            self.n_declined.inc()
             return False
         proxy = self.proxy
         worker = proxy.decide(ex)  # from here on the request is this lane's
@@ -106,6 +110,7 @@ class DirectLane:
 
     def _continue(self, ex: Exchange, start: Callable[[Any], None], work: Coroutine[Any, Any, None]) -> None:
         """Go on with ``work`` on the ASGI path (a task on the request's cycle)."""
+        self.n_continued.inc()
         run = self.run
 
         async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -248,8 +253,8 @@ class DirectAttempt(Attempt, Sink):
             self.finish()
         finally:
             self.up.state.release(self.worker, self)
-            scope = ex.scope
-            self.lane.observe(scope["path"], "POST", ex.status, ex.t_start)
+            self.lane.observe(ex.scope["path"], "POST", ex.status, ex.t_start)
+            self.lane.n_direct.inc()
 
 
 __all__ = ["DirectAttempt", "DirectLane"]
