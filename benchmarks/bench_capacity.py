@@ -226,11 +226,11 @@ def dplb_has_processes() -> bool:
 
 
 @contextlib.contextmanager
-def dplb_target(workers: int, processes: int) -> Iterator[tuple[int, int, list[int]]]:
-    """A DPLB cluster: yields (port, router pid, worker pids)."""
+def dplb_target(workers: int, processes: int, flags: tuple[str, ...] = ()) -> Iterator[tuple[int, int, list[int]]]:
+    """A DPLB cluster (``flags``: more router flags): yields (port, router pid, worker pids)."""
     from cluster import cluster
 
-    extra = ["--processes", str(processes)] if processes > 1 else []
+    extra = [*flags, "--processes", str(processes)] if processes > 1 else list(flags)
     with tempfile.TemporaryDirectory() as tmp, \
             cluster(tmp, workers, worker_args={k: FAST_SIM for k in range(workers)}, router_args=extra) as c:
         assert c.router is not None
@@ -354,7 +354,8 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 round, small phases")
-    ap.add_argument("--targets", default="dplb1,dplb2,sglang", help="comma list of dplb1, dplb2, sglang")
+    ap.add_argument("--targets", default="dplb1,dplb2,sglang",
+                    help="comma list of dplb1, dplb2, sglang, dplb1asgi (dplb1 with --no-direct-relay)")
     ap.add_argument("--workers", type=int, default=2, help="sim workers per target")
     ap.add_argument("--clients", type=int, default=1, help="client processes")
     ap.add_argument("--concurrency", type=int, default=64)
@@ -378,7 +379,8 @@ def main() -> int:
             except ImportError:
                 print("sglang: skipped (pip install sglang-router)")
                 continue
-        ctx = sglang_target(args.workers) if t == "sglang" else dplb_target(args.workers, 2 if t == "dplb2" else 1)
+        ctx = sglang_target(args.workers) if t == "sglang" else \
+            dplb_target(args.workers, 2 if t == "dplb2" else 1, ("--no-direct-relay",) if t == "dplb1asgi" else ())
         with ctx as (port, pid, wpids):
             results[t] = measure(port, pid, wpids, args)
         r = results[t]
@@ -405,6 +407,10 @@ def main() -> int:
             s = results["sglang"]
             print(f"DPLB / SGLang router CPU: per request {one['req_us'] / s['req_us']:.2f}x, per token "
                   f"{one['tok_us'] / s['tok_us']:.2f}x")
+        if "dplb1asgi" in results:
+            a = results["dplb1asgi"]
+            print(f"direct relay / ASGI path (--no-direct-relay) router CPU: per request "
+                  f"{one['req_us'] / a['req_us']:.2f}x, per token {one['tok_us'] / a['tok_us']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
