@@ -1,10 +1,11 @@
 """Micro-benchmark: the per-call cost of the router's hot-path metric updates, prometheus_client against
 dplb.obs.fastmetrics.
 
-Times, with timeit (statements, so no wrapper call is counted; ``--repeat`` runs of ``--number`` calls each, the median per call in ns): a cached histogram
-child's ``observe`` (request buckets, a mid-range value), the same with an exemplar dict, a counter child's
-``inc``, and one proxied request's worth of updates through :class:`dplb.obs.metrics_router.RouterMetrics`-shaped
-families (5 observes, 2 incs). Usage: ``python benchmarks/bench_fastmetrics.py [--repeat 31] [--number 100000]``.
+Times, with timeit (statements, so no wrapper call is counted; ``--repeat`` runs of ``--number`` calls each, the
+median per call in ns): a cached histogram child's ``observe`` (request buckets, a mid-range value), the same with
+an exemplar dict, a counter child's ``inc``, and one proxied request's worth of updates (5 observes, 2 incs, one
+with an exemplar, as :class:`dplb.obs.metrics_router.RouterMetrics` and the router record them). Usage:
+``python benchmarks/bench_fastmetrics.py [--repeat 31] [--number 100000]``.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def _exemplar(kept: _Kept | None) -> Exemplar | None:
 class HistogramChild:
     """One label set of a :class:`HistogramFamily`: per-bucket (non-cumulative) counts, the sum, the exemplars."""
 
-    __slots__ = ("_bounds", "_counts", "_sum", "_exemplars", "_created")
+    __slots__ = ("_bounds", "_counts", "_created", "_exemplars", "_sum")
 
     def __init__(self, bounds: list[float]) -> None:
         self._bounds = bounds
@@ -102,7 +102,7 @@ class HistogramChild:
 class CounterChild:
     """One label set of a :class:`CounterFamily`: the value and its exemplar."""
 
-    __slots__ = ("_value", "_exemplar", "_created")
+    __slots__ = ("_created", "_exemplar", "_value")
 
     def __init__(self) -> None:
         self._value = 0.0
@@ -138,6 +138,10 @@ class _Family:
     def _new_child(self) -> Any:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def collect(self) -> list[Metric]:  # pragma: no cover - overridden
+        """The family's metric with every child's samples."""
+        raise NotImplementedError
+
     def _key(self, values: tuple[Any, ...], by_name: dict[str, Any]) -> tuple[str, ...]:
         if values and by_name:
             raise ValueError("Can't pass both *args and **kwargs")
@@ -162,7 +166,7 @@ class _Family:
         return self._children[()]
 
     def _label_dict(self, key: tuple[str, ...]) -> dict[str, str]:
-        return dict(zip(self._labelnames, key))
+        return dict(zip(self._labelnames, key, strict=True))
 
 
 class HistogramFamily(_Family):
@@ -217,7 +221,7 @@ class HistogramFamily(_Family):
             exemplars = list(child._exemplars)
             labels = self._label_dict(key)
             acc = 0.0
-            for le, c, ex in zip(les, counts, exemplars):
+            for le, c, ex in zip(les, counts, exemplars, strict=True):
                 acc += c
                 add(Sample(name + "_bucket", {**labels, "le": le}, acc, None, _exemplar(ex)))
             add(Sample(name + "_count", labels, acc, None, None))
