@@ -30,6 +30,9 @@ counts in one C-level list copy (atomic under the GIL) and derives the cumulativ
 copy, so ``_count`` always equals the ``+Inf`` bucket and the buckets never decrease; only ``_sum`` may be one
 concurrent observation ahead of or behind the counts (prometheus_client's own ``_sum`` and buckets are separate
 locks too). The families are not safe with several writer threads, nor on a free-threaded interpreter.
+
+Private prometheus_client names used (tests/test_fastmetrics.py catches a release that changes them):
+``metrics._use_created`` (the created-series switch) and ``validation._validate_exemplar``/``_validate_labelname``.
 """
 
 from __future__ import annotations
