@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 
+from dplb.obs.fastmetrics import CounterFamily, HistogramFamily
 from dplb.obs.metrics import (
     BUILD_INFO,
     DECISION_BUCKETS,
@@ -57,10 +58,12 @@ class RouterMetrics:
         reg = self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=reg)  # process_* (RSS, open fds, CPU seconds, start time) of the router
         Info(BUILD_INFO, "DPLB build", registry=reg).info({"version": version, "component": "router"})
-        self.decisions = Counter(ROUTING_DECISIONS, "Routing decisions by chosen worker and reason.",
-                                 ["worker", "reason"], registry=reg)
-        self.decision_duration = Histogram(ROUTING_DECISION_DURATION, "shm read + pick() time, seconds.",
-                                           buckets=DECISION_BUCKETS, registry=reg)
+        # Per-request families (decisions, their duration and state age, HTTP routes, upstream TTFB and duration):
+        # the lock-free fastmetrics drop-ins, same exposition (dplb.obs.fastmetrics); the rest prometheus_client's.
+        self.decisions = CounterFamily(ROUTING_DECISIONS, "Routing decisions by chosen worker and reason.",
+                                       ["worker", "reason"], registry=reg)
+        self.decision_duration = HistogramFamily(ROUTING_DECISION_DURATION, "shm read + pick() time, seconds.",
+                                                 buckets=DECISION_BUCKETS, registry=reg)
         self.rejected = Counter(REQUESTS_REJECTED, "Requests the router answered itself with an error, by reason.",
                                 ["reason"], registry=reg)
         self.ejections = Counter(WORKER_EJECTIONS, "Times a worker was ejected for a few seconds after consecutive "
@@ -87,22 +90,24 @@ class RouterMetrics:
         self.resume_duration = Histogram(STREAM_RESUME_DURATION, "Time from a stream's break to the first token "
                                          "relayed from the worker resuming it, seconds.", buckets=REQUEST_BUCKETS,
                                          registry=reg)
-        self.upstream_duration = Histogram(UPSTREAM_REQUEST_DURATION, "Proxied request duration by worker and "
-                                           "outcome, seconds.", ["worker", "outcome"], buckets=REQUEST_BUCKETS,
-                                           registry=reg)
-        self.upstream_ttfb = Histogram(UPSTREAM_TTFB, "Time from dispatch to the worker's first response byte, "
-                                       "seconds.", ["worker"], buckets=REQUEST_BUCKETS, registry=reg)
+        self.upstream_duration = HistogramFamily(UPSTREAM_REQUEST_DURATION, "Proxied request duration by worker "
+                                                 "and outcome, seconds.", ["worker", "outcome"],
+                                                 buckets=REQUEST_BUCKETS, registry=reg)
+        self.upstream_ttfb = HistogramFamily(UPSTREAM_TTFB, "Time from dispatch to the worker's first response "
+                                             "byte, seconds.", ["worker"], buckets=REQUEST_BUCKETS, registry=reg)
         self.shm_present = Gauge(SHM_SEGMENT_PRESENT, "1 when the router reads worker state from the shm segment.",
                                  registry=reg)
         self.shm_errors = Counter(SHM_ERRORS, "Shared-memory errors by operation and error.", ["operation", "error"],
                                   registry=reg)
-        self.http_requests = Counter(HTTP_REQUESTS, "Router HTTP requests by route template, method and status.",
-                                     ["route", "method", "status"], registry=reg)
-        self.http_duration = Histogram(HTTP_REQUEST_DURATION, "Router HTTP request duration by route template, "
-                                       "seconds.", ["route", "method"], buckets=REQUEST_BUCKETS, registry=reg)
-        self.state_age = Histogram(STATE_READ_AGE, "Age of the chosen worker's published state when the router "
-                                   "decided, seconds.", buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.6, 1, 2, 5),
-                                   registry=reg)
+        self.http_requests = CounterFamily(HTTP_REQUESTS, "Router HTTP requests by route template, method and "
+                                           "status.", ["route", "method", "status"], registry=reg)
+        self.http_duration = HistogramFamily(HTTP_REQUEST_DURATION, "Router HTTP request duration by route "
+                                             "template, seconds.", ["route", "method"], buckets=REQUEST_BUCKETS,
+                                             registry=reg)
+        self.state_age = HistogramFamily(STATE_READ_AGE, "Age of the chosen worker's published state when the "
+                                         "router decided, seconds.",
+                                         buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.6, 1, 2, 5), registry=reg)
+        self._decision_hist, self._age_hist = self.decision_duration.labels(), self.state_age.labels()
         self.prefix_routed = Counter(PREFIX_ROUTED, "Routed requests with a prefix key by outcome: hit (the worker "
                                      "with the longest cached prefix got it), spill (load sent it elsewhere), miss "
                                      "(no worker had any block).", ["outcome"], registry=reg)
@@ -112,7 +117,7 @@ class RouterMetrics:
         self.prefix_hit_blocks = Counter(PREFIX_HIT_BLOCKS, "Prompt blocks the prefix index predicted the chosen "
                                          "worker has cached (predicted hit rate = this / "
                                          f"{PREFIX_QUERY_BLOCKS}_total).", ["worker"], registry=reg)
-        self._decision_children: dict[tuple[int | None, str], object] = {}
+        self._decision_children: dict[tuple[int | None, str], Any] = {}
         from dplb.policy.decision import NOTE_PREFIX_BLOCKS, NOTE_PREFIX_HIT_BLOCKS, NOTE_PREFIX_OUTCOME
 
         # What the policy's plugins note about a routed request (Decision.notes), read by name: outcome notes
@@ -160,11 +165,11 @@ class RouterMetrics:
         if child is None:
             child = self._decision_children[key] = self.decisions.labels(
                 "none" if key[0] is None else str(key[0]), key[1])
-        child.inc()  # type: ignore[attr-defined]
-        self.decision_duration.observe(seconds)
+        child.inc()
+        self._decision_hist.observe(seconds)
         age = d.chosen_age_s()  # type: ignore[attr-defined]
         if age is not None:
-            self.state_age.observe(age)
+            self._age_hist.observe(age)
         notes = d.notes  # type: ignore[attr-defined]
         if notes:
             self._count_notes(notes, d.worker)  # type: ignore[attr-defined]
@@ -179,12 +184,12 @@ class RouterMetrics:
                 child = cache.get((None, "\0" + value))
                 if child is None:
                     child = cache[(None, "\0" + value)] = counter.labels(value)
-                child.inc()  # type: ignore[attr-defined]
+                child.inc()
         for note, counter in self._worker_notes.items():
             amount = notes.get(note)
             if amount is not None:
                 child = cache.get((worker, "\0" + note))
                 if child is None:
                     child = cache[(worker, "\0" + note)] = counter.labels(str(worker))
-                child.inc(amount)  # type: ignore[attr-defined]
+                child.inc(amount)
 
