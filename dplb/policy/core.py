@@ -217,7 +217,9 @@ class Policy:
         if not self._idle_unless_ids or held or ejected or stalled or req.exclude or req.cannot_serve:
             for f in self._filters:
                 f.apply(cands, ctx)
-        columns = [s.score(cands, ctx) for s in self.scorers]
+        columns = []
+        for s in self.scorers:
+            columns.append(s.score(cands, ctx))
         for j in self._unbounded:  # the framework's guarantee: every term in [0, 1]
             columns[j] = clamp_unit(columns[j])
         set_scores(cands, columns, self.weights)
@@ -226,7 +228,10 @@ class Policy:
         if not dry_run:
             self._rot += 1
         # Rotated: the scan starts one worker later on every pick ("first among equals" rotates).
-        eligible = [c for c in (cands[start:] + cands[:start] if start else cands) if c.why is OK]
+        eligible = []
+        for c in cands[start:] + cands[:start] if start else cands:
+            if c.why is OK:
+                eligible.append(c)
         if not eligible:
             if not any(c.state.pid for c in cands):
                 reason = REASON_NO_WORKERS
