@@ -86,6 +86,18 @@ def block_hashes(data: bytes | memoryview | Any, block_bytes: int, max_blocks: i
     return out
 
 
+def _set_bits(out: list[int], mask: int, value: int) -> None:
+    """``out[w] = value`` for every bit ``w`` set in ``mask`` (a byte of the mask at a time: :data:`_BYTE_BITS`)."""
+    base = 0
+    while mask:
+        for b in _BYTE_BITS[mask & 255]:
+            out[base + b] = value
+        mask >>= 8
+        base += 8
+
+
+#: Byte value → the positions of its set bits.
+_BYTE_BITS: Final = tuple(tuple(b for b in range(8) if m >> b & 1) for m in range(256))
 #: Block size (bytes) → ``iter_unpack`` of a ``"{size}s"`` struct: cuts a buffer into its blocks in one call.
 _CHUNKERS: dict[int, Callable[[Any], Iterator[tuple[bytes]]]] = {}
 _BLOCK_STEP: Final = 1 << 32
@@ -139,7 +151,9 @@ class PrefixIndex:
         cutoff = now_ns - self._ttl_ns
         # Sent at or after ``spec``: held by every worker it was sent to; between ``cutoff`` and ``spec``: only by
         # the workers without events (``keep``; all of them when none has events); before ``cutoff``: by nobody.
-        spec = max(now_ns - self._spec_ns, cutoff)
+        spec = now_ns - self._spec_ns
+        if spec < cutoff:
+            spec = cutoff
         keep = ~self.events
         cur = self._all
         walked: list[list[int]] = []  # the entries of the blocks every worker in ``cur`` has
@@ -157,24 +171,16 @@ class PrefixIndex:
                     continue
             else:
                 nxt = 0
-            i = len(walked)  # the workers that lose this block have the i before it
-            gone = cur & ~nxt
-            while gone:
-                b = gone & -gone
-                depth[b.bit_length() - 1] = i
-                gone ^= b
+            i = len(walked)  # the workers that lose this block have the i before it (0: as they are)
+            if i:
+                _set_bits(depth, cur & ~nxt, i)
             if not nxt:
                 return depth
             cur = nxt
             walked.append(e)  # type: ignore[arg-type]  # nxt != 0: e is an entry
-        if not keys:
-            return depth
-        i = len(walked)
-        self._walk = (keys, now_ns, cur, walked)
-        while cur:  # workers that have every block
-            b = cur & -cur
-            depth[b.bit_length() - 1] = i
-            cur ^= b
+        if keys:
+            self._walk = (keys, now_ns, cur, walked)
+            _set_bits(depth, cur, len(walked))  # workers that have every block
         return depth
 
     def confirmed(self, keys: Sequence[int]) -> list[int]:
