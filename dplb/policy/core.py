@@ -45,7 +45,20 @@ from dplb.policy.decision import (
     Candidate,
     Decision,
 )
-from dplb.policy.filters import build_filters
+from dplb.policy.filters import (
+    CanServe,
+    Consistent,
+    Fresh,
+    NotEjected,
+    NotHeldOut,
+    NotStalled,
+    NotTried,
+    Ready,
+    Registered,
+    UnderHardCap,
+    build_filters,
+    state_why,
+)
 from dplb.policy.framework import (
     PICKERS,
     PickContext,
@@ -56,10 +69,15 @@ from dplb.policy.framework import (
     clamp_unit,
 )
 from dplb.policy.plugins import PROFILES, validate
-from dplb.state.shm import WorkerState
+from dplb.state.shm import Lifecycle, WorkerState
 
 _NO_REQUEST = RouteRequest()
 _new = object.__new__
+_READY = Lifecycle.READY
+#: The filters about the worker's published state, in chain order: fused into the candidate loop.
+_STATE_FILTERS = (Registered, Consistent, Fresh, Ready)
+#: Filters that reject only the ids of a set the context carries: nothing to do while every set is empty.
+_ID_FILTERS = (NotHeldOut, NotEjected, NotStalled, CanServe, NotTried)
 
 
 class Policy:
@@ -76,6 +94,13 @@ class Policy:
         self.name = cfg.name
         self.num_workers = num_workers
         self.filters = build_filters(cfg)
+        # The built-in state filters are applied while the candidates are built (see _candidates); the rest run
+        # as a chain, skipped when each of them would find nothing to do (no id set to test, no hard cap).
+        fused = tuple(type(f) for f in self.filters[: len(_STATE_FILTERS)]) == _STATE_FILTERS
+        self._stale_ns: int = self.filters[_STATE_FILTERS.index(Fresh)].stale_ns if fused else -1  # type: ignore[attr-defined]
+        self._filters = tuple(self.filters[len(_STATE_FILTERS):] if fused else self.filters)
+        self._idle_unless_ids = all(type(f) in _ID_FILTERS or (type(f) is UnderHardCap and not cfg.hard_queue_cap)
+                                    for f in self._filters)
         self.weighted = build_scorers(cfg, num_workers)
         self.scorers = tuple(s for s, _ in self.weighted)
         self.term_names = tuple(s.name for s in self.scorers)
@@ -189,8 +214,9 @@ class Policy:
             self.prepare(req)
         cands = self._candidates(snapshot, now_mono_ns, inflight, shared)
         ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected, stalled)
-        for f in self.filters:
-            f.apply(cands, ctx)
+        if not self._idle_unless_ids or held or ejected or stalled or req.exclude or req.cannot_serve:
+            for f in self._filters:
+                f.apply(cands, ctx)
         columns = []
         for s in self.scorers:
             columns.append(s.score(cands, ctx))
@@ -201,7 +227,8 @@ class Policy:
         start = self._rot % n if n else 0
         if not dry_run:
             self._rot += 1
-        eligible = []  # rotated: the scan starts one worker later on every pick ("first among equals" rotates)
+        # Rotated: the scan starts one worker later on every pick ("first among equals" rotates).
+        eligible = []
         for c in cands[start:] + cands[:start] if start else cands:
             if c.why is OK:
                 eligible.append(c)
@@ -229,10 +256,15 @@ class Policy:
                     shared: Sequence[int] | None) -> list[Candidate]:
         """One :class:`Candidate` per worker of ``snapshot`` (queue = running + waiting + correction; see
         :meth:`pick` for ``inflight`` and ``shared``); a worker's new snapshot first drops what it now counts.
+        The built-in state filters (registered, consistent, fresh, ready: :data:`_STATE_FILTERS`) are applied here,
+        in their order, one test per worker instead of a pass each (:func:`state_why` for the rejected).
         The candidates are built here rather than by ``Candidate(...)``: a class call costs a third of the loop."""
         sent_at = self._sent_at
         seen = self._seen_hb
+        stale = self._stale_ns  # -1: the state filters run in the chain (``_filters``), not here
+        fused = stale >= 0
         cands: list[Candidate] = []
+        append = cands.append
         for w in snapshot:
             k = w.worker_id
             hb = w.heartbeat_mono_ns
@@ -248,10 +280,13 @@ class Policy:
             c.worker_id = k
             c.correction = corr
             c.queue = w.num_running + w.num_waiting + corr
-            c.age_ns = now_ns - hb
-            c.why = OK
+            age = c.age_ns = now_ns - hb
+            if not fused or (w.pid and age <= stale and w.lifecycle is _READY and not w.torn):
+                c.why = OK
+            else:
+                c.why = state_why(w, age, stale)
             c.score = 0.0
-            cands.append(c)
+            append(c)
         return cands
 
     def _new_snapshot(self, w: WorkerState, q: deque[int]) -> None:

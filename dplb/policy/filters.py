@@ -164,6 +164,21 @@ HEALTH_FILTERS: tuple[type[Filter], ...] = (Registered, Consistent, Fresh, Ready
 REQUEST_FILTERS: tuple[type[Filter], ...] = (CanServe, NotTried, UnderHardCap)
 
 
+def state_why(w: WorkerState, age_ns: int, stale_ns: int) -> str:
+    """The ``why`` the state filters (:class:`Registered`, :class:`Consistent`, :class:`Fresh`, :class:`Ready`, in
+    that order) give worker ``w`` with heartbeat age ``age_ns`` and :attr:`Fresh.stale_ns` ``stale_ns``: the first
+    rejection, or ``ok``. The policy applies them this way, one test per worker (:mod:`dplb.policy.core`)."""
+    if w.pid == 0:
+        return WHY_UNREGISTERED
+    if w.torn:
+        return WHY_TORN
+    if age_ns > stale_ns:
+        return WHY_STALE
+    if w.lifecycle is not _READY:
+        return WHY_DRAINING if w.lifecycle == _DRAINING else WHY_NOT_READY
+    return OK
+
+
 def build_filters(cfg: PolicyConfig, health_only: bool = False) -> list[Filter]:
     """The filter chain for ``cfg``, health filters first."""
     classes = HEALTH_FILTERS if health_only else HEALTH_FILTERS + REQUEST_FILTERS

@@ -35,9 +35,10 @@ workers publish the per-request prediction error (``dplb_prefix_prediction_error
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 from dplb.state.kv_rings import OP_CLEARED, OP_REMOVED, OP_STORED
@@ -65,22 +66,41 @@ def block_hashes(data: bytes | memoryview | Any, block_bytes: int, max_blocks: i
     if block_bytes <= 0 or data is None:
         return []
     if type(data) is not bytes:
-        # msgspec.Raw / memoryview: one copy of the bytes that are hashed (not of a long prompt's tail), then slices
+        # msgspec.Raw / memoryview: one copy of the bytes that are hashed (not of a long prompt's tail)
         view = memoryview(data)
         data = bytes(view[: max_blocks * block_bytes] if max_blocks else view)
     n = len(data) // block_bytes
     if max_blocks and n > max_blocks:
         n = max_blocks
+    chunks = _CHUNKERS.get(block_bytes)
+    if chunks is None:
+        chunks = _CHUNKERS[block_bytes] = struct.Struct(f"{block_bytes}s").iter_unpack
     crc = zlib.crc32
     h = 0
+    hi = 0  # i << 32 for block i
     out: list[int] = []
-    append = out.append
-    end = 0
-    for i in range(n):
-        start, end = end, end + block_bytes
-        h = crc(data[start:end], h)
-        append((i << 32) | h)
+    for (block,) in chunks(memoryview(data)[: n * block_bytes]):  # the blocks cut in C, no slice per block
+        h = crc(block, h)
+        out.append(hi | h)
+        hi += _BLOCK_STEP
     return out
+
+
+def _set_bits(out: list[int], mask: int, value: int) -> None:
+    """``out[w] = value`` for every bit ``w`` set in ``mask`` (a byte of the mask at a time: :data:`_BYTE_BITS`)."""
+    base = 0
+    while mask:
+        for b in _BYTE_BITS[mask & 255]:
+            out[base + b] = value
+        mask >>= 8
+        base += 8
+
+
+#: Byte value → the positions of its set bits.
+_BYTE_BITS: Final = tuple(tuple(b for b in range(8) if m >> b & 1) for m in range(256))
+#: Block size (bytes) → ``iter_unpack`` of a ``"{size}s"`` struct: cuts a buffer into its blocks in one call.
+_CHUNKERS: dict[int, Callable[[Any], Iterator[tuple[bytes]]]] = {}
+_BLOCK_STEP: Final = 1 << 32
 
 
 class PrefixIndex:
@@ -128,42 +148,39 @@ class PrefixIndex:
         """
         self._walk = None
         depth = [0] * self.num_workers
-        get = self._map.get
         cutoff = now_ns - self._ttl_ns
-        ev = self.events
+        # Sent at or after ``spec``: held by every worker it was sent to; between ``cutoff`` and ``spec``: only by
+        # the workers without events (``keep``; all of them when none has events); before ``cutoff``: by nobody.
         spec = now_ns - self._spec_ns
-        keep = ~ev
+        if spec < cutoff:
+            spec = cutoff
+        keep = ~self.events
         cur = self._all
         walked: list[list[int]] = []  # the entries of the blocks every worker in ``cur`` has
-        for key in keys:
-            e = get(key)
+        for e in map(self._map.get, keys):  # the lookups in C, and the walk stops at the first miss
             if e is not None:
                 t = e[1]
-                held = (e[0] if t >= spec or not ev else e[0] & keep) if t >= cutoff else 0
-                nxt = cur & (held | e[2])
+                if t >= spec:
+                    nxt = cur & (e[0] | e[2])
+                elif t >= cutoff:
+                    nxt = cur & (e[0] & keep | e[2])
+                else:
+                    nxt = cur & e[2]
                 if nxt == cur:
                     walked.append(e)
                     continue
             else:
                 nxt = 0
-            i = len(walked)  # the workers that lose this block have the i before it
-            gone = cur & ~nxt
-            while gone:
-                b = gone & -gone
-                depth[b.bit_length() - 1] = i
-                gone ^= b
+            i = len(walked)  # the workers that lose this block have the i before it (0: as they are)
+            if i:
+                _set_bits(depth, cur & ~nxt, i)
             if not nxt:
                 return depth
             cur = nxt
             walked.append(e)  # type: ignore[arg-type]  # nxt != 0: e is an entry
-        if not keys:
-            return depth
-        i = len(walked)
-        self._walk = (keys, now_ns, cur, walked)
-        while cur:  # workers that have every block
-            b = cur & -cur
-            depth[b.bit_length() - 1] = i
-            cur ^= b
+        if keys:
+            self._walk = (keys, now_ns, cur, walked)
+            _set_bits(depth, cur, len(walked))  # workers that have every block
         return depth
 
     def confirmed(self, keys: Sequence[int]) -> list[int]:

@@ -239,16 +239,20 @@ class PrefixScorer(Scorer):
             return [0.0] * len(cands)
         blocks = q.blocks
         depth = q.depth = self.index.match(blocks, ctx.now_ns)
-        el = [depth[c.worker_id] for c in cands if c.why is OK]
-        if not el:
-            return [0.0] * len(cands)
-        lo, best = min(el), max(el)
-        if best == lo:  # nobody has more than the rest: no preference
-            return [0.0] * len(cands)
+        lo = best = -1  # the lowest and highest match among the eligible, and the first eligible with the highest
+        pref = 0
         for c in cands:
-            if depth[c.worker_id] == best and c.why is OK:
-                req.preferred = c.worker_id
-                break
+            if c.why is OK:
+                d = depth[c.worker_id]
+                if d > best:
+                    if best < 0:
+                        lo = d
+                    best, pref = d, c.worker_id
+                elif d < lo:
+                    lo = d
+        if best == lo:  # nobody eligible, or nobody has more than the rest: no preference
+            return [0.0] * len(cands)
+        req.preferred = pref
         span = len(blocks) - lo
         cfg = self.cfg
         mq = 0 if cfg.max_queue_from_worker else cfg.max_queue
