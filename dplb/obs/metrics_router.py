@@ -75,10 +75,10 @@ class RouterMetrics:
         self.stalled_failed = Counter(STALLED_REQUESTS_FAILED, "In-flight requests the router failed fast (503 "
                                       "worker_stalled, or an SSE error event) because their worker stalled.",
                                       ["worker"], registry=reg)
-        self.direct_relay = Counter(DIRECT_RELAY, "Proxied requests offered to the direct relay, by how they went: "
-                                    "answered from the protocol callbacks (direct), taken then continued on the ASGI "
-                                    "path (continued: no pooled connection, no worker, a failure before the head), or "
-                                    "left to the ASGI path (declined).", ["path"], registry=reg)
+        self.direct_relay = CounterFamily(
+            DIRECT_RELAY, "Proxied requests offered to the direct relay, by how they went: answered from the protocol "
+            "callbacks (direct), taken then continued on the ASGI path (continued: no pooled connection, no worker, a "
+            "failure before the head), or left to the ASGI path (declined).", ["path"], registry=reg)
         for p in DIRECT_PATHS:
             self.direct_relay.labels(p)
         self.retries = Counter(UPSTREAM_RETRIES, "Requests re-sent to another worker after a failure before any "
