@@ -158,14 +158,14 @@ class Decision:
         name → value), or None (not routed, or nothing to say)."""
         out = self._notes
         if out is not _UNASKED:
-            return out  # type: ignore[no-any-return]
+            return out
         if self.worker is not None:
             for s in self.noters:
                 got = s.notes(self.ctx.request, self.worker)
                 if got:
                     out = got if out is _UNASKED else {**out, **got}
         out = self._notes = None if out is _UNASKED else out
-        return out  # type: ignore[no-any-return]
+        return out
 
     def prefix_outcome(self) -> str | None:
         """:data:`PREFIX_HIT` / :data:`PREFIX_SPILL` / :data:`PREFIX_MISS` for a routed request with a prefix key
