@@ -110,3 +110,19 @@ def test_a_prefix_never_pulls_a_request_past_the_filters(why: str, kw: dict) -> 
     d = p.pick(snap, NOW, RouteRequest(PROMPT, **kw), held=frozenset({1}) if why == "held_out" else frozenset(),
                ejected=frozenset({1}) if why == "ejected" else frozenset())
     assert d.candidates[1].why == why and d.worker in (0, 2) and d.preferred != 1
+
+
+@pytest.mark.parametrize("row", [r for r in TABLE if r[0] in ("Registered", "Consistent", "Fresh", "Ready")])
+def test_state_why_is_the_state_filters_in_order(row: tuple) -> None:  # type: ignore[type-arg]
+    """The policy applies the four state filters while it builds the candidates (``state_why``); it must give the
+    first rejection the filter chain gives, for every row of the table and for a worker failing several."""
+    from dplb.policy.filters import state_why
+
+    c = row[1]
+    fresh = next(f for f in build_filters(CFG) if type(f).__name__ == "Fresh")
+    chain = Candidate(c.state, 0, 0, c.age_ns)
+    for f in build_filters(CFG, health_only=True)[:4]:
+        f.apply([chain], PickContext(NOW, RouteRequest(), None))
+    assert state_why(c.state, c.age_ns, fresh.stale_ns) == chain.why  # type: ignore[attr-defined]
+    worst = cand(pid=0, torn=True, age_ms=10_000, life=Lifecycle.DRAINING)
+    assert state_why(worst.state, worst.age_ns, fresh.stale_ns) == "unregistered"  # type: ignore[attr-defined]

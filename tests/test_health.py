@@ -160,3 +160,15 @@ def test_only_complete_responses_keep_the_connection_and_only_answered_attempts_
         assert o.reusable == (o in (Outcome.OK, Outcome.UPSTREAM_4XX, Outcome.UPSTREAM_5XX, Outcome.FULL)), o
     # Attempts that never reached the worker's answer phase record no duration.
     assert {o for o in Outcome if o.recorded is None} == {Outcome.UNREACHABLE, Outcome.DRAINING, Outcome.NO_ANSWER}
+
+
+def test_the_same_snapshot_still_goes_stale() -> None:
+    """Observing the very same states again changes nothing until a fresh worker's heartbeat passes the stale
+    limit; then it is held out as if the snapshot were new."""
+    h = WorkerHealth(1, lambda k: 7)
+    snap = _snap(0.0, 7, R, T0)
+    ms = 1_000_000
+    for t in range(0, STALE_MS + 1, 50):
+        assert h.observe(snap, T0 + t * ms, INTERVAL_MS) == frozenset()
+    assert h.observe(snap, T0 + (STALE_MS + 1) * ms, INTERVAL_MS) == frozenset({0})
+    assert h.observe(snap, T0 + (STALE_MS + 2) * ms, INTERVAL_MS) == frozenset({0})

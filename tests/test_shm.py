@@ -261,3 +261,23 @@ def test_list_segments_newest_first(tmp_path) -> None:  # type: ignore[no-untype
     assert list_segments(str(tmp_path)) == [b.path, a.path]
     a.close()
     b.close()
+
+
+def test_read_all_decodes_only_written_slots(shm_path: str) -> None:
+    """A slot nobody wrote since the last read_all keeps its decoded state (the same object); a written one is
+    decoded anew; the list itself is the caller's."""
+    seg = Segment.create(shm_path, 3)
+    try:
+        for k in range(3):
+            seg.writer(k).publish(_full_state(k, k))
+        a = seg.read_all()
+        b = seg.read_all()
+        assert a == b and a is not b and all(x is y for x, y in zip(a, b, strict=True))
+        b.clear()  # the caller's list: the next read is whole
+        seg.writer(1).publish(_full_state(1, 50))
+        c = seg.read_all()
+        assert c[0] is a[0] and c[2] is a[2] and c[1] is not a[1]
+        assert _eq_ignoring_seq(c[1], _full_state(1, 50)) and c[1].seq > a[1].seq
+        assert seg.read_all()[1] is c[1]
+    finally:
+        seg.close()

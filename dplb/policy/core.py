@@ -213,7 +213,9 @@ class Policy:
         if req.prompt is not None and not req.prepared:
             self.prepare(req)
         cands = self._candidates(snapshot, now_mono_ns, inflight, shared)
-        ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected, stalled)
+        ctx = _new(PickContext)  # PickContext(now_mono_ns, req, ...) without the call of its __init__
+        ctx.now_ns, ctx.request, ctx.baseline_s, ctx.held, ctx.ejected, ctx.stalled = \
+            now_mono_ns, req, self.baseline_s, held, ejected, stalled
         if not self._idle_unless_ids or held or ejected or stalled or req.exclude or req.cannot_serve:
             for f in self._filters:
                 f.apply(cands, ctx)
@@ -285,8 +287,7 @@ class Policy:
                 c.why = OK
             else:
                 c.why = state_why(w, age, stale)
-            c.score = 0.0
-            append(c)
+            append(c)  # its score is set once every scorer ran (set_scores)
         return cands
 
     def _new_snapshot(self, w: WorkerState, q: deque[int]) -> None:
@@ -328,14 +329,18 @@ def set_scores(cands: list[Candidate], columns: list[list[float]], weights: tupl
     """Set every candidate's ``score`` = Σ_j weights[j]·columns[j][k] (``columns[j][k]``: scorer j's term for
     ``cands[k]``, summed in scorer order). Written out for three and four scorers (the defaults): one loop instead
     of one per scorer. Raises ValueError when a column's length is not the candidates'."""
+    n = len(cands)
+    for col in columns:
+        if len(col) != n:
+            raise ValueError(f"a scorer returned {len(col)} terms for {n} candidates")
     if len(columns) == 4:
         (a, b, c, d), (wa, wb, wc, wd) = columns, weights
-        for cand, p, q, r, s in zip(cands, a, b, c, d, strict=True):
+        for cand, p, q, r, s in zip(cands, a, b, c, d, strict=False):  # lengths checked above
             cand.score = wa * p + wb * q + wc * r + wd * s
         return
     if len(columns) == 3:
         (a, b, c), (wa, wb, wc) = columns, weights
-        for cand, p, q, r in zip(cands, a, b, c, strict=True):
+        for cand, p, q, r in zip(cands, a, b, c, strict=False):
             cand.score = wa * p + wb * q + wc * r
         return
     out = [0.0] * len(cands)

@@ -64,6 +64,7 @@ PREFIX_PREDICTED_HEADER = b"x-dplb-prefix-predicted"
 STAT_INDEX_BLOCKS = "index_blocks"
 STAT_INDEX_CAPACITY = "index_capacity_blocks"
 STAT_INDEX_BYTES = "index_bytes"
+_UNASKED: Any = object()  # Decision.notes not asked yet
 
 
 class Candidate:
@@ -111,8 +112,8 @@ class Decision:
     ``scorers`` and ``ctx`` are kept for the lazy JSON view, ``noters`` (the scorers with a ``notes`` hook) for
     the lazy :attr:`notes`."""
 
-    __slots__ = ("baseline_s", "candidates", "columns", "ctx", "noters", "policy", "preferred", "reason", "scorers",
-                 "term_names", "weights", "worker")
+    __slots__ = ("_notes", "baseline_s", "candidates", "columns", "ctx", "noters", "policy", "preferred", "reason",
+                 "scorers", "term_names", "weights", "worker")
 
     def __init__(
         self, policy: str, worker: int | None, reason: str, candidates: list[Candidate], baseline_s: float | None,
@@ -132,6 +133,7 @@ class Decision:
         self.ctx = ctx
         self.columns = columns or []
         self.noters = noters
+        self._notes: Any = _UNASKED
 
     def chosen_age_s(self) -> float | None:
         """Age of the chosen worker's state in seconds (None when nobody was chosen or without shm)."""
@@ -152,15 +154,17 @@ class Decision:
 
     @property
     def notes(self) -> dict[str, Any] | None:
-        """What the scorers observed about the routed request (their ``notes`` hooks, asked now: note name →
-        value), or None (not routed, or nothing to say)."""
-        if self.worker is None or not self.noters:
-            return None
-        out: dict[str, Any] | None = None
-        for s in self.noters:
-            got = s.notes(self.ctx.request, self.worker)
-            if got:
-                out = got if out is None else {**out, **got}
+        """What the scorers observed about the routed request (their ``notes`` hooks, asked the first time: note
+        name → value), or None (not routed, or nothing to say)."""
+        out = self._notes
+        if out is not _UNASKED:
+            return out
+        if self.worker is not None:
+            for s in self.noters:
+                got = s.notes(self.ctx.request, self.worker)
+                if got:
+                    out = got if out is _UNASKED else {**out, **got}
+        out = self._notes = None if out is _UNASKED else out
         return out
 
     def prefix_outcome(self) -> str | None:

@@ -154,28 +154,28 @@ class LatencyScorer(Scorer):
         out: list[float] = []
         timed: list[int] = []  # indices of the eligible workers with a current sample (the deadband's mean)
         lats: list[float] = []  # their latencies
-        i = -1
-        for c in cands:
-            i += 1
+        fill = False  # some worker has no sample yet, or is idle (old news): the peers' mean below
+        for i, c in enumerate(cands):
             lat = c.state.avg_ttft_s if ttft else c.state.avg_latency_s
             if lat <= 0.0 or not c.queue:
-                out.append(-1.0)  # no sample yet, or idle (old news): the peers' mean below
-                continue
-            t = 1.0 - lat / base
-            out.append(t if t > 0.0 else 0.0)
-            if c.why is OK:
-                timed.append(i)
-                lats.append(lat)
+                out.append(-1.0)
+                fill = True
+            else:
+                t = 1.0 - lat / base
+                out.append(t if t > 0.0 else 0.0)
+                if c.why is OK:
+                    timed.append(i)
+                    lats.append(lat)
         band = self.deadband
         if band > 0.0 and len(timed) > 1:
             mean = sum(lats) / len(lats)
             tm = 1.0 - mean / base
             tm = tm if tm > 0.0 else 0.0
             lim = band * mean
-            for i, lat in zip(timed, lats, strict=True):
+            for j, lat in enumerate(lats):
                 if -lim <= lat - mean <= lim:  # |lat − mean| ≤ lim without a call
-                    out[i] = tm
-        if -1.0 in out:  # every other term is ≥ 0
+                    out[timed[j]] = tm
+        if fill:  # every other term is ≥ 0
             have = [t for c, t in zip(cands, out, strict=True) if t >= 0.0 and c.state.pid]
             neutral = sum(have) / len(have) if have else 1.0
             out = [neutral if t < 0.0 else t for t in out]

@@ -34,6 +34,7 @@ UNREACHABLE_S = 2.0  # a worker that refused a connection is skipped this long (
 MAX_FAILS = 3  # consecutive failed responses that eject a worker for UNREACHABLE_S
 READMIT_INTERVALS = 5  # state intervals a once-stale worker must stay fresh before it is routed to again
 _READY = Lifecycle.READY
+_NONE: frozenset[int] = frozenset()
 
 
 class Verdict(enum.Enum):
@@ -112,6 +113,9 @@ class WorkerHealth:
         self._stale_pid = [0] * n
         self._fresh_since = [0] * n
         self._any_out = False
+        # The last observation that changed nothing while nobody was out: its snapshot and interval, and until when
+        # (monotonic ns) every worker fresh in it stays fresh. The same snapshot before then changes nothing again.
+        self._quiet: tuple[list[WorkerState], int, int] | None = None
 
     # ---- ejection ----------------------------------------------------------------------------------------------
     def report(self, worker: int, outcome: Outcome) -> None:
@@ -164,24 +168,34 @@ class WorkerHealth:
     def observe(self, snap: Sequence[WorkerState], now_ns: int, interval_ms: int) -> frozenset[int]:
         """Update the stale/probation state from one snapshot taken at ``now_ns`` (monotonic ns) with the
         segment's state interval; return the workers fresh again but still on probation (the policy itself skips
-        the stale ones)."""
+        the stale ones). An observation of the same states (equal values) while nobody is out and before any
+        worker fresh in them can go stale changes nothing and costs one comparison (every pick observes)."""
+        quiet = self._quiet
+        if quiet is not None and now_ns <= quiet[2] and interval_ms == quiet[1] and snap == quiet[0]:
+            return _NONE
         interval_ns = interval_ms * 1_000_000
         stale_ns = STALE_INTERVALS * interval_ns
         readmit_ns = READMIT_INTERVALS * interval_ns
         out, fresh_pid = self._out, self._fresh_pid
+        oldest = now_ns  # the oldest heartbeat of a fresh worker
         for w in snap:
             k = w.worker_id
             if w.pid == 0 or w.torn:
                 continue
+            hb = w.heartbeat_mono_ns
             if out[k]:
                 self._while_out(w, now_ns, stale_ns, readmit_ns)
-            elif now_ns - w.heartbeat_mono_ns <= stale_ns:
+            elif now_ns - hb <= stale_ns:
+                if hb < oldest:
+                    oldest = hb
                 if w.lifecycle == _READY:
                     fresh_pid[k] = w.pid  # seen routable: going stale from here is a flap
             elif w.lifecycle == _READY and fresh_pid[k] == w.pid:
                 self._went_stale(w, now_ns, stale_ns, readmit_ns)
         if not self._any_out:
-            return frozenset()
+            self._quiet = (list(snap), interval_ms, oldest + stale_ns)
+            return _NONE
+        self._quiet = None
         held = self.held_out()
         self._any_out = bool(held)
         return held

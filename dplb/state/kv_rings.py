@@ -114,7 +114,9 @@ class KvRingReader:
         self._mm = mm
         base = kv_rings_offset(num_workers) >> 3
         self._heads = [base + w * (KV_RING_SIZE >> 3) for w in range(num_workers)]
-        self._seen = [self._q[h] for h in self._heads]  # start at the present: the index starts empty anyway
+        # Every ring's head word (a strided view: ``tolist()`` loads them all in one call).
+        self._head_words = self._q[base : base + num_workers * (KV_RING_SIZE >> 3) : KV_RING_SIZE >> 3]
+        self._seen = self._head_words.tolist()  # start at the present: the index starts empty anyway
         self.events_mask = 0
         self._mask_at = -MASK_REFRESH_NS
         self.lost = 0
@@ -133,10 +135,14 @@ class KvRingReader:
     def drain(self) -> dict[int, list[int]] | None:
         """What the rings gained since the last call: ``{worker: [op << 56 | key, …]}`` in ring order, with an
         :data:`OP_CLEARED` entry first where entries were lost; None when nothing is new (one load per worker)."""
-        q, seen = self._q, self._seen
+        heads = self._head_words.tolist()
+        seen = self._seen
+        if heads == seen:  # nothing new anywhere (every pick asks)
+            return None
+        q = self._q
         out: dict[int, list[int]] | None = None
         for w, h in enumerate(self._heads):
-            head = q[h]
+            head = heads[w]
             start = seen[w]
             if head == start:
                 continue
@@ -172,7 +178,8 @@ class KvRingReader:
         return out
 
     def close(self) -> None:
-        """Release the view (the mapping belongs to the segment)."""
+        """Release the views (the mapping belongs to the segment)."""
+        self._head_words.release()
         self._q.release()
 
 

@@ -153,6 +153,12 @@ class Segment:
         # could see the transient 0 twice and accept a torn body.)
         self._seqs = self._view.cast("Q")
         self._seq_idx = [(HEADER_SIZE + k * SLOT_SIZE) >> 3 for k in range(header.num_workers)]
+        # Every slot's seq word, one per slot (a strided view: ``tolist()`` loads them all in one call).
+        first = HEADER_SIZE >> 3
+        self._slot_seqs = self._seqs[first : first + header.num_workers * (SLOT_SIZE >> 3) : SLOT_SIZE >> 3]
+        # What the last read_all decoded: the (even) seq each slot was read at (-1: not kept, torn) and its state;
+        # one attribute, replaced whole, so that concurrent readers never pair a seq with another read's state.
+        self._last: tuple[list[int], list[WorkerState]] = ([-1] * header.num_workers, [])
         self._kv: Any = None  # this process's KV-ring reader (dplb.state.kv_rings), made on first use
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -275,6 +281,7 @@ class Segment:
             return
         if self._kv is not None:
             self._kv.close()
+        self._slot_seqs.release()
         self._seqs.release()
         self._view.release()
         with contextlib.suppress(BufferError):  # a live memoryview elsewhere; the GC will unmap
@@ -330,12 +337,18 @@ class Segment:
     def read_all(self) -> list[WorkerState]:
         """Consistent copies of every slot, in worker-id order (the router's per-request snapshot).
 
-        One copy of the whole slot area between two passes over the seq words; a slot whose seq was odd or moved
-        during the copy is re-read alone with :meth:`read` (same seqlock guarantee, fewer calls when quiet)."""
+        One load of every seq word; a slot whose seq is the one it had at the last call is unchanged (every write
+        makes it odd, then larger) and its state is the one decoded then: the returned :class:`WorkerState` objects
+        are shared between calls, so treat them as read-only. The changed slots are decoded from one copy of the
+        slot area between two passes over the seq words; a slot whose seq was odd or moved during the copy is
+        re-read alone with :meth:`read` (same seqlock guarantee, fewer calls when quiet)."""
+        before = self._slot_seqs.tolist()
+        last_seqs, last = self._last
+        if before == last_seqs:  # nothing was written since the last call (the usual case: a write per interval)
+            return last[:]
         n = self.num_workers
         seqs = self._seqs
         idx = self._seq_idx
-        before = [seqs[i] for i in idx]
         raw = self._mm[HEADER_SIZE : HEADER_SIZE + n * SLOT_SIZE]
         out = []
         unpack = _SLOT.unpack_from
@@ -343,8 +356,13 @@ class Segment:
         nl = len(lifes)
         for k in range(n):
             seq = before[k]
+            if seq == last_seqs[k]:
+                out.append(last[k])
+                continue
             if seq & 1 or seqs[idx[k]] != seq:
-                out.append(self.read(k))
+                w = self.read(k)
+                out.append(w)
+                before[k] = -1 if w.torn else w.seq
                 continue
             v = unpack(raw, k * SLOT_SIZE)
             out.append(WorkerState(
@@ -352,7 +370,8 @@ class Segment:
                 v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18], v[19], v[20], v[21], v[22], v[23], v[24],
                 v[25], v[26], v[4], seq,
             ))
-        return out
+        self._last = (before, out)  # before[k]: the seq out[k] was read at
+        return out[:]
 
     def router_slots(self) -> list[dict[str, Any]]:
         """Every used router slot (pid, port, process index, heartbeat age, per-worker pending and in-flight):
