@@ -240,13 +240,8 @@ class Proxy:
         s = ex.resume
         broken = -1  # the worker whose stream break the continuation being placed follows (-1: none)
         while True:
-            if first is not None:
-                retry = await first.resume()
-                first = None
-            else:
-                attempt = Attempt(self.upstreams, ex, worker) if s is None else \
-                    resume.ResumableAttempt(self.upstreams, ex, worker, s)
-                retry = await attempt.run()
+            retry = await (first.resume() if first is not None else self._attempt(ex, worker).run())
+            first = None
             if retry is None:
                 if s is None or s.broken is None:
                     return
@@ -274,6 +269,12 @@ class Proxy:
                 resume.resumed(self.upstreams, ex, broken, next_worker)
                 broken = -1
             worker = next_worker
+
+    def _attempt(self, ex: Exchange, worker: int) -> Attempt:
+        """A new attempt of ``ex`` on ``worker`` (resumable when its stream is tracked)."""
+        s = ex.resume
+        return Attempt(self.upstreams, ex, worker) if s is None else resume.ResumableAttempt(self.upstreams, ex,
+                                                                                              worker, s)
 
     async def _fail(self, ex: Exchange, kind: RouterErrorKind, message: str) -> None:
         """The request cannot be placed: the router's error, or an error event when a resumed stream's head was
