@@ -145,7 +145,7 @@ class Attempt:
         """The rest of an attempt whose request was sent by the direct relay (:mod:`dplb.router.direct`), which
         stopped before relaying the response head (a timeout, a close, a draining refusal): what :meth:`run`
         returns."""
-        return await self._complete(None)
+        return await self._complete(self._open_and_send() if self.conn is None else None)
 
     async def _complete(self, first: Coroutine[Any, Any, bool] | None) -> RouterErrorKind | None:
         """After ``first`` (open and send; None when already sent): the head, the body, then :meth:`finish` and the

@@ -78,10 +78,12 @@ class DirectLane:
             self._continue(ex, start, proxy.no_worker(ex))
             return True
         conn = self.up.pool.take_idle(worker)
-        if conn is None:
-            self._continue(ex, start, proxy.place(ex, worker))
-            return True
         proxy.prepare(ex)
+        if conn is None:  # held now, as the ASGI path holds it right after its decision: the next one sees it
+            attempt = Attempt(self.up, ex, worker)
+            self.up.state.acquire(worker, attempt)
+            self._continue(ex, start, proxy.place(ex, worker, attempt))
+            return True
         hook = ex.scope["extensions"][DISCONNECT_EXT]
         hook.callback = ex.client_gone
         DirectAttempt(self, ex, worker, conn, cycle, start).begin()
