@@ -362,8 +362,21 @@ def _quiesce(lc: LaunchedCluster, timeout_s: float = 15.0) -> list[float]:
     deadline = time.monotonic() + timeout_s
     while any(lc.inflight()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(0.5)  # let the closed client connections be reaped
     return lc.inflight()
+
+
+def settled_fds(pid: int, timeout_s: float = 5.0, every_s: float = 0.25) -> dict[str, int]:
+    """:func:`fd_kinds` once it has stopped changing: three equal counts ``every_s`` apart (or ``timeout_s``).
+
+    The client's closed connections (the load's and the last ``/metrics`` read's) leave the router's table only when
+    its loop has handled the close, which a loaded box can delay past any fixed sleep; a leak does not settle back.
+    """
+    deadline = time.monotonic() + timeout_s
+    seen = [fd_kinds(pid)]
+    while time.monotonic() < deadline and not (len(seen) >= 3 and seen[-1] == seen[-2] == seen[-3]):
+        time.sleep(every_s)
+        seen.append(fd_kinds(pid))
+    return seen[-1]
 
 
 def _drive(lc: LaunchedCluster, rpid: int, rate: float, seconds: float, sample_s: float, body: Any, t0: float,
@@ -422,13 +435,13 @@ def main(argv: list[str] | None = None) -> int:
         results = _drive(lc, rpid, a.rate, warmup, a.sample_s, body, t0, samples)
         _quiesce(lc)
         rss0, _ = proc_stats(rpid)
-        kinds0 = fd_kinds(rpid)
+        kinds0 = settled_fds(rpid)
         print(f"soak: baseline after warm-up: rss={rss0 / 2**20:.2f} MiB fds={kinds0}", flush=True)
         results += _drive(lc, rpid, a.rate, a.duration_s, a.sample_s, body, t0, samples)
         inflight = _quiesce(lc)
         queues = lc.published_queues()
         rss1, _ = proc_stats(rpid)
-        kinds1 = fd_kinds(rpid)
+        kinds1 = settled_fds(rpid)
     errors = [r for r in results if r.outcome != "ok"]
     lat = sorted(r.t1 - r.t0 for r in results if r.outcome == "ok")
     fig = {

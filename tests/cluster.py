@@ -46,6 +46,7 @@ SteadyLoad = soak.SteadyLoad
 Result = soak.Result
 proc_stats = soak.proc_stats
 fd_kinds = soak.fd_kinds
+settled_fds = soak.settled_fds
 one_request = soak.one_request
 IN_CI = os.environ.get("CI") == "true"
 #: Debian package that provides each tool (.ci/run installs them).

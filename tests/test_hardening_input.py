@@ -15,7 +15,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -31,8 +30,8 @@ from cluster import (
     assert_no_internals,
     cluster,
     dplb_cmd,
-    fd_kinds,
     proc_stats,
+    settled_fds,
     wait_for,
     worker_get,
 )
@@ -134,8 +133,7 @@ def test_fuzz_the_router_http_surface(fuzz: Cluster) -> None:
                              for k in range(2)), 10, "in-flight back to 0")
         clients[-1].close()  # drop keep-alive connections so descriptors can be compared
         clients.append(httpx.Client(timeout=15))
-        time.sleep(0.3)
-        return proc_stats(pid)[0], fd_kinds(pid)
+        return proc_stats(pid)[0], settled_fds(pid)
 
     one()
     rss0, fds0 = quiet()

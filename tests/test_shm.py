@@ -108,7 +108,8 @@ def _eq_ignoring_seq(a: WorkerState, b: WorkerState) -> bool:
 
 
 def test_torn_read_stress_never_sees_a_mix(shm_path: str) -> None:
-    """One process rewrites slot 0 flat out; this one takes ≥ 100,000 snapshots; every one must be consistent."""
+    """One process rewrites slot 0 flat out; this one takes ≥ 100,000 snapshots (and more until > 1000 versions were
+    seen); every one must be consistent."""
     seg = Segment.create(shm_path, 1)
     seg.writer(0).publish(_full_state(0, 0))
     ctx = mp.get_context("spawn")
@@ -122,7 +123,10 @@ def test_torn_read_stress_never_sees_a_mix(shm_path: str) -> None:
             time.sleep(0.01)
         reads = torn = 0
         distinct = set()
-        while reads < 100_000:
+        # At least 100,000 reads, and on until the writer has been seen change the slot > 1000 times (a loaded box
+        # can starve the writer process while the cached read path takes 100,000 snapshots in well under a second).
+        until = time.monotonic() + 30
+        while reads < 100_000 or (len(distinct) <= 1000 and time.monotonic() < until):
             s = seg.read(0) if reads & 1 else seg.read_all()[0]  # both read paths
             reads += 1
             if s.torn:
