@@ -306,6 +306,9 @@ def test_bench_fairness_index_and_next_slot_waits() -> None:
 
     assert jain([5.0, 5.0]) == 1.0 and jain([3.0, 1.0]) == pytest.approx(0.8) and jain([0.0, 0.0]) is None
     assert next_slot_waits([0.0, 1.5, 9.0], [2.0, 1.0, 3.0]) == [1.0, 0.5]  # 9.0 is past the last free slot
+    # Two arrivals in one gap: one slot admits one request, so the second waits for the slot after it.
+    assert next_slot_waits([0.1, 0.0, 2.5], [1.0, 2.0, 3.0]) == pytest.approx([1.0, 1.9, 0.5])
+    assert next_slot_waits([0.0, 0.0, 0.0], [1.0, 2.0]) == [1.0, 2.0]  # the third has no slot left
 
 
 def test_hash_key_cli_reads_stdin_and_refuses_an_empty_key(monkeypatch, capsys) -> None:

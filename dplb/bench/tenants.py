@@ -15,7 +15,8 @@ Contract
   B's TTFT alone (no A) is measured once on the fifo cluster first.
 - The physical bound of B's TTFT under a flood: its solo TTFT P99 plus the wait for the next free batch slot —
   for each of B's arrivals, the time until the next request (A's or B's: together they hold every slot)
-  completes, P99 over the arrivals, measured in the fair run. On average a slot frees every
+  completes that no earlier arrival of B took (:func:`next_slot_waits`), P99 over the arrivals, measured in the
+  fair run. On average a slot frees every
   ``FLOOD_OUTPUT · step / slots`` seconds (``step`` = ``DECODE_STEP_S + DECODE_STEP_S_PER_SEQ · MAX_NUM_SEQS``;
   printed as ``slot_gap_ms``), but the slots' phases drift, so the P99 wait is several gaps.
 - Priority modes (the flood phase only, on fresh clusters): B is class ``interactive``, A class ``batch``
@@ -100,14 +101,20 @@ async def _closed_loop(target: Target, reqs: list[BenchRequest], concurrency: in
 
 
 def next_slot_waits(arrivals: list[float], frees: list[float]) -> list[float]:
-    """For each arrival time, the wait until the next time a batch slot frees (``frees``: completion times of
-    requests that held every slot), seconds; arrivals after the last free are left out."""
+    """The least wait for a batch slot each arrival can have, seconds: arrivals in time order, each matched to the
+    first slot that frees at or after it and that no earlier arrival took (``frees``: completion times of requests
+    that held every slot; a freed slot admits one request). Serving the light tenant's requests in arrival order,
+    each in the first slot it can have, is the least wait any scheduler can give them, so these waits are a lower
+    bound. Arrivals left without a free slot are left out."""
     frees = sorted(frees)
     out = []
-    for t in arrivals:
-        i = bisect.bisect_left(frees, t)
-        if i < len(frees):
-            out.append(frees[i] - t)
+    j = 0
+    for t in sorted(arrivals):
+        j = bisect.bisect_left(frees, t, lo=j)
+        if j >= len(frees):
+            break
+        out.append(frees[j] - t)
+        j += 1
     return out
 
 
@@ -260,7 +267,7 @@ def _headline(figures: dict[str, Any], num_workers: int) -> None:
     fifo, fair = figures["fifo"], figures["fair"]
     gap_ms = FLOOD_OUTPUT * step / (num_workers * MAX_NUM_SEQS) * 1000
     figures["slot_gap_ms"] = gap_ms  # one slot frees this often on average
-    # The wait for the next free slot, P99 over B's arrivals as measured in the fair run (the slots' phases drift,
+    # The wait for the next free slot not taken by an earlier arrival, P99 over B's arrivals as measured in the fair run (the slots' phases drift,
     # so it is closer to an exponential's ln(100) x the mean gap than to the gap itself), plus B's own solo TTFT.
     measured = fair["next_slot_wait_p99_ms"]
     figures["physical_bound_ms"] = figures["solo_ttft_p99_ms"] + (measured if measured is not None else gap_ms)
