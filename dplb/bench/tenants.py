@@ -267,8 +267,9 @@ def _headline(figures: dict[str, Any], num_workers: int) -> None:
     fifo, fair = figures["fifo"], figures["fair"]
     gap_ms = FLOOD_OUTPUT * step / (num_workers * MAX_NUM_SEQS) * 1000
     figures["slot_gap_ms"] = gap_ms  # one slot frees this often on average
-    # The wait for the next free slot not taken by an earlier arrival, P99 over B's arrivals as measured in the fair run (the slots' phases drift,
-    # so it is closer to an exponential's ln(100) x the mean gap than to the gap itself), plus B's own solo TTFT.
+    # The wait for the next free slot no earlier arrival took, P99 over B's arrivals as measured in the fair run
+    # (the slots' phases drift, so it is closer to an exponential's ln(100) x the mean gap than to the gap itself),
+    # plus B's own solo TTFT.
     measured = fair["next_slot_wait_p99_ms"]
     figures["physical_bound_ms"] = figures["solo_ttft_p99_ms"] + (measured if measured is not None else gap_ms)
     figures["b_p99_fair_vs_fifo"] = fair["b_ttft_p99_ms"] / fifo["b_ttft_p99_ms"] if fifo["b_ttft_p99_ms"] else None
