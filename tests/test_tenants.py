@@ -328,3 +328,16 @@ def test_hash_key_cli_reads_stdin_and_refuses_an_empty_key(monkeypatch, capsys) 
                                          (b'{"max_tokens": true}', 0), (b'{"x": 1}', 0), (b"not json", 0)])
 def test_max_tokens_reads_the_output_limit(body: bytes, n: int) -> None:
     assert max_tokens(body) == n
+
+
+def test_bench_targets_judge_the_reserve_modes_and_leave_the_engine_only_row_as_reference() -> None:
+    from dplb.bench.tenants import tenant_targets
+
+    mode = {"b_p99_vs_solo": 2.5}
+    f = {"b_p99_fair_vs_fifo": 0.05, "physical_bound_ms": 900.0, "b_p99_fair_vs_bound": 1.2,
+         "throughput_fair_vs_fifo": 1.0, "fair": {"jain": 1.0}, "priority": mode, "priority-2proc": {"b_p99_vs_solo": 3.2},
+         "priority-noreserve": {"b_p99_vs_solo": 40.0}}
+    rows = {name: (value, limit) for name, value, limit, _ in tenant_targets({"tenants": f})}
+    assert rows["two classes (priority): B's TTFT P99 / solo ≤ 3"] == (2.5, 3.0)
+    assert rows["two classes (priority-2proc): B's TTFT P99 / solo ≤ 3"] == (3.2, 3.0)
+    assert not any("noreserve" in name for name in rows) and len(rows) == 6

@@ -23,7 +23,8 @@ Contract
   (:func:`priority_tenants_file`, ``[priorities] reserve`` = :data:`RESERVE` slots per worker held for
   ``interactive``), ``--engine-priority`` and the sims on ``--sim-scheduling-policy priority``:
   ``priority`` (one router process), ``priority-2proc`` (``--router-processes 2``) and ``priority-noreserve``
-  (reserve 0: what the engine's priority scheduling alone gives). Target: B's TTFT P99 ≤ 3× its solo P99.
+  (reserve 0: what the engine's priority scheduling alone gives, shown in the table for reference and not a
+  target). Target of the modes with a reserve (:data:`TARGET_MODES`): B's TTFT P99 ≤ 3× its solo P99.
 - Returns a compare entry: ``policies`` holds B's flood-phase summary per mode (the compare table's rows) and
   ``tenants`` the headline figures; :func:`tenant_targets` turns them into target rows.
 """
@@ -53,6 +54,7 @@ BACKLOG_OUTPUT = 64
 KEYS = {"A": "bench-tenant-a", "B": "bench-tenant-b"}
 RESERVE = 2  # slots per worker: B's mean concurrency (3 req/s × ~0.7 s) is ~2 over 4 workers, P(> 8) < 0.1 %
 PRIORITY_MODES = {"priority": (RESERVE, 1), "priority-2proc": (RESERVE, 2), "priority-noreserve": (0, 1)}
+TARGET_MODES = ("priority", "priority-2proc")  # the reserve is DPLB's answer; without it is the reference row
 FLOOD_REQUESTS = 1000  # more than a closed loop completes in a phase (it is cancelled at the phase's end)
 
 
@@ -287,7 +289,7 @@ def tenant_targets(entry: dict[str, Any]) -> list[tuple[str, float | None, float
         ("throughput fair / FIFO ≥ 0.95", f["throughput_fair_vs_fifo"], 0.95, True),
         ("Jain's index of served tokens, both backlogged, equal weights ≥ 0.95", f["fair"]["jain"], 0.95, True),
         *((f"two classes ({m}): B's TTFT P99 / solo ≤ 3", f[m]["b_p99_vs_solo"], 3.0, False)
-          for m in PRIORITY_MODES if m in f),
+          for m in TARGET_MODES if m in f),
     ]
 
 
