@@ -148,16 +148,27 @@ class Attempt:
         return await self._complete(self._open_and_send() if self.conn is None else None)
 
     async def _complete(self, first: Coroutine[Any, Any, bool] | None) -> RouterErrorKind | None:
-        """After ``first`` (open and send; None when already sent): the head, the body, then :meth:`finish` and the
-        release of the worker on every path."""
+        """After ``first`` (open and send; None when already sent): the head, the body, then :meth:`settle` on every
+        path."""
+        ended = False
+        try:
+            if (first is None or await first) and await self.await_head():
+                await self.relay_body()
+            ended = True
+        finally:
+            retry = self.settle(ended)
+        return retry
+
+    def settle(self, ended: bool = True) -> RouterErrorKind | None:
+        """The attempt is over: :meth:`finish`, the trace's attempt span closed, the worker released (both even
+        when ``finish`` raises). ``ended``: False when an exception cut the attempt short (nothing is retried then).
+        Returns the error kind to retry elsewhere for (:data:`RETRY`), or None. The ASGI path's attempts and the
+        direct relay's (:mod:`dplb.router.direct`) end here."""
         retry = None
         try:
-            try:
-                if (first is None or await first) and await self.await_head():
-                    await self.relay_body()
-            finally:
-                self.finish()
-            retry = RETRY.get(self.outcome)
+            self.finish()
+            if ended:
+                retry = RETRY.get(self.outcome)
         finally:
             self.ex.trace.attempt_done(retry)
             self.up.state.release(self.worker, self)

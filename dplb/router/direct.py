@@ -32,7 +32,7 @@ from dplb.obs.metrics import DIRECT_PATHS
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import Exchange
 from dplb.router.health import Outcome
-from dplb.router.intake import Rejected, check_head, excluded, read_body
+from dplb.router.intake import Rejected
 from dplb.router.proxy import Proxy, scan_headers
 from dplb.router.routes import match
 from dplb.router.upstream import Sink, UpstreamConn, UpstreamError, UpstreamTimeout
@@ -58,7 +58,6 @@ class DirectLane:
         self.run = run
         self.observe = observe
         self.enabled = enabled
-        self.limit = proxy.cfg.max_body_bytes
         counter = proxy.metrics.direct_relay
         self.n_direct, self.n_continued, self.n_declined = (counter.labels(p) for p in DIRECT_PATHS)
 
@@ -100,14 +99,13 @@ class DirectLane:
         clen, ctype, _, encoding = scan_headers(ex)
         if encoding or clen < 0 or clen != len(cycle.body):
             return None
-        try:
-            check_head(ex.route, ctype, encoding)
-            ex.body, ex.peek, model, ex.decoded = read_body(ex.route, bytes(cycle.body), encoding, self.limit)
-            exclude = excluded(ex.route, ex.peek, model, ex.pin, self.proxy.models, self.proxy.response_ids,
-                               self.proxy.state.num_workers)
+        proxy = self.proxy
+        try:  # the ASGI path's checks (it answers what they refuse)
+            proxy.check_head(ex, clen, ctype, encoding)
+            exclude = proxy.take_body(ex, bytes(cycle.body), encoding)
         except Rejected:
             return None
-        ex.request = self.proxy.route_request(ex.peek, exclude)
+        ex.request = proxy.route_request(ex.peek, exclude)
         return ex
 
     def _continue(self, ex: Exchange, start: Callable[[Any], None], work: Coroutine[Any, Any, None]) -> None:
@@ -252,9 +250,8 @@ class DirectAttempt(Attempt, Sink):
         hook = ex.scope["extensions"][DISCONNECT_EXT]
         hook.callback = None
         try:
-            self.finish()
+            self.settle()
         finally:
-            self.up.state.release(self.worker, self)
             self.lane.observe(ex.scope["path"], "POST", ex.status, ex.t_start)
             self.lane.n_direct.inc()
 

@@ -162,17 +162,33 @@ class Proxy:
     async def _read(self, ex: Exchange, clen: int, ctype: bytes, encoding: bytes) -> frozenset[int]:
         """Check the head, read and decode the body onto ``ex`` (``body``, ``peek``, ``decoded``); returns the
         workers that cannot serve the request. Raises :class:`Rejected`."""
-        route = ex.route
-        assert route is not None
+        self.check_head(ex, clen, ctype, encoding)
         limit = self.cfg.max_body_bytes
-        check_head(route, ctype, encoding)
-        if clen > limit:
-            raise Rejected(RouterErrorKind.BODY_TOO_LARGE, f"request body of {clen} bytes is over the "
-                           f"{limit}-byte limit")
         body = await receive_body(ex.receive, limit)
         if body is None:
             raise Rejected(RouterErrorKind.BODY_TOO_LARGE, f"request body is over the {limit}-byte limit")
-        ex.body, ex.peek, model, ex.decoded = read_body(route, body, encoding, limit)
+        return self.take_body(ex, body, encoding)
+
+    def check_head(self, ex: Exchange, clen: int, ctype: bytes, encoding: bytes) -> None:
+        """What the request's head alone refuses (``ex.route`` set; ``clen`` as :func:`scan_headers` returns it):
+        415 for a Content-Type the route does not take or an unknown Content-Encoding
+        (:func:`dplb.router.intake.check_head`), 413 for a declared length over ``max_body_bytes``. Raises
+        :class:`Rejected`; the ASGI path and the direct relay (:mod:`dplb.router.direct`) both check here."""
+        route = ex.route
+        assert route is not None
+        check_head(route, ctype, encoding)
+        limit = self.cfg.max_body_bytes
+        if clen > limit:
+            raise Rejected(RouterErrorKind.BODY_TOO_LARGE, f"request body of {clen} bytes is over the "
+                           f"{limit}-byte limit")
+
+    def take_body(self, ex: Exchange, body: bytes, encoding: bytes) -> frozenset[int]:
+        """Decode and peek the whole request ``body`` onto ``ex`` (``body``, ``peek``, ``decoded``); returns the
+        workers that cannot serve it (model, pinned response). Raises :class:`Rejected` (400, 404, 413, 415:
+        :func:`dplb.router.intake.read_body`, :func:`dplb.router.intake.excluded`)."""
+        route = ex.route
+        assert route is not None
+        ex.body, ex.peek, model, ex.decoded = read_body(route, body, encoding, self.cfg.max_body_bytes)
         return excluded(route, ex.peek, model, ex.pin, self.models, self.response_ids, self.state.num_workers)
 
     def decide(self, ex: Exchange) -> int | None:
