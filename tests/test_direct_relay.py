@@ -162,6 +162,23 @@ def test_pipelined_requests_on_one_connection_answer_in_order(tmp_path: Path) ->
         assert [int(m) for m in re.findall(rb"x-request-id: pipe-(\d)", data)] == [0, 1, 2]
 
 
+def test_a_body_over_a_small_max_body_bytes_is_413_on_the_direct_relay(tmp_path: Path) -> None:
+    """Regression: with ``--max-body-bytes`` under the relay's 64 KiB offer, the relay forwarded a body between the
+    two (200 from the worker) where the ASGI path answers 413; it now declines it and the ASGI path answers."""
+    with cluster(str(tmp_path), 1, router_args=["--max-body-bytes", "1000"]) as c:
+        _warm(c)
+        before = _direct(c)
+        body = b'{"model": "dplb-sim", "prompt": "%s", "max_tokens": 1}' % (b"x" * 2000)
+        with httpx.Client(timeout=30) as client:
+            for _ in range(2):
+                r = client.post(c.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+                assert_openai_error(r, 413, "body_too_large")
+            small = client.post(c.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "y", "max_tokens": 1})
+            assert small.status_code == 200, small.text
+        after = _direct(c)
+        assert after["declined"] - before["declined"] == 2 and after["direct"] - before["direct"] == 1, after
+
+
 def _wait_inflight_zero(c: Cluster) -> None:
     t0 = time.monotonic()
     while (v := c.metric("dplb_worker_requests_inflight", {"worker": "0"})) != 0:

@@ -2,8 +2,8 @@
 worker, send the request, relay the response head and body to the client, and account for how it ended.
 
 Contract
-- :class:`Attempt` goes ``open`` → ``send`` → ``await_head`` → ``relay_body`` → ``finish``; each step that ends
-  the attempt sets its :class:`dplb.router.health.Outcome`, and ``finish`` (always run) acts on that outcome alone: the
+- :class:`Attempt` goes ``open`` → ``send`` → ``await_head`` → ``relay_body`` → ``settle``; each step that ends
+  the attempt sets its :class:`dplb.router.health.Outcome`, and ``settle`` (always run) acts on that outcome alone: the
   connection goes back to the pool or is aborted (:attr:`Outcome.reusable`), the router's state hears it once
   (:meth:`dplb.router.state.RouterState.report`: worker health and the policy's latency baseline), and the
   duration is recorded under :attr:`Outcome.recorded`. The in-flight count of the worker is held for the whole
@@ -28,6 +28,7 @@ from typing import Any
 
 from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind, error_body
+from dplb.obs.tracing import NO_TRACE
 from dplb.router.exchange import Exchange, response_headers
 from dplb.router.health import UNREACHABLE_S, Outcome
 from dplb.router.routes import ResponseIds, response_id
@@ -148,19 +149,45 @@ class Attempt:
         return await self._complete(self._open_and_send() if self.conn is None else None)
 
     async def _complete(self, first: Coroutine[Any, Any, bool] | None) -> RouterErrorKind | None:
-        """After ``first`` (open and send; None when already sent): the head, the body, then :meth:`finish` and the
-        release of the worker on every path."""
+        """After ``first`` (open and send; None when already sent): the head, the body, then :meth:`settle` on every
+        path."""
+        may_retry = False
+        try:
+            if (first is None or await first) and await self.await_head():
+                await self.relay_body()
+            may_retry = True  # not cut short by an exception
+        finally:
+            retry = self.settle(may_retry)
+        return retry
+
+    def settle(self, may_retry: bool) -> RouterErrorKind | None:
+        """The attempt is over; account for it by its outcome: pool or abort the connection, report to the state,
+        record the duration; then (even when that raises) close the trace's attempt span and release the worker.
+        ``may_retry``: whether a retry elsewhere is looked up (False when an exception cut the attempt short, and
+        for the direct relay, which settles only once the response started or the client left). Returns the error
+        kind to retry elsewhere for (:data:`RETRY`), or None. The ASGI path's attempts and the direct relay's
+        (:mod:`dplb.router.direct`) end here."""
+        ex, up, outcome, conn = self.ex, self.up, self.outcome, self.conn
         retry = None
         try:
-            try:
-                if (first is None or await first) and await self.await_head():
-                    await self.relay_body()
-            finally:
-                self.finish()
-            retry = RETRY.get(self.outcome)
+            if conn is not None:
+                ex.conn = None
+                if outcome.reusable:
+                    up.pool.release(conn)  # complete response: kept if the connection is keep-alive
+                else:
+                    conn.abort()
+            end = time.perf_counter()
+            t_first = self.t_first
+            up.state.report(self.worker, outcome, end - ex.t_start, None if t_first is None else t_first - ex.t_start)
+            label = outcome.recorded
+            if label is not None:
+                up.duration(self.worker, label).observe(end - self.t0, ex.trace.exemplar())
+            if may_retry:
+                retry = RETRY.get(outcome)
         finally:
-            self.ex.trace.attempt_done(retry)
-            self.up.state.release(self.worker, self)
+            if ex.trace is not NO_TRACE:  # (the hot path: no call for the no-op hook)
+                ex.trace.attempt_done(retry)
+            up.state.release(self.worker, self)
         return retry
 
     async def _open_and_send(self) -> bool:
@@ -340,23 +367,6 @@ class Attempt:
     def _stall_message(self) -> str:
         return (f"worker {self.worker} stalled: its engine made no progress for {self.up.cfg.stall_after_s:g} s with "
                 "requests in flight; retry (another worker will take it)")
-
-    def finish(self) -> None:
-        """Account for the attempt by its outcome: pool or abort the connection, report to the state, record the
-        duration."""
-        ex, up, outcome, conn = self.ex, self.up, self.outcome, self.conn
-        if conn is not None:
-            ex.conn = None
-            if outcome.reusable:
-                up.pool.release(conn)  # complete response: kept if the connection is keep-alive
-            else:
-                conn.abort()
-        end = time.perf_counter()
-        t_first = self.t_first
-        up.state.report(self.worker, outcome, end - ex.t_start, None if t_first is None else t_first - ex.t_start)
-        label = outcome.recorded
-        if label is not None:
-            up.duration(self.worker, label).observe(end - self.t0, ex.trace.exemplar())
 
     def _capture_start(self) -> bytes | None:
         """The response-id capture for a successful ``POST /v1/responses``: remembers a client-chosen id at once

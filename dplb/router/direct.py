@@ -9,7 +9,7 @@ Contract
   request the edge checks refuse, goes to the ASGI path (:class:`dplb.router.proxy.Proxy`) untouched: the lane
   declines before it decides.
 - Once it decided, the lane owns the request and the behaviour is the ASGI path's, step for step: the same
-  Exchange, decision, request head, :class:`dplb.router.attempt.Attempt` accounting (``finish``, the outcome, the
+  Exchange, decision, request head, :class:`dplb.router.attempt.Attempt` accounting (``settle``, the outcome, the
   worker's release, the HTTP metrics). It continues on the ASGI path — a coroutine, exactly the code the proxy runs
   — whenever the simple case ends: no worker chosen, no idle pooled connection to the chosen worker, and before the
   response head reached the client, a first-byte timeout, a close, a stall or a ``503 worker_draining``
@@ -32,7 +32,7 @@ from dplb.obs.metrics import DIRECT_PATHS
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import Exchange
 from dplb.router.health import Outcome
-from dplb.router.intake import Rejected, check_head, excluded, read_body
+from dplb.router.intake import Rejected, check_head
 from dplb.router.proxy import Proxy, scan_headers
 from dplb.router.routes import match
 from dplb.router.upstream import Sink, UpstreamConn, UpstreamError, UpstreamTimeout
@@ -100,14 +100,13 @@ class DirectLane:
         clen, ctype, _, encoding = scan_headers(ex)
         if encoding or clen < 0 or clen != len(cycle.body):
             return None
-        try:
-            check_head(ex.route, ctype, encoding)
-            ex.body, ex.peek, model, ex.decoded = read_body(ex.route, bytes(cycle.body), encoding, self.limit)
-            exclude = excluded(ex.route, ex.peek, model, ex.pin, self.proxy.models, self.proxy.response_ids,
-                               self.proxy.state.num_workers)
+        proxy = self.proxy
+        try:  # the ASGI path's checks (it answers what they refuse)
+            check_head(ex.route, clen, ctype, encoding, self.limit)
+            exclude = proxy.take_body(ex, bytes(cycle.body), encoding)
         except Rejected:
             return None
-        ex.request = self.proxy.route_request(ex.peek, exclude)
+        ex.request = proxy.route_request(ex.peek, exclude)
         return ex
 
     def _continue(self, ex: Exchange, start: Callable[[Any], None], work: Coroutine[Any, Any, None]) -> None:
@@ -252,9 +251,8 @@ class DirectAttempt(Attempt, Sink):
         hook = ex.scope["extensions"][DISCONNECT_EXT]
         hook.callback = None
         try:
-            self.finish()
+            self.settle(False)  # nothing to retry: the response started, or the client left
         finally:
-            self.up.state.release(self.worker, self)
             self.lane.observe(ex.scope["path"], "POST", ex.status, ex.t_start)
             self.lane.n_direct.inc()
 

@@ -1,18 +1,16 @@
-"""Request intake of the proxy, before routing: content checks, ``Content-Encoding`` decoding, the peek at the
-few fields the router reads, and which workers may take the request (model filter, response pinning).
+"""Request intake of the proxy, before routing: content checks, ``Content-Encoding`` decoding and the peek at the
+few fields the router reads (which workers may take the request: :meth:`dplb.router.proxy.Proxy.take_body`).
 
 Contract
 - Every refusal is a :class:`Rejected` carrying the :class:`~dplb.errors.RouterErrorKind` and message to answer.
-- :func:`check_head` (before the body is read): 415 for a Content-Type the route does not take or an unknown
-  ``Content-Encoding``. :func:`read_body` (after): decodes gzip/deflate bounded by ``limit`` decoded bytes (413,
-  never more than ``limit + 1`` bytes are inflated), peeks JSON (400 ``invalid_json``/``body_not_object``) or the
-  multipart ``model`` field; a client that disconnects before its body is complete is 499
-  ``client_closed_request`` (:func:`receive_body`; nothing is sent). The body is never re-serialised: the worker
-  gets the bytes, decoded only when they were compressed.
+- :func:`check_head` (before the body is read): 413 for a declared length over the limit, 415 for a Content-Type
+  the route does not take or an unknown ``Content-Encoding``. :func:`read_body` (after): decodes gzip/deflate
+  bounded by ``limit`` decoded bytes (413, never more than ``limit + 1`` bytes are inflated), peeks JSON (400
+  ``invalid_json``/``body_not_object``) or the multipart ``model`` field; a client that disconnects before its body
+  is complete is 499 ``client_closed_request`` (:func:`receive_body`; nothing is sent). The body is never
+  re-serialised: the worker gets the bytes, decoded only when they were compressed.
 - :func:`bearer_ok`: the one API-key check (``Authorization: Bearer <key>``, constant time) of the proxy and the
   local endpoints.
-- :func:`excluded` (hot path; set lookups only): the workers a request must not go to, or 404
-  ``model_not_found`` (see :mod:`dplb.router.models`).
 """
 
 from __future__ import annotations
@@ -24,12 +22,10 @@ from typing import Any
 import msgspec
 
 from dplb.errors import BodyTooLarge, RouterErrorKind
-from dplb.router.models import ServedModels
-from dplb.router.routes import ResponseIds, Route
+from dplb.router.routes import Route
 from dplb.runtime.asgi import receive_body as asgi_receive_body
 
 _JSON_TYPES = (b"application/json",)
-_RESPONSES = "/v1/responses"
 
 
 class Peek(msgspec.Struct):
@@ -113,8 +109,11 @@ def multipart_model(body: bytes) -> str | None:
     return None
 
 
-def check_head(route: Route, ctype: bytes, encoding: bytes) -> None:
-    """Refuse what can be refused from the headers alone (module docstring). Raises :class:`Rejected`."""
+def check_head(route: Route, clen: int, ctype: bytes, encoding: bytes, limit: int) -> None:
+    """Refuse what can be refused from the headers alone (module docstring): ``clen`` the declared
+    ``Content-Length`` (negative: none or malformed), ``limit`` the body limit in bytes. Raises :class:`Rejected`."""
+    if clen > limit:
+        raise Rejected(RouterErrorKind.BODY_TOO_LARGE, f"request body of {clen} bytes is over the {limit}-byte limit")
     mtype = ctype.split(b";", 1)[0].strip().lower()
     if route.body == "json" and ctype and not mtype.endswith(_JSON_TYPES):
         raise Rejected(RouterErrorKind.UNSUPPORTED_MEDIA, "Content-Type must be application/json")
@@ -169,25 +168,5 @@ def bearer_ok(authorization: bytes, credential: bytes) -> bool:
     return hmac.compare_digest(authorization[:7].lower() + authorization[7:], credential)
 
 
-def excluded(route: Route, peek: Peek, model: Any, pin_id: str | None, models: ServedModels,
-             response_ids: ResponseIds, num_workers: int) -> frozenset[int]:
-    """Workers the request must not go to: those not serving ``model``; all but the creator of the response it
-    names (``pin_id``, or ``previous_response_id`` on ``/v1/responses``) when that worker is known. Raises
-    :class:`Rejected` (404 ``model_not_found``) when every worker is known and none serves ``model``."""
-    exclude: frozenset[int] = frozenset()
-    if isinstance(model, str):
-        if models.none_serves(model):
-            raise Rejected(RouterErrorKind.MODEL_NOT_FOUND, f"The model `{model}` does not exist. Served models: "
-                           f"{', '.join(models.names()) or '(none)'}")
-        exclude = models.workers_not_serving(model)
-    if pin_id is None and route.path == _RESPONSES and isinstance(peek.previous_response_id, str):
-        pin_id = peek.previous_response_id
-    if pin_id is not None:
-        k = response_ids.worker_of(pin_id)
-        if k is not None:
-            exclude = frozenset(range(num_workers)) - {k}
-    return exclude
-
-
-__all__ = ["NO_PEEK", "Peek", "Rejected", "bearer_credential", "bearer_ok", "check_head", "decode_body", "excluded",
+__all__ = ["NO_PEEK", "Peek", "Rejected", "bearer_credential", "bearer_ok", "check_head", "decode_body",
            "multipart_model", "read_body", "receive_body"]

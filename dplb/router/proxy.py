@@ -53,7 +53,7 @@ from dplb.policy.decision import NOTE_PREFIX_HIT_BYTES, PREFIX_PREDICTED_HEADER,
 from dplb.router import resume
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, watch_disconnect
-from dplb.router.intake import Peek, Rejected, check_head, excluded, read_body, receive_body
+from dplb.router.intake import Peek, Rejected, check_head, read_body, receive_body
 from dplb.router.models import ServedModels
 from dplb.router.routes import PROXY_PATHS, ResponseIds, allowed_methods, match
 from dplb.router.state import RouterState
@@ -165,15 +165,38 @@ class Proxy:
         route = ex.route
         assert route is not None
         limit = self.cfg.max_body_bytes
-        check_head(route, ctype, encoding)
-        if clen > limit:
-            raise Rejected(RouterErrorKind.BODY_TOO_LARGE, f"request body of {clen} bytes is over the "
-                           f"{limit}-byte limit")
+        check_head(route, clen, ctype, encoding, limit)
         body = await receive_body(ex.receive, limit)
         if body is None:
             raise Rejected(RouterErrorKind.BODY_TOO_LARGE, f"request body is over the {limit}-byte limit")
-        ex.body, ex.peek, model, ex.decoded = read_body(route, body, encoding, limit)
-        return excluded(route, ex.peek, model, ex.pin, self.models, self.response_ids, self.state.num_workers)
+        return self.take_body(ex, body, encoding)
+
+    def take_body(self, ex: Exchange, body: bytes, encoding: bytes) -> frozenset[int]:
+        """Decode and peek the whole request ``body`` onto ``ex`` (``body``, ``peek``, ``decoded``;
+        :func:`dplb.router.intake.read_body`: 400, 413, 415) and return the workers it must not go to: those not
+        serving its model; all but the creator of the response it names (``ex.pin``, or ``previous_response_id``
+        on ``/v1/responses``) when that worker is known. Raises :class:`Rejected`, also 404 ``model_not_found`` when
+        every worker's list is known and none serves the model. The ASGI path and the direct relay
+        (:mod:`dplb.router.direct`, after :func:`dplb.router.intake.check_head`) both read here."""
+        route = ex.route
+        assert route is not None
+        ex.body, peek, model, ex.decoded = read_body(route, body, encoding, self.cfg.max_body_bytes)
+        ex.peek = peek
+        exclude: frozenset[int] = frozenset()
+        if isinstance(model, str):
+            models = self.models
+            if models.none_serves(model):
+                raise Rejected(RouterErrorKind.MODEL_NOT_FOUND, f"The model `{model}` does not exist. Served models: "
+                               f"{', '.join(models.names()) or '(none)'}")
+            exclude = models.workers_not_serving(model)
+        pin_id = ex.pin
+        if pin_id is None and route.path == _RESPONSES and isinstance(peek.previous_response_id, str):
+            pin_id = peek.previous_response_id
+        if pin_id is not None:
+            k = self.response_ids.worker_of(pin_id)
+            if k is not None:
+                exclude = frozenset(range(self.state.num_workers)) - {k}
+        return exclude
 
     def decide(self, ex: Exchange) -> int | None:
         """One routing decision for ``ex`` (kept on it and traced); the chosen worker or None."""
