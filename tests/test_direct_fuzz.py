@@ -289,4 +289,7 @@ def test_fuzz_the_direct_relay_parser_path(routers: Routers) -> None:
     assert fds1["other"] <= fds0["other"], (fds0, fds1)
     assert set(seen) >= {"200", "400", "404", "413", "415"}, seen  # the table reached each kind of answer
     counts = {p: d.metric("dplb_direct_relay_requests_total", {"path": p}) for p in ("direct", "continued", "declined")}
-    assert counts["direct"] > 60 and counts["declined"] > 20, (counts, seen)
+    # The relay parsed these itself: served them ("direct") or handed them on at a busy pool ("continued"; how many
+    # depends on timing, more on a loaded box).
+    taken = counts["direct"] + counts["continued"]
+    assert taken > 50 and counts["direct"] > 10 and counts["declined"] > 20, (counts, seen)
