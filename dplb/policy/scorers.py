@@ -81,7 +81,7 @@ class QueueScorer(Scorer):
             return out
         for c in cands:
             w = c.state
-            q: float = c.queue
+            q = float(c.queue)
             if ww1 > 0.0:  # requests that will wait for a batch slot weigh more (PolicyConfig.waiting_weight)
                 if w.num_waiting > 0:
                     q += ww1 * (w.num_waiting + c.correction)

@@ -78,7 +78,7 @@ class RouterState:
         self.slots: RouterSlots | None = None  # this process's router slot in ``segment`` (None: not writable)
         self._attach_error: str | None = None
         self._try_attach(initial=True)
-        n = cfg.num_workers or (self.segment.num_workers if self.segment else None)
+        n = cfg.num_workers or self._segment_workers()
         if n is None:
             raise ShmError(
                 f"cannot tell how many workers there are: the segment is missing ({self._attach_error}) and "
@@ -101,6 +101,13 @@ class RouterState:
         metrics.shm_present.set(1 if self.segment else 0)
 
     # ---- segment ---------------------------------------------------------------------------------------------
+    def _segment_workers(self) -> int | None:
+        """The attached segment's worker count, or None without one. A method, not an expression in ``__init__``:
+        there mypy narrows ``self.segment`` to the None assigned before :meth:`_try_attach`, and mypyc compiles
+        that narrowing into a cast that fails once a segment is attached."""
+        seg = self.segment
+        return seg.num_workers if seg is not None else None
+
     def _try_attach(self, initial: bool = False) -> bool:
         try:
             seg = Segment.attach(self.cfg.shm_path, writable=False)
