@@ -28,7 +28,6 @@ from typing import Any
 
 from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind, error_body
-from dplb.native import mypyc_attr
 from dplb.router.exchange import Exchange, response_headers
 from dplb.router.health import UNREACHABLE_S, Outcome
 from dplb.router.routes import ResponseIds, response_id
@@ -107,8 +106,6 @@ class Upstreams:
         await ex.send({"type": "http.response.body", "body": body})
 
 
-# Subclassed by code mypyc does not compile (dplb.router.resume): allowed (dplb.native).
-@mypyc_attr(allow_interpreted_subclasses=True)
 class Attempt:
     """One attempt of ``ex`` on ``worker``: ``conn`` (None until open), ``status`` (the worker's, 0 until its head
     came), ``outcome`` (how it ended so far), ``t0`` (``perf_counter`` seconds when connected), ``t_first`` (at the
