@@ -67,6 +67,6 @@ def build_label() -> str:
 
 
 def describe() -> str:
-    """One line for the router's start-up log: ``"compiled (25/25 hot modules)"`` or ``"pure Python"``."""
+    """One line for the router's start-up log: ``"compiled (26/26 hot modules)"`` or ``"pure Python"``."""
     n = len(compiled_modules())
     return "pure Python" if n == 0 else f"compiled ({n}/{len(HOT_MODULES)} hot modules)"
