@@ -320,15 +320,28 @@ def test_request_ids_are_sanitised(fuzz: Cluster) -> None:
         assert any(e["x_request_id"] and e["x_request_id"].lower() == echoed.decode() for e in recs), echoed
 
 
+class _Boom:
+    """Raises ``exc`` when tested for truth: planted where the proxy reads a plain attribute."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __bool__(self) -> bool:
+        raise self.exc
+
+
 def test_router_bug_is_an_openai_500_without_internals(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """In-process: a proxy or local route that raises gives a bare OpenAI-shaped 500 (the traceback is logged)."""
+    """In-process: a proxy or local route that raises gives a bare OpenAI-shaped 500 (the traceback is logged).
+    The faults are planted in objects of modules that are never compiled (the tenant gate's ``on``, read first
+    thing by the proxy; the config's ``socket_path``, which ``/ready`` reaches without a segment): the proxy and the
+    router state may be mypyc-compiled (scripts/build_native.sh), and compiled instances cannot be patched."""
     app = RouterApp(RouterConfig(PolicyConfig(), run_dir=str(tmp_path), num_workers=1,
                                  shm_path=str(tmp_path / "absent")))
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as cl:
-            with mock.patch.object(app.proxy, "_handle", side_effect=RuntimeError("boom at /root/secret.py")), \
-                    mock.patch.object(app.state, "routable_workers", side_effect=KeyError("/tmp/x.py")):
+            with mock.patch.object(app.proxy.gate, "on", _Boom(RuntimeError("boom at /root/secret.py"))), \
+                    mock.patch.object(RouterConfig, "socket_path", side_effect=KeyError("/tmp/x.py")):
                 return [await cl.post("/v1/completions", json={"model": "m"}), await cl.get("/ready")]
 
     for r in asyncio.run(main()):

@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 
+from dplb import native
 from dplb.obs.fastmetrics import CounterFamily, HistogramFamily
 from dplb.obs.metrics import (
     BUILD_INFO,
@@ -57,7 +58,9 @@ class RouterMetrics:
     def __init__(self, version: str) -> None:
         reg = self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=reg)  # process_* (RSS, open fds, CPU seconds, start time) of the router
-        Info(BUILD_INFO, "DPLB build", registry=reg).info({"version": version, "component": "router"})
+        # compiled: whether the hot path runs as mypyc extension modules (true/false/partial; dplb.native).
+        Info(BUILD_INFO, "DPLB build", registry=reg).info({"version": version, "component": "router",
+                                                           "compiled": native.build_label()})
         # Per-request families (decisions, their duration and state age, HTTP routes, upstream TTFB and duration):
         # the lock-free fastmetrics drop-ins, same exposition (dplb.obs.fastmetrics); the rest prometheus_client's.
         self.decisions = CounterFamily(ROUTING_DECISIONS, "Routing decisions by chosen worker and reason.",

@@ -72,7 +72,6 @@ from dplb.policy.plugins import PROFILES, validate
 from dplb.state.shm import Lifecycle, WorkerState
 
 _NO_REQUEST = RouteRequest()
-_new = object.__new__
 _READY = Lifecycle.READY
 #: The filters about the worker's published state, in chain order: fused into the candidate loop.
 _STATE_FILTERS = (Registered, Consistent, Fresh, Ready)
@@ -213,9 +212,7 @@ class Policy:
         if req.prompt is not None and not req.prepared:
             self.prepare(req)
         cands = self._candidates(snapshot, now_mono_ns, inflight, shared)
-        ctx = _new(PickContext)  # PickContext(now_mono_ns, req, ...) without the call of its __init__
-        ctx.now_ns, ctx.request, ctx.baseline_s, ctx.held, ctx.ejected, ctx.stalled = \
-            now_mono_ns, req, self.baseline_s, held, ejected, stalled
+        ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected, stalled)
         if not self._idle_unless_ids or held or ejected or stalled or req.exclude or req.cannot_serve:
             for f in self._filters:
                 f.apply(cands, ctx)
@@ -260,7 +257,8 @@ class Policy:
         :meth:`pick` for ``inflight`` and ``shared``); a worker's new snapshot first drops what it now counts.
         The built-in state filters (registered, consistent, fresh, ready: :data:`_STATE_FILTERS`) are applied here,
         in their order, one test per worker instead of a pass each (:func:`state_why` for the rejected).
-        The candidates are built here rather than by ``Candidate(...)``: a class call costs a third of the loop."""
+        The candidates are made by their constructor (mypyc, which can compile this module, refuses
+        ``object.__new__``)."""
         sent_at = self._sent_at
         seen = self._seen_hb
         stale = self._stale_ns  # -1: the state filters run in the chain (``_filters``), not here
@@ -277,15 +275,9 @@ class Policy:
                 corr = inflight[k]
             if shared is not None:
                 corr += shared[k]
-            c = _new(Candidate)
-            c.state = w
-            c.worker_id = k
-            c.correction = corr
-            c.queue = w.num_running + w.num_waiting + corr
-            age = c.age_ns = now_ns - hb
-            if not fused or (w.pid and age <= stale and w.lifecycle is _READY and not w.torn):
-                c.why = OK
-            else:
+            age = now_ns - hb
+            c = Candidate(w, corr, w.num_running + w.num_waiting + corr, age)
+            if fused and not (w.pid and age <= stale and w.lifecycle is _READY and not w.torn):
                 c.why = state_why(w, age, stale)
             append(c)  # its score is set once every scorer ran (set_scores)
         return cands

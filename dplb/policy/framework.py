@@ -45,6 +45,7 @@ from typing import Any, ClassVar
 
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError
+from dplb.native import mypyc_attr
 from dplb.policy.decision import Candidate
 from dplb.state.shm import WorkerState
 
@@ -165,6 +166,8 @@ def resolve_params(cls: type[Plugin], cfg: PolicyConfig) -> dict[str, Any]:
     return out
 
 
+# Subclassed by code mypyc does not compile (plugins, tests): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Plugin:
     """What scorers and pickers share: ``name``, declared ``parameters`` and their resolved values ``params``
     (name → value), and the optional ``prepare`` and ``stats`` hooks (see the module docstring)."""
@@ -186,6 +189,8 @@ class Plugin:
         return {}
 
 
+# Subclassed by code mypyc does not compile (plugins, tests): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Filter:
     """Eligibility rule. ``reasons``: the ``why`` values it sets (the first is the usual one)."""
 
@@ -199,6 +204,8 @@ class Filter:
         raise NotImplementedError
 
 
+# Subclassed by code mypyc does not compile (plugins, tests): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Scorer(Plugin):
     """One score term per candidate, higher is better; clamped into [0, 1] unless ``bounded``."""
 
@@ -238,6 +245,8 @@ def clamp_unit(column: list[float]) -> list[float]:
     return [v if 0.0 <= v <= 1.0 else (1.0 if v > 1.0 else 0.0) for v in column]
 
 
+# Subclassed by code mypyc does not compile (plugins, tests): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Picker(Plugin):
     """Chooses among eligible candidates (rotated order)."""
 

@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dplb.config import MAX_PREFIX_BLOCK_BYTES, PolicyConfig
+from dplb.native import mypyc_attr
 from dplb.policy.decision import (
     NOTE_PREFIX_BLOCKS,
     NOTE_PREFIX_HIT_BLOCKS,
@@ -81,7 +82,7 @@ class QueueScorer(Scorer):
             return out
         for c in cands:
             w = c.state
-            q: float = c.queue
+            q = float(c.queue)
             if ww1 > 0.0:  # requests that will wait for a batch slot weigh more (PolicyConfig.waiting_weight)
                 if w.num_waiting > 0:
                     q += ww1 * (w.num_waiting + c.correction)
@@ -196,6 +197,8 @@ class _Query:
         self.confirmed: list[int] | None = None  # engine-confirmed depths, computed for views only
 
 
+# Subclassed by code mypyc does not compile (tests, the bench oracle): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PrefixScorer(Scorer):
     """Prefix-cache affinity from the router's prefix index (see the module docstring). Owns the hashing and the
     index: records each routed request's blocks for its worker, applies the other router processes' entries and

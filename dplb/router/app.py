@@ -49,7 +49,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_CONTENT_TYPE
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 
-from dplb import __version__
+from dplb import __version__, native
 from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind, bind_error, error_body, openai_error_body
 from dplb.obs.metrics_host import HostReportCollector
@@ -430,9 +430,9 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
                                                             cfg.models_refresh_s))
     serve = asyncio.create_task(server.serve(sockets=sockets))
     host, port = sock.getsockname()[:2]
-    log.info("DPLB router%s listening on http://%s:%d (policy %s, %d workers, segment %s)",
+    log.info("DPLB router%s listening on http://%s:%d (policy %s, %d workers, segment %s, hot path %s)",
              f" process {cfg.process_index}/{cfg.processes}" if group else "", host, port, cfg.policy.name,
-             app.state.num_workers, app.state.segment.path if app.state.segment else "missing")
+             app.state.num_workers, app.state.segment.path if app.state.segment else "missing", native.describe())
     notify(f"READY=1\nSTATUS=routing on port {port}")  # a group's children have no NOTIFY_SOCKET: a no-op
     if ready_cb is not None:
         ready_cb()

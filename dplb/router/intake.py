@@ -44,6 +44,32 @@ NO_PEEK = Peek()
 _decoder = msgspec.json.Decoder(Peek)
 
 
+class ResumeFields(msgspec.Struct):
+    """The request fields that decide whether a stream can be resumed (:mod:`dplb.router.resume`; everything else
+    stays opaque). Declared here, not there: resume is compiled by scripts/build_native.sh, and a class compiled by
+    mypyc keeps erased annotations (``Any`` becomes ``type``, which msgspec would then demand)."""
+
+    n: Any = None
+    best_of: Any = None
+    logprobs: Any = None
+    prompt_logprobs: Any = None
+    echo: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    continue_final_message: Any = None
+    prompt: Any = None
+    stream_options: Any = None
+
+
+resume_fields = msgspec.json.Decoder(ResumeFields)
+
+
 class Rejected(Exception):
     """The request is refused before it is routed; ``kind`` is the router error to answer with ``str(self)``."""
 

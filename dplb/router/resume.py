@@ -42,6 +42,8 @@ from dplb.obs.metrics import RESUME_REFUSALS
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import Exchange
 from dplb.router.health import Outcome
+from dplb.router.intake import ResumeFields as _Fields
+from dplb.router.intake import resume_fields as _fields
 from dplb.router.upstream import UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("dplb.router.resume")
@@ -53,30 +55,6 @@ _KEEPALIVE = b": keep-alive\n\n"
 _ERROR_READ = 4096  # bytes of a refusing worker's body read for its message
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _json = msgspec.json.Encoder().encode
-
-
-class _Fields(msgspec.Struct):
-    """The request fields that decide whether a stream can be resumed (everything else stays opaque)."""
-
-    n: Any = None
-    best_of: Any = None
-    logprobs: Any = None
-    prompt_logprobs: Any = None
-    echo: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    continue_final_message: Any = None
-    prompt: Any = None
-    stream_options: Any = None
-
-
-_fields = msgspec.json.Decoder(_Fields)
 
 
 def refusal(chat: bool, fields: _Fields) -> str | None:

@@ -78,7 +78,8 @@ class RouterState:
         self.slots: RouterSlots | None = None  # this process's router slot in ``segment`` (None: not writable)
         self._attach_error: str | None = None
         self._try_attach(initial=True)
-        n = cfg.num_workers or (self.segment.num_workers if self.segment else None)
+        seg = self._attached_segment()
+        n = cfg.num_workers or (seg.num_workers if seg is not None else None)
         if n is None:
             raise ShmError(
                 f"cannot tell how many workers there are: the segment is missing ({self._attach_error}) and "
@@ -91,16 +92,22 @@ class RouterState:
         self._pids = [0] * n
         ejections = metrics.ejections
         self.health = WorkerHealth(n, self.pid_of, lambda k: ejections.labels(str(k)).inc())
-        self._had_segment = self.segment is not None
+        self._had_segment = seg is not None
         self.stall = StallDetector(n, cfg.stall_after_s) if cfg.stall_after_s > 0 else None
         self.attempts: list[set[Cuttable]] = [set() for _ in range(n)]  # open attempts per worker (stall cuts)
         self._stalled_shown: frozenset[int] = frozenset()
         self._pending: Segment | None = None  # a returned segment not routed on yet (see module docstring)
         self._pending_since = 0.0
         metrics.init_workers(n)
-        metrics.shm_present.set(1 if self.segment else 0)
+        metrics.shm_present.set(1 if seg is not None else 0)
 
     # ---- segment ---------------------------------------------------------------------------------------------
+    def _attached_segment(self) -> Segment | None:
+        """The attached segment, or None. ``__init__`` reads it through this method, not as ``self.segment``: there
+        mypy narrows ``self.segment`` to the None assigned before :meth:`_try_attach`, and mypyc compiles that
+        narrowing into a cast that fails once a segment is attached."""
+        return self.segment
+
     def _try_attach(self, initial: bool = False) -> bool:
         try:
             seg = Segment.attach(self.cfg.shm_path, writable=False)
