@@ -68,6 +68,7 @@ from dplb.policy.framework import (
     build_scorers,
     clamp_unit,
 )
+from dplb.policy.fused import FusedScores
 from dplb.policy.plugins import PROFILES, validate
 from dplb.state.shm import Lifecycle, WorkerState
 
@@ -111,6 +112,10 @@ class Policy:
         self._preparers = [p for p in self.plugins if type(p).prepare is not Plugin.prepare]
         self._noters = tuple(s for s in self.scorers if type(s).notes is not Scorer.notes)
         self._unbounded = tuple(j for j, s in enumerate(self.scorers) if not s.bounded)
+        #: The built-in scorer set in two passes (None: another set, each scorer's ``score``; dplb.policy.fused).
+        self._fused = FusedScores.of(self.scorers, self.weights)
+        #: True when the picker is the plain max-score one: pick() scans the rotated candidates itself.
+        self._scan = False
         sharers = [s for s in self.scorers if type(s).absorb is not Scorer.absorb]
         if len(sharers) > 1:
             raise ConfigError(f"scorers {', '.join(s.name for s in sharers)} all share what they learn with the other "
@@ -216,12 +221,8 @@ class Policy:
         if not self._idle_unless_ids or held or ejected or stalled or req.exclude or req.cannot_serve:
             for f in self._filters:
                 f.apply(cands, ctx)
-        columns = []
-        for s in self.scorers:
-            columns.append(s.score(cands, ctx))
-        for j in self._unbounded:  # the framework's guarantee: every term in [0, 1]
-            columns[j] = clamp_unit(columns[j])
-        set_scores(cands, columns, self.weights)
+        fused = self._fused
+        columns = fused.score(cands, ctx) if fused is not None else self._score(cands, ctx)
         n = len(cands)
         start = self._rot % n if n else 0
         if not dry_run:
@@ -250,6 +251,17 @@ class Policy:
             s.on_pick(req, k, now_mono_ns)
         return Decision(self.name, k, reason, cands, self.baseline_s, self.term_names, self.weights, req.preferred,
                         self.scorers, ctx, columns, self._noters)
+
+    def _score(self, cands: list[Candidate], ctx: PickContext) -> list[list[float]]:
+        """The general path: each scorer's ``score`` (clamped unless ``bounded``), then :func:`set_scores`.
+        Returns the columns."""
+        columns = []
+        for s in self.scorers:
+            columns.append(s.score(cands, ctx))
+        for j in self._unbounded:  # the framework's guarantee: every term in [0, 1]
+            columns[j] = clamp_unit(columns[j])
+        set_scores(cands, columns, self.weights)
+        return columns
 
     def _candidates(self, snapshot: Sequence[WorkerState], now_ns: int, inflight: Sequence[int] | None,
                     shared: Sequence[int] | None) -> list[Candidate]:
