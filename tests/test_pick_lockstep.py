@@ -26,7 +26,7 @@ LATS = (0.0, 0.0, -1.0, 0.2, 0.3, 0.31, 0.5, 0.8, 1.0, 1.5, math.nan)  # 0.5 and
 def _reference(pol: Policy) -> Policy:
     """``pol`` made to take the general path: each scorer's ``score`` and the picker's own ``pick``."""
     pol._fused = None
-    pol._scan = False
+    pol._scan = None
     return pol
 
 
@@ -41,6 +41,7 @@ def _config(rng: random.Random) -> PolicyConfig:
         raw[0] += 0.5  # weights sum to 1
         weights = tuple((n, w / sum(raw)) for n, w in zip(names, raw, strict=True))
     return PolicyConfig(
+        name=rng.choice(("dplb",) * 5 + ("least_loaded", "power_of_two", "prefix_hash", "round_robin", "random")),
         weights=weights, max_queue=rng.choice((1, 4, 16, 32)), max_queue_from_worker=rng.random() < 0.15,
         hard_queue_cap=rng.choice((0, 0, 0, 3, 8)), memory_signal=rng.choice(("kv", "kv", "gpu")),
         latency_signal=rng.choice(("e2e", "e2e", "ttft")), waiting_weight=rng.choice((1.0, 1.0, 1.0, 4.0)),

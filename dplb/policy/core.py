@@ -69,6 +69,7 @@ from dplb.policy.framework import (
     clamp_unit,
 )
 from dplb.policy.fused import FusedScores
+from dplb.policy.pickers import MaxScore
 from dplb.policy.plugins import PROFILES, validate
 from dplb.state.shm import Lifecycle, WorkerState
 
@@ -114,8 +115,9 @@ class Policy:
         self._unbounded = tuple(j for j, s in enumerate(self.scorers) if not s.bounded)
         #: The built-in scorer set in two passes (None: another set, each scorer's ``score``; dplb.policy.fused).
         self._fused = FusedScores.of(self.scorers, self.weights)
-        #: True when the picker is the plain max-score one: pick() scans the rotated candidates itself.
-        self._scan = False
+        #: The picker when it is the plain max-score one: pick() lets it scan the rotated candidates (no list of the
+        #: eligible between); None: the picker's ``pick`` on that list.
+        self._scan = self.picker if type(self.picker) is MaxScore else None
         sharers = [s for s in self.scorers if type(s).absorb is not Scorer.absorb]
         if len(sharers) > 1:
             raise ConfigError(f"scorers {', '.join(s.name for s in sharers)} all share what they learn with the other "
@@ -228,29 +230,41 @@ class Policy:
         if not dry_run:
             self._rot += 1
         # Rotated: the scan starts one worker later on every pick ("first among equals" rotates).
-        eligible = []
-        for c in cands[start:] + cands[:start] if start else cands:
-            if c.why is OK:
-                eligible.append(c)
-        if not eligible:
-            if not any(c.state.pid for c in cands):
-                reason = REASON_NO_WORKERS
-            elif self.cfg.hard_queue_cap and any(c.why is WHY_OVER_CAP for c in cands):
-                reason = REASON_ALL_OVER_CAP
-            else:
-                reason = REASON_NONE_ROUTABLE
-            return Decision(self.name, None, reason, cands, self.baseline_s, self.term_names, self.weights, None,
-                            self.scorers, ctx, columns)
-        if dry_run:
-            return Decision(self.name, None, REASON_SCORE, cands, self.baseline_s, self.term_names, self.weights,
-                            None, self.scorers, ctx, columns)
-        chosen, reason = self.picker.pick(eligible, ctx)
+        rotated = cands[start:] + cands[:start] if start else cands
+        scan = self._scan
+        if scan is not None and not dry_run:  # the max-score picker over the rotated candidates, no list between
+            best = scan.scan(rotated)
+            if best is None:
+                return self._nobody(cands, ctx, columns)
+            chosen, reason = best, REASON_SCORE
+        else:
+            eligible = []
+            for c in rotated:
+                if c.why is OK:
+                    eligible.append(c)
+            if not eligible:
+                return self._nobody(cands, ctx, columns)
+            if dry_run:
+                return Decision(self.name, None, REASON_SCORE, cands, self.baseline_s, self.term_names, self.weights,
+                                None, self.scorers, ctx, columns)
+            chosen, reason = self.picker.pick(eligible, ctx)
         k = chosen.worker_id
         self._sent_at[k].append(now_mono_ns)
         for s in self._pickers_hooks:
             s.on_pick(req, k, now_mono_ns)
         return Decision(self.name, k, reason, cands, self.baseline_s, self.term_names, self.weights, req.preferred,
                         self.scorers, ctx, columns, self._noters)
+
+    def _nobody(self, cands: list[Candidate], ctx: PickContext, columns: list[list[float]]) -> Decision:
+        """The decision when no candidate is eligible (``worker`` None, the reason why)."""
+        if not any(c.state.pid for c in cands):
+            reason = REASON_NO_WORKERS
+        elif self.cfg.hard_queue_cap and any(c.why is WHY_OVER_CAP for c in cands):
+            reason = REASON_ALL_OVER_CAP
+        else:
+            reason = REASON_NONE_ROUTABLE
+        return Decision(self.name, None, reason, cands, self.baseline_s, self.term_names, self.weights, None,
+                        self.scorers, ctx, columns)
 
     def _score(self, cands: list[Candidate], ctx: PickContext) -> list[list[float]]:
         """The general path: each scorer's ``score`` (clamped unless ``bounded``), then :func:`set_scores`.
