@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError
 from dplb.policy.decision import (
     OK,
+    PLAIN_NEW,
     REASON_ALL_OVER_CAP,
     REASON_NO_WORKERS,
     REASON_NONE_ROUTABLE,
@@ -74,6 +75,9 @@ from dplb.policy.plugins import PROFILES, validate
 from dplb.state.shm import Lifecycle, WorkerState
 
 _NO_REQUEST = RouteRequest()
+#: ``object.__new__``, called only where :data:`~dplb.policy.decision.PLAIN_NEW` says the class allows it.
+_new: Callable[[type], Any] = object.__new__
+_PLAIN_CTX: bool = PickContext.__new__ is object.__new__
 _READY = Lifecycle.READY
 #: The filters about the worker's published state, in chain order: fused into the candidate loop.
 _STATE_FILTERS = (Registered, Consistent, Fresh, Ready)
@@ -219,7 +223,17 @@ class Policy:
         if req.prompt is not None and not req.prepared:
             self.prepare(req)
         cands = self._candidates(snapshot, now_mono_ns, inflight, shared)
-        ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected, stalled)
+        ctx: PickContext
+        if _PLAIN_CTX:  # PickContext(now_mono_ns, req, ...) without the class call
+            ctx = _new(PickContext)
+            ctx.now_ns = now_mono_ns
+            ctx.request = req
+            ctx.baseline_s = self.baseline_s
+            ctx.held = held
+            ctx.ejected = ejected
+            ctx.stalled = stalled
+        else:
+            ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected, stalled)
         if not self._idle_unless_ids or held or ejected or stalled or req.exclude or req.cannot_serve:
             for f in self._filters:
                 f.apply(cands, ctx)
@@ -283,14 +297,14 @@ class Policy:
         :meth:`pick` for ``inflight`` and ``shared``); a worker's new snapshot first drops what it now counts.
         The built-in state filters (registered, consistent, fresh, ready: :data:`_STATE_FILTERS`) are applied here,
         in their order, one test per worker instead of a pass each (:func:`state_why` for the rejected).
-        The candidates are made by their constructor (mypyc, which can compile this module, refuses
-        ``object.__new__``)."""
+        The candidates are made without a class call where the class allows it (:data:`PLAIN_NEW`: plain Python),
+        else by their constructor (a class compiled by mypyc)."""
         sent_at = self._sent_at
         seen = self._seen_hb
         stale = self._stale_ns  # -1: the state filters run in the chain (``_filters``), not here
         fused = stale >= 0
         cands: list[Candidate] = []
-        append = cands.append
+        plain = PLAIN_NEW
         for w in snapshot:
             k = w.worker_id
             hb = w.heartbeat_mono_ns
@@ -302,10 +316,24 @@ class Policy:
             if shared is not None:
                 corr += shared[k]
             age = now_ns - hb
-            c = Candidate(w, corr, w.num_running + w.num_waiting + corr, age)
-            if fused and not (w.pid and age <= stale and w.lifecycle is _READY and not w.torn):
-                c.why = state_why(w, age, stale)
-            append(c)  # its score is set once every scorer ran (set_scores)
+            c: Candidate
+            if plain:  # Candidate(...) without the class call
+                c = _new(Candidate)
+                c.state = w
+                c.worker_id = k
+                c.correction = corr
+                c.queue = w.num_running + w.num_waiting + corr
+                c.age_ns = age
+                c.score = 0.0
+                if fused and not (w.pid and age <= stale and w.lifecycle is _READY and not w.torn):
+                    c.why = state_why(w, age, stale)
+                else:
+                    c.why = OK
+            else:
+                c = Candidate(w, corr, w.num_running + w.num_waiting + corr, age)
+                if fused and not (w.pid and age <= stale and w.lifecycle is _READY and not w.torn):
+                    c.why = state_why(w, age, stale)
+            cands.append(c)  # its score is set once every scorer ran
         return cands
 
     def _new_snapshot(self, w: WorkerState, q: deque[int]) -> None:
