@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError
 from dplb.policy.decision import (
     OK,
+    PLAIN_NEW,
     REASON_ALL_OVER_CAP,
     REASON_NO_WORKERS,
     REASON_NONE_ROUTABLE,
@@ -68,10 +69,15 @@ from dplb.policy.framework import (
     build_scorers,
     clamp_unit,
 )
+from dplb.policy.fused import FusedScores
+from dplb.policy.pickers import MaxScore
 from dplb.policy.plugins import PROFILES, validate
 from dplb.state.shm import Lifecycle, WorkerState
 
 _NO_REQUEST = RouteRequest()
+#: ``object.__new__``, called only where :data:`~dplb.policy.decision.PLAIN_NEW` says the class allows it.
+_new: Callable[[type], Any] = object.__new__
+_PLAIN_CTX: bool = PickContext.__new__ is object.__new__
 _READY = Lifecycle.READY
 #: The filters about the worker's published state, in chain order: fused into the candidate loop.
 _STATE_FILTERS = (Registered, Consistent, Fresh, Ready)
@@ -111,6 +117,11 @@ class Policy:
         self._preparers = [p for p in self.plugins if type(p).prepare is not Plugin.prepare]
         self._noters = tuple(s for s in self.scorers if type(s).notes is not Scorer.notes)
         self._unbounded = tuple(j for j, s in enumerate(self.scorers) if not s.bounded)
+        #: The built-in scorer set in two passes (None: another set, each scorer's ``score``; dplb.policy.fused).
+        self._fused = FusedScores.of(self.scorers, self.weights)
+        #: The picker when it is the plain max-score one: pick() lets it scan the rotated candidates (no list of the
+        #: eligible between); None: the picker's ``pick`` on that list.
+        self._scan = self.picker if type(self.picker) is MaxScore else None
         sharers = [s for s in self.scorers if type(s).absorb is not Scorer.absorb]
         if len(sharers) > 1:
             raise ConfigError(f"scorers {', '.join(s.name for s in sharers)} all share what they learn with the other "
@@ -212,38 +223,45 @@ class Policy:
         if req.prompt is not None and not req.prepared:
             self.prepare(req)
         cands = self._candidates(snapshot, now_mono_ns, inflight, shared)
-        ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected, stalled)
+        ctx: PickContext
+        if _PLAIN_CTX:  # PickContext(now_mono_ns, req, ...) without the class call
+            ctx = _new(PickContext)
+            ctx.now_ns = now_mono_ns
+            ctx.request = req
+            ctx.baseline_s = self.baseline_s
+            ctx.held = held
+            ctx.ejected = ejected
+            ctx.stalled = stalled
+        else:
+            ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected, stalled)
         if not self._idle_unless_ids or held or ejected or stalled or req.exclude or req.cannot_serve:
             for f in self._filters:
                 f.apply(cands, ctx)
-        columns = []
-        for s in self.scorers:
-            columns.append(s.score(cands, ctx))
-        for j in self._unbounded:  # the framework's guarantee: every term in [0, 1]
-            columns[j] = clamp_unit(columns[j])
-        set_scores(cands, columns, self.weights)
+        fused = self._fused
+        columns = fused.score(cands, ctx) if fused is not None else self._score(cands, ctx)
         n = len(cands)
         start = self._rot % n if n else 0
         if not dry_run:
             self._rot += 1
         # Rotated: the scan starts one worker later on every pick ("first among equals" rotates).
-        eligible = []
-        for c in cands[start:] + cands[:start] if start else cands:
-            if c.why is OK:
-                eligible.append(c)
-        if not eligible:
-            if not any(c.state.pid for c in cands):
-                reason = REASON_NO_WORKERS
-            elif self.cfg.hard_queue_cap and any(c.why is WHY_OVER_CAP for c in cands):
-                reason = REASON_ALL_OVER_CAP
-            else:
-                reason = REASON_NONE_ROUTABLE
-            return Decision(self.name, None, reason, cands, self.baseline_s, self.term_names, self.weights, None,
-                            self.scorers, ctx, columns)
-        if dry_run:
-            return Decision(self.name, None, REASON_SCORE, cands, self.baseline_s, self.term_names, self.weights,
-                            None, self.scorers, ctx, columns)
-        chosen, reason = self.picker.pick(eligible, ctx)
+        rotated = cands[start:] + cands[:start] if start else cands
+        scan = self._scan
+        if scan is not None and not dry_run:  # the max-score picker over the rotated candidates, no list between
+            best = scan.scan(rotated)
+            if best is None:
+                return self._nobody(cands, ctx, columns)
+            chosen, reason = best, REASON_SCORE
+        else:
+            eligible = []
+            for c in rotated:
+                if c.why is OK:
+                    eligible.append(c)
+            if not eligible:
+                return self._nobody(cands, ctx, columns)
+            if dry_run:
+                return Decision(self.name, None, REASON_SCORE, cands, self.baseline_s, self.term_names, self.weights,
+                                None, self.scorers, ctx, columns)
+            chosen, reason = self.picker.pick(eligible, ctx)
         k = chosen.worker_id
         self._sent_at[k].append(now_mono_ns)
         for s in self._pickers_hooks:
@@ -251,20 +269,42 @@ class Policy:
         return Decision(self.name, k, reason, cands, self.baseline_s, self.term_names, self.weights, req.preferred,
                         self.scorers, ctx, columns, self._noters)
 
+    def _nobody(self, cands: list[Candidate], ctx: PickContext, columns: list[list[float]]) -> Decision:
+        """The decision when no candidate is eligible (``worker`` None, the reason why)."""
+        if not any(c.state.pid for c in cands):
+            reason = REASON_NO_WORKERS
+        elif self.cfg.hard_queue_cap and any(c.why is WHY_OVER_CAP for c in cands):
+            reason = REASON_ALL_OVER_CAP
+        else:
+            reason = REASON_NONE_ROUTABLE
+        return Decision(self.name, None, reason, cands, self.baseline_s, self.term_names, self.weights, None,
+                        self.scorers, ctx, columns)
+
+    def _score(self, cands: list[Candidate], ctx: PickContext) -> list[list[float]]:
+        """The general path: each scorer's ``score`` (clamped unless ``bounded``), then :func:`set_scores`.
+        Returns the columns."""
+        columns = []
+        for s in self.scorers:
+            columns.append(s.score(cands, ctx))
+        for j in self._unbounded:  # the framework's guarantee: every term in [0, 1]
+            columns[j] = clamp_unit(columns[j])
+        set_scores(cands, columns, self.weights)
+        return columns
+
     def _candidates(self, snapshot: Sequence[WorkerState], now_ns: int, inflight: Sequence[int] | None,
                     shared: Sequence[int] | None) -> list[Candidate]:
         """One :class:`Candidate` per worker of ``snapshot`` (queue = running + waiting + correction; see
         :meth:`pick` for ``inflight`` and ``shared``); a worker's new snapshot first drops what it now counts.
         The built-in state filters (registered, consistent, fresh, ready: :data:`_STATE_FILTERS`) are applied here,
         in their order, one test per worker instead of a pass each (:func:`state_why` for the rejected).
-        The candidates are made by their constructor (mypyc, which can compile this module, refuses
-        ``object.__new__``)."""
+        The candidates are made without a class call where the class allows it (:data:`PLAIN_NEW`: plain Python),
+        else by their constructor (a class compiled by mypyc)."""
         sent_at = self._sent_at
         seen = self._seen_hb
         stale = self._stale_ns  # -1: the state filters run in the chain (``_filters``), not here
         fused = stale >= 0
         cands: list[Candidate] = []
-        append = cands.append
+        plain = PLAIN_NEW
         for w in snapshot:
             k = w.worker_id
             hb = w.heartbeat_mono_ns
@@ -276,10 +316,24 @@ class Policy:
             if shared is not None:
                 corr += shared[k]
             age = now_ns - hb
-            c = Candidate(w, corr, w.num_running + w.num_waiting + corr, age)
-            if fused and not (w.pid and age <= stale and w.lifecycle is _READY and not w.torn):
-                c.why = state_why(w, age, stale)
-            append(c)  # its score is set once every scorer ran (set_scores)
+            c: Candidate
+            if plain:  # Candidate(...) without the class call
+                c = _new(Candidate)
+                c.state = w
+                c.worker_id = k
+                c.correction = corr
+                c.queue = w.num_running + w.num_waiting + corr
+                c.age_ns = age
+                c.score = 0.0
+                if fused and not (w.pid and age <= stale and w.lifecycle is _READY and not w.torn):
+                    c.why = state_why(w, age, stale)
+                else:
+                    c.why = OK
+            else:
+                c = Candidate(w, corr, w.num_running + w.num_waiting + corr, age)
+                if fused and not (w.pid and age <= stale and w.lifecycle is _READY and not w.torn):
+                    c.why = state_why(w, age, stale)
+            cands.append(c)  # its score is set once every scorer ran
         return cands
 
     def _new_snapshot(self, w: WorkerState, q: deque[int]) -> None:

@@ -104,6 +104,12 @@ class Candidate:
         return self.age_ns / 1e9 if self.state.heartbeat_mono_ns else math.inf
 
 
+#: True when ``object.__new__(Candidate)`` may make a candidate (plain Python: CPython allows it when the class keeps
+#: ``object``'s allocator; a class compiled by mypyc has its own and refuses it). The policy's hot loop then sets the
+#: slots itself: a class call costs ~600 instructions more a candidate in CPython 3.11.
+PLAIN_NEW: bool = Candidate.__new__ is object.__new__
+
+
 class Decision:
     """The outcome of one :meth:`dplb.policy.Policy.pick`: ``worker`` (id or None), ``reason`` and every candidate
     (``candidates``, in worker-id order: candidate k is worker k). ``term_names``/``weights``: the scorers;

@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 
 from dplb.config import MAX_PREFIX_BLOCK_BYTES, PolicyConfig
-from dplb.policy.decision import REASON_AFFINITY, REASON_POLICY, REASON_SCORE, Candidate
+from dplb.policy.decision import OK, REASON_AFFINITY, REASON_POLICY, REASON_SCORE, Candidate
 from dplb.policy.framework import Param, PickContext, Picker, RouteRequest
 from dplb.policy.prefix import block_hashes
 
@@ -44,6 +44,19 @@ class MaxScore(Picker):
             if s > bs + 1e-12 or (s > bs - 1e-12 and c.queue < best.queue):
                 best, bs = c, s
         return best, REASON_SCORE
+
+    def scan(self, rotated: list[Candidate]) -> Candidate | None:
+        """:meth:`pick` over the eligible ones of ``rotated`` (every candidate, in rotated order) without a list of
+        them: the same candidate. None when none is eligible."""
+        best: Candidate | None = None
+        bs = 0.0
+        bq = 0
+        for c in rotated:
+            if c.why is OK:
+                s = c.score
+                if best is None or s > bs + 1e-12 or (s > bs - 1e-12 and c.queue < bq):
+                    best, bs, bq = c, s, c.queue
+        return best
 
 
 class RoundRobin(Picker):
