@@ -273,6 +273,37 @@ def dplb_target(workers: int, processes: int, flags: tuple[str, ...] = (),
         yield c.port, c.router.pid, [p.pid for p in c.workers.values()], c.shm_path
 
 
+#: Router counters read after a DPLB target's run: short name → (metric, a label it must have or ""), summed.
+ROUTER_COUNTERS = {
+    "relay_direct": ("dplb_direct_relay_requests_total", 'path="direct"'),
+    "relay_continued": ("dplb_direct_relay_requests_total", 'path="continued"'),
+    "relay_declined": ("dplb_direct_relay_requests_total", 'path="declined"'),
+    "prefix_hit": ("dplb_prefix_routed_total", 'outcome="hit"'),
+    "prefix_spill": ("dplb_prefix_routed_total", 'outcome="spill"'),
+    "prefix_miss": ("dplb_prefix_routed_total", 'outcome="miss"'),
+    "kv_ring_lost": ("dplb_prefix_kv_ring_lost_total", ""),
+    "index_blocks": ("dplb_prefix_index_blocks", ""),
+}
+
+
+def router_counters(port: int) -> dict[str, float]:
+    """:data:`ROUTER_COUNTERS` from the router's /metrics (what path the requests took, the prefix outcomes, the
+    KV-ring entries it could not read, the index size); {} when it does not answer. Read after the measured phases."""
+    import httpx
+
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
+        for key, (metric, label) in ROUTER_COUNTERS.items():
+            if name == metric and label in rest:
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def kv_ring_heads(shm_path: str, workers: int) -> tuple[int, int]:
     """(KV-ring entries every worker wrote so far, summed; workers that translate their engine's events) of the
     segment at ``shm_path`` (the ring heads, :mod:`dplb.state.kv_rings`)."""
@@ -435,6 +466,7 @@ def run_target(t: str, args: argparse.Namespace) -> dict[str, Any] | None:
             e1, on = kv_ring_heads(shm, len(wpids))
             r["kv_ring_entries"], r["kv_event_workers"] = e1 - e0, on
             r["kv_entries_per_request"] = (e1 - e0) / max(1, r["requests_total"])
+            r["router_counters"] = router_counters(port)
     r["workers"] = len(wpids)
     print_target(t, r)
     return r
@@ -452,6 +484,8 @@ def print_target(t: str, r: dict[str, Any]) -> None:
           f"{r['tok_router_cores']:.2f}, workers {r['tok_worker_cores']:.2f}, client {r['tok_client_cores']:.2f}")
     print(f"    per round µs/request {[round(x) for x in r['req_us_all']]}, µs/token "
           f"{[round(x, 1) for x in r['tok_us_all']]}")
+    if r.get("router_counters"):
+        print(f"    router: {', '.join(f'{k} {v:g}' for k, v in r['router_counters'].items())}")
     if "kv_ring_entries" in r:
         print(f"    KV rings: {r['kv_ring_entries']} entries published ({r['kv_entries_per_request']:.1f} per request) "
               f"by {r['kv_event_workers']} of {r['workers']} workers following their engine's events")
