@@ -283,6 +283,8 @@ ROUTER_COUNTERS = {
     "prefix_miss": ("dplb_prefix_routed_total", 'outcome="miss"'),
     "kv_ring_lost": ("dplb_prefix_kv_ring_lost_total", ""),
     "index_blocks": ("dplb_prefix_index_blocks", ""),
+    "decision_s": ("dplb_routing_decision_duration_seconds_sum", ""),  # the KV-ring drain and ingest included
+    "decisions": ("dplb_routing_decision_duration_seconds_count", ""),
 }
 
 
@@ -484,8 +486,12 @@ def print_target(t: str, r: dict[str, Any]) -> None:
           f"{r['tok_router_cores']:.2f}, workers {r['tok_worker_cores']:.2f}, client {r['tok_client_cores']:.2f}")
     print(f"    per round µs/request {[round(x) for x in r['req_us_all']]}, µs/token "
           f"{[round(x, 1) for x in r['tok_us_all']]}")
-    if r.get("router_counters"):
-        print(f"    router: {', '.join(f'{k} {v:g}' for k, v in r['router_counters'].items())}")
+    rc = r.get("router_counters")
+    if rc:
+        print(f"    router: {', '.join(f'{k} {v:g}' for k, v in rc.items() if k not in ('decision_s', 'decisions'))}")
+        if rc.get("decisions"):
+            print(f"    routing decision (wall, KV-ring drain and ingest included): "
+                  f"{rc['decision_s'] / rc['decisions'] * 1e6:.1f} µs mean over {rc['decisions']:g}")
     if "kv_ring_entries" in r:
         print(f"    KV rings: {r['kv_ring_entries']} entries published ({r['kv_entries_per_request']:.1f} per request) "
               f"by {r['kv_event_workers']} of {r['workers']} workers following their engine's events")
