@@ -479,8 +479,8 @@ def print_target(t: str, r: dict[str, Any]) -> None:
     print(f"--- {t}: router CPU {r['req_us']:.0f} µs/request, {r['tok_us']:.1f} µs/streamed token "
           f"({r['tok_marginal_us']:.1f} beyond the request); {r['req_s']:.0f} requests/s, {r['tok_s']:.0f} "
           f"tokens/s ({r['tokens_per_stream']:.1f} tokens/stream)")
-    print(f"    one router core's worth at that CPU cost: {1e6 / r['req_us']:.0f} requests/s, "
-          f"{1e6 / r['tok_us']:.0f} tokens/s")
+    per_core = [f"{1e6 / r[k]:.0f}" if r[k] > 0 else "n/a (under one 10 ms tick)" for k in ("req_us", "tok_us")]
+    print(f"    one router core's worth at that CPU cost: {per_core[0]} requests/s, {per_core[1]} tokens/s")
     print(f"    cores used (of {r['cores']}), one-token phase: router {r['req_router_cores']:.2f}, workers "
           f"{r['req_worker_cores']:.2f}, client {r['req_client_cores']:.2f}; streaming phase: router "
           f"{r['tok_router_cores']:.2f}, workers {r['tok_worker_cores']:.2f}, client {r['tok_client_cores']:.2f}")

@@ -359,7 +359,8 @@ def test_capacity_bench_kv_targets(tmp_path) -> None:  # type: ignore[no-untyped
     kv, sent, diff = res["dplb1kv"], res["dplb1kvsent"], res["kv_minus_kvsent"]
     for t in (kv, sent):
         assert len(t["runs"]) == 2 and t["workers"] == 8
-        assert 0 < t["req_us"] < 10_000 and 0 < t["tok_us"] < 1_000 and t["tokens_per_stream"] == 4
+        # 80 streamed tokens may cost under one 10 ms tick of router CPU: tok_us may be 0
+        assert 0 < t["req_us"] < 10_000 and 0 <= t["tok_us"] < 1_000 and t["tokens_per_stream"] == 4
     assert kv["kv_event_workers"] == 8 and kv["kv_ring_entries"] > 200  # the engines stored and evicted blocks
     assert sent["kv_event_workers"] == 0 and sent["kv_ring_entries"] == 0
     assert len(diff["req_us_all"]) == 2
