@@ -25,7 +25,23 @@ Method
   same run. Throughput is only the router's capacity when router CPU share is near one core per process and the
   client and workers had CPU to spare: read the shares before the ratios.
 
-Usage: python benchmarks/bench_capacity.py [--quick] [--rounds 5] [--targets dplb1,dplb2,sglang] [--json OUT].
+KV-event targets (the cost of ingesting the engines' KV-cache events, docs/DESIGN.md §3.7 and §5)
+- ``dplb1kv``: one router process, ``--workers`` sim workers (8 unless given) with a small prefix cache
+  (``--kv-cache-blocks``, 256 blocks of 16 tokens) publishing their KV events (``dplb worker --kv-events``, the
+  default), the router's prefix index following them (``prefix.truth=events``, the default).
+- ``dplb1kvsent``: the same workers and cache with ``--no-kv-events`` and the router on the sent-bytes index
+  (``--scorer-param prefix.truth=sent``).
+- Both send long prompts (``--prompt-words``, 256 words ≈ 16 engine blocks ≈ 12 router blocks of 128 bytes): a pool
+  of ``--prompt-pool`` prompts, each one of 8 shared halves + its own half, sent in turn, so the working set
+  (~8 × 512 blocks) is well beyond the 8 caches and every worker stores and evicts blocks all the time. Printed:
+  the router CPU µs per request of each and ``kv − kvsent`` (paired by run with ``--repeat``): the added router
+  cost of draining 8 busy workers' KV rings and applying their entries (budget ≤ 10 µs per request).
+
+``--repeat N`` runs the listed targets N times, alternated (a, b, a, b, …: drift on the shared box hits both
+alike), and prints each run's figures and the medians over the runs (the JSON holds both).
+
+Usage: python benchmarks/bench_capacity.py [--quick] [--rounds 5] [--targets dplb1,dplb2,sglang] [--repeat N]
+[--json OUT].
 ``--quick`` (smoke, < ~40 s): one round of 600 requests and 100 streams per target (coarse: few CPU ticks).
 The machine is shared and noisy: router CPU µs per unit (from /proc) is steadier than throughput.
 """
@@ -40,6 +56,7 @@ import os
 import shutil
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -136,12 +153,24 @@ def _raw_request(path: str, body: dict[str, Any]) -> bytes:
             f"content-length: {len(data)}\r\n\r\n").encode() + data
 
 
-async def _drive(c: _Conn, connect: Any, raw: bytes, stream: bool, left: list[int], got: dict[str, int]) -> None:
-    """Send ``raw`` on ``c`` while ``left[0]`` > 0; count answers into ``got``."""
+def prompts(words: int, pool: int, groups: int = 8) -> list[str]:
+    """The KV targets' prompt pool: ``pool`` prompts of ``words`` words (0: the one short prompt ``"benchmark"``);
+    prompt i is group ``i % groups``'s shared first half then a second half of its own (deterministic)."""
+    if words <= 0:
+        return ["benchmark"]
+    half = words // 2
+    shared = [" ".join(f"s{g}w{j}" for j in range(half)) for g in range(groups)]
+    return [f"{shared[i % groups]} " + " ".join(f"p{i}w{j}" for j in range(words - half)) for i in range(pool)]
+
+
+async def _drive(c: _Conn, connect: Any, raws: list[bytes], stream: bool, left: list[int],
+                 got: dict[str, int]) -> None:
+    """Send ``raws`` in turn (shared by every connection: the ``left[0]``-th from the end) on ``c`` while ``left[0]``
+    > 0; count answers into ``got``."""
     while left[0] > 0:
         left[0] -= 1
         try:
-            out = await c.request(raw)
+            out = await c.request(raws[left[0] % len(raws)])
         except ConnectionError:
             got["errors"] += 1
             c = await connect()
@@ -153,8 +182,9 @@ async def _drive(c: _Conn, connect: Any, raw: bytes, stream: bool, left: list[in
         got["tokens"] += out.count(b"data: {") if stream else 1
 
 
-async def _client_main(port: int, conns: int) -> None:
-    """Serve phase commands from stdin (``n tokens`` per line) on ``conns`` connections; one JSON line each."""
+async def _client_main(port: int, conns: int, words: int = 0, prompt_pool: int = 1) -> None:
+    """Serve phase commands from stdin (``n tokens`` per line) on ``conns`` connections, the prompts of
+    :func:`prompts` (``words``, ``prompt_pool``) in turn; one JSON line each."""
     loop = asyncio.get_running_loop()
     pool: list[_Conn] = []
 
@@ -165,28 +195,31 @@ async def _client_main(port: int, conns: int) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while line := await reader.readline():
         n, tokens = (int(x) for x in line.split())
-        body: dict[str, Any] = {"model": "dplb-sim", "prompt": "benchmark", "max_tokens": tokens}
-        if tokens > 1:
-            body["stream"] = True
-        raw = _raw_request("/v1/completions", body)
+        raws = []
+        for text in prompts(words, prompt_pool):
+            body: dict[str, Any] = {"model": "dplb-sim", "prompt": text, "max_tokens": tokens}
+            if tokens > 1:
+                body["stream"] = True
+            raws.append(_raw_request("/v1/completions", body))
         got = {"requests": 0, "tokens": 0, "errors": 0}
         while len(pool) < conns:
             pool.append(await connect())
         pool = [c if not c.transport.is_closing() else await connect() for c in pool]
         c0, t0 = time.process_time(), time.perf_counter()
         left = [n]
-        await asyncio.gather(*(_drive(c, connect, raw, tokens > 1, left, got) for c in pool))
+        await asyncio.gather(*(_drive(c, connect, raws, tokens > 1, left, got) for c in pool))
         res: dict[str, float] = {**got, "cpu_s": time.process_time() - c0, "wall_s": time.perf_counter() - t0}
         sys.stdout.write(json.dumps(res) + "\n")
         sys.stdout.flush()
 
 
 class Clients:
-    """``k`` client processes driving ``port`` with ``concurrency`` connections in all."""
+    """``k`` client processes driving ``port`` with ``concurrency`` connections in all, sending the prompts of
+    :func:`prompts` (``words``, ``pool``)."""
 
-    def __init__(self, port: int, k: int, concurrency: int) -> None:
+    def __init__(self, port: int, k: int, concurrency: int, words: int = 0, pool: int = 1) -> None:
         self.procs = [subprocess.Popen([sys.executable, __file__, "--_client", str(port),
-                                        str(concurrency // k + (i < concurrency % k))],
+                                        str(concurrency // k + (i < concurrency % k)), str(words), str(pool)],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE) for i in range(k)]
 
     def phase(self, n: int, tokens: int) -> dict[str, float]:
@@ -226,15 +259,65 @@ def dplb_has_processes() -> bool:
 
 
 @contextlib.contextmanager
-def dplb_target(workers: int, processes: int, flags: tuple[str, ...] = ()) -> Iterator[tuple[int, int, list[int]]]:
-    """A DPLB cluster (``flags``: more router flags): yields (port, router pid, worker pids)."""
+def dplb_target(workers: int, processes: int, flags: tuple[str, ...] = (),
+                worker_flags: tuple[str, ...] = ()) -> Iterator[tuple[int, int, list[int], str | None]]:
+    """A DPLB cluster (``flags``: more router flags; ``worker_flags``: more ``dplb worker`` and ``--sim-*`` flags):
+    yields (port, router pid, worker pids, segment path)."""
     from cluster import cluster
 
     extra = [*flags, "--processes", str(processes)] if processes > 1 else list(flags)
+    wargs = [*FAST_SIM, *worker_flags]
     with tempfile.TemporaryDirectory() as tmp, \
-            cluster(tmp, workers, worker_args={k: FAST_SIM for k in range(workers)}, router_args=extra) as c:
+            cluster(tmp, workers, worker_args={k: wargs for k in range(workers)}, router_args=extra) as c:
         assert c.router is not None
-        yield c.port, c.router.pid, [p.pid for p in c.workers.values()]
+        yield c.port, c.router.pid, [p.pid for p in c.workers.values()], c.shm_path
+
+
+#: Router counters read after a DPLB target's run: short name → (metric, a label it must have or ""), summed.
+ROUTER_COUNTERS = {
+    "relay_direct": ("dplb_direct_relay_requests_total", 'path="direct"'),
+    "relay_continued": ("dplb_direct_relay_requests_total", 'path="continued"'),
+    "relay_declined": ("dplb_direct_relay_requests_total", 'path="declined"'),
+    "prefix_hit": ("dplb_prefix_routed_total", 'outcome="hit"'),
+    "prefix_spill": ("dplb_prefix_routed_total", 'outcome="spill"'),
+    "prefix_miss": ("dplb_prefix_routed_total", 'outcome="miss"'),
+    "kv_ring_lost": ("dplb_prefix_kv_ring_lost_total", ""),
+    "index_blocks": ("dplb_prefix_index_blocks", ""),
+    "decision_s": ("dplb_routing_decision_duration_seconds_sum", ""),  # the KV-ring drain and ingest included
+    "decisions": ("dplb_routing_decision_duration_seconds_count", ""),
+}
+
+
+def router_counters(port: int) -> dict[str, float]:
+    """:data:`ROUTER_COUNTERS` from the router's /metrics (what path the requests took, the prefix outcomes, the
+    KV-ring entries it could not read, the index size); {} when it does not answer. Read after the measured phases."""
+    import httpx
+
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
+        for key, (metric, label) in ROUTER_COUNTERS.items():
+            if name == metric and label in rest:
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def kv_ring_heads(shm_path: str, workers: int) -> tuple[int, int]:
+    """(KV-ring entries every worker wrote so far, summed; workers that translate their engine's events) of the
+    segment at ``shm_path`` (the ring heads, :mod:`dplb.state.kv_rings`)."""
+    from dplb.state.layout import KV_RING_SIZE, kv_rings_offset
+
+    total = on = 0
+    with open(shm_path, "rb") as f:
+        for w in range(workers):
+            head, since = struct.unpack("<QQ", os.pread(f.fileno(), 16, kv_rings_offset(workers) + w * KV_RING_SIZE))
+            total += head
+            on += since > 0
+    return total, on
 
 
 def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
@@ -252,8 +335,8 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def sglang_target(workers: int) -> Iterator[tuple[int, int, list[int]]]:
-    """Sim engines on TCP behind the SGLang router: yields (port, router pid, worker pids)."""
+def sglang_target(workers: int) -> Iterator[tuple[int, int, list[int], str | None]]:
+    """Sim engines on TCP behind the SGLang router: yields (port, router pid, worker pids, None)."""
     from cluster import free_port
 
     sim_args = [a.replace("--sim-", "--") for a in FAST_SIM]
@@ -273,7 +356,7 @@ def sglang_target(workers: int) -> Iterator[tuple[int, int, list[int]]]:
                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(router)
         _wait_http(f"http://127.0.0.1:{port}/health", 60, router)
-        yield port, router.pid, [p.pid for p in procs[:-1]]
+        yield port, router.pid, [p.pid for p in procs[:-1]], None
     finally:
         for proc in reversed(procs):
             proc.terminate()
@@ -285,12 +368,15 @@ def sglang_target(workers: int) -> Iterator[tuple[int, int, list[int]]]:
 
 
 # ---- measuring ------------------------------------------------------------------------------------------------------
-def measure(port: int, router_pid: int, worker_pids: list[int], args: argparse.Namespace) -> dict[str, float]:
-    """Warm up, then ``args.rounds`` rounds of the two phases; medians of each figure."""
-    clients = Clients(port, args.clients, args.concurrency)
+def measure(port: int, router_pid: int, worker_pids: list[int], args: argparse.Namespace,
+            words: int = 0) -> dict[str, float]:
+    """Warm up, then ``args.rounds`` rounds of the two phases (prompts of ``words`` words, :func:`prompts`); medians
+    of each figure."""
+    clients = Clients(port, args.clients, args.concurrency, words, args.prompt_pool)
     cores = os.cpu_count() or 1
     rows: dict[str, list[float]] = {}
     phases: list[dict[str, float]] = []
+    sent = [0]  # requests answered, warm-up included
 
     def phase(n: int, tokens: int) -> dict[str, float]:
         r0, w0, t0 = tree_cpu_s(router_pid), sum(tree_cpu_s(p) for p in worker_pids), time.perf_counter()
@@ -299,6 +385,7 @@ def measure(port: int, router_pid: int, worker_pids: list[int], args: argparse.N
         r1, w1 = tree_cpu_s(router_pid), sum(tree_cpu_s(p) for p in worker_pids)
         if got["errors"]:
             raise RuntimeError(f"{got['errors']:.0f} of {n} requests failed")
+        sent[0] += int(got["requests"])
         return {"router_cpu_s": r1 - r0, "worker_cpu_s": w1 - w0, "client_cpu_s": got["cpu_s"], "wall_s": wall,
                 "requests": got["requests"], "tokens": got["tokens"]}
 
@@ -338,82 +425,184 @@ def measure(port: int, router_pid: int, worker_pids: list[int], args: argparse.N
     out["tok_marginal_us"] = (b_cpu - a_cpu / a_n * b_n) / b_tok * 1e6
     out["cores"] = cores
     out["rounds"] = args.rounds
+    out["requests_total"] = sent[0]
     out["req_us_all"] = rows["req_us"]  # type: ignore[assignment]
     out["tok_us_all"] = rows["tok_us"]  # type: ignore[assignment]
     return out
 
 
+#: KV-event targets → (router flags, worker flags beyond FAST_SIM and the small prefix cache).
+KV_TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "dplb1kv": ((), ("--kv-events",)),
+    "dplb1kvsent": (("--scorer-param", "prefix.truth=sent"), ("--no-kv-events",)),
+}
+KV_BUDGET_US = 10.0  # the most router CPU per request that ingesting 8 busy workers' KV events may add
+
+
+def run_target(t: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """One measured run of target ``t`` (None when it is skipped, with a line saying why)."""
+    if t == "dplb2" and not dplb_has_processes():
+        print("dplb2: skipped (`dplb router --help` lists no --processes)")
+        return None
+    if t == "sglang" and shutil.which("sglang-router", path=os.path.dirname(sys.executable)) is None:
+        try:
+            import sglang_router  # noqa: F401
+        except ImportError:
+            print("sglang: skipped (pip install sglang-router)")
+            return None
+    words = 0
+    if t == "sglang":
+        ctx = sglang_target(args.workers or 2)
+    elif t in KV_TARGETS:
+        flags, wflags = KV_TARGETS[t]
+        words = args.prompt_words
+        ctx = dplb_target(args.workers or 8, 1, flags,
+                          (*wflags, "--sim-prefix-cache-blocks", str(args.kv_cache_blocks)))
+    else:
+        ctx = dplb_target(args.workers or 2, 2 if t == "dplb2" else 1,
+                          ("--no-direct-relay",) if t == "dplb1asgi" else ())
+    with ctx as (port, pid, wpids, shm):
+        e0 = kv_ring_heads(shm, len(wpids))[0] if shm else 0
+        r: dict[str, Any] = measure(port, pid, wpids, args, words)
+        if shm:  # what the workers published for the router to ingest (0 with --no-kv-events)
+            e1, on = kv_ring_heads(shm, len(wpids))
+            r["kv_ring_entries"], r["kv_event_workers"] = e1 - e0, on
+            r["kv_entries_per_request"] = (e1 - e0) / max(1, r["requests_total"])
+            r["router_counters"] = router_counters(port)
+    r["workers"] = len(wpids)
+    print_target(t, r)
+    return r
+
+
+def print_target(t: str, r: dict[str, Any]) -> None:
+    """The lines of one run of target ``t``."""
+    print(f"--- {t}: router CPU {r['req_us']:.0f} µs/request, {r['tok_us']:.1f} µs/streamed token "
+          f"({r['tok_marginal_us']:.1f} beyond the request); {r['req_s']:.0f} requests/s, {r['tok_s']:.0f} "
+          f"tokens/s ({r['tokens_per_stream']:.1f} tokens/stream)")
+    per_core = [f"{1e6 / r[k]:.0f}" if r[k] > 0 else "n/a (under one 10 ms tick)" for k in ("req_us", "tok_us")]
+    print(f"    one router core's worth at that CPU cost: {per_core[0]} requests/s, {per_core[1]} tokens/s")
+    print(f"    cores used (of {r['cores']}), one-token phase: router {r['req_router_cores']:.2f}, workers "
+          f"{r['req_worker_cores']:.2f}, client {r['req_client_cores']:.2f}; streaming phase: router "
+          f"{r['tok_router_cores']:.2f}, workers {r['tok_worker_cores']:.2f}, client {r['tok_client_cores']:.2f}")
+    print(f"    per round µs/request {[round(x) for x in r['req_us_all']]}, µs/token "
+          f"{[round(x, 1) for x in r['tok_us_all']]}")
+    rc = r.get("router_counters")
+    if rc:
+        print(f"    router: {', '.join(f'{k} {v:g}' for k, v in rc.items() if k not in ('decision_s', 'decisions'))}")
+        if rc.get("decisions"):
+            print(f"    routing decision (wall, KV-ring drain and ingest included): "
+                  f"{rc['decision_s'] / rc['decisions'] * 1e6:.1f} µs mean over {rc['decisions']:g}")
+    if "kv_ring_entries" in r:
+        print(f"    KV rings: {r['kv_ring_entries']} entries published ({r['kv_entries_per_request']:.1f} per request) "
+              f"by {r['kv_event_workers']} of {r['workers']} workers following their engine's events")
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's figures as they are; several runs: the median of every number, and ``runs`` (each run's dict)."""
+    if len(runs) == 1:
+        return runs[0]
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items()
+                           if isinstance(v, int | float) and not isinstance(v, bool)}
+    out["runs"] = runs
+    return out
+
+
+def print_repeats(results: dict[str, Any]) -> None:
+    """Per target with several runs: each run's µs/request and µs/token, and their medians."""
+    for t, r in results.items():
+        runs = r.get("runs")
+        if runs:
+            print(f"=== {t}, {len(runs)} runs: µs/request {[round(x['req_us'], 1) for x in runs]} (median "
+                  f"{r['req_us']:.1f}); µs/token {[round(x['tok_us'], 2) for x in runs]} (median {r['tok_us']:.2f})")
+
+
+def kv_difference(results: dict[str, Any]) -> dict[str, Any] | None:
+    """dplb1kv − dplb1kvsent router CPU µs per request: per run (paired in run order) and the median; printed.
+    None unless both ran."""
+    if "dplb1kv" not in results or "dplb1kvsent" not in results:
+        return None
+    kv, sent = results["dplb1kv"], results["dplb1kvsent"]
+    pairs = list(zip(kv.get("runs", [kv]), sent.get("runs", [sent]), strict=False))
+    diffs = [a["req_us"] - b["req_us"] for a, b in pairs]
+    tok = [a["tok_us"] - b["tok_us"] for a, b in pairs]
+    d = {"req_us": statistics.median(diffs), "req_us_all": diffs, "tok_us": statistics.median(tok),
+         "tok_us_all": tok, "kv_req_us": kv["req_us"], "sent_req_us": sent["req_us"]}
+    ok = d["req_us"] <= KV_BUDGET_US
+    print(f"KV events, {kv.get('workers', '?')} workers: router CPU {kv['req_us']:.1f} µs/request following the "
+          f"engines vs {sent['req_us']:.1f} on the sent-bytes index; kv − kvsent {d['req_us']:+.1f} µs/request "
+          f"(per run {[round(x, 1) for x in diffs]}), {d['tok_us']:+.2f} µs/token; ≤ {KV_BUDGET_US:g} µs/request: "
+          f"{'PASS' if ok else 'FAIL'}")
+    return d
+
+
+def print_comparisons(results: dict[str, Any]) -> None:
+    """The targets against dplb1 (when it ran)."""
+    if "dplb1" not in results:
+        return
+    one = results["dplb1"]
+    ok_req, ok_tok = one["req_us"] <= 220, one["tok_us"] <= 25
+    print(f"targets (1 process): µs/request ≤ 220: {'PASS' if ok_req else 'FAIL'} ({one['req_us']:.0f}); "
+          f"µs/token ≤ 25: {'PASS' if ok_tok else 'FAIL'} ({one['tok_us']:.1f})")
+    if "dplb2" in results:
+        two = results["dplb2"]
+        print(f"2 processes / 1: requests/s {two['req_s'] / one['req_s']:.2f}x, tokens/s "
+              f"{two['tok_s'] / one['tok_s']:.2f}x (target ≥ 1.6x when client and workers have spare CPU)")
+    if "sglang" in results:
+        s = results["sglang"]
+        print(f"DPLB / SGLang router CPU: per request {one['req_us'] / s['req_us']:.2f}x, per token "
+              f"{one['tok_us'] / s['tok_us']:.2f}x")
+    if "dplb1asgi" in results:
+        a = results["dplb1asgi"]
+        print(f"direct relay / ASGI path (--no-direct-relay) router CPU: per request "
+              f"{one['req_us'] / a['req_us']:.2f}x, per token {one['tok_us'] / a['tok_us']:.2f}x")
+
+
 def main() -> int:
-    if len(sys.argv) == 4 and sys.argv[1] == "--_client":
+    if len(sys.argv) >= 4 and sys.argv[1] == "--_client":
+        nums = [int(x) for x in sys.argv[2:]]
         try:
             import uvloop
 
-            uvloop.run(_client_main(int(sys.argv[2]), int(sys.argv[3])))
+            uvloop.run(_client_main(*nums))
         except ImportError:  # pragma: no cover
-            asyncio.run(_client_main(int(sys.argv[2]), int(sys.argv[3])))
+            asyncio.run(_client_main(*nums))
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 round, small phases")
     ap.add_argument("--targets", default="dplb1,dplb2,sglang",
-                    help="comma list of dplb1, dplb2, sglang, dplb1asgi (dplb1 with --no-direct-relay)")
-    ap.add_argument("--workers", type=int, default=2, help="sim workers per target")
+                    help="comma list of dplb1, dplb2, sglang, dplb1asgi (dplb1 with --no-direct-relay), dplb1kv, "
+                    "dplb1kvsent (KV events on / off, see above)")
+    ap.add_argument("--workers", type=int, help="sim workers per target (default 2; the KV targets 8)")
     ap.add_argument("--clients", type=int, default=1, help="client processes")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--requests", type=int, default=1200, help="one-token requests per round")
     ap.add_argument("--streams", type=int, default=600, help="SSE streams per round")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per stream")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=1, help="run the targets this many times, alternated; medians")
+    ap.add_argument("--prompt-words", type=int, default=256, help="words per prompt of the KV targets")
+    ap.add_argument("--prompt-pool", type=int, default=512, help="distinct prompts the KV targets send in turn")
+    ap.add_argument("--kv-cache-blocks", type=int, default=256, help="the KV targets' sim prefix cache, blocks")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
     targets = args.targets.split(",")
     if args.quick:
         args.rounds, args.requests, args.streams = 1, 600, 100
-    results: dict[str, Any] = {}
-    for t in targets:
-        if t == "dplb2" and not dplb_has_processes():
-            print("dplb2: skipped (`dplb router --help` lists no --processes)")
-            continue
-        if t == "sglang" and shutil.which("sglang-router", path=os.path.dirname(sys.executable)) is None:
-            try:
-                import sglang_router  # noqa: F401
-            except ImportError:
-                print("sglang: skipped (pip install sglang-router)")
-                continue
-        ctx = sglang_target(args.workers) if t == "sglang" else \
-            dplb_target(args.workers, 2 if t == "dplb2" else 1, ("--no-direct-relay",) if t == "dplb1asgi" else ())
-        with ctx as (port, pid, wpids):
-            results[t] = measure(port, pid, wpids, args)
-        r = results[t]
-        print(f"--- {t}: router CPU {r['req_us']:.0f} µs/request, {r['tok_us']:.1f} µs/streamed token "
-              f"({r['tok_marginal_us']:.1f} beyond the request); {r['req_s']:.0f} requests/s, {r['tok_s']:.0f} "
-              f"tokens/s ({r['tokens_per_stream']:.1f} tokens/stream)")
-        print(f"    one router core's worth at that CPU cost: {1e6 / r['req_us']:.0f} requests/s, "
-              f"{1e6 / r['tok_us']:.0f} tokens/s")
-        print(f"    cores used (of {r['cores']}), one-token phase: router {r['req_router_cores']:.2f}, workers "
-              f"{r['req_worker_cores']:.2f}, client {r['req_client_cores']:.2f}; streaming phase: router "
-              f"{r['tok_router_cores']:.2f}, workers {r['tok_worker_cores']:.2f}, client {r['tok_client_cores']:.2f}")
-        print(f"    per round µs/request {[round(x) for x in r['req_us_all']]}, µs/token "
-              f"{[round(x, 1) for x in r['tok_us_all']]}")
-    if "dplb1" in results:
-        one = results["dplb1"]
-        ok_req, ok_tok = one["req_us"] <= 220, one["tok_us"] <= 25
-        print(f"targets (1 process): µs/request ≤ 220: {'PASS' if ok_req else 'FAIL'} ({one['req_us']:.0f}); "
-              f"µs/token ≤ 25: {'PASS' if ok_tok else 'FAIL'} ({one['tok_us']:.1f})")
-        if "dplb2" in results:
-            two = results["dplb2"]
-            print(f"2 processes / 1: requests/s {two['req_s'] / one['req_s']:.2f}x, tokens/s "
-                  f"{two['tok_s'] / one['tok_s']:.2f}x (target ≥ 1.6x when client and workers have spare CPU)")
-        if "sglang" in results:
-            s = results["sglang"]
-            print(f"DPLB / SGLang router CPU: per request {one['req_us'] / s['req_us']:.2f}x, per token "
-                  f"{one['tok_us'] / s['tok_us']:.2f}x")
-        if "dplb1asgi" in results:
-            a = results["dplb1asgi"]
-            print(f"direct relay / ASGI path (--no-direct-relay) router CPU: per request "
-                  f"{one['req_us'] / a['req_us']:.2f}x, per token {one['tok_us'] / a['tok_us']:.2f}x")
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for i in range(max(1, args.repeat)):
+        if args.repeat > 1:
+            print(f"##### run {i + 1} of {args.repeat}")
+        for t in targets:
+            r = run_target(t, args)
+            if r is not None:
+                runs.setdefault(t, []).append(r)
+    results: dict[str, Any] = {t: combine(rs) for t, rs in runs.items()}
+    print_repeats(results)
+    print_comparisons(results)
+    diff = kv_difference(results)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({**results, "kv_minus_kvsent": diff} if diff else results, f, indent=1)
     return 0
 
 

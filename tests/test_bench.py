@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import random
+import statistics
 import subprocess
 import sys
 
@@ -343,6 +344,29 @@ def test_capacity_bench_quick(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert res["tokens_per_stream"] == 64
     assert 0 < res["req_us"] < 10_000 and 0 < res["tok_us"] < 1_000
     assert "µs/request" in r.stdout
+
+
+def test_capacity_bench_kv_targets(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """benchmarks/bench_capacity.py's KV-event targets, tiny (8 workers, 200 requests, 2 runs alternated, ~20 s):
+    dplb1kv's 8 workers publish their engines' KV events into the rings the router drains and dplb1kvsent's
+    publish none; both report router CPU per request, the medians over the runs and the kv − kvsent difference."""
+    out = tmp_path / "kv.json"
+    r = subprocess.run([sys.executable, f"{ROOT}/benchmarks/bench_capacity.py", "--targets", "dplb1kv,dplb1kvsent",
+                        "--requests", "200", "--streams", "20", "--tokens", "4", "--rounds", "1", "--repeat", "2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    kv, sent, diff = res["dplb1kv"], res["dplb1kvsent"], res["kv_minus_kvsent"]
+    for t in (kv, sent):
+        assert len(t["runs"]) == 2 and t["workers"] == 8
+        # 80 streamed tokens may cost under one 10 ms tick of router CPU: tok_us may be 0
+        assert 0 < t["req_us"] < 10_000 and 0 <= t["tok_us"] < 1_000 and t["tokens_per_stream"] == 4
+    assert kv["kv_event_workers"] == 8 and kv["kv_ring_entries"] > 200  # the engines stored and evicted blocks
+    assert sent["kv_event_workers"] == 0 and sent["kv_ring_entries"] == 0
+    assert len(diff["req_us_all"]) == 2
+    assert diff["req_us"] == pytest.approx(statistics.median(
+        a["req_us"] - b["req_us"] for a, b in zip(kv["runs"], sent["runs"], strict=True)))
+    assert "kv − kvsent" in r.stdout and "=== dplb1kv, 2 runs" in r.stdout
 
 
 def test_multi_turn_run_sends_one_session_header_per_conversation(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -168,6 +168,42 @@ def test_prefix_scorer(queues: list[int], whys: list[str], prompt: bytes | None,
         assert s.inputs(cs[0], c)["prefix_matched_blocks"] == lo
 
 
+COST = [  # (queue per worker, why per worker, prompt, want terms): --scorer-param prefix.score=cost
+    # Dynamo's cost (n − matched) + queue·n; the lowest eligible cost → 1, the highest → 0
+    ([0, 0, 0], ["ok"] * 3, NEXT, lambda n, lo, h: [0.0, 1.0, 0.0]),
+    # one queued request costs the whole prompt: more than worker 1's history saves, so it is now the worst
+    ([0, 1, 0], ["ok"] * 3, NEXT, lambda n, lo, h: [1.0, 0.0, 1.0]),
+    # in between: worker 2's cost n − lo against worker 0's 3n − lo (hi) and worker 1's n − h (lo)
+    ([2, 0, 0], ["ok"] * 3, NEXT, lambda n, lo, h: [0.0, 1.0, 2 * n / (2 * n - lo + h)]),
+    # the spill rule kept: the best worker's term times its headroom 1 − 2/16
+    ([4, 2, 4], ["ok"] * 3, NEXT, lambda n, lo, h: [0.0, 1 - 2 / 16, 0.0]),
+    # an ineligible worker neither sets the highest cost nor gets a term beyond it
+    ([9, 0, 0], ["stale", "ok", "ok"], NEXT, lambda n, lo, h: [0.0, 1.0, 0.0]),
+    # nobody matches more than the rest: no prefix preference, whatever the queues (the queue term decides)
+    ([0, 3, 0], ["ok"] * 3, chat(SYSTEM, "fresh " * 60), lambda n, lo, h: [0.0, 0.0, 0.0]),
+    ([0, 0, 0], ["ok"] * 3, None, lambda n, lo, h: [0.0, 0.0, 0.0]),
+]
+
+
+@pytest.mark.parametrize(("queues", "whys", "prompt", "want"), COST)
+def test_prefix_cost_score(queues: list[int], whys: list[str], prompt: bytes | None, want: object) -> None:
+    s = primed(params=(("prefix", "score", "cost"),))
+    cs = [cand(k, run=q, why=w) for k, (q, w) in enumerate(zip(queues, whys, strict=True))]
+    c = ctx(prompt=prompt, scorer=s)
+    n, lo, h = len(keys(NEXT)), 9, len(keys(HISTORY))
+    assert s.score(cs, c) == pytest.approx(want(n, lo, h))  # type: ignore[operator]
+    if prompt == NEXT:
+        assert c.request.preferred == 1  # the outcome (hit/spill) is still judged against the longest match
+
+
+def test_cost_score_is_off_by_default() -> None:
+    """The default score is ``match``: with one queued request on worker 1 it still prefers its history."""
+    s = primed()
+    cs = [cand(0), cand(1, run=1), cand(2)]
+    terms = s.score(cs, ctx(prompt=NEXT, scorer=s))
+    assert terms[1] > 0.0 and terms[0] == terms[2] == 0.0
+
+
 def test_ineligible_workers_do_not_set_the_floor_or_the_preference() -> None:
     s = primed()
     cs = [cand(0), cand(1, why="draining"), cand(2)]
@@ -285,6 +321,8 @@ PARAMS = [  # (scorer, params, attribute read back, want) — each parameter typ
     (PrefixScorer, (), "ttl_s", 300.0),
     (PrefixScorer, (("prefix", "ttl_s", "5"),), "ttl_s", 5.0),
     (PrefixScorer, (("prefix", "index_blocks", "10"),), "index_blocks", 10),
+    (PrefixScorer, (), "score", "match"),
+    (PrefixScorer, (("prefix", "score", "cost"),), "score", "cost"),
     (PrefixScorer, (("queue", "waiting_weight", "4"),), "block_bytes", 128),  # another plugin's: not ours
 ]
 
@@ -314,6 +352,7 @@ BAD_PARAMS = [  # (params, words of the one-line error)
     ((("prefix", "ttl_s", "-1"),), "prefix.ttl_s must be a finite number, > 0 seconds"),
     ((("prefix", "max_blocks", "2000"),), "1..1024 blocks"),
     ((("memory", "signal", "nvml"),), "memory.signal must be one of kv, gpu"),
+    ((("prefix", "score", "dynamo"),), "prefix.score must be one of match, cost"),
     ((("latency", "deadband", "1.5"),), "a fraction in [0, 1)"),
     ((("prefix", "size", "1"),), "prefix has no parameter 'size'; its parameters: block_bytes (an integer"),
 ]
@@ -333,10 +372,13 @@ def test_builtin_scorers_stay_in_the_unit_interval() -> None:
     rng = random.Random(7)
     n = 6
     scorers = [cls(PolicyConfig(), n) for cls in (QueueScorer, MemoryScorer, LatencyScorer, PrefixScorer)]
+    scorers.append(PrefixScorer(PolicyConfig(params=(("prefix", "score", "cost"),)), n))
     assert all(s.bounded for s in scorers)
-    prefix = scorers[-1]
+    prefix = scorers[-2]
     for k in range(n):
-        prefix.index.record(keys(chat(SYSTEM, "turn one " * rng.randint(0, 60))), k, NOW)  # type: ignore[attr-defined]
+        history = keys(chat(SYSTEM, "turn one " * rng.randint(0, 60)))
+        for p in scorers[-2:]:
+            p.index.record(history, k, NOW)  # type: ignore[attr-defined]
     for _ in range(300):
         cs = [cand(k, run=rng.randint(0, 40), wait=rng.randint(0, 40), corr=rng.randint(0, 5),
                    kv=rng.uniform(-0.5, 1.5), lat=rng.choice([0.0, rng.uniform(0, 200)]),

@@ -31,6 +31,15 @@ defaults). Table-driven tests: tests/test_scorers.py.
   second worker instead of queueing. With the default weights (queue 0.3, prefix 0.3, max_queue 16) a full-match worker
   keeps winning against an idle one while ``(0.3 + 0.3)·(1 − q/16) > 0.3``, i.e. up to 8 queued requests; see
   tests/test_scorers.py::test_hot_prefix_spills.
+  ``score="cost"`` (``--scorer-param prefix.score=cost``; default ``match``, above) uses NVIDIA Dynamo's KV-router cost
+  instead of the match ratio (docs.nvidia.com/dynamo, Router → "Routing Concepts", "Cost Calculation": cost =
+  ``overlap_score_weight`` · prefill blocks + decode blocks, the lowest cost wins; weight 1 here, Dynamo's default):
+  ``cost = (blocks − matched) + queue · blocks`` in prompt blocks, i.e. the uncached prompt blocks this worker must
+  prefill plus its active blocks, approximated as its queue (the same ``queue`` as above) times this prompt's blocks
+  (the router knows no other request's length). Mapped to [0, 1], higher better, among the eligible workers:
+  ``(max_cost − cost)/(max_cost − min_cost)``, times the same headroom factor (the spill rule kept), and 0 for all
+  when nobody matches more than the rest (the queue term carries load alone then) or the costs tie. One queued
+  request weighs as much as the whole prompt uncached, so this term leans to load far more than ``match``.
 """
 
 from __future__ import annotations
@@ -220,6 +229,9 @@ class PrefixScorer(Scorer):
                    "for the others; sent: the sent-bytes index for every worker"),
         Param("speculative_ttl_s", float, default=SPECULATIVE_TTL_S, check=lambda v: v > 0, expect="> 0 seconds",
               help="an event-fed worker counts a block it was sent but has not confirmed for this long"),
+        Param("score", str, default="match", choices=("match", "cost"),
+              help="match: the distinguishing matched share of the prompt; cost: NVIDIA Dynamo's KV-router cost "
+                   "(uncached prompt blocks + queue × prompt blocks, lower is better)"),
     )
 
     def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
@@ -229,6 +241,7 @@ class PrefixScorer(Scorer):
         self.max_blocks: int = p["max_blocks"]
         self.index = PrefixIndex(p["index_blocks"], p["ttl_s"], num_workers, p["speculative_ttl_s"])
         self.follow_engines = p["truth"] == "events"
+        self.cost = p["score"] == "cost"
 
     def prepare(self, request: RouteRequest) -> None:
         blocks = block_hashes(request.prompt, self.block_bytes, self.max_blocks)
@@ -259,6 +272,8 @@ class PrefixScorer(Scorer):
         span = len(blocks) - lo
         cfg = self.cfg
         mq = 0 if cfg.max_queue_from_worker else cfg.max_queue
+        if self.cost:
+            return self._cost_terms(cands, depth, len(blocks), mq)
         out = []
         for c in cands:
             d = depth[c.worker_id]
@@ -267,6 +282,23 @@ class PrefixScorer(Scorer):
                 continue
             head = 1.0 - c.queue / (mq or max_queue_of(c.state, cfg))
             out.append((d - lo) / span * head if head > 0.0 else 0.0)
+        return out
+
+    def _cost_terms(self, cands: list[Candidate], depth: list[int], n: int, mq: int) -> list[float]:
+        """The ``score="cost"`` terms (module docstring): Dynamo's cost ``(n − matched) + queue·n`` in blocks for a
+        prompt of ``n`` blocks, scaled so the eligible workers' lowest cost is 1 and their highest 0, times the
+        headroom ``1 − queue/max_queue`` (``mq``: the cap, 0 = each worker's own); all 0 when the costs tie."""
+        costs = [n - depth[c.worker_id] + c.queue * n for c in cands]
+        elig = [k for c, k in zip(cands, costs, strict=True) if c.why is OK]
+        hi, lo = max(elig), min(elig)
+        if hi == lo:
+            return [0.0] * len(cands)
+        cfg = self.cfg
+        out = []
+        for c, k in zip(cands, costs, strict=True):
+            head = 1.0 - c.queue / (mq or max_queue_of(c.state, cfg))
+            t = (hi - k) / (hi - lo) * head if head > 0.0 and k < hi else 0.0
+            out.append(1.0 if t > 1.0 else t)  # an ineligible worker may cost less than the eligible ones
         return out
 
     def inputs(self, c: Candidate, ctx: PickContext) -> dict[str, Any]:
