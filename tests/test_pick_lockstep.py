@@ -40,7 +40,9 @@ def _config(rng: random.Random) -> PolicyConfig:
         raw = [rng.choice((0.0, 0.1, 0.25, 0.3, 1.0, 2.5)) for _ in names]
         raw[0] += 0.5  # weights sum to 1
         weights = tuple((n, w / sum(raw)) for n, w in zip(names, raw, strict=True))
-    return PolicyConfig(
+    prefix_on = weights is None or any(n == "prefix" for n, _ in weights)
+    params = (("prefix", "score", rng.choice(("match", "match", "cost"))),) if prefix_on else ()
+    return PolicyConfig(params=params,
         name=rng.choice(("dplb",) * 5 + ("least_loaded", "power_of_two", "prefix_hash", "round_robin", "random")),
         weights=weights, max_queue=rng.choice((1, 4, 16, 32)), max_queue_from_worker=rng.random() < 0.15,
         hard_queue_cap=rng.choice((0, 0, 0, 3, 8)), memory_signal=rng.choice(("kv", "kv", "gpu")),

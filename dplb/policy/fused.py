@@ -4,7 +4,8 @@ Contract
 - :meth:`FusedScores.of` returns a :class:`FusedScores` when the configured scorers are exactly the built-in
   ``queue, memory, latency`` or ``queue, memory, latency, prefix`` (the defaults, :data:`dplb.config.SEED_WEIGHTS`
   and :data:`~dplb.config.PREFIX_WEIGHTS`), of exactly these classes (not subclasses), in that order, with the
-  queue term's plain form (``waiting_weight`` 1, ``max_queue_from_worker`` off); None otherwise, and the policy
+  queue term's plain form (``waiting_weight`` 1, ``max_queue_from_worker`` off) and the prefix term's match form
+  (not ``score="cost"``); None otherwise, and the policy
   then runs each scorer's own ``score`` (the general path, any scorer set).
 - :meth:`FusedScores.score` returns the same columns as the scorers' ``score`` methods (equal floats: every term
   is computed by the same expression in the same order, and each sum by ``sum()`` over the same values in the same
@@ -58,6 +59,8 @@ class FusedScores:
             return None
         p = scorers[3] if len(scorers) == 4 else None
         assert p is None or isinstance(p, PrefixScorer)
+        if p is not None and p.cost:  # the cost form of the prefix term has only the general path
+            return None
         return FusedScores(q, m, lat, p, weights)
 
     def score(self, cands: list[Candidate], ctx: PickContext) -> list[list[float]]:
