@@ -547,15 +547,17 @@ def print_comparisons(results: dict[str, Any]) -> None:
         two = results["dplb2"]
         print(f"2 processes / 1: requests/s {two['req_s'] / one['req_s']:.2f}x, tokens/s "
               f"{two['tok_s'] / one['tok_s']:.2f}x (target ≥ 1.6x when client and workers have spare CPU)")
-    if "sglang" in results:
-        s = results["sglang"]
-        print(f"DPLB / SGLang router CPU: per request {one['req_us'] / s['req_us']:.2f}x, per token "
-              f"{one['tok_us'] / s['tok_us']:.2f}x")
-    if "dplb1asgi" in results:
-        a = results["dplb1asgi"]
-        print(f"direct relay / ASGI path (--no-direct-relay) router CPU: per request "
-              f"{one['req_us'] / a['req_us']:.2f}x, per token {one['tok_us'] / a['tok_us']:.2f}x")
+    for other, label in (("sglang", "DPLB / SGLang router CPU"),
+                         ("dplb1asgi", "direct relay / ASGI path (--no-direct-relay) router CPU")):
+        if other in results:
+            o = results[other]
+            print(f"{label}: per request {_ratio(one['req_us'], o['req_us'])}, per token "
+                  f"{_ratio(one['tok_us'], o['tok_us'])}")
 
+
+def _ratio(a: float, b: float) -> str:
+    """``a / b`` as ``1.23x``; ``n/a`` when ``b`` is 0 (a figure under the CPU clock's 10 ms tick)."""
+    return f"{a / b:.2f}x" if b else "n/a"
 
 def main() -> int:
     if len(sys.argv) >= 4 and sys.argv[1] == "--_client":
