@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,21 @@ def compiled_modules() -> list[str]:
     return [m for m in HOT_MODULES if _origin(m).endswith(suffixes)]
 
 
+def stale_modules() -> list[str]:
+    """The compiled entries of :data:`HOT_MODULES` whose ``.py`` file changed after their extension module was
+    built (by modification time): the extension runs the old code until ``scripts/build_native.sh`` runs again."""
+    out = []
+    for m in compiled_modules():
+        so = _origin(m)
+        py = os.path.join(os.path.dirname(so), m.rsplit(".", 1)[-1] + ".py")
+        try:
+            if os.stat(py).st_mtime > os.stat(so).st_mtime:
+                out.append(m)
+        except OSError:  # no source next to it (an installed build): nothing to compare
+            continue
+    return out
+
+
 def build_label() -> str:
     """``"true"`` when every hot module is compiled, ``"false"`` when none is, ``"partial"`` otherwise (a build
     that failed half way, or ``.so`` files left from another source tree)."""
@@ -67,6 +83,13 @@ def build_label() -> str:
 
 
 def describe() -> str:
-    """One line for the router's start-up log: ``"compiled (26/26 hot modules)"`` or ``"pure Python"``."""
+    """One line for the router's start-up log: ``"compiled (26/26 hot modules)"`` or ``"pure Python"``; a build
+    older than its source says so (``"compiled (26/26 hot modules; 2 older than their .py: dplb.policy.core, …;
+    rebuild with scripts/build_native.sh)"``)."""
     n = len(compiled_modules())
-    return "pure Python" if n == 0 else f"compiled ({n}/{len(HOT_MODULES)} hot modules)"
+    if n == 0:
+        return "pure Python"
+    stale = stale_modules()
+    extra = (f"; {len(stale)} older than their .py: {', '.join(stale)}; rebuild with scripts/build_native.sh"
+             if stale else "")
+    return f"compiled ({n}/{len(HOT_MODULES)} hot modules{extra})"
