@@ -38,3 +38,14 @@ def test_calls_per_request_under_cprofile() -> None:
     assert 50 < float(fig["calls_per_request"]) < 5000, fig  # type: ignore[arg-type]
     top = fig["top"]
     assert isinstance(top, list) and len(top) == 5 and all(n > 0 for _, n in top), top
+
+
+def test_kv_events_workload_counts_ring_entries() -> None:
+    """``--kv events``: bench_capacity's KV-target workload (8 workers, a small prefix cache, long prompts from a pool)
+    with the router following the engines' events: the workers published KV-ring entries in the counted window."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        pytest.skip("valgrind with callgrind_control is not installed (apt-get install valgrind)")
+    fig = _run("--kv", "events")
+    assert fig["workers"] == 8 and fig["kv"] == "events", fig
+    assert float(fig["kv_entries_per_request"]) > 0, fig  # type: ignore[arg-type]
+    assert 100e3 < float(fig["ir_per_request"]) < 3e6, fig  # type: ignore[arg-type]
