@@ -14,6 +14,12 @@ What it does
   trees in alternating runs on the same box, and read both figures.
 - Requests: ``POST /v1/completions`` with ``max_tokens`` ``--tokens`` (1: a plain JSON answer; more: an SSE stream,
   and the figure per streamed token is printed too: per request ÷ tokens).
+- ``--kv events|sent``: the workload of ``bench_capacity.py``'s KV targets (``KV_TARGETS``: ``dplb1kv`` /
+  ``dplb1kvsent``): ``--workers`` sim workers (8 unless given) with a ``--kv-cache-blocks`` prefix cache (256),
+  publishing their KV events and the router's index following them (``events``), or ``--no-kv-events`` and
+  ``prefix.truth=sent`` (``sent``); the prompts are ``bench_capacity.prompts`` (``--prompt-words`` 256 from a pool
+  of ``--prompt-pool`` 512). The KV-ring entries the workers published during the measured window (the ring heads,
+  ``bench_capacity.kv_ring_heads``) are printed per request: what the router drained and applied.
 - ``--profile``: no valgrind; the router runs under cProfile toggled by SIGUSR2 (this script's ``--_profiled``
   wrapper), the same two windows, and it prints Python function calls per request and the functions with the most.
 
@@ -23,8 +29,8 @@ Output: one line ``instructions/request: <k> k`` (and ``per token``; the gross f
 does not come up raises (exit status 1); valgrind missing: exit status 2 with a message.
 
 Usage: ``python benchmarks/bench_instructions.py [--requests 1000] [--tokens 1] [--router-flag=--no-direct-relay]
-[--profile] [--json]``. A 1,000-request run takes ~15–30 s on a 2-core box (nothing is instrumented until the
-warm-up is over).
+[--kv events|sent] [--workers N] [--profile] [--json]``. A 1,000-request run takes ~15–30 s on a 2-core box
+(nothing is instrumented until the warm-up is over); ``--kv`` with 2,000 requests after 600, ~50 s.
 """
 
 from __future__ import annotations
@@ -57,8 +63,10 @@ _READY_S = 300.0  # a router under valgrind takes a minute or more to import and
 
 # ---- the router under a tool --------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def stack(prefix: list[str], flags: list[str], env: dict[str, str] | None = None) -> Iterator[Any]:
-    """2 fast sim workers and a router run as ``prefix + python -m dplb.cli router ...``; yields the Cluster."""
+def stack(prefix: list[str], flags: list[str], env: dict[str, str] | None = None, workers: int = 2,
+          worker_flags: tuple[str, ...] = ()) -> Iterator[Any]:
+    """``workers`` fast sim workers (``FAST_SIM`` + ``worker_flags``) and a router run as ``prefix + python -m
+    dplb.cli router ...``; yields (the Cluster, its temporary directory)."""
     import httpx
     from bench_capacity import FAST_SIM
     from cluster import Cluster, dplb_cmd, free_port
@@ -68,12 +76,12 @@ def stack(prefix: list[str], flags: list[str], env: dict[str, str] | None = None
     tmp = tempfile.mkdtemp(prefix="dplb-instr-")
     run_dir = os.path.join(tmp, "run")
     os.makedirs(run_dir, mode=0o700)
-    c = Cluster(run_dir=run_dir, shm_path=f"/dev/shm/dplb_instr_{uuid.uuid4().hex[:10]}", num_workers=2)
-    c.segment = Segment.create(c.shm_path, 2, state_interval_ms=200, model="dplb-sim")
+    c = Cluster(run_dir=run_dir, shm_path=f"/dev/shm/dplb_instr_{uuid.uuid4().hex[:10]}", num_workers=workers)
+    c.segment = Segment.create(c.shm_path, workers, state_interval_ms=200, model="dplb-sim")
     try:
-        for k in range(2):
-            c.start_worker(k, *FAST_SIM, wait=False)
-        for k in range(2):
+        for k in range(workers):
+            c.start_worker(k, *FAST_SIM, *worker_flags, wait=False)
+        for k in range(workers):
             c.wait_ready(k)
         c.port = free_port()
         log = open(os.path.join(run_dir, "router.log"), "ab")  # noqa: SIM115 - the process owns it
@@ -106,23 +114,38 @@ def _phase(clients: Any, n: int, tokens: int) -> float:
     return time.monotonic() - t0
 
 
-def windows(c: Any, a: argparse.Namespace, mark: Any) -> tuple[float, float]:
-    """Warm up, then ``mark("start")``, the measured requests, ``mark("load")``, ``mark("start")``, an idle window
-    as long, ``mark("idle")``. Returns (load seconds, idle seconds)."""
-    from bench_capacity import Clients
+def kv_setup(a: argparse.Namespace) -> tuple[list[str], int, tuple[str, ...], int]:
+    """(router flags, workers, worker flags, prompt words) of ``a``: ``--kv`` takes ``bench_capacity.KV_TARGETS``'s
+    flags and the KV targets' prompts; without it, 2 workers (unless ``--workers``) and the short prompt."""
+    from bench_capacity import KV_TARGETS
 
-    clients = Clients(c.port, 1, a.concurrency)
+    if a.kv is None:
+        return list(a.router_flag), a.workers or 2, (), 0
+    flags, wflags = KV_TARGETS["dplb1kv" if a.kv == "events" else "dplb1kvsent"]
+    return ([*flags, *a.router_flag], a.workers or 8,
+            (*wflags, "--sim-prefix-cache-blocks", str(a.kv_cache_blocks)), a.prompt_words)
+
+
+def windows(c: Any, a: argparse.Namespace, mark: Any, words: int = 0) -> tuple[float, float, int]:
+    """Warm up, then ``mark("start")``, the measured requests (prompts of ``words`` words from ``a.prompt_pool``,
+    ``bench_capacity.prompts``), ``mark("load")``, ``mark("start")``, an idle window as long, ``mark("idle")``.
+    Returns (load seconds, idle seconds, KV-ring entries the workers published during the load window)."""
+    from bench_capacity import Clients, kv_ring_heads
+
+    clients = Clients(c.port, 1, a.concurrency, words, a.prompt_pool)
     try:
         _phase(clients, a.warmup, a.tokens)
         mark("start")
+        e0 = kv_ring_heads(c.shm_path, c.num_workers)[0]
         load_s = _phase(clients, a.requests, a.tokens)
+        entries = kv_ring_heads(c.shm_path, c.num_workers)[0] - e0
         mark("load")
         mark("start")
         time.sleep(load_s)
         mark("idle")
     finally:
         clients.close()
-    return load_s, load_s
+    return load_s, load_s, entries
 
 
 # ---- callgrind ------------------------------------------------------------------------------------------------------
@@ -153,7 +176,8 @@ def count_instructions(a: argparse.Namespace) -> dict[str, float]:
               f"--callgrind-out-file={out_dir}/callgrind.out.%p"]
     totals: dict[str, int] = {}
     try:
-        with stack(prefix, a.router_flag) as (c, _):
+        flags, workers, wflags, words = kv_setup(a)
+        with stack(prefix, flags, workers=workers, worker_flags=wflags) as (c, _):
             pid = c.router.pid
             seen = {p for p in glob.glob(os.path.join(out_dir, "*"))}
             state = {"on": False}
@@ -168,7 +192,7 @@ def count_instructions(a: argparse.Namespace) -> dict[str, float]:
                     _control(pid, "-d")
                     totals[what] = _dump_total(out_dir, pid, seen)
 
-            load_s, idle_s = windows(c, a, mark)
+            load_s, idle_s, entries = windows(c, a, mark, words)
     finally:
         if a.keep_dumps:
             shutil.copytree(out_dir, a.keep_dumps, dirs_exist_ok=True)
@@ -176,7 +200,8 @@ def count_instructions(a: argparse.Namespace) -> dict[str, float]:
     per_req = (totals["load"] - totals["idle"]) / a.requests
     return {"requests": a.requests, "tokens": a.tokens, "ir_load": totals["load"], "ir_idle": totals["idle"],
             "load_s": load_s, "idle_s": idle_s, "ir_per_request": per_req, "ir_per_token": per_req / a.tokens,
-            "ir_gross_per_request": totals["load"] / a.requests}
+            "ir_gross_per_request": totals["load"] / a.requests, "workers": workers, "kv": a.kv,
+            "kv_ring_entries": entries, "kv_entries_per_request": entries / a.requests}
 
 
 # ---- cProfile -------------------------------------------------------------------------------------------------------
@@ -209,7 +234,8 @@ def count_calls(a: argparse.Namespace) -> dict[str, Any]:
     out = os.path.join(tempfile.mkdtemp(prefix="dplb-prof-"), "prof")
     prefix = [sys.executable, __file__, "--_profiled"]
     stats: dict[str, pstats.Stats] = {}
-    with stack(prefix, a.router_flag, env={"DPLB_PROFILE_OUT": out}) as (c, _):
+    flags, workers, wflags, words = kv_setup(a)
+    with stack(prefix, flags, env={"DPLB_PROFILE_OUT": out}, workers=workers, worker_flags=wflags) as (c, _):
         pid = c.router.pid
         k = [0]
 
@@ -224,7 +250,7 @@ def count_calls(a: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.2)  # written whole
                 stats[what] = pstats.Stats(path)
 
-        windows(c, a, mark)
+        windows(c, a, mark, words)
     if a.keep_dumps:
         shutil.copytree(os.path.dirname(out), a.keep_dumps, dirs_exist_ok=True)
     shutil.rmtree(os.path.dirname(out), ignore_errors=True)
@@ -247,6 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=1, help="max_tokens per request; > 1 streams (SSE) (1)")
     ap.add_argument("--router-flag", action="append", default=[], help="an extra router flag (repeatable), e.g. "
                     "--router-flag=--no-direct-relay")
+    ap.add_argument("--kv", choices=("events", "sent"), help="bench_capacity's KV-target workload: 8 workers with a "
+                    "small prefix cache, KV events on and the index following them (events) or --no-kv-events and "
+                    "prefix.truth=sent (sent), long prompts from a pool")
+    ap.add_argument("--workers", type=int, help="sim workers (2; with --kv 8)")
+    ap.add_argument("--prompt-words", type=int, default=256, help="with --kv: words per prompt (256)")
+    ap.add_argument("--prompt-pool", type=int, default=512, help="with --kv: distinct prompts sent in turn (512)")
+    ap.add_argument("--kv-cache-blocks", type=int, default=256, help="with --kv: the sim prefix cache, blocks (256)")
     ap.add_argument("--profile", action="store_true", help="cProfile calls per request instead of instructions")
     ap.add_argument("--top", type=int, default=15, help="with --profile: how many functions to list (15)")
     ap.add_argument("--keep-dumps", metavar="DIR", help="copy the dumps (load: .1, idle: .2) to DIR: callgrind's "
@@ -255,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.profile:
         r = count_calls(a)
-        print(f"calls/request: {r['calls_per_request']:.1f} ({a.requests} requests, {a.tokens} token(s), flags "
-              f"{a.router_flag or 'none'})")
+        print(f"calls/request: {r['calls_per_request']:.1f} ({a.requests} requests, {a.tokens} token(s), kv "
+              f"{a.kv or 'off'}, flags {a.router_flag or 'none'})")
         for name, n in r["top"]:
             print(f"  {n:8.2f}  {name}")
     else:
@@ -267,9 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         line = f"instructions/request: {r['ir_per_request'] / 1e3:.1f} k"
         if a.tokens > 1:
             line += f", per token: {r['ir_per_token'] / 1e3:.2f} k"
-        print(f"{line} ({a.requests} requests, {a.tokens} token(s), flags {a.router_flag or 'none'}; load window "
-              f"{r['load_s']:.1f} s, idle {r['ir_idle'] / 1e6:.1f} M of {r['ir_load'] / 1e6:.1f} M; without the "
-              f"idle window {r['ir_gross_per_request'] / 1e3:.1f} k)")
+        print(f"{line} ({a.requests} requests, {a.tokens} token(s), {r['workers']} workers, kv {a.kv or 'off'}, "
+              f"flags {a.router_flag or 'none'}; load window {r['load_s']:.1f} s, idle {r['ir_idle'] / 1e6:.1f} M of "
+              f"{r['ir_load'] / 1e6:.1f} M; without the idle window {r['ir_gross_per_request'] / 1e3:.1f} k)")
+        if a.kv:
+            print(f"KV-ring entries published in the load window: {r['kv_ring_entries']} "
+                  f"({r['kv_entries_per_request']:.1f} per request)")
     if a.json:
         print(json.dumps(r))
     return 0
