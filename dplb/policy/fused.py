@@ -26,7 +26,15 @@ from collections.abc import Sequence
 from dplb.policy.decision import OK, Candidate
 from dplb.policy.framework import PickContext, Scorer
 from dplb.policy.prefix import PrefixIndex
-from dplb.policy.scorers import LatencyScorer, MemoryScorer, PrefixScorer, QueueScorer, _Query, memory_ratio
+from dplb.policy.scorers import (
+    LatencyScorer,
+    MemoryScorer,
+    PrefixScorer,
+    QueueScorer,
+    _Query,
+    memory_ratio,
+    settle_latency,
+)
 
 
 class FusedScores:
@@ -113,24 +121,7 @@ class FusedScores:
                 elif d < lo:
                     lo = d
         if timed:
-            band = self.band
-            if band > 0.0 and len(tix) > 1:
-                mean = sum(lats) / len(lats)
-                tm = 1.0 - mean / b
-                tm = tm if tm > 0.0 else 0.0
-                lim = band * mean
-                for j, lat in zip(tix, lats, strict=True):
-                    if -lim <= lat - mean <= lim:
-                        lcol[j] = tm
-            if fill:
-                have = []
-                for c, t in zip(cands, lcol, strict=True):
-                    if t >= 0.0 and c.state.pid:
-                        have.append(t)
-                neutral = sum(have) / len(have) if have else 1.0
-                for j, t in enumerate(lcol):
-                    if t < 0.0:
-                        lcol[j] = neutral
+            settle_latency(cands, lcol, tix, lats, b, self.band, fill)
         else:
             lcol = [1.0] * len(cands)
         wq, wm, wl = self.weights[0], self.weights[1], self.weights[2]

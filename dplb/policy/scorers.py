@@ -139,6 +139,30 @@ class MemoryScorer(Scorer):
         return {"memory_ratio": memory_ratio(c, self.signal)}
 
 
+def settle_latency(cands: list[Candidate], terms: list[float], timed: list[int], lats: list[float], base: float,
+                   band: float, fill: bool) -> list[float]:
+    """The latency term's deadband and neutral fill (module docstring), in place on ``terms`` (one per candidate;
+    −1 marks a worker without a current sample) and returned. ``timed``/``lats``: the eligible workers with a
+    sample (indices into ``cands``) and their latencies, seconds; ``base``: the baseline, seconds; ``band``: the
+    deadband fraction; ``fill``: some term is −1. Shared by :class:`LatencyScorer` and the fused pass
+    (:mod:`dplb.policy.fused`), so both compute the same floats."""
+    if band > 0.0 and len(timed) > 1:
+        mean = sum(lats) / len(lats)
+        tm = 1.0 - mean / base
+        tm = tm if tm > 0.0 else 0.0
+        lim = band * mean
+        for j, lat in zip(timed, lats, strict=True):
+            if -lim <= lat - mean <= lim:  # |lat − mean| ≤ lim without a call
+                terms[j] = tm
+    if fill:  # every other term is ≥ 0
+        have = [t for c, t in zip(cands, terms, strict=True) if t >= 0.0 and c.state.pid]
+        neutral = sum(have) / len(have) if have else 1.0
+        for j, t in enumerate(terms):
+            if t < 0.0:
+                terms[j] = neutral
+    return terms
+
+
 class LatencyScorer(Scorer):
     """``1 − latency/baseline`` with neutral fill and a deadband (see the module docstring)."""
 
@@ -176,20 +200,7 @@ class LatencyScorer(Scorer):
                 if c.why is OK:
                     timed.append(i)
                     lats.append(lat)
-        band = self.deadband
-        if band > 0.0 and len(timed) > 1:
-            mean = sum(lats) / len(lats)
-            tm = 1.0 - mean / base
-            tm = tm if tm > 0.0 else 0.0
-            lim = band * mean
-            for j, lat in enumerate(lats):
-                if -lim <= lat - mean <= lim:  # |lat − mean| ≤ lim without a call
-                    out[timed[j]] = tm
-        if fill:  # every other term is ≥ 0
-            have = [t for c, t in zip(cands, out, strict=True) if t >= 0.0 and c.state.pid]
-            neutral = sum(have) / len(have) if have else 1.0
-            out = [neutral if t < 0.0 else t for t in out]
-        return out
+        return settle_latency(cands, out, timed, lats, base, self.deadband, fill)
 
     def inputs(self, c: Candidate, ctx: PickContext) -> dict[str, Any]:
         return {"latency_s": self.signal(c), "latency_signal": self.cfg.latency_signal, "baseline_s": ctx.baseline_s}
