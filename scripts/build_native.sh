@@ -6,8 +6,9 @@
 #
 # The modules are dplb.native.HOT_MODULES. Python's import system loads dplb/x/y.*.so instead of dplb/x/y.py when
 # both are there, so the .so files must be rebuilt (or removed) after any change to those .py files: a stale .so
-# runs old code. Besides them mypyc writes one shared library at the repository root (<hash>__mypyc.*.so), which
-# the repository root on sys.path (an editable install, or PYTHONPATH) makes importable.
+# runs old code. Besides them mypyc writes one shared library, built as dplb/_hot__mypyc.*.so (group name
+# dplb._hot) so that it is importable wherever dplb is (an editable install maps the package, not the repository
+# root: a shared library at the root made every dplb command fail to import).
 # Needs mypy (which ships mypyc; `pip install mypy`, or the `native` extra) and a C compiler. PYTHON picks the
 # interpreter (default: .venv/bin/python if present, else python3); the .so files only load in that Python version.
 set -euo pipefail
@@ -39,7 +40,16 @@ mapfile -t FILES < <(PYTHONPATH="$ROOT" "$PYTHON" -c \
     "from dplb.native import HOT_MODULES; print('\n'.join(m.replace('.', '/') + '.py' for m in HOT_MODULES))")
 clean >/dev/null   # no stale .so of a module that is no longer in the list
 # mypyc type-checks the modules first (as mypy does: errors stop the build), then builds with setuptools.
-"$PYTHON" -m mypyc "${FILES[@]}" 2>&1 | grep -v -E '^(gcc|building|copying|creating|running) |Treating generator' || true
+"$PYTHON" - "${FILES[@]}" <<'PY' 2>&1 | grep -v -E '^(gcc|building|copying|creating|running) |Treating generator' || true
+import sys
+
+from mypyc.build import mypycify
+from setuptools import setup
+
+files = sys.argv[1:]
+sys.argv = [sys.argv[0], "build_ext", "--inplace"]
+setup(name="dplb-hot-path", ext_modules=mypycify(files, group_name="dplb._hot"))
+PY
 n=$(PYTHONPATH="$ROOT" "$PYTHON" -c "from dplb import native; print(len(native.compiled_modules()))")
 total=${#FILES[@]}
 if [[ "$n" != "$total" ]]; then
