@@ -23,20 +23,8 @@ from dplb.router.state import RouterState
 from dplb.router.tenancy import Gate, Ticket
 from dplb.state.router_slots import RouterSlots
 from dplb.state.shm import Lifecycle, Segment, WorkerState
-from dplb.tenants import hash_key
+from tests.test_tenants_cluster import write_tenants
 
-TENANTS = f"""
-[priorities]
-order = ["interactive", "batch"]
-
-[tenants.chat]
-api_key_sha256 = ["{hash_key('chat-key')}"]
-priority = "interactive"
-
-[tenants.batch]
-api_key_sha256 = ["{hash_key('batch-key')}"]
-priority = "batch"
-"""
 SLOTS = 2  # the worker's max_num_seqs: the room the pump grants from
 
 
@@ -46,9 +34,8 @@ def group(shm_path: str, tmp_path: Path) -> Iterator[tuple[Gate, RouterSlots, Se
     seg = Segment.create(shm_path, 1)
     seg.writer(0).publish_now(WorkerState(0, pid=os.getpid(), lifecycle=Lifecycle.READY,
                                           heartbeat_mono_ns=time.monotonic_ns(), max_num_seqs=SLOTS))
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(TENANTS)
-    cfg = RouterConfig(PolicyConfig(), run_dir=str(tmp_path), shm_path=shm_path, tenants_file=str(tenants))
+    tenants = write_tenants(tmp_path / "tenants.toml")  # chat: interactive, batch: batch (and two more of batch)
+    cfg = RouterConfig(PolicyConfig(), run_dir=str(tmp_path), shm_path=shm_path, tenants_file=tenants)
     state = RouterState(cfg, RouterMetrics("test"))
     peer = RouterSlots.claim(shm_path, 1, cfg.port, 1, pid=os.getppid())
     assert state.slots is not None and peer is not None

@@ -316,6 +316,8 @@ class Policy:
             if shared is not None:
                 corr += shared[k]
             age = now_ns - hb
+            why = OK if not fused or (w.pid and age <= stale and w.lifecycle is _READY and not w.torn) \
+                else state_why(w, age, stale)
             c: Candidate
             if plain:  # Candidate(...) without the class call
                 c = _new(Candidate)
@@ -325,14 +327,10 @@ class Policy:
                 c.queue = w.num_running + w.num_waiting + corr
                 c.age_ns = age
                 c.score = 0.0
-                if fused and not (w.pid and age <= stale and w.lifecycle is _READY and not w.torn):
-                    c.why = state_why(w, age, stale)
-                else:
-                    c.why = OK
+                c.why = why
             else:
                 c = Candidate(w, corr, w.num_running + w.num_waiting + corr, age)
-                if fused and not (w.pid and age <= stale and w.lifecycle is _READY and not w.torn):
-                    c.why = state_why(w, age, stale)
+                c.why = why
             cands.append(c)  # its score is set once every scorer ran
         return cands
 

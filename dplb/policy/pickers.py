@@ -37,12 +37,8 @@ class MaxScore(Picker):
     name = "max_score"
 
     def pick(self, eligible: list[Candidate], ctx: PickContext) -> tuple[Candidate, str]:
-        best = eligible[0]
-        bs = best.score
-        for c in eligible:
-            s = c.score
-            if s > bs + 1e-12 or (s > bs - 1e-12 and c.queue < best.queue):
-                best, bs = c, s
+        best = self.scan(eligible)
+        assert best is not None  # ``eligible`` is never empty
         return best, REASON_SCORE
 
     def scan(self, rotated: list[Candidate]) -> Candidate | None:
