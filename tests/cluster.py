@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -54,11 +55,47 @@ PACKAGES = {"systemd-analyze": "systemd", "prometheus": "prometheus", "promtool"
 INTERNALS = re.compile(r"Traceback|File \"|/root|/tmp/|/work/|/dev/shm|site-packages|\.py\b")
 
 
+def _port_pool() -> range:
+    """Ports tests may listen on: below the kernel's ephemeral range (``ip_local_port_range``, where every outbound
+    connection takes its source port, so a port found free there can be taken by any client before the test's server
+    binds it) and below DPLB's own defaults (30000 and up)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(10000, min(low, 30000))
+
+
+_PORTS = _port_pool()
+_RNG = random.Random()  # seeded from os.urandom: two test processes do not walk the pool in step
+
+
+def free_block(n: int = 1) -> int:
+    """A port P with P..P+n-1 free on 127.0.0.1 a moment ago, from :func:`_port_pool` (the ephemeral range only when
+    that pool is too small). Raises RuntimeError when 500 tries found none."""
+    for _ in range(500):
+        if len(_PORTS) > 1000:
+            p = _RNG.randrange(_PORTS.start, _PORTS.stop - n)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                p = int(s.getsockname()[1])
+            if p + n >= 65535:
+                continue
+        try:
+            for q in range(p, p + n):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError(f"no block of {n} free ports on 127.0.0.1")
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free a moment ago on 127.0.0.1 (:func:`free_block` of one)."""
+    return free_block(1)
 
 
 def dplb_cmd(*args: str) -> list[str]:

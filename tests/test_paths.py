@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import httpx
-from cluster import ROOT, dplb_cmd, free_port, need, router_ready
+from cluster import ROOT, dplb_cmd, free_block, free_port, need, router_ready
 
 from dplb.ops import doctor
 from dplb.ops.checks import root_cause
@@ -125,15 +125,13 @@ def _busy_second_of_two_ports() -> socket.socket:
     """A listening socket on port p+1 where p was free a moment ago (worker 0's port), so that the launcher's
     refusal names worker 1's port and not some other process's port that happens to sit at p."""
     for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            p = first.getsockname()[1]
-            busy = socket.socket()
-            try:
-                busy.bind(("127.0.0.1", p + 1))
-            except OSError:
-                busy.close()
-                continue
+        p = free_block(2)
+        busy = socket.socket()
+        try:
+            busy.bind(("127.0.0.1", p + 1))
+        except OSError:
+            busy.close()
+            continue
         busy.listen(1)
         return busy
     raise RuntimeError("no two consecutive free ports on 127.0.0.1")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,25 +15,7 @@ import httpx
 
 from dplb.config import stack_metrics_port_base, stack_run_dir
 from dplb.state.layout import default_segment_path
-from tests.cluster import dplb_cmd
-
-
-def _free_block(n: int) -> int:
-    """A port P with P..P+n-1 free on 127.0.0.1."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + n >= 65535:
-            continue
-        try:
-            for q in range(p, p + n):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port block")
+from tests.cluster import dplb_cmd, free_block
 
 
 def test_segment_names_are_unique_per_process_within_a_second() -> None:
@@ -68,10 +49,10 @@ def test_two_stacks_started_in_the_same_second_both_serve(tmp_path: Path) -> Non
     failed; a second stack also needed --metrics-port-base and --run-dir besides --port."""
     env = {k: v for k, v in os.environ.items() if k not in ("DPLB_SHM_PATH", "DPLB_RUN_DIR")}
     env["XDG_RUNTIME_DIR"] = str(tmp_path)  # the default run dirs land here, away from other stacks on the host
-    ports = [_free_block(4), 0]
-    ports[1] = _free_block(4)
+    ports = [free_block(4), 0]
+    ports[1] = free_block(4)
     while abs(ports[1] - ports[0]) < 4:
-        ports[1] = _free_block(4)
+        ports[1] = free_block(4)
     procs, logs = [], []
     for port in ports:
         log = tmp_path / f"launch-{port}.log"
@@ -92,7 +73,7 @@ def test_two_stacks_started_in_the_same_second_both_serve(tmp_path: Path) -> Non
                 assert httpx.get(f"http://127.0.0.1:{port + 1 + k}/metrics", timeout=5).status_code == 200
         # doctor and launch agree: the first stack's run dir is taken
         run_dir = f"{tmp_path}/dplb-{ports[0]}"
-        other = _free_block(3)
+        other = free_block(3)
         d = subprocess.run(dplb_cmd("doctor", "--num-workers", "2", "--port", str(other), "--run-dir", run_dir,
                                     "--json"), capture_output=True, text=True, env=env, timeout=60)
         check = next(c for c in __import__("json").loads(d.stdout) if c["name"] == "run_dir")
