@@ -50,6 +50,11 @@ _REFRESH_NS: Final = 1_000_000_000  # LRU position is refreshed at most once a s
 #: Measured size of one index entry (key int, [mask, time] list, OrderedDict slot), bytes; see tests/test_prefix.py.
 ENTRY_BYTES: Final = 188
 _KEY_MASK: Final = (1 << 56) - 1
+#: The KV-ring entries of each op lie in ``[op << 56, (op + 1) << 56)`` (:mod:`dplb.state.kv_rings`).
+_STORED_TAG: Final = OP_STORED << 56
+_REMOVED_TAG: Final = OP_REMOVED << 56
+_CLEARED_TAG: Final = OP_CLEARED << 56
+assert (OP_STORED, OP_REMOVED, OP_CLEARED) == (1, 2, 3)  # consecutive: apply_engine tells them by range
 #: How long an event-fed worker counts a block it was sent but has not confirmed, s: the gap between routing and
 #: the engine's BlockStored (queueing + one step + the event path, well under a second at the knee), as llm-d's
 #: precise scorer's speculative entries (2 s).
@@ -142,9 +147,9 @@ class PrefixIndex:
         Walks from the first block and stops as soon as no worker has the next one, so an unmatched prompt costs
         one lookup. A worker holds a block when its engine confirmed it (event-fed workers, :attr:`events`), or
         when it was sent the block within ``ttl_s`` (a worker without events) or within ``speculative_ttl_s`` (an
-        event-fed worker whose confirmation has not arrived yet). When some worker has every block, the walk is
-        remembered until the index changes, so that :meth:`record` of the same keys at the same ``now_ns`` (the
-        routed request) does not look them up again.
+        event-fed worker whose confirmation has not arrived yet). The walk (the entries of the leading blocks that
+        some worker holds, and which workers hold every block) is remembered until the index changes, so that
+        :meth:`record` of the same keys at the same ``now_ns`` (the routed request) does not look them up again.
         """
         self._walk = None
         depth = [0] * self.num_workers
@@ -175,6 +180,8 @@ class PrefixIndex:
             if i:
                 _set_bits(depth, cur & ~nxt, i)
             if not nxt:
+                if i:
+                    self._walk = (keys, now_ns, 0, walked)  # nobody has every block: the entries found
                 return depth
             cur = nxt
             walked.append(e)  # type: ignore[arg-type]  # nxt != 0: e is an entry
@@ -208,30 +215,39 @@ class PrefixIndex:
 
     def apply_engine(self, worker: int, entries: Sequence[int], now_ns: int) -> None:
         """Apply worker ``worker``'s KV-ring entries (``op << 56 | key``, :mod:`dplb.state.kv_rings`), in order:
-        stored → the worker's confirmed bit (a new entry if the key is unknown), removed → the worker's bits
-        cleared, cleared → the worker forgotten (:meth:`forget_worker`)."""
+        stored → the worker's confirmed bit (a new entry if the key is unknown; an entry that gains the bit becomes
+        the most recent in the LRU), removed → the worker's bits cleared (the entry dropped when no bit is left),
+        cleared → the worker forgotten (:meth:`forget_worker`); any other op is skipped. Then the oldest entries
+        beyond ``capacity`` are evicted.
+
+        An entry's op is told by the range it lies in (``op << 56 <= entry < (op + 1) << 56``) and its key is
+        ``entry − (op << 56)``: comparisons and one subtraction, no shift and mask per entry."""
         self._walk = None
         m = self._map
         bit = 1 << worker
         off = ~bit
+        get = m.get
         move = m.move_to_end
         for v in entries:
-            op, key = v >> 56, v & _KEY_MASK
-            if op == OP_STORED:
-                e = m.get(key)
-                if e is None:
-                    m[key] = [0, now_ns, bit]
-                elif not e[2] & bit:
-                    e[2] |= bit
-                    move(key)
-            elif op == OP_REMOVED:
-                e = m.get(key)
+            if v < _REMOVED_TAG:
+                if v >= _STORED_TAG:
+                    key = v - _STORED_TAG
+                    e = get(key)
+                    if e is None:
+                        m[key] = [0, now_ns, bit]
+                    elif not e[2] & bit:
+                        e[2] |= bit
+                        move(key)
+            elif v < _CLEARED_TAG:
+                key = v - _REMOVED_TAG
+                e = get(key)
                 if e is not None:
-                    e[0] &= off
-                    e[2] &= off
-                    if not (e[0] | e[2]):
+                    if not (e[0] | e[2]) & off:  # nothing but this worker's bits: nothing left
                         del m[key]
-            elif op == OP_CLEARED:
+                    elif (e[0] | e[2]) & bit:
+                        e[0] &= off
+                        e[2] &= off
+            elif v < _CLEARED_TAG + _STORED_TAG:
                 self.forget_worker(worker)
         while len(m) > self.capacity:
             m.popitem(last=False)
@@ -245,16 +261,27 @@ class PrefixIndex:
         stale = now_ns - _REFRESH_NS
         walk, self._walk = self._walk, None
         start = 0
-        if walk is not None and walk[0] is keys and walk[1] == now_ns and walk[2] >> worker & 1:
-            # The routed request of the last match, and ``worker`` has every block: where the entries were sent
-            # within _REFRESH_NS, only their time stamps change (no lookup, no LRU move, nothing to learn).
-            start = len(keys)
-            walked = walk[3]
-            for e in walked:
-                if e[1] < stale:
-                    start = walked.index(e)
-                    break
-                e[1] = now_ns
+        if walk is not None and walk[0] is keys and walk[1] == now_ns:
+            walked = walk[3]  # the entries of the leading keys, as the last match found them (nothing changed since)
+            if walk[2] >> worker & 1:
+                # ``worker`` has every block: where the entries were sent within _REFRESH_NS, only their time
+                # stamps change (no lookup, no LRU move, nothing to learn).
+                start = len(keys)
+                for e in walked:
+                    if e[1] < stale:
+                        start = walked.index(e)
+                        break
+                    e[1] = now_ns
+            else:
+                # Otherwise the leading entries already sent to ``worker`` within _REFRESH_NS: :meth:`_mark` would
+                # only stamp them (no lookup needed); from the first other one on, it marks them.
+                bit = 1 << worker
+                start = len(walked)
+                for i, e in enumerate(walked):
+                    if e[1] < stale or not e[0] & bit:
+                        start = i
+                        break
+                    e[1] = now_ns
         changed = self._mark(keys[start:] if start else keys, 1 << worker, now_ns) if start < len(keys) else []
         cutoff = now_ns - self._ttl_ns
         while m and (len(m) > self.capacity or next(iter(m.values()))[1] < cutoff):

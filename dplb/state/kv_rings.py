@@ -152,8 +152,10 @@ class KvRingReader:
             if head - start > KV_RING_ENTRIES:
                 lost += head - start - KV_RING_ENTRIES
                 start = head - KV_RING_ENTRIES
-            base = h + 8
-            raw = [q[base + (i & _MASK)] for i in range(start, head)]
+            a = h + 8 + (start & _MASK)  # the copy in one or two slices (where it wraps), in ring order
+            b = a + head - start
+            end = h + 8 + KV_RING_ENTRIES
+            raw = q[a:b].tolist() if b <= end else q[a:end].tolist() + q[h + 8 : b - KV_RING_ENTRIES].tolist()
             over = q[h + 7] - KV_RING_ENTRIES - start  # entries the writer lapped (or is lapping) under the copy
             if over > 0:
                 lost += over
