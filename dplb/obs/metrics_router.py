@@ -61,7 +61,8 @@ class RouterMetrics:
         # compiled: whether the hot path runs as mypyc extension modules (true/false/partial; dplb.native).
         Info(BUILD_INFO, "DPLB build", registry=reg).info({"version": version, "component": "router",
                                                            "compiled": native.build_label()})
-        # Per-request families (decisions, their duration and state age, HTTP routes, upstream TTFB and duration):
+        # Per-request families (decisions, their duration and state age, HTTP routes, upstream TTFB and duration, the
+        # prefix outcome and blocks of a routed request):
         # the lock-free fastmetrics drop-ins, same exposition (dplb.obs.fastmetrics); the rest prometheus_client's.
         self.decisions = CounterFamily(ROUTING_DECISIONS, "Routing decisions by chosen worker and reason.",
                                        ["worker", "reason"], registry=reg)
@@ -111,15 +112,16 @@ class RouterMetrics:
                                          "router decided, seconds.",
                                          buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.6, 1, 2, 5), registry=reg)
         self._decision_hist, self._age_hist = self.decision_duration.labels(), self.state_age.labels()
-        self.prefix_routed = Counter(PREFIX_ROUTED, "Routed requests with a prefix key by outcome: hit (the worker "
-                                     "with the longest cached prefix got it), spill (load sent it elsewhere), miss "
-                                     "(no worker had any block).", ["outcome"], registry=reg)
-        self.prefix_query_blocks = Counter(PREFIX_QUERY_BLOCKS, "Prompt blocks of routed requests, by chosen worker "
-                                           "(the router's analogue of vllm:prefix_cache_queries).", ["worker"],
-                                           registry=reg)
-        self.prefix_hit_blocks = Counter(PREFIX_HIT_BLOCKS, "Prompt blocks the prefix index predicted the chosen "
-                                         "worker has cached (predicted hit rate = this / "
-                                         f"{PREFIX_QUERY_BLOCKS}_total).", ["worker"], registry=reg)
+        self.prefix_routed = CounterFamily(
+            PREFIX_ROUTED, "Routed requests with a prefix key by outcome: hit (the worker with the longest cached "
+            "prefix got it), spill (load sent it elsewhere), miss (no worker had any block).", ["outcome"],
+            registry=reg)
+        self.prefix_query_blocks = CounterFamily(
+            PREFIX_QUERY_BLOCKS, "Prompt blocks of routed requests, by chosen worker (the router's analogue of "
+            "vllm:prefix_cache_queries).", ["worker"], registry=reg)
+        self.prefix_hit_blocks = CounterFamily(
+            PREFIX_HIT_BLOCKS, "Prompt blocks the prefix index predicted the chosen worker has cached (predicted hit "
+            f"rate = this / {PREFIX_QUERY_BLOCKS}_total).", ["worker"], registry=reg)
         self._decision_children: dict[tuple[int | None, str], Any] = {}
         from dplb.policy.decision import NOTE_PREFIX_BLOCKS, NOTE_PREFIX_HIT_BLOCKS, NOTE_PREFIX_OUTCOME
 

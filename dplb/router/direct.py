@@ -16,14 +16,15 @@ Contract
   (:meth:`Attempt.resume`, then the proxy's retry).
 - :class:`DirectAttempt` relays the worker's answer from the upstream connection's callbacks
   (:class:`dplb.router.upstream.Sink`): the head, each chunk, the end, in one client write per socket read. The
-  idle timeout between chunks is one lazy timer per response. A worker that breaks off mid-body ends an SSE stream
-  with the same error event and cuts the connection; a client that leaves aborts the worker connection. Slow
-  client: the worker's socket stops being read while the client's write buffer is over its high-water mark.
+  first-byte and idle timeouts are deadlines checked by the worker connection's one timer
+  (:meth:`dplb.router.upstream.UpstreamConn.wake_by`), which outlives the request: no timer per request. A
+  worker that breaks off mid-body ends an SSE stream with the same error event and cuts the connection; a client
+  that leaves aborts the worker connection. Slow client: the worker's socket stops being read while the client's
+  write buffer is over its high-water mark.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -124,7 +125,7 @@ class DirectAttempt(Attempt):
     """An :class:`Attempt` relayed from callbacks: ``begin`` sends the request on the pooled ``conn``; the
     connection's :class:`dplb.router.upstream.Sink` calls do the rest."""
 
-    __slots__ = ("clock", "deadline", "idle_s", "lane", "out", "start", "timer")
+    __slots__ = ("clock", "deadline", "idle_s", "lane", "out", "start")
 
     def __init__(self, lane: DirectLane, ex: Exchange, worker: int, conn: UpstreamConn, cycle: Any,
                  start: Callable[[Any], None]) -> None:
@@ -134,12 +135,11 @@ class DirectAttempt(Attempt):
         self.start = start
         self.out = DirectResponse(cycle)
         self.idle_s = lane.up.cfg.idle_timeout_s
-        self.deadline = 0.0  # loop time of the idle timeout
-        self.clock = asyncio.get_running_loop().time
-        self.timer: asyncio.TimerHandle | None = None
+        self.clock = conn.loop.time
+        self.deadline = 0.0  # loop time of the first-byte timeout, then of the idle timeout
 
     def begin(self) -> None:
-        """Acquire the worker, send the request, arm the first-byte timer."""
+        """Acquire the worker, send the request, ask for the first-byte deadline (the connection's timer)."""
         ex, conn = self.ex, self.conn
         assert conn is not None
         self.up.state.acquire(self.worker, self)
@@ -147,11 +147,11 @@ class DirectAttempt(Attempt):
         self.t0 = time.perf_counter()
         conn.sink = self
         conn.send_request(ex.head, ex.body)
-        self.timer = asyncio.get_running_loop().call_later(self.up.cfg.first_byte_timeout_s, self._first_byte_late)
+        self.deadline = self.clock() + self.up.cfg.first_byte_timeout_s
+        conn.wake_by(self.deadline)
 
     # ---- before the response head: anything unusual continues on the ASGI path -----------------------------
     def _first_byte_late(self) -> None:
-        self.timer = None
         conn = self.conn
         assert conn is not None
         conn.sink = None
@@ -161,9 +161,6 @@ class DirectAttempt(Attempt):
     def _resume(self) -> None:
         """Hand the attempt to the ASGI path (the response head was not relayed): :meth:`Attempt.resume` answers
         the timeout, close or stall, or retries a draining refusal elsewhere."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
         self.out.cycle.direct = None
         self.lane._continue(self.ex, self.start, self.lane.proxy.place(self.ex, self.worker, self))
 
@@ -179,10 +176,8 @@ class DirectAttempt(Attempt):
         self.out.start(status, out)
         self.outcome = Outcome.BROKEN  # from here on, a relay that does not complete is a broken response
         self.out.pause, self.out.resume = self._pause, self._unpause
-        if self.timer is not None:
-            self.timer.cancel()
         self.deadline = self.clock() + self.idle_s
-        self.timer = asyncio.get_running_loop().call_at(self.deadline, self._idle_check)
+        self.conn.wake_by(self.deadline)  # type: ignore[union-attr]
 
     def body(self, chunk: bytes) -> None:
         if self.t_first is None:
@@ -208,19 +203,21 @@ class DirectAttempt(Attempt):
     def flush(self) -> None:
         self.out.flush()
 
-    # ---- after the response head -------------------------------------------------------------------------------
-    def _idle_check(self) -> None:
-        """The body phase's timer: the idle timeout when no chunk came for ``idle_s`` seconds, else re-armed at
-        the deadline the last chunk set (one timer per response, not one per chunk)."""
-        self.timer = None
-        if self.clock() < self.deadline:
-            self.timer = asyncio.get_running_loop().call_at(self.deadline, self._idle_check)
-            return
+    def due(self) -> None:
+        """The connection's timer: the first-byte timeout before the head, the idle timeout after it (no chunk for
+        ``idle_s`` seconds); not due yet, it is asked for again at the deadline (the last chunk moved it)."""
         conn = self.conn
         assert conn is not None
-        conn.sink = None
-        conn.abort()
-        self._break(UpstreamTimeout("idle", self.idle_s))
+        if self.clock() < self.deadline:
+            conn.wake_by(self.deadline)
+        elif not self.status:
+            self._first_byte_late()
+        else:
+            conn.sink = None
+            conn.abort()
+            self._break(UpstreamTimeout("idle", self.idle_s))
+
+    # ---- after the response head -------------------------------------------------------------------------------
 
     def _break(self, exc: UpstreamError) -> None:
         """The worker broke off mid-body: the SSE error event, then the client connection is cut."""
@@ -241,13 +238,12 @@ class DirectAttempt(Attempt):
             conn.transport.resume_reading()
 
     def _done(self) -> None:
-        """Account for the attempt (as :meth:`Attempt.run` does on its way out) and count the request."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        """Account for the attempt (as :meth:`Attempt.run` does on its way out) and count the request. The
+        connection's timer stays armed (a pooled connection's next request uses it; it finds no sink otherwise)."""
         ex = self.ex
         if self.conn is not None:
             self.conn.sink = None
+        self.out.pause = self.out.resume = None  # (bound to this attempt: no cycle left for the collector)
         hook = ex.scope["extensions"][DISCONNECT_EXT]
         hook.callback = None
         try:

@@ -10,8 +10,8 @@ Contract
 - :func:`request_head` writes the request line and headers for a worker: the client's end-to-end headers in
   their order, hop-by-hop ones (RFC 9110 §7.6.1 and those named in ``Connection``) and the router's own
   (host, content-length, x-request-id, expect, and ``Content-Encoding`` of a body the router decoded) replaced.
-- :func:`response_headers` filters a worker's response head the same way and appends ``X-SG-Worker-ID`` and
-  ``X-Request-Id``.
+- :func:`response_headers` filters a worker's response head the same way, lowers the names' case and appends
+  ``X-SG-Worker-ID`` and ``X-Request-Id``.
 """
 
 from __future__ import annotations
@@ -127,21 +127,22 @@ def request_head(scope: dict[str, Any], length: int, rid: bytes, decoded: bool, 
 
 def response_headers(up_headers: list[tuple[bytes, bytes]], worker_id: bytes,
                      rid: bytes) -> tuple[list[tuple[bytes, bytes]], bool, bool]:
-    """(headers for the client, is SSE, the worker's draining marker present) of a worker's response head."""
+    """(headers for the client, is SSE, the worker's draining marker present) of a worker's response head; the
+    names in lower case (as uvicorn writes them)."""
     out = []
     is_sse = draining = listed = False
     for n, v in up_headers:
-        low = n.lower()
-        if low in RESP_OWN:
-            draining |= low == b"x-dplb-draining"
-            listed |= low == b"connection"
+        n = n.lower()
+        if n in RESP_OWN:
+            draining |= n == b"x-dplb-draining"
+            listed |= n == b"connection"
             continue
-        if low == b"content-type" and v.startswith(b"text/event-stream"):
+        if n == b"content-type" and v.startswith(b"text/event-stream"):
             is_sse = True
         out.append((n, v))
     if listed:
         extra = connection_tokens(up_headers)
-        out = [(n, v) for n, v in out if n.lower() not in extra]
+        out = [(n, v) for n, v in out if n not in extra]
     out.append((b"x-sg-worker-id", worker_id))
     out.append((b"x-request-id", rid))
     return out, is_sse, draining

@@ -325,5 +325,30 @@ def scan_headers(ex: Exchange) -> tuple[int, bytes, bytes, bytes]:
             auth = v
         elif n == b"content-encoding":
             encoding = v
-    ex.rid = rid if _REQUEST_ID_RE.fullmatch(rid) else os.urandom(16).hex().encode()  # 32 hex chars
+    ex.rid = rid if _REQUEST_ID_RE.fullmatch(rid) else _new_request_id()
     return clen, ctype, auth, encoding
+
+
+_ID_BATCH = 128  # request ids per draw from the OS's random source
+_id_digits = b""  # hex digits of the current draw
+_id_used = _ID_BATCH  # ids of it handed out
+
+
+def _new_request_id() -> bytes:
+    """A fresh request id: 32 hex digits (128 bits) of ``os.urandom``, drawn :data:`_ID_BATCH` ids at a time (one
+    ``getrandom`` syscall per batch instead of one per request; a forked child draws its own)."""
+    global _id_digits, _id_used
+    if _id_used == _ID_BATCH:
+        _id_digits = os.urandom(16 * _ID_BATCH).hex().encode()
+        _id_used = 0
+    at = _id_used * 32
+    _id_used += 1
+    return _id_digits[at:at + 32]
+
+
+def _forget_request_ids() -> None:
+    global _id_used
+    _id_used = _ID_BATCH
+
+
+os.register_at_fork(after_in_child=_forget_request_ids)

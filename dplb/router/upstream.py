@@ -70,6 +70,10 @@ class Sink(Protocol):
     def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The response head: ``status`` and the worker's headers as parsed."""
 
+    def due(self) -> None:
+        """A time asked for with :meth:`UpstreamConn.wake_by` came (or an earlier one of the connection's timer):
+        the sink checks its own deadline and asks again when it is not due yet."""
+
     def body(self, chunk: bytes) -> None:
         """Body bytes as the socket delivered them (de-chunked)."""
 
@@ -88,7 +92,10 @@ class UpstreamConn(asyncio.Protocol):
 
     def __init__(self, worker: int) -> None:
         self.worker = worker
+        self.loop = asyncio.get_running_loop()  # (made by the loop's connection factory; asked once, not per use)
         self.transport: asyncio.Transport | None = None
+        self._sink_timer: asyncio.TimerHandle | None = None  # see wake_by
+        self._sink_at = 0.0
         self.last_used = time.monotonic()
         self._parser = httptools.HttpResponseParser(self)
         self._error: UpstreamError | None = None
@@ -105,7 +112,7 @@ class UpstreamConn(asyncio.Protocol):
         self._idle_s = self._tick_s = 0.0
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self._head = asyncio.get_running_loop().create_future()
+        self._head = self.loop.create_future()
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._wakeup: asyncio.Future[bool | None] | None = None  # True: a keep-alive tick
@@ -130,6 +137,7 @@ class UpstreamConn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_sink_timer()
         if not self._complete:
             self._fail(UpstreamClosed("the worker closed the connection before the response was complete"))
 
@@ -165,6 +173,17 @@ class UpstreamConn(asyncio.Protocol):
         self._wake()
 
     # ---- internals -----------------------------------------------------------------------------------------------
+    def _sink_due(self) -> None:
+        self._sink_timer = None
+        sink = self.sink
+        if sink is not None:
+            sink.due()
+
+    def _stop_sink_timer(self) -> None:
+        if self._sink_timer is not None:
+            self._sink_timer.cancel()
+            self._sink_timer = None
+
     def _wake(self) -> None:
         w = self._wakeup
         if w is not None and not w.done():
@@ -185,6 +204,16 @@ class UpstreamConn(asyncio.Protocol):
             sink.failed(exc)
 
     # ---- API -----------------------------------------------------------------------------------------------------
+    def wake_by(self, when: float) -> None:
+        """Have ``sink.due()`` called at loop time ``when`` or earlier (the module docstring): the connection's timer
+        is moved only when it would fire later than ``when``."""
+        if self._sink_timer is not None:
+            if self._sink_at <= when:
+                return
+            self._sink_timer.cancel()
+        self._sink_at = when
+        self._sink_timer = self.loop.call_at(when, self._sink_due)
+
     def send_request(self, head: bytes, body: bytes) -> None:
         """Write the request head and body (one write). The head must end with the blank line."""
         self._reset()
@@ -199,7 +228,7 @@ class UpstreamConn(asyncio.Protocol):
         head = self._head
         if not head.done():
             # A plain timer instead of asyncio.wait_for: no extra task or shield on the hot path.
-            timer = asyncio.get_running_loop().call_later(timeout_s, _expire, head, "first_byte", timeout_s)
+            timer = self.loop.call_later(timeout_s, _expire, head, "first_byte", timeout_s)
             try:
                 await head
             finally:
@@ -221,7 +250,7 @@ class UpstreamConn(asyncio.Protocol):
 
         One timer per response, not per chunk: a chunk only moves the deadlines, and the timer, when it fires
         early, re-arms itself at the later deadline (a timer per wait cost ~5 % of the router's CPU per token)."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self._idle_s, self._tick_s = idle_timeout_s, tick_s
         tick = tick_s > 0.0
         self._deadline = loop.time() + idle_timeout_s
@@ -286,6 +315,7 @@ class UpstreamConn(asyncio.Protocol):
     def abort(self) -> None:
         """Close now (the worker sees the disconnect and aborts the request)."""
         self.closed = True
+        self._stop_sink_timer()
         if self.transport is not None:
             self.transport.abort()
 

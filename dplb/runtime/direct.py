@@ -50,8 +50,8 @@ class DirectResponse:
         cycle.direct = self
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """The status line and ``headers`` (lower- or mixed-case names, as the worker sent them), framed as uvicorn
-        frames an ASGI response: a Content-Length is kept, else the body is chunked."""
+        """The status line and ``headers`` (names in lower case, as uvicorn's ``send`` writes them), framed as
+        uvicorn frames an ASGI response: a Content-Length is kept, else the body is chunked."""
         cycle = self.cycle
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
@@ -60,8 +60,7 @@ class DirectResponse:
         for name, value in cycle.default_headers:
             parts += (name, b": ", value, b"\r\n")
         for name, value in headers:
-            name = name.lower()  # as uvicorn's send writes them
-            if length < 0 and name == b"content-length":
+            if name == b"content-length" and length < 0:
                 length = int(value)
             parts += (name, b": ", value, b"\r\n")
         if not cycle.keep_alive:

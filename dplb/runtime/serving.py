@@ -143,7 +143,11 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
     (:mod:`dplb.runtime.direct`) offered each request it ``wants`` once the body is complete, before any ASGI task."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    start_task = HttpToolsProtocol._start_asgi_task
+    # The base class's callbacks, called as plain functions (no super() object and bound method per call: these
+    # run several times a request).
+    base = HttpToolsProtocol
+    start_task, base_begin, base_url = base._start_asgi_task, base.on_message_begin, base.on_url
+    base_headers_complete, base_body, base_complete = base.on_headers_complete, base.on_body, base.on_message_complete
 
     too_large = _error_response(431, b"Request Header Fields Too Large", "headers_too_large",
                                 f"request line and headers exceed {max_head_bytes} bytes")
@@ -157,6 +161,8 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
 
         _peer_pid = 0  # SO_PEERCRED of a Unix-socket client, read once per connection
         _deferred: Any = None  # (cycle, app) held for the direct handler until the body is complete
+        _idle_since = -1.0  # loop time the connection went idle after a response; -1.0 while a request is open
+        _idle_timer: Any = None  # the connection's one keep-alive timer (see _keep_alive_due)
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -164,15 +170,19 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
 
         def on_message_begin(self) -> None:
             self._in_head, self._head_bytes, self._raw_bytes = True, 0, 0
-            super().on_message_begin()
+            base_begin(self)
 
         def on_url(self, url: bytes) -> None:
             self._head_bytes += len(url)
-            super().on_url(url)
+            base_url(self, url)
 
-        def on_header(self, name: bytes, value: bytes) -> None:
+        def on_header(self, name: bytes, value: bytes) -> None:  # uvicorn's, inlined, and the head's size counted
             self._head_bytes += len(name) + len(value) + 4
-            super().on_header(name, value)
+            name = name.lower()
+            value = value.rstrip(b" \t")  # llhttp keeps trailing whitespace, which RFC 9110 §5.5 excludes
+            if name == b"expect" and value.lower() == b"100-continue":
+                self.expect_100_continue = True
+            self.headers.append((name, value))
 
         def on_headers_complete(self) -> None:
             self._in_head = False
@@ -181,9 +191,12 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
                 raise ValueError("request head too large")  # httptools stops parsing; send_400_response below
             self.scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid)}  # type: ignore[dict-item]
             prev = self.cycle
-            super().on_headers_complete()
-            if self.cycle is not prev and self.cycle is not None:  # (an upgrade request makes no cycle)
-                self.cycle.transport = _CorkedTransport(self.transport)  # type: ignore[assignment]
+            base_headers_complete(self)
+            cycle = self.cycle
+            if cycle is not prev and cycle is not None:  # (an upgrade request makes no cycle)
+                deferred = self._deferred
+                if deferred is None or deferred[0] is not cycle:  # (a deferred one is corked if the app gets it)
+                    cycle.transport = _CorkedTransport(self.transport)  # type: ignore[assignment]
 
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
             if direct is not None and cycle is self.cycle and cycle.more_body and not cycle.waiting_for_100_continue \
@@ -193,28 +206,30 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             start_task(self, cycle, app)
 
         def on_body(self, body: bytes) -> None:
-            super().on_body(body)
+            base_body(self, body)
             deferred = self._deferred
             if deferred is not None and len(deferred[0].body) > MAX_DIRECT_BODY:  # the app reads it (paused above)
                 self._deferred = None
-                start_task(self, *deferred)
+                self._start_deferred(*deferred)
 
         def on_message_complete(self) -> None:
-            super().on_message_complete()
+            base_complete(self)
             deferred = self._deferred
             if deferred is not None and deferred[0] is self.cycle:
                 self._deferred = None
                 cycle, app = deferred
                 if not self._offer(cycle):
-                    start_task(self, cycle, app)
+                    self._start_deferred(cycle, app)
+
+        def _start_deferred(self, cycle: Any, app: Any) -> None:
+            """Start the ASGI task of a request held for the direct handler, which did not take it."""
+            cycle.transport = _CorkedTransport(self.transport)
+            start_task(self, cycle, app)
 
         def _offer(self, cycle: Any) -> bool:
-            corked, cycle.transport = cycle.transport, self.transport  # one write per read already: no cork
+            # (the cycle writes on the bare transport: the direct handler writes once per read already, no cork)
             try:
-                if direct.begin(cycle, lambda a: start_task(self, cycle, a)):
-                    return True
-                cycle.transport = corked
-                return False
+                return bool(direct.begin(cycle, lambda a: start_task(self, cycle, a)))
             except Exception:  # a bug in the handler: the request is not lost, the connection is closed
                 log.exception("direct handler failed on %s %s", cycle.scope.get("method"), cycle.scope.get("path"))
                 self.transport.close()
@@ -232,11 +247,47 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             if d is not None and d.resume is not None:
                 d.resume()
 
+        # Keep-alive: uvicorn arms a timer after every response and cancels it at the next request's first bytes
+        # (a timer made and cancelled per request). Here the connection's one timer stays armed: data arriving only
+        # marks the connection busy, a response marks it idle since then, and the timer, when it fires, closes an
+        # idle connection whose time is up, re-arms itself at the idle one's later deadline, or lapses while busy
+        # (the next response arms it again). The same closing rule, timed from the same instants.
+        def _unset_keepalive_if_required(self) -> None:
+            self._idle_since = -1.0
+
+        def on_response_complete(self) -> None:  # uvicorn's, with the keep-alive timer above
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self.flow.resume_reading()
+            if self.pipeline:  # the next pipelined request starts (busy)
+                self._idle_since = -1.0
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+                return
+            now = self._idle_since = self.loop.time()
+            if self._idle_timer is None:
+                self._idle_timer = self.loop.call_at(now + self.timeout_keep_alive, self._keep_alive_due)
+
+        def _keep_alive_due(self) -> None:
+            self._idle_timer = None
+            since = self._idle_since
+            if since < 0.0 or self.transport.is_closing():
+                return
+            due = since + self.timeout_keep_alive
+            if self.loop.time() >= due:
+                self.timeout_keep_alive_handler()
+            else:
+                self._idle_timer = self.loop.call_at(due, self._keep_alive_due)
+
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
             deferred, self._deferred = self._deferred, None
             super().connection_lost(exc)
             if deferred is not None:  # the client left before its body was complete: the app hears the disconnect
-                start_task(self, *deferred)
+                self._start_deferred(*deferred)
             cycle = self.cycle
             if cycle is not None and cycle.disconnected:
                 hook: Any = cycle.scope.get("extensions", {}).get(DISCONNECT_EXT)
