@@ -133,13 +133,16 @@ def response_headers(up_headers: list[tuple[bytes, bytes]], worker_id: bytes,
     is_sse = draining = listed = False
     for n, v in up_headers:
         n = n.lower()
-        if n in RESP_OWN:
-            draining |= n == b"x-dplb-draining"
-            listed |= n == b"connection"
-            continue
-        if n == b"content-type" and v.startswith(b"text/event-stream"):
+        if n in RESP_OWN:  # the usual one is the x-request-id the worker echoes
+            if n == b"x-dplb-draining":
+                draining = True
+            elif n == b"connection":
+                listed = True
+        elif n == b"content-type" and v.startswith(b"text/event-stream"):
             is_sse = True
-        out.append((n, v))
+            out.append((n, v))
+        else:
+            out.append((n, v))
     if listed:
         extra = connection_tokens(up_headers)
         out = [(n, v) for n, v in out if n not in extra]
