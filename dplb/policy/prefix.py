@@ -49,7 +49,6 @@ MAX_PREFIX_BLOCKS: Final = 1024
 _REFRESH_NS: Final = 1_000_000_000  # LRU position is refreshed at most once a second per block
 #: Measured size of one index entry (key int, [mask, time] list, OrderedDict slot), bytes; see tests/test_prefix.py.
 ENTRY_BYTES: Final = 188
-_KEY_MASK: Final = (1 << 56) - 1
 #: The KV-ring entries of each op lie in ``[op << 56, (op + 1) << 56)`` (:mod:`dplb.state.kv_rings`).
 _STORED_TAG: Final = OP_STORED << 56
 _REMOVED_TAG: Final = OP_REMOVED << 56
