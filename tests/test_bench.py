@@ -194,9 +194,12 @@ def test_capacity_model() -> None:
     assert math.isclose(capacity_rps(128, 32, speed=0.5), capacity_rps(128, 32) / 2)
     assert set(SCENARIOS) == {"homogeneous", "heterogeneous", "bursty", "mixed-lengths", "shared-prefix",
                               "multi-turn", "multi-turn-slow", "burst-herd", "tenants", "cache-pressure",
-                              "cache-pressure-50"}
+                              "cache-pressure-50", "cache-fits"}
     cp = SCENARIOS["cache-pressure"]
     assert set(cp.extra_variants) == {"dplb-sent", "oracle"} and "least_loaded" in cp.extra_policies
+    fits = SCENARIOS["cache-fits"]  # cache-pressure's workload and load, a cache ~1.25x its working set
+    assert (fits.base, fits.load, fits.extra_variants) == (cp.base, cp.load, cp.extra_variants)
+    assert fits.sim_args == "--sim-prefix-cache-blocks 640" and cp.sim_args == "--sim-prefix-cache-blocks 192"
     mt = SCENARIOS["multi-turn"]
     # mean over 5 turns of the history: 600 system + 200·(t+1) user + 32·t replies, t = 0..4
     assert mt.mean_lengths() == (600 + 200 * 3 + 32 * 2, 32.0)

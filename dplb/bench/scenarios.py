@@ -93,6 +93,10 @@ MULTI_TURN = WorkloadSpec(input_len=200, output_len=32, range_ratio=0.5, prefix_
 #: at the last turn, ~1,130 tokens beyond the system prompt), plus the 38-block system prompt on each worker:
 #: ~2,000 blocks against 4 × 192 = 768 cached, ~2.6×.
 CACHE_PRESSURE_BLOCKS = 192
+#: Prefix cache per worker in ``cache-fits``: the same ~2,000-block working set at ~0.8x the workers' total cache
+#: (4 x 640 = 2,560 blocks), so a conversation's history survives to its next turn when it is routed back to the
+#: worker that holds it (a workload whose prefixes fit when routed well, as llm-d sized its precise-scorer benchmark).
+CACHE_FITS_BLOCKS = 640
 #: The policies of the cache-pressure scenarios beside the ones asked for: the sent-bytes index (the index before
 #: engine truth) and the oracle (dplb.bench.oracle: what every sim engine really holds, no lag).
 CACHE_PRESSURE_VARIANTS = {
@@ -133,6 +137,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("cache-pressure-50", "cache-pressure at 50 % load", MULTI_TURN, load=0.5,
              sim_args=f"--sim-prefix-cache-blocks {CACHE_PRESSURE_BLOCKS}", quick_prompts=200, full_prompts=600,
              extra_policies=("least_loaded", "round_robin"), extra_variants=CACHE_PRESSURE_VARIANTS),
+    Scenario("cache-fits", "cache-pressure with a working set ~0.8x the workers' total prefix cache (640 blocks "
+             "per worker), at the knee (90 % of nominal load); adds the sent-bytes index and the oracle",
+             MULTI_TURN, load=0.9, sim_args=f"--sim-prefix-cache-blocks {CACHE_FITS_BLOCKS}", quick_prompts=200,
+             full_prompts=600, extra_variants=CACHE_PRESSURE_VARIANTS),
     Scenario("tenants", "tenant A floods (96 open requests of 200 tokens, 3x the batch slots) while tenant B sends "
              "3 req/s of 16 tokens; FIFO (no tenants file) vs the router's fair queue (--tenants, equal weights); "
              "then both backlogged (Jain's index); the first policy only",
