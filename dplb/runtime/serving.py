@@ -205,31 +205,48 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
                 return
             start_task(self, cycle, app)
 
+        # A request held for the direct handler has no task waiting on its cycle's message event: its body is
+        # collected here without the base's checks (an upgrade has no cycle; nothing was answered yet) and without
+        # setting the event, which is set once if the request goes to a task (_hand_on): the state the base's
+        # callbacks would have left it in.
         def on_body(self, body: bytes) -> None:
-            base_body(self, body)
             deferred = self._deferred
-            if deferred is not None and len(deferred[0].body) > MAX_DIRECT_BODY:  # the app reads it (paused above)
+            if deferred is None:
+                base_body(self, body)
+                return
+            cycle = deferred[0]
+            if len(cycle.body) + len(body) > MAX_DIRECT_BODY:  # the app reads it (the base pauses reading)
                 self._deferred = None
                 self._start_deferred(*deferred)
+                base_body(self, body)
+                return
+            cycle.body += body
 
         def on_message_complete(self) -> None:
-            base_complete(self)
             deferred = self._deferred
-            if deferred is not None and deferred[0] is self.cycle:
-                self._deferred = None
-                cycle, app = deferred
-                if not self._offer(cycle):
-                    self._start_deferred(cycle, app)
+            if deferred is None or deferred[0] is not self.cycle:
+                base_complete(self)
+                return
+            self._deferred = None
+            cycle, app = deferred
+            cycle.more_body = False
+            if not self._offer(cycle):
+                self._start_deferred(cycle, app)
 
         def _start_deferred(self, cycle: Any, app: Any) -> None:
             """Start the ASGI task of a request held for the direct handler, which did not take it."""
             cycle.transport = _CorkedTransport(self.transport)
+            self._hand_on(cycle, app)
+
+        def _hand_on(self, cycle: Any, app: Any) -> None:
+            """Run ``app`` as the task of a request held for the direct handler (see on_body)."""
+            cycle.message_event.set()
             start_task(self, cycle, app)
 
         def _offer(self, cycle: Any) -> bool:
             # (the cycle writes on the bare transport: the direct handler writes once per read already, no cork)
             try:
-                return bool(direct.begin(cycle, lambda a: start_task(self, cycle, a)))
+                return bool(direct.begin(cycle, lambda a: self._hand_on(cycle, a)))
             except Exception:  # a bug in the handler: the request is not lost, the connection is closed
                 log.exception("direct handler failed on %s %s", cycle.scope.get("method"), cycle.scope.get("path"))
                 self.transport.close()
