@@ -58,13 +58,20 @@ INTERNALS = re.compile(r"Traceback|File \"|/root|/tmp/|/work/|/dev/shm|site-pack
 def _port_pool() -> range:
     """Ports tests may listen on: below the kernel's ephemeral range (``ip_local_port_range``, where every outbound
     connection takes its source port, so a port found free there can be taken by any client before the test's server
-    binds it) and below DPLB's own defaults (30000 and up)."""
+    binds it) and below DPLB's own defaults (30000 and up); a slice of it per pytest-xdist worker."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
-    return range(10000, min(low, 30000))
+    pool = range(10000, min(low, 30000))
+    # Under pytest-xdist each worker process takes its own slice, so two workers never probe the same port.
+    count, me = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    if count > 1 and me[2:].isdigit() and len(pool) // count > 1000:
+        step = len(pool) // count
+        start = pool.start + int(me[2:]) % count * step
+        pool = range(start, start + step)
+    return pool
 
 
 _PORTS = _port_pool()

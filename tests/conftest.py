@@ -80,3 +80,36 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
 def prometheus_bin() -> str:
     """The ``prometheus`` binary (skipped locally without it, a failure in CI)."""
     return need("prometheus")
+
+
+
+
+#: Test modules that start the real vLLM engine: one pytest-xdist unit, so two engines never share the cores.
+VLLM_MODULE_PREFIX = "test_vllm_"
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of work a pytest-xdist worker takes whole: the test's module, or ``"vllm"`` for every real-vLLM
+    module."""
+    path = nodeid.split("::", 1)[0]
+    return "vllm" if os.path.basename(path).startswith(VLLM_MODULE_PREFIX) else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """For ``pytest -n N`` (the README's test command): each module goes whole to one worker, so its module-scoped
+    fixtures (clusters, engines) start once and its leak check sees all it started; the real-vLLM modules go
+    together, in the order :func:`pytest_collection_modifyitems` gives (``--no-loadscope-reorder``)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ModuleUnits(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The real-vLLM unit first (a stable sort keeps every module's own order), so the slowest unit overlaps the
+    rest under pytest-xdist."""
+    items.sort(key=lambda it: _unit(it.nodeid) != "vllm")

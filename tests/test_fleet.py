@@ -37,7 +37,10 @@ def test_epp_reads_one_host_aggregate_per_family(tmp_path: pytest.TempPathFactor
         assert (idle.cache_block_size, idle.cache_num_blocks) == (16, 2000)
         assert (idle.waiting_queue_size, idle.running_requests_size) == (0, 0)
         with concurrent.futures.ThreadPoolExecutor(14) as pool:
-            futs = [pool.submit(chat, c) for _ in range(14)]  # 8 batch slots: some must wait
+            # 8 batch slots: some must wait. 200 tokens at 50 ms = 10 s each, so the first batch is still running
+            # when the last request arrives, even on a loaded box that takes seconds to open them (at 40 tokens
+            # the first batch once finished before all 14 were open, and the host never showed 14 at once).
+            futs = [pool.submit(chat, c, None, 200) for _ in range(14)]
             deadline = time.monotonic() + 15  # a loaded 2-core box can take seconds to open 14 requests
             busy = extract(httpx.get(c.url + "/metrics").text)
             while busy.running_requests_size + busy.waiting_queue_size < 14 and time.monotonic() < deadline:
