@@ -477,3 +477,30 @@ def test_oracle_scores_what_the_engines_hold(monkeypatch) -> None:  # type: igno
     sc.engines[1].on_batch(EventBatch(0.0, [BlockRemoved(hashes[1:])]), False)
     d = pol.pick(snap, now, RouteRequest(_json.dumps(messages).encode()))
     assert d.worker == 0 and d.notes is not None and d.notes["prefix_hit_blocks"] == 2
+
+
+def test_compare_waits_until_the_router_routes_to_every_worker(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: a compare run started on the router's first ``/ready`` (one routable worker), so a worker the
+    router still held out missed a burst that arrived at once (burst-herd once gave one worker none of its 64
+    requests). The readiness check counts routable workers: a frozen worker's stale heartbeat takes it out."""
+    import os
+    import signal
+    import time
+
+    from dplb.bench.compare import _router_ready
+
+    with cluster(str(tmp_path / "c"), 2) as c:
+        deadline = time.monotonic() + 30
+        while not _router_ready(c.url, 2) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _router_ready(c.url, 2) and _router_ready(c.url) and not _router_ready(c.url, 3)
+        frozen = c.workers[1]
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 30
+            while _router_ready(c.url, 2) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _router_ready(c.url, 2) and _router_ready(c.url, 1)
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+    assert not _router_ready(c.url)  # the router is gone: not ready, no exception

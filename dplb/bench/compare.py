@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import platform
 import shlex
@@ -220,11 +221,14 @@ def _uds_get(path: str, target: str) -> str:
     return b"".join(chunks).partition(b"\r\n\r\n")[2].decode(errors="replace")
 
 
-def _router_ready(url: str) -> bool:
+def _router_ready(url: str, want: int = 1) -> bool:
+    """Whether the router at ``url`` routes to ``want`` workers or more (``routable_workers`` of its ``/ready``).
+    A run starts only when every worker is routable: a worker the router still holds out (a first heartbeat not
+    yet seen, or late once on a loaded box) would otherwise miss a burst that arrives at once."""
     try:
         with urllib.request.urlopen(url + "/ready", timeout=2) as r:
-            return r.status == 200
-    except OSError:
+            return r.status == 200 and len(json.loads(r.read()).get("routable_workers", ())) >= want
+    except (OSError, ValueError, AttributeError):
         return False
 
 
@@ -240,9 +244,10 @@ def run_one(scenario: Scenario, label: str, flags: list[str], *, num_workers: in
     t_measure = requests[warm].send_at_s
     with SimCluster(num_workers, scenario, flags, workdir) as cluster:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _router_ready(cluster.url):
+        while not _router_ready(cluster.url, num_workers):
             if time.monotonic() > deadline:
-                raise DPLBError(f"{label}: the router at {cluster.url} never answered /ready")
+                raise DPLBError(f"{label}: the router at {cluster.url} never routed to all {num_workers} workers "
+                                "(its /ready)")
             time.sleep(0.05)
         target = Target(cluster.url, "dplb-sim", "chat", stream)
 
@@ -298,7 +303,8 @@ def run_compare(scenario_names: list[str], policies: dict[str, list[str]], *, nu
 
                 out["scenarios"][name] = run_tenants(sc, next(iter(policies.values())), num_workers=num_workers,
                                                      quick=quick, seed=seed, workdir=workdir, progress=progress,
-                                                     cluster=SimCluster, ready=_router_ready, uds_get=_uds_get)
+                                                     cluster=SimCluster, ready=lambda u: _router_ready(u, num_workers),
+                                                     uds_get=_uds_get)
                 runs[name] = {}
                 continue
             spec = sc.workload(num_workers, quick, seed)
