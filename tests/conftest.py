@@ -99,8 +99,10 @@ def _unit(nodeid: str) -> str:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """For ``pytest -n N`` (the README's test command): each module goes whole to one worker, so its module-scoped
     fixtures (clusters, engines) start once and its leak check sees all it started; the real-vLLM modules go
-    together, in the order :func:`pytest_collection_modifyitems` gives (``--no-loadscope-reorder``)."""
+    together, in the order :func:`pytest_collection_modifyitems` gives (xdist's reorder by size is turned off)."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class ModuleUnits(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
