@@ -33,7 +33,7 @@ from typing import Any
 from dplb.bench.compare import run_one
 from dplb.bench.scenarios import CACHE_PRESSURE_VARIANTS, SCENARIOS
 
-FLAGS = {"ev": ["--policy", "dplb"], "sent": ["--policy", "dplb", "--scorer-param", "prefix.truth=sent"],
+FLAGS = {"ev": ["--policy", "dplb"], "sent": shlex.split(CACHE_PRESSURE_VARIANTS["dplb-sent"]),
          "oracle": shlex.split(CACHE_PRESSURE_VARIANTS["oracle"])}
 
 
@@ -85,6 +85,7 @@ def summary(paths: list[str]) -> None:
             continue
         row = [sc, size, f"{seed}{' ' + run_set if run_set else ''}", "".join(r["label"][0].upper() for r in rs)]
         agg = total[(sc, size)]
+        same_policy = []
         for key in ("e2e_p99", "ttft_p99"):
             ratio = [s[key] / e[key] for e, s in zip(ev, se, strict=False)]
             noise_ev = [r[key] / ev[0][key] for r in ev[1:]]
@@ -94,10 +95,8 @@ def summary(paths: list[str]) -> None:
             agg[key + "_ev"] += [r[key] for r in ev]
             agg[key + "_sent"] += [r[key] for r in se]
             row += [_fmt([r[key] for r in ev]), _fmt([r[key] for r in se]), _fmt(ratio, 2)]
-        row += [f"{_fmt([r['e2e_p99'] / ev[0]['e2e_p99'] for r in ev[1:]], 2)}; "
-                f"{_fmt([r['e2e_p99'] / se[0]['e2e_p99'] for r in se[1:]], 2)}",
-                f"{_fmt([r['ttft_p99'] / ev[0]['ttft_p99'] for r in ev[1:]], 2)}; "
-                f"{_fmt([r['ttft_p99'] / se[0]['ttft_p99'] for r in se[1:]], 2)}"]
+            same_policy.append(f"{_fmt(noise_ev, 2)}; {_fmt(noise_se, 2)}")
+        row += same_policy
         print("| " + " | ".join(row) + " |")
     print()
     print("| scenario | size | pairs | sent ÷ ev E2E P99: median (range) | same-policy E2E P99 | sent ÷ ev TTFT P99 "

@@ -82,8 +82,6 @@ def prometheus_bin() -> str:
     return need("prometheus")
 
 
-
-
 #: Test modules that start the real vLLM engine: one pytest-xdist unit, so two engines never share the cores.
 VLLM_MODULE_PREFIX = "test_vllm_"
 
