@@ -56,6 +56,6 @@ echo "=== summary"
 for f in pick router capacity pick-compiled capacity-compiled; do
     [[ -f "$OUT_DIR/$f.log" ]] || continue
     echo "--- $f"
-    grep -hE '^(dplb|least_loaded) +8 |^(added|router|direct)_p|^target added|2 processes / 1|DPLB / SGLang|^=== dplb|^=== sglang|^--- (dplb|sglang)' \
+    grep -hE '^(dplb|least_loaded) +8 |^(stepped_)?(added|router|direct)_p|^target added|2 processes / 1|DPLB / SGLang|^=== dplb|^=== sglang|^--- (dplb|sglang)' \
         "$OUT_DIR/$f.log"
 done
