@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
-from httptools import parse_url
+from httptools import HttpParserError, HttpParserUpgrade, parse_url
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from dplb.errors import openai_error_body
@@ -187,9 +187,11 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
     # The base class's callbacks, called as plain functions (no super() object and bound method per call: these
     # run several times a request).
     base = HttpToolsProtocol
-    start_task, base_begin, base_url = base._start_asgi_task, base.on_message_begin, base.on_url
+    start_task = base._start_asgi_task
     base_headers_complete, base_body, base_complete = base.on_headers_complete, base.on_body, base.on_message_complete
 
+    wants: Any = getattr(direct, "wants", None)  # (bound once: asked per request)
+    begin: Any = getattr(direct, "begin", None)
     too_large = _error_response(431, b"Request Header Fields Too Large", "headers_too_large",
                                 f"request line and headers exceed {max_head_bytes} bytes")
     bad_http = _error_response(400, b"Bad Request", "invalid_http", "malformed HTTP request")
@@ -204,18 +206,33 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
         _deferred: LaneCycle | None = None  # the request held for the direct handler until its body is complete
         _idle_since = -1.0  # loop time the connection went idle after a response; -1.0 while a request is open
         _idle_timer: Any = None  # the connection's one keep-alive timer (see _keep_alive_due)
+        _on_response: Callable[[], None]
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._peer_pid = peer_pid(transport)
+            self._on_response = self.on_response_complete  # (a lane cycle's on_response, bound once)
 
-        def on_message_begin(self) -> None:
+        def on_message_begin(self) -> None:  # uvicorn's, inlined (one call less per request)
             self._in_head, self._head_bytes, self._raw_bytes = True, 0, 0
-            base_begin(self)
+            self.url = b""
+            self.expect_100_continue = False
+            self.headers = []
+            self.scope = {  # type: ignore[typeddict-item]
+                "type": "http",
+                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+                "http_version": "1.1",
+                "server": self.server,
+                "client": self.client,
+                "scheme": self.scheme,  # type: ignore[typeddict-item]
+                "root_path": self.root_path,
+                "headers": self.headers,
+                "state": self.app_state.copy(),
+            }
 
-        def on_url(self, url: bytes) -> None:
+        def on_url(self, url: bytes) -> None:  # uvicorn's, inlined
             self._head_bytes += len(url)
-            base_url(self, url)
+            self.url += url
 
         def on_header(self, name: bytes, value: bytes) -> None:  # uvicorn's, inlined, and the head's size counted
             self._head_bytes += len(name) + len(value) + 4
@@ -260,7 +277,7 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             version = parser.get_http_version()
             if version != "1.1":
                 scope["http_version"] = version
-            if not direct.wants(scope):
+            if not wants(scope):
                 return False
             url = parse_url(self.url)
             raw_path = url.path
@@ -273,7 +290,7 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             scope["query_string"] = url.query or b""
             self._deferred = self.cycle = LaneCycle(
                 scope, self.transport, self.flow, self.server_state.default_headers,
-                version != "1.0" and parser.should_keep_alive(), self.on_response_complete)
+                version != "1.0" and parser.should_keep_alive(), self._on_response)
             return True
 
         # A held request's body is collected here without the base's checks (an upgrade has no cycle; nothing was
@@ -298,7 +315,14 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
                 return
             self._deferred = None
             cycle.more_body = False
-            if not self._offer(cycle):
+            # (the cycle writes on the bare transport: the direct handler writes once per read already, no cork)
+            try:
+                taken = begin(cycle, lambda a: self._hand_on(cycle, a))
+            except Exception:  # a bug in the handler: the request is not lost, the connection is closed
+                log.exception("direct handler failed on %s %s", cycle.scope.get("method"), cycle.scope.get("path"))
+                self.transport.close()
+                return
+            if not taken:
                 self._start_deferred(cycle)
 
         def _start_deferred(self, cycle: LaneCycle) -> None:
@@ -310,15 +334,6 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             """Run ``app`` as the task of a request held for the direct handler (see on_body)."""
             cycle.to_asgi(self)
             start_task(self, cycle, app)
-
-        def _offer(self, cycle: LaneCycle) -> bool:
-            # (the cycle writes on the bare transport: the direct handler writes once per read already, no cork)
-            try:
-                return bool(direct.begin(cycle, lambda a: self._hand_on(cycle, a)))
-            except Exception:  # a bug in the handler: the request is not lost, the connection is closed
-                log.exception("direct handler failed on %s %s", cycle.scope.get("method"), cycle.scope.get("path"))
-                self.transport.close()
-                return True
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -344,7 +359,9 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             self.server_state.total_requests += 1
             if self.transport.is_closing():
                 return
-            self.flow.resume_reading()
+            flow = self.flow
+            if flow.read_paused:
+                flow.resume_reading()
             if self.pipeline:  # the next pipelined request starts (busy)
                 self._idle_since = -1.0
                 cycle, app = self.pipeline.pop()
@@ -379,8 +396,19 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
                 if hook is not None:
                     hook.fire()
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
+        def data_received(self, data: bytes) -> None:  # uvicorn's, inlined, then the raw head's bound
+            self._idle_since = -1.0  # (uvicorn's _unset_keepalive_if_required: busy, see above)
+            try:
+                self.parser.feed_data(data)
+            except HttpParserError:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+                return
+            except HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
             if not self._in_head or self.transport.is_closing():
                 return
             self._raw_bytes += len(data)
