@@ -259,12 +259,12 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
 
         def _lane(self, scope: Any) -> bool:
             """uvicorn's ``on_headers_complete`` for a request the direct handler may take: the scope completed the
-            same way, a :class:`LaneCycle`, held until the body is complete. False (nothing done but the scope's
-            method and HTTP version) for any other request."""
-            prev = self.cycle
+            same way, a :class:`LaneCycle`, held until the body is complete — or, queued behind another request,
+            queued as uvicorn queues it (see on_response_complete). False (nothing done but the scope's method and
+            HTTP version) for any other request."""
             parser = self.parser
-            if self.expect_100_continue or (prev is not None and not prev.response_complete) \
-                    or self.limit_concurrency is not None or parser.get_method() != b"POST" or parser.should_upgrade():
+            if self.expect_100_continue or self.limit_concurrency is not None or parser.get_method() != b"POST" \
+                    or parser.should_upgrade():
                 return False
             for name, value in self.headers:  # a Content-Length within the direct limit (the first one: see begin)
                 if name == b"content-length":
@@ -288,9 +288,14 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             scope["path"] = root + path
             scope["raw_path"] = root.encode("ascii") + raw_path
             scope["query_string"] = url.query or b""
-            self._deferred = self.cycle = LaneCycle(
-                scope, self.transport, self.flow, self.server_state.default_headers,
-                version != "1.0" and parser.should_keep_alive(), self._on_response)
+            prev = self.cycle
+            cycle = self.cycle = LaneCycle(scope, self.transport, self.flow, self.server_state.default_headers,
+                                           version != "1.0" and parser.should_keep_alive(), self._on_response)
+            if prev is None or prev.response_complete:
+                self._deferred = cycle
+            else:  # pipelined: queued (uvicorn's own handling of it)
+                self.flow.pause_reading()
+                self.pipeline.appendleft((cycle, self.app))
             return True
 
         # A held request's body is collected here without the base's checks (an upgrade has no cycle; nothing was
@@ -365,7 +370,12 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             if self.pipeline:  # the next pipelined request starts (busy)
                 self._idle_since = -1.0
                 cycle, app = self.pipeline.pop()
-                self._start_asgi_task(cycle, app)
+                if type(cycle) is not LaneCycle:
+                    self._start_asgi_task(cycle, app)
+                elif cycle is self.cycle and cycle.more_body:  # its body still coming: held for the direct handler
+                    self._deferred = cycle
+                else:  # complete already (its body came while it was queued): the app's
+                    self._start_deferred(cycle)
                 return
             now = self._idle_since = self.loop.time()
             if self._idle_timer is None:
