@@ -218,17 +218,20 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             self.url = b""
             self.expect_100_continue = False
             self.headers = []
-            self.scope = {  # type: ignore[typeddict-item]
+            self.scope = {  # type: ignore[typeddict-item]  # (+ "asgi" and "state": _asgi_keys)
                 "type": "http",
-                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
                 "http_version": "1.1",
                 "server": self.server,
                 "client": self.client,
-                "scheme": self.scheme,  # type: ignore[typeddict-item]
+                "scheme": self.scheme,
                 "root_path": self.root_path,
                 "headers": self.headers,
-                "state": self.app_state.copy(),
             }
+
+        def _asgi_keys(self, scope: Any) -> None:
+            """The scope's keys only an ASGI app reads, added once the request is known to go to one."""
+            scope["asgi"] = {"version": self.asgi_version, "spec_version": "2.3"}
+            scope["state"] = self.app_state.copy()
 
         def on_url(self, url: bytes) -> None:  # uvicorn's, inlined
             self._head_bytes += len(url)
@@ -251,6 +254,8 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid)}  # type: ignore[dict-item]
             if direct is not None and self._lane(scope):
                 return
+            scope["asgi"] = {"version": self.asgi_version, "spec_version": "2.3"}  # (_asgi_keys, inlined)
+            scope["state"] = self.app_state.copy()
             prev = self.cycle
             base_headers_complete(self)
             cycle = self.cycle
@@ -285,8 +290,10 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             if "%" in path:
                 path = unquote(path)
             root = self.root_path
-            scope["path"] = root + path
-            scope["raw_path"] = root.encode("ascii") + raw_path
+            if root:
+                path, raw_path = root + path, root.encode("ascii") + raw_path
+            scope["path"] = path
+            scope["raw_path"] = raw_path
             scope["query_string"] = url.query or b""
             prev = self.cycle
             cycle = self.cycle = LaneCycle(scope, self.transport, self.flow, self.server_state.default_headers,
@@ -337,6 +344,7 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
 
         def _hand_on(self, cycle: LaneCycle, app: Any) -> None:
             """Run ``app`` as the task of a request held for the direct handler (see on_body)."""
+            self._asgi_keys(cycle.scope)
             cycle.to_asgi(self)
             start_task(self, cycle, app)
 
