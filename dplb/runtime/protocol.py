@@ -267,11 +267,14 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
         def _lane(self, scope: Any) -> bool:
             """uvicorn's ``on_headers_complete`` for a request the direct handler may take: the scope completed the
             same way, a :class:`LaneCycle`, held until the body is complete — or, queued behind another request,
-            queued as uvicorn queues it (see on_response_complete). False (nothing done but the scope's method and
-            HTTP version) for any other request."""
+            queued as uvicorn queues it (see on_response_complete). False (nothing done but the scope's method) for
+            any other request."""
             parser = self.parser
             if self.expect_100_continue or self.limit_concurrency is not None or parser.get_method() != b"POST" \
                     or parser.should_upgrade():
+                return False
+            scope["method"] = "POST"
+            if not wants(scope):  # (first: a handler that takes nothing now costs uvicorn's path the least)
                 return False
             for name, value in self.headers:  # a Content-Length within the direct limit (the first one: see begin)
                 if name == b"content-length":
@@ -280,12 +283,9 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
                     break
             else:
                 return False  # chunked: the app reads it (it may refuse it before reading it)
-            scope["method"] = "POST"
             version = parser.get_http_version()
             if version != "1.1":
                 scope["http_version"] = version
-            if not wants(scope):
-                return False
             url = parse_url(self.url)
             raw_path = url.path
             path = raw_path.decode("ascii")
