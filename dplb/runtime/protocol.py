@@ -8,13 +8,14 @@ Contract
   written together with the first body bytes (:class:`_CorkedTransport`) and one keep-alive timer per connection
   (uvicorn's closing rule, timed from the same instants).
 - Given a direct handler (:mod:`dplb.runtime.direct`), a request the handler may take — ``POST``, a
-  ``Content-Length`` of at most :data:`MAX_DIRECT_BODY`, no ``Expect: 100-continue``, no upgrade, not queued behind
-  another request on its connection (pipelining), no ``limit_concurrency`` — gets a :class:`LaneCycle` instead of
-  uvicorn's ``RequestResponseCycle``: the same class (a subclass), with the same scope, body and response state,
-  minus what only an ASGI app uses (the cycle's ``asyncio.Event`` and loggers, the scope's ``asgi`` and ``state``
-  keys), made by a call with no keywords. Its body is
-  collected without uvicorn's body callbacks and, once complete, the handler's ``begin`` is called. If the request
-  goes to the ASGI app after all (declined, handed on with ``start``, the client gone before the body was
+  ``Content-Length`` of at most :data:`MAX_DIRECT_BODY`, no ``Expect: 100-continue``, no upgrade, no
+  ``limit_concurrency``, and ``wants`` says yes — gets a :class:`LaneCycle` instead of uvicorn's
+  ``RequestResponseCycle``: the same class (a subclass), with the same scope, body and response state, minus what
+  only an ASGI app uses (the cycle's ``asyncio.Event`` and loggers, the scope's ``asgi`` and ``state`` keys), made
+  by a call with no keywords. Its body is collected without uvicorn's body callbacks and, once complete, the
+  handler's ``begin`` is called. One queued behind another request on its connection (pipelining) is queued as
+  uvicorn queues it and offered only if its body is still coming when its turn comes (else the app gets it). If the
+  request goes to the ASGI app after all (declined, handed on with ``start``, the client gone before the body was
   complete), the protocol completes it first (the scope's two keys, :meth:`LaneCycle.to_asgi`): from then on it is
   uvicorn's cycle in every respect.
 - Every other request (all of them without a direct handler, as on the workers) takes uvicorn's own path.
