@@ -19,6 +19,9 @@ Contract
   complete), the protocol completes it first (the scope's two keys, :meth:`LaneCycle.to_asgi`): from then on it is
   uvicorn's cycle in every respect.
 - Every other request (all of them without a direct handler, as on the workers) takes uvicorn's own path.
+- Pipelining: up to :data:`MAX_QUEUED` requests queue behind the one being answered while the connection is still
+  read (uvicorn stops reading at the first), so a client that leaves is seen at once; the request being answered
+  then hears the disconnect (its hook fires, its ASGI ``receive`` reports it), not only the last one parsed.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ from dplb.errors import openai_error_body
 from dplb.runtime.direct import MAX_DIRECT_BODY
 
 log = logging.getLogger("dplb.serving")
+
+#: Requests queued behind the one being answered on a connection (HTTP/1.1 pipelining) before the router stops
+#: reading it. uvicorn stops at the first, and a connection not read does not report its client leaving: the
+#: request being answered ran to its end. Each queued request's body is bounded by uvicorn's read pause (64 KiB).
+MAX_QUEUED = 8
 
 
 def _error_response(status: int, reason: bytes, kind_code: str, message: str) -> bytes:
@@ -207,6 +215,7 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
 
         _peer_pid = 0  # SO_PEERCRED of a Unix-socket client, read once per connection
         _deferred: LaneCycle | None = None  # the request held for the direct handler until its body is complete
+        _active: Any = None  # the request being answered (self.cycle is the last one parsed: maybe queued behind it)
         _idle_since = -1.0  # loop time the connection went idle after a response; -1.0 while a request is open
         _idle_timer: Any = None  # the connection's one keep-alive timer (see _keep_alive_due)
         _on_response: Callable[[], None]
@@ -264,6 +273,10 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             cycle = self.cycle
             if cycle is not prev and cycle is not None:  # (an upgrade request makes no cycle)
                 cycle.transport = _CorkedTransport(self.transport)  # type: ignore[assignment]
+                if prev is None or prev.response_complete:  # started now (else queued, as uvicorn decided)
+                    self._active = cycle
+                elif len(self.pipeline) < MAX_QUEUED:  # queued: uvicorn stopped reading; read on (MAX_QUEUED)
+                    self.flow.resume_reading()
 
         def _lane(self, scope: Any) -> bool:
             """uvicorn's ``on_headers_complete`` for a request the direct handler may take: the scope completed the
@@ -302,10 +315,11 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             cycle = self.cycle = LaneCycle(scope, self.transport, self.flow, self.server_state.default_headers,
                                            version != "1.0" and parser.should_keep_alive(), self._on_response)
             if prev is None or prev.response_complete:
-                self._deferred = cycle
-            else:  # pipelined: queued (uvicorn's own handling of it)
-                self.flow.pause_reading()
+                self._deferred = self._active = cycle
+            else:  # pipelined: queued as uvicorn queues it, the connection still read up to MAX_QUEUED
                 self.pipeline.appendleft((cycle, self.app))
+                if len(self.pipeline) >= MAX_QUEUED:
+                    self.flow.pause_reading()
             return True
 
         # A held request's body is collected here without the base's checks (an upgrade has no cycle; nothing was
@@ -381,6 +395,7 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             if self.pipeline:  # the next pipelined request starts (busy)
                 self._idle_since = -1.0
                 cycle, app = self.pipeline.pop()
+                self._active = cycle
                 if type(cycle) is not LaneCycle:
                     self._start_asgi_task(cycle, app)
                 elif cycle is self.cycle and cycle.more_body:  # its body still coming: held for the direct handler
@@ -409,13 +424,20 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
                 self._idle_timer = None
             deferred, self._deferred = self._deferred, None
             super().connection_lost(exc)
+            # uvicorn tells the last request parsed (self.cycle); with requests pipelined behind it, the one being
+            # answered is another, and it must hear the disconnect too (its engine request is aborted, its worker
+            # released). Queued requests never started: nothing to tell.
+            active, last = self._active, self.cycle
+            if active is not None and active is not last and not active.response_complete:
+                active.disconnected = True
+                active.message_event.set()
             if deferred is not None:  # the client left before its body was complete: the app hears the disconnect
                 self._start_deferred(deferred)
-            cycle = self.cycle
-            if cycle is not None and cycle.disconnected:
-                hook: Any = cycle.scope.get("extensions", {}).get(DISCONNECT_EXT)
-                if hook is not None:
-                    hook.fire()
+            for cycle in (active, last) if active is not last else (last,):
+                if cycle is not None and cycle.disconnected:
+                    hook: Any = cycle.scope.get("extensions", {}).get(DISCONNECT_EXT)
+                    if hook is not None:
+                        hook.fire()
 
         def data_received(self, data: bytes) -> None:  # uvicorn's, inlined, then the raw head's bound
             self._idle_since = -1.0  # (uvicorn's _unset_keepalive_if_required: busy, see above)
