@@ -5,6 +5,7 @@ bodies, absurd values, request-id sanitising, API-key exemptions, file modes and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import os
@@ -15,6 +16,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -204,6 +206,49 @@ def test_malformed_chunked_body_gets_an_openai_400(fuzz: Cluster) -> None:
         assert resp.startswith(b"HTTP/1.1 400"), resp[:200]
         assert json.loads(resp.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_http"
     assert httpx.get(fuzz.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("coding", [b"gzip, chunked", b"foo, chunked", b"deflate, chunked", b"identity"])
+def test_a_transfer_coding_other_than_chunked_is_refused(fuzz: Cluster, coding: bytes) -> None:
+    """llhttp frames a body by the last coding alone: ``gzip, chunked`` would be read as plain chunked, and a proxy
+    in front that reads it otherwise would see another request boundary. The router answers 400 ``invalid_http``
+    and closes; ``Chunked`` in any case is fine."""
+    body = b'{"model": "dplb-sim", "prompt": "x", "max_tokens": 1}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: "
+    resp = _raw(fuzz, head + coding + b"\r\n\r\n" + chunked + b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert resp.startswith(b"HTTP/1.1 400") and resp.count(b"HTTP/1.1 ") == 1, resp[:300]
+    assert json.loads(resp.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_http"
+    resp = _raw(fuzz, head + b"Chunked\r\nconnection: close\r\n\r\n" + chunked)
+    assert resp.startswith(b"HTTP/1.1 200"), resp[:300]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-write", "body-later"])
+def test_an_upgrade_the_router_does_not_speak_loses_nothing_and_smuggles_nothing(fuzz: Cluster, split: bool) -> None:
+    """``Upgrade: h2c`` (what ``curl --http2`` sends on http://): llhttp stops at the head and leaves the rest to the
+    other protocol. A request with a body gets 400 ``invalid_http`` saying what to do, and its body is never read as
+    a request of its own (before, a body in a later segment was: ``GET /debug/...`` was answered 200); one without
+    a body is answered, then the connection closed."""
+    body = b'{"model": "dplb-sim", "prompt": "x", "max_tokens": 1}'
+    smuggled = b"GET /debug/decisions?limit=1 HTTP/1.1\r\nhost: x\r\n\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: Upgrade, "
+            b"HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQAoAAAAAIAAAAA\r\ncontent-length: %d\r\n\r\n"
+            % len(smuggled))
+    with socket.create_connection(("127.0.0.1", fuzz.port), timeout=5) as s:
+        s.sendall(head if split else head + smuggled)
+        if split:
+            time.sleep(0.3)
+            with contextlib.suppress(OSError):
+                s.sendall(smuggled)
+        out = b""
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(65536):
+                out += chunk
+    assert out.startswith(b"HTTP/1.1 400") and out.count(b"HTTP/1.1 ") == 1, out[:400]
+    assert "Upgrade" in json.loads(out.partition(b"\r\n\r\n")[2])["error"]["message"]
+    resp = _raw(fuzz, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: h2c\r\n\r\n" + smuggled)
+    assert resp.startswith(b"HTTP/1.1 200") and resp.count(b"HTTP/1.1 ") == 1, resp[:400]
+    assert httpx.post(fuzz.url + "/v1/completions", json=json.loads(body), timeout=30).status_code == 200
 
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])

@@ -206,12 +206,20 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
     too_large = _error_response(431, b"Request Header Fields Too Large", "headers_too_large",
                                 f"request line and headers exceed {max_head_bytes} bytes")
     bad_http = _error_response(400, b"Bad Request", "invalid_http", "malformed HTTP request")
+    # Framings the router does not take, answered like malformed HTTP (and the connection closed), since reading
+    # them another way than a proxy in front does would desynchronise the connection (RFC 9112 §6.1, §9.9).
+    bad_coding = _error_response(400, b"Bad Request", "invalid_http",
+                                 "Transfer-Encoding other than 'chunked' is not supported")
+    bad_upgrade = _error_response(400, b"Bad Request", "invalid_http",
+                                  "the router switches protocols only to WebSocket: send this request without "
+                                  "'Upgrade' (curl: --http1.1)")
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
         _head_bytes = 0  # request line + header bytes parsed so far (exact)
         _raw_bytes = 0  # bytes read while the head is incomplete (bounds memory before a header completes)
         _in_head = True
         _too_large = False
+        _refusal: bytes | None = None  # the answer to a framing refused (the connection is then closed)
 
         _peer_pid = 0  # SO_PEERCRED of a Unix-socket client, read once per connection
         _deferred: LaneCycle | None = None  # the request held for the direct handler until its body is complete
@@ -255,6 +263,8 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             value = value.rstrip(b" \t")  # llhttp keeps trailing whitespace, which RFC 9110 §5.5 excludes
             if name == b"expect" and value.lower() == b"100-continue":
                 self.expect_100_continue = True
+            elif name == b"transfer-encoding" and value.lower() != b"chunked":  # (llhttp reads the last coding only)
+                self._refusal = bad_coding
             self.headers.append((name, value))
 
         def on_headers_complete(self) -> None:
@@ -262,6 +272,8 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             if self._head_bytes > max_head_bytes:
                 self._too_large = True
                 raise ValueError("request head too large")  # httptools stops parsing; send_400_response below
+            if self._refusal is not None:
+                raise ValueError("framing refused")
             scope = self.scope
             scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid)}  # type: ignore[dict-item]
             if direct is not None and self._lane(scope):
@@ -451,7 +463,7 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
                 if self._should_upgrade():
                     self.handle_websocket_upgrade()
                 else:
-                    self._unsupported_upgrade_warning()
+                    self._unsupported_upgrade()
             if not self._in_head or self.transport.is_closing():
                 return
             self._raw_bytes += len(data)
@@ -459,16 +471,36 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
                 self._too_large = True
                 self.send_400_response("")
 
+        def _unsupported_upgrade(self) -> None:
+            """An ``Upgrade`` to anything but WebSocket: llhttp ends the request at its head and leaves the rest of
+            the bytes to the other protocol, so a body would be lost (the app would read none) and then read as the
+            next request. A request without a body is answered, then the connection closed; one with a body gets a
+            400 instead of its app's answer (the app hears a disconnect), and the connection is closed."""
+            self._unsupported_upgrade_warning()
+            cycle = self.cycle
+            if not any(n == b"transfer-encoding" or (n == b"content-length" and v.strip(b"0"))
+                       for n, v in self.headers):
+                if cycle is not None:
+                    cycle.keep_alive = False
+                self.flow.pause_reading()
+                return
+            if cycle is not None and not cycle.response_started:
+                cycle.disconnected = True  # (before its task runs: its answer is never written, the 400 is)
+            self._refusal = bad_upgrade
+            self.send_400_response("")
+
         def send_400_response(self, msg: str) -> None:
             code = "headers_too_large" if self._too_large else "invalid_http"
             if on_reject is not None:
                 on_reject(code)
-            cycle = self.cycle
+            cycle, active = self.cycle, self._active
             # No request open, or the bad bytes are the open request's own body (a malformed chunk) before its
             # answer began: answer 400; its app then sees a disconnect. Else (a pipelined request while the previous
             # one is still being answered, or its answer is streaming) a 400 would read as that answer: only close.
-            if cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started):
-                self.transport.write(too_large if self._too_large else bad_http)
+            idle = active is None or active is cycle or active.response_complete
+            if idle and (cycle is None or cycle.response_complete
+                         or ((cycle.more_body or self._refusal) and not cycle.response_started)):
+                self.transport.write(too_large if self._too_large else self._refusal or bad_http)
             self.transport.close()
 
     return BoundedHttpToolsProtocol
