@@ -45,6 +45,7 @@ from dplb.policy.decision import (
     WHY_OVER_CAP,
     Candidate,
     Decision,
+    make_candidates,
 )
 from dplb.policy.filters import (
     CanServe,
@@ -69,7 +70,8 @@ from dplb.policy.framework import (
     build_scorers,
     clamp_unit,
 )
-from dplb.policy.fused import FusedScores
+from dplb.policy.scorers import _Query
+from dplb.policy.fused import FastPick, FusedScores
 from dplb.policy.pickers import MaxScore
 from dplb.policy.plugins import PROFILES, validate
 from dplb.state.shm import Lifecycle, WorkerState
@@ -83,6 +85,8 @@ _READY = Lifecycle.READY
 _STATE_FILTERS = (Registered, Consistent, Fresh, Ready)
 #: Filters that reject only the ids of a set the context carries: nothing to do while every set is empty.
 _ID_FILTERS = (NotHeldOut, NotEjected, NotStalled, CanServe, NotTried)
+#: The rest of the built-in chain, in order: what :class:`~dplb.policy.fused.FastPick` applies itself.
+_CHAIN = (*_ID_FILTERS, UnderHardCap)
 
 
 class Policy:
@@ -127,6 +131,14 @@ class Policy:
             raise ConfigError(f"scorers {', '.join(s.name for s in sharers)} all share what they learn with the other "
                               "router processes; the router slots' rings carry one kind of key, so weight only one")
         self._sharer = sharers[0] if sharers else None
+        # Send times (CLOCK_MONOTONIC ns) of the requests each worker's published queue may not count yet.
+        self._sent_at: list[deque[int]] = [deque() for _ in range(num_workers)]
+        self._seen_hb = [0] * num_workers
+        #: The max-score pick over the built-in filters and scorer set on columns (None: another configuration).
+        self._fast = FastPick(self._fused, self._sent_at, self._seen_hb, self._new_snapshot, self._stale_ns,
+                              cfg.hard_queue_cap) \
+            if self._fused is not None and self._scan is not None and fused and \
+            tuple(type(f) for f in self._filters) == _CHAIN else None
         self._truth = [s for s in self.scorers if type(s).absorb_engine is not Scorer.absorb_engine]
         #: True when a scorer follows the workers' KV rings (the router then drains them before each pick).
         self.follows_engines = bool(self._truth)
@@ -134,10 +146,7 @@ class Policy:
         self.truth_block_bytes: int = getattr(self._truth[0], "block_bytes", 0) if self._truth else 0
         #: True when a scorer learns from the other router processes (the router then drains their rings).
         self.shares = self._sharer is not None
-        # Send times (CLOCK_MONOTONIC ns) of the requests each worker's published queue may not count yet.
-        self._sent_at: list[deque[int]] = [deque() for _ in range(num_workers)]
         self.grace_ns = cfg.state_interval_ms * 1_000_000 // 2
-        self._seen_hb = [0] * num_workers
         self._seen_pid = [0] * num_workers
         self._rot = 0
         self._latencies: list[float] = []
@@ -222,6 +231,8 @@ class Policy:
         req = _NO_REQUEST if request is None else request
         if req.prompt is not None and not req.prepared:
             self.prepare(req)
+        if self._fast is not None and not dry_run and self._fused is not None and self._scan is not None:
+            return self._pick_fast(self._fast, snapshot, now_mono_ns, req, held, ejected, stalled, inflight, shared)
         cands = self._candidates(snapshot, now_mono_ns, inflight, shared)
         ctx: PickContext
         if _PLAIN_CTX:  # PickContext(now_mono_ns, req, ...) without the class call
@@ -268,6 +279,53 @@ class Policy:
             s.on_pick(req, k, now_mono_ns)
         return Decision(self.name, k, reason, cands, self.baseline_s, self.term_names, self.weights, req.preferred,
                         self.scorers, ctx, columns, self._noters)
+
+    def _pick_fast(self, fast: FastPick, snapshot: Sequence[WorkerState], now: int, req: RouteRequest,
+                   held: frozenset[int], ejected: frozenset[int], stalled: frozenset[int],
+                   inflight: Sequence[int] | None, shared: Sequence[int] | None) -> Decision:
+        """:meth:`pick` (not a dry run) by :class:`~dplb.policy.fused.FastPick`: the same decision, candidates made
+        only when the decision's ``candidates`` are read."""
+        rows = fast.rows(snapshot, now, req, held, ejected, stalled, inflight, shared)  # a restart forgotten first
+        fused = fast.fused
+        index = fused.index
+        q: _Query | None = req.derived.get("prefix") if index is not None else None
+        depth = None
+        if q is not None:
+            assert index is not None
+            depth = q.depth = index.match(q.blocks, now)
+        qcol, mcol, lcol, lo, best, pref = fast.terms(rows, self.baseline_s, depth)
+        columns = [qcol, mcol, lcol]
+        span = 0
+        if fused.prefix is not None:
+            columns.append([0.0] * len(rows))
+            if q is not None and best != lo:
+                req.preferred = pref
+                span = len(q.blocks) - lo
+            else:
+                depth = None  # no preference: every prefix term is 0
+        n = len(rows)
+        start = self._rot % n if n else 0
+        self._rot += 1
+        scores, i = fast.weigh(rows, columns, fast.order(n, start) if n else (), depth, lo, span)
+        ctx: PickContext
+        if _PLAIN_CTX:  # PickContext(now, req, ...) without the class call
+            ctx = _new(PickContext)
+            ctx.now_ns = now
+            ctx.request = req
+            ctx.baseline_s = self.baseline_s
+            ctx.held = held
+            ctx.ejected = ejected
+            ctx.stalled = stalled
+        else:
+            ctx = PickContext(now, req, self.baseline_s, held, ejected, stalled)
+        if i < 0:
+            return self._nobody(make_candidates(rows, scores), ctx, columns)
+        k = rows[i][0].worker_id
+        self._sent_at[k].append(now)
+        for s in self._pickers_hooks:
+            s.on_pick(req, k, now)
+        return Decision(self.name, k, REASON_SCORE, None, self.baseline_s, self.term_names, self.weights,
+                        req.preferred, self.scorers, ctx, columns, self._noters, rows, scores)
 
     def _nobody(self, cands: list[Candidate], ctx: PickContext, columns: list[list[float]]) -> Decision:
         """The decision when no candidate is eligible (``worker`` None, the reason why)."""
