@@ -33,7 +33,7 @@ HOT_MODULES: tuple[str, ...] = (
     "dplb.runtime.direct",
     "dplb.router.direct", "dplb.router.attempt", "dplb.router.exchange", "dplb.router.proxy",
     "dplb.router.state", "dplb.router.resume", "dplb.router.orca", "dplb.router.routes", "dplb.router.models",
-    "dplb.policy.core", "dplb.policy.scorers", "dplb.policy.prefix", "dplb.policy.decision",
+    "dplb.policy.core", "dplb.policy.fused", "dplb.policy.scorers", "dplb.policy.prefix", "dplb.policy.decision",
     "dplb.policy.pickers", "dplb.policy.filters", "dplb.policy.framework", "dplb.policy.plugins",
     "dplb.policy.stall",
     "dplb.obs.fastmetrics", "dplb.obs.metrics_router",

@@ -46,6 +46,7 @@ from dplb.policy.decision import (
     Candidate,
     Decision,
     make_candidates,
+    routed,
 )
 from dplb.policy.filters import (
     CanServe,
@@ -70,10 +71,10 @@ from dplb.policy.framework import (
     build_scorers,
     clamp_unit,
 )
-from dplb.policy.scorers import _Query
-from dplb.policy.fused import FastPick, FusedScores
+from dplb.policy.fused import FastPick, FusedScores, prefix_span
 from dplb.policy.pickers import MaxScore
 from dplb.policy.plugins import PROFILES, validate
+from dplb.policy.scorers import _Query
 from dplb.state.shm import Lifecycle, WorkerState
 
 _NO_REQUEST = RouteRequest()
@@ -285,7 +286,6 @@ class Policy:
                    inflight: Sequence[int] | None, shared: Sequence[int] | None) -> Decision:
         """:meth:`pick` (not a dry run) by :class:`~dplb.policy.fused.FastPick`: the same decision, candidates made
         only when the decision's ``candidates`` are read."""
-        rows = fast.rows(snapshot, now, req, held, ejected, stalled, inflight, shared)  # a restart forgotten first
         fused = fast.fused
         index = fused.index
         q: _Query | None = req.derived.get("prefix") if index is not None else None
@@ -293,7 +293,12 @@ class Policy:
         if q is not None:
             assert index is not None
             depth = q.depth = index.match(q.blocks, now)
-        qcol, mcol, lcol, lo, best, pref = fast.terms(rows, self.baseline_s, depth)
+        rows, qcol, mcol, lcol, lo, best, pref, forgot = fast.first(snapshot, now, req, (held, ejected, stalled),
+                                                                    inflight, shared, self.baseline_s, depth)
+        if forgot and q is not None:  # a restarted worker's blocks are gone: match again
+            assert index is not None
+            depth = q.depth = index.match(q.blocks, now)
+            lo, best, pref = prefix_span(rows, depth)
         columns = [qcol, mcol, lcol]
         span = 0
         if fused.prefix is not None:
@@ -324,8 +329,8 @@ class Policy:
         self._sent_at[k].append(now)
         for s in self._pickers_hooks:
             s.on_pick(req, k, now)
-        return Decision(self.name, k, REASON_SCORE, None, self.baseline_s, self.term_names, self.weights,
-                        req.preferred, self.scorers, ctx, columns, self._noters, rows, scores)
+        return routed(self.name, k, REASON_SCORE, rows, scores, self.baseline_s, self.term_names, self.weights,
+                      req.preferred, self.scorers, ctx, columns, self._noters)
 
     def _nobody(self, cands: list[Candidate], ctx: PickContext, columns: list[list[float]]) -> Decision:
         """The decision when no candidate is eligible (``worker`` None, the reason why)."""
@@ -392,19 +397,23 @@ class Policy:
             cands.append(c)  # its score is set once every scorer ran
         return cands
 
-    def _new_snapshot(self, w: WorkerState, q: deque[int]) -> None:
+    def _new_snapshot(self, w: WorkerState, q: deque[int]) -> bool:
         """Worker ``w`` published a new snapshot: drop the correction entries it counts now (sent before its
-        heartbeat minus half an interval); a new pid (restart) voids what scorers learnt about the old process."""
+        heartbeat minus half an interval); a new pid (restart) voids what scorers learnt about the old process.
+        Returns True when a scorer forgot the worker."""
         k = w.worker_id
         hb = self._seen_hb[k] = w.heartbeat_mono_ns
+        forgot = False
         if w.pid != self._seen_pid[k]:
             if self._seen_pid[k]:
                 for s in self._learners:
                     s.forget_worker(k)
+                    forgot = True
             self._seen_pid[k] = w.pid
         cutoff = hb - self.grace_ns
         while q and q[0] < cutoff:
             q.popleft()
+        return forgot
 
     def pick_without_state(self, inflight: Sequence[int], exclude: frozenset[int] | set[int] = frozenset()) -> int:
         """Fallback when the shm segment is gone: least router-side in-flight, ties rotating. Returns a worker id.

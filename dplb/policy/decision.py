@@ -227,6 +227,34 @@ class Decision:
         }
 
 
+def routed(policy: str, worker: int, reason: str, rows: list[tuple[WorkerState, int, int, int, str]],
+           scores: list[float], baseline_s: float | None, term_names: tuple[str, ...], weights: tuple[float, ...],
+           preferred: int | None, scorers: tuple[Any, ...], ctx: Any, columns: list[list[float]],
+           noters: tuple[Any, ...]) -> Decision:
+    """``Decision(policy, worker, reason, None, baseline_s, …, rows=rows, scores=scores)``: the same decision,
+    without the class call where the class allows it (:data:`PLAIN_NEW`: plain Python)."""
+    if not _PLAIN_DECISION:
+        return Decision(policy, worker, reason, None, baseline_s, term_names, weights, preferred, scorers, ctx,
+                        columns, noters, rows, scores)
+    d: Decision = _new(Decision)
+    d.policy = policy
+    d.worker = worker
+    d.reason = reason
+    d._cands = None
+    d._rows = rows
+    d._scores = scores
+    d.baseline_s = baseline_s
+    d.term_names = term_names
+    d.weights = weights
+    d.preferred = preferred
+    d.scorers = scorers
+    d.ctx = ctx
+    d.columns = columns
+    d.noters = noters
+    d._notes = _UNASKED
+    return d
+
+
 def make_candidates(rows: list[tuple[WorkerState, int, int, int, str]], scores: list[float]) -> list[Candidate]:
     """The :class:`Candidate` of each ``(state, correction, queue, age_ns, why)`` row, with its score."""
     out = []
@@ -236,6 +264,10 @@ def make_candidates(rows: list[tuple[WorkerState, int, int, int, str]], scores: 
         c.score = score
         out.append(c)
     return out
+
+
+_PLAIN_DECISION: bool = Decision.__new__ is object.__new__
+_new: Any = object.__new__
 
 
 def _finite(x: float) -> float | None:

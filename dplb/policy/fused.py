@@ -168,14 +168,21 @@ class FusedScores:
 Row = tuple[WorkerState, int, int, int, str]
 
 
+#: The router's held, ejected and stalled workers (:meth:`dplb.policy.Policy.pick`'s arguments).
+Verdicts = tuple[frozenset[int], frozenset[int], frozenset[int]]
+#: :meth:`FastPick.first`'s result: rows, queue, memory and latency columns, lowest and highest eligible match,
+#: the preferred worker, whether a restarted worker was forgotten.
+First = tuple[list[Row], list[float], list[float], list[float], int, int, int, bool]
+
+
 class FastPick:
     """The whole of a max-score pick over the built-in filters and scorer set, on columns: no
     :class:`Candidate` objects (:class:`~dplb.policy.decision.Decision` makes them if someone reads them).
 
     The policy (:meth:`dplb.policy.Policy.pick`) builds one with its own state, shared by reference:
     ``sent_at`` (per worker, the send times of its in-flight correction), ``seen`` (per worker, the heartbeat of
-    its last snapshot), ``renew(state, sent)`` (a new snapshot: trims ``sent``, forgets a restarted worker),
-    ``stale_ns`` (:class:`~dplb.policy.filters.Fresh`), ``cap`` (``hard_queue_cap``, 0 = none). Each
+    its last snapshot), ``renew(state, sent)`` (a new snapshot: trims ``sent``; True when it forgot a
+    restarted worker), ``stale_ns`` (:class:`~dplb.policy.filters.Fresh`), ``cap`` (``hard_queue_cap``, 0 = none). Each
     per-worker value is the same expression, in the same order, as the candidate path (the state filters in
     :meth:`dplb.policy.Policy._candidates`, the filter chain, :meth:`FusedScores.score`, the max-score picker), so
     the decision, every ``why``, column and score are equal (tests/test_pick_lockstep.py).
@@ -184,7 +191,7 @@ class FastPick:
     __slots__ = ("cap", "fused", "orders", "renew", "seen", "sent_at", "stale")
 
     def __init__(self, fused: FusedScores, sent_at: list[deque[int]], seen: list[int],
-                 renew: Callable[[WorkerState, deque[int]], None], stale_ns: int, cap: int) -> None:
+                 renew: Callable[[WorkerState, deque[int]], bool], stale_ns: int, cap: int) -> None:
         self.fused = fused
         self.sent_at = sent_at
         self.seen = seen
@@ -194,57 +201,47 @@ class FastPick:
         #: Workers → the scan order of each rotation start (``start, …, n−1, 0, …, start−1``).
         self.orders: dict[int, list[tuple[int, ...]]] = {}
 
-    def rows(self, snapshot: Sequence[WorkerState], now: int, req: RouteRequest, held: frozenset[int],
-             ejected: frozenset[int], stalled: frozenset[int], inflight: Sequence[int] | None,
-             shared: Sequence[int] | None) -> list[Row]:
-        """One row per worker of ``snapshot`` (see :class:`Row`; the arguments as :meth:`dplb.policy.Policy.pick`'s),
-        with its ``why``: the state filters, then the router's verdicts, the request's sets and the hard cap, in
-        the filter chain's order."""
-        sent_at = self.sent_at
-        seen = self.seen
-        stale = self.stale
-        cap = self.cap
-        check = bool(cap or held or ejected or stalled or req.cannot_serve or req.exclude)
+    def first(self, snapshot: Sequence[WorkerState], now: int, req: RouteRequest, verdicts: Verdicts,
+              inflight: Sequence[int] | None, shared: Sequence[int] | None, baseline: float | None,
+              depth: list[int] | None) -> First:
+        """One pass over ``snapshot`` (the arguments as :meth:`dplb.policy.Policy.pick`'s; ``verdicts``: held,
+        ejected, stalled): each worker's row (:data:`Row`) with its ``why`` (the state filters, then the router's
+        verdicts, the request's sets and the hard cap, in the filter chain's order), the queue, memory and latency
+        columns (:meth:`FusedScores.score`'s pass 1, the deadband and the fill) and, with ``depth`` (the prompt's
+        matched blocks per worker), the lowest and highest eligible match and the first eligible worker with the
+        highest (−1, −1, 0 without). Last: True when a restarted worker was forgotten (``depth`` is then stale)."""
+        f = self.fused
+        sent_at, seen, stale, cap = self.sent_at, self.seen, self.stale, self.cap
+        mq, kv, ttft = f.max_queue, f.kv, f.ttft
+        check = bool(cap or verdicts[0] or verdicts[1] or verdicts[2] or req.cannot_serve or req.exclude)
+        timed = baseline is not None
+        b = baseline if baseline is not None else 1.0
         rows: list[Row] = []
-        for w in snapshot:
+        qcol: list[float] = []
+        mcol: list[float] = []
+        lcol: list[float] = []
+        tix: list[int] = []  # the eligible workers with a current sample: index, latency
+        lats: list[float] = []
+        fill = forgot = False
+        lo = best = -1
+        pref = 0
+        for i, w in enumerate(snapshot):
             k = w.worker_id
             hb = w.heartbeat_mono_ns
             sent = sent_at[k]
-            if hb != seen[k]:
-                self.renew(w, sent)
+            if hb != seen[k] and self.renew(w, sent):
+                forgot = True
             corr = len(sent)
             if corr and inflight is not None and inflight[k] < corr:  # in-flight counts are never negative
                 corr = inflight[k]
             if shared is not None:
                 corr += shared[k]
             age = now - hb
-            q = w.num_running + w.num_waiting + corr
+            cq = w.num_running + w.num_waiting + corr
             why = OK if w.pid and age <= stale and w.lifecycle is _READY and not w.torn else state_why(w, age, stale)
             if check and why is OK:
-                why = _verdict(k, q, held, ejected, stalled, req, cap)
-            rows.append((w, corr, q, age, why))
-        return rows
-
-    def terms(self, rows: list[Row], baseline: float | None,
-              depth: list[int] | None) -> tuple[list[float], list[float], list[float], int, int, int]:
-        """The queue, memory and latency columns of ``rows`` (:meth:`FusedScores.score`'s pass 1, the deadband and
-        the fill) and, with ``depth`` (the prompt's matched blocks per worker), the lowest and highest eligible
-        match and the first eligible worker with the highest (−1, −1, 0 without)."""
-        f = self.fused
-        mq = f.max_queue
-        kv = f.kv
-        ttft = f.ttft
-        timed = baseline is not None
-        b = baseline if baseline is not None else 1.0
-        qcol: list[float] = []
-        mcol: list[float] = []
-        lcol: list[float] = []
-        tix: list[int] = []  # the eligible workers with a current sample: index, latency
-        lats: list[float] = []
-        fill = False
-        lo = best = -1
-        pref = i = 0
-        for w, _, cq, _, why in rows:
+                why = _verdict(k, cq, verdicts, req, cap)
+            rows.append((w, corr, cq, age, why))
             t = 1.0 - cq / mq
             qcol.append(t if t > 0.0 else 0.0)
             r = w.kv_cache_usage if kv else memory_ratio(w, f.signal)
@@ -261,19 +258,18 @@ class FastPick:
                         tix.append(i)
                         lats.append(lat)
             if depth is not None and why is OK:
-                d = depth[w.worker_id]
+                d = depth[k]
                 if d > best:
                     if best < 0:
                         lo = d
-                    best, pref = d, w.worker_id
+                    best, pref = d, k
                 elif d < lo:
                     lo = d
-            i += 1
         if timed:
             settle_latency([r[0] for r in rows] if fill else (), lcol, tix, lats, b, f.band, fill)
         else:
             lcol = [1.0] * len(rows)
-        return qcol, mcol, lcol, lo, best, pref
+        return rows, qcol, mcol, lcol, lo, best, pref, forgot
 
     def order(self, n: int, start: int) -> tuple[int, ...]:
         """The scan order of ``n`` workers starting at ``start`` (``start, …, n−1, 0, …, start−1``)."""
@@ -293,41 +289,58 @@ class FastPick:
         qcol, mcol, lcol = columns[0], columns[1], columns[2]
         scores = [0.0] * len(rows)
         chosen = -1
-        bs = 0.0
+        above = below = 0.0  # the best score ± 1e-12 (a better score / a tie)
         bq = 0
         if len(columns) == 3:
             for i in order:
                 s = scores[i] = wq * qcol[i] + wm * mcol[i] + wl * lcol[i]
                 row = rows[i]
-                if row[4] is OK and (chosen < 0 or s > bs + 1e-12 or (s > bs - 1e-12 and row[2] < bq)):
-                    chosen, bs, bq = i, s, row[2]
+                if row[4] is OK and (chosen < 0 or s > above or (s > below and row[2] < bq)):
+                    chosen, above, below, bq = i, s + 1e-12, s - 1e-12, row[2]
             return scores, chosen
         wp = w[3]
         pcol = columns[3]
-        mq = self.fused.max_queue
         for i in order:
             row = rows[i]
+            x = qcol[i]
             p = 0.0
             if depth is not None:
                 d = depth[i]
-                if d > lo:
-                    head = 1.0 - row[2] / mq
-                    p = pcol[i] = (d - lo) / span * head if head > 0.0 else 0.0
-            s = scores[i] = wq * qcol[i] + wm * mcol[i] + wl * lcol[i] + wp * p
-            if row[4] is OK and (chosen < 0 or s > bs + 1e-12 or (s > bs - 1e-12 and row[2] < bq)):
-                chosen, bs, bq = i, s, row[2]
+                if d > lo and x > 0.0:  # the headroom 1 − queue/max_queue is the queue term where it is > 0
+                    p = pcol[i] = (d - lo) / span * x
+            s = scores[i] = wq * x + wm * mcol[i] + wl * lcol[i] + wp * p
+            if row[4] is OK and (chosen < 0 or s > above or (s > below and row[2] < bq)):
+                chosen, above, below, bq = i, s + 1e-12, s - 1e-12, row[2]
         return scores, chosen
 
 
-def _verdict(k: int, queue: int, held: frozenset[int], ejected: frozenset[int], stalled: frozenset[int],
-             req: RouteRequest, cap: int) -> str:
+def prefix_span(rows: list[Row], depth: list[int]) -> tuple[int, int, int]:
+    """The lowest and highest ``depth`` (matched blocks, per worker id) among the eligible ``rows`` and the first
+    eligible worker with the highest (−1, −1, 0 when none is eligible): :meth:`FastPick.first`'s, again."""
+    lo = best = -1
+    pref = 0
+    for w, _, _, _, why in rows:
+        if why is OK:
+            k = w.worker_id
+            d = depth[k]
+            if d > best:
+                if best < 0:
+                    lo = d
+                best, pref = d, k
+            elif d < lo:
+                lo = d
+    return lo, best, pref
+
+
+def _verdict(k: int, queue: int, verdicts: Verdicts, req: RouteRequest, cap: int) -> str:
     """The ``why`` of the filters after the state filters, in chain order (:data:`dplb.policy.filters.HEALTH_FILTERS`
-    then :data:`~dplb.policy.filters.REQUEST_FILTERS`) for worker ``k`` with ``queue``: the first that rejects it."""
-    if k in held:
+    then :data:`~dplb.policy.filters.REQUEST_FILTERS`) for worker ``k`` with ``queue``: the first that rejects it.
+    ``verdicts``: the router's held, ejected and stalled workers."""
+    if k in verdicts[0]:
         return WHY_HELD_OUT
-    if k in ejected:
+    if k in verdicts[1]:
         return WHY_EJECTED
-    if k in stalled:
+    if k in verdicts[2]:
         return WHY_STALLED
     if k in req.cannot_serve:
         return WHY_CANNOT_SERVE

@@ -152,11 +152,9 @@ def settle_latency(states: Sequence[WorkerState], terms: list[float], timed: lis
         tm = 1.0 - mean / base
         tm = tm if tm > 0.0 else 0.0
         lim = band * mean
-        j = 0
-        for lat in lats:  # timed[j] is the worker of lats[j] (no zip: its keyword costs more than the loop)
+        for j, lat in enumerate(lats):  # timed[j] is the worker of lats[j] (no zip: its keyword costs more)
             if -lim <= lat - mean <= lim:  # |lat − mean| ≤ lim without a call
                 terms[timed[j]] = tm
-            j += 1
     if fill:  # every other term is ≥ 0
         have = [t for w, t in zip(states, terms, strict=True) if t >= 0.0 and w.pid]
         neutral = sum(have) / len(have) if have else 1.0
