@@ -232,9 +232,6 @@ class Policy:
         req = _NO_REQUEST if request is None else request
         if req.prompt is not None and not req.prepared:
             self.prepare(req)
-        if self._fast is not None and not dry_run and self._fused is not None and self._scan is not None:
-            return self._pick_fast(self._fast, snapshot, now_mono_ns, req, held, ejected, stalled, inflight, shared)
-        cands = self._candidates(snapshot, now_mono_ns, inflight, shared)
         ctx: PickContext
         if _PLAIN_CTX:  # PickContext(now_mono_ns, req, ...) without the class call
             ctx = _new(PickContext)
@@ -246,6 +243,51 @@ class Policy:
             ctx.stalled = stalled
         else:
             ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected, stalled)
+        fast = self._fast
+        if fast is None or dry_run or self._fused is None or self._scan is None:
+            return self._pick_candidates(snapshot, ctx, dry_run, inflight, shared)
+        # The max-score pick over the built-in filters and scorers on columns (dplb.policy.fused.FastPick): the
+        # same decision; the candidates are made only when someone reads them.
+        index = fast.fused.index
+        q: _Query | None = req.derived.get("prefix") if index is not None else None
+        depth = None
+        if q is not None:
+            assert index is not None
+            depth = q.depth = index.match(q.blocks, now_mono_ns)
+        rows, qcol, mcol, lcol, lo, best, pref, forgot = fast.first(snapshot, now_mono_ns, req, (held, ejected,
+                                                                    stalled), inflight, shared, self.baseline_s, depth)
+        if forgot and q is not None:  # a restarted worker's blocks are gone: match again
+            assert index is not None
+            depth = q.depth = index.match(q.blocks, now_mono_ns)
+            lo, best, pref = prefix_span(rows, depth)
+        columns = [qcol, mcol, lcol]
+        span = 0
+        if fast.fused.prefix is not None:
+            columns.append([0.0] * len(rows))
+            if q is not None and best != lo:
+                req.preferred = pref
+                span = len(q.blocks) - lo
+            else:
+                depth = None  # no preference: every prefix term is 0
+        n = len(rows)
+        orders = fast.orders.get(n) or fast.rotations(n)
+        scores, i = fast.weigh(rows, columns, orders[self._rot % n] if n else (), depth, lo, span)
+        self._rot += 1
+        if i < 0:
+            return self._nobody(make_candidates(rows, scores), ctx, columns)
+        k = rows[i][0].worker_id
+        self._sent_at[k].append(now_mono_ns)
+        for s in self._pickers_hooks:
+            s.on_pick(req, k, now_mono_ns)
+        return routed(self.name, k, REASON_SCORE, rows, scores, self.baseline_s, self.term_names, self.weights,
+                      req.preferred, self.scorers, ctx, columns, self._noters)
+
+    def _pick_candidates(self, snapshot: Sequence[WorkerState], ctx: PickContext, dry_run: bool,
+                         inflight: Sequence[int] | None, shared: Sequence[int] | None) -> Decision:
+        """:meth:`pick` on :class:`Candidate` objects: any profile, filter chain and scorer set, and dry runs."""
+        now_mono_ns, req = ctx.now_ns, ctx.request
+        held, ejected, stalled = ctx.held, ctx.ejected, ctx.stalled
+        cands = self._candidates(snapshot, now_mono_ns, inflight, shared)
         if not self._idle_unless_ids or held or ejected or stalled or req.exclude or req.cannot_serve:
             for f in self._filters:
                 f.apply(cands, ctx)
@@ -280,57 +322,6 @@ class Policy:
             s.on_pick(req, k, now_mono_ns)
         return Decision(self.name, k, reason, cands, self.baseline_s, self.term_names, self.weights, req.preferred,
                         self.scorers, ctx, columns, self._noters)
-
-    def _pick_fast(self, fast: FastPick, snapshot: Sequence[WorkerState], now: int, req: RouteRequest,
-                   held: frozenset[int], ejected: frozenset[int], stalled: frozenset[int],
-                   inflight: Sequence[int] | None, shared: Sequence[int] | None) -> Decision:
-        """:meth:`pick` (not a dry run) by :class:`~dplb.policy.fused.FastPick`: the same decision, candidates made
-        only when the decision's ``candidates`` are read."""
-        fused = fast.fused
-        index = fused.index
-        q: _Query | None = req.derived.get("prefix") if index is not None else None
-        depth = None
-        if q is not None:
-            assert index is not None
-            depth = q.depth = index.match(q.blocks, now)
-        rows, qcol, mcol, lcol, lo, best, pref, forgot = fast.first(snapshot, now, req, (held, ejected, stalled),
-                                                                    inflight, shared, self.baseline_s, depth)
-        if forgot and q is not None:  # a restarted worker's blocks are gone: match again
-            assert index is not None
-            depth = q.depth = index.match(q.blocks, now)
-            lo, best, pref = prefix_span(rows, depth)
-        columns = [qcol, mcol, lcol]
-        span = 0
-        if fused.prefix is not None:
-            columns.append([0.0] * len(rows))
-            if q is not None and best != lo:
-                req.preferred = pref
-                span = len(q.blocks) - lo
-            else:
-                depth = None  # no preference: every prefix term is 0
-        n = len(rows)
-        start = self._rot % n if n else 0
-        self._rot += 1
-        scores, i = fast.weigh(rows, columns, fast.order(n, start) if n else (), depth, lo, span)
-        ctx: PickContext
-        if _PLAIN_CTX:  # PickContext(now, req, ...) without the class call
-            ctx = _new(PickContext)
-            ctx.now_ns = now
-            ctx.request = req
-            ctx.baseline_s = self.baseline_s
-            ctx.held = held
-            ctx.ejected = ejected
-            ctx.stalled = stalled
-        else:
-            ctx = PickContext(now, req, self.baseline_s, held, ejected, stalled)
-        if i < 0:
-            return self._nobody(make_candidates(rows, scores), ctx, columns)
-        k = rows[i][0].worker_id
-        self._sent_at[k].append(now)
-        for s in self._pickers_hooks:
-            s.on_pick(req, k, now)
-        return routed(self.name, k, REASON_SCORE, rows, scores, self.baseline_s, self.term_names, self.weights,
-                      req.preferred, self.scorers, ctx, columns, self._noters)
 
     def _nobody(self, cands: list[Candidate], ctx: PickContext, columns: list[list[float]]) -> Decision:
         """The decision when no candidate is eligible (``worker`` None, the reason why)."""

@@ -111,8 +111,11 @@ class FusedScores:
         for i, c in enumerate(cands):
             w = c.state
             cq = c.queue
-            t = 1.0 - cq / mq
-            qcol.append(t if t > 0.0 else 0.0)
+            if cq >= mq:  # then cq/mq ≥ 1.0 (rounding is monotone): the term is 0 without the division
+                qcol.append(0.0)
+            else:
+                t = 1.0 - cq / mq
+                qcol.append(t if t > 0.0 else 0.0)
             r = w.kv_cache_usage if kv else memory_ratio(w, self.signal)
             mcol.append(0.0 if r > 1.0 else (1.0 if r < 0.0 else 1.0 - r))
             if timed:
@@ -242,8 +245,11 @@ class FastPick:
             if check and why is OK:
                 why = _verdict(k, cq, verdicts, req, cap)
             rows.append((w, corr, cq, age, why))
-            t = 1.0 - cq / mq
-            qcol.append(t if t > 0.0 else 0.0)
+            if cq >= mq:  # then cq/mq ≥ 1.0 (rounding is monotone): the term is 0 without the division
+                qcol.append(0.0)
+            else:
+                t = 1.0 - cq / mq
+                qcol.append(t if t > 0.0 else 0.0)
             r = w.kv_cache_usage if kv else memory_ratio(w, f.signal)
             mcol.append(0.0 if r > 1.0 else (1.0 if r < 0.0 else 1.0 - r))
             if timed:
@@ -271,12 +277,11 @@ class FastPick:
             lcol = [1.0] * len(rows)
         return rows, qcol, mcol, lcol, lo, best, pref, forgot
 
-    def order(self, n: int, start: int) -> tuple[int, ...]:
-        """The scan order of ``n`` workers starting at ``start`` (``start, …, n−1, 0, …, start−1``)."""
-        orders = self.orders.get(n)
-        if orders is None:
-            orders = self.orders[n] = [tuple(range(s, n)) + tuple(range(s)) for s in range(n)]
-        return orders[start]
+    def rotations(self, n: int) -> list[tuple[int, ...]]:
+        """The scan order of ``n`` workers for each rotation start ``s`` (``s, …, n−1, 0, …, s−1``); kept in
+        :attr:`orders`."""
+        orders = self.orders[n] = [tuple(range(s, n)) + tuple(range(s)) for s in range(n)]
+        return orders
 
     def weigh(self, rows: list[Row], columns: list[list[float]], order: tuple[int, ...], depth: list[int] | None,
               lo: int, span: int) -> tuple[list[float], int]:
