@@ -11,7 +11,9 @@ Contract
   → run the filters (:mod:`dplb.policy.filters`) → run every weighted scorer (:mod:`dplb.policy.scorers`; the
   terms of a scorer not marked ``bounded`` are clamped into [0, 1]; score = Σ weight·term) → the profile's picker
   (:mod:`dplb.policy.pickers`) chooses among the eligible → ``on_pick`` hooks. A policy name is a *profile*: a
-  picker over the same filters and scorers (:data:`PROFILES`).
+  picker over the same filters and scorers (:data:`PROFILES`). The max-score profile over the built-in filters and
+  scorers computes the same on columns, without a candidate object (:class:`~dplb.policy.fused.FastPick`; the
+  decision makes its candidates when they are read).
 - What the other router processes learnt (their rings' raw entries) is applied by :meth:`Policy.absorb`, to the
   one scorer that shares what it learns (``absorb`` hook; the prefix scorer).
 - In-flight correction: requests this router sent to a worker that its last published snapshot may not count yet —
