@@ -83,8 +83,8 @@ def build_label() -> str:
 
 
 def describe() -> str:
-    """One line for the router's start-up log: ``"compiled (26/26 hot modules)"`` or ``"pure Python"``; a build
-    older than its source says so (``"compiled (26/26 hot modules; 2 older than their .py: dplb.policy.core, …;
+    """One line for the router's start-up log: ``"compiled (27/27 hot modules)"`` or ``"pure Python"``; a build
+    older than its source says so (``"compiled (27/27 hot modules; 2 older than their .py: dplb.policy.core, …;
     rebuild with scripts/build_native.sh)"``)."""
     n = len(compiled_modules())
     if n == 0:
