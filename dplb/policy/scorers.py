@@ -152,8 +152,10 @@ def settle_latency(states: Sequence[WorkerState], terms: list[float], timed: lis
         tm = 1.0 - mean / base
         tm = tm if tm > 0.0 else 0.0
         lim = band * mean
+        neg = -lim
         for j, lat in enumerate(lats):  # timed[j] is the worker of lats[j] (no zip: its keyword costs more)
-            if -lim <= lat - mean <= lim:  # |lat − mean| ≤ lim without a call
+            d = lat - mean
+            if neg <= d and d <= lim:  # |lat − mean| ≤ lim without a call (nor a chained comparison)
                 terms[timed[j]] = tm
     if fill:  # every other term is ≥ 0
         have = [t for w, t in zip(states, terms, strict=True) if t >= 0.0 and w.pid]
