@@ -5,7 +5,8 @@ Method
 - Workers: fast sim engines (the ``FAST_SIM`` timing of ``bench_router.py``: 0.5 ms decode step + 0.02 ms per
   running sequence, no prefill cost, 256 batch slots), so the workers are never the queue.
   DPLB targets: ``dplb worker`` processes around a real shm segment (``tests/cluster.py``) and ``dplb router``
-  with its defaults; ``--processes 2`` (a supervisor parent and 2 children sharing the port with ``SO_REUSEPORT``)
+  with its defaults but ``--processes 1`` (the default is one per 8 cores); ``--processes 2`` (a supervisor parent
+  and 2 children sharing the port with ``SO_REUSEPORT``)
   when ``dplb router --help`` lists it, else that case is printed as skipped.
   SGLang target (``pip install sglang-router``): the same sim engine served on TCP
   (``python -m dplb.worker.engines.sim --port P``; the SGLang router speaks HTTP to workers, not UDS) behind

@@ -69,7 +69,7 @@ def stack(prefix: list[str], flags: list[str], env: dict[str, str] | None = None
     dplb.cli router ...``; yields (the Cluster, its temporary directory)."""
     import httpx
     from bench_capacity import FAST_SIM
-    from cluster import Cluster, dplb_cmd, free_port
+    from cluster import Cluster, free_port, router_cmd
 
     from dplb.state.shm import Segment
 
@@ -87,7 +87,7 @@ def stack(prefix: list[str], flags: list[str], env: dict[str, str] | None = None
         log = open(os.path.join(run_dir, "router.log"), "ab")  # noqa: SIM115 - the process owns it
         c.logs.append(log.name)
         c.router = subprocess.Popen(
-            [*prefix, *dplb_cmd("router", "--host", c.host, "--port", str(c.port), "--run-dir", run_dir, *flags)],
+            [*prefix, *router_cmd("--host", c.host, "--port", str(c.port), "--run-dir", run_dir, *flags)],
             env={**c.env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp)
         t0 = time.monotonic()
         while True:

@@ -1,7 +1,10 @@
 """Router overhead benchmark: the router vs talking to the worker's socket directly, in one run.
 
 Starts one fast sim worker and a router in front of it (real processes), then measures with the same client:
-- concurrency 1: added P50/P99 latency of a non-streaming completion (targets: ≤ 0.15 ms / ≤ 0.5 ms);
+- concurrency 1: added P50/P99 latency of a non-streaming completion (targets: ≤ 0.15 ms / ≤ 0.5 ms), against a
+  worker whose sim answers as soon as its event loop runs (``INSTANT_SIM``): the fast sim's 0.5 ms step is slept
+  on the event loop's millisecond timer, so with it the added figure also carries where the router's delay moves
+  the request on that millisecond grid (both are printed: ``added_*`` and ``stepped_added_*``);
 - concurrency 32: requests/s ratio router/direct;
 - 64 concurrent SSE streams: streamed tokens/s ratio router/direct (target ≥ 0.95);
 - pick() share of the added time (from the router's dplb_routing_decision_duration_seconds).
@@ -31,6 +34,9 @@ from cluster import cluster
 BODY = {"model": "dplb-sim", "prompt": "benchmark", "max_tokens": 1}
 FAST_SIM = ["--sim-decode-step-s", "0.0005", "--sim-decode-step-s-per-seq", "0.00002",
             "--sim-prefill-s-per-token", "0", "--sim-max-num-seqs", "256"]
+#: A sim whose steps take no time (1 µs, rounded to no timer at all): what the concurrency-1 latency phase uses.
+INSTANT_SIM = ["--sim-decode-step-s", "0.000001", "--sim-decode-step-s-per-seq", "0",
+               "--sim-prefill-s-per-token", "0", "--sim-max-num-seqs", "256"]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -90,6 +96,30 @@ async def sse(client: httpx.AsyncClient, url: str, streams: int, tokens: int) ->
     return sum(counts) / (time.perf_counter() - t0)
 
 
+def _openers(c):  # type: ignore[no-untyped-def]
+    """(open a connection to the worker's socket, open one to the router)."""
+    return (lambda: asyncio.open_unix_connection(c.sock(0)),
+            lambda: asyncio.open_connection("127.0.0.1", c.port))
+
+
+async def latency(c, n: int, rounds: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Concurrency 1, direct and routed alternated by round: P50/P99 of each and the router's added time."""
+    open_direct, open_routed = _openers(c)
+    await sequential(open_direct, 50)
+    await sequential(open_routed, 50)
+    lat_d: list[float] = []
+    lat_r: list[float] = []
+    for _ in range(rounds):
+        lat_d += await sequential(open_direct, n // rounds)
+        lat_r += await sequential(open_routed, n // rounds)
+    return {
+        "direct_p50_ms": pct(lat_d, 0.5) * 1e3, "router_p50_ms": pct(lat_r, 0.5) * 1e3,
+        "direct_p99_ms": pct(lat_d, 0.99) * 1e3, "router_p99_ms": pct(lat_r, 0.99) * 1e3,
+        "added_p50_ms": (pct(lat_r, 0.5) - pct(lat_d, 0.5)) * 1e3,
+        "added_p99_ms": (pct(lat_r, 0.99) - pct(lat_d, 0.99)) * 1e3,
+    }
+
+
 async def run(c, n: int, rounds: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
     direct = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=c.sock(0)), base_url="http://w", timeout=60,
                                limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
@@ -98,13 +128,7 @@ async def run(c, n: int, rounds: int) -> dict[str, float]:  # type: ignore[no-un
     routed = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(socket_options=nodelay), base_url=c.url,
                                timeout=60, limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
     path = "/v1/completions"
-
-    def open_direct():  # type: ignore[no-untyped-def]
-        return asyncio.open_unix_connection(c.sock(0))
-
-    def open_routed():  # type: ignore[no-untyped-def]
-        return asyncio.open_connection("127.0.0.1", c.port)
-
+    open_direct, open_routed = _openers(c)
     await sequential(open_direct, 50)
     await sequential(open_routed, 50)
     lat_d: list[float] = []
@@ -120,10 +144,9 @@ async def run(c, n: int, rounds: int) -> dict[str, float]:  # type: ignore[no-un
     await direct.aclose()
     await routed.aclose()
     return {
-        "direct_p50_ms": pct(lat_d, 0.5) * 1e3, "router_p50_ms": pct(lat_r, 0.5) * 1e3,
-        "direct_p99_ms": pct(lat_d, 0.99) * 1e3, "router_p99_ms": pct(lat_r, 0.99) * 1e3,
-        "added_p50_ms": (pct(lat_r, 0.5) - pct(lat_d, 0.5)) * 1e3,
-        "added_p99_ms": (pct(lat_r, 0.99) - pct(lat_d, 0.99)) * 1e3,
+        "stepped_direct_p50_ms": pct(lat_d, 0.5) * 1e3, "stepped_router_p50_ms": pct(lat_r, 0.5) * 1e3,
+        "stepped_added_p50_ms": (pct(lat_r, 0.5) - pct(lat_d, 0.5)) * 1e3,
+        "stepped_added_p99_ms": (pct(lat_r, 0.99) - pct(lat_d, 0.99)) * 1e3,
         "rps_direct_c32": statistics.median(rps_d), "rps_router_c32": statistics.median(rps_r),
         "rps_ratio_c32": statistics.median(rps_r) / statistics.median(rps_d),
         "sse_tok_s_direct": statistics.median(tok_d), "sse_tok_s_router": statistics.median(tok_r),
@@ -140,10 +163,12 @@ def one_mode(args: argparse.Namespace, tracing: bool) -> dict[str, float]:
         rx = OtlpReceiver()
         os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = rx.endpoint + "/v1/traces"
     try:
-        with tempfile.TemporaryDirectory() as tmp, cluster(tmp, 1, worker_args={0: FAST_SIM}) as c:
-            res = asyncio.run(run(c, args.requests, args.rounds))
+        with tempfile.TemporaryDirectory() as tmp, cluster(tmp, 1, worker_args={0: INSTANT_SIM}) as c:
+            res = asyncio.run(latency(c, args.requests, args.rounds))
             dsum = c.metric("dplb_routing_decision_duration_seconds_sum") or 0.0
             dcnt = c.metric("dplb_routing_decision_duration_seconds_count") or 1.0
+        with tempfile.TemporaryDirectory() as tmp, cluster(tmp, 1, worker_args={0: FAST_SIM}) as c:
+            res.update(asyncio.run(run(c, args.requests, args.rounds)))
     finally:
         os.environ.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
         if rx is not None:

@@ -110,6 +110,16 @@ def dplb_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "dplb.cli", *args]
 
 
+def router_cmd(*args: str) -> list[str]:
+    """The command line of ``dplb router ARGS``, with ``--processes 1`` unless ARGS set the count: the router's
+    default depends on the host (one process per 8 cores, :func:`dplb.config.default_router_processes`), so a test
+    or benchmark that meant one process would run two on a 16-core host."""
+    if not any(a in ("--processes", "--router-processes") or a.startswith(("--processes=", "--router-processes="))
+               for a in args):
+        args = (*args, "--processes", "1")
+    return dplb_cmd("router", *args)
+
+
 @dataclass
 class Cluster:
     """A running set of workers + a router. ``url`` is the router's base URL."""
@@ -172,7 +182,7 @@ class Cluster:
         self.logs.append(log)
         f = open(log, "ab")  # noqa: SIM115
         self.router = subprocess.Popen(
-            dplb_cmd("router", "--host", self.host, "--port", str(self.port), "--run-dir", self.run_dir, *args),
+            router_cmd("--host", self.host, "--port", str(self.port), "--run-dir", self.run_dir, *args),
             env=self.env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
         )
         t0 = time.monotonic()

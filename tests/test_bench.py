@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -347,6 +348,34 @@ def test_capacity_bench_quick(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert res["tokens_per_stream"] == 64
     assert 0 < res["req_us"] < 10_000 and 0 < res["tok_us"] < 1_000
     assert "µs/request" in r.stdout
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(name))
+    return out
+
+
+@pytest.mark.parametrize(("args", "children"), [((), 0), (("--processes", "2"), 2)])
+def test_bench_and_test_routers_run_the_processes_they_name(tmp_path, args, children) -> None:  # type: ignore[no-untyped-def]
+    """A router started by the tests and benchmarks (tests/cluster.py, bench_capacity's targets) runs one process
+    unless it names a count. The router's own default is one process per 8 cores, so on a 16-core host
+    bench_capacity's ``dplb1`` ran two processes and its "2 processes / 1" ratio compared two with two (1.01x)."""
+    with cluster(str(tmp_path), 1, router_args=list(args)) as c:
+        assert c.router is not None
+        with open(f"/proc/{c.router.pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert argv[argv.index(b"--processes") + 1] == str(max(1, children)).encode()
+        assert len(_children(c.router.pid)) == children
 
 
 def test_capacity_bench_kv_targets(tmp_path) -> None:  # type: ignore[no-untyped-def]

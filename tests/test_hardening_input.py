@@ -29,8 +29,8 @@ from cluster import (
     LaunchedCluster,
     assert_no_internals,
     cluster,
-    dplb_cmd,
     proc_stats,
+    router_cmd,
     settled_fds,
     wait_for,
     worker_get,
@@ -363,12 +363,12 @@ def test_api_key_exemptions_are_configurable_and_compared_in_constant_time(tmp_p
         c.router.terminate()
         c.router.wait(10)
         # `--api-key-exempt ''`: nothing is open, not even /health (start_router would wait for /health 200).
-        c.router = subprocess.Popen(dplb_cmd("router", "--host", "127.0.0.1", "--port", str(c.port), "--run-dir",
+        c.router = subprocess.Popen(router_cmd("--host", "127.0.0.1", "--port", str(c.port), "--run-dir",
                                              c.run_dir, "--api-key", "s3cret", "--api-key-exempt", ""), env=c.env(),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(lambda: _status(c.url + "/health") == 401, 30, "the router without exemptions")
         assert httpx.get(c.url + "/health", headers=key).status_code == 200
-    r = subprocess.run(dplb_cmd("router", "--api-key", "k", "--api-key-exempt", "/v1/chat/completions"),
+    r = subprocess.run(router_cmd("--api-key", "k", "--api-key-exempt", "/v1/chat/completions"),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "cannot be exempt" in r.stderr and "Traceback" not in r.stderr
     app = RouterApp(RouterConfig(PolicyConfig(), run_dir=str(tmp_path), num_workers=1, shm_path=str(tmp_path / "x"),

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import httpx
-from cluster import ROOT, dplb_cmd, free_block, free_port, need, router_ready
+from cluster import ROOT, dplb_cmd, free_block, free_port, need, router_cmd, router_ready
 
 from dplb.ops import doctor
 from dplb.ops.checks import root_cause
@@ -88,7 +88,7 @@ def test_state_refuses_to_pick_among_segments_and_doctor_sees_the_router(tmp_pat
     assert _rm_targets(doctor.check_stale_segments(str(d))) == {one, two}
     port = free_port()
     log = open(tmp_path / "router.log", "wb")  # noqa: SIM115
-    router = subprocess.Popen(dplb_cmd("router", "--host", "127.0.0.1", "--port", str(port), "--run-dir",
+    router = subprocess.Popen(router_cmd("--host", "127.0.0.1", "--port", str(port), "--run-dir",
                                        str(tmp_path / "r"), "--shm-path", one), env=_env(), stdout=log,
                               stderr=subprocess.STDOUT)
     try:

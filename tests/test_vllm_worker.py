@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from cluster import dplb_cmd, free_port
+from cluster import dplb_cmd, free_port, router_cmd
 from otlp_receiver import OtlpReceiver
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
@@ -166,7 +166,7 @@ def test_vllm_llm_request_span_nests_under_dplb_client_span(worker: VllmWorker, 
     env = {**os.environ, "DPLB_SHM_PATH": worker.shm, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint +
            "/v1/traces", "OTEL_BSP_SCHEDULE_DELAY": "100"}
     with open(os.path.join(worker.tmp, "router.log"), "wb") as log:
-        router = subprocess.Popen(dplb_cmd("router", "--host", "127.0.0.1", "--port", str(port), "--run-dir",
+        router = subprocess.Popen(router_cmd("--host", "127.0.0.1", "--port", str(port), "--run-dir",
                                            worker.tmp), env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -47,11 +47,11 @@ def vllm_env() -> dict[str, str]:
 def router_on(run_dir: str, shm: str, *args: str) -> Iterator[str]:
     """A ``dplb router`` (extra flags ``args``) on a free port in front of the workers of segment ``shm``; yields
     its URL once ``/ready`` answers 200 (30 s), SIGTERMs it on exit. Its log goes to ``run_dir``/router.log."""
-    from cluster import dplb_cmd, free_port
+    from cluster import free_port, router_cmd
 
     port = free_port()
     with open(os.path.join(run_dir, "router.log"), "wb") as log:
-        router = subprocess.Popen(dplb_cmd("router", "--host", "127.0.0.1", "--port", str(port), "--run-dir",
+        router = subprocess.Popen(router_cmd("--host", "127.0.0.1", "--port", str(port), "--run-dir",
                                            run_dir, *args),
                                   env={**os.environ, "DPLB_SHM_PATH": shm}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

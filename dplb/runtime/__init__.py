@@ -1,7 +1,10 @@
 """Process runtime helpers shared by the router, the worker and the launcher.
 
 - :mod:`dplb.runtime.asgi`: the one JSON responder and body-receive loop of raw-ASGI code.
-- :mod:`dplb.runtime.serving`: sockets, the uvicorn server, fd limits, the disconnect hook.
+- :mod:`dplb.runtime.serving`: sockets, the uvicorn server, fd limits.
+- :mod:`dplb.runtime.protocol`: the HTTP/1.1 server protocol (bounded heads, the disconnect hook, the lean cycle
+  of the direct relay's requests).
+- :mod:`dplb.runtime.direct`: answering a request from the protocol's callbacks (:class:`DirectResponse`).
 - :mod:`dplb.runtime.procs`: child-process helpers (parent-death signal).
 - :mod:`dplb.runtime.gpu`: NVML discovery and sampling.
 - :mod:`dplb.runtime.sd_notify`: systemd's notify protocol and watchdog.

@@ -2,14 +2,16 @@
 
 Contract
 - A *direct handler* is what :func:`dplb.runtime.serving.make_server` may be given besides the ASGI app:
-  ``wants(scope)`` (cheap: may this request skip the ASGI task?) is asked when a request's head is parsed, and
-  ``begin(cycle, start)`` once its body is complete. ``begin`` returns False to have the request served by the ASGI
-  app as usual (nothing may have been done for it then), or True when it took the request: it then answers it with a
+  ``wants(scope)`` (cheap: may this request skip the ASGI task?) is asked when a request's head is parsed (the
+  scope has its method and headers; its path and HTTP version not yet), and ``begin(cycle, start)`` once its body is
+  complete (``cycle``: a :class:`dplb.runtime.protocol.LaneCycle`, uvicorn's cycle made lean). ``begin`` returns
+  False to have the request served by the ASGI app as usual (nothing may have been done for it then), or True when
+  it took the request: it then answers it with a
   :class:`DirectResponse` on ``cycle``, or hands it to a coroutine with ``start(app)`` (an ASGI callable run as the
   request's task, exactly as the server runs its app: its exceptions are logged and answered 500).
-- Only a request whose body can be held whole without pausing the socket (``Content-Length`` at most
-  :data:`MAX_DIRECT_BODY`) and that is not queued behind another on its connection (pipelining) is offered to
-  ``begin``; anything else goes to the ASGI app.
+- Only a ``POST`` whose body can be held whole without pausing the socket (``Content-Length`` at most
+  :data:`MAX_DIRECT_BODY`), without ``Expect: 100-continue``, and that is not queued behind another on its
+  connection (pipelining) is offered to ``wants`` and ``begin``; anything else goes to the ASGI app.
 - :class:`DirectResponse` writes one response on the cycle's transport the way uvicorn's ASGI ``send`` does
   (the same status line, framing — Content-Length passed through, else chunked — ``connection: close`` when the
   connection is not kept alive, the cycle's state flags and its ``on_response`` callback, which starts the next
