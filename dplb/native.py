@@ -33,7 +33,7 @@ HOT_MODULES: tuple[str, ...] = (
     "dplb.runtime.direct",
     "dplb.router.direct", "dplb.router.attempt", "dplb.router.exchange", "dplb.router.proxy",
     "dplb.router.state", "dplb.router.resume", "dplb.router.orca", "dplb.router.routes", "dplb.router.models",
-    "dplb.policy.core", "dplb.policy.scorers", "dplb.policy.prefix", "dplb.policy.decision",
+    "dplb.policy.core", "dplb.policy.fused", "dplb.policy.scorers", "dplb.policy.prefix", "dplb.policy.decision",
     "dplb.policy.pickers", "dplb.policy.filters", "dplb.policy.framework", "dplb.policy.plugins",
     "dplb.policy.stall",
     "dplb.obs.fastmetrics", "dplb.obs.metrics_router",
@@ -83,8 +83,8 @@ def build_label() -> str:
 
 
 def describe() -> str:
-    """One line for the router's start-up log: ``"compiled (26/26 hot modules)"`` or ``"pure Python"``; a build
-    older than its source says so (``"compiled (26/26 hot modules; 2 older than their .py: dplb.policy.core, …;
+    """One line for the router's start-up log: ``"compiled (27/27 hot modules)"`` or ``"pure Python"``; a build
+    older than its source says so (``"compiled (27/27 hot modules; 2 older than their .py: dplb.policy.core, …;
     rebuild with scripts/build_native.sh)"``)."""
     n = len(compiled_modules())
     if n == 0:

@@ -11,7 +11,9 @@ Contract
   → run the filters (:mod:`dplb.policy.filters`) → run every weighted scorer (:mod:`dplb.policy.scorers`; the
   terms of a scorer not marked ``bounded`` are clamped into [0, 1]; score = Σ weight·term) → the profile's picker
   (:mod:`dplb.policy.pickers`) chooses among the eligible → ``on_pick`` hooks. A policy name is a *profile*: a
-  picker over the same filters and scorers (:data:`PROFILES`).
+  picker over the same filters and scorers (:data:`PROFILES`). The max-score profile over the built-in filters and
+  scorers computes the same on columns, without a candidate object (:class:`~dplb.policy.fused.FastPick`; the
+  decision makes its candidates when they are read).
 - What the other router processes learnt (their rings' raw entries) is applied by :meth:`Policy.absorb`, to the
   one scorer that shares what it learns (``absorb`` hook; the prefix scorer).
 - In-flight correction: requests this router sent to a worker that its last published snapshot may not count yet —
@@ -45,6 +47,8 @@ from dplb.policy.decision import (
     WHY_OVER_CAP,
     Candidate,
     Decision,
+    make_candidates,
+    routed,
 )
 from dplb.policy.filters import (
     CanServe,
@@ -69,9 +73,10 @@ from dplb.policy.framework import (
     build_scorers,
     clamp_unit,
 )
-from dplb.policy.fused import FusedScores
+from dplb.policy.fused import FastPick, FusedScores, prefix_span
 from dplb.policy.pickers import MaxScore
 from dplb.policy.plugins import PROFILES, validate
+from dplb.policy.scorers import _Query
 from dplb.state.shm import Lifecycle, WorkerState
 
 _NO_REQUEST = RouteRequest()
@@ -83,6 +88,8 @@ _READY = Lifecycle.READY
 _STATE_FILTERS = (Registered, Consistent, Fresh, Ready)
 #: Filters that reject only the ids of a set the context carries: nothing to do while every set is empty.
 _ID_FILTERS = (NotHeldOut, NotEjected, NotStalled, CanServe, NotTried)
+#: The rest of the built-in chain, in order: what :class:`~dplb.policy.fused.FastPick` applies itself.
+_CHAIN = (*_ID_FILTERS, UnderHardCap)
 
 
 class Policy:
@@ -127,6 +134,14 @@ class Policy:
             raise ConfigError(f"scorers {', '.join(s.name for s in sharers)} all share what they learn with the other "
                               "router processes; the router slots' rings carry one kind of key, so weight only one")
         self._sharer = sharers[0] if sharers else None
+        # Send times (CLOCK_MONOTONIC ns) of the requests each worker's published queue may not count yet.
+        self._sent_at: list[deque[int]] = [deque() for _ in range(num_workers)]
+        self._seen_hb = [0] * num_workers
+        #: The max-score pick over the built-in filters and scorer set on columns (None: another configuration).
+        self._fast = FastPick(self._fused, self._sent_at, self._seen_hb, self._new_snapshot, self._stale_ns,
+                              cfg.hard_queue_cap) \
+            if self._fused is not None and self._scan is not None and fused and \
+            tuple(type(f) for f in self._filters) == _CHAIN else None
         self._truth = [s for s in self.scorers if type(s).absorb_engine is not Scorer.absorb_engine]
         #: True when a scorer follows the workers' KV rings (the router then drains them before each pick).
         self.follows_engines = bool(self._truth)
@@ -134,10 +149,7 @@ class Policy:
         self.truth_block_bytes: int = getattr(self._truth[0], "block_bytes", 0) if self._truth else 0
         #: True when a scorer learns from the other router processes (the router then drains their rings).
         self.shares = self._sharer is not None
-        # Send times (CLOCK_MONOTONIC ns) of the requests each worker's published queue may not count yet.
-        self._sent_at: list[deque[int]] = [deque() for _ in range(num_workers)]
         self.grace_ns = cfg.state_interval_ms * 1_000_000 // 2
-        self._seen_hb = [0] * num_workers
         self._seen_pid = [0] * num_workers
         self._rot = 0
         self._latencies: list[float] = []
@@ -222,7 +234,6 @@ class Policy:
         req = _NO_REQUEST if request is None else request
         if req.prompt is not None and not req.prepared:
             self.prepare(req)
-        cands = self._candidates(snapshot, now_mono_ns, inflight, shared)
         ctx: PickContext
         if _PLAIN_CTX:  # PickContext(now_mono_ns, req, ...) without the class call
             ctx = _new(PickContext)
@@ -234,6 +245,51 @@ class Policy:
             ctx.stalled = stalled
         else:
             ctx = PickContext(now_mono_ns, req, self.baseline_s, held, ejected, stalled)
+        fast = self._fast
+        if fast is None or dry_run or self._fused is None or self._scan is None:
+            return self._pick_candidates(snapshot, ctx, dry_run, inflight, shared)
+        # The max-score pick over the built-in filters and scorers on columns (dplb.policy.fused.FastPick): the
+        # same decision; the candidates are made only when someone reads them.
+        index = fast.fused.index
+        q: _Query | None = req.derived.get("prefix") if index is not None else None
+        depth = None
+        if q is not None:
+            assert index is not None
+            depth = q.depth = index.match(q.blocks, now_mono_ns)
+        rows, qcol, mcol, lcol, lo, best, pref, forgot = fast.first(snapshot, now_mono_ns, req, (held, ejected,
+                                                                    stalled), inflight, shared, self.baseline_s, depth)
+        if forgot and q is not None:  # a restarted worker's blocks are gone: match again
+            assert index is not None
+            depth = q.depth = index.match(q.blocks, now_mono_ns)
+            lo, best, pref = prefix_span(rows, depth)
+        columns = [qcol, mcol, lcol]
+        span = 0
+        if fast.fused.prefix is not None:
+            columns.append([0.0] * len(rows))
+            if q is not None and best != lo:
+                req.preferred = pref
+                span = len(q.blocks) - lo
+            else:
+                depth = None  # no preference: every prefix term is 0
+        n = len(rows)
+        orders = fast.orders.get(n) or fast.rotations(n)
+        scores, i = fast.weigh(rows, columns, orders[self._rot % n] if n else (), depth, lo, span)
+        self._rot += 1
+        if i < 0:
+            return self._nobody(make_candidates(rows, scores), ctx, columns)
+        k = rows[i][0].worker_id
+        self._sent_at[k].append(now_mono_ns)
+        for s in self._pickers_hooks:
+            s.on_pick(req, k, now_mono_ns)
+        return routed(self.name, k, REASON_SCORE, rows, scores, self.baseline_s, self.term_names, self.weights,
+                      req.preferred, self.scorers, ctx, columns, self._noters)
+
+    def _pick_candidates(self, snapshot: Sequence[WorkerState], ctx: PickContext, dry_run: bool,
+                         inflight: Sequence[int] | None, shared: Sequence[int] | None) -> Decision:
+        """:meth:`pick` on :class:`Candidate` objects: any profile, filter chain and scorer set, and dry runs."""
+        now_mono_ns, req = ctx.now_ns, ctx.request
+        held, ejected, stalled = ctx.held, ctx.ejected, ctx.stalled
+        cands = self._candidates(snapshot, now_mono_ns, inflight, shared)
         if not self._idle_unless_ids or held or ejected or stalled or req.exclude or req.cannot_serve:
             for f in self._filters:
                 f.apply(cands, ctx)
@@ -334,19 +390,23 @@ class Policy:
             cands.append(c)  # its score is set once every scorer ran
         return cands
 
-    def _new_snapshot(self, w: WorkerState, q: deque[int]) -> None:
+    def _new_snapshot(self, w: WorkerState, q: deque[int]) -> bool:
         """Worker ``w`` published a new snapshot: drop the correction entries it counts now (sent before its
-        heartbeat minus half an interval); a new pid (restart) voids what scorers learnt about the old process."""
+        heartbeat minus half an interval); a new pid (restart) voids what scorers learnt about the old process.
+        Returns True when a scorer forgot the worker."""
         k = w.worker_id
         hb = self._seen_hb[k] = w.heartbeat_mono_ns
+        forgot = False
         if w.pid != self._seen_pid[k]:
             if self._seen_pid[k]:
                 for s in self._learners:
                     s.forget_worker(k)
+                    forgot = True
             self._seen_pid[k] = w.pid
         cutoff = hb - self.grace_ns
         while q and q[0] < cutoff:
             q.popleft()
+        return forgot
 
     def pick_without_state(self, inflight: Sequence[int], exclude: frozenset[int] | set[int] = frozenset()) -> int:
         """Fallback when the shm segment is gone: least router-side in-flight, ties rotating. Returns a worker id.

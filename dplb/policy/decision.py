@@ -116,21 +116,28 @@ class Decision:
     ``columns[j][k]``: scorer j's term for worker k. ``preferred``: the worker with the longest prefix match
     (None: no match / no prefix scorer).
     ``scorers`` and ``ctx`` are kept for the lazy JSON view, ``noters`` (the scorers with a ``notes`` hook) for
-    the lazy :attr:`notes`."""
+    the lazy :attr:`notes`.
 
-    __slots__ = ("_notes", "baseline_s", "candidates", "columns", "ctx", "noters", "policy", "preferred", "reason",
-                 "scorers", "term_names", "weights", "worker")
+    ``candidates`` may instead be None with ``rows``: one ``(state, correction, queue, age_ns, why)`` tuple per
+    worker and ``scores`` (the policy's fast path, :meth:`dplb.policy.Policy.pick`); the :class:`Candidate` objects
+    are then made the first time :attr:`candidates` is read, with the same values."""
+
+    __slots__ = ("_cands", "_notes", "_rows", "_scores", "baseline_s", "columns", "ctx", "noters", "policy",
+                 "preferred", "reason", "scorers", "term_names", "weights", "worker")
 
     def __init__(
-        self, policy: str, worker: int | None, reason: str, candidates: list[Candidate], baseline_s: float | None,
-        term_names: tuple[str, ...] = (), weights: tuple[float, ...] = (), preferred: int | None = None,
-        scorers: tuple[Any, ...] = (), ctx: Any = None, columns: list[list[float]] | None = None,
-        noters: tuple[Any, ...] = (),
+        self, policy: str, worker: int | None, reason: str, candidates: list[Candidate] | None,
+        baseline_s: float | None, term_names: tuple[str, ...] = (), weights: tuple[float, ...] = (),
+        preferred: int | None = None, scorers: tuple[Any, ...] = (), ctx: Any = None,
+        columns: list[list[float]] | None = None, noters: tuple[Any, ...] = (),
+        rows: list[tuple[WorkerState, int, int, int, str]] | None = None, scores: list[float] | None = None,
     ) -> None:
         self.policy = policy
         self.worker = worker
         self.reason = reason
-        self.candidates = candidates
+        self._cands = candidates
+        self._rows = rows
+        self._scores = scores
         self.baseline_s = baseline_s
         self.term_names = term_names
         self.weights = weights
@@ -141,11 +148,24 @@ class Decision:
         self.noters = noters
         self._notes: Any = _UNASKED
 
+    @property
+    def candidates(self) -> list[Candidate]:
+        """Every candidate, in worker-id order (made from ``rows`` and ``scores`` the first time it is read)."""
+        cands = self._cands
+        if cands is None:
+            cands = self._cands = make_candidates(self._rows or [], self._scores or [])
+        return cands
+
     def chosen_age_s(self) -> float | None:
         """Age of the chosen worker's state in seconds (None when nobody was chosen or without shm)."""
-        if self.worker is None or self.worker >= len(self.candidates):
+        k = self.worker
+        rows = self._rows
+        if rows is not None and self._cands is None:  # without making the candidates
+            return None if k is None or k >= len(rows) else rows[k][3] / 1e9
+        cands = self.candidates
+        if k is None or k >= len(cands):
             return None
-        return self.candidates[self.worker].age_ns / 1e9
+        return cands[k].age_ns / 1e9
 
     def ranked(self) -> list[int]:
         """Eligible worker ids, best score first (then shorter queue, then id) — the retry order."""
@@ -205,6 +225,49 @@ class Decision:
             "weights": dict(zip(self.term_names, self.weights, strict=False)),
             "candidates": [self.candidate_dict(c) for c in self.candidates],
         }
+
+
+def routed(policy: str, worker: int, reason: str, rows: list[tuple[WorkerState, int, int, int, str]],
+           scores: list[float], baseline_s: float | None, term_names: tuple[str, ...], weights: tuple[float, ...],
+           preferred: int | None, scorers: tuple[Any, ...], ctx: Any, columns: list[list[float]],
+           noters: tuple[Any, ...]) -> Decision:
+    """``Decision(policy, worker, reason, None, baseline_s, …, rows=rows, scores=scores)``: the same decision,
+    without the class call where the class allows it (:data:`PLAIN_NEW`: plain Python)."""
+    if not _PLAIN_DECISION:
+        return Decision(policy, worker, reason, None, baseline_s, term_names, weights, preferred, scorers, ctx,
+                        columns, noters, rows, scores)
+    d: Decision = _new(Decision)
+    d.policy = policy
+    d.worker = worker
+    d.reason = reason
+    d._cands = None
+    d._rows = rows
+    d._scores = scores
+    d.baseline_s = baseline_s
+    d.term_names = term_names
+    d.weights = weights
+    d.preferred = preferred
+    d.scorers = scorers
+    d.ctx = ctx
+    d.columns = columns
+    d.noters = noters
+    d._notes = _UNASKED
+    return d
+
+
+def make_candidates(rows: list[tuple[WorkerState, int, int, int, str]], scores: list[float]) -> list[Candidate]:
+    """The :class:`Candidate` of each ``(state, correction, queue, age_ns, why)`` row, with its score."""
+    out = []
+    for (w, corr, queue, age, why), score in zip(rows, scores, strict=True):
+        c = Candidate(w, corr, queue, age)
+        c.why = why
+        c.score = score
+        out.append(c)
+    return out
+
+
+_PLAIN_DECISION: bool = Decision.__new__ is object.__new__
+_new: Any = object.__new__
 
 
 def _finite(x: float) -> float | None:

@@ -21,10 +21,21 @@ computes the prefix term and the weighted sum.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 
-from dplb.policy.decision import OK, Candidate
-from dplb.policy.framework import PickContext, Scorer
+from dplb.policy.decision import (
+    OK,
+    WHY_CANNOT_SERVE,
+    WHY_EJECTED,
+    WHY_EXCLUDED,
+    WHY_HELD_OUT,
+    WHY_OVER_CAP,
+    WHY_STALLED,
+    Candidate,
+)
+from dplb.policy.filters import state_why
+from dplb.policy.framework import PickContext, RouteRequest, Scorer
 from dplb.policy.prefix import PrefixIndex
 from dplb.policy.scorers import (
     LatencyScorer,
@@ -35,6 +46,9 @@ from dplb.policy.scorers import (
     memory_ratio,
     settle_latency,
 )
+from dplb.state.shm import Lifecycle, WorkerState
+
+_READY = Lifecycle.READY
 
 
 class FusedScores:
@@ -97,9 +111,12 @@ class FusedScores:
         for i, c in enumerate(cands):
             w = c.state
             cq = c.queue
-            t = 1.0 - cq / mq
-            qcol.append(t if t > 0.0 else 0.0)
-            r = w.kv_cache_usage if kv else memory_ratio(c, self.signal)
+            if cq >= mq:  # then cq/mq ≥ 1.0 (rounding is monotone): the term is 0 without the division
+                qcol.append(0.0)
+            else:
+                t = 1.0 - cq / mq
+                qcol.append(t if t > 0.0 else 0.0)
+            r = w.kv_cache_usage if kv else memory_ratio(w, self.signal)
             mcol.append(0.0 if r > 1.0 else (1.0 if r < 0.0 else 1.0 - r))
             if timed:
                 lat = w.avg_ttft_s if ttft else w.avg_latency_s
@@ -121,7 +138,7 @@ class FusedScores:
                 elif d < lo:
                     lo = d
         if timed:
-            settle_latency(cands, lcol, tix, lats, b, self.band, fill)
+            settle_latency([c.state for c in cands] if fill else (), lcol, tix, lats, b, self.band, fill)
         else:
             lcol = [1.0] * len(cands)
         wq, wm, wl = self.weights[0], self.weights[1], self.weights[2]
@@ -148,3 +165,192 @@ class FusedScores:
             pcol.append(p)
             c.score = wq * x + wm * y + wl * z + wp * p
         return [qcol, mcol, lcol, pcol]
+
+
+#: One worker of a fast pick: ``(state, correction, queue, age_ns, why)`` (a :class:`Candidate`'s fields).
+Row = tuple[WorkerState, int, int, int, str]
+
+
+#: The router's held, ejected and stalled workers (:meth:`dplb.policy.Policy.pick`'s arguments).
+Verdicts = tuple[frozenset[int], frozenset[int], frozenset[int]]
+#: :meth:`FastPick.first`'s result: rows, queue, memory and latency columns, lowest and highest eligible match,
+#: the preferred worker, whether a restarted worker was forgotten.
+First = tuple[list[Row], list[float], list[float], list[float], int, int, int, bool]
+
+
+class FastPick:
+    """The whole of a max-score pick over the built-in filters and scorer set, on columns: no
+    :class:`Candidate` objects (:class:`~dplb.policy.decision.Decision` makes them if someone reads them).
+
+    The policy (:meth:`dplb.policy.Policy.pick`) builds one with its own state, shared by reference:
+    ``sent_at`` (per worker, the send times of its in-flight correction), ``seen`` (per worker, the heartbeat of
+    its last snapshot), ``renew(state, sent)`` (a new snapshot: trims ``sent``; True when it forgot a
+    restarted worker), ``stale_ns`` (:class:`~dplb.policy.filters.Fresh`), ``cap`` (``hard_queue_cap``, 0 = none). Each
+    per-worker value is the same expression, in the same order, as the candidate path (the state filters in
+    :meth:`dplb.policy.Policy._candidates`, the filter chain, :meth:`FusedScores.score`, the max-score picker), so
+    the decision, every ``why``, column and score are equal (tests/test_pick_lockstep.py).
+    """
+
+    __slots__ = ("cap", "fused", "orders", "renew", "seen", "sent_at", "stale")
+
+    def __init__(self, fused: FusedScores, sent_at: list[deque[int]], seen: list[int],
+                 renew: Callable[[WorkerState, deque[int]], bool], stale_ns: int, cap: int) -> None:
+        self.fused = fused
+        self.sent_at = sent_at
+        self.seen = seen
+        self.renew = renew
+        self.stale = stale_ns
+        self.cap = cap
+        #: Workers → the scan order of each rotation start (``start, …, n−1, 0, …, start−1``).
+        self.orders: dict[int, list[tuple[int, ...]]] = {}
+
+    def first(self, snapshot: Sequence[WorkerState], now: int, req: RouteRequest, verdicts: Verdicts,
+              inflight: Sequence[int] | None, shared: Sequence[int] | None, baseline: float | None,
+              depth: list[int] | None) -> First:
+        """One pass over ``snapshot`` (the arguments as :meth:`dplb.policy.Policy.pick`'s; ``verdicts``: held,
+        ejected, stalled): each worker's row (:data:`Row`) with its ``why`` (the state filters, then the router's
+        verdicts, the request's sets and the hard cap, in the filter chain's order), the queue, memory and latency
+        columns (:meth:`FusedScores.score`'s pass 1, the deadband and the fill) and, with ``depth`` (the prompt's
+        matched blocks per worker), the lowest and highest eligible match and the first eligible worker with the
+        highest (−1, −1, 0 without). Last: True when a restarted worker was forgotten (``depth`` is then stale)."""
+        f = self.fused
+        sent_at, seen, stale, cap = self.sent_at, self.seen, self.stale, self.cap
+        mq, kv, ttft = f.max_queue, f.kv, f.ttft
+        check = bool(cap or verdicts[0] or verdicts[1] or verdicts[2] or req.cannot_serve or req.exclude)
+        timed = baseline is not None
+        b = baseline if baseline is not None else 1.0
+        rows: list[Row] = []
+        qcol: list[float] = []
+        mcol: list[float] = []
+        lcol: list[float] = []
+        tix: list[int] = []  # the eligible workers with a current sample: index, latency
+        lats: list[float] = []
+        fill = forgot = False
+        lo = best = -1
+        pref = 0
+        for i, w in enumerate(snapshot):
+            k = w.worker_id
+            hb = w.heartbeat_mono_ns
+            sent = sent_at[k]
+            if hb != seen[k] and self.renew(w, sent):
+                forgot = True
+            corr = len(sent)
+            if corr and inflight is not None and inflight[k] < corr:  # in-flight counts are never negative
+                corr = inflight[k]
+            if shared is not None:
+                corr += shared[k]
+            age = now - hb
+            cq = w.num_running + w.num_waiting + corr
+            why = OK if w.pid and age <= stale and w.lifecycle is _READY and not w.torn else state_why(w, age, stale)
+            if check and why is OK:
+                why = _verdict(k, cq, verdicts, req, cap)
+            rows.append((w, corr, cq, age, why))
+            if cq >= mq:  # then cq/mq ≥ 1.0 (rounding is monotone): the term is 0 without the division
+                qcol.append(0.0)
+            else:
+                t = 1.0 - cq / mq
+                qcol.append(t if t > 0.0 else 0.0)
+            r = w.kv_cache_usage if kv else memory_ratio(w, f.signal)
+            mcol.append(0.0 if r > 1.0 else (1.0 if r < 0.0 else 1.0 - r))
+            if timed:
+                lat = w.avg_ttft_s if ttft else w.avg_latency_s
+                if lat <= 0.0 or not cq:
+                    lcol.append(-1.0)
+                    fill = True
+                else:
+                    t = 1.0 - lat / b
+                    lcol.append(t if t > 0.0 else 0.0)
+                    if why is OK:
+                        tix.append(i)
+                        lats.append(lat)
+            if depth is not None and why is OK:
+                d = depth[k]
+                if d > best:
+                    if best < 0:
+                        lo = d
+                    best, pref = d, k
+                elif d < lo:
+                    lo = d
+        if timed:
+            settle_latency([r[0] for r in rows] if fill else (), lcol, tix, lats, b, f.band, fill)
+        else:
+            lcol = [1.0] * len(rows)
+        return rows, qcol, mcol, lcol, lo, best, pref, forgot
+
+    def rotations(self, n: int) -> list[tuple[int, ...]]:
+        """The scan order of ``n`` workers for each rotation start ``s`` (``s, …, n−1, 0, …, s−1``); kept in
+        :attr:`orders`."""
+        orders = self.orders[n] = [tuple(range(s, n)) + tuple(range(s)) for s in range(n)]
+        return orders
+
+    def weigh(self, rows: list[Row], columns: list[list[float]], order: tuple[int, ...], depth: list[int] | None,
+              lo: int, span: int) -> tuple[list[float], int]:
+        """Every worker's score (Σ weight·term in scorer order, as :meth:`FusedScores.score`) and the max-score
+        picker's choice over ``order``: best score, then shorter queue, then first in order (−1: nobody eligible).
+        With ``depth``, the prefix column (``columns[3]``, zeros) is filled in: ``(d − lo)/span`` times the queue
+        headroom for a worker past the lowest match ``lo``."""
+        w = self.fused.weights
+        wq, wm, wl = w[0], w[1], w[2]
+        qcol, mcol, lcol = columns[0], columns[1], columns[2]
+        scores = [0.0] * len(rows)
+        chosen = -1
+        above = below = 0.0  # the best score ± 1e-12 (a better score / a tie)
+        bq = 0
+        if len(columns) == 3:
+            for i in order:
+                s = scores[i] = wq * qcol[i] + wm * mcol[i] + wl * lcol[i]
+                row = rows[i]
+                if row[4] is OK and (chosen < 0 or s > above or (s > below and row[2] < bq)):
+                    chosen, above, below, bq = i, s + 1e-12, s - 1e-12, row[2]
+            return scores, chosen
+        wp = w[3]
+        pcol = columns[3]
+        for i in order:
+            row = rows[i]
+            x = qcol[i]
+            p = 0.0
+            if depth is not None:
+                d = depth[i]
+                if d > lo and x > 0.0:  # the headroom 1 − queue/max_queue is the queue term where it is > 0
+                    p = pcol[i] = (d - lo) / span * x
+            s = scores[i] = wq * x + wm * mcol[i] + wl * lcol[i] + wp * p
+            if row[4] is OK and (chosen < 0 or s > above or (s > below and row[2] < bq)):
+                chosen, above, below, bq = i, s + 1e-12, s - 1e-12, row[2]
+        return scores, chosen
+
+
+def prefix_span(rows: list[Row], depth: list[int]) -> tuple[int, int, int]:
+    """The lowest and highest ``depth`` (matched blocks, per worker id) among the eligible ``rows`` and the first
+    eligible worker with the highest (−1, −1, 0 when none is eligible): :meth:`FastPick.first`'s, again."""
+    lo = best = -1
+    pref = 0
+    for w, _, _, _, why in rows:
+        if why is OK:
+            k = w.worker_id
+            d = depth[k]
+            if d > best:
+                if best < 0:
+                    lo = d
+                best, pref = d, k
+            elif d < lo:
+                lo = d
+    return lo, best, pref
+
+
+def _verdict(k: int, queue: int, verdicts: Verdicts, req: RouteRequest, cap: int) -> str:
+    """The ``why`` of the filters after the state filters, in chain order (:data:`dplb.policy.filters.HEALTH_FILTERS`
+    then :data:`~dplb.policy.filters.REQUEST_FILTERS`) for worker ``k`` with ``queue``: the first that rejects it.
+    ``verdicts``: the router's held, ejected and stalled workers."""
+    if k in verdicts[0]:
+        return WHY_HELD_OUT
+    if k in verdicts[1]:
+        return WHY_EJECTED
+    if k in verdicts[2]:
+        return WHY_STALLED
+    if k in req.cannot_serve:
+        return WHY_CANNOT_SERVE
+    if k in req.exclude:
+        return WHY_EXCLUDED
+    if cap and queue >= cap:
+        return WHY_OVER_CAP
+    return OK

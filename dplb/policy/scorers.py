@@ -65,6 +65,7 @@ from dplb.policy.decision import (
 )
 from dplb.policy.framework import Param, PickContext, RouteRequest, Scorer, max_queue_of
 from dplb.policy.prefix import MAX_PREFIX_BLOCKS, SPECULATIVE_TTL_S, PrefixIndex, block_hashes
+from dplb.state.shm import WorkerState
 
 
 class QueueScorer(Scorer):
@@ -105,10 +106,9 @@ class QueueScorer(Scorer):
         return {"max_queue": max_queue_of(c.state, self.cfg)}
 
 
-def memory_ratio(c: Candidate, signal: str) -> float:
-    """The memory input of candidate ``c``: KV-cache usage (``signal="kv"``) or NVML used/total (``"gpu"``; 0
+def memory_ratio(w: WorkerState, signal: str) -> float:
+    """The memory input of worker state ``w``: KV-cache usage (``signal="kv"``) or NVML used/total (``"gpu"``; 0
     without a GPU), ratio 0–1."""
-    w = c.state
     if signal == "kv":
         return w.kv_cache_usage
     total = w.gpu_memory_total_bytes
@@ -131,31 +131,34 @@ class MemoryScorer(Scorer):
         kv = self.signal == "kv"  # the common case without a call per candidate
         out = []
         for c in cands:
-            r = c.state.kv_cache_usage if kv else memory_ratio(c, self.signal)
+            r = c.state.kv_cache_usage if kv else memory_ratio(c.state, self.signal)
             out.append(0.0 if r > 1.0 else (1.0 if r < 0.0 else 1.0 - r))
         return out
 
     def inputs(self, c: Candidate, ctx: PickContext) -> dict[str, Any]:
-        return {"memory_ratio": memory_ratio(c, self.signal)}
+        return {"memory_ratio": memory_ratio(c.state, self.signal)}
 
 
-def settle_latency(cands: list[Candidate], terms: list[float], timed: list[int], lats: list[float], base: float,
-                   band: float, fill: bool) -> list[float]:
+def settle_latency(states: Sequence[WorkerState], terms: list[float], timed: list[int], lats: list[float],
+                   base: float, band: float, fill: bool) -> list[float]:
     """The latency term's deadband and neutral fill (module docstring), in place on ``terms`` (one per candidate;
-    −1 marks a worker without a current sample) and returned. ``timed``/``lats``: the eligible workers with a
-    sample (indices into ``cands``) and their latencies, seconds; ``base``: the baseline, seconds; ``band``: the
-    deadband fraction; ``fill``: some term is −1. Shared by :class:`LatencyScorer` and the fused pass
-    (:mod:`dplb.policy.fused`), so both compute the same floats."""
+    −1 marks a worker without a current sample) and returned. ``states``: the candidates' worker states, in the
+    same order (read only when ``fill``); ``timed``/``lats``: the eligible workers with a sample (indices into
+    ``terms``) and their latencies, seconds; ``base``: the baseline, seconds; ``band``: the deadband fraction;
+    ``fill``: some term is −1. Shared by :class:`LatencyScorer` and the fused passes (:mod:`dplb.policy.fused`),
+    so both compute the same floats."""
     if band > 0.0 and len(timed) > 1:
         mean = sum(lats) / len(lats)
         tm = 1.0 - mean / base
         tm = tm if tm > 0.0 else 0.0
         lim = band * mean
-        for j, lat in zip(timed, lats, strict=True):
-            if -lim <= lat - mean <= lim:  # |lat − mean| ≤ lim without a call
-                terms[j] = tm
+        neg = -lim
+        for j, lat in enumerate(lats):  # timed[j] is the worker of lats[j] (no zip: its keyword costs more)
+            d = lat - mean
+            if neg <= d and d <= lim:  # |lat − mean| ≤ lim without a call (nor a chained comparison)
+                terms[timed[j]] = tm
     if fill:  # every other term is ≥ 0
-        have = [t for c, t in zip(cands, terms, strict=True) if t >= 0.0 and c.state.pid]
+        have = [t for w, t in zip(states, terms, strict=True) if t >= 0.0 and w.pid]
         neutral = sum(have) / len(have) if have else 1.0
         for j, t in enumerate(terms):
             if t < 0.0:
@@ -200,7 +203,7 @@ class LatencyScorer(Scorer):
                 if c.why is OK:
                     timed.append(i)
                     lats.append(lat)
-        return settle_latency(cands, out, timed, lats, base, self.deadband, fill)
+        return settle_latency([c.state for c in cands] if fill else (), out, timed, lats, base, self.deadband, fill)
 
     def inputs(self, c: Candidate, ctx: PickContext) -> dict[str, Any]:
         return {"latency_s": self.signal(c), "latency_signal": self.cfg.latency_signal, "baseline_s": ctx.baseline_s}
