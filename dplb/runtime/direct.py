@@ -4,7 +4,7 @@ Contract
 - A *direct handler* is what :func:`dplb.runtime.serving.make_server` may be given besides the ASGI app:
   ``wants(scope)`` (cheap: may this request skip the ASGI task?) is asked when a request's head is parsed (the
   scope has its method and headers; its path and HTTP version not yet), and ``begin(cycle, start)`` once its body is
-  complete (``cycle``: a :class:`dplb.runtime.protocol.LaneCycle`, uvicorn's cycle made lean). ``begin`` returns
+  complete (``cycle``: a :class:`dplb.runtime.lane_cycle.LaneCycle`, uvicorn's cycle made lean). ``begin`` returns
   False to have the request served by the ASGI app as usual (nothing may have been done for it then), or True when
   it took the request: it then answers it with a
   :class:`DirectResponse` on ``cycle``, or hands it to a coroutine with ``start(app)`` (an ASGI callable run as the

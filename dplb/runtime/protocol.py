@@ -35,10 +35,11 @@ from typing import Any
 from urllib.parse import unquote
 
 from httptools import HttpParserError, HttpParserUpgrade, parse_url
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dplb.errors import openai_error_body
 from dplb.runtime.direct import MAX_DIRECT_BODY
+from dplb.runtime.lane_cycle import LaneCycle
 
 log = logging.getLogger("dplb.serving")
 
@@ -130,61 +131,6 @@ def peer_pid(transport: Any) -> int:
         return int(_PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0])
     except (OSError, AttributeError, struct.error, ValueError):
         return 0
-
-
-
-class _NoEvent:
-    """The message event of a :class:`LaneCycle` before it goes to an ASGI task: no task waits on it."""
-
-    __slots__ = ()
-
-    def set(self) -> None:
-        """Nothing waits: nothing to wake."""
-
-    def clear(self) -> None:
-        """Nothing was set."""
-
-
-_NO_EVENT = _NoEvent()
-
-
-class LaneCycle(RequestResponseCycle):
-    """uvicorn's ``RequestResponseCycle`` for a request a direct handler may take, made cheaply: the constructor sets
-    the scope, transport, flow control, default headers, keep-alive, ``on_response`` callback and an empty body;
-    the rest of uvicorn's initial state is class attributes (an instance attribute shadows each once written); no
-    ``asyncio.Event`` until :meth:`to_asgi`. ``direct``: the :class:`dplb.runtime.direct.DirectResponse` writing
-    its answer, if any."""
-
-    disconnected = False
-    waiting_for_100_continue = False
-    more_body = True
-    response_started = False
-    response_complete = False
-    chunked_encoding = None
-    expected_content_length = 0
-    access_log = False
-    direct: Any = None
-    message_event: asyncio.Event = _NO_EVENT  # type: ignore[assignment]  # (to_asgi makes the event)
-
-    def __init__(self, scope: Any, transport: Any, flow: Any, default_headers: list[tuple[bytes, bytes]],
-                 keep_alive: bool, on_response: Callable[..., None]) -> None:  # (no super(): see the class)
-        self.scope = scope
-        self.transport = transport
-        self.flow = flow
-        self.default_headers = default_headers
-        self.keep_alive = keep_alive
-        self.on_response = on_response
-        self.body = bytearray()
-
-    def to_asgi(self, protocol: Any) -> None:
-        """Complete the cycle as uvicorn's constructor would have made it, to be run as an ASGI task of
-        ``protocol``: the message event (set: the body read so far is ready, or the disconnect) and the loggers."""
-        event = asyncio.Event()
-        event.set()
-        self.message_event = event
-        self.logger = protocol.logger
-        self.access_logger = protocol.access_logger
-        self.access_log = protocol.access_log
 
 
 def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | None = None,
