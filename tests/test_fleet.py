@@ -43,8 +43,9 @@ def test_epp_reads_one_host_aggregate_per_family(tmp_path: pytest.TempPathFactor
             futs = [pool.submit(chat, c, None, 200) for _ in range(14)]
             deadline = time.monotonic() + 15  # a loaded 2-core box can take seconds to open 14 requests
             busy = extract(httpx.get(c.url + "/metrics").text)
-            while busy.running_requests_size + busy.waiting_queue_size < 14 and time.monotonic() < deadline:
-                time.sleep(0.1)  # until every request reached the router
+            while (busy.running_requests_size + busy.waiting_queue_size < 14 or not busy.running_requests_size) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)  # until every request reached the router and a worker's snapshot counts it running
                 text = httpx.get(c.url + "/metrics").text
                 busy = extract(text)
             lat = []
