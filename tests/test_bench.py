@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import random
 import statistics
 import subprocess
@@ -351,18 +350,9 @@ def test_capacity_bench_quick(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 
 def _children(pid: int) -> list[int]:
-    """The pids whose parent is ``pid`` (from /proc)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.append(int(name))
-    return out
+    """The child pids of process ``pid`` (this test's own router), from its ``/proc/PID/task/PID/children``."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
 
 
 @pytest.mark.parametrize(("args", "children"), [((), 0), (("--processes", "2"), 2)])
