@@ -21,6 +21,10 @@ Contract
   worker that breaks off mid-body ends an SSE stream with the same error event and cuts the connection; a client
   that leaves aborts the worker connection. Slow client: the worker's socket stops being read while the client's
   write buffer is over its high-water mark.
+- Latency: what the request and its answer do not need waits until they are written. The decision is recorded
+  (metrics, debug ring) and the worker acquired after the request is written to the worker (synchronously, before
+  any other callback can run: the next decision sees both); the attempt is accounted (``settle``, the HTTP
+  metrics) after the response's last bytes are written to the client, before a pipelined request may start.
 """
 
 from __future__ import annotations
@@ -74,13 +78,16 @@ class DirectLane:
             self.n_declined.inc()
             return False
         proxy = self.proxy
-        worker = proxy.decide(ex)  # from here on the request is this lane's
+        seconds = proxy.choose(ex)  # from here on the request is this lane's (tracing is off: nothing to trace)
+        worker = ex.decision.worker
         if worker is None:
+            proxy.record(ex, seconds)
             self._continue(ex, start, proxy.no_worker(ex))
             return True
         conn = self.up.pool.take_idle(worker)
         proxy.prepare(ex)
         if conn is None:  # held now, as the ASGI path holds it right after its decision: the next one sees it
+            proxy.record(ex, seconds)
             attempt = Attempt(self.up, ex, worker)
             self.up.state.acquire(worker, attempt)
             self._continue(ex, start, proxy.place(ex, worker, attempt))
@@ -88,6 +95,7 @@ class DirectLane:
         hook = ex.scope["extensions"][DISCONNECT_EXT]
         hook.callback = ex.client_gone
         DirectAttempt(self, ex, worker, conn, cycle, start).begin()
+        proxy.record(ex, seconds)  # once the request is on its way to the worker
         return True
 
     def _read(self, cycle: Any) -> Exchange | None:
@@ -139,14 +147,15 @@ class DirectAttempt(Attempt):
         self.deadline = 0.0  # loop time of the first-byte timeout, then of the idle timeout
 
     def begin(self) -> None:
-        """Acquire the worker, send the request, ask for the first-byte deadline (the connection's timer)."""
+        """Send the request, then acquire the worker (nothing can run in between: the next decision sees it) and
+        ask for the first-byte deadline (the connection's timer)."""
         ex, conn = self.ex, self.conn
         assert conn is not None
+        conn.sink = self
+        self.t0 = time.perf_counter()
+        conn.send_request(ex.head, ex.body)
         self.up.state.acquire(self.worker, self)
         ex.conn = conn
-        self.t0 = time.perf_counter()
-        conn.sink = self
-        conn.send_request(ex.head, ex.body)
         self.deadline = self.clock() + self.up.cfg.first_byte_timeout_s
         conn.wake_by(self.deadline)
 
@@ -187,8 +196,7 @@ class DirectAttempt(Attempt):
 
     def complete(self) -> None:
         self.outcome = Outcome.of_status(self.status)
-        self._done()  # the connection back to the pool before the next pipelined request may start
-        self.out.end()
+        self.out.end(self._done)  # accounted once the client has its bytes, before a pipelined request starts
 
     def failed(self, exc: UpstreamError) -> None:
         if not self.status:  # before the head: the ASGI path answers (or the client left)

@@ -199,11 +199,21 @@ class Proxy:
         return exclude
 
     def decide(self, ex: Exchange) -> int | None:
-        """One routing decision for ``ex`` (kept on it and traced); the chosen worker or None."""
+        """One routing decision for ``ex`` (kept on it, recorded and traced); the chosen worker or None."""
         ex.trace.deciding()
         d = ex.decision = self.state.decide(ex.request, ex.rid.decode())
         ex.trace.routed(d)
         return d.worker
+
+    def choose(self, ex: Exchange) -> float:
+        """:meth:`decide` for an untraced request, without the record: the decision is kept on ``ex``; returns
+        its duration (seconds) for :meth:`record`, which the caller must call."""
+        ex.decision, seconds = self.state.choose(ex.request)
+        return seconds
+
+    def record(self, ex: Exchange, seconds: float) -> None:
+        """Record ``ex``'s decision made by :meth:`choose` in ``seconds`` (metrics, debug ring)."""
+        self.state.record(ex.decision, seconds, ex.rid.decode())
 
     async def _dispatch(self, ex: Exchange, exclude: frozenset[int]) -> None:
         ex.request = self.route_request(ex.peek, exclude)

@@ -168,7 +168,15 @@ class RouterState:
 
     # ---- hot path --------------------------------------------------------------------------------------------
     def decide(self, request: RouteRequest, request_id: str) -> Decision:
-        """Pick a worker for one request (see module docstring). Never raises for a missing segment."""
+        """Pick a worker for one request (see module docstring) and record the decision (:meth:`choose`, then
+        :meth:`record`). Never raises for a missing segment."""
+        d, seconds = self.choose(request)
+        self.record(d, seconds, request_id)
+        return d
+
+    def choose(self, request: RouteRequest) -> tuple[Decision, float]:
+        """:meth:`decide` without the record: (the decision, its duration in seconds). The caller must
+        :meth:`record` it (the direct relay does once the request is on its way to the worker)."""
         self.policy.prepare(request)
         t0 = time.perf_counter()
         snap = self.snapshot()
@@ -196,9 +204,13 @@ class RouterState:
                                  shared=self._shared(snap, now), stalled=self.stalled(now))
             if request.learned and slots is not None and slots.has_peers and d.worker is not None:
                 slots.publish_prefix(d.worker, request.learned)  # alone on the segment: nobody to tell
-        self.metrics.observe_decision(d, time.perf_counter() - t0)
+        return d, time.perf_counter() - t0
+
+    def record(self, d: Decision, seconds: float, request_id: str) -> None:
+        """Count decision ``d`` (made in ``seconds``) in the metrics and keep it in the debug ring
+        (``/debug/decisions``)."""
+        self.metrics.observe_decision(d, seconds)
         self.decisions.append((time.time(), request_id, d))
-        return d
 
     def dry_run(self, snap: list[WorkerState] | None) -> Decision | None:
         """What the policy would see right now for a request without a prompt (a metrics scrape): every

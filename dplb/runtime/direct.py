@@ -88,12 +88,15 @@ class DirectResponse:
             self.remaining -= len(data)
             self.pending.append(data)
 
-    def end(self) -> None:
-        """Complete the response: the terminating chunk, flush, close unless kept alive, then the cycle's
+    def end(self, then: Callable[[], None] | None = None) -> None:
+        """Complete the response: the terminating chunk, flush, ``then()`` (the caller's accounting, run once the
+        client's bytes are written: off the response's latency), close unless kept alive, then the cycle's
         ``on_response`` (next pipelined request, keep-alive timer)."""
         if self.chunked:
             self.pending.append(b"0\r\n\r\n")
         self.flush()
+        if then is not None:
+            then()
         cycle = self.cycle
         cycle.response_complete = True
         cycle.direct = None
