@@ -21,9 +21,11 @@ Contract (docs/DESIGN.md §4, §6)
   (a tenant's key: :mod:`dplb.router.tenancy`; constant-time compare); failures are OpenAI-shaped 401s. SIGHUP
   reloads the tenants file; ``/debug/decisions`` entries name the request's tenant.
 - The router starts before any worker is ready and answers 503 until one is.
-- The HTTP edge is bounded: request heads over :data:`MAX_HEAD_BYTES` get 431 ``headers_too_large`` and malformed
-  HTTP gets 400 ``invalid_http`` (both OpenAI-shaped, connection closed); an unexpected exception is logged with its
-  traceback and answered with a bare OpenAI-shaped 500 ``internal_error`` — no traceback or path reaches a client.
+- The HTTP edge is bounded: request heads over :data:`MAX_HEAD_BYTES` get 431 ``headers_too_large``, malformed
+  HTTP gets 400 ``invalid_http``, a head or body too slow (``--header-timeout``, ``--body-timeout``) 408
+  ``request_timeout`` (all OpenAI-shaped, connection closed; :mod:`dplb.runtime.protocol`); an unexpected exception
+  is logged with its traceback and answered with a bare OpenAI-shaped 500 ``internal_error`` — no traceback or path
+  reaches a client. A WebSocket handshake gets the 404 of an unrouted path (the router proxies HTTP only).
 - The open-file soft limit is raised to the hard limit at start (two descriptors per proxied request).
 - Under systemd, READY=1 once the socket listens, and WATCHDOG=1 from the run loop of :func:`run_router` while the
   event loop runs (every half ``WATCHDOG_USEC`` at most; :class:`dplb.runtime.sd_notify.Watchdog`).
@@ -288,23 +290,17 @@ class RouterApp:
             self._observe(path, scope["method"], status[0], t0)
 
     async def _refuse_websocket(self, scope: dict[str, Any], send: Any) -> None:
-        """A WebSocket handshake (``/v1/realtime`` or any path): the router proxies HTTP only, so it gets the 404
-        an HTTP GET of the path gets, OpenAI-shaped (the ASGI denial response; a bare 403 where the server cannot
-        send one), counted in the HTTP metrics as ``GET``."""
-        t0 = time.perf_counter()
-        path = scope["path"]
-        reason = NOT_ROUTED.get(path)
-        body = openai_error_body(f"no route GET {path}" + (f" ({reason})" if reason else ""),
-                                 "invalid_request_error", "not_found")
-        if "websocket.http.response" in scope.get("extensions", {}):
+        """A WebSocket handshake (any path): the router proxies HTTP only: an OpenAI-shaped 404 (the ASGI denial
+        response; a bare 403 where the server cannot send one), counted in the HTTP metrics as ``GET``."""
+        t0, path = time.perf_counter(), scope["path"]
+        reason = f" ({NOT_ROUTED[path]})" if path in NOT_ROUTED else ""
+        body = openai_error_body(f"no route GET {path}{reason}", "invalid_request_error", "not_found")
+        denial = "websocket.http.response" in scope.get("extensions", {})
+        if denial:
             await send({"type": "websocket.http.response.start", "status": 404, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-            await send({"type": "websocket.http.response.body", "body": body})
-            status = 404
-        else:
-            await send({"type": "websocket.close"})
-            status = 403
-        self._observe(path, "GET", status, t0)
+        await send({"type": "websocket.http.response.body", "body": body} if denial else {"type": "websocket.close"})
+        self._observe(path, "GET", 404 if denial else 403, t0)
 
     async def serve_proxy(self, ex: Exchange, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work``, the proxying of ``ex`` (from its start, or where the direct relay left it), then count it
