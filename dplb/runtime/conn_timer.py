@@ -32,6 +32,7 @@ class ConnectionTimer:
     _body_at = 0.0  # loop time of the last read of an incomplete body
     _timer: Any = None  # the connection's one timer
     _in_head = True  # a head is incomplete (or none came yet on a new connection)
+    _heard = False  # a byte of a head came on this connection
     _refuse_after: bytes | None = None  # the answer to bad bytes read after complete requests (sent after theirs)
     _active: Any = None  # the request being answered
     cycle: Any
@@ -109,12 +110,14 @@ class ConnectionTimer:
             self._timed_out(phase)
 
     def _timed_out(self, phase: int) -> None:
-        """408 (nothing of a response sent yet) and close: the head (phase 1) or the body (2) came too slowly.
+        """408 (nothing of a response sent yet; none to a connection that sent nothing) and close: the head (phase
+        1) or the body (2) came too slowly.
         A request whose body stopped is told through its hook, so the app records a 408, not a client gone."""
         self._count_timeout()
         cycle = self.cycle
         if phase == 1:
-            self.transport.write(self._slow_head)
+            if self._heard:  # (a connection that sent nothing is closed silently: it asked nothing)
+                self.transport.write(self._slow_head)
         elif not cycle.response_started:
             hook: Any = cycle.scope.get("extensions", {}).get(DISCONNECT_EXT)
             if hook is not None:

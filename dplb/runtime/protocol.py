@@ -26,7 +26,8 @@ Contract
   The head cap counts the head's own bytes, never a pipelined body read with it.
 - Read timeouts (``timeouts``, the router's ``--header-timeout`` / ``--body-timeout``): a head not complete that
   long after its first byte (a new connection's first: after the accept), or a body silent that long between two
-  reads, gets 408 ``request_timeout`` (when nothing of a response is being written) and the connection is closed;
+  reads, gets 408 ``request_timeout`` (when nothing of a response is being written, and not to a connection that
+  sent nothing) and the connection is closed;
   ``on_reject`` counts it. Checked by the connection's one timer (:mod:`dplb.runtime.conn_timer`): nothing per request.
 - HTTP/1.0 (never kept alive): a response without Content-Length is its bare bytes, delimited by the close.
 - EOF from the client is its leaving (its requests are aborted), unless ``serve_half_closed`` and its requests
@@ -374,6 +375,7 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             """A read of ``n`` bytes left a head incomplete: bound the bytes it holds and time it. Only the head's
             own bytes count — a read that began it also carried the requests before it (a pipelined body), and of
             it only what was parsed of the head counts (a partial header held by the parser: one read at most)."""
+            self._heard = True
             raw = self._raw_bytes
             if raw < 0:  # the head began in this read
                 raw = self._head_bytes
