@@ -100,6 +100,26 @@ def check_stall(stall_after_s: float, stall_restart_after_s: float | None = None
                           f"which must be on) and up to 86400 seconds, got {r}")
 
 
+#: ``--header-timeout``: a request head (request line and headers) must be complete this many seconds after its
+#: first byte (a new connection's first head: after the accept), else 408 and close — a slowloris client that trickles
+#: a head holds a connection and its buffers otherwise. nginx's client_header_timeout is 60 s and Apache's
+#: mod_reqtimeout allows 20-40 s; a real client sends its head in one write (one round trip), so 30 s leaves a very
+#: slow link 100x its need and halves what an idle attacker holds against nginx's default.
+HEADER_TIMEOUT_S = 30.0
+#: ``--body-timeout``: while a request body is incomplete, the longest silence between two reads, seconds (nginx's
+#: client_body_timeout, whose default this is: 60 s); not counted while the router is not reading (its app has not
+#: read the body yet, or a 100-continue not sent yet).
+BODY_TIMEOUT_S = 60.0
+
+
+def check_read_timeouts(header_s: float, body_s: float) -> None:
+    """Refuse bad client read timeouts: each finite, > 0 and at most 3600 s. Raises :class:`ConfigError` naming
+    the flag."""
+    for flag, value in (("--header-timeout", header_s), ("--body-timeout", body_s)):
+        if not (math.isfinite(value) and 0 < value <= 3600):
+            raise ConfigError(f"{flag} must be > 0 and at most 3600 seconds, got {value}")
+
+
 POLICIES = ("dplb", "round_robin", "random", "least_loaded", "power_of_two", "prefix_hash")
 MemorySignal = Literal["kv", "gpu"]
 LatencySignal = Literal["e2e", "ttft"]
@@ -349,6 +369,11 @@ class RouterConfig:
       (:data:`STALL_AFTER_S`; 0 = no stall check; :mod:`dplb.policy.stall`).
     - ``direct_relay``: serve the common proxied request from the protocols' callbacks, without an ASGI task
       (:mod:`dplb.router.direct`; the same behaviour, less CPU); off: every request takes the ASGI path.
+    - Client edge (:mod:`dplb.runtime.protocol`): ``header_timeout_s`` (:data:`HEADER_TIMEOUT_S`) and
+      ``body_timeout_s`` (:data:`BODY_TIMEOUT_S`): a client too slow with its request head / silent mid-body gets
+      408 ``request_timeout`` and the connection is closed; ``serve_half_closed``: a complete request whose client
+      shut its sending side (``shutdown(SHUT_WR)``) is answered, then the connection closed (off: that EOF is the
+      client leaving, and its request is aborted at once, as nginx's ``proxy_ignore_client_abort off``).
 
     - Tenants (docs/DESIGN.md §15): ``tenants_file``: the TOML file of :mod:`dplb.tenants` (None = one tenant,
       ``default``, holding ``api_key``); with it, requests that find no worker with room wait in the router's fair
@@ -387,6 +412,9 @@ class RouterConfig:
     resume_streams: bool = False
     direct_relay: bool = True
     stall_after_s: float = STALL_AFTER_S
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    serve_half_closed: bool = False
 
     tenants_file: str | None = None
     queue_max: int = 1024
@@ -395,6 +423,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         check_stall(self.stall_after_s)
+        check_read_timeouts(self.header_timeout_s, self.body_timeout_s)
         if self.queue_max <= 0:
             raise ConfigError(f"--queue-max must be > 0 requests, got {self.queue_max}")
         if not (math.isfinite(self.queue_timeout_s) and self.queue_timeout_s > 0):

@@ -141,6 +141,11 @@ class RouterErrorKind(enum.Enum):
     # The client closed the connection before its request body was complete: nobody is left to answer, so nothing
     # is sent; 499 (nginx's "client closed request") is the status the metrics record.
     CLIENT_CLOSED = (499, "invalid_request_error", "client_closed_request")
+    # The client's request head or body came too slowly (--header-timeout, --body-timeout): answered by the HTTP edge
+    # (dplb.runtime.protocol), which then closes the connection.
+    REQUEST_TIMEOUT = (408, "invalid_request_error", "request_timeout")
+    # A CORS preflight from an origin outside --cors-allowed-origins.
+    CORS_ORIGIN = (400, "invalid_request_error", "cors_origin_not_allowed")
     ROUTE_DISABLED = (404, "invalid_request_error", "route_disabled")  # needs a router flag (named in the message)
     UNAUTHORIZED = (401, "authentication_error", "invalid_api_key")
     # Tenants (docs/DESIGN.md §15): a model outside the tenant's allow-list; its limits; the router's fair queue.
@@ -173,6 +178,10 @@ class RouterErrorKind(enum.Enum):
     def code(self) -> str:
         """Bounded reason code (``error.code`` and the ``reason`` metric label)."""
         return self.value[2]
+
+
+#: The challenge every 401 of the router carries (RFC 9110 §11.6.1 requires one; RFC 6750 §3 names the scheme).
+WWW_AUTHENTICATE = (b"www-authenticate", b"Bearer")
 
 
 class BodyTooLarge(DPLBError):

@@ -50,6 +50,7 @@ class _Cycle:
         self.response_started = False
         self.waiting_for_100_continue = True
         self.direct: Any = None
+        self.scope = {"http_version": "1.1"}
 
 
 def _head(status: int, up: list[tuple[bytes, bytes]], **cycle: Any) -> tuple[bytes, bool, bool, DirectResponse]:

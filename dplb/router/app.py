@@ -21,9 +21,11 @@ Contract (docs/DESIGN.md §4, §6)
   (a tenant's key: :mod:`dplb.router.tenancy`; constant-time compare); failures are OpenAI-shaped 401s. SIGHUP
   reloads the tenants file; ``/debug/decisions`` entries name the request's tenant.
 - The router starts before any worker is ready and answers 503 until one is.
-- The HTTP edge is bounded: request heads over :data:`MAX_HEAD_BYTES` get 431 ``headers_too_large`` and malformed
-  HTTP gets 400 ``invalid_http`` (both OpenAI-shaped, connection closed); an unexpected exception is logged with its
-  traceback and answered with a bare OpenAI-shaped 500 ``internal_error`` — no traceback or path reaches a client.
+- The HTTP edge is bounded: request heads over :data:`MAX_HEAD_BYTES` get 431 ``headers_too_large``, malformed
+  HTTP gets 400 ``invalid_http``, a head or body too slow (``--header-timeout``, ``--body-timeout``) 408
+  ``request_timeout`` (all OpenAI-shaped, connection closed; :mod:`dplb.runtime.protocol`); an unexpected exception
+  is logged with its traceback and answered with a bare OpenAI-shaped 500 ``internal_error`` — no traceback or path
+  reaches a client. A WebSocket handshake gets the 404 of an unrouted path (the router proxies HTTP only).
 - The open-file soft limit is raised to the hard limit at start (two descriptors per proxied request).
 - Under systemd, READY=1 once the socket listens, and WATCHDOG=1 from the run loop of :func:`run_router` while the
   event loop runs (every half ``WATCHDOG_USEC`` at most; :class:`dplb.runtime.sd_notify.Watchdog`).
@@ -51,7 +53,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_gener
 
 from dplb import __version__, native
 from dplb.config import RouterConfig
-from dplb.errors import RouterErrorKind, bind_error, error_body, openai_error_body
+from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, bind_error, error_body, openai_error_body
 from dplb.obs.metrics_host import HostReportCollector
 from dplb.obs.metrics_router import RouterMetrics
 from dplb.obs.metrics_scrape import KvTruthCollector, WorkerStateCollector
@@ -64,7 +66,7 @@ from dplb.router.host_report import HostReporter
 from dplb.router.models import ServedModels
 from dplb.router.orca import OrcaResponder
 from dplb.router.proxy import Exchange, Proxy
-from dplb.router.routes import PROXY_PATHS, RESPONSES_PREFIX, is_proxy_path
+from dplb.router.routes import NOT_ROUTED, PROXY_PATHS, RESPONSES_PREFIX, is_proxy_path
 from dplb.router.siblings import SCOPE_PROCESS, SingleProcess, fetch_siblings, merge_decisions, merge_metrics
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamPool
@@ -243,7 +245,10 @@ class RouterApp:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
-            await self.litestar(scope, receive, send)  # type: ignore[arg-type]  # lifespan
+            if scope["type"] == "websocket":
+                await self._refuse_websocket(scope, send)
+            else:
+                await self.litestar(scope, receive, send)  # type: ignore[arg-type]  # lifespan
             return
         path = scope["path"]
         t0 = time.perf_counter()
@@ -266,15 +271,36 @@ class RouterApp:
 
         try:
             if origin is not None and scope["method"] == "OPTIONS":
-                await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]  # CORS preflight
+                assert self.cors is not None
+                if self.cors.is_origin_allowed(origin):
+                    await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]  # CORS preflight
+                else:  # (Litestar's refusal is a text/plain 400)
+                    kind = RouterErrorKind.CORS_ORIGIN
+                    self.metrics.rejected.labels(kind.code).inc()
+                    await send_json(send_wrapper, kind.status, error_body(
+                        kind, f"origin {origin!r} is not allowed by CORS (--cors-allowed-origins)"))
             elif self._keyed and path not in self.cfg.public_paths and not self._authorized(scope):
                 self.metrics.rejected.labels(RouterErrorKind.UNAUTHORIZED.code).inc()
                 await send_json(self._cors_send(send_wrapper, origin) if origin else send_wrapper, 401,
-                            error_body(RouterErrorKind.UNAUTHORIZED, "missing or wrong API key"))
+                                error_body(RouterErrorKind.UNAUTHORIZED, "missing or wrong API key"),
+                                [WWW_AUTHENTICATE])
             else:
                 await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]
         finally:
             self._observe(path, scope["method"], status[0], t0)
+
+    async def _refuse_websocket(self, scope: dict[str, Any], send: Any) -> None:
+        """A WebSocket handshake (any path): the router proxies HTTP only: an OpenAI-shaped 404 (the ASGI denial
+        response; a bare 403 where the server cannot send one), counted in the HTTP metrics as ``GET``."""
+        t0, path = time.perf_counter(), scope["path"]
+        reason = f" ({NOT_ROUTED[path]})" if path in NOT_ROUTED else ""
+        body = openai_error_body(f"no route GET {path}{reason}", "invalid_request_error", "not_found")
+        denial = "websocket.http.response" in scope.get("extensions", {})
+        if denial:
+            await send({"type": "websocket.http.response.start", "status": 404, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "websocket.http.response.body", "body": body} if denial else {"type": "websocket.close"})
+        self._observe(path, "GET", 404 if denial else 403, t0)
 
     async def serve_proxy(self, ex: Exchange, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work``, the proxying of ``ex`` (from its start, or where the direct relay left it), then count it
@@ -411,7 +437,9 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
     gc.collect()
     gc.freeze()
     server = make_server(app, graceful_s=5.0, access_log=cfg.access_log, max_head_bytes=MAX_HEAD_BYTES,
-                         on_reject=lambda code: app.metrics.rejected.labels(code).inc(), direct=lane)
+                         on_reject=lambda code: app.metrics.rejected.labels(code).inc(), direct=lane,
+                         read_timeouts=(cfg.header_timeout_s, cfg.body_timeout_s),
+                         serve_half_closed=cfg.serve_half_closed)
     server.config.server_header = False  # upstream Server/Date headers pass through instead
     server.config.date_header = False
     sockets = [sock]

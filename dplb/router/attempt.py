@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from dplb.config import RouterConfig
-from dplb.errors import RouterErrorKind, error_body
+from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body
 from dplb.obs.tracing import NO_TRACE
 from dplb.router.exchange import Exchange, response_headers
 from dplb.router.health import UNREACHABLE_S, Outcome
@@ -85,6 +85,9 @@ class Upstreams:
         """Answer ``ex`` with one of the router's own errors: OpenAI-shaped JSON with ``kind``'s status,
         ``Retry-After`` on 503/429 (``retry_after`` seconds, else ``--retry-after``), ``X-SG-Worker-ID`` when a
         worker is named, then ``extra_headers``; closes the connection when the request body was not read."""
+        if kind is RouterErrorKind.REQUEST_TIMEOUT:  # the edge answered (and counted) it and closed: record the 408
+            ex.status = kind.status
+            return
         self.metrics.rejected.labels(kind.code).inc()
         if kind is RouterErrorKind.CLIENT_CLOSED:  # nobody to answer: record the 499, send nothing
             ex.status = kind.status
@@ -97,6 +100,8 @@ class Upstreams:
             headers.append((b"retry-after", str(wait).encode()))
         if worker is not None:
             headers.append((b"x-sg-worker-id", self.worker_ids[worker]))
+        if kind is RouterErrorKind.UNAUTHORIZED:
+            headers.append(WWW_AUTHENTICATE)
         if kind in _BODY_UNREAD:
             # Close instead of keep-alive: uvicorn would otherwise read and discard the rest of the body, however
             # large (a 100 MB upload was consumed whole after its 413).

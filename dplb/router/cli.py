@@ -145,6 +145,17 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="a worker with requests in flight whose engine made no progress (no token, no prefill step) "
                    "for S seconds is stalled: out of rotation, its in-flight requests failed with 503 "
                    f"worker_stalled, back once its progress resumes (default {d['stall_after_s']:g}; 0 = off)")
+    p.add_argument("--header-timeout", type=float, default=d["header_timeout_s"], metavar="S",
+                   help="a client's request head must be complete S seconds after its first byte (a new "
+                   "connection's: after the accept), else 408 request_timeout and the connection closed (default "
+                   f"{d['header_timeout_s']:g})")
+    p.add_argument("--body-timeout", type=float, default=d["body_timeout_s"], metavar="S",
+                   help="longest silence of a client mid-body before 408 request_timeout and the connection "
+                   f"closed (default {d['body_timeout_s']:g}, nginx's client_body_timeout)")
+    p.add_argument("--serve-half-closed", action="store_true",
+                   help="answer a complete request whose client shut its sending side (shutdown(SHUT_WR), nc -N), "
+                   "then close; by default that EOF is the client leaving and its request is aborted at once (a FIN "
+                   "cannot tell a half-close from a client that closed and left)")
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
     p.add_argument("--no-direct-relay", dest="direct_relay", action="store_false",
                    help="serve every proxied request through the ASGI path (the direct relay, on by default, answers "
@@ -226,7 +237,8 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         allow_runtime_lora=args.allow_runtime_lora, processes=args.router_processes,
         agent_port=args.agent_port, orca=args.orca, drain_notice_s=args.drain_notice,
         resume_streams=args.resume_streams, direct_relay=args.direct_relay,
-        stall_after_s=args.stall_after,
+        stall_after_s=args.stall_after, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+        serve_half_closed=args.serve_half_closed,
         tenants_file=_tenants_file(args.tenants), queue_max=args.queue_max, queue_timeout_s=args.queue_timeout,
         engine_priority=args.engine_priority,
     )

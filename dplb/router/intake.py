@@ -169,15 +169,19 @@ def read_body(route: Route, body: bytes, encoding: bytes, limit: int) -> tuple[b
     return body, NO_PEEK, multipart_model(body) if route.body == "multipart" else None, decoded
 
 
-async def receive_body(receive: Any, limit: int) -> bytes | None:
+async def receive_body(receive: Any, limit: int, hook: Any = None) -> bytes | None:
     """The whole request body from the ASGI ``receive`` (:func:`dplb.runtime.asgi.receive_body`), or None as soon as
     it exceeds ``limit`` bytes. Raises :class:`Rejected` ``client_closed_request`` (499) when the client disconnects
-    before the body is complete: a client close, not bad input."""
+    before the body is complete: a client close, not bad input; ``request_timeout`` (408) instead when the request's
+    disconnect ``hook`` (:class:`dplb.runtime.edge.DisconnectHook`) says the edge closed it for a body too slow (the
+    edge sent the 408)."""
     try:
         body = await asgi_receive_body(receive, limit)
     except BodyTooLarge:
         return None
     if body is None:
+        if hook is not None and hook.timed_out:
+            raise Rejected(RouterErrorKind.REQUEST_TIMEOUT, "the request body stopped coming")
         raise Rejected(RouterErrorKind.CLIENT_CLOSED, "the client closed the connection during the request body")
     return body
 

@@ -166,7 +166,7 @@ class Proxy:
         assert route is not None
         limit = self.cfg.max_body_bytes
         check_head(route, clen, ctype, encoding, limit)
-        body = await receive_body(ex.receive, limit)
+        body = await receive_body(ex.receive, limit, ex.scope.get("extensions", {}).get(DISCONNECT_EXT))
         if body is None:
             raise Rejected(RouterErrorKind.BODY_TOO_LARGE, f"request body is over the {limit}-byte limit")
         return self.take_body(ex, body, encoding)

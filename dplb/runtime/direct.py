@@ -13,7 +13,8 @@ Contract
   :data:`MAX_DIRECT_BODY`), without ``Expect: 100-continue``, and that is not queued behind another on its
   connection (pipelining) is offered to ``wants`` and ``begin``; anything else goes to the ASGI app.
 - :class:`DirectResponse` writes one response on the cycle's transport the way uvicorn's ASGI ``send`` does
-  (the same status line, framing — Content-Length passed through, else chunked — ``connection: close`` when the
+  (the same status line, framing — Content-Length passed through, else chunked, or for HTTP/1.0 the bare bytes
+  delimited by the close — ``connection: close`` when the
   connection is not kept alive, the cycle's state flags and its ``on_response`` callback, which starts the next
   pipelined request or arms the keep-alive timer), minus the per-message ASGI work. Writes are collected and go out
   in one ``write`` per :meth:`DirectResponse.flush`. ``pause`` / ``resume`` are called when the client's transport
@@ -75,6 +76,8 @@ class DirectResponse:
         defaults = cycle.default_headers
         lines = b"\r\n".join(map(b": ".join, defaults + headers if defaults else headers))
         chunked = length < 0 and status not in _NO_BODY_STATUS
+        if chunked and not cycle.keep_alive and cycle.scope["http_version"] == "1.0":
+            chunked = False  # HTTP/1.0 has no chunked coding: the close delimits the body (RFC 9112 §6.3)
         tail = _TAILS[not cycle.keep_alive, chunked]
         self.chunked = chunked
         self.remaining = max(length, 0)

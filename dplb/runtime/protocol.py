@@ -5,7 +5,7 @@ Contract
 - :func:`bounded_protocol` is uvicorn's ``HttpToolsProtocol`` with request heads capped (431 + close above the cap;
   the raw bytes of an incomplete head are bounded too), OpenAI-shaped 400s for malformed HTTP, a
   :class:`DisconnectHook` in each request's scope (``scope["extensions"][DISCONNECT_EXT]``), the response head
-  written together with the first body bytes (:class:`_CorkedTransport`) and one keep-alive timer per connection
+  written together with the first body bytes (:class:`CorkedTransport`) and one keep-alive timer per connection
   (uvicorn's closing rule, timed from the same instants).
 - Given a direct handler (:mod:`dplb.runtime.direct`), a request the handler may take — ``POST``, a
   ``Content-Length`` of at most :data:`MAX_DIRECT_BODY`, no ``Expect: 100-continue``, no upgrade, no
@@ -21,15 +21,22 @@ Contract
 - Every other request (all of them without a direct handler, as on the workers) takes uvicorn's own path.
 - Pipelining: up to :data:`MAX_QUEUED` requests queue behind the one being answered while the connection is still
   read (uvicorn stops reading at the first), so a client that leaves is seen at once; the request being answered
-  then hears the disconnect (its hook fires, its ASGI ``receive`` reports it), not only the last one parsed.
+  then hears the disconnect (its hook fires, its ASGI ``receive`` reports it), not only the last one parsed. Bad
+  bytes (or a head over the cap) after complete requests wait for their answers: 400 (431) after them, then close.
+  The head cap counts the head's own bytes, never a pipelined body read with it.
+- Read timeouts (``timeouts``, the router's ``--header-timeout`` / ``--body-timeout``): a head not complete that
+  long after its first byte (a new connection's first: after the accept), or a body silent that long between two
+  reads, gets 408 ``request_timeout`` (when nothing of a response is being written, and not to a connection that
+  sent nothing) and the connection is closed;
+  ``on_reject`` counts it. Checked by the connection's one timer (:mod:`dplb.runtime.conn_timer`): nothing per request.
+- HTTP/1.0 (never kept alive): a response without Content-Length is its bare bytes, delimited by the close.
+- EOF from the client is its leaving (its requests are aborted), unless ``serve_half_closed`` and its requests
+  are complete: they are answered, then the connection is closed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import socket
-import struct
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
@@ -37,8 +44,16 @@ from urllib.parse import unquote
 from httptools import HttpParserError, HttpParserUpgrade, parse_url
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from dplb.errors import openai_error_body
+from dplb.runtime.conn_timer import ConnectionTimer
 from dplb.runtime.direct import MAX_DIRECT_BODY
+from dplb.runtime.edge import (
+    DISCONNECT_EXT,
+    CorkedTransport,
+    DisconnectHook,
+    close_delimited,
+    error_response,
+    peer_pid,
+)
 from dplb.runtime.lane_cycle import LaneCycle
 
 log = logging.getLogger("dplb.serving")
@@ -49,98 +64,17 @@ log = logging.getLogger("dplb.serving")
 MAX_QUEUED = 8
 
 
-def _error_response(status: int, reason: bytes, kind_code: str, message: str) -> bytes:
-    body = openai_error_body(message, "invalid_request_error", kind_code)
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-            % (status, reason, len(body)) + body)
-
-
-DISCONNECT_EXT = "dplb.disconnect"  # scope["extensions"] key of a request's DisconnectHook (the router's server)
-
-
-class DisconnectHook:
-    """``scope["extensions"]["dplb.disconnect"]`` of a request served by :func:`bounded_protocol`: ``gone`` turns
-    True and ``callback()`` (set by the app, once) is called when the client's connection is lost before the
-    response completed — what uvicorn's ``receive()`` reports as ``http.disconnect``, without a task awaiting it.
-    ``peer_pid``: the client process on a Unix socket (``SO_PEERCRED``, read once per connection; 0 on TCP or when
-    unknown) — a worker tells which router process sent a request by it (docs/DESIGN.md §8.1)."""
-
-    __slots__ = ("callback", "gone", "peer_pid")
-
-    def __init__(self, peer_pid: int = 0) -> None:
-        self.gone = False
-        self.peer_pid = peer_pid
-        self.callback: Callable[[], None] | None = None
-
-    def fire(self) -> None:
-        self.gone = True
-        cb, self.callback = self.callback, None
-        if cb is not None:
-            cb()
-
-
-class _CorkedTransport:
-    """The client transport as a request's response sees it: the response head is held until the next write
-    (the body) or the end of the event-loop iteration, so a head and a body sent back to back go out in one
-    ``send()``. Everything else is passed through."""
-
-    __slots__ = ("_held", "_transport")
-
-    def __init__(self, transport: Any) -> None:
-        self._transport = transport
-        self._held: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        held = self._held
-        if held is None:
-            if data.startswith(b"HTTP/1.1 "):  # the head: hold it (the first write of the response)
-                self._held = data
-                asyncio.get_running_loop().call_soon(self._flush)
-                return
-            self._transport.write(data)
-            return
-        self._held = None
-        self._transport.write(held + data)
-
-    def _flush(self) -> None:
-        held, self._held = self._held, None
-        if held is not None and not self._transport.is_closing():
-            self._transport.write(held)
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def is_closing(self) -> bool:
-        return bool(self._transport.is_closing())
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (Linux)
-
-
-def peer_pid(transport: Any) -> int:
-    """The pid of the process at the other end of a Unix-socket ``transport`` (``SO_PEERCRED``, Linux); 0 for TCP,
-    other platforms or any error (never raises)."""
-    try:
-        sock = transport.get_extra_info("socket")
-        if sock is None or sock.family != socket.AF_UNIX:
-            return 0
-        return int(_PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0])
-    except (OSError, AttributeError, struct.error, ValueError):
-        return 0
-
-
 def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | None = None,
-                     direct: Any = None) -> type:
+                     direct: Any = None, timeouts: tuple[float, float] | None = None,
+                     serve_half_closed: bool = False) -> type:
     """uvicorn's httptools protocol with request heads capped at ``max_head_bytes`` (431 + close above it) and
     OpenAI-shaped 400s for malformed HTTP. ``on_reject(code)`` is called for each (metrics). Each request's scope
     carries a :class:`DisconnectHook` under :data:`DISCONNECT_EXT`, and its response head and first body bytes
-    are written together when sent back to back (:class:`_CorkedTransport`). ``direct``: a direct handler
+    are written together when sent back to back (:class:`CorkedTransport`). ``direct``: a direct handler
     (:mod:`dplb.runtime.direct`) offered each request it ``wants`` once the body is complete, before any ASGI task
-    (the request gets a :class:`LaneCycle`; see the module docstring)."""
+    (the request gets a :class:`LaneCycle`). ``timeouts``: ``(header_s, body_s)``, the
+    read timeouts of the module docstring (None: none, as on the workers). ``serve_half_closed``: answer complete
+    requests whose client shut its sending side, then close (else that EOF is the client leaving)."""
     # The base class's callbacks, called as plain functions (no super() object and bound method per call: these
     # run several times a request).
     base = HttpToolsProtocol
@@ -149,38 +83,44 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
 
     wants: Any = getattr(direct, "wants", None)  # (bound once: asked per request)
     begin: Any = getattr(direct, "begin", None)
-    too_large = _error_response(431, b"Request Header Fields Too Large", "headers_too_large",
-                                f"request line and headers exceed {max_head_bytes} bytes")
-    bad_http = _error_response(400, b"Bad Request", "invalid_http", "malformed HTTP request")
+    too_large = error_response(431, b"Request Header Fields Too Large", "headers_too_large",
+                               f"request line and headers exceed {max_head_bytes} bytes")
+    bad_http = error_response(400, b"Bad Request", "invalid_http", "malformed HTTP request")
     # Framings the router does not take, answered like malformed HTTP (and the connection closed), since reading
     # them another way than a proxy in front does would desynchronise the connection (RFC 9112 §6.1, §9.9).
-    bad_coding = _error_response(400, b"Bad Request", "invalid_http",
-                                 "Transfer-Encoding other than 'chunked' is not supported")
-    bad_upgrade = _error_response(400, b"Bad Request", "invalid_http",
-                                  "the router switches protocols only to WebSocket: send this request without "
-                                  "'Upgrade' (curl: --http1.1)")
+    bad_coding = error_response(400, b"Bad Request", "invalid_http",
+                                "Transfer-Encoding other than 'chunked' is not supported")
+    bad_upgrade = error_response(400, b"Bad Request", "invalid_http",
+                                 "the router switches protocols only to WebSocket: send this request without "
+                                 "'Upgrade' (curl: --http1.1)")
+    timed = timeouts is not None
+    head_s, body_s = timeouts if timeouts is not None else (0.0, 0.0)
+    slow_head = error_response(408, b"Request Timeout", "request_timeout",
+                               f"the request head did not arrive within {head_s:g} s")
+    slow_body = error_response(408, b"Request Timeout", "request_timeout",
+                               f"the request body stopped coming for {body_s:g} s")
 
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
+        _timed, _head_s, _body_s, _slow_head, _slow_body = timed, head_s, body_s, slow_head, slow_body
         _head_bytes = 0  # request line + header bytes parsed so far (exact)
-        _raw_bytes = 0  # bytes read while the head is incomplete (bounds memory before a header completes)
-        _in_head = True
+        _raw_bytes = 0  # bytes of the incomplete head read so far (bounds memory); -1: it began in the current read
         _too_large = False
         _refusal: bytes | None = None  # the answer to a framing refused (the connection is then closed)
 
         _peer_pid = 0  # SO_PEERCRED of a Unix-socket client, read once per connection
         _deferred: LaneCycle | None = None  # the request held for the direct handler until its body is complete
-        _active: Any = None  # the request being answered (self.cycle is the last one parsed: maybe queued behind it)
-        _idle_since = -1.0  # loop time the connection went idle after a response; -1.0 while a request is open
-        _idle_timer: Any = None  # the connection's one keep-alive timer (see _keep_alive_due)
         _on_response: Callable[[], None]
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._peer_pid = peer_pid(transport)
             self._on_response = self.on_response_complete  # (a lane cycle's on_response, bound once)
+            if timed:  # a connection that sends nothing is a head that never comes
+                self._head_since = self.loop.time()
+                self._timer = self.loop.call_at(self._head_since + head_s, self._due)
 
         def on_message_begin(self) -> None:  # uvicorn's, inlined (one call less per request)
-            self._in_head, self._head_bytes, self._raw_bytes = True, 0, 0
+            self._in_head, self._head_bytes, self._raw_bytes = True, 0, -1
             self.url = b""
             self.expect_100_continue = False
             self.headers = []
@@ -230,7 +170,9 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             base_headers_complete(self)
             cycle = self.cycle
             if cycle is not prev and cycle is not None:  # (an upgrade request makes no cycle)
-                cycle.transport = _CorkedTransport(self.transport)  # type: ignore[assignment]
+                cycle.transport = CorkedTransport(self.transport)
+                if not cycle.keep_alive and scope["http_version"] == "1.0":
+                    close_delimited(cycle)
                 if prev is None or prev.response_complete:  # started now (else queued, as uvicorn decided)
                     self._active = cycle
                 elif len(self.pipeline) < MAX_QUEUED:  # queued: uvicorn stopped reading; read on (MAX_QUEUED)
@@ -314,13 +256,15 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
 
         def _start_deferred(self, cycle: LaneCycle) -> None:
             """Start the ASGI task of a request held for the direct handler, which did not take it."""
-            cycle.transport = _CorkedTransport(self.transport)  # type: ignore[assignment]
+            cycle.transport = CorkedTransport(self.transport)  # type: ignore[assignment]
             self._hand_on(cycle, self.app)
 
         def _hand_on(self, cycle: LaneCycle, app: Any) -> None:
             """Run ``app`` as the task of a request held for the direct handler (see on_body)."""
             self._asgi_keys(cycle.scope)
             cycle.to_asgi(self)
+            if not cycle.keep_alive and cycle.scope["http_version"] == "1.0":
+                close_delimited(cycle)
             start_task(self, cycle, app)
 
         def pause_writing(self) -> None:
@@ -335,15 +279,11 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
             if d is not None and d.resume is not None:
                 d.resume()
 
-        # Keep-alive: uvicorn arms a timer after every response and cancels it at the next request's first bytes
-        # (a timer made and cancelled per request). Here the connection's one timer stays armed: data arriving only
-        # marks the connection busy, a response marks it idle since then, and the timer, when it fires, closes an
-        # idle connection whose time is up, re-arms itself at the idle one's later deadline, or lapses while busy
-        # (the next response arms it again). The same closing rule, timed from the same instants.
-        def _unset_keepalive_if_required(self) -> None:
-            self._idle_since = -1.0
+        def _count_timeout(self) -> None:
+            if on_reject is not None:
+                on_reject("request_timeout")
 
-        def on_response_complete(self) -> None:  # uvicorn's, with the keep-alive timer above
+        def on_response_complete(self) -> None:  # uvicorn's, with the connection's timer
             self.server_state.total_requests += 1
             if self.transport.is_closing():
                 return
@@ -360,26 +300,36 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
                     self._deferred = cycle
                 else:  # complete already (its body came while it was queued): the app's
                     self._start_deferred(cycle)
+                if timed and cycle.more_body:  # its body's clock starts now
+                    self._body_at = self.loop.time()
+                    self._arm()
+                return
+            refusal = self._refuse_after
+            if refusal is not None:  # bad bytes came after the requests now answered: their 400, then close
+                transport = self._active.transport if self._active is not None else self.transport
+                transport.write(refusal)
+                transport.close()
                 return
             now = self._idle_since = self.loop.time()
-            if self._idle_timer is None:
-                self._idle_timer = self.loop.call_at(now + self.timeout_keep_alive, self._keep_alive_due)
+            if timed and self._in_head:  # the next head began while this one was answered
+                self._arm()
+            elif self._timer is None:
+                self._timer = self.loop.call_at(now + self.timeout_keep_alive, self._due)
 
-        def _keep_alive_due(self) -> None:
-            self._idle_timer = None
-            since = self._idle_since
-            if since < 0.0 or self.transport.is_closing():
-                return
-            due = since + self.timeout_keep_alive
-            if self.loop.time() >= due:
-                self.timeout_keep_alive_handler()
-            else:
-                self._idle_timer = self.loop.call_at(due, self._keep_alive_due)
+        def eof_received(self) -> bool | None:  # type: ignore[override]  # (asyncio.Protocol allows True)
+            """The client shut its sending side. With ``serve_half_closed``, complete requests not answered yet are
+            answered, the last one with ``connection: close`` (True: the transport stays open for writing);
+            otherwise, or with no such request, the EOF closes the connection (the client left)."""
+            cycle = self.cycle
+            if not serve_half_closed or cycle is None or cycle.more_body or cycle.response_complete:
+                return None
+            cycle.keep_alive = False
+            return True
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._idle_timer is not None:
-                self._idle_timer.cancel()
-                self._idle_timer = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             deferred, self._deferred = self._deferred, None
             super().connection_lost(exc)
             # uvicorn tells the last request parsed (self.cycle); with requests pipelined behind it, the one being
@@ -397,25 +347,61 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
                     if hook is not None:
                         hook.fire()
 
-        def data_received(self, data: bytes) -> None:  # uvicorn's, inlined, then the raw head's bound
+        def data_received(self, data: bytes) -> None:  # uvicorn's, inlined, then the bounds of an incomplete request
             self._idle_since = -1.0  # (uvicorn's _unset_keepalive_if_required: busy, see above)
+            if self._refuse_after is not None:  # bad bytes were read: nothing after them is parsed
+                return
             try:
                 self.parser.feed_data(data)
             except HttpParserError:
                 self.logger.warning("Invalid HTTP request received.")
-                self.send_400_response("Invalid HTTP request received.")
+                self._bad_bytes()
                 return
             except HttpParserUpgrade:
                 if self._should_upgrade():
                     self.handle_websocket_upgrade()
                 else:
                     self._unsupported_upgrade()
-            if not self._in_head or self.transport.is_closing():
-                return
-            self._raw_bytes += len(data)
-            if self._raw_bytes > max_head_bytes:  # a head still incomplete past the cap: stop reading it now
+            if self._in_head:
+                if not self.transport.is_closing():
+                    self._head_read(len(data))
+            elif timed:
+                cycle = self.cycle
+                if cycle is not None and cycle.more_body and not self.transport.is_closing():
+                    self._body_at = self.loop.time()
+                    self._arm()
+
+        def _head_read(self, n: int) -> None:
+            """A read of ``n`` bytes left a head incomplete: bound the bytes it holds and time it. Only the head's
+            own bytes count — a read that began it also carried the requests before it (a pipelined body), and of
+            it only what was parsed of the head counts (a partial header held by the parser: one read at most)."""
+            self._heard = True
+            raw = self._raw_bytes
+            if raw < 0:  # the head began in this read
+                raw = self._head_bytes
+                if timed and self.cycle is not None:  # (a new connection's first head is timed from the accept)
+                    self._head_since = self.loop.time()
+            else:
+                raw += n
+            self._raw_bytes = raw
+            if raw > max_head_bytes:  # a head still incomplete past the cap: stop reading it now
                 self._too_large = True
+                self._bad_bytes()
+            elif timed:
+                self._arm()
+
+        def _bad_bytes(self) -> None:
+            """Bytes that are not HTTP, or a head over the cap. After complete requests not answered yet they wait
+            for those answers (nothing more is read); the 400 (431) then follows them and the connection closes
+            (on_response_complete). Else they are answered at once (send_400_response)."""
+            cycle = self.cycle
+            if cycle is None or cycle.more_body or cycle.response_complete or cycle.disconnected:
                 self.send_400_response("")
+                return
+            if on_reject is not None:
+                on_reject("headers_too_large" if self._too_large else "invalid_http")
+            self._refuse_after = too_large if self._too_large else self._refusal or bad_http
+            self.flow.pause_reading()
 
         def _unsupported_upgrade(self) -> None:
             """An ``Upgrade`` to anything but WebSocket: llhttp ends the request at its head and leaves the rest of

@@ -42,17 +42,22 @@ class Server(uvicorn.Server):
 
 def make_server(app: Any, *, timeout_keep_alive: int = 75, graceful_s: float | None = 5.0,
                 access_log: bool = False, max_head_bytes: int | None = None,
-                on_reject: Callable[[str], None] | None = None, direct: Any = None) -> Server:
+                on_reject: Callable[[str], None] | None = None, direct: Any = None,
+                read_timeouts: tuple[float, float] | None = None, serve_half_closed: bool = False) -> Server:
     """A :class:`Server` for ``app`` with uvloop + httptools when available, lifespan on, quiet logs.
     ``max_head_bytes``: cap request heads (see the module docstring); ``on_reject(code)`` counts those refusals;
-    ``direct``: a direct handler (:mod:`dplb.runtime.direct`; needs ``max_head_bytes``)."""
+    ``direct``: a direct handler (:mod:`dplb.runtime.direct`); ``read_timeouts``: ``(header_s, body_s)``, 408 and
+    close for a request head not complete within header_s seconds or a body silent for body_s;
+    ``serve_half_closed``: answer a complete request whose client shut its sending side (else it is aborted). The
+    last four need ``max_head_bytes`` (:func:`bounded_protocol`)."""
     try:
         import uvloop  # noqa: F401
 
         loop = "uvloop"
     except ImportError:  # pragma: no cover
         loop = "asyncio"
-    http: Any = "httptools" if max_head_bytes is None else bounded_protocol(max_head_bytes, on_reject, direct)
+    http: Any = "httptools" if max_head_bytes is None else bounded_protocol(
+        max_head_bytes, on_reject, direct, read_timeouts, serve_half_closed)
     cfg = uvicorn.Config(
         app, loop=loop, http=http, lifespan="auto", log_level="info" if access_log else "warning",
         access_log=access_log, log_config=None,  # uvicorn's lines go through DPLB's logging format

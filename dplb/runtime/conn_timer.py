@@ -1,0 +1,129 @@
+"""The one timer of a client connection of :func:`dplb.runtime.protocol.bounded_protocol`: keep-alive and the read
+timeouts of an incomplete request, without a timer per request.
+
+Contract: :class:`ConnectionTimer` is a mixin of the bounded protocol (before uvicorn's ``HttpToolsProtocol`` in its
+bases). The protocol records instants (``_idle_since`` after a response, ``_head_since`` when a head began,
+``_body_at`` at a read of an incomplete body) and calls :meth:`ConnectionTimer._arm` only when a read leaves a
+request incomplete; the timer, when it fires, closes an idle connection past its keep-alive, answers 408
+``request_timeout`` (``_count_timeout`` counts it) and closes one whose head or body came too slowly,
+or re-arms itself at the deadline of what the connection waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dplb.runtime.edge import DISCONNECT_EXT
+
+
+class ConnectionTimer:
+    """The timer of one connection (see the module docstring). Class attributes set by the protocol: ``_timed``
+    (read timeouts on), ``_head_s`` / ``_body_s`` (seconds), ``_slow_head`` / ``_slow_body`` (the 408s),
+    and ``_count_timeout`` (metrics)."""
+
+    _timed = False
+    _head_s = 0.0
+    _body_s = 0.0
+    _slow_head = b""
+    _slow_body = b""
+    _idle_since = -1.0  # loop time the connection went idle after a response; -1.0 while a request is open
+    _head_since = 0.0  # loop time the incomplete head began (a new connection's first: when it was accepted)
+    _body_at = 0.0  # loop time of the last read of an incomplete body
+    _timer: Any = None  # the connection's one timer
+    _in_head = True  # a head is incomplete (or none came yet on a new connection)
+    _heard = False  # a byte of a head came on this connection
+    _refuse_after: bytes | None = None  # the answer to bad bytes read after complete requests (sent after theirs)
+    _active: Any = None  # the request being answered
+    cycle: Any
+    flow: Any
+    loop: Any
+    transport: Any
+    timeout_keep_alive: int
+    timeout_keep_alive_handler: Callable[[], None]  # (uvicorn's: closes the connection)
+
+    def _count_timeout(self) -> None:
+        """Count one 408 ``request_timeout`` (the protocol's metrics hook)."""
+
+    # The connection's one timer. uvicorn arms a keep-alive timer after every response and cancels it at the
+    # next request's first bytes (a timer made and cancelled per request). Here the timer stays armed: reads
+    # and responses only record instants, and the timer, when it fires, asks _phase what the connection waits
+    # for — the rest of a head (header timeout, from the head's first read), the rest of a body (body timeout,
+    # from the last read), the next request (keep-alive, from the last response) or nothing of the client (a
+    # request being answered: it lapses, and the next response arms it again) — then acts on the deadline or
+    # re-arms itself at it. A read that leaves a head or a body incomplete (never the common request, whose
+    # head and body come in one read) re-arms it earlier when its deadline is earlier (_arm).
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_since = -1.0
+
+    def _phase(self) -> int:
+        """What the connection waits for from the client: 0 nothing (a response is being written, or bad bytes
+        wait for the answers before them), 1 the rest of a head, 2 the rest of a body, 3 the next request."""
+        if self._refuse_after is not None:
+            return 0
+        active = self._active
+        answering = active is not None and not active.response_complete
+        if self._timed and self._in_head:
+            return 0 if answering else 1
+        cycle = self.cycle
+        if self._timed and cycle is not None and cycle.more_body:
+            return 0 if answering and active is not cycle else 2
+        return 3 if self._idle_since >= 0.0 and not answering else 0
+
+    def _deadline(self, phase: int) -> float:
+        """The loop time at which ``phase`` (of :meth:`_phase`) times out."""
+        if phase == 1:
+            return self._head_since + self._head_s
+        if phase == 2:
+            cycle = self.cycle
+            if self.flow.read_paused or cycle.waiting_for_100_continue:  # waiting on the app, not the client
+                return float(self.loop.time()) + self._body_s
+            return self._body_at + self._body_s
+        return self._idle_since + self.timeout_keep_alive
+
+    def _arm(self) -> None:
+        """Make the timer fire by the current phase's deadline (re-armed earlier only when it must be)."""
+        phase = self._phase()
+        if phase == 0:
+            return
+        due = self._deadline(phase)
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= due:
+                return
+            timer.cancel()
+        self._timer = self.loop.call_at(due, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        phase = self._phase()
+        if phase == 0:
+            return
+        due = self._deadline(phase)
+        if self.loop.time() < due:
+            self._timer = self.loop.call_at(due, self._due)
+        elif phase == 3:
+            self.timeout_keep_alive_handler()
+        else:
+            self._timed_out(phase)
+
+    def _timed_out(self, phase: int) -> None:
+        """408 (nothing of a response sent yet; none to a connection that sent nothing) and close: the head (phase
+        1) or the body (2) came too slowly.
+        A request whose body stopped is told through its hook, so the app records a 408, not a client gone."""
+        self._count_timeout()
+        cycle = self.cycle
+        if phase == 1:
+            if self._heard:  # (a connection that sent nothing is closed silently: it asked nothing)
+                self.transport.write(self._slow_head)
+        elif not cycle.response_started:
+            hook: Any = cycle.scope.get("extensions", {}).get(DISCONNECT_EXT)
+            if hook is not None:
+                hook.timed_out = True
+            self.transport.write(self._slow_body)
+        self.transport.close()
+
+
+__all__ = ["ConnectionTimer"]
