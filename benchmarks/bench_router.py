@@ -5,6 +5,8 @@ Starts one fast sim worker and a router in front of it (real processes), then me
   worker whose sim answers as soon as its event loop runs (``INSTANT_SIM``): the fast sim's 0.5 ms step is slept
   on the event loop's millisecond timer, so with it the added figure also carries where the router's delay moves
   the request on that millisecond grid (both are printed: ``added_*`` and ``stepped_added_*``);
+  a byte relay (``raw_relay.py``: one more process, no parsing) is measured in the same rounds: ``floor_added_*``
+  is what any process in the path costs on this host, ``router_own_p50_ms`` the router's added P50 minus it;
 - concurrency 32: requests/s ratio router/direct;
 - 64 concurrent SSE streams: streamed tokens/s ratio router/direct (target ≥ 0.95);
 - pick() share of the added time (from the router's dplb_routing_decision_duration_seconds).
@@ -18,18 +20,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import httpx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from cluster import cluster
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from cluster import cluster, free_port  # noqa: E402
 
 BODY = {"model": "dplb-sim", "prompt": "benchmark", "max_tokens": 1}
 FAST_SIM = ["--sim-decode-step-s", "0.0005", "--sim-decode-step-s-per-seq", "0.00002",
@@ -96,23 +102,46 @@ async def sse(client: httpx.AsyncClient, url: str, streams: int, tokens: int) ->
     return sum(counts) / (time.perf_counter() - t0)
 
 
+@contextlib.contextmanager
+def raw_relay(sock: str) -> Iterator[int]:
+    """A :mod:`raw_relay` process in front of the worker's socket ``sock``; yields its port."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "raw_relay.py"), str(port), sock],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", "raw_relay did not start"
+        yield port
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def _openers(c):  # type: ignore[no-untyped-def]
     """(open a connection to the worker's socket, open one to the router)."""
     return (lambda: asyncio.open_unix_connection(c.sock(0)),
             lambda: asyncio.open_connection("127.0.0.1", c.port))
 
 
-async def latency(c, n: int, rounds: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """Concurrency 1, direct and routed alternated by round: P50/P99 of each and the router's added time."""
+async def latency(c, n: int, rounds: int, relay_port: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Concurrency 1, direct, routed and through the byte relay alternated by round: P50/P99 of each and the
+    router's (and the relay's) added time."""
     open_direct, open_routed = _openers(c)
-    await sequential(open_direct, 50)
-    await sequential(open_routed, 50)
+
+    def open_relay():  # type: ignore[no-untyped-def]
+        return asyncio.open_connection("127.0.0.1", relay_port)
+
+    for opener in (open_direct, open_routed, open_relay):
+        await sequential(opener, 50)
     lat_d: list[float] = []
     lat_r: list[float] = []
+    lat_f: list[float] = []
     for _ in range(rounds):
         lat_d += await sequential(open_direct, n // rounds)
         lat_r += await sequential(open_routed, n // rounds)
+        lat_f += await sequential(open_relay, n // rounds)
     return {
+        "floor_added_p50_ms": (pct(lat_f, 0.5) - pct(lat_d, 0.5)) * 1e3,
+        "router_own_p50_ms": (pct(lat_r, 0.5) - pct(lat_f, 0.5)) * 1e3,
         "direct_p50_ms": pct(lat_d, 0.5) * 1e3, "router_p50_ms": pct(lat_r, 0.5) * 1e3,
         "direct_p99_ms": pct(lat_d, 0.99) * 1e3, "router_p99_ms": pct(lat_r, 0.99) * 1e3,
         "added_p50_ms": (pct(lat_r, 0.5) - pct(lat_d, 0.5)) * 1e3,
@@ -164,7 +193,8 @@ def one_mode(args: argparse.Namespace, tracing: bool) -> dict[str, float]:
         os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = rx.endpoint + "/v1/traces"
     try:
         with tempfile.TemporaryDirectory() as tmp, cluster(tmp, 1, worker_args={0: INSTANT_SIM}) as c:
-            res = asyncio.run(latency(c, args.requests, args.rounds))
+            with raw_relay(c.sock(0)) as relay_port:
+                res = asyncio.run(latency(c, args.requests, args.rounds, relay_port))
             dsum = c.metric("dplb_routing_decision_duration_seconds_sum") or 0.0
             dcnt = c.metric("dplb_routing_decision_duration_seconds_count") or 1.0
         with tempfile.TemporaryDirectory() as tmp, cluster(tmp, 1, worker_args={0: FAST_SIM}) as c:

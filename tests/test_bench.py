@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -347,6 +348,20 @@ def test_capacity_bench_quick(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert res["tokens_per_stream"] == 64
     assert 0 < res["req_us"] < 10_000 and 0 < res["tok_us"] < 1_000
     assert "µs/request" in r.stdout
+
+
+def test_router_latency_phase_measures_the_relay_floor(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """bench_router.py's concurrency-1 phase, a few requests: direct, routed and through benchmarks/raw_relay.py
+    (a byte relay: the floor any process in the path costs), each answered in full; the router's added P50 is the
+    floor's plus the router's own."""
+    sys.path.insert(0, f"{ROOT}/benchmarks")
+    import bench_router
+
+    with cluster(str(tmp_path), 1, worker_args={0: bench_router.INSTANT_SIM}) as c, \
+            bench_router.raw_relay(c.sock(0)) as relay_port:
+        res = asyncio.run(bench_router.latency(c, 30, 3, relay_port))
+    assert 0 < res["direct_p50_ms"] < 1000 and 0 < res["router_p50_ms"] < 1000, res
+    assert math.isclose(res["floor_added_p50_ms"] + res["router_own_p50_ms"], res["added_p50_ms"], abs_tol=1e-9), res
 
 
 def _children(pid: int) -> list[int]:
