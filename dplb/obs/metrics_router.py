@@ -104,7 +104,8 @@ class RouterMetrics:
         self.shm_errors = Counter(SHM_ERRORS, "Shared-memory errors by operation and error.", ["operation", "error"],
                                   registry=reg)
         self.http_requests = CounterFamily(HTTP_REQUESTS, "Router HTTP requests by route template, method and "
-                                           "status.", ["route", "method", "status"], registry=reg)
+                                           "status (\"0\": the client left before any status was sent).",
+                                           ["route", "method", "status"], registry=reg)
         self.http_duration = HistogramFamily(HTTP_REQUEST_DURATION, "Router HTTP request duration by route "
                                              "template, seconds.", ["route", "method"], buckets=REQUEST_BUCKETS,
                                              registry=reg)
