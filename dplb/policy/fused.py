@@ -43,6 +43,7 @@ from dplb.policy.scorers import (
     PrefixScorer,
     QueueScorer,
     _Query,
+    deadband,
     memory_ratio,
     settle_latency,
 )
@@ -195,9 +196,16 @@ class FastPick:
     per-worker value is the same expression, in the same order, as the candidate path (the state filters in
     :meth:`dplb.policy.Policy._candidates`, the filter chain, :meth:`FusedScores.score`, the max-score picker), so
     the decision, every ``why``, column and score are equal (tests/test_pick_lockstep.py).
+
+    Kept between picks, because a worker's state changes once a state interval and a pick comes far more often:
+    what each worker state object alone decides (:meth:`derive`, keyed by the object: a :class:`WorkerState` is a
+    value, :meth:`dplb.state.shm.Segment.read_all` shares an unchanged one between calls; dropped when the policy
+    sees another snapshot of the worker, :meth:`forget`, or the baseline changes) and the last deadband (kept while
+    the eligible timed workers and their latencies are equal). Both are the same function of the same inputs, so
+    nothing a pick returns depends on what was kept.
     """
 
-    __slots__ = ("base", "cap", "fused", "orders", "renew", "seen", "sent_at", "stale", "states")
+    __slots__ = ("banded", "base", "cap", "fused", "orders", "renew", "seen", "sent_at", "stale", "states")
 
     def __init__(self, fused: FusedScores, sent_at: list[deque[int]], seen: list[int],
                  renew: Callable[[WorkerState, deque[int]], bool], stale_ns: int, cap: int) -> None:
@@ -212,6 +220,8 @@ class FastPick:
         #: Per worker id, what its last state seen alone decides (:meth:`derive`), for the baseline :attr:`base`.
         self.states: list[State] = [_NO_STATE] * len(seen)
         self.base = 1.0
+        #: The last deadband's inputs (eligible timed workers, their latencies) and :func:`deadband`'s result.
+        self.banded: tuple[list[int], list[float], tuple[float, list[int]]] = ([], [], (0.0, []))
 
     def first(self, snapshot: Sequence[WorkerState], now: int, req: RouteRequest, verdicts: Verdicts,
               inflight: Sequence[int] | None, shared: Sequence[int] | None, baseline: float | None,
@@ -231,6 +241,7 @@ class FastPick:
         if b != self.base:  # the latency terms were divided by another baseline
             self.forget()
             self.base = b
+            self.banded = ([], [], (0.0, []))
         n = len(snapshot)
         rows: list[Row] = []
         qcol = [0.0] * n  # a queue term is written where it is not 0
@@ -282,8 +293,14 @@ class FastPick:
                     best, pref = d, k
                 elif d < lo:
                     lo = d
-        if timed:
-            settle_latency([r[0] for r in rows] if fill else (), lcol, tix, lats, b, f.band, fill)
+        if fill:
+            settle_latency([r[0] for r in rows], lcol, tix, lats, b, f.band, fill)
+        elif timed:  # settle_latency without the fill; the deadband kept while its inputs are the same
+            if tix != self.banded[0] or lats != self.banded[1]:
+                self.banded = (tix, lats, deadband(tix, lats, b, f.band))
+            tm, inside = self.banded[2]
+            for j in inside:
+                lcol[j] = tm
         return rows, qcol, mcol, lcol, lo, best, pref, forgot
 
     def derive(self, w: WorkerState, b: float) -> State:
