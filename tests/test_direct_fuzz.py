@@ -235,6 +235,12 @@ def _no_router_5xx(rs: list[Response]) -> None:
         assert r.status < 500 or "x-sg-worker-id" in r.headers, (r.status, r.body[:300])
 
 
+def _length_framed(pieces: list[bytes]) -> bool:
+    """Whether the first request in ``pieces`` has a ``Content-Length`` header (its head's header names)."""
+    head = b"".join(pieces).partition(b"\r\n\r\n")[0]
+    return any(line.partition(b":")[0].strip().lower() == b"content-length" for line in head.split(b"\r\n")[1:])
+
+
 def _quiet(rs: Routers) -> None:
     for c in (rs.direct, rs.asgi):
         wait_for(lambda c=c: c.metric("dplb_worker_requests_inflight", {"worker": "0"}) == 0, 10, "in-flight 0")
@@ -247,12 +253,14 @@ def test_fuzz_the_direct_relay_parser_path(routers: Routers) -> None:
         assert httpx.post(c.url + "/v1/completions", content=OK_BODY, timeout=30).status_code == 200
     fds0 = settled_fds(pid)
     seen: dict[str, int] = {}
+    due = 0  # first requests on their connection with a Content-Length that a worker answered: the relay's to take
 
     @settings(max_examples=200, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=valid())
     @example(case=TOO_BIG)
     def good(case: tuple[list[bytes], list[str]]) -> None:
+        nonlocal due
         pieces, rids = case
         got, _ = exchange(d.port, pieces, len(rids))
         want, _ = exchange(a.port, pieces, len(rids))
@@ -264,6 +272,7 @@ def test_fuzz_the_direct_relay_parser_path(routers: Routers) -> None:
             assert got and got[-1].headers.get("connection") == "close", got
         for r in got:
             seen[str(r.status)] = seen.get(str(r.status), 0) + 1
+        due += bool(got) and "x-sg-worker-id" in got[0].headers and _length_framed(pieces)
 
     @settings(max_examples=120, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
@@ -293,6 +302,9 @@ def test_fuzz_the_direct_relay_parser_path(routers: Routers) -> None:
     assert set(seen) >= {"200", "400", "404", "413", "415"}, seen  # the table reached each kind of answer
     counts = {p: d.metric("dplb_direct_relay_requests_total", {"path": p}) for p in ("direct", "continued", "declined")}
     # The relay parsed these itself: served them ("direct") or handed them on at a busy pool ("continued"; how many
-    # depends on timing, more on a loaded box).
+    # depends on timing, more on a loaded box). Every request it was due to take (a worker answered it, so no edge
+    # check refused it) is among them. The bounds are on counts of what was sent, not absolute: Hypothesis mixes the
+    # literals of the imported local modules' sources into its inputs, and a compiled module has no source to read,
+    # so the mix of inputs differs between the pure and the compiled build (and with any edit to those literals).
     taken = counts["direct"] + counts["continued"]
-    assert taken > 50 and counts["direct"] > 10 and counts["declined"] > 20, (counts, seen)
+    assert taken >= due > 15 and counts["direct"] > 10 and counts["declined"] > 20, (counts, due, seen)

@@ -396,6 +396,8 @@ class Policy:
         Returns True when a scorer forgot the worker."""
         k = w.worker_id
         hb = self._seen_hb[k] = w.heartbeat_mono_ns
+        if self._fast is not None:
+            self._fast.forget(k)
         forgot = False
         if w.pid != self._seen_pid[k]:
             if self._seen_pid[k]:

@@ -43,6 +43,7 @@ from dplb.policy.scorers import (
     PrefixScorer,
     QueueScorer,
     _Query,
+    deadband,
     memory_ratio,
     settle_latency,
 )
@@ -171,6 +172,12 @@ class FusedScores:
 Row = tuple[WorkerState, int, int, int, str]
 
 
+#: What one worker state alone decides (:meth:`FastPick.derive`): the state, its heartbeat, whether it passes the
+#: state filters but freshness (registered, consistent, ready), running + waiting, the memory term, the latency
+#: signal and its term (−1.0: no sample).
+State = tuple[WorkerState | None, int, bool, int, float, float, float]
+_NO_STATE: State = (None, 0, False, 0, 0.0, 0.0, 0.0)
+
 #: The router's held, ejected and stalled workers (:meth:`dplb.policy.Policy.pick`'s arguments).
 Verdicts = tuple[frozenset[int], frozenset[int], frozenset[int]]
 #: :meth:`FastPick.first`'s result: rows, queue, memory and latency columns, lowest and highest eligible match,
@@ -189,9 +196,16 @@ class FastPick:
     per-worker value is the same expression, in the same order, as the candidate path (the state filters in
     :meth:`dplb.policy.Policy._candidates`, the filter chain, :meth:`FusedScores.score`, the max-score picker), so
     the decision, every ``why``, column and score are equal (tests/test_pick_lockstep.py).
+
+    Kept between picks, because a worker's state changes once a state interval and a pick comes far more often:
+    what each worker state object alone decides (:meth:`derive`, keyed by the object: a :class:`WorkerState` is a
+    value, :meth:`dplb.state.shm.Segment.read_all` shares an unchanged one between calls; dropped when the policy
+    sees another snapshot of the worker, :meth:`forget`, or the baseline changes) and the last deadband (kept while
+    the eligible timed workers and their latencies are equal). Both are the same function of the same inputs, so
+    nothing a pick returns depends on what was kept.
     """
 
-    __slots__ = ("cap", "fused", "orders", "renew", "seen", "sent_at", "stale")
+    __slots__ = ("banded", "base", "cap", "fused", "orders", "renew", "seen", "sent_at", "stale", "states")
 
     def __init__(self, fused: FusedScores, sent_at: list[deque[int]], seen: list[int],
                  renew: Callable[[WorkerState, deque[int]], bool], stale_ns: int, cap: int) -> None:
@@ -203,6 +217,11 @@ class FastPick:
         self.cap = cap
         #: Workers → the scan order of each rotation start (``start, …, n−1, 0, …, start−1``).
         self.orders: dict[int, list[tuple[int, ...]]] = {}
+        #: Per worker id, what its last state seen alone decides (:meth:`derive`), for the baseline :attr:`base`.
+        self.states: list[State] = [_NO_STATE] * len(seen)
+        self.base = 1.0
+        #: The last deadband's inputs (eligible timed workers, their latencies) and :func:`deadband`'s result.
+        self.banded: tuple[list[int], list[float], tuple[float, list[int]]] = ([], [], (0.0, []))
 
     def first(self, snapshot: Sequence[WorkerState], now: int, req: RouteRequest, verdicts: Verdicts,
               inflight: Sequence[int] | None, shared: Sequence[int] | None, baseline: float | None,
@@ -214,15 +233,20 @@ class FastPick:
         matched blocks per worker), the lowest and highest eligible match and the first eligible worker with the
         highest (−1, −1, 0 without). Last: True when a restarted worker was forgotten (``depth`` is then stale)."""
         f = self.fused
-        sent_at, seen, stale, cap = self.sent_at, self.seen, self.stale, self.cap
-        mq, kv, ttft = f.max_queue, f.kv, f.ttft
+        sent_at, seen, stale, cap, states = self.sent_at, self.seen, self.stale, self.cap, self.states
+        mq = f.max_queue
         check = bool(cap or verdicts[0] or verdicts[1] or verdicts[2] or req.cannot_serve or req.exclude)
         timed = baseline is not None
         b = baseline if baseline is not None else 1.0
+        if b != self.base:  # the latency terms were divided by another baseline
+            self.forget()
+            self.base = b
+            self.banded = ([], [], (0.0, []))
+        n = len(snapshot)
         rows: list[Row] = []
-        qcol: list[float] = []
+        qcol = [0.0] * n  # a queue term is written where it is not 0
         mcol: list[float] = []
-        lcol: list[float] = []
+        lcol = [0.0 if timed else 1.0] * n
         tix: list[int] = []  # the eligible workers with a current sample: index, latency
         lats: list[float] = []
         fill = forgot = False
@@ -230,36 +254,34 @@ class FastPick:
         pref = 0
         for i, w in enumerate(snapshot):
             k = w.worker_id
-            hb = w.heartbeat_mono_ns
-            sent = sent_at[k]
-            if hb != seen[k] and self.renew(w, sent):
-                forgot = True
-            corr = len(sent)
+            st = states[k]
+            if st[0] is not w:  # a state not seen yet (a new snapshot): what it alone decides
+                if w.heartbeat_mono_ns != seen[k] and self.renew(w, sent_at[k]):
+                    forgot = True
+                st = self.derive(w, b)
+            _, hb, up, cq, m, lat, lt = st
+            corr = len(sent_at[k])
             if corr and inflight is not None and inflight[k] < corr:  # in-flight counts are never negative
                 corr = inflight[k]
             if shared is not None:
                 corr += shared[k]
             age = now - hb
-            cq = w.num_running + w.num_waiting + corr
-            why = OK if w.pid and age <= stale and w.lifecycle is _READY and not w.torn else state_why(w, age, stale)
+            cq += corr
+            why = OK if up and age <= stale else state_why(w, age, stale)
             if check and why is OK:
                 why = _verdict(k, cq, verdicts, req, cap)
             rows.append((w, corr, cq, age, why))
-            if cq >= mq:  # then cq/mq ≥ 1.0 (rounding is monotone): the term is 0 without the division
-                qcol.append(0.0)
-            else:
+            if cq < mq:  # else cq/mq ≥ 1.0 (rounding is monotone): the term is 0 without the division
                 t = 1.0 - cq / mq
-                qcol.append(t if t > 0.0 else 0.0)
-            r = w.kv_cache_usage if kv else memory_ratio(w, f.signal)
-            mcol.append(0.0 if r > 1.0 else (1.0 if r < 0.0 else 1.0 - r))
+                if t > 0.0:
+                    qcol[i] = t
+            mcol.append(m)
             if timed:
-                lat = w.avg_ttft_s if ttft else w.avg_latency_s
-                if lat <= 0.0 or not cq:
-                    lcol.append(-1.0)
+                if lt < 0.0 or not cq:
+                    lcol[i] = -1.0
                     fill = True
                 else:
-                    t = 1.0 - lat / b
-                    lcol.append(t if t > 0.0 else 0.0)
+                    lcol[i] = lt
                     if why is OK:
                         tix.append(i)
                         lats.append(lat)
@@ -271,11 +293,39 @@ class FastPick:
                     best, pref = d, k
                 elif d < lo:
                     lo = d
-        if timed:
-            settle_latency([r[0] for r in rows] if fill else (), lcol, tix, lats, b, f.band, fill)
-        else:
-            lcol = [1.0] * len(rows)
+        if fill:
+            settle_latency([r[0] for r in rows], lcol, tix, lats, b, f.band, fill)
+        elif timed:  # settle_latency without the fill; the deadband kept while its inputs are the same
+            if tix != self.banded[0] or lats != self.banded[1]:
+                self.banded = (tix, lats, deadband(tix, lats, b, f.band))
+            tm, inside = self.banded[2]
+            for j in inside:
+                lcol[j] = tm
         return rows, qcol, mcol, lcol, lo, best, pref, forgot
+
+    def derive(self, w: WorkerState, b: float) -> State:
+        """What worker state ``w`` alone decides (:data:`State`; ``b``: the latency baseline, 1.0 without one),
+        kept in :attr:`states` until the worker's state changes."""
+        f = self.fused
+        r = w.kv_cache_usage if f.kv else memory_ratio(w, f.signal)
+        lat = w.avg_ttft_s if f.ttft else w.avg_latency_s
+        lt = -1.0  # no sample: the fill's (or an idle worker's, whose sample is old news)
+        if not lat <= 0.0:
+            t = 1.0 - lat / b
+            lt = t if t > 0.0 else 0.0
+        st = self.states[w.worker_id] = (
+            w, w.heartbeat_mono_ns, bool(w.pid) and w.lifecycle is _READY and not w.torn,
+            w.num_running + w.num_waiting, 0.0 if r > 1.0 else (1.0 if r < 0.0 else 1.0 - r), lat, lt)
+        return st
+
+    def forget(self, worker: int = -1) -> None:
+        """Drop what :meth:`derive` kept of ``worker``'s state (−1: of every worker's): the policy saw another
+        snapshot of it (:meth:`dplb.policy.Policy._new_snapshot`), or the baseline changed."""
+        states = self.states
+        if worker >= 0:
+            states[worker] = _NO_STATE
+        else:
+            states[:] = [_NO_STATE] * len(states)
 
     def rotations(self, n: int) -> list[tuple[int, ...]]:
         """The scan order of ``n`` workers for each rotation start ``s`` (``s, …, n−1, 0, …, s−1``); kept in
@@ -305,15 +355,19 @@ class FastPick:
             return scores, chosen
         wp = w[3]
         pcol = columns[3]
+        zp = wp * 0.0  # the prefix term's share where it is 0
+        if depth is None:  # no preference: every prefix term is 0
+            depth, lo = [0] * len(rows), 0
         for i in order:
-            row = rows[i]
             x = qcol[i]
-            p = 0.0
-            if depth is not None:
-                d = depth[i]
-                if d > lo and x > 0.0:  # the headroom 1 − queue/max_queue is the queue term where it is > 0
-                    p = pcol[i] = (d - lo) / span * x
-            s = scores[i] = wq * x + wm * mcol[i] + wl * lcol[i] + wp * p
+            s = wq * x + wm * mcol[i] + wl * lcol[i]
+            if depth[i] > lo and x > 0.0:  # the headroom 1 − queue/max_queue is the queue term where it is > 0
+                p = pcol[i] = (depth[i] - lo) / span * x
+                s += wp * p
+            else:
+                s += zp
+            scores[i] = s
+            row = rows[i]
             if row[4] is OK and (chosen < 0 or s > above or (s > below and row[2] < bq)):
                 chosen, above, below, bq = i, s + 1e-12, s - 1e-12, row[2]
         return scores, chosen

@@ -151,7 +151,6 @@ class PrefixIndex:
         :meth:`record` of the same keys at the same ``now_ns`` (the routed request) does not look them up again.
         """
         self._walk = None
-        depth = [0] * self.num_workers
         cutoff = now_ns - self._ttl_ns
         # Sent at or after ``spec``: held by every worker it was sent to; between ``cutoff`` and ``spec``: only by
         # the workers without events (``keep``; all of them when none has events); before ``cutoff``: by nobody.
@@ -160,23 +159,26 @@ class PrefixIndex:
             spec = cutoff
         keep = ~self.events
         cur = self._all
+        depth: list[int] | None = None  # made at the first block not every worker has
         walked: list[list[int]] = []  # the entries of the blocks every worker in ``cur`` has
         for e in map(self._map.get, keys):  # the lookups in C, and the walk stops at the first miss
             if e is not None:
-                t = e[1]
+                held, t, confirmed = e
                 if t >= spec:
-                    nxt = cur & (e[0] | e[2])
+                    nxt = cur & (held | confirmed)
                 elif t >= cutoff:
-                    nxt = cur & (e[0] & keep | e[2])
+                    nxt = cur & (held & keep | confirmed)
                 else:
-                    nxt = cur & e[2]
+                    nxt = cur & confirmed
                 if nxt == cur:
                     walked.append(e)
                     continue
             else:
                 nxt = 0
-            i = len(walked)  # the workers that lose this block have the i before it (0: as they are)
-            if i:
+            i = len(walked)  # the workers that lose this block have the i before it
+            if depth is None:  # every worker is in ``cur``: those that keep the block are set again later
+                depth = [i] * self.num_workers
+            else:
                 _set_bits(depth, cur & ~nxt, i)
             if not nxt:
                 if i:
@@ -184,9 +186,16 @@ class PrefixIndex:
                 return depth
             cur = nxt
             walked.append(e)  # type: ignore[arg-type]  # nxt != 0: e is an entry
-        if keys:
-            self._walk = (keys, now_ns, cur, walked)
-            _set_bits(depth, cur, len(walked))  # workers that have every block
+        if not keys:
+            return [0] * self.num_workers
+        self._walk = (keys, now_ns, cur, walked)
+        i = len(walked)
+        if depth is None:
+            return [i] * self.num_workers
+        if cur & (cur - 1):
+            _set_bits(depth, cur, i)  # workers that have every block
+        else:  # one worker has
+            depth[cur.bit_length() - 1] = i
         return depth
 
     def confirmed(self, keys: Sequence[int]) -> list[int]:

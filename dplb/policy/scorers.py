@@ -139,6 +139,27 @@ class MemoryScorer(Scorer):
         return {"memory_ratio": memory_ratio(c.state, self.signal)}
 
 
+def deadband(timed: list[int], lats: list[float], base: float, band: float) -> tuple[float, list[int]]:
+    """The latency term's deadband (module docstring): the term of the mean of ``lats`` (the eligible workers with a
+    current sample, ``timed`` their indices, latencies in seconds; ``base``: the baseline, seconds) and the indices
+    whose latency is within ``band`` (a fraction) of that mean, who get it. ``(0.0, [])`` when ``band`` is 0 or
+    fewer than two workers are timed. Used by :func:`settle_latency` and, unchanged inputs kept, by
+    :class:`dplb.policy.fused.FastPick`."""
+    inside: list[int] = []
+    if not (band > 0.0 and len(timed) > 1):
+        return 0.0, inside
+    mean = sum(lats) / len(lats)
+    tm = 1.0 - mean / base
+    tm = tm if tm > 0.0 else 0.0
+    lim = band * mean
+    neg = -lim
+    for j, lat in enumerate(lats):  # timed[j] is the worker of lats[j] (no zip: its keyword costs more)
+        d = lat - mean
+        if neg <= d and d <= lim:  # |lat − mean| ≤ lim without a call (nor a chained comparison)
+            inside.append(timed[j])
+    return tm, inside
+
+
 def settle_latency(states: Sequence[WorkerState], terms: list[float], timed: list[int], lats: list[float],
                    base: float, band: float, fill: bool) -> list[float]:
     """The latency term's deadband and neutral fill (module docstring), in place on ``terms`` (one per candidate;
@@ -147,16 +168,9 @@ def settle_latency(states: Sequence[WorkerState], terms: list[float], timed: lis
     ``terms``) and their latencies, seconds; ``base``: the baseline, seconds; ``band``: the deadband fraction;
     ``fill``: some term is −1. Shared by :class:`LatencyScorer` and the fused passes (:mod:`dplb.policy.fused`),
     so both compute the same floats."""
-    if band > 0.0 and len(timed) > 1:
-        mean = sum(lats) / len(lats)
-        tm = 1.0 - mean / base
-        tm = tm if tm > 0.0 else 0.0
-        lim = band * mean
-        neg = -lim
-        for j, lat in enumerate(lats):  # timed[j] is the worker of lats[j] (no zip: its keyword costs more)
-            d = lat - mean
-            if neg <= d and d <= lim:  # |lat − mean| ≤ lim without a call (nor a chained comparison)
-                terms[timed[j]] = tm
+    tm, inside = deadband(timed, lats, base, band)
+    for i in inside:
+        terms[i] = tm
     if fill:  # every other term is ≥ 0
         have = [t for w, t in zip(states, terms, strict=True) if t >= 0.0 and w.pid]
         neutral = sum(have) / len(have) if have else 1.0
