@@ -187,8 +187,9 @@ class PolicyConfig:
       the first ``baseline_window`` requests) or ``"ttft"`` (the same with time to first token).
     - ``prefix_block_bytes``: prefix-cache routing block size, bytes of the prompt (0 = no prefix scoring). 128:
       ~32 tokens, two vLLM blocks of 16; 64-byte blocks cost twice the hashing (benchmarks/bench_pick.py).
-    - ``prefix_index_blocks``: capacity of the prefix index (LRU), blocks; memory ≈ 180 bytes each
-      (65,536 ≈ 12 MB, covering 8 MiB of distinct prompt text ≈ 2M tokens across all workers).
+    - ``prefix_index_blocks``: capacity of the prefix index (LRU), blocks; memory ≈ 190 bytes a block
+      (``dplb.policy.prefix.ENTRY_BYTES``, measured by tests/test_prefix.py; 65,536 ≈ 12 MB, covering 8 MiB of
+      distinct prompt text ≈ 2M tokens across all workers).
     - ``prefix_ttl_s``: a block not sent to a worker for this long is forgotten, seconds.
     - ``state_interval_ms``: publish interval; slots older than 3× are stale.
     - ``seed``: RNG seed of the ``random`` and ``power_of_two`` policies (deterministic runs).

@@ -25,6 +25,7 @@ from dplb.config import (
 from dplb.errors import ConfigError
 from dplb.flags import PORT_ZERO_REFUSED, flag_number, flag_port
 from dplb.policy.plugins import validate as validate_policy
+from dplb.policy.prefix import ENTRY_BYTES
 
 #: Local routes that ``--api-key-exempt`` may open without a key (the proxied model routes never are).
 EXEMPTABLE = ("/health", "/ready", "/metrics", "/metrics/host", "/v1/models", "/debug/decisions")
@@ -62,7 +63,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-block-bytes", type=int, default=d.prefix_block_bytes,
                    help="prefix-cache routing: prompt block size in bytes (0 = off; default: %(default)s)")
     g.add_argument("--prefix-index-blocks", type=int, default=d.prefix_index_blocks,
-                   help="prefix index capacity, blocks (~180 bytes each; default: %(default)s)")
+                   help=f"prefix index capacity, blocks (~{round(ENTRY_BYTES, -1)} bytes a block; default: "
+                   "%(default)s)")
     g.add_argument("--prefix-ttl", type=flag_number, default=d.prefix_ttl_s,
                    help="forget a prefix block not sent for this long, seconds (default: %(default)s)")
     g.add_argument("--baseline-window", type=int, default=d.baseline_window,
