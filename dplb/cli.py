@@ -38,6 +38,7 @@ from dplb.config import (
     STALL_RESTART_AFTER_S,
 )
 from dplb.errors import DPLBError
+from dplb.flags import flag_number, flag_port_or_off
 
 
 def _setup_logging(level: str) -> None:
@@ -78,16 +79,17 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model path/name (vllm) or served model name (sim)")
     p.add_argument("--shm-path", help="state segment (default: $DPLB_SHM_PATH)")
     p.add_argument("--state-interval-ms", type=int, help="publish interval (default: the segment's, 200)")
-    p.add_argument("--metrics-port", type=int, help=f"metrics port (default {METRICS_PORT_BASE}+K; 0 = off)")
+    p.add_argument("--metrics-port", type=flag_port_or_off,
+                   help=f"metrics port (default {METRICS_PORT_BASE}+K; 0 = off)")
     p.add_argument("--metrics-host", default=METRICS_HOST,
                    help=f"address the metrics port binds (default {METRICS_HOST}; 0.0.0.0 for a remote Prometheus)")
     p.add_argument("--help-engine", choices=("sim", "vllm"), action=_HelpEngine,
                    help="show the engine's own arguments (the sim's --sim-* knobs; vLLM's server flags) and exit")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
-    p.add_argument("--stall-after", type=float, default=STALL_AFTER_S, metavar="S",
+    p.add_argument("--drain-timeout", type=flag_number, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--stall-after", type=flag_number, default=STALL_AFTER_S, metavar="S",
                    help="the router's --stall-after: requests in flight and no engine progress for S s is a stall "
                    f"(default {STALL_AFTER_S:g}; 0 = off)")
-    p.add_argument("--stall-restart-after", type=float, default=STALL_RESTART_AFTER_S, metavar="S",
+    p.add_argument("--stall-restart-after", type=flag_number, default=STALL_RESTART_AFTER_S, metavar="S",
                    help="stalled S s since the engine's last progress: stop pinging systemd's watchdog and exit 1 so "
                    f"the supervisor restarts the worker (default {STALL_RESTART_AFTER_S:g}; 0 = never)")
     p.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
@@ -123,7 +125,7 @@ def _add_state(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shm-dir", default=None, help=argparse.SUPPRESS)  # tests: where to look instead of /dev/shm
     p.add_argument("--json", action="store_true", help="print JSON: {header, workers: [...]}")
     p.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
-    p.add_argument("--interval", type=float, default=1.0, help="--watch refresh period, seconds")
+    p.add_argument("--interval", type=flag_number, default=1.0, help="--watch refresh period, seconds")
     p.set_defaults(func=_cmd_state)
 
 

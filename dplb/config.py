@@ -55,19 +55,19 @@ DEFAULT_PORT = 30000
 
 def stack_run_dir(port: int) -> str:
     """The default run directory of the stack whose router listens on ``port``: :func:`default_run_dir` for
-    :data:`DEFAULT_PORT` (or 0, or when ``$DPLB_RUN_DIR`` names one), else that path with ``-<port>`` appended, so a
+    :data:`DEFAULT_PORT` (or when ``$DPLB_RUN_DIR`` names one), else that path with ``-<port>`` appended, so a
     second stack on one host needs only ``--port`` (README "A second stack")."""
     base = default_run_dir()
-    return base if port in (DEFAULT_PORT, 0) or os.environ.get(ENV_RUN_DIR) else f"{base}-{port}"
+    return base if port == DEFAULT_PORT or os.environ.get(ENV_RUN_DIR) else f"{base}-{port}"
 
 
 def stack_metrics_port_base(port: int, given: int | None) -> int:
     """The workers' metrics port base of the stack on router ``port``: ``given`` (``--metrics-port-base``) when
-    set, else :data:`METRICS_PORT_BASE` for :data:`DEFAULT_PORT` (or 0), else ``port + 1`` (worker K on
+    set, else :data:`METRICS_PORT_BASE` for :data:`DEFAULT_PORT`, else ``port + 1`` (worker K on
     ``port + 1 + K``; ports 30000–30000+N of the first stack stay clear when the second is ≥ N + 1 above it)."""
     if given is not None:
         return given
-    return METRICS_PORT_BASE if port in (DEFAULT_PORT, 0) else port + 1
+    return METRICS_PORT_BASE if port == DEFAULT_PORT else port + 1
 
 
 def worker_metrics_ports(base: int | None, num_workers: int) -> list[int]:
@@ -98,6 +98,16 @@ def check_stall(stall_after_s: float, stall_restart_after_s: float | None = None
     if r is not None and not (math.isfinite(r) and (r == 0 or (stall_after_s > 0 and stall_after_s < r <= 86400))):
         raise ConfigError(f"--stall-restart-after must be 0 (off) or more than --stall-after ({stall_after_s:g} s, "
                           f"which must be on) and up to 86400 seconds, got {r}")
+
+
+def check_finite(cfg: object) -> None:
+    """Refuse a ``float`` field of the dataclass ``cfg`` that is NaN or infinite (every one is a duration, a rate, a
+    fraction or a weight): the backstop under each field's own range check, so a new field cannot let one through.
+    Raises :class:`ConfigError` naming the field."""
+    for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name} must be a finite number, got {value}")
 
 
 #: ``--header-timeout``: a request head (request line and headers) must be complete this many seconds after its
@@ -177,8 +187,9 @@ class PolicyConfig:
       the first ``baseline_window`` requests) or ``"ttft"`` (the same with time to first token).
     - ``prefix_block_bytes``: prefix-cache routing block size, bytes of the prompt (0 = no prefix scoring). 128:
       ~32 tokens, two vLLM blocks of 16; 64-byte blocks cost twice the hashing (benchmarks/bench_pick.py).
-    - ``prefix_index_blocks``: capacity of the prefix index (LRU), blocks; memory ≈ 180 bytes each
-      (65,536 ≈ 12 MB, covering 8 MiB of distinct prompt text ≈ 2M tokens across all workers).
+    - ``prefix_index_blocks``: capacity of the prefix index (LRU), blocks; memory ≈ 190 bytes a block
+      (``dplb.policy.prefix.ENTRY_BYTES``, measured by tests/test_prefix.py; 65,536 ≈ 12 MB, covering 8 MiB of
+      distinct prompt text ≈ 2M tokens across all workers).
     - ``prefix_ttl_s``: a block not sent to a worker for this long is forgotten, seconds.
     - ``state_interval_ms``: publish interval; slots older than 3× are stale.
     - ``seed``: RNG seed of the ``random`` and ``power_of_two`` policies (deterministic runs).
@@ -261,6 +272,7 @@ class PolicyConfig:
             if (plugin, param) in seen:
                 raise ConfigError(f"--scorer-param {plugin}.{param} is given twice")
             seen.add((plugin, param))
+        check_finite(self)
 
     def effective_weights(self) -> Weights:
         """The weights in force: ``weights``, else the default for prefix scoring on/off."""
@@ -430,8 +442,8 @@ class RouterConfig:
             raise ConfigError(f"--queue-timeout must be > 0 seconds, got {self.queue_timeout_s}")
         if self.engine_priority and self.tenants_file is None:
             raise ConfigError("--engine-priority needs --tenants (the priority classes are in the tenants file)")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port must be 0..65535, got {self.port}")
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"--port must be 1..65535, got {self.port}")
         if not 1 <= self.processes <= MAX_ROUTER_PROCESSES:
             raise ConfigError(f"--processes (dplb launch: --router-processes) must be 1..{MAX_ROUTER_PROCESSES}, "
                               f"got {self.processes}")
@@ -439,9 +451,10 @@ class RouterConfig:
             raise ConfigError(f"process_index must be 0..{self.processes - 1}, got {self.process_index}")
         if self.num_workers is not None and self.num_workers <= 0:
             raise ConfigError(f"--num-workers must be > 0, got {self.num_workers}")
-        for name in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "shm_check_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        for name, flag in (("connect_timeout_s", "--connect-timeout"), ("first_byte_timeout_s", "--first-byte-timeout"),
+                           ("idle_timeout_s", "--idle-timeout"), ("shm_check_interval_s", "shm_check_interval_s")):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ConfigError(f"{flag} must be a finite number > 0 seconds, got {getattr(self, name)}")
         if self.max_body_bytes <= 0:
             raise ConfigError(f"--max-body-bytes must be > 0, got {self.max_body_bytes}")
         if self.debug_ring <= 0 or self.retry_after_s < 0:
@@ -463,6 +476,7 @@ class RouterConfig:
         bad = [o for o in self.cors_allowed_origins if not o or o != o.strip() or "," in o]
         if bad:
             raise ConfigError(f"--cors-allowed-origins: {bad!r} are not origins (e.g. https://app.example.com or *)")
+        check_finite(self)
 
     def socket_path(self, worker_id: int) -> str:
         """Worker ``worker_id``'s Unix socket: ``<run_dir>/worker-<id>.sock``."""

@@ -251,3 +251,37 @@ def test_no_citation_outside_the_repository(pattern: str) -> None:
            for p, text in _repo_texts() if p.name != "test_design_doc.py"
            for m in re.finditer(pattern, text)]
     assert not bad, f"cite docs/DESIGN.md §N (the design inside the repository): {bad}"
+
+
+_METRIC_TOKEN = re.compile(r"\bdplb_[a-z0-9_]*")
+#: The series a family exports besides its own name (counters, histograms, info).
+_SERIES_SUFFIXES = ("", "_total", "_bucket", "_sum", "_count", "_created", "_info")
+
+
+def test_every_metric_name_in_the_docs_exists() -> None:
+    """Regression: docs/DESIGN.md named ``dplb_upstream_duration_seconds`` and ``dplb_upstream_ttfb_seconds``, which no
+    code exports (they are ``dplb_upstream_request_duration_seconds`` and ``dplb_upstream_time_to_first_byte_seconds``).
+    Every ``dplb_*`` name in the repository's Markdown (README, DESIGN, runbooks, benchmarks, deploy) is a family of
+    dplb/obs/metrics.py (where every name is declared) or one of its series; a name ending in ``_`` is the prefix of
+    one; ``dplb_state_*`` is a segment file (dplb.state.layout.SEGMENT_PREFIX), not a metric."""
+    from dplb.obs import metrics
+
+    names = {v for v in vars(metrics).values() if isinstance(v, str) and v.startswith("dplb_")}
+    assert len(names) >= 50
+
+    def known(token: str) -> bool:
+        if token.startswith(layout.SEGMENT_PREFIX):
+            return True
+        if token.endswith("_"):
+            return any(n.startswith(token) for n in names)
+        return any(token.endswith(s) and token.removesuffix(s) in names for s in _SERIES_SUFFIXES)
+
+    seen, bad = 0, []
+    for path in sorted(ROOT.rglob("*.md")):
+        if any(part.startswith(".") for part in path.relative_to(ROOT).parts):
+            continue
+        for m in _METRIC_TOKEN.finditer(path.read_text()):
+            seen += 1
+            if not known(m.group()):
+                bad.append(f"{path.relative_to(ROOT)}: {m.group()}")
+    assert seen >= 50 and not bad, f"not a DPLB metric (dplb/obs/metrics.py): {bad}"

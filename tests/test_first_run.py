@@ -16,7 +16,7 @@ import pytest
 
 from dplb.config import parse_weights, split_list
 from dplb.errors import ConfigError
-from tests.cluster import dplb_cmd
+from tests.cluster import dplb_cmd, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,7 +82,7 @@ def test_launch_checks_sim_arguments_before_starting_anything(tmp_path: Path, ar
     """Regression: unknown or bad sim engine arguments failed only after ~7 s and 3 start attempts per worker."""
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
-    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--port", "0", "--run-dir", str(run_dir), *args),
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--port", str(free_port()), "--run-dir", str(run_dir), *args),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
     assert not run_dir.exists() and time.monotonic() - t0 < 30  # nothing was created or started
@@ -100,7 +100,7 @@ def _sigint_is_default(pid: int) -> bool:
 def test_early_ctrl_c_prints_no_traceback(tmp_path: Path, delay_s: float) -> None:
     """Regression: Ctrl-C in the first 0.3 s of `dplb launch` printed a KeyboardInterrupt traceback. The signal is
     sent ``delay_s`` after dplb's own code took over SIGINT (seen in /proc; before that it is Python's start-up)."""
-    p = subprocess.Popen([sys.executable, "-m", "dplb.cli", "launch", "--num-workers", "1", "--port", "0",
+    p = subprocess.Popen([sys.executable, "-m", "dplb.cli", "launch", "--num-workers", "1", "--port", str(free_port()),
                           "--metrics-port-base", "0", "--run-dir", str(tmp_path / "run"), "--drain-timeout", "1",
                           "--shm-path", f"/dev/shm/dplb_state_ctrlc_{os.getpid()}_{int(delay_s * 1000)}"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -164,15 +164,16 @@ def test_dashboard_generator_without_the_venv_says_which_python_to_use() -> None
     (["fleet", "haproxy-config", "--hosts", "10.0.0.1:30000", "-o", "/nonexistent/dir/haproxy.cfg"],
      "-o /nonexistent/dir/haproxy.cfg: cannot write it: No such file or directory"),
     (["launch", "--num-workers", "1", "--emit-systemd", "/dev/null"], "exists and is not a directory"),
-    (["launch", "--num-workers", "1", "--port", "70000"], "--port must be 0..65535, got 70000"),
+    (["launch", "--num-workers", "1", "--port", "70000"], "argument --port: must be a TCP port 1..65535, got '70000'"),
     (["segment", "create", "--num-workers", "2"], "pass --shm-path PATH (or set DPLB_SHM_PATH"),
     (["segment", "create", "--shm-path", "/dev/shm/dplb_state_never_made", "--num-workers", "65"],
      "--num-workers (or DPLB_NUM_WORKERS) must be 1..64, got 65"),
     (["segment", "create", "--shm-path", "/dev/shm/dplb_state_never_made", "--num-workers", "2",
       "--state-interval-ms", "0"], "--state-interval-ms must be 1..60000 ms, got 0"),
-    (["launch", "--num-workers", "1", "--port", "0", "--state-interval-ms", "99999999999"],
+    (["launch", "--num-workers", "1", "--port", str(free_port()), "--state-interval-ms", "99999999999"],
      "--state-interval-ms must be 1..60000 ms, got 99999999999"),
-    (["launch", "--num-workers", "1", "--port", "0", "--engine", "sim"], "unknown sim engine argument(s): --engine sim"),
+    (["launch", "--num-workers", "1", "--port", str(free_port()), "--engine", "sim"],
+     "unknown sim engine argument(s): --engine sim"),
     (["tenants", "hash-key"], "no key given"),
     (["fleet"], "required: {haproxy-config,envoy-config}"),
     (["tenants"], "required: {hash-key}"),
@@ -246,11 +247,15 @@ def test_hash_key_reads_a_pipe_without_a_getpass_warning() -> None:
 
 
 def test_doctor_with_a_port_past_65535_fails_the_ports_check() -> None:
-    """Regression: ``dplb doctor --port 99999`` died with an OverflowError traceback from bind()."""
+    """Regression: ``dplb doctor --port 99999`` died with an OverflowError traceback from bind(). The flag is
+    refused while parsing now; a metrics port derived past 65535 is the ports check's FAIL."""
     r = subprocess.run(dplb_cmd("doctor", "--port", "99999", "--num-workers", "1"), capture_output=True, text=True,
                        timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "must be a TCP port 1..65535" in r.stderr, r.stderr
+    r = subprocess.run(dplb_cmd("doctor", "--port", "65535", "--num-workers", "1"), capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "[FAIL] ports           not TCP ports (0..65535): [99999, 100000]" in r.stdout, r.stdout
+    assert "[FAIL] ports           not TCP ports (0..65535): [65536]" in r.stdout, r.stdout
 
 
 def test_try_line_carries_the_key_a_pasted_curl_needs() -> None:

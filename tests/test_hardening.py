@@ -26,6 +26,7 @@ from cluster import (
     cluster,
     completion,
     dplb_cmd,
+    free_port,
     log_count,
     one_request,
     read,
@@ -261,7 +262,7 @@ def test_bad_segment_at_the_cli_names_the_file_and_the_fix(tmp_path, shm_path: s
         f.seek(4)
         f.write((99).to_bytes(2, "little"))  # layout version 99
     env = {**os.environ, "DPLB_SHM_PATH": shm_path}
-    for args in (["worker", "--worker-id", "0", "--uds", str(tmp_path / "w.sock")], ["router", "--port", "0"]):
+    for args in (["worker", "--worker-id", "0", "--uds", str(tmp_path / "w.sock")], ["router", "--port", str(free_port())]):
         r = subprocess.run(dplb_cmd(*args), capture_output=True, text=True, timeout=60, env=env)
         assert r.returncode != 0, r
         assert shm_path in r.stderr and f"rm '{shm_path}'" in r.stderr and "layout version 99" in r.stderr, r.stderr

@@ -296,6 +296,64 @@ def test_a_wrong_method_on_a_local_route_is_an_openai_405_with_allow(fuzz: Clust
     assert "GET" in r.headers.get("allow", ""), r.headers
 
 
+GET_ROUTES = ["/health", "/ready", "/metrics", "/metrics/host", "/v1/models", "/v1/models/dplb-sim",
+              "/debug/decisions"]
+
+
+@pytest.mark.parametrize(("method", "path"), [("DELETE", "/v1/models"), ("POST", "/health"), ("PUT", "/metrics"),
+                                              ("POST", "/debug/decisions"), ("DELETE", "/v1/models/dplb-sim"),
+                                              ("GET", "/v1/load_lora_adapter")])
+def test_a_local_405_names_the_allowed_methods_and_its_allow_is_true(fuzz: Cluster, method: str, path: str) -> None:
+    """Regression: a local route's 405 said only "Method Not Allowed" (a proxied route's names the allowed methods)
+    and its ``Allow: GET, OPTIONS`` left out HEAD, which those routes answer. Every method it lists is served."""
+    r = httpx.request(method, fuzz.url + path, timeout=10)
+    allow = r.headers.get("allow", "")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+    assert r.json()["error"]["message"] == f"{method} is not allowed on {path} (allowed: {allow})", r.text
+    assert allow == ("OPTIONS, POST" if "lora" in path else "GET, HEAD, OPTIONS"), allow
+    for m in allow.split(", "):
+        if m != "POST":  # (a POST to the LoRA route is a real load)
+            assert httpx.request(m, fuzz.url + path, timeout=10).status_code != 405, m
+
+
+@pytest.mark.parametrize("path", GET_ROUTES)
+def test_head_is_served_on_every_local_get_route(fuzz: Cluster, path: str) -> None:
+    """Regression: HEAD on ``/debug/decisions`` (and ``/v1/models/{id}``) was a 405 though GET is served."""
+    g, h = httpx.get(fuzz.url + path, timeout=10), httpx.head(fuzz.url + path, timeout=10)
+    assert h.status_code == g.status_code and h.content == b"", (path, h.status_code, g.status_code)
+
+
+@pytest.mark.parametrize(("ctype", "status"), [
+    ("application/json", 200), ("application/vnd.api+json", 200), ("application/merge-patch+json; charset=utf-8", 200),
+    ("Application/VND.API+JSON", 200), ("text/json", 415), ("application/jsonx", 415), ("text/plain+json", 415)])
+def test_structured_syntax_json_types_are_json(fuzz: Cluster, ctype: str, status: int) -> None:
+    """Regression: ``Content-Type: application/vnd.api+json`` was 415; FastAPI (vLLM) takes any ``application/*+json``
+    (RFC 6839 §3.1)."""
+    body = json.dumps({"model": "dplb-sim", "prompt": "hi", "max_tokens": 1})
+    r = httpx.post(fuzz.url + "/v1/completions", content=body, headers={"content-type": ctype}, timeout=30)
+    assert r.status_code == status, r.text
+    if status == 415:
+        assert r.json()["error"]["code"] == "unsupported_media_type" and "+json" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("text", "half"), [
+    (r'"\ud800"', r"\ud800"), (r'"\ud800", "max_tokens": 1', r"\ud800"), (r'"a\udc00b"', r"\udc00"),
+    (r'"\ud800\ud800"', r"\ud800"), (r'"\uDBFF x \uDC00"', r"\uDBFF"), (r'"\\\ud800"', r"\ud800"),
+    (r'"\ud83d\ude00"', None), (r'"\\ud800"', None)])
+def test_a_lone_surrogate_escape_is_named_in_the_400(fuzz: Cluster, text: str, half: str | None) -> None:
+    """Regression: ``"\\ud800"`` in a body got 400 "JSON is malformed: unexpected end of hex escape" (or "Input data
+    was truncated"): the decoder's words for a lone UTF-16 surrogate escape. A whole pair (or an escaped backslash
+    before ``ud800``) is no lone surrogate and reaches a worker."""
+    body = '{"model": "dplb-sim", "max_tokens": 1, "prompt": ' + text + "}"
+    r = httpx.post(fuzz.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=30)
+    if half is None:
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    assert f"invalid \\u escape: lone surrogate {half}" in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize(("method", "path", "allow"), [
     ("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/completions", "POST"),
     ("DELETE", "/v1/responses/resp_1", "GET"), ("GET", "/v1/responses/resp_1/cancel", "POST")])

@@ -261,6 +261,38 @@ def test_doctor_ports_and_run_dir() -> None:
     assert doctor.check_ports("127.0.0.1", [free_port()]).status == "pass"
     assert doctor.check_run_dir("/etc/hostname/dplb-run").status == "fail"  # under a regular file
     assert doctor.check_run_dir("/tmp/dplb-doctor-test/run").status == "pass"
+    assert not os.path.exists("/tmp/dplb-doctor-test")  # tried, then removed again
+
+
+def _unwritable_dir(tmp_path: Path) -> str:
+    """An existing directory this user cannot create files in (root writes through modes: sysfs, then)."""
+    if os.geteuid() == 0:
+        return "/sys"
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    return str(d)
+
+
+@pytest.mark.parametrize("where", ["/proc/x", "/proc/x/run", "unwritable", "unwritable/run", "file/run"])
+def test_doctor_and_launch_agree_about_a_run_dir(tmp_path: Path, where: str) -> None:
+    """Regression: ``dplb doctor --run-dir /proc/x`` said "[PASS] run_dir /proc/x is writable (creatable in /proc)"
+    (a permission test, which root passes) while ``dplb launch --run-dir /proc/x`` refused it. One check now tries
+    it for both: the same words in doctor's FAIL and launch's one line, nothing started or left behind."""
+    (tmp_path / "file").write_text("")
+    path = where.replace("unwritable", _unwritable_dir(tmp_path)).replace("file", str(tmp_path / "file"))
+    doc = subprocess.run(dplb_cmd("doctor", "--port", str(free_port()), "--metrics-port-base", "0", "--run-dir",
+                                  path, "--json"), capture_output=True, text=True, timeout=60)
+    check = next(c for c in json.loads(doc.stdout) if c["name"] == "run_dir")
+    assert doc.returncode == 1 and check["status"] == "fail" and check["detail"].endswith(
+        ("No such file or directory", "Permission denied", "Operation not permitted", "Not a directory")), check
+    shm = f"/dev/shm/dplb_state_rundir_{os.getpid()}"
+    launch = subprocess.run(dplb_cmd("launch", "--num-workers", "1", "--port", str(free_port()), "--metrics-port-base",
+                                     "0", "--run-dir", path, "--shm-path", shm), capture_output=True, text=True,
+                            timeout=60)
+    assert launch.returncode == 2 and launch.stderr.count("\n") == 1, launch.stderr
+    assert f"{check['detail']}; {check['fix']}" in launch.stderr, (check, launch.stderr)
+    assert not os.path.exists(shm) and (where == "unwritable" or not os.path.lexists(path))
 
 
 def test_doctor_cli_exit_code() -> None:

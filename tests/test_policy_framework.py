@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster import cluster
+from cluster import cluster, free_port
 from prometheus_client import generate_latest
 
 from dplb.config import PolicyConfig, parse_param
@@ -109,7 +109,7 @@ def test_a_plugin_module_on_a_real_router(tmp_path, monkeypatch: pytest.MonkeyPa
 
     for extra, needle in ((["--policy-plugin", "no_such_module"], "--policy-plugin no_such_module: cannot import"),
                           (["--weights", "queue=0.5,speed=0.5"], "unknown scorer 'speed'")):
-        r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--num-workers", "1", "--port", "0",
+        r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--num-workers", "1", "--port", str(free_port()),
                             "--run-dir", str(tmp_path / "run2"), *extra], capture_output=True, text=True, timeout=30)
         assert r.returncode != 0 and needle in r.stderr, r.stderr
 
@@ -315,7 +315,7 @@ def test_scorer_param_on_the_command_line() -> None:
                         ("prefix.block_bytes=abc", "prefix.block_bytes must be an integer, 1..65536 bytes"),
                         ("prefix-block_bytes", "--scorer-param must be PLUGIN.PARAM=VALUE"),
                         ("random.seed=1", "--scorer-param random.seed=1: random is not in use")):
-        r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--num-workers", "1", "--port", "0",
+        r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--num-workers", "1", "--port", str(free_port()),
                             "--run-dir", "/tmp/dplb-noexist", "--scorer-param", arg], capture_output=True, text=True,
                            timeout=30)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

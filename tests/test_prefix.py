@@ -91,3 +91,19 @@ def test_entry_size_matches_the_stated_budget() -> None:
     tracemalloc.stop()
     per = used / len(idx)
     assert 0.75 * ENTRY_BYTES <= per <= 1.25 * ENTRY_BYTES, per
+
+
+def test_every_statement_of_the_entry_size_is_the_measured_one() -> None:
+    """Regression: ``--prefix-index-blocks``' help said ~180 bytes a block and the README ~190. The help texts
+    derive it from ENTRY_BYTES (measured above, 188); the README states it rounded the same way."""
+    from pathlib import Path
+
+    from dplb.cli import build_parser
+
+    stated = f"~{round(ENTRY_BYTES, -1)} bytes a block"
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert stated in readme
+    helps = [a.help or "" for a in build_parser()._subparsers._group_actions[0].choices["router"]._actions
+             if "--prefix-index-blocks" in a.option_strings]
+    assert helps and stated in helps[0]
+    assert "bytes a block" in readme and readme.count("bytes a block") == readme.count(stated)

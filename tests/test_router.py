@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from cluster import Cluster, assert_openai_error, cluster, worker_get
+from cluster import Cluster, assert_openai_error, cluster, free_port, worker_get
 from cluster import post as cluster_post
 
 from dplb.state.shm import Lifecycle, Segment, WorkerState
@@ -474,7 +474,7 @@ def test_more_workers_than_the_segment_has_slots_is_a_start_up_error(tmp_path: s
 
     path = os.path.join(str(tmp_path), "seg")
     Segment.create(path, 4).close()
-    r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--num-workers", "100", "--port", "0",
+    r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--num-workers", "100", "--port", str(free_port()),
                         "--run-dir", str(tmp_path), "--shm-path", path], capture_output=True, text=True, timeout=60)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode != 0 and len(lines) == 1, r.stderr

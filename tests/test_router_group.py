@@ -165,7 +165,8 @@ def test_group_refuses_a_taken_port_and_a_missing_run_dir(tmp_path) -> None:  # 
     holder.listen()
     try:
         for argv, needle in ((["--port", str(port), "--run-dir", str(tmp_path)], f"cannot bind 127.0.0.1:{port}"),
-                             (["--port", "0", "--run-dir", str(tmp_path / "nope")], "is not a writable directory"),
+                             (["--port", str(free_port()), "--run-dir", str(tmp_path / "nope")],
+                              "is not a writable directory"),
                              (["--port", str(port), "--run-dir", str(tmp_path), "--processes", "1"],
                               f"cannot bind 127.0.0.1:{port}")):  # one line, never a traceback
             r = subprocess.run([sys.executable, "-m", "dplb.cli", "router", "--host", "127.0.0.1", "--processes", "2",

@@ -15,7 +15,7 @@ import httpx
 
 from dplb.config import stack_metrics_port_base, stack_run_dir
 from dplb.state.layout import default_segment_path
-from tests.cluster import dplb_cmd, free_block
+from tests.cluster import dplb_cmd, free_block, free_port
 
 
 def test_segment_names_are_unique_per_process_within_a_second() -> None:
@@ -94,12 +94,12 @@ def test_launch_refuses_a_run_dir_whose_socket_paths_cannot_be_bound(tmp_path: P
     """Regression: a run dir too long for a Unix socket failed only in the worker (no root cause), and a directory
     where a worker socket goes crashed the launcher's cleanup with an IsADirectoryError traceback."""
     long_dir = tmp_path / ("r" * 110)
-    r = subprocess.run(dplb_cmd("launch", "--num-workers", "1", "--port", "0", "--metrics-port-base", "0",
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "1", "--port", str(free_port()), "--metrics-port-base", "0",
                                 "--run-dir", str(long_dir)), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "shorter --run-dir" in r.stderr, r.stderr
     assert not long_dir.exists()
     run = tmp_path / "run"
     (run / "worker-0.sock").mkdir(parents=True)
-    r = subprocess.run(dplb_cmd("launch", "--num-workers", "1", "--port", "0", "--metrics-port-base", "0",
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "1", "--port", str(free_port()), "--metrics-port-base", "0",
                                 "--run-dir", str(run)), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "is not a socket" in r.stderr and "Traceback" not in r.stderr, r.stderr

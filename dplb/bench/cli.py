@@ -17,6 +17,7 @@ from typing import Any
 
 from dplb.config import split_list
 from dplb.errors import ConfigError
+from dplb.flags import flag_number, flag_rate
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -40,18 +41,18 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="dplb-sim", help="model name to send")
     p.add_argument("--api-key", help="bearer token (when omitted: $DPLB_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=200, help="requests to send")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson requests/s; inf = all at once")
+    p.add_argument("--request-rate", type=flag_rate, default=math.inf, help="Poisson requests/s; inf = all at once")
     p.add_argument("--max-concurrency", type=int, help="most requests in flight at once (default unlimited)")
     p.add_argument("--burst-size", type=int, default=0, help="send bursts of N requests together (instead of Poisson)")
-    p.add_argument("--burst-interval", type=float, default=2.0, help="seconds between bursts")
+    p.add_argument("--burst-interval", type=flag_number, default=2.0, help="seconds between bursts")
     p.add_argument("--dataset", default="synthetic", help="synthetic, or a ShareGPT-style .jsonl file")
     p.add_argument("--input-len", type=int, default=128, help="prompt words (≈ tokens)")
     p.add_argument("--output-len", type=int, default=32, help="max_tokens per request")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len·(1 ± ratio)")
-    p.add_argument("--long-fraction", type=float, default=0.0, help="fraction of long requests")
+    p.add_argument("--range-ratio", type=flag_number, default=0.0, help="lengths uniform in len·(1 ± ratio)")
+    p.add_argument("--long-fraction", type=flag_number, default=0.0, help="fraction of long requests")
     p.add_argument("--long-input-len", type=int, default=1024, help="prompt words of a long request")
     p.add_argument("--long-output-len", type=int, default=256, help="max_tokens of a long request")
-    p.add_argument("--shared-prefix-fraction", type=float, default=0.0,
+    p.add_argument("--shared-prefix-fraction", type=flag_number, default=0.0,
                    help="fraction of requests that start with a shared system prompt")
     p.add_argument("--num-prefixes", type=int, default=4, help="distinct shared system prompts")
     p.add_argument("--prefix-len", type=int, default=512, help="words per shared system prompt")
@@ -60,13 +61,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="multi-turn: this many chats of --turns turns (each turn sends the whole history, after the "
                    "previous turn completed and a think time); --num-prompts is then conversations x turns")
     p.add_argument("--turns", type=int, default=5, help="multi-turn: turns per conversation")
-    p.add_argument("--think-time", type=float, default=1.0, help="multi-turn: mean seconds between turns")
+    p.add_argument("--think-time", type=flag_number, default=1.0, help="multi-turn: mean seconds between turns")
     p.add_argument("--session-header", metavar="NAME",
                    help="multi-turn: send NAME: conversation-<n> with every turn (for a front balancer's "
                    "conversation hash, e.g. x-session-id)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE streaming (default on)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--timeout", type=flag_number, default=600.0, help="seconds per request")
     p.add_argument("--output", metavar="FILE.json", help="write every figure (and per-request records) here")
     p.add_argument("--plot", metavar="DIR", help="write latency CDF and per-worker load PNGs here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

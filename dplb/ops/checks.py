@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -79,10 +80,10 @@ def check_launch_flags(args: argparse.Namespace, num_workers: int) -> int:
     anything is started or written): ``--drain-timeout``, ``--port``, ``--metrics-port-base``, ``--stall-after`` /
     ``--stall-restart-after`` (:func:`dplb.config.check_stall`), ``--max-start-failures``. Returns the metrics port
     base (0 = off). Raises :class:`ConfigError` naming the flag."""
-    if args.drain_timeout < 0:
-        raise ConfigError(f"--drain-timeout must be ≥ 0 seconds, got {args.drain_timeout}")
-    if not 0 <= args.port <= 65535:  # before the metrics ports derived from it
-        raise ConfigError(f"--port must be 0..65535, got {args.port}")
+    if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
+        raise ConfigError(f"--drain-timeout must be a finite number ≥ 0 seconds, got {args.drain_timeout}")
+    if not 1 <= args.port <= 65535:  # before the metrics ports derived from it
+        raise ConfigError(f"--port must be 1..65535, got {args.port}")
     mbase = stack_metrics_port_base(args.port, args.metrics_port_base)
     if not (mbase == 0 or 1 <= mbase <= 65535 - num_workers):
         raise ConfigError(f"--metrics-port-base must be 0 (off) or a port with room for {num_workers} "

@@ -17,13 +17,16 @@ weights ≤ 0.8 × (per-GPU memory × TP) at the default ``--gpu-memory-utilizat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
+import tempfile
 from dataclasses import dataclass
 
 from dplb.config import METRICS_PORT_BASE, stack_metrics_port_base, stack_run_dir, worker_metrics_ports
 from dplb.errors import ConfigError
+from dplb.flags import flag_port, flag_port_or_off
 from dplb.ops.plan import plan_gpus
 from dplb.runtime.gpu import GpuInfo, discover_gpus, visible_gpu_indices
 from dplb.state.layout import is_dplb_segment
@@ -210,19 +213,38 @@ def live_sockets(run_dir: str) -> list[str]:
 
 
 def check_run_dir(path: str) -> Check:
-    """The run directory exists or can be created, is writable, and no live stack serves sockets in it (what
-    ``dplb launch`` refuses)."""
+    """The run directory: no live stack serves sockets in it, and it is a directory where a file can be created or
+    one that can be made. Tried, not guessed: the missing directories are made and a file created in it, then both
+    removed (a permission test says yes to root on ``/proc/x`` or on a read-only mount). The one check ``dplb
+    launch`` refuses a run dir by (:meth:`dplb.ops.launcher.Launcher.preflight`), so the two cannot disagree."""
     live = live_sockets(path)
     if live:
-        return Check("run_dir", "fail", f"{path} is in use: {live[0]} answers (a running stack)",
-                     "stop that stack, or start this one on another --port (its run dir and metrics ports follow) "
-                     "or --run-dir")
-    probe = path
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe) or "/"
-    if os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK):
-        return Check("run_dir", "pass", f"{path} is writable" + ("" if probe == path else f" (creatable in {probe})"))
-    return Check("run_dir", "fail", f"{path} is not writable", "pass --run-dir to a writable directory")
+        return Check("run_dir", "fail", f"{path} is in use: {live[0]} is served by a running process (another "
+                     "`dplb launch`?)",
+                     "stop it, or start this stack on another --port (its run dir and metrics ports follow) or "
+                     "--run-dir")
+    made: list[str] = []
+    try:
+        missing, p = [], os.path.abspath(path)
+        while not os.path.lexists(p):
+            missing.append(p)
+            p = os.path.dirname(p)
+        verb = "create the run directory"
+        for d in reversed(missing):
+            os.mkdir(d, 0o700)
+            made.append(d)
+        verb = "create files in the run directory"
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".dplb-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return Check("run_dir", "fail", f"cannot {verb} {path}: {e.strerror or e}",
+                     "pass --run-dir to a writable directory")
+    finally:
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+    return Check("run_dir", "pass", f"{path} is writable" if not made else f"{path} can be created")
 
 
 def run_checks(args: argparse.Namespace) -> list[Check]:
@@ -252,8 +274,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-workers", type=int)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=30000, help="router port to check (default 30000)")
-    p.add_argument("--metrics-port-base", type=int, default=None,
+    p.add_argument("--port", type=flag_port, default=30000, help="router port to check (default 30000)")
+    p.add_argument("--metrics-port-base", type=flag_port_or_off, default=None,
                    help=f"worker metrics ports to check: BASE+K (default {METRICS_PORT_BASE}+K; 0 = none)")
     p.add_argument("--run-dir", help="run directory to check (default: the one `dplb launch --port PORT` uses)")
     p.add_argument("--shm-dir", default=SHM_DIR, help=argparse.SUPPRESS)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from dplb.config import split_list
 from dplb.errors import ConfigError
+from dplb.flags import flag_port
 
 DEFAULT_AGENT_PORT = 30090
 _HOST_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(?P<port>\d+)(?:/(?P<agent>\d+))?$")
@@ -247,7 +248,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         q = fs.add_parser(name, help=f"print {what}")
         q.add_argument("--hosts", required=True, metavar="HOST:PORT[/AGENT],…", help="the DPLB routers")
         q.add_argument("--listen", default="0.0.0.0:8080", help="the balancer's address (default %(default)s)")
-        q.add_argument("--agent-port", type=int, default=DEFAULT_AGENT_PORT,
+        q.add_argument("--agent-port", type=flag_port, default=DEFAULT_AGENT_PORT,
                        help="agent-check port of hosts listed without one (default %(default)s)")
         q.add_argument("--probe", action="store_true", help="warn (stderr) about hosts that do not answer /health")
         q.add_argument("-o", "--output", help="write to this file instead of stdout")

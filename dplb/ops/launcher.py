@@ -42,6 +42,7 @@ from dplb.config import (
     worker_metrics_ports,
 )
 from dplb.errors import ConfigError
+from dplb.flags import flag_number, flag_port_or_off
 from dplb.ops.checks import (
     check_launch_flags,
     check_model,
@@ -54,7 +55,7 @@ from dplb.ops.checks import (
     write_scrape_targets,
 )
 from dplb.ops.children import BACKOFF_MAX_S, BACKOFF_START_S, Child
-from dplb.ops.doctor import live_sockets
+from dplb.ops.doctor import check_run_dir
 from dplb.ops.placement import add_placement_args, host_placement
 from dplb.ops.plan import cuda_visible_devices, plan_gpus
 from dplb.router.cli import add_router_args, router_config
@@ -132,17 +133,17 @@ class Launcher:
     # ---- start ---------------------------------------------------------------------------------------------
     def preflight(self) -> None:
         """Refuse to start next to a running deployment or on a path DPLB must not touch: every port the stack binds
-        (router, agent-check, workers' metrics) must be free, the worker sockets unserved, ``--model`` a model, and
-        the segment path missing or a stale DPLB segment. Raises :class:`ConfigError`/:class:`ShmError` naming the
-        problem and the flag to change (nothing has been started or touched yet)."""
+        (router, agent-check, workers' metrics) must be free, the run dir usable and its sockets unserved (`dplb
+        doctor`'s ``run_dir`` check), ``--model`` a model, and the segment path missing or a stale DPLB segment.
+        Raises :class:`ConfigError`/:class:`ShmError` naming the problem and the flag to change (nothing has been
+        started or touched yet)."""
         check_model(self.args.model)
         check_takeover(self.shm_path)
         check_ports(self.args.host, self.args.port, self.args.metrics_host, self.metrics_ports,
                     self.router_cfg.agent_port)
-        live = live_sockets(self.run_dir)  # the same test as `dplb doctor`'s run_dir check
-        if live:
-            raise ConfigError(f"{live[0]} is served by a running process (another `dplb launch`?). Stop it, or "
-                              "start this stack on another --port (its run dir follows) or --run-dir")
+        run_dir = check_run_dir(self.run_dir)  # `dplb doctor`'s run_dir check: the two cannot disagree
+        if run_dir.status == "fail":
+            raise ConfigError(f"{run_dir.detail}; {run_dir.fix}")
         check_socket_paths([self.router_cfg.socket_path(k) for k in range(len(self.plan))])
 
     def _prepare(self) -> None:
@@ -416,9 +417,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", help=f"sockets and logs (default {default_run_dir()}, or …-PORT with another --port)")
     p.add_argument("--shm-path", help="state segment path (default $DPLB_SHM_PATH, else "
                    "/dev/shm/dplb_state_<unix seconds>_<pid>); an existing path must be a stale DPLB segment")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=flag_number, default=30.0,
                    help="seconds workers get to finish in-flight requests on stop (default 30)")
-    p.add_argument("--metrics-port-base", type=int, default=None,
+    p.add_argument("--metrics-port-base", type=flag_port_or_off, default=None,
                    help=f"worker K serves metrics on BASE+K (default {METRICS_PORT_BASE}+K, or --port+1+K with "
                    "another --port; 0 disables)")
     p.add_argument("--metrics-host", default=METRICS_HOST,
@@ -426,7 +427,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "Prometheus)")
     p.add_argument("--max-start-failures", type=int, default=3,
                    help="give up after a worker fails to start N times in a row before becoming ready (default 3)")
-    p.add_argument("--stall-restart-after", type=float, default=STALL_RESTART_AFTER_S, metavar="S",
+    p.add_argument("--stall-restart-after", type=flag_number, default=STALL_RESTART_AFTER_S, metavar="S",
                    help="a worker stalled (--stall-after) S seconds since its engine's last progress exits and is "
                    f"restarted, its engine processes killed (default {STALL_RESTART_AFTER_S:g}; 0 = never)")
     p.add_argument("--remove-logs", action="store_true", help="remove the run directory and its logs on exit")

@@ -20,6 +20,7 @@ the pid on this host; null when it cannot be read), which is the placement ``dpl
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -149,8 +150,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def run_state(path: str | None, *, as_json: bool, watch: bool, interval_s: float, directory: str | None = None) -> int:
     """Print the segment once, or refresh it with ``watch`` until Ctrl-C/SIGTERM. Returns the exit code."""
-    if interval_s <= 0:
-        raise ConfigError(f"--interval must be > 0 seconds, got {interval_s}")
+    if not (math.isfinite(interval_s) and interval_s > 0):
+        raise ConfigError(f"--interval must be a finite number > 0 seconds, got {interval_s}")
     seg = Segment.attach(find_segment(path, directory or SHM_DIR), writable=False)
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout 3 dplb state --watch` ends like Ctrl-C
     try:

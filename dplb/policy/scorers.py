@@ -64,7 +64,7 @@ from dplb.policy.decision import (
     Candidate,
 )
 from dplb.policy.framework import Param, PickContext, RouteRequest, Scorer, max_queue_of
-from dplb.policy.prefix import MAX_PREFIX_BLOCKS, SPECULATIVE_TTL_S, PrefixIndex, block_hashes
+from dplb.policy.prefix import ENTRY_BYTES, MAX_PREFIX_BLOCKS, SPECULATIVE_TTL_S, PrefixIndex, block_hashes
 from dplb.state.shm import WorkerState
 
 
@@ -247,7 +247,7 @@ class PrefixScorer(Scorer):
         Param("block_bytes", int, field="prefix_block_bytes", check=lambda v: 1 <= v <= MAX_PREFIX_BLOCK_BYTES,
               expect=f"1..{MAX_PREFIX_BLOCK_BYTES} bytes", help="prompt block size (--prefix-block-bytes)"),
         Param("index_blocks", int, field="prefix_index_blocks", check=lambda v: v > 0, expect="> 0 blocks",
-              help="prefix index capacity, ~180 bytes a block (--prefix-index-blocks)"),
+              help=f"prefix index capacity, ~{round(ENTRY_BYTES, -1)} bytes a block (--prefix-index-blocks)"),
         Param("ttl_s", float, field="prefix_ttl_s", check=lambda v: v > 0, expect="> 0 seconds",
               help="forget a block not sent for this long (--prefix-ttl)"),
         Param("max_blocks", int, default=MAX_PREFIX_BLOCKS, check=lambda v: 1 <= v <= MAX_PREFIX_BLOCKS,

@@ -11,7 +11,8 @@ Contract (docs/DESIGN.md §4, §6)
     ``GET /health``: the process is alive. ``GET /ready``: 200 when ≥ 1 worker is routable and the host is not
   draining, else 503. ``GET /metrics``: Prometheus text; ``GET /metrics/host``: the host load report's families
   alone (:mod:`dplb.router.host_report`). ``GET /debug/decisions?limit=N``: the last N decisions with every candidate's
-  inputs, terms and score. ``HEAD`` on these four answers like ``GET`` without a body.
+  inputs, terms and score. ``HEAD`` on every ``GET`` route answers like ``GET`` without a body; a wrong method is
+  405 ``method_not_allowed`` naming the allowed ones, as in its ``Allow`` header (``GET, HEAD, OPTIONS``).
 - ``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: fanned out to the workers
   (:mod:`dplb.router.fanout`) with ``--allow-runtime-lora``, else 404 ``route_disabled``.
 - CORS (``--cors-allowed-origins``, off by default): Litestar's CORS config answers preflights (``OPTIONS`` with
@@ -82,7 +83,7 @@ _METHODS = frozenset({"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"
 _ROUTES = frozenset({"/health", "/ready", "/metrics", "/metrics/host", "/v1/models", "/debug/decisions",
                      "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}) | PROXY_PATHS
 _MODELS_PREFIX, _MODEL_ROUTE = "/v1/models/", "/v1/models/{model}"
-_HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/metrics/host", "/v1/models"})
+_HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/metrics/host", "/v1/models", "/debug/decisions"})
 
 
 def _error(kind: RouterErrorKind, message: str, retry_after: int | None = None) -> Response[bytes]:
@@ -260,7 +261,7 @@ class RouterApp:
             await self.serve_proxy(ex, self.proxy.serve(ex))
             return
         status = [0]
-        if scope["method"] == "HEAD" and path in _HEAD_PATHS:
+        if scope["method"] == "HEAD" and (path in _HEAD_PATHS or path.startswith(_MODELS_PREFIX)):  # every GET route
             scope = {**scope, "method": "GET"}
             send = _without_body(send)
 
@@ -397,7 +398,14 @@ def _openai_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> R
     message = "internal error" if status >= 500 else (
         f"no route {request.method} {request.url.path}" if status == 404 else str(exc.detail))
     body = openai_error_body(message, "server_error" if status >= 500 else "invalid_request_error", code)
-    headers = exc.headers if status < 500 else None  # e.g. a 405's Allow (RFC 9110 §15.5.6: it must be sent)
+    headers = exc.headers if status < 500 else None
+    if status == 405:  # the proxy's words, and an Allow that lists HEAD where GET is (RFC 9110 §15.5.6)
+        got = {k.lower(): v for k, v in (headers or {}).items()}.get("allow", "")
+        methods = {m.strip() for m in got.split(",") if m.strip()}
+        allow = ", ".join(sorted(methods | ({"HEAD"} if "GET" in methods else set())))
+        headers = {"allow": allow}
+        body = openai_error_body(f"{request.method} is not allowed on {request.url.path} (allowed: {allow})",
+                                 "invalid_request_error", code)
     return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 

@@ -73,7 +73,7 @@ class Upstreams:
         self.on_response_head: Callable[[dict[str, Any], list[tuple[bytes, bytes]]], None] | None = None
 
     def duration(self, worker: int, label: str) -> Any:
-        """The ``dplb_upstream_duration_seconds`` child of ``worker`` and outcome ``label``."""
+        """The ``dplb_upstream_request_duration_seconds`` child of ``worker`` and outcome ``label``."""
         key = (worker, label)
         child = self._durations.get(key)
         if child is None:

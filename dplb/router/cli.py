@@ -23,7 +23,9 @@ from dplb.config import (
     split_list,
 )
 from dplb.errors import ConfigError
+from dplb.flags import PORT_ZERO_REFUSED, flag_number, flag_port
 from dplb.policy.plugins import validate as validate_policy
+from dplb.policy.prefix import ENTRY_BYTES
 
 #: Local routes that ``--api-key-exempt`` may open without a key (the proxied model routes never are).
 EXEMPTABLE = ("/health", "/ready", "/metrics", "/metrics/host", "/v1/models", "/debug/decisions")
@@ -49,10 +51,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="per-worker queue that makes it ineligible (0 = off; default: %(default)s)")
     g.add_argument("--memory-signal", choices=("kv", "gpu"), default=d.memory_signal,
                    help="KV-cache usage or NVML used/total (default: %(default)s)")
-    g.add_argument("--latency-deadband", type=float, default=d.latency_deadband,
+    g.add_argument("--latency-deadband", type=flag_number, default=d.latency_deadband,
                    help="latencies within this fraction of the workers' mean count as equal (0 = off; default: "
                    "%(default)s)")
-    g.add_argument("--waiting-weight", type=float, default=d.waiting_weight,
+    g.add_argument("--waiting-weight", type=flag_number, default=d.waiting_weight,
                    help="queue-term weight of a request that must wait for a batch slot (1 = seed's plain queue; "
                    "default: %(default)s)")
     g.add_argument("--latency-signal", choices=("e2e", "ttft"), default=d.latency_signal,
@@ -61,8 +63,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-block-bytes", type=int, default=d.prefix_block_bytes,
                    help="prefix-cache routing: prompt block size in bytes (0 = off; default: %(default)s)")
     g.add_argument("--prefix-index-blocks", type=int, default=d.prefix_index_blocks,
-                   help="prefix index capacity, blocks (~180 bytes each; default: %(default)s)")
-    g.add_argument("--prefix-ttl", type=float, default=d.prefix_ttl_s,
+                   help=f"prefix index capacity, blocks (~{round(ENTRY_BYTES, -1)} bytes a block; default: "
+                   "%(default)s)")
+    g.add_argument("--prefix-ttl", type=flag_number, default=d.prefix_ttl_s,
                    help="forget a prefix block not sent for this long, seconds (default: %(default)s)")
     g.add_argument("--baseline-window", type=int, default=d.baseline_window,
                    help="requests whose P95 is the latency baseline (default: %(default)s)")
@@ -125,7 +128,8 @@ def policy_config(args: argparse.Namespace, state_interval_ms: int = 200) -> Pol
 def add_router_args(p: argparse.ArgumentParser) -> None:
     """Router flags shared by ``dplb router`` and ``dplb launch``."""
     p.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=30000, help="bind port (default 30000)")
+    p.add_argument("--port", type=flag_port, default=30000,
+                   help=f"bind port, 1..65535 (default 30000; {PORT_ZERO_REFUSED})")
     p.add_argument("--api-key", default=os.environ.get("DPLB_API_KEY"),
                    help="require Authorization: Bearer KEY (default: $DPLB_API_KEY)")
     p.add_argument("--api-key-exempt", default=DEFAULT_EXEMPT, metavar="PATHS",
@@ -134,22 +138,22 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="larger request bodies get 413 body_too_large (default 33554432 = 32 MiB)")
     d: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
-    p.add_argument("--first-byte-timeout", type=float, default=d["first_byte_timeout_s"],
+    p.add_argument("--first-byte-timeout", type=flag_number, default=d["first_byte_timeout_s"],
                    help=f"seconds to wait for a response head (default {d['first_byte_timeout_s']:g})")
-    p.add_argument("--idle-timeout", type=float, default=d["idle_timeout_s"],
+    p.add_argument("--idle-timeout", type=flag_number, default=d["idle_timeout_s"],
                    help=f"seconds of silence allowed mid-response (default {d['idle_timeout_s']:g})")
-    p.add_argument("--connect-timeout", type=float, default=d["connect_timeout_s"],
+    p.add_argument("--connect-timeout", type=flag_number, default=d["connect_timeout_s"],
                    help=f"seconds to connect to a worker's socket before trying the next worker (default "
                    f"{d['connect_timeout_s']:g})")
-    p.add_argument("--stall-after", type=float, default=d["stall_after_s"], metavar="S",
+    p.add_argument("--stall-after", type=flag_number, default=d["stall_after_s"], metavar="S",
                    help="a worker with requests in flight whose engine made no progress (no token, no prefill step) "
                    "for S seconds is stalled: out of rotation, its in-flight requests failed with 503 "
                    f"worker_stalled, back once its progress resumes (default {d['stall_after_s']:g}; 0 = off)")
-    p.add_argument("--header-timeout", type=float, default=d["header_timeout_s"], metavar="S",
+    p.add_argument("--header-timeout", type=flag_number, default=d["header_timeout_s"], metavar="S",
                    help="a client's request head must be complete S seconds after its first byte (a new "
                    "connection's: after the accept), else 408 request_timeout and the connection closed (default "
                    f"{d['header_timeout_s']:g})")
-    p.add_argument("--body-timeout", type=float, default=d["body_timeout_s"], metavar="S",
+    p.add_argument("--body-timeout", type=flag_number, default=d["body_timeout_s"], metavar="S",
                    help="longest silence of a client mid-body before 408 request_timeout and the connection "
                    f"closed (default {d['body_timeout_s']:g}, nginx's client_body_timeout)")
     p.add_argument("--serve-half-closed", action="store_true",
@@ -167,11 +171,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cors-allowed-origins", default=",".join(d["cors_allowed_origins"]), metavar="ORIGINS",
                    help="comma-separated origins allowed by CORS (answers preflights, adds the headers; '*' = any; "
                    "default '' = CORS off)")
-    p.add_argument("--sse-keepalive", type=float, default=d["sse_keepalive_s"], metavar="S",
+    p.add_argument("--sse-keepalive", type=flag_number, default=d["sse_keepalive_s"], metavar="S",
                    help="send an SSE comment ': keep-alive' after S seconds without a worker byte on a stream (long "
                    "prefills behind proxies with idle timeouts; 0 = off, the default). --first-byte-timeout bounds the "
                    "wait for the worker's response head; --idle-timeout bounds its silence mid-stream either way")
-    p.add_argument("--models-refresh", type=float, default=d["models_refresh_s"], metavar="S",
+    p.add_argument("--models-refresh", type=flag_number, default=d["models_refresh_s"], metavar="S",
                    help=f"seconds between two /v1/models fetches per worker for model-aware routing (default "
                    f"{d['models_refresh_s']:g}; a worker that becomes ready is asked at once)")
     p.add_argument("--allow-runtime-lora", action="store_true",
@@ -191,21 +195,21 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--queue-max", type=int, default=d["queue_max"], metavar="N",
                    help=f"requests the fair queue holds at most; past it 429 (a tenant over its share) or 503 "
                    f"(default {d['queue_max']})")
-    t.add_argument("--queue-timeout", type=float, default=d["queue_timeout_s"], metavar="S",
+    t.add_argument("--queue-timeout", type=flag_number, default=d["queue_timeout_s"], metavar="S",
                    help=f"seconds a request may wait in the fair queue before 429/503 (default "
                    f"{d['queue_timeout_s']:g})")
     t.add_argument("--engine-priority", action="store_true",
                    help="write the tenant's priority class rank (0 = first in [priorities] order) into the body's "
                    "'priority' field; the vLLM workers need --scheduling-policy priority")
     g = p.add_argument_group("fleet (a balancer in front of many hosts)")
-    g.add_argument("--agent-port", type=int, default=d["agent_port"], metavar="PORT",
+    g.add_argument("--agent-port", type=flag_port, default=d["agent_port"], metavar="PORT",
                    help="answer HAProxy's agent-check on this TCP port (up NN%%, drain, down#reason from the host "
                    "load report; default: off)")
     g.add_argument("--orca", choices=("off", "asked", "always"), default=d["orca"],
                    help="add the ORCA endpoint-load-metrics header (application_utilization, rps_fractional) to "
                    "proxied responses: asked = when the request sends endpoint-load-metrics-format (default "
                    "%(default)s), always, or off")
-    g.add_argument("--drain-notice", type=float, default=d["drain_notice_s"], metavar="S",
+    g.add_argument("--drain-notice", type=flag_number, default=d["drain_notice_s"], metavar="S",
                    help="on SIGTERM, report drain (agent, ORCA utilization 1, /ready 503) and keep serving S seconds "
                    "before stopping, so the front balancer moves traffic away first (default 0; a fleet: at least "
                    "the balancer's check interval x its fall count)")

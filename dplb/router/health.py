@@ -4,8 +4,8 @@ attempt ended, which workers are ejected for failing, which are held out by hear
 Contract
 - :class:`Outcome` is the vocabulary: every upstream attempt ends in exactly one member, and the member alone says
   whether the worker connection may be reused, what it tells this module about the worker (:class:`Verdict`) and
-  which ``outcome`` label its duration is recorded under in ``dplb_upstream_duration_seconds`` (none for an attempt
-  that never reached a worker's answer phase). :meth:`Outcome.of_status` classifies a complete response.
+  which ``outcome`` label its duration is recorded under in ``dplb_upstream_request_duration_seconds`` (none for an
+  attempt that never reached a worker's answer phase). :meth:`Outcome.of_status` classifies a complete response.
 - Ejection (passive health check, like nginx's ``max_fails``): :data:`MAX_FAILS` failures in a row (a 5xx other
   than 503, a timeout, a broken or unanswered connection) or one refused connection eject a worker for
   :data:`UNREACHABLE_S` seconds, or until it publishes a different pid (it restarted). A worker that fails fast
@@ -64,7 +64,7 @@ class Outcome(enum.Enum):
     STALLED = ("stalled", False, Verdict.NONE)  # failed fast: the worker's engine stalled (dplb.policy.stall)
 
     def __init__(self, recorded: str | None, reusable: bool, verdict: Verdict) -> None:
-        #: The ``outcome`` label of ``dplb_upstream_duration_seconds`` (None: the duration is not recorded).
+        #: The ``outcome`` label of ``dplb_upstream_request_duration_seconds`` (None: the duration is not recorded).
         self.recorded = recorded
         #: True when the response was read completely: the connection may go back to the pool (if keep-alive).
         self.reusable = reusable

@@ -16,6 +16,7 @@ Contract
 from __future__ import annotations
 
 import hmac
+import re
 import zlib
 from typing import Any
 
@@ -25,7 +26,34 @@ from dplb.errors import BodyTooLarge, RouterErrorKind
 from dplb.router.routes import Route
 from dplb.runtime.asgi import receive_body as asgi_receive_body
 
-_JSON_TYPES = (b"application/json",)
+
+def is_json_type(mtype: bytes) -> bool:
+    """True for the media type (lower case, no parameters) of a JSON body: ``application/json`` or a structured
+    syntax ``application/*+json`` type (RFC 6839 §3.1, e.g. ``application/vnd.api+json``), as FastAPI (vLLM) takes."""
+    return mtype == b"application/json" or (mtype.startswith(b"application/") and mtype.endswith(b"+json"))
+
+
+#: A JSON string escape (``\\`` consumed whole, so ``\\ud800`` is no ``\u`` escape); group 1: a ``\u`` escape's hex.
+_ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.S)
+
+
+def lone_surrogate(body: bytes) -> str | None:
+    """The first ``\\uXXXX`` escape of ``body`` that is half a UTF-16 surrogate pair (a high one not followed at once
+    by a low one, or a low one alone), as written; None when there is none. msgspec refuses such a string with words
+    about truncation or hex escapes; this names the cause (read on the error path only)."""
+    high: re.Match[bytes] | None = None
+    for m in _ESCAPE.finditer(body):
+        cp = int(m[1], 16) if m[1] else -1
+        if high is not None:
+            if m.start() == high.end() and 0xDC00 <= cp <= 0xDFFF:
+                high = None
+                continue
+            break
+        if 0xD800 <= cp <= 0xDBFF:
+            high = m
+        elif 0xDC00 <= cp <= 0xDFFF:
+            return m[0].decode()
+    return high[0].decode() if high is not None else None
 
 
 class Peek(msgspec.Struct):
@@ -141,8 +169,9 @@ def check_head(route: Route, clen: int, ctype: bytes, encoding: bytes, limit: in
     if clen > limit:
         raise Rejected(RouterErrorKind.BODY_TOO_LARGE, f"request body of {clen} bytes is over the {limit}-byte limit")
     mtype = ctype.split(b";", 1)[0].strip().lower()
-    if route.body == "json" and ctype and not mtype.endswith(_JSON_TYPES):
-        raise Rejected(RouterErrorKind.UNSUPPORTED_MEDIA, "Content-Type must be application/json")
+    if route.body == "json" and ctype and not is_json_type(mtype):
+        raise Rejected(RouterErrorKind.UNSUPPORTED_MEDIA, "Content-Type must be application/json (or an "
+                       "application/*+json type)")
     if route.body == "multipart" and mtype != b"multipart/form-data":
         raise Rejected(RouterErrorKind.UNSUPPORTED_MEDIA, "Content-Type must be multipart/form-data")
     if encoding:
@@ -161,7 +190,10 @@ def read_body(route: Route, body: bytes, encoding: bytes, limit: int) -> tuple[b
         except msgspec.ValidationError:
             raise Rejected(RouterErrorKind.NOT_AN_OBJECT, "request body must be a JSON object") from None
         except msgspec.DecodeError as e:
-            raise Rejected(RouterErrorKind.INVALID_JSON, f"request body is not valid JSON: {e}") from None
+            half = lone_surrogate(body)
+            why = (f"invalid \\u escape: lone surrogate {half} (a surrogate escape must be half of a pair, "
+                   "\\uD800-\\uDBFF then \\uDC00-\\uDFFF)") if half else str(e)
+            raise Rejected(RouterErrorKind.INVALID_JSON, f"request body is not valid JSON: {why}") from None
         except RecursionError:  # nested deeper than the interpreter's recursion limit (~1000 levels)
             raise Rejected(RouterErrorKind.INVALID_JSON, "request body is not valid JSON: nested too deeply") \
                 from None

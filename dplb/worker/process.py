@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -52,6 +53,7 @@ from dplb.config import (
     PREFIX_BLOCK_BYTES,
     STALL_AFTER_S,
     STALL_RESTART_AFTER_S,
+    check_finite,
     check_stall,
     check_state_interval_ms,
 )
@@ -101,8 +103,11 @@ class WorkerConfig:
             raise ConfigError("--uds must name the worker's Unix socket path")
         if self.state_interval_ms is not None:
             check_state_interval_ms(self.state_interval_ms)
-        if self.drain_timeout_s < 0:
-            raise ConfigError(f"--drain-timeout must be ≥ 0 seconds, got {self.drain_timeout_s}")
+        if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
+            raise ConfigError(f"--drain-timeout must be a finite number ≥ 0 seconds, got {self.drain_timeout_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be 0 (off) or 1..65535, got {self.metrics_port}")
+        check_finite(self)
 
     @property
     def resolved_metrics_port(self) -> int:
