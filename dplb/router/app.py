@@ -44,13 +44,8 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-import msgspec
-from litestar import Litestar, Request, Response, get, post
 from litestar.config.cors import CORSConfig
-from litestar.exceptions import HTTPException
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_CONTENT_TYPE
-from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from dplb import __version__, native
 from dplb.config import RouterConfig
@@ -62,19 +57,18 @@ from dplb.obs.tracing import make_tracer
 from dplb.obs.tracing import shutdown as tracing_shutdown
 from dplb.router.agent import bind_agent, start_agent
 from dplb.router.direct import DirectLane
-from dplb.router.fanout import fan_out, parse_workers
 from dplb.router.host_report import HostReporter
+from dplb.router.local import build_local_app
 from dplb.router.models import ServedModels
 from dplb.router.orca import OrcaResponder
 from dplb.router.proxy import Exchange, Proxy
 from dplb.router.routes import NOT_ROUTED, PROXY_PATHS, RESPONSES_PREFIX, is_proxy_path
-from dplb.router.siblings import SCOPE_PROCESS, SingleProcess, fetch_siblings, merge_decisions, merge_metrics
+from dplb.router.siblings import SingleProcess
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamPool
 from dplb.runtime.asgi import Message, send_json
 from dplb.runtime.sd_notify import Watchdog, notify
 from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
-from dplb.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("dplb.router")
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more gets 431 (nginx allows 32 KiB, Node 16 KiB)
@@ -84,12 +78,6 @@ _ROUTES = frozenset({"/health", "/ready", "/metrics", "/metrics/host", "/v1/mode
                      "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}) | PROXY_PATHS
 _MODELS_PREFIX, _MODEL_ROUTE = "/v1/models/", "/v1/models/{model}"
 _HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/metrics/host", "/v1/models", "/debug/decisions"})
-
-
-def _error(kind: RouterErrorKind, message: str, retry_after: int | None = None) -> Response[bytes]:
-    headers = {"retry-after": str(retry_after)} if retry_after is not None else {}
-    return Response(error_body(kind, message), status_code=kind.status, media_type="application/json",
-                    headers=headers)
 
 
 class RouterApp:
@@ -122,7 +110,7 @@ class RouterApp:
             self.proxy.upstreams.on_response_head = OrcaResponder(cfg.orca, lambda: self.host.report)
         self._keyed = bool(cfg.api_key or cfg.tenants_file)  # local routes need a key (a tenant's, with --tenants)
         self._http_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
-        self.litestar = self._build_litestar()
+        self.litestar = build_local_app(self)
 
     def _scrape_source(self) -> tuple[Any, list[int], int, float | None, Any]:
         st = self.state
@@ -130,119 +118,6 @@ class RouterApp:
         d = st.dry_run(snap)
         registered = sum(1 for w in snap if w.registered) if snap is not None else 0
         return d, st.inflight_all(), registered, st.policy.baseline_s, st.policy
-
-    def _build_litestar(self) -> Litestar:
-        state, cfg, metrics, pool, served = self.state, self.cfg, self.metrics, self.pool, self.models
-
-        @get("/health", sync_to_thread=False)
-        def health() -> dict[str, str]:
-            return {"status": "ok"}
-
-        @get("/ready", sync_to_thread=False)
-        def ready() -> Response[Any]:
-            if self.host.draining:
-                return _error(RouterErrorKind.NONE_ROUTABLE, "this host is draining", cfg.retry_after_s)
-            ws = state.routable_workers()
-            if not ws:
-                return _error(RouterErrorKind.NONE_ROUTABLE, "no worker is ready", cfg.retry_after_s)
-            return Response({"ready": True, "routable_workers": ws, "shm_segment_present": state.segment is not None})
-
-        @get("/metrics")
-        async def metrics_endpoint(request: Request[Any, Any, Any]) -> Response[bytes]:
-            source: Any = metrics.registry
-            # A group answers for all its processes (dplb.router.siblings); ?scope=process for this one alone.
-            if cfg.processes > 1 and request.query_params.get("scope") != SCOPE_PROCESS:
-                source = merge_metrics(metrics.registry.collect(), cfg.process_index,
-                                       await fetch_siblings(cfg, "/metrics"), cfg.processes)
-            # OpenMetrics when asked (Prometheus does with exemplar storage on): latency histograms then carry
-            # trace-id exemplars.
-            if "application/openmetrics-text" in request.headers.get("accept", ""):
-                # allow-utf-8: names stay as they are (the default escaping rewrote vllm:* to vllm_*, and Prometheus
-                # then stored no vllm:* series from the router); every DPLB name is a legacy-valid name anyway.
-                return Response(om_generate_latest(source, escaping="allow-utf-8"), media_type=OM_CONTENT_TYPE)
-            # Litestar appends "; charset=utf-8" to text/* types itself: hand it the type without one.
-            return Response(generate_latest(source), media_type=_TEXT_TYPE)
-
-        @get("/metrics/host", sync_to_thread=False)
-        def host_metrics() -> Response[bytes]:
-            # The host report's families only (the Endpoint Picker's metrics-data-source `path`): a few hundred
-            # bytes from the stored report, whatever the worker count; the same for every process of a group.
-            return Response(generate_latest(self.host_registry), media_type=_TEXT_TYPE)
-
-        async def union() -> tuple[dict[str, dict[str, object]], str] | None:
-            """Every ready worker's model entries by id (first worker first) and the workers that answered; None
-            when none did."""
-            ks = state.routable_workers()
-            answers = await asyncio.gather(*(served.refresh(pool, k, state.pid_of(k)) for k in ks))
-            seen: dict[str, dict[str, object]] = {}
-            for entries in answers:
-                for e in entries or ():
-                    seen.setdefault(str(e["id"]), e)
-            if not any(a is not None for a in answers):
-                return None
-            return seen, ",".join(str(k) for k, a in zip(ks, answers, strict=True) if a is not None)
-
-        @get("/v1/models")
-        async def models() -> Response[Any]:
-            got = await union()
-            if got is None:
-                return _error(RouterErrorKind.NONE_ROUTABLE, "no ready worker answered /v1/models", cfg.retry_after_s)
-            return Response(msgspec.json.encode({"object": "list", "data": list(got[0].values())}),
-                            media_type="application/json", headers={"x-sg-worker-id": got[1]})
-
-        @get("/v1/models/{model_id:path}")
-        async def model(model_id: str) -> Response[Any]:
-            got = await union()
-            if got is None:
-                return _error(RouterErrorKind.NONE_ROUTABLE, "no ready worker answered /v1/models", cfg.retry_after_s)
-            entry = got[0].get(model_id.lstrip("/"))
-            if entry is None:
-                return _error(RouterErrorKind.MODEL_NOT_FOUND, f"The model `{model_id.lstrip('/')}` does not exist. "
-                              f"Served models: {', '.join(sorted(got[0])) or '(none)'}")
-            return Response(msgspec.json.encode(entry), media_type="application/json",
-                            headers={"x-sg-worker-id": got[1]})
-
-        async def lora(request: Request[Any, Any, Any]) -> Response[bytes]:
-            if not cfg.allow_runtime_lora:
-                return _error(RouterErrorKind.ROUTE_DISABLED, f"{request.url.path} is off; start the router with "
-                              "--allow-runtime-lora (and the vLLM workers with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
-            try:
-                chosen = parse_workers(request.query_params.get("workers"), state.num_workers)
-            except ValueError as e:
-                raise HTTPException(status_code=400, detail=str(e)) from None
-            ks = chosen if chosen is not None else state.routable_workers()
-            if not ks:
-                return _error(RouterErrorKind.NONE_ROUTABLE, "no worker is ready", cfg.retry_after_s)
-            status, body = await fan_out(pool, served, ks, request.url.path, await request.body(), state.pid_of)
-            return Response(body, status_code=status, media_type="application/json")
-
-        @post("/v1/load_lora_adapter", status_code=200)
-        async def load_lora(request: Request[Any, Any, Any]) -> Response[bytes]:
-            return await lora(request)
-
-        @post("/v1/unload_lora_adapter", status_code=200)
-        async def unload_lora(request: Request[Any, Any, Any]) -> Response[bytes]:
-            return await lora(request)
-
-        @get("/debug/decisions")
-        async def decisions(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
-            n = _decisions_limit(request.query_params.get("limit", str(DECISIONS_LIMIT)))
-            items = list(state.decisions)[-n:]
-            gate = self.proxy.gate
-            tenant_of = gate.recent.get if gate.on else _default_tenant
-            own = [{"time": t, "request_id": rid, "tenant": tenant_of(rid), **d.to_dict()}
-                   for t, rid, d in reversed(items)]
-            if cfg.processes == 1:
-                return own
-            if request.query_params.get("scope") == SCOPE_PROCESS:
-                return [{**d, "process": cfg.process_index} for d in own]
-            return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={n}"),
-                                   n)
-
-        return Litestar(route_handlers=[health, ready, metrics_endpoint, host_metrics, models, model, decisions,
-                                        load_lora, unload_lora],
-                        debug=False, logging_config=None, cors_config=self.cors,
-                        exception_handlers={HTTPException: _openai_http_error, Exception: _internal_error})
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -367,53 +242,6 @@ class RouterApp:
             if n == b"authorization":
                 return self.proxy.gate.tenant_of(v) is not None
         return False
-
-
-DECISIONS_LIMIT = 50  # /debug/decisions without ?limit=: the 50 most recent decisions
-
-
-def _decisions_limit(raw: str) -> int:
-    """``?limit=`` of ``/debug/decisions``: a positive integer (decimal digits). Raises :class:`HTTPException` 400
-    naming the parameter and what it accepts (Litestar's own message says only "Validation failed"). More digits
-    than an int64 has mean "every decision" (the ring is bounded; Python refuses to parse 4300+ digits)."""
-    digits = raw.lstrip("0") if raw.isascii() and raw.isdigit() else ""
-    n = int(digits[:18]) if digits else 0
-    if n <= 0:
-        raise HTTPException(status_code=400, detail=f"query parameter 'limit' must be a positive integer (the number "
-                            f"of most recent decisions; default {DECISIONS_LIMIT}), got {raw[:40]!r}")
-    return n
-
-
-_HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
-
-
-def _default_tenant(_request_id: str) -> str:
-    return DEFAULT_TENANT
-
-
-def _openai_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:
-    """Litestar's own errors (unknown path, bad query parameter, …) in the OpenAI error shape, no internals."""
-    status = exc.status_code
-    code = _HTTP_CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
-    message = "internal error" if status >= 500 else (
-        f"no route {request.method} {request.url.path}" if status == 404 else str(exc.detail))
-    body = openai_error_body(message, "server_error" if status >= 500 else "invalid_request_error", code)
-    headers = exc.headers if status < 500 else None
-    if status == 405:  # the proxy's words, and an Allow that lists HEAD where GET is (RFC 9110 §15.5.6)
-        got = {k.lower(): v for k, v in (headers or {}).items()}.get("allow", "")
-        methods = {m.strip() for m in got.split(",") if m.strip()}
-        allow = ", ".join(sorted(methods | ({"HEAD"} if "GET" in methods else set())))
-        headers = {"allow": allow}
-        body = openai_error_body(f"{request.method} is not allowed on {request.url.path} (allowed: {allow})",
-                                 "invalid_request_error", code)
-    return Response(body, status_code=status, media_type="application/json", headers=headers)
-
-
-def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
-    """Any other exception in a local route: logged with its traceback, answered without internals."""
-    log.error("internal error handling %s %s", request.method, request.url.path, exc_info=exc)
-    return Response(error_body(RouterErrorKind.INTERNAL, "internal error"), status_code=500,
-                    media_type="application/json")
 
 
 def _without_body(send: Any) -> Any:
