@@ -404,7 +404,7 @@ class Launcher:
         seg, path = follower.segment, follower.path
         follower.close()
         if seg is not None and seg.unlink():
-            return f"segment {path} removed"
+            return f"segment {path}{' (recreated while running)' if follower.reattached else ''} removed"
         if not os.path.lexists(path):
             return f"segment {path} was already gone"
         info = inspect(path)

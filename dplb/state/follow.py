@@ -36,6 +36,7 @@ class SegmentFollower:
         self._who, self._log, self._while_missing = who, log, while_missing
         self._min_workers, self._writable, self._on_attach = min_workers, writable, on_attach
         self._problem = ""
+        self.reattached = 0  #: how many times a new file at the path was attached
 
     def current(self) -> Segment | None:
         """The mapping of the segment now at the path (re-attached when it changed), or None while there is none."""
@@ -65,6 +66,7 @@ class SegmentFollower:
             return None
         extra = self._on_attach(seg) if self._on_attach is not None else ""
         self.segment, self.attached_at, self._problem = seg, time.monotonic(), ""
+        self.reattached += 1
         self._log.info("%s: attached the state segment %s that is now at that path (%d workers)%s", self._who,
                        self.path, seg.num_workers, f"; {extra}" if extra else "")
         return seg
