@@ -102,6 +102,17 @@ class ShmPathError(ShmError):
     exit_code = 2
 
 
+class ShmCreateError(ShmPathError):
+    """A segment file cannot be created: its directory is missing, is not a directory, or is not writable."""
+
+    def __init__(self, path: str, err: OSError) -> None:
+        d = os.path.dirname(os.path.abspath(path))
+        why = {errno.ENOENT: "does not exist", errno.ENOTDIR: "is not a directory"}.get(
+            err.errno or 0, f"cannot be written ({err.strerror})")
+        super().__init__(f"cannot create segment '{path}': its directory {d} {why}; pass a --shm-path in an "
+                         "existing, writable directory (normally /dev/shm/dplb_state_<name>)", path)
+
+
 class ShmSpaceError(ShmError):
     """``/dev/shm`` (or the directory of the segment) has no room for the segment."""
 

@@ -170,6 +170,8 @@ def test_dashboard_generator_without_the_venv_says_which_python_to_use() -> None
      "--num-workers (or DPLB_NUM_WORKERS) must be 1..64, got 65"),
     (["segment", "create", "--shm-path", "/dev/shm/dplb_state_never_made", "--num-workers", "2",
       "--state-interval-ms", "0"], "--state-interval-ms must be 1..60000 ms, got 0"),
+    (["segment", "create", "--shm-path", "/nonexistent_dplb_dir/seg", "--num-workers", "2"],
+     "cannot create segment '/nonexistent_dplb_dir/seg': its directory /nonexistent_dplb_dir does not exist"),
     (["launch", "--num-workers", "1", "--port", str(free_port()), "--state-interval-ms", "99999999999"],
      "--state-interval-ms must be 1..60000 ms, got 99999999999"),
     (["launch", "--num-workers", "1", "--port", str(free_port()), "--engine", "sim"],
@@ -180,7 +182,7 @@ def test_dashboard_generator_without_the_venv_says_which_python_to_use() -> None
     (["segment"], "required: {create,remove}"),
     ([], "required: COMMAND"),
 ], ids=["usage-url", "fleet-output", "emit-systemd-file", "launch-port", "segment-path", "segment-65-workers",
-        "segment-interval-0", "launch-interval-uint32", "launch-no-abbreviation", "hash-key-eof",
+        "segment-interval-0", "segment-no-directory", "launch-interval-uint32", "launch-no-abbreviation", "hash-key-eof",
         "fleet-sub", "tenants-sub", "segment-sub", "no-command"])
 def test_cli_mistakes_are_one_line(args: list[str], says: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DPLB_SHM_PATH"}

@@ -285,3 +285,31 @@ def test_read_all_decodes_only_written_slots(shm_path: str) -> None:
         assert seg.read_all()[1] is c[1]
     finally:
         seg.close()
+
+
+def test_restore_header_fills_only_the_empty_fields(shm_path: str) -> None:
+    """A segment recreated by `dplb segment create` lacks the GPU map (and the model and run dir unless given):
+    restore_header fills those, keeps what was given, and another mapping of the file sees the result."""
+    with Segment.create(shm_path, 2, model="given") as seg, Segment.attach(shm_path, writable=False) as reader:
+        assert seg.restore_header("dplb-sim", [[0], [1, 2]], "/run/dplb") == ["GPU map", "run dir"]
+        assert (seg.header.model, seg.header.gpu_map, seg.header.run_dir) == ("given", ((0,), (1, 2)), "/run/dplb")
+        assert seg.restore_header("other", [[3], [4]], "/elsewhere") == []  # nothing empty is left: kept
+        reader.reload_header()
+        assert (reader.header.model, reader.header.gpu_map, reader.header.run_dir) == ("given", ((0,), (1, 2)),
+                                                                                        "/run/dplb")
+    with Segment.create(shm_path, 1, replace=True) as seg:
+        assert seg.restore_header("dplb-sim", [[]], "") == ["model"]
+        assert seg.header.model == "dplb-sim" and seg.header.run_dir == "" and seg.header.gpu_map == ((),)
+
+
+def test_create_in_a_missing_directory_says_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: creating a segment in a directory that does not exist answered "segment … does not exist …
+    start the stack with `dplb launch`, which creates it" (a missing segment's advice)."""
+    from dplb.errors import ShmPathError
+
+    for path, why in ((str(tmp_path / "nodir" / "seg"), "does not exist"),
+                      (str(tmp_path / "file" / "seg"), "is not a directory")):
+        (tmp_path / "file").write_text("")
+        with pytest.raises(ShmPathError) as e:
+            Segment.create(path, 1)
+        assert str(e.value).startswith(f"cannot create segment '{path}': its directory {os.path.dirname(path)} {why}")

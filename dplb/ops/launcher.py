@@ -15,6 +15,12 @@ Contract
   exits by itself (:mod:`dplb.worker.process`) and is restarted the same way; one that publishes nothing that long
   while its process lives (SIGSTOPped, its collector wedged) is killed (its process group) and restarted. A worker
   that fails before ever becoming ready ``--max-start-failures`` times in a row stops the launch with its log tail.
+- The segment is followed (:class:`dplb.state.follow.SegmentFollower`): removed (a cleanup), its mapping is dropped
+  and the frozen-worker watchdog is off (it never judges heartbeats that stopped because the workers lost the
+  file); recreated at the same path (``dplb segment create``, the runbook's mitigation), the new file is mapped,
+  the header fields it lacks (model, GPU map, run dir) are restored, and the watchdog judges the new slots (a worker
+  ready before that has re-published nothing into it ``--stall-restart-after`` seconds later is frozen too). One
+  WARNING line when it goes, one INFO line when it is back.
 - Ctrl-C / SIGTERM: SIGTERM to every worker (they drain) and the router, wait up to the drain timeout, SIGKILL what
   is left (each child's process group too), then remove the sockets, the segment and the run directory it created.
   Nothing is left in /dev/shm.
@@ -61,6 +67,7 @@ from dplb.ops.plan import cuda_visible_devices, plan_gpus
 from dplb.router.cli import add_router_args, router_config
 from dplb.router.supervisor import child_env
 from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
+from dplb.state.follow import SegmentFollower
 from dplb.state.segments import check_takeover, inspect
 from dplb.state.shm import ENV_SHM_PATH, MAX_WORKERS, Lifecycle, Segment, default_segment_path
 from dplb.worker.engines import sim_config
@@ -123,7 +130,7 @@ class Launcher:
         self.stopping = False
         self.targets_path = ""
         self.created_run_dir = False
-        self.segment: Segment | None = None
+        self.segment: SegmentFollower | None = None
         self.workers: list[Child] = []
         self.router: Child | None = None
         # Validate the router flags now (same checks the router does), before starting anything.
@@ -157,11 +164,15 @@ class Launcher:
                               "to a writable directory") from e
         model_name = self.args.served_model_name or self.args.model or "dplb-sim"
         try:
-            self.segment = Segment.create(self.shm_path, len(self.plan), state_interval_ms=self.args.state_interval_ms,
-                                          model=model_name, gpu_map=self.plan, run_dir=self.run_dir,
-                                          replace=os.path.exists(self.shm_path))  # a stale DPLB segment (preflight)
+            seg = Segment.create(self.shm_path, len(self.plan), state_interval_ms=self.args.state_interval_ms,
+                                 model=model_name, gpu_map=self.plan, run_dir=self.run_dir,
+                                 replace=os.path.exists(self.shm_path))  # a stale DPLB segment (preflight)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        self.segment = SegmentFollower(
+            seg, who="launcher", log=log, min_workers=len(self.plan),
+            while_missing="the frozen-worker watchdog is off (and a worker that restarts exits)",
+            on_attach=lambda new: _restored(new.restore_header(model_name, self.plan, self.run_dir)))
         env = {k: v for k, v in os.environ.items() if k != "DPLB_API_KEY"}
         env[ENV_SHM_PATH] = self.shm_path
         env["DPLB_RUN_DIR"] = self.run_dir
@@ -251,13 +262,16 @@ class Launcher:
         assert self.segment is not None and self.router is not None
         while not self.stopping:
             now = time.monotonic()
+            seg = self.segment.current()  # None while the segment is missing: nothing is judged on it
             for k, w in enumerate(self.workers):
-                if not w.ever_ready and self.segment.read(k).lifecycle == Lifecycle.READY:
-                    w.ever_ready = True
-                    w.start_failures = 0
+                if seg is not None and not w.ever_ready and w.proc is not None:
+                    s = seg.read(k)
+                    if s.lifecycle == Lifecycle.READY and s.pid == w.proc.pid:  # this process's own slot
+                        w.ever_ready = True
+                        w.start_failures = 0
                 if w.alive() or self.stopping:
-                    if w.ever_ready and not self.stopping:
-                        self._kill_if_frozen(k, w)
+                    if seg is not None and w.ever_ready and not self.stopping:
+                        self._kill_if_frozen(seg, k, w)
                     continue
                 if w.next_start == 0.0:  # just exited: schedule a restart
                     w.reap()
@@ -297,19 +311,26 @@ class Launcher:
             time.sleep(0.1)
         return 0
 
-    def _kill_if_frozen(self, k: int, w: Child) -> None:
-        """Kill worker ``k``'s process group when its own slot's heartbeat has been stale ``--stall-restart-after``
-        seconds while its process lives (stopped, or its collector wedged): such a worker cannot exit by itself, as
-        a stalled one does (:mod:`dplb.worker.process`), and under systemd the watchdog does the same. The exit is
-        then restarted like any other."""
+    def _kill_if_frozen(self, seg: Segment, k: int, w: Child) -> None:
+        """Kill worker ``k``'s process group when its own slot's heartbeat in ``seg`` (the segment now at the path,
+        never a removed one) has been stale ``--stall-restart-after`` seconds while its process lives (stopped, or
+        its collector wedged): such a worker cannot exit by itself, as a stalled one does
+        (:mod:`dplb.worker.process`), and under systemd the watchdog does the same. In a recreated segment, a slot
+        still unwritten that long after it was attached counts the same (the worker never re-published). The exit
+        is then restarted like any other."""
         limit = self.args.stall_restart_after
         assert self.segment is not None and w.proc is not None
         if limit <= 0:
             return
-        s = self.segment.read(k)
-        if s.torn or s.pid != w.proc.pid or not s.heartbeat_mono_ns:
+        s = seg.read(k)
+        if s.torn:
             return
-        age_s = (time.monotonic_ns() - s.heartbeat_mono_ns) / 1e9
+        if not s.pid and not s.heartbeat_mono_ns:  # nothing published into this (recreated) segment yet
+            age_s = time.monotonic() - max(self.segment.attached_at, w.started_at)
+        elif s.pid != w.proc.pid or not s.heartbeat_mono_ns:
+            return
+        else:
+            age_s = (time.monotonic_ns() - s.heartbeat_mono_ns) / 1e9
         if age_s > limit:
             log.warning("%s published nothing for %.0f s (--stall-restart-after %g) though its process lives "
                         "(stopped or wedged); killing it to restart it", w.name, age_s, limit)
@@ -318,8 +339,9 @@ class Launcher:
 
     def _gives_up(self, c: Child, rc: int | None) -> bool:
         """Count an exit before ``c`` ever became ready; True (after printing its log tail) once that happened
-        ``--max-start-failures`` times in a row."""
-        if c.ever_ready:
+        ``--max-start-failures`` times in a row. An exit while the segment is missing is not counted: no worker can
+        start then (the runbook's restart loop), and the stack must still be there when the segment is back."""
+        if c.ever_ready or (self.segment is not None and self.segment.segment is None):
             return False
         c.start_failures += 1
         if c.start_failures < self.args.max_start_failures:
@@ -374,22 +396,28 @@ class Launcher:
               flush=True)
 
     def _remove_segment(self) -> str:
-        """Remove our segment, or the one that replaced it at our path (`dplb segment create` heals a deleted one)
-        when no live process uses it; anything else is left. Returns what happened, for the stop message."""
+        """Remove the segment mapped now (ours, or the one that replaced it at our path: `dplb segment create` heals
+        a deleted one), or a segment at our path that no live process uses; anything else is left. Returns what
+        happened, for the stop message."""
         if self.segment is None:
             return "no segment"
-        seg, self.segment = self.segment, None
-        removed = seg.unlink()
-        seg.close()
-        if removed:
-            return f"segment {seg.path} removed"
-        if not os.path.lexists(seg.path):
-            return f"segment {seg.path} was already gone"
-        info = inspect(seg.path)
+        follower, self.segment = self.segment, None
+        seg, path = follower.segment, follower.path
+        follower.close()
+        if seg is not None and seg.unlink():
+            return f"segment {path}{' (recreated while running)' if follower.reattached else ''} removed"
+        if not os.path.lexists(path):
+            return f"segment {path} was already gone"
+        info = inspect(path)
         if info.stale:
-            os.unlink(seg.path)
-            return f"segment {seg.path} (recreated while running) removed"
-        return f"segment at {seg.path} left in place (not ours: {info.describe()})"
+            os.unlink(path)
+            return f"segment {path} (recreated while running) removed"
+        return f"segment at {path} left in place (not ours: {info.describe()})"
+
+
+def _restored(fields: list[str]) -> str:
+    """The launcher's note on a re-attached segment's header (:meth:`Segment.restore_header`)."""
+    return f"restored its {', '.join(fields)}" if fields else ""
 
 
 def _exit_text(rc: int | None) -> str:

@@ -24,7 +24,9 @@ Contract
   ``dplb_stalled_requests_failed_total`` count it.
 - A segment that comes back after it was lost is attached at once but routed on only when one of its workers is
   routable (or after :data:`PROMOTE_GRACE_S`): a freshly recreated segment is empty until the workers re-publish,
-  and routing on it meanwhile would answer 503 ``no_workers_registered`` although every worker is serving.
+  and routing on it meanwhile would answer 503 ``no_workers_registered`` although every worker is serving. While
+  its header has no model or run dir (recreated by ``dplb segment create``), every monitor step re-reads it: the
+  launcher restores them.
 """
 
 from __future__ import annotations
@@ -307,6 +309,8 @@ class RouterState:
             self._attach_error = "segment_removed"
         if self.segment is None:
             self._reattach()
+        elif not (self.segment.header.model and self.segment.header.run_dir):
+            self.segment.reload_header()  # a recreated segment: `dplb launch` restores its model and run dir
         self.metrics.shm_present.set(1 if self.segment else 0)
         if self.slots is not None:
             self.slots.heartbeat()

@@ -123,7 +123,7 @@ def check_not_foreign(path: str) -> None:
     A missing path passes. Raises :class:`ShmError` naming the path and what to do."""
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (creating it says why it cannot)
         return
     except OSError as e:
         raise ShmError(f"cannot inspect the segment path '{path}': {e.strerror}", path) from e

@@ -6,7 +6,8 @@ The full path is handed to every process as ``DPLB_SHM_PATH``. Mode 0600 unless 
 
 Byte layout (little-endian; offsets in bytes)::
 
-    Header, HEADER_SIZE = 4096 bytes (one page), written once by the creator (except the router registry)
+    Header, HEADER_SIZE = 4096 bytes (one page), written once by the creator (except the router registry, and the
+    model, GPU map and run dir when empty: ``dplb launch`` restores them into a segment recreated at its path)
       0   4s   magic                 b"DPLB"
       4   u16  layout_version        LAYOUT_VERSION (4; 3 had no engine progress in the slot, 2 no KV block
                                      figures, 1 had 8 router entries and no router slots)
@@ -89,7 +90,15 @@ import time
 from typing import Any
 
 from dplb.config import MAX_STATE_INTERVAL_MS
-from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError, ShmSpaceError, ShmWorkerIdError
+from dplb.errors import (
+    ShmCreateError,
+    ShmError,
+    ShmLayoutError,
+    ShmMissingError,
+    ShmPathError,
+    ShmSpaceError,
+    ShmWorkerIdError,
+)
 from dplb.state.layout import (
     ENV_SHM_PATH,
     GPU_ENTRY,
@@ -203,8 +212,8 @@ class Segment:
         tmp = f"{path}.tmp.{os.getpid()}"
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)
-        except FileNotFoundError as e:
-            raise ShmMissingError(path) from e
+        except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+            raise ShmCreateError(path, e) from e
         try:
             os.fchmod(fd, mode)  # umask-proof
             try:
@@ -311,6 +320,28 @@ class Segment:
             return os.stat(self.path).st_ino == self.inode
         except OSError:
             return False
+
+    def restore_header(self, model: str, gpu_map: list[list[int]], run_dir: str) -> list[str]:
+        """Fill the header fields that are empty (a segment ``dplb segment create`` recreated lacks the GPU map, and
+        the model and run dir unless given) with ``model``, ``gpu_map``, ``run_dir``; other fields are never touched.
+        Re-reads :attr:`header`; returns the names of the fields written. Needs a writable mapping."""
+        h, mm, done = self.header, self._mm, list[str]()
+        if model and not h.model:
+            b, off = model.encode()[:MODEL_NAME_BYTES], HEADER.size - MODEL_NAME_BYTES
+            mm[off:off + len(b)], done = b, ["model"]
+        if any(gpu_map) and not any(h.gpu_map):
+            for w, g in enumerate(gpu_map[: self.num_workers]):
+                GPU_ENTRY.pack_into(mm, GPU_MAP_OFFSET + 16 * w, len(g), bytes(g))
+            done.append("GPU map")
+        if run_dir and not h.run_dir:
+            b = encode_run_dir(run_dir)
+            mm[RUN_DIR_OFFSET:RUN_DIR_OFFSET + len(b)], done = b, [*done, "run dir"]
+        self.reload_header()
+        return done
+
+    def reload_header(self) -> None:
+        """Decode :attr:`header` again from the mapping (fields filled in after this process attached)."""
+        self.header = decode_header(self.path, bytes(self._mm[:HEADER_READ]), len(self._mm))
 
     # ---- reading ---------------------------------------------------------------------------------------------
     def read(self, worker_id: int) -> WorkerState:
@@ -420,6 +451,7 @@ class Segment:
 
 
 _LIFECYCLES = list(Lifecycle)
+
 
 
 class SlotWriter:
