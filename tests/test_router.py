@@ -207,7 +207,9 @@ def test_none_routable_when_all_stale_and_all_over_cap(tmp_path: str) -> None:
         # A worker that registered long ago and went silent: stale → not routable.
         w.publish(WorkerState(0, pid=os.getpid(), lifecycle=Lifecycle.READY, heartbeat_mono_ns=time.monotonic_ns()
                               - 10**10))
-        assert_openai_error(post(c, "/v1/chat/completions", CHAT), 503, "no_routable_worker")
+        r = post(c, "/v1/chat/completions", CHAT)
+        assert_openai_error(r, 503, "no_routable_worker")
+        assert "worker 0: stale" in r.json()["error"]["message"], r.text  # each worker's reason, named
         # Fresh but over the hard cap (the test publishes the state a busy worker would).
         w.publish_now(WorkerState(0, pid=os.getpid(), lifecycle=Lifecycle.READY, num_running=2))
         r = post(c, "/v1/chat/completions", CHAT)

@@ -72,6 +72,7 @@ _NO_WORKER = {
     REASON_ALL_OVER_CAP: (RouterErrorKind.ALL_OVER_CAP, "every worker is at its queue cap; retry shortly"),
 }
 _NONE_READY = (RouterErrorKind.NONE_ROUTABLE, "no worker is ready (starting, draining or stale)")
+MAX_NAMED = 16  # workers named with their reason in a 503 no_routable_worker message
 
 
 class Proxy:
@@ -227,8 +228,15 @@ class Proxy:
         await self.place(ex, worker)
 
     async def no_worker(self, ex: Exchange) -> None:
-        """Answer ``ex`` whose decision chose no worker: why (no worker yet, all over their cap, none ready)."""
-        await self._reject(ex, *_NO_WORKER.get(ex.decision.reason, _NONE_READY))
+        """Answer ``ex`` whose decision chose no worker: why (no worker yet, all over their cap, none ready: then
+        each worker's reason, as the decision's candidates give it)."""
+        d = ex.decision
+        kind, message = _NO_WORKER.get(d.reason, _NONE_READY)
+        if d.reason not in _NO_WORKER and d.candidates:
+            whys = ", ".join(f"worker {c.worker_id}: {c.why}" for c in d.candidates[:MAX_NAMED])
+            more = len(d.candidates) - MAX_NAMED
+            message = f"no worker is ready ({whys}{f', {more} more' if more > 0 else ''}); retry shortly"
+        await self._reject(ex, kind, message)
 
     def prepare(self, ex: Exchange) -> None:
         """After the decision: the request head for the workers (with the predicted prefix hit), the response-id
