@@ -11,8 +11,8 @@ added latency minus this relay's is the router's own work (bench_router.py print
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import sys
 from typing import Any
 
 import uvloop
@@ -69,4 +69,8 @@ async def _serve(port: int, path: str) -> None:
 
 
 if __name__ == "__main__":
-    uvloop.run(_serve(int(sys.argv[1]), sys.argv[2]))
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("port", type=int, help="TCP port to listen on, on 127.0.0.1")
+    ap.add_argument("socket", help="the worker's Unix socket")
+    args = ap.parse_args()
+    uvloop.run(_serve(args.port, args.socket))

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 
@@ -32,8 +33,11 @@ def outputs() -> dict[pathlib.Path, str]:
 
 
 def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each file that is out of date")
+    args = ap.parse_args(argv)
     stale = [p for p, text in outputs().items() if not p.exists() or p.read_text() != text]
-    if "--check" in argv:
+    if args.check:
         for p in stale:
             print(f"{p.relative_to(ROOT)} is out of date: run python scripts/gen_kubernetes.py", file=sys.stderr)
         return 1 if stale else 0

@@ -15,6 +15,7 @@ writes each alert's expression into the ``promql`` block of its runbook.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def group() -> str:
     return "".join(out)
 
 
-def main() -> int:
+def outputs() -> dict[Path, str]:
+    """Path → content of every file this script writes: the rules file and each SLO alert's runbook."""
     text = RULES.read_text()
     new = group()
     if BEGIN in text:
@@ -84,14 +86,26 @@ def main() -> int:
         text = head + new + rest.split(END, 1)[1]
     else:
         text = text.rstrip("\n") + "\n" + new
-    RULES.write_text(text)
-    print(f"wrote the dplb-slo group into {RULES.relative_to(ROOT)}")
+    out = {RULES: text}
     for name, _sev, _for, pairs, _what in ALERTS:  # each runbook shows its alert's expression
         path = ROOT / "runbooks" / f"{name}.md"
-        book = path.read_text()
-        head, _, rest = book.partition("```promql\n")
-        path.write_text(head + "```promql\n" + expr(pairs) + "\n" + rest.partition("```")[2].join(["```", ""]))
-        print(f"wrote its expression into {path.relative_to(ROOT)}")
+        head, _, rest = path.read_text().partition("```promql\n")
+        out[path] = head + "```promql\n" + expr(pairs) + "\n" + rest.partition("```")[2].join(["```", ""])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each file that is out of date")
+    args = ap.parse_args(argv)
+    stale = {p: text for p, text in outputs().items() if p.read_text() != text}
+    if args.check:
+        for p in stale:
+            print(f"{p.relative_to(ROOT)} is out of date: run python scripts/gen_slo_rules.py", file=sys.stderr)
+        return 1 if stale else 0
+    for p, text in stale.items():
+        p.write_text(text)
+        print(f"wrote {p.relative_to(ROOT)}")
     return 0
 
 

@@ -8,10 +8,13 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
+import pytest
+from cluster import ROOT as _ROOT
 from cluster import cluster, dplb_cmd
 
 from dplb.ops.state_cli import render_table, snapshot
@@ -133,3 +136,19 @@ def test_sim_internal_header_never_reaches_a_client(tmp_path: Path) -> None:
             r = httpx.post(c.url + path, json=body, timeout=30)
             assert r.status_code < 500 and not [h for h in r.headers if h.lower().startswith("x-sim-")], \
                 (path, r.status_code, r.headers)
+
+
+ROOT = Path(_ROOT)
+SCRIPTS = sorted(str(p.relative_to(ROOT)) for d in ("scripts", "benchmarks") for p in (ROOT / d).glob("*.py")
+                 if "__main__" in p.read_text())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help_and_writes_nothing(script: str) -> None:
+    """``--help`` on each runnable script of scripts/ and benchmarks/: exit 0 with a usage line, and no file of the
+    repository changed (a script that ignored its flags rewrote the rules and runbooks on ``--help``)."""
+    before = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+    r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "usage:" in r.stdout, (r.stdout[-500:], r.stderr[-1500:])
+    after = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert after == before, (before, after)
