@@ -223,3 +223,11 @@ def test_endpoint_picker_config_holds_to_its_schema() -> None:
                                                                                        "params": {}}]}):
         with pytest.raises(AssertionError):
             check_endpoint_picker_config(bad, label)
+
+
+def test_the_slo_alerts_and_their_runbooks_are_generated() -> None:
+    """alerts/dplb.rules.yml's SLO group and each SLO alert's runbook expression are what scripts/gen_slo_rules.py
+    writes (a hand edit of either is caught here; rerun the script)."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/gen_slo_rules.py"), "--check"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
