@@ -37,8 +37,8 @@ class TenantMetrics:
                                     lt, buckets=REQUEST_BUCKETS, registry=registry)
         self.ttft = Histogram(TENANT_TTFT, "Time from arrival to the first response body byte, seconds.", lt,
                               buckets=REQUEST_BUCKETS, registry=registry)
-        self.e2e = Histogram(TENANT_E2E, "Time from arrival to the end of the response, seconds.", lt,
-                             buckets=REQUEST_BUCKETS, registry=registry)
+        self.e2e = Histogram(TENANT_E2E, "Time from arrival to the end of the response of a request answered OK "
+                             "(outcome ok), seconds.", lt, buckets=REQUEST_BUCKETS, registry=registry)
         self.queued = Gauge(TENANT_QUEUED, "Requests waiting in the router's fair queue, by tenant.", ["tenant"],
                             registry=registry)
         self.slo_events = Counter(TENANT_SLO_EVENTS, "Requests counted by a class's SLO: availability (bad = a 5xx), "

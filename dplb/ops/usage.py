@@ -5,7 +5,9 @@ Contract
 - :func:`read_ledger` reads the router's ``/metrics`` (a group's answer covers every process) and sums the
   ``dplb_tenant_*`` families per tenant: ``{tenant: {requests: {outcome: n}, prompt_tokens, completion_tokens,
   cached_tokens, queued, queue_wait_s_mean, ttft_s_mean, e2e_s_mean}}`` (means from the histograms' sum / count;
-  None when no sample). Raises :class:`~dplb.errors.DPLBError` naming the URL when the router does not answer.
+  None when no sample). The queue wait counts every request that waited (one refused after its wait too), E2E
+  only those answered OK: the table heads that column ``OK_E2E_MS``. Raises :class:`~dplb.errors.DPLBError`
+  naming the URL when the router does not answer.
 - :func:`format_table` renders it as one row per tenant.
 """
 
@@ -79,7 +81,7 @@ def format_table(ledger: dict[str, dict[str, Any]]) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:.0f}"
 
-    rows = [("TENANT", "OK", "REQUESTS", "PROMPT", "COMPLETION", "CACHED", "QUEUED", "WAIT_MS", "TTFT_MS", "E2E_MS")]
+    rows = [("TENANT", "OK", "REQUESTS", "PROMPT", "COMPLETION", "CACHED", "QUEUED", "WAIT_MS", "TTFT_MS", "OK_E2E_MS")]
     for name in sorted(ledger):
         r = ledger[name]
         rows.append((name, str(r["requests"].get("ok", 0)), str(sum(r["requests"].values())), str(r["prompt_tokens"]),
