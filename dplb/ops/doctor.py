@@ -184,7 +184,8 @@ def check_ports(host: str, ports: list[int]) -> Check:
             except OSError:
                 busy.append(port)
     if busy:
-        return Check("ports", "fail", f"port(s) in use on {host}: {busy}",
+        where = f"{host} (or one of its addresses)" if host in ("0.0.0.0", "::", "") else host
+        return Check("ports", "fail", f"port(s) cannot be bound on {where}, in use: {busy}",
                      "stop what holds them (ss -ltnp | grep PORT), or move the stack: --port for the router, "
                      "--metrics-port-base for the workers' metrics ports")
     return Check("ports", "pass", f"ports free on {host}: {ports}")
