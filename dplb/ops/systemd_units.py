@@ -1,20 +1,22 @@
 """``dplb launch --emit-systemd DIR``: the env files of the systemd units (``deploy/systemd/``) for this GPU plan.
 
 Contract: ``dplb.env`` (shared: segment path, run dir, number of workers, ``DPLB_ROUTER_ARGS`` with every router
-flag given to the command), ``router.env`` (0600, only with ``--api-key``: ``DPLB_API_KEY``, read by the router
-unit alone; one an earlier emission wrote is removed without it: the old key would still be required),
-``worker-K.env`` (each worker's GPUs and engine flags, so the units stay generic; a vLLM CPU
-worker's ``VLLM_CPU_OMP_THREADS_BIND`` too), the Prometheus file_sd targets, and the placement
-(:mod:`dplb.ops.placement`) as drop-ins: ``dplb-worker@K.service.d/placement.conf`` and
-``dplb-router.service.d/placement.conf`` with ``CPUAffinity=`` (the processes' affinity, inherited by the engine's
-children) and ``AllowedCPUs=`` (the unit's cgroup cpuset, which a process cannot widen; cgroup v2). A unit that is
-not pinned gets no drop-in. Emitting again removes the ``worker-K.env`` and drop-ins an earlier emission wrote
-that this one does not (fewer workers, a unit no longer pinned); a file whose first line is not DPLB's stays.
-Everything ``dplb launch`` checks before it starts is checked before any file is written: ``--model`` (a missing
-local directory is refused), the supervision flags
-(:func:`dplb.ops.checks.check_launch_flags`) and the router configuration the units' router would build (a flag
-the router refuses at start never reaches ``DPLB_ROUTER_ARGS``); without ``--model`` the units run the sim engine,
-its ``--sim-*`` arguments are checked, and stderr says so. A DIR that cannot be created or written is a
+flag given to the command), ``router.env`` (0600, only with ``--api-key``: ``DPLB_API_KEY``, read by the router unit
+alone; one an earlier emission wrote is removed without it: the old key would still be required), ``worker-K.env``
+(each worker's GPUs and engine flags, so the units stay generic; a vLLM CPU worker's ``VLLM_CPU_OMP_THREADS_BIND``
+too), the Prometheus file_sd targets, and the placement (:mod:`dplb.ops.placement`) as drop-ins:
+``dplb-worker@K.service.d/placement.conf`` and ``dplb-router.service.d/placement.conf`` with ``CPUAffinity=`` (the
+processes' affinity, inherited by the engine's children) and ``AllowedCPUs=`` (the unit's cgroup cpuset, which a
+process cannot widen; cgroup v2). A unit that is not pinned gets no drop-in. The units' stop timeouts, derived from
+``--drain-notice`` and ``--drain-timeout`` (:func:`stop_timeouts`), go into ``dplb-router.service.d/stop.conf`` and
+``dplb-worker@.service.d/stop.conf`` (the template's: every instance). A ``--tenants`` file the router unit cannot
+see (a private /tmp, hidden homes) is refused, a ``--model`` under /tmp gets a warning, both are written absolute.
+Emitting again removes the ``worker-K.env`` and drop-ins an earlier emission wrote that this one does not (fewer
+workers, a unit no longer pinned); a file whose first line is not DPLB's stays. Everything ``dplb launch`` checks
+before it starts is checked before any file is written: ``--model`` (a missing local directory is refused), the
+supervision flags (:func:`dplb.ops.checks.check_launch_flags`) and the router configuration the units' router would
+build (a flag the router refuses at start never reaches ``DPLB_ROUTER_ARGS``); without ``--model`` the units run the
+sim engine, its ``--sim-*`` arguments are checked, and stderr says so. A DIR that cannot be created or written is a
 :class:`dplb.errors.ConfigError` (one CLI line).
 """
 
