@@ -89,6 +89,11 @@ STALL_AFTER_S = 5.0
 STALL_RESTART_AFTER_S = 120.0
 
 
+def worker_server_stop_s(drain_timeout_s: float) -> float:
+    """How long a stopping worker waits for its HTTP servers once its drain (``--drain-timeout``) is over."""
+    return max(5.0, drain_timeout_s)
+
+
 def check_stall(stall_after_s: float, stall_restart_after_s: float | None = None) -> None:
     """Refuse bad stall settings (``--stall-after`` ≥ 0, 0 = off; ``--stall-restart-after`` 0 = off or more than
     ``--stall-after``). Raises :class:`ConfigError` naming the flag."""

@@ -60,7 +60,8 @@ def test_emit_systemd_env_files(tmp_path) -> None:  # type: ignore[no-untyped-de
     w0 = (out / "worker-0.env").read_text()
     w1 = (out / "worker-1.env").read_text()
     assert "CUDA_VISIBLE_DEVICES=0,1\n" in w0 and "CUDA_VISIBLE_DEVICES=2,3\n" in w1
-    assert "--engine vllm --stall-after 5 --stall-restart-after 120 " in w1  # the defaults, carried to the worker
+    # the defaults, carried to the worker
+    assert "--engine vllm --drain-timeout 30 --stall-after 5 --stall-restart-after 120 " in w1
     assert f"--model {model} --tensor-parallel-size 2 --max-model-len 4096" in w1
     common = (out / "dplb.env").read_text()
     assert "DPLB_NUM_WORKERS=2" in common and "DPLB_SHM_PATH=/dev/shm/dplb_state_systemd" in common
@@ -91,7 +92,8 @@ def test_emit_systemd_again_with_fewer_workers_removes_what_it_wrote_for_the_oth
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     assert not (out / "worker-1.env").exists() and not dropin[1].exists() and dropin[0].exists()
-    assert not router_dropin.exists() and not router_dropin.parent.exists()  # the router is not pinned now
+    assert not router_dropin.exists()  # the router is not pinned now; its stop timeout stays
+    assert [p.name for p in router_dropin.parent.iterdir()] == ["stop.conf"]
     assert (out / "worker-7.env").read_text() == "# my notes\n"
     assert (out / "dplb-worker@1.service.d" / "override.conf").exists()
     line = next(ln for ln in r.stderr.splitlines() if ln.startswith("removed "))

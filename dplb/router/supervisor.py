@@ -264,23 +264,30 @@ class RouterGroup:
         return 0
 
     def _stop(self) -> int:
-        """SIGTERM every child, wait up to :data:`STOP_TIMEOUT_S`, SIGKILL the rest. 1 if any did not exit 0."""
+        """SIGTERM every child, wait up to :func:`stop_wait_s`, SIGKILL the rest. 1 if any did not exit 0."""
         notify("STOPPING=1")
         procs = [m.proc for m in self.members if m.proc is not None]
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        wait_s = stop_wait_s(self.cfg.drain_notice_s)
+        deadline = time.monotonic() + wait_s
         bad = False
         for p in procs:
             try:
                 rc = p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.error("router process pid %d did not stop within %.0f s; killing it", p.pid, STOP_TIMEOUT_S)
+                log.error("router process pid %d did not stop within %.0f s; killing it", p.pid, wait_s)
                 p.kill()
                 rc = p.wait()
             bad |= rc != 0
         return 1 if bad else 0
+
+
+def stop_wait_s(drain_notice_s: float) -> float:
+    """How long a stopping router (a group's parent for its children) may take after SIGTERM: the drain notice it
+    still serves (``--drain-notice``), then :data:`STOP_TIMEOUT_S`."""
+    return drain_notice_s + STOP_TIMEOUT_S
 
 
 def _exit_text(rc: int | None) -> str:

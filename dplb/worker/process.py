@@ -56,6 +56,7 @@ from dplb.config import (
     check_finite,
     check_stall,
     check_state_interval_ms,
+    worker_server_stop_s,
 )
 from dplb.errors import ConfigError, ShmError, ShmMissingError
 from dplb.obs.metrics_worker import WorkerMetrics, worker_metrics
@@ -417,7 +418,7 @@ class Worker:
             for srv, task in servers:
                 srv.should_exit = True
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(task, timeout=max(5.0, self.cfg.drain_timeout_s))
+                    await asyncio.wait_for(task, timeout=worker_server_stop_s(self.cfg.drain_timeout_s))
             with contextlib.suppress(Exception):
                 await self.engine.shutdown()
             if self._kv_sub is not None:
