@@ -211,3 +211,13 @@ def test_haproxy_accepts_colliding_looking_hosts(tmp_path: pytest.TempPathFactor
     assert HAPROXY is not None
     r = subprocess.run([HAPROXY, "-c", "-f", path], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_an_idle_host_reports_a_positive_utilization() -> None:
+    """Regression: an idle host sent application_utilization=0, and Envoy's weighted round robin refuses a report
+    whose utilization is not positive; both floors hold in TEXT and JSON."""
+    idle = HostReport(state="up", pressure=0.0, rps=0.0)
+    text = dict(kv.split("=") for kv in orca_header(idle).decode()[5:].split(", "))
+    assert float(text["application_utilization"]) > 0 and float(text["rps_fractional"]) > 0, text
+    assert b'"application_utilization":0.0001' in orca_header(idle, "JSON")
+    assert b"application_utilization=0.25," in orca_header(HostReport(state="up", pressure=0.25))  # others as they are
