@@ -19,10 +19,12 @@ Contract
   ten tokens every ~220 ms instead of one every step).
 - :func:`envoy_config` writes an Envoy v3 bootstrap (YAML): one listener, one cluster whose hosts are weighted by
   ``client_side_weighted_round_robin`` from the ORCA header DPLB adds (:mod:`dplb.router.orca`; the route asks for
-  it with ``endpoint-load-metrics-format: TEXT``), an HTTP health check on ``/ready`` (1 s, 2 failures), retries
-  on connect failures and refused streams, and outlier detection on local-origin failures only (2 consecutive
-  connect failures or resets eject a host that died between health checks; HTTP 5xx answers never eject: a
-  loaded DPLB host says so in its ORCA report, and ejecting it would pile its load on the others). The cluster is
+  it with ``endpoint-load-metrics-format: TEXT`` and removes the report from the answer to the client: Envoy's
+  router reads it from the upstream headers before it applies ``response_headers_to_remove``), an HTTP health
+  check on ``/ready`` (1 s, 2 failures), retries on connect failures and refused streams, and outlier detection
+  on local-origin failures only (2 consecutive connect failures or resets eject a host that died between health
+  checks; HTTP 5xx answers never eject: a loaded DPLB host says so in its ORCA report, and ejecting it would pile
+  its load on the others). The cluster is
   ``STATIC`` when every host is an IP literal and ``STRICT_DNS`` (IPv4 preferred) when any is a name (Envoy
   refuses a name in a static cluster). The admin listener is on ``127.0.0.1:--admin-port`` (0: none).
 - Unreachable hosts are not an error when writing a config (the balancer's checks take them out); ``--probe``
@@ -240,6 +242,7 @@ def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: 
         f"{ask}"
         "                response_headers_to_add:\n"
         "                - header: {key: x-dplb-host, value: '%UPSTREAM_REMOTE_ADDRESS%'}\n"
+        "                response_headers_to_remove: [endpoint-load-metrics]  # read by the LB first, then dropped\n"
         "          http_filters:\n"
         "          - name: envoy.filters.http.router\n"
         "            typed_config:\n"
