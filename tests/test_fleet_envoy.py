@@ -115,3 +115,24 @@ def test_killed_host_loses_only_its_in_flight_requests(tmp_path: pytest.TempPath
         assert ejected is not None and ejected < 5, (ejected, flags)
         assert after[dead] == 0 and sum(after.values()) > 0, after
         assert len(load.failures) <= 8 and len(load.failures) == fails_at, load.failures  # only in-flight ones
+
+
+def test_orca_report_is_used_then_stripped_and_an_idle_host_reports(tmp_path: pytest.TempPathFactory) -> None:
+    """Regression: an idle host sent application_utilization=0, which Envoy refuses ("Utilization must be
+    positive": its weight was not refreshed), and the endpoint-load-metrics header reached the clients. Now every
+    report is accepted by the load balancer, and no answer through Envoy carries the header."""
+    with hosts(str(tmp_path), [1.0], workers=1) as fleet:
+        port = free_port()
+        log = os.path.join(str(tmp_path), "envoy.log")
+        with _envoy(str(tmp_path), fleet, port, orca=True):  # Envoy logs a refused report as an error
+            with httpx.Client(timeout=30) as client:
+                for i in range(6):  # sequential, with pauses: the host is idle when most reports are made
+                    r = client.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                    json={"model": "dplb-sim", "max_tokens": 1,
+                                          "messages": [{"role": "user", "content": f"hi {i}"}]})
+                    assert r.status_code == 200, r.text
+                    assert "endpoint-load-metrics" not in r.headers, dict(r.headers)
+                    time.sleep(0.3)
+        with open(log, errors="replace") as f:
+            text = f.read()
+    assert "onOrcaLoadReport failed" not in text, [ln for ln in text.splitlines() if "onOrcaLoadReport" in ln][:3]

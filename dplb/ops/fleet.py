@@ -2,8 +2,11 @@
 
 Contract
 - :func:`parse_hosts` reads ``HOST:PORT[/AGENT_PORT]`` entries (comma-separated); an empty item (a stray comma),
-  a malformed entry, a port outside 1..65535 or a duplicate raises :class:`dplb.errors.ConfigError` naming it (one
-  CLI line).
+  a malformed entry, a port outside 1..65535 or a duplicate (one address in two spellings, a name in two cases)
+  raises :class:`dplb.errors.ConfigError` naming it (one CLI line).
+- Server names (:func:`server_names`) are readable and unique: ``h-`` and the address and port with every other
+  character as ``-``, an IPv6 address with all eight groups, and ``-2``, ``-3``… on a name already taken (hosts
+  differing only in punctuation). HAProxy sends the name to clients as ``x-dplb-host``.
 - :func:`haproxy_config` writes a complete ``haproxy.cfg`` (HAProxy ≥ 2.6): one backend, every host a server with
   an HTTP readiness check on ``/ready`` (503 while the host drains) and DPLB's agent-check (:mod:`dplb.router.agent`:
   ``up ready NN%`` sets the weight, ``drain`` stops new requests, ``down#reason`` takes it out). ``balance`` is
@@ -11,13 +14,19 @@ Contract
   longer requests count against it at once; ``roundrobin`` on request); with ``affinity_header`` it is
   ``hdr(<name>)`` with ``hash-type consistent`` and
   ``hash-balance-factor`` (bounded-load consistent hashing: a conversation's turns stay on the host holding its KV
-  cache, and spill once that host has more than factor/100 of the average load).
+  cache, and spill once that host has more than factor/100 of the average load). ``option http-no-delay`` is on:
+  without it HAProxy holds small writes back to fill packets, and a token stream (SSE) arrives in bursts (about
+  ten tokens every ~220 ms instead of one every step).
 - :func:`envoy_config` writes an Envoy v3 bootstrap (YAML): one listener, one cluster whose hosts are weighted by
   ``client_side_weighted_round_robin`` from the ORCA header DPLB adds (:mod:`dplb.router.orca`; the route asks for
-  it with ``endpoint-load-metrics-format: TEXT``), an HTTP health check on ``/ready`` (1 s, 2 failures), retries
-  on connect failures and refused streams, and outlier detection on local-origin failures only (2 consecutive
-  connect failures or resets eject a host that died between health checks; HTTP 5xx answers never eject: a
-  loaded DPLB host says so in its ORCA report, and ejecting it would pile its load on the others).
+  it with ``endpoint-load-metrics-format: TEXT`` and removes the report from the answer to the client: Envoy's
+  router reads it from the upstream headers before it applies ``response_headers_to_remove``), an HTTP health
+  check on ``/ready`` (1 s, 2 failures), retries on connect failures and refused streams, and outlier detection
+  on local-origin failures only (2 consecutive connect failures or resets eject a host that died between health
+  checks; HTTP 5xx answers never eject: a loaded DPLB host says so in its ORCA report, and ejecting it would pile
+  its load on the others). The cluster is
+  ``STATIC`` when every host is an IP literal and ``STRICT_DNS`` (IPv4 preferred) when any is a name (Envoy
+  refuses a name in a static cluster). The admin listener is on ``127.0.0.1:--admin-port`` (0: none).
 - Unreachable hosts are not an error when writing a config (the balancer's checks take them out); ``--probe``
   prints one warning line per host that does not answer ``/health``.
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import re
 import sys
 import urllib.error
@@ -34,9 +44,10 @@ from dataclasses import dataclass
 
 from dplb.config import split_list
 from dplb.errors import ConfigError
-from dplb.flags import flag_port
+from dplb.flags import flag_port, flag_port_or_off
 
 DEFAULT_AGENT_PORT = 30090
+DEFAULT_ENVOY_ADMIN_PORT = 9901  # Envoy's conventional admin port, on 127.0.0.1 only
 _HOST_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(?P<port>\d+)(?:/(?P<agent>\d+))?$")
 ORCA_UPDATE_S = 1.0  # Envoy CSWRR weight_update_period (its default)
 ORCA_BLACKOUT_S = 1.0  # Envoy CSWRR blackout_period: new weights are used after this long (Envoy default 10 s)
@@ -52,8 +63,37 @@ class FleetHost:
 
     @property
     def name(self) -> str:
-        """A config-safe server name (``h-127-0-0-2-30000``)."""
-        return "h-" + re.sub(r"[^A-Za-z0-9]+", "-", f"{self.host}-{self.port}").strip("-")
+        """A config-safe server name: ``h-127-0-0-2-30000``, ``h-gpu-1-example-30000``; an IPv6 address with
+        every group written out (``[::1]:30000`` → ``h-0-0-0-0-0-0-0-1-30000``), so two addresses never share
+        one. Names that differ only in punctuation can still meet: :func:`server_names` makes them unique."""
+        try:
+            ip = ipaddress.ip_address(self.host)
+        except ValueError:
+            return "h-" + re.sub(r"[^A-Za-z0-9]+", "-", f"{self.host}-{self.port}").strip("-")
+        groups = ip.exploded.split(":") if ip.version == 6 else str(ip).split(".")
+        return "h-" + "-".join(f"{int(g, 16):x}" if ip.version == 6 else g for g in groups) + f"-{self.port}"
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """What makes two entries one host: the address (an IP in one spelling, a name in lower case) and port."""
+        try:
+            return ipaddress.ip_address(self.host).compressed, self.port
+        except ValueError:
+            return self.host.lower().rstrip("."), self.port
+
+
+def server_names(hosts: list[FleetHost]) -> list[str]:
+    """Each host's :attr:`FleetHost.name`, unique: a name already taken gets ``-2``, ``-3``… (the first keeps it)."""
+    taken: set[str] = set()
+    out = []
+    for h in hosts:
+        name, n = h.name, 1
+        while name in taken:
+            n += 1
+            name = f"{h.name}-{n}"
+        taken.add(name)
+        out.append(name)
+    return out
 
 
 def parse_hosts(text: str, default_agent_port: int = DEFAULT_AGENT_PORT) -> list[FleetHost]:
@@ -67,7 +107,7 @@ def parse_hosts(text: str, default_agent_port: int = DEFAULT_AGENT_PORT) -> list
         if not (1 <= port <= 65535 and 1 <= agent <= 65535):
             raise ConfigError(f"--hosts: {raw!r}: ports must be 1..65535")
         h = FleetHost(m["host"].strip("[]"), port, agent)
-        if any((o.host, o.port) == (h.host, h.port) for o in out):
+        if any(o.key == h.key for o in out):  # one host written twice ([::1] and [0::1], Gpu1 and gpu1)
             raise ConfigError(f"--hosts: {h.host}:{h.port} is listed twice")
         out.append(h)
     return out
@@ -86,8 +126,8 @@ def haproxy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, affi
         raise ConfigError(f"--hash-balance-factor must be ≥ 100 (percent of the average load), got {balance_factor}")
     balance = [f"balance {algorithm}"] if affinity_header is None else [
         f"balance hdr({affinity_header})", "hash-type consistent", f"hash-balance-factor {balance_factor}"]
-    servers = [f"    server {h.name} {_hp(h.host, h.port)} check agent-check agent-port {h.agent_port}"
-               for h in hosts]
+    servers = [f"    server {name} {_hp(h.host, h.port)} check agent-check agent-port {h.agent_port}"
+               for h, name in zip(hosts, server_names(hosts), strict=True)]
     lines = [
         "# Written by `dplb fleet haproxy-config` (dplb.ops.fleet). DPLB hosts behind HAProxy:",
         "# /ready is the health check (503 while the host drains); the agent-check port sets each host's weight",
@@ -97,6 +137,7 @@ def haproxy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, affi
         "defaults",
         "    mode http",
         "    option http-keep-alive",
+        "    option http-no-delay  # send each streamed token at once (without it HAProxy batches SSE chunks)",
         "    option redispatch",
         "    retries 2",
         "    retry-on conn-failure empty-response response-timeout 503",
@@ -122,15 +163,31 @@ def _hp(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: bool = True,
-                 admin_port: int = 9901) -> str:
-    """An Envoy v3 bootstrap as YAML (module docstring). ``orca=False``: plain round robin (for comparison)."""
+                 admin_port: int = DEFAULT_ENVOY_ADMIN_PORT) -> str:
+    """An Envoy v3 bootstrap as YAML (module docstring). ``orca=False``: plain round robin (for comparison);
+    ``admin_port`` 0: no admin listener."""
     lhost, _, lport = listen.rpartition(":")
     if not lport.isdigit():
         raise ConfigError(f"--listen: {listen!r} is not HOST:PORT")
+    if not 0 <= admin_port <= 65535:
+        raise ConfigError(f"--admin-port must be 0 (none) or a TCP port 1..65535, got {admin_port}")
+    admin = ("admin:\n"
+             f"  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}\n") if admin_port else ""
+    discovery = ("    type: STATIC\n" if all(_is_ip(h.host) for h in hosts) else
+                 "    type: STRICT_DNS  # a host given by name: resolved, and re-resolved every 5 s\n"
+                 "    dns_lookup_family: V4_PREFERRED\n")
     endpoints = "\n".join(
         f"          - endpoint:\n              address:\n                socket_address: "
-        f"{{address: {h.host}, port_value: {h.port}}}" for h in hosts)
+        f"{{address: '{h.host}', port_value: {h.port}}}" for h in hosts)  # quoted: '::1' is no plain YAML
     if orca:
         policy = (
             "    load_balancing_policy:\n"
@@ -151,12 +208,11 @@ def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: 
     return (
         "# Written by `dplb fleet envoy-config` (dplb.ops.fleet): DPLB hosts behind Envoy, weighted by the ORCA\n"
         "# load report DPLB adds to each response (application_utilization, rps_fractional).\n"
-        "admin:\n"
-        f"  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}\n"
+        f"{admin}"
         "static_resources:\n"
         "  listeners:\n"
         "  - name: dplb\n"
-        f"    address: {{socket_address: {{address: {lhost or '0.0.0.0'}, port_value: {int(lport)}}}}}\n"
+        f"    address: {{socket_address: {{address: '{lhost.strip('[]') or '0.0.0.0'}', port_value: {int(lport)}}}}}\n"
         "    filter_chains:\n"
         "    - filters:\n"
         "      - name: envoy.filters.network.http_connection_manager\n"
@@ -186,13 +242,14 @@ def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: 
         f"{ask}"
         "                response_headers_to_add:\n"
         "                - header: {key: x-dplb-host, value: '%UPSTREAM_REMOTE_ADDRESS%'}\n"
+        "                response_headers_to_remove: [endpoint-load-metrics]  # read by the LB first, then dropped\n"
         "          http_filters:\n"
         "          - name: envoy.filters.http.router\n"
         "            typed_config:\n"
         '              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router\n'
         "  clusters:\n"
         "  - name: dplb_hosts\n"
-        "    type: STATIC\n"
+        f"{discovery}"
         "    connect_timeout: 2s\n"
         f"{policy}"
         "    common_lb_config: {healthy_panic_threshold: {value: 0}}  # a draining host never gets traffic back\n"
@@ -262,6 +319,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                            help="HAProxy's algorithm without --affinity-header (default %(default)s)")
         else:
             q.add_argument("--round-robin", action="store_true", help="plain round robin (no ORCA weights)")
+            q.add_argument("--admin-port", type=flag_port_or_off, default=DEFAULT_ENVOY_ADMIN_PORT,
+                           help="Envoy's admin listener on 127.0.0.1 (0: none; default %(default)s)")
     p.set_defaults(func=_cmd_fleet)
 
 
@@ -271,7 +330,7 @@ def _cmd_fleet(args: argparse.Namespace, rest: list[str]) -> int:
         text = haproxy_config(hosts, args.listen, affinity_header=args.affinity_header,
                               balance_factor=args.hash_balance_factor, algorithm=args.balance)
     else:
-        text = envoy_config(hosts, args.listen, orca=not args.round_robin)
+        text = envoy_config(hosts, args.listen, orca=not args.round_robin, admin_port=args.admin_port)
     if args.probe:
         for line in probe(hosts):
             print(line, file=sys.stderr)
@@ -287,4 +346,5 @@ def _cmd_fleet(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_AGENT_PORT", "FleetHost", "add_parser", "envoy_config", "haproxy_config", "parse_hosts", "probe"]
+__all__ = ["DEFAULT_AGENT_PORT", "DEFAULT_ENVOY_ADMIN_PORT", "FleetHost", "add_parser", "envoy_config",
+           "haproxy_config", "parse_hosts", "probe", "server_names"]

@@ -14,8 +14,13 @@ Contract
   The requested format is ``TEXT`` or ``JSON`` (case-insensitive); anything else (``BIN``, empty, garbage) gets
   ``TEXT`` — a documented default, never an error: the client asked for load reports, and TEXT is the format every
   ORCA parser reads.
-- A zero request rate is sent as a tiny positive ``rps_fractional`` (:data:`MIN_RPS`): Envoy ignores a report
-  without qps, which would leave an idle host at its old weight.
+- A zero request rate is sent as a tiny positive ``rps_fractional`` (:data:`MIN_RPS`), and a zero utilization as
+  a tiny positive ``application_utilization`` (:data:`MIN_UTILIZATION`, the smallest value the header's four
+  decimals carry): Envoy's client-side weighted round robin refuses a report whose qps or utilization is not
+  positive (``calculateWeightFromOrcaReport``: "QPS must be positive", "Utilization must be positive";
+  weight = qps ÷ utilization), which would leave an idle host at its old weight until
+  ``weight_expiration_period``. With both floors an idle host's weight is 0.01 ÷ 0.0001 = 100 (a busy host at
+  utilization 0.5 serving 10 rps: 20).
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ REQUEST_HEADER = b"endpoint-load-metrics-format"
 RESPONSE_HEADER = b"endpoint-load-metrics"
 MODES = ("off", "asked", "always")
 MIN_RPS = 0.01  # requests per second sent instead of 0 (see module docstring)
+MIN_UTILIZATION = 0.0001  # application_utilization sent instead of 0: the smallest 4-decimal value above 0
 
 
 def orca_fields(report: Any) -> dict[str, float]:
     """The report's ORCA fields: ``application_utilization``, ``rps_fractional`` and ``named_metrics.*``."""
-    return {"application_utilization": round(float(report.pressure), 4),
+    return {"application_utilization": max(MIN_UTILIZATION, round(float(report.pressure), 4)),
             "rps_fractional": round(max(MIN_RPS, float(report.rps)), 4),
             "named_metrics.kv_cache_usage_perc": round(float(report.kv_usage), 4),
             "named_metrics.num_requests_waiting": float(report.waiting),
@@ -79,5 +85,5 @@ class OrcaResponder:
         out.append((RESPONSE_HEADER, orca_header(self.report(), fmt)))
 
 
-__all__ = ["MODES", "REQUEST_HEADER", "RESPONSE_HEADER", "OrcaResponder", "orca_fields", "orca_header",
-           "requested_format"]
+__all__ = ["MIN_RPS", "MIN_UTILIZATION", "MODES", "REQUEST_HEADER", "RESPONSE_HEADER", "OrcaResponder", "orca_fields",
+           "orca_header", "requested_format"]
