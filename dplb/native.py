@@ -30,7 +30,8 @@ else:
 #: The modules compiled by scripts/build_native.sh (dotted names): the request's path through the router, the
 #: policy's pick and the shm reads it works on, and the per-request metrics.
 HOT_MODULES: tuple[str, ...] = (
-    "dplb.runtime.direct",
+    "dplb.runtime.direct", "dplb.runtime.protocol", "dplb.runtime.lane_cycle", "dplb.runtime.edge",
+    "dplb.runtime.conn_timer",
     "dplb.router.direct", "dplb.router.attempt", "dplb.router.exchange", "dplb.router.proxy",
     "dplb.router.state", "dplb.router.resume", "dplb.router.orca", "dplb.router.routes", "dplb.router.models",
     "dplb.policy.core", "dplb.policy.fused", "dplb.policy.scorers", "dplb.policy.prefix", "dplb.policy.decision",
