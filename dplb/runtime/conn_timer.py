@@ -11,8 +11,7 @@ or re-arms itself at the deadline of what the connection waits for.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from dplb.runtime.edge import DISCONNECT_EXT
 
@@ -39,8 +38,7 @@ class ConnectionTimer:
     flow: Any
     loop: Any
     transport: Any
-    timeout_keep_alive: int
-    timeout_keep_alive_handler: Callable[[], None]  # (uvicorn's: closes the connection)
+    timeout_keep_alive: Any  # (uvicorn's; Any: compiled, a typed slot would refuse a float)
 
     def _count_timeout(self) -> None:
         """Count one 408 ``request_timeout`` (the protocol's metrics hook)."""
@@ -105,7 +103,9 @@ class ConnectionTimer:
         if self.loop.time() < due:
             self._timer = self.loop.call_at(due, self._due)
         elif phase == 3:
-            self.timeout_keep_alive_handler()
+            # (uvicorn's method, closing the connection; looked up by name: compiled, an attribute declared here
+            # would be a slot that hides it)
+            cast(Any, self).timeout_keep_alive_handler()
         else:
             self._timed_out(phase)
 

@@ -37,14 +37,15 @@ class LaneCycle(RequestResponseCycle):
     ``asyncio.Event`` until :meth:`to_asgi`. ``direct``: the :class:`dplb.runtime.direct.DirectResponse` writing
     its answer, if any."""
 
-    disconnected = False
-    waiting_for_100_continue = False
-    more_body = True
-    response_started = False
-    response_complete = False
-    chunked_encoding = None
-    expected_content_length = 0
-    access_log = False
+    # (Annotated as uvicorn's cycle types them: compiled, each is a typed slot that uvicorn's code writes too.)
+    disconnected: bool = False
+    waiting_for_100_continue: bool = False
+    more_body: bool = True
+    response_started: bool = False
+    response_complete: bool = False
+    chunked_encoding: bool | None = None
+    expected_content_length: int = 0
+    access_log: bool = False
     direct: Any = None
     message_event: asyncio.Event = _NO_EVENT  # type: ignore[assignment]  # (to_asgi makes the event)
 

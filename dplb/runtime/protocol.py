@@ -36,6 +36,7 @@ Contract
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -64,378 +65,405 @@ log = logging.getLogger("dplb.serving")
 MAX_QUEUED = 8
 
 
+_BASE = HttpToolsProtocol
+# The base class's callbacks, called as plain functions (no super() object and bound method per call: these run
+# several times a request).
+_start_task = _BASE._start_asgi_task
+_base_headers_complete, _base_body, _base_complete = _BASE.on_headers_complete, _BASE.on_body, _BASE.on_message_complete
+_BAD_HTTP = error_response(400, b"Bad Request", "invalid_http", "malformed HTTP request")
+# Framings the router does not take, answered like malformed HTTP (and the connection closed), since reading them
+# another way than a proxy in front does would desynchronise the connection (RFC 9112 §6.1, §9.9).
+_BAD_CODING = error_response(400, b"Bad Request", "invalid_http",
+                             "Transfer-Encoding other than 'chunked' is not supported")
+_BAD_UPGRADE = error_response(400, b"Bad Request", "invalid_http",
+                              "the router switches protocols only to WebSocket: send this request without "
+                              "'Upgrade' (curl: --http1.1)")
+
+
+class ProtocolSettings:
+    """What :func:`bounded_protocol` was given, prepared once (the answers it sends, the handler's bound methods)
+    and shared by every connection of the server."""
+
+    def __init__(self, max_head_bytes: int, on_reject: Callable[[str], None] | None, direct: Any,
+                 timeouts: tuple[float, float] | None, serve_half_closed: bool) -> None:
+        self.max_head_bytes = max_head_bytes
+        self.on_reject = on_reject
+        self.direct = direct
+        self.wants: Any = getattr(direct, "wants", None)  # (bound once: asked per request)
+        self.begin: Any = getattr(direct, "begin", None)
+        self.too_large = error_response(431, b"Request Header Fields Too Large", "headers_too_large",
+                                        f"request line and headers exceed {max_head_bytes} bytes")
+        self.timed = timeouts is not None
+        self.head_s, self.body_s = timeouts if timeouts is not None else (0.0, 0.0)
+        self.slow_head = error_response(408, b"Request Timeout", "request_timeout",
+                                        f"the request head did not arrive within {self.head_s:g} s")
+        self.slow_body = error_response(408, b"Request Timeout", "request_timeout",
+                                        f"the request body stopped coming for {self.body_s:g} s")
+        self.serve_half_closed = serve_half_closed
+
+
+class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
+    """uvicorn's ``HttpToolsProtocol`` bounded and extended as the module docstring says, configured by its
+    :class:`ProtocolSettings` (:func:`bounded_protocol` makes the factory that passes them)."""
+
+    _head_bytes = 0  # request line + header bytes parsed so far (exact)
+    _raw_bytes = 0  # bytes of the incomplete head read so far (bounds memory); -1: it began in the current read
+    _too_large = False
+    _refusal: bytes | None = None  # the answer to a framing refused (the connection is then closed)
+
+    _peer_pid = 0  # SO_PEERCRED of a Unix-socket client, read once per connection
+    _deferred: LaneCycle | None = None  # the request held for the direct handler until its body is complete
+    _on_response: Callable[[], None]
+
+    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
+                 _loop: Any = None, *, settings: ProtocolSettings) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._settings = settings
+        self._max_head = settings.max_head_bytes
+        self._direct = settings.direct
+        self._wants, self._begin = settings.wants, settings.begin
+        self._timed, self._head_s, self._body_s = settings.timed, settings.head_s, settings.body_s
+        self._slow_head, self._slow_body = settings.slow_head, settings.slow_body
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._peer_pid = peer_pid(transport)
+        self._on_response = self.on_response_complete  # (a lane cycle's on_response, bound once)
+        if self._timed:  # a connection that sends nothing is a head that never comes
+            self._head_since = self.loop.time()
+            self._timer = self.loop.call_at(self._head_since + self._head_s, self._due)
+
+    def on_message_begin(self) -> None:  # uvicorn's, inlined (one call less per request)
+        self._in_head, self._head_bytes, self._raw_bytes = True, 0, -1
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.scope = {  # type: ignore[typeddict-item]  # (+ "asgi" and "state": _asgi_keys)
+            "type": "http",
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": self.headers,
+        }
+
+    def _asgi_keys(self, scope: Any) -> None:
+        """The scope's keys only an ASGI app reads, added once the request is known to go to one."""
+        scope["asgi"] = {"version": self.asgi_version, "spec_version": "2.3"}
+        scope["state"] = self.app_state.copy()
+
+    def on_url(self, url: bytes) -> None:  # uvicorn's, inlined
+        self._head_bytes += len(url)
+        self.url = self.url + url
+
+    def on_header(self, name: bytes, value: bytes) -> None:  # uvicorn's, inlined, and the head's size counted
+        self._head_bytes += len(name) + len(value) + 4
+        name = name.lower()
+        value = value.rstrip(b" \t")  # llhttp keeps trailing whitespace, which RFC 9110 §5.5 excludes
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        elif name == b"transfer-encoding" and value.lower() != b"chunked":  # (llhttp reads the last coding only)
+            self._refusal = _BAD_CODING
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._head_bytes > self._max_head:
+            self._too_large = True
+            raise ValueError("request head too large")  # httptools stops parsing; send_400_response below
+        if self._refusal is not None:
+            raise ValueError("framing refused")
+        scope = self.scope
+        scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid)}  # type: ignore[dict-item]
+        if self._direct is not None and self._lane(scope):
+            return
+        scope["asgi"] = {"version": self.asgi_version, "spec_version": "2.3"}  # (_asgi_keys, inlined)
+        scope["state"] = self.app_state.copy()
+        prev = self.cycle
+        _base_headers_complete(self)
+        cycle = self.cycle
+        if cycle is not prev and cycle is not None:  # (an upgrade request makes no cycle)
+            cycle.transport = CorkedTransport(self.transport)
+            if not cycle.keep_alive and scope["http_version"] == "1.0":
+                close_delimited(cycle)
+            if prev is None or prev.response_complete:  # started now (else queued, as uvicorn decided)
+                self._active = cycle
+            elif len(self.pipeline) < MAX_QUEUED:  # queued: uvicorn stopped reading; read on (MAX_QUEUED)
+                self.flow.resume_reading()
+
+    def _lane(self, scope: Any) -> bool:
+        """uvicorn's ``on_headers_complete`` for a request the direct handler may take: the scope completed the
+        same way, a :class:`LaneCycle`, held until the body is complete — or, queued behind another request,
+        queued as uvicorn queues it (see on_response_complete). False (nothing done but the scope's method) for
+        any other request."""
+        parser = self.parser
+        if self.expect_100_continue or self.limit_concurrency is not None or parser.get_method() != b"POST" \
+                or parser.should_upgrade():
+            return False
+        scope["method"] = "POST"
+        if not self._wants(scope):  # (first: a handler that takes nothing now costs uvicorn's path the least)
+            return False
+        for name, value in self.headers:  # a Content-Length within the direct limit (the first one: see begin)
+            if name == b"content-length":
+                if not value.isdigit() or int(value) > MAX_DIRECT_BODY:
+                    return False
+                break
+        else:
+            return False  # chunked: the app reads it (it may refuse it before reading it)
+        version = parser.get_http_version()
+        if version != "1.1":
+            scope["http_version"] = version
+        url: Any = parse_url(self.url)  # (Any: its query is None when absent, not the stubs' bytes)
+        raw_path = url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = unquote(path)
+        root = self.root_path
+        if root:
+            path, raw_path = root + path, root.encode("ascii") + raw_path
+        scope["path"] = path
+        scope["raw_path"] = raw_path
+        scope["query_string"] = url.query or b""
+        prev = self.cycle
+        cycle = self.cycle = LaneCycle(scope, self.transport, self.flow, self.server_state.default_headers,
+                                       version != "1.0" and parser.should_keep_alive(), self._on_response)
+        if prev is None or prev.response_complete:
+            self._deferred = self._active = cycle
+        else:  # pipelined: queued as uvicorn queues it, the connection still read up to MAX_QUEUED
+            self.pipeline.appendleft((cycle, self.app))
+            if len(self.pipeline) >= MAX_QUEUED:
+                self.flow.pause_reading()
+        return True
+
+    # A held request's body is collected here without the base's checks (an upgrade has no cycle; nothing was
+    # answered yet) and without a message event (no task waits on it; to_asgi makes one, set, if it goes to a
+    # task): the state the base's callbacks would have left it in.
+    def on_body(self, body: bytes) -> None:
+        cycle = self._deferred
+        if cycle is None:
+            _base_body(self, body)
+            return
+        if len(cycle.body) + len(body) > MAX_DIRECT_BODY:  # the app reads it (the base pauses reading)
+            self._deferred = None
+            self._start_deferred(cycle)
+            _base_body(self, body)
+            return
+        cycle.body.extend(body)
+
+    def on_message_complete(self) -> None:
+        cycle = self._deferred
+        if cycle is None:
+            _base_complete(self)
+            return
+        self._deferred = None
+        cycle.more_body = False
+        # (the cycle writes on the bare transport: the direct handler writes once per read already, no cork)
+        try:
+            taken = self._begin(cycle, lambda a: self._hand_on(cycle, a))
+        except Exception:  # a bug in the handler: the request is not lost, the connection is closed
+            log.exception("direct handler failed on %s %s", cycle.scope.get("method"), cycle.scope.get("path"))
+            self.transport.close()
+            return
+        if not taken:
+            self._start_deferred(cycle)
+
+    def _start_deferred(self, cycle: LaneCycle) -> None:
+        """Start the ASGI task of a request held for the direct handler, which did not take it."""
+        cycle.transport = CorkedTransport(self.transport)  # type: ignore[assignment]
+        self._hand_on(cycle, self.app)
+
+    def _hand_on(self, cycle: LaneCycle, app: Any) -> None:
+        """Run ``app`` as the task of a request held for the direct handler (see on_body)."""
+        self._asgi_keys(cycle.scope)
+        cycle.to_asgi(self)
+        if not cycle.keep_alive and cycle.scope["http_version"] == "1.0":
+            close_delimited(cycle)
+        _start_task(self, cycle, app)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        d = getattr(self.cycle, "direct", None)
+        if d is not None and d.pause is not None:
+            d.pause()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        d = getattr(self.cycle, "direct", None)
+        if d is not None and d.resume is not None:
+            d.resume()
+
+    def _count_timeout(self) -> None:
+        if self._settings.on_reject is not None:
+            self._settings.on_reject("request_timeout")
+
+    def on_response_complete(self) -> None:  # uvicorn's, with the connection's timer
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        flow = self.flow
+        if flow.read_paused:
+            flow.resume_reading()
+        if self.pipeline:  # the next pipelined request starts (busy)
+            self._idle_since = -1.0
+            cycle, app = self.pipeline.pop()
+            self._active = cycle
+            if type(cycle) is not LaneCycle:
+                self._start_asgi_task(cycle, app)
+            elif cycle is self.cycle and cycle.more_body:  # its body still coming: held for the direct handler
+                self._deferred = cycle
+            else:  # complete already (its body came while it was queued): the app's
+                self._start_deferred(cycle)
+            if self._timed and cycle.more_body:  # its body's clock starts now
+                self._body_at = self.loop.time()
+                self._arm()
+            return
+        refusal = self._refuse_after
+        if refusal is not None:  # bad bytes came after the requests now answered: their 400, then close
+            transport = self._active.transport if self._active is not None else self.transport
+            transport.write(refusal)
+            transport.close()
+            return
+        now = self._idle_since = self.loop.time()
+        if self._timed and self._in_head:  # the next head began while this one was answered
+            self._arm()
+        elif self._timer is None:
+            self._timer = self.loop.call_at(now + self.timeout_keep_alive, self._due)
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # (asyncio.Protocol allows True)
+        """The client shut its sending side. With ``serve_half_closed`` (the settings), complete requests not
+        answered yet are answered, the last one with ``connection: close`` (True: the transport stays open for
+        writing); otherwise, or with no such request, the EOF closes the connection (the client left)."""
+        cycle = self.cycle
+        if not self._settings.serve_half_closed or cycle is None or cycle.more_body or cycle.response_complete:
+            return None
+        cycle.keep_alive = False
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deferred, self._deferred = self._deferred, None
+        super().connection_lost(exc)
+        # uvicorn tells the last request parsed (self.cycle); with requests pipelined behind it, the one being
+        # answered is another, and it must hear the disconnect too (its engine request is aborted, its worker
+        # released). Queued requests never started: nothing to tell.
+        active, last = self._active, self.cycle
+        if active is not None and active is not last and not active.response_complete:
+            active.disconnected = True
+            active.message_event.set()
+        if deferred is not None:  # the client left before its body was complete: the app hears the disconnect
+            self._start_deferred(deferred)
+        for cycle in (active, last) if active is not last else (last,):
+            if cycle is not None and cycle.disconnected:
+                hook: Any = cycle.scope.get("extensions", {}).get(DISCONNECT_EXT)
+                if hook is not None:
+                    hook.fire()
+
+    def data_received(self, data: bytes) -> None:  # uvicorn's, inlined, then the bounds of an incomplete request
+        self._idle_since = -1.0  # (uvicorn's _unset_keepalive_if_required: busy, see above)
+        if self._refuse_after is not None:  # bad bytes were read: nothing after them is parsed
+            return
+        try:
+            self.parser.feed_data(data)
+        except HttpParserError:
+            self.logger.warning("Invalid HTTP request received.")
+            self._bad_bytes()
+            return
+        except HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade()
+        if self._in_head:
+            if not self.transport.is_closing():
+                self._head_read(len(data))
+        elif self._timed:
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body and not self.transport.is_closing():
+                self._body_at = self.loop.time()
+                self._arm()
+
+    def _head_read(self, n: int) -> None:
+        """A read of ``n`` bytes left a head incomplete: bound the bytes it holds and time it. Only the head's
+        own bytes count — a read that began it also carried the requests before it (a pipelined body), and of
+        it only what was parsed of the head counts (a partial header held by the parser: one read at most)."""
+        self._heard = True
+        raw = self._raw_bytes
+        if raw < 0:  # the head began in this read
+            raw = self._head_bytes
+            if self._timed and self.cycle is not None:  # (a new connection's first head is timed from the accept)
+                self._head_since = self.loop.time()
+        else:
+            raw += n
+        self._raw_bytes = raw
+        if raw > self._max_head:  # a head still incomplete past the cap: stop reading it now
+            self._too_large = True
+            self._bad_bytes()
+        elif self._timed:
+            self._arm()
+
+    def _bad_bytes(self) -> None:
+        """Bytes that are not HTTP, or a head over the cap. After complete requests not answered yet they wait
+        for those answers (nothing more is read); the 400 (431) then follows them and the connection closes
+        (on_response_complete). Else they are answered at once (send_400_response)."""
+        cycle = self.cycle
+        if cycle is None or cycle.more_body or cycle.response_complete or cycle.disconnected:
+            self.send_400_response("")
+            return
+        if self._settings.on_reject is not None:
+            self._settings.on_reject("headers_too_large" if self._too_large else "invalid_http")
+        self._refuse_after = self._settings.too_large if self._too_large else self._refusal or _BAD_HTTP
+        self.flow.pause_reading()
+
+    def _unsupported_upgrade(self) -> None:
+        """An ``Upgrade`` to anything but WebSocket: llhttp ends the request at its head and leaves the rest of
+        the bytes to the other protocol, so a body would be lost (the app would read none) and then read as the
+        next request. A request without a body is answered, then the connection closed; one with a body gets a
+        400 instead of its app's answer (the app hears a disconnect), and the connection is closed."""
+        self._unsupported_upgrade_warning()
+        cycle = self.cycle
+        if not any(n == b"transfer-encoding" or (n == b"content-length" and v.strip(b"0"))
+                   for n, v in self.headers):
+            if cycle is not None:
+                cycle.keep_alive = False
+            self.flow.pause_reading()
+            return
+        if cycle is not None and not cycle.response_started:
+            cycle.disconnected = True  # (before its task runs: its answer is never written, the 400 is)
+        self._refusal = _BAD_UPGRADE
+        self.send_400_response("")
+
+    def send_400_response(self, msg: str) -> None:
+        code = "headers_too_large" if self._too_large else "invalid_http"
+        if self._settings.on_reject is not None:
+            self._settings.on_reject(code)
+        cycle, active = self.cycle, self._active
+        # No request open, or the bad bytes are the open request's own body (a malformed chunk) before its
+        # answer began: answer 400; its app then sees a disconnect. Else (a pipelined request while the previous
+        # one is still being answered, or its answer is streaming) a 400 would read as that answer: only close.
+        idle = active is None or active is cycle or active.response_complete
+        if idle and (cycle is None or cycle.response_complete
+                     or ((cycle.more_body or self._refusal) and not cycle.response_started)):
+            self.transport.write(self._settings.too_large if self._too_large else self._refusal or _BAD_HTTP)
+        self.transport.close()
+
+
 def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | None = None,
                      direct: Any = None, timeouts: tuple[float, float] | None = None,
-                     serve_half_closed: bool = False) -> type:
-    """uvicorn's httptools protocol with request heads capped at ``max_head_bytes`` (431 + close above it) and
-    OpenAI-shaped 400s for malformed HTTP. ``on_reject(code)`` is called for each (metrics). Each request's scope
+                     serve_half_closed: bool = False) -> Callable[..., BoundedHttpToolsProtocol]:
+    """The factory of :class:`BoundedHttpToolsProtocol` (what uvicorn's ``Config(http=...)`` takes): uvicorn's
+    httptools protocol with request heads capped at ``max_head_bytes`` (431 + close above it) and OpenAI-shaped
+    400s for malformed HTTP. ``on_reject(code)`` is called for each (metrics). Each request's scope
     carries a :class:`DisconnectHook` under :data:`DISCONNECT_EXT`, and its response head and first body bytes
     are written together when sent back to back (:class:`CorkedTransport`). ``direct``: a direct handler
     (:mod:`dplb.runtime.direct`) offered each request it ``wants`` once the body is complete, before any ASGI task
     (the request gets a :class:`LaneCycle`). ``timeouts``: ``(header_s, body_s)``, the
     read timeouts of the module docstring (None: none, as on the workers). ``serve_half_closed``: answer complete
     requests whose client shut its sending side, then close (else that EOF is the client leaving)."""
-    # The base class's callbacks, called as plain functions (no super() object and bound method per call: these
-    # run several times a request).
-    base = HttpToolsProtocol
-    start_task = base._start_asgi_task
-    base_headers_complete, base_body, base_complete = base.on_headers_complete, base.on_body, base.on_message_complete
-
-    wants: Any = getattr(direct, "wants", None)  # (bound once: asked per request)
-    begin: Any = getattr(direct, "begin", None)
-    too_large = error_response(431, b"Request Header Fields Too Large", "headers_too_large",
-                               f"request line and headers exceed {max_head_bytes} bytes")
-    bad_http = error_response(400, b"Bad Request", "invalid_http", "malformed HTTP request")
-    # Framings the router does not take, answered like malformed HTTP (and the connection closed), since reading
-    # them another way than a proxy in front does would desynchronise the connection (RFC 9112 §6.1, §9.9).
-    bad_coding = error_response(400, b"Bad Request", "invalid_http",
-                                "Transfer-Encoding other than 'chunked' is not supported")
-    bad_upgrade = error_response(400, b"Bad Request", "invalid_http",
-                                 "the router switches protocols only to WebSocket: send this request without "
-                                 "'Upgrade' (curl: --http1.1)")
-    timed = timeouts is not None
-    head_s, body_s = timeouts if timeouts is not None else (0.0, 0.0)
-    slow_head = error_response(408, b"Request Timeout", "request_timeout",
-                               f"the request head did not arrive within {head_s:g} s")
-    slow_body = error_response(408, b"Request Timeout", "request_timeout",
-                               f"the request body stopped coming for {body_s:g} s")
-
-    class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
-        _timed, _head_s, _body_s, _slow_head, _slow_body = timed, head_s, body_s, slow_head, slow_body
-        _head_bytes = 0  # request line + header bytes parsed so far (exact)
-        _raw_bytes = 0  # bytes of the incomplete head read so far (bounds memory); -1: it began in the current read
-        _too_large = False
-        _refusal: bytes | None = None  # the answer to a framing refused (the connection is then closed)
-
-        _peer_pid = 0  # SO_PEERCRED of a Unix-socket client, read once per connection
-        _deferred: LaneCycle | None = None  # the request held for the direct handler until its body is complete
-        _on_response: Callable[[], None]
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._peer_pid = peer_pid(transport)
-            self._on_response = self.on_response_complete  # (a lane cycle's on_response, bound once)
-            if timed:  # a connection that sends nothing is a head that never comes
-                self._head_since = self.loop.time()
-                self._timer = self.loop.call_at(self._head_since + head_s, self._due)
-
-        def on_message_begin(self) -> None:  # uvicorn's, inlined (one call less per request)
-            self._in_head, self._head_bytes, self._raw_bytes = True, 0, -1
-            self.url = b""
-            self.expect_100_continue = False
-            self.headers = []
-            self.scope = {  # type: ignore[typeddict-item]  # (+ "asgi" and "state": _asgi_keys)
-                "type": "http",
-                "http_version": "1.1",
-                "server": self.server,
-                "client": self.client,
-                "scheme": self.scheme,
-                "root_path": self.root_path,
-                "headers": self.headers,
-            }
-
-        def _asgi_keys(self, scope: Any) -> None:
-            """The scope's keys only an ASGI app reads, added once the request is known to go to one."""
-            scope["asgi"] = {"version": self.asgi_version, "spec_version": "2.3"}
-            scope["state"] = self.app_state.copy()
-
-        def on_url(self, url: bytes) -> None:  # uvicorn's, inlined
-            self._head_bytes += len(url)
-            self.url += url
-
-        def on_header(self, name: bytes, value: bytes) -> None:  # uvicorn's, inlined, and the head's size counted
-            self._head_bytes += len(name) + len(value) + 4
-            name = name.lower()
-            value = value.rstrip(b" \t")  # llhttp keeps trailing whitespace, which RFC 9110 §5.5 excludes
-            if name == b"expect" and value.lower() == b"100-continue":
-                self.expect_100_continue = True
-            elif name == b"transfer-encoding" and value.lower() != b"chunked":  # (llhttp reads the last coding only)
-                self._refusal = bad_coding
-            self.headers.append((name, value))
-
-        def on_headers_complete(self) -> None:
-            self._in_head = False
-            if self._head_bytes > max_head_bytes:
-                self._too_large = True
-                raise ValueError("request head too large")  # httptools stops parsing; send_400_response below
-            if self._refusal is not None:
-                raise ValueError("framing refused")
-            scope = self.scope
-            scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid)}  # type: ignore[dict-item]
-            if direct is not None and self._lane(scope):
-                return
-            scope["asgi"] = {"version": self.asgi_version, "spec_version": "2.3"}  # (_asgi_keys, inlined)
-            scope["state"] = self.app_state.copy()
-            prev = self.cycle
-            base_headers_complete(self)
-            cycle = self.cycle
-            if cycle is not prev and cycle is not None:  # (an upgrade request makes no cycle)
-                cycle.transport = CorkedTransport(self.transport)
-                if not cycle.keep_alive and scope["http_version"] == "1.0":
-                    close_delimited(cycle)
-                if prev is None or prev.response_complete:  # started now (else queued, as uvicorn decided)
-                    self._active = cycle
-                elif len(self.pipeline) < MAX_QUEUED:  # queued: uvicorn stopped reading; read on (MAX_QUEUED)
-                    self.flow.resume_reading()
-
-        def _lane(self, scope: Any) -> bool:
-            """uvicorn's ``on_headers_complete`` for a request the direct handler may take: the scope completed the
-            same way, a :class:`LaneCycle`, held until the body is complete — or, queued behind another request,
-            queued as uvicorn queues it (see on_response_complete). False (nothing done but the scope's method) for
-            any other request."""
-            parser = self.parser
-            if self.expect_100_continue or self.limit_concurrency is not None or parser.get_method() != b"POST" \
-                    or parser.should_upgrade():
-                return False
-            scope["method"] = "POST"
-            if not wants(scope):  # (first: a handler that takes nothing now costs uvicorn's path the least)
-                return False
-            for name, value in self.headers:  # a Content-Length within the direct limit (the first one: see begin)
-                if name == b"content-length":
-                    if not value.isdigit() or int(value) > MAX_DIRECT_BODY:
-                        return False
-                    break
-            else:
-                return False  # chunked: the app reads it (it may refuse it before reading it)
-            version = parser.get_http_version()
-            if version != "1.1":
-                scope["http_version"] = version
-            url = parse_url(self.url)
-            raw_path = url.path
-            path = raw_path.decode("ascii")
-            if "%" in path:
-                path = unquote(path)
-            root = self.root_path
-            if root:
-                path, raw_path = root + path, root.encode("ascii") + raw_path
-            scope["path"] = path
-            scope["raw_path"] = raw_path
-            scope["query_string"] = url.query or b""
-            prev = self.cycle
-            cycle = self.cycle = LaneCycle(scope, self.transport, self.flow, self.server_state.default_headers,
-                                           version != "1.0" and parser.should_keep_alive(), self._on_response)
-            if prev is None or prev.response_complete:
-                self._deferred = self._active = cycle
-            else:  # pipelined: queued as uvicorn queues it, the connection still read up to MAX_QUEUED
-                self.pipeline.appendleft((cycle, self.app))
-                if len(self.pipeline) >= MAX_QUEUED:
-                    self.flow.pause_reading()
-            return True
-
-        # A held request's body is collected here without the base's checks (an upgrade has no cycle; nothing was
-        # answered yet) and without a message event (no task waits on it; to_asgi makes one, set, if it goes to a
-        # task): the state the base's callbacks would have left it in.
-        def on_body(self, body: bytes) -> None:
-            cycle = self._deferred
-            if cycle is None:
-                base_body(self, body)
-                return
-            if len(cycle.body) + len(body) > MAX_DIRECT_BODY:  # the app reads it (the base pauses reading)
-                self._deferred = None
-                self._start_deferred(cycle)
-                base_body(self, body)
-                return
-            cycle.body += body
-
-        def on_message_complete(self) -> None:
-            cycle = self._deferred
-            if cycle is None:
-                base_complete(self)
-                return
-            self._deferred = None
-            cycle.more_body = False
-            # (the cycle writes on the bare transport: the direct handler writes once per read already, no cork)
-            try:
-                taken = begin(cycle, lambda a: self._hand_on(cycle, a))
-            except Exception:  # a bug in the handler: the request is not lost, the connection is closed
-                log.exception("direct handler failed on %s %s", cycle.scope.get("method"), cycle.scope.get("path"))
-                self.transport.close()
-                return
-            if not taken:
-                self._start_deferred(cycle)
-
-        def _start_deferred(self, cycle: LaneCycle) -> None:
-            """Start the ASGI task of a request held for the direct handler, which did not take it."""
-            cycle.transport = CorkedTransport(self.transport)  # type: ignore[assignment]
-            self._hand_on(cycle, self.app)
-
-        def _hand_on(self, cycle: LaneCycle, app: Any) -> None:
-            """Run ``app`` as the task of a request held for the direct handler (see on_body)."""
-            self._asgi_keys(cycle.scope)
-            cycle.to_asgi(self)
-            if not cycle.keep_alive and cycle.scope["http_version"] == "1.0":
-                close_delimited(cycle)
-            start_task(self, cycle, app)
-
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            d = getattr(self.cycle, "direct", None)
-            if d is not None and d.pause is not None:
-                d.pause()
-
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            d = getattr(self.cycle, "direct", None)
-            if d is not None and d.resume is not None:
-                d.resume()
-
-        def _count_timeout(self) -> None:
-            if on_reject is not None:
-                on_reject("request_timeout")
-
-        def on_response_complete(self) -> None:  # uvicorn's, with the connection's timer
-            self.server_state.total_requests += 1
-            if self.transport.is_closing():
-                return
-            flow = self.flow
-            if flow.read_paused:
-                flow.resume_reading()
-            if self.pipeline:  # the next pipelined request starts (busy)
-                self._idle_since = -1.0
-                cycle, app = self.pipeline.pop()
-                self._active = cycle
-                if type(cycle) is not LaneCycle:
-                    self._start_asgi_task(cycle, app)
-                elif cycle is self.cycle and cycle.more_body:  # its body still coming: held for the direct handler
-                    self._deferred = cycle
-                else:  # complete already (its body came while it was queued): the app's
-                    self._start_deferred(cycle)
-                if timed and cycle.more_body:  # its body's clock starts now
-                    self._body_at = self.loop.time()
-                    self._arm()
-                return
-            refusal = self._refuse_after
-            if refusal is not None:  # bad bytes came after the requests now answered: their 400, then close
-                transport = self._active.transport if self._active is not None else self.transport
-                transport.write(refusal)
-                transport.close()
-                return
-            now = self._idle_since = self.loop.time()
-            if timed and self._in_head:  # the next head began while this one was answered
-                self._arm()
-            elif self._timer is None:
-                self._timer = self.loop.call_at(now + self.timeout_keep_alive, self._due)
-
-        def eof_received(self) -> bool | None:  # type: ignore[override]  # (asyncio.Protocol allows True)
-            """The client shut its sending side. With ``serve_half_closed``, complete requests not answered yet are
-            answered, the last one with ``connection: close`` (True: the transport stays open for writing);
-            otherwise, or with no such request, the EOF closes the connection (the client left)."""
-            cycle = self.cycle
-            if not serve_half_closed or cycle is None or cycle.more_body or cycle.response_complete:
-                return None
-            cycle.keep_alive = False
-            return True
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            deferred, self._deferred = self._deferred, None
-            super().connection_lost(exc)
-            # uvicorn tells the last request parsed (self.cycle); with requests pipelined behind it, the one being
-            # answered is another, and it must hear the disconnect too (its engine request is aborted, its worker
-            # released). Queued requests never started: nothing to tell.
-            active, last = self._active, self.cycle
-            if active is not None and active is not last and not active.response_complete:
-                active.disconnected = True
-                active.message_event.set()
-            if deferred is not None:  # the client left before its body was complete: the app hears the disconnect
-                self._start_deferred(deferred)
-            for cycle in (active, last) if active is not last else (last,):
-                if cycle is not None and cycle.disconnected:
-                    hook: Any = cycle.scope.get("extensions", {}).get(DISCONNECT_EXT)
-                    if hook is not None:
-                        hook.fire()
-
-        def data_received(self, data: bytes) -> None:  # uvicorn's, inlined, then the bounds of an incomplete request
-            self._idle_since = -1.0  # (uvicorn's _unset_keepalive_if_required: busy, see above)
-            if self._refuse_after is not None:  # bad bytes were read: nothing after them is parsed
-                return
-            try:
-                self.parser.feed_data(data)
-            except HttpParserError:
-                self.logger.warning("Invalid HTTP request received.")
-                self._bad_bytes()
-                return
-            except HttpParserUpgrade:
-                if self._should_upgrade():
-                    self.handle_websocket_upgrade()
-                else:
-                    self._unsupported_upgrade()
-            if self._in_head:
-                if not self.transport.is_closing():
-                    self._head_read(len(data))
-            elif timed:
-                cycle = self.cycle
-                if cycle is not None and cycle.more_body and not self.transport.is_closing():
-                    self._body_at = self.loop.time()
-                    self._arm()
-
-        def _head_read(self, n: int) -> None:
-            """A read of ``n`` bytes left a head incomplete: bound the bytes it holds and time it. Only the head's
-            own bytes count — a read that began it also carried the requests before it (a pipelined body), and of
-            it only what was parsed of the head counts (a partial header held by the parser: one read at most)."""
-            self._heard = True
-            raw = self._raw_bytes
-            if raw < 0:  # the head began in this read
-                raw = self._head_bytes
-                if timed and self.cycle is not None:  # (a new connection's first head is timed from the accept)
-                    self._head_since = self.loop.time()
-            else:
-                raw += n
-            self._raw_bytes = raw
-            if raw > max_head_bytes:  # a head still incomplete past the cap: stop reading it now
-                self._too_large = True
-                self._bad_bytes()
-            elif timed:
-                self._arm()
-
-        def _bad_bytes(self) -> None:
-            """Bytes that are not HTTP, or a head over the cap. After complete requests not answered yet they wait
-            for those answers (nothing more is read); the 400 (431) then follows them and the connection closes
-            (on_response_complete). Else they are answered at once (send_400_response)."""
-            cycle = self.cycle
-            if cycle is None or cycle.more_body or cycle.response_complete or cycle.disconnected:
-                self.send_400_response("")
-                return
-            if on_reject is not None:
-                on_reject("headers_too_large" if self._too_large else "invalid_http")
-            self._refuse_after = too_large if self._too_large else self._refusal or bad_http
-            self.flow.pause_reading()
-
-        def _unsupported_upgrade(self) -> None:
-            """An ``Upgrade`` to anything but WebSocket: llhttp ends the request at its head and leaves the rest of
-            the bytes to the other protocol, so a body would be lost (the app would read none) and then read as the
-            next request. A request without a body is answered, then the connection closed; one with a body gets a
-            400 instead of its app's answer (the app hears a disconnect), and the connection is closed."""
-            self._unsupported_upgrade_warning()
-            cycle = self.cycle
-            if not any(n == b"transfer-encoding" or (n == b"content-length" and v.strip(b"0"))
-                       for n, v in self.headers):
-                if cycle is not None:
-                    cycle.keep_alive = False
-                self.flow.pause_reading()
-                return
-            if cycle is not None and not cycle.response_started:
-                cycle.disconnected = True  # (before its task runs: its answer is never written, the 400 is)
-            self._refusal = bad_upgrade
-            self.send_400_response("")
-
-        def send_400_response(self, msg: str) -> None:
-            code = "headers_too_large" if self._too_large else "invalid_http"
-            if on_reject is not None:
-                on_reject(code)
-            cycle, active = self.cycle, self._active
-            # No request open, or the bad bytes are the open request's own body (a malformed chunk) before its
-            # answer began: answer 400; its app then sees a disconnect. Else (a pipelined request while the previous
-            # one is still being answered, or its answer is streaming) a 400 would read as that answer: only close.
-            idle = active is None or active is cycle or active.response_complete
-            if idle and (cycle is None or cycle.response_complete
-                         or ((cycle.more_body or self._refusal) and not cycle.response_started)):
-                self.transport.write(too_large if self._too_large else self._refusal or bad_http)
-            self.transport.close()
-
-    return BoundedHttpToolsProtocol
+    settings = ProtocolSettings(max_head_bytes, on_reject, direct, timeouts, serve_half_closed)
+    return functools.partial(BoundedHttpToolsProtocol, settings=settings)
 
 
 __all__ = ["DISCONNECT_EXT", "DisconnectHook", "LaneCycle", "bounded_protocol", "peer_pid"]
