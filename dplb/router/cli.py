@@ -190,7 +190,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("tenants (docs/DESIGN.md §15)")
     t.add_argument("--tenants", default=None, metavar="FILE",
                    help="TOML file of tenants (keys as SHA-256 digests, weights, priority classes, limits, models; "
-                   "`dplb tenants hash-key`); turns on the router's fair queue. SIGHUP reloads it (default: off, "
+                   "`dplb tenants hash-key`, `dplb tenants check`); turns on the router's fair queue. SIGHUP reloads "
+                   "it; a (re)start while it does not load uses its last good copy in the run dir (default: off, "
                    "one tenant 'default')")
     t.add_argument("--queue-max", type=int, default=d["queue_max"], metavar="N",
                    help=f"requests the fair queue holds at most; past it 429 (a tenant over its share) or 503 "
