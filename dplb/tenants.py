@@ -4,7 +4,10 @@ Contract
 - :func:`load_tenants` reads a TOML file (``--tenants FILE``) into a validated, immutable :class:`TenantsConfig`,
   or raises :class:`~dplb.errors.ConfigError` with one line naming the file and the key (``tenants.toml:
   tenants.chat.weight must be a number > 0, got -1``). Parsed once at start and on every reload; the router never
-  looks at the file's text again.
+  looks at the file's text again. :func:`load_tenants_or_last_good` is what a router uses: every load that succeeds
+  is kept as ``<run_dir>/tenants.last-good.toml`` (atomically), and a (re)start with a file that does not load falls
+  back on that copy — a restarted router process keeps serving with the configuration its siblings run — while a
+  first start with nothing to fall back on still refuses with one line.
 - Keys are never stored: a tenant lists the SHA-256 hex digests of its keys (``dplb tenants hash-key`` prints one).
   :meth:`TenantsConfig.lookup` hashes the presented key once and compares it against **every** configured digest
   with :func:`hmac.compare_digest` (no early exit), so the time does not depend on which digest matched.
@@ -37,9 +40,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import math
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -49,6 +54,7 @@ from dplb.errors import ConfigError
 
 DEFAULT_TENANT = "default"
 DEFAULT_CLASS = "default"
+LAST_GOOD_NAME = "tenants.last-good.toml"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _TENANT_KEYS = frozenset({"api_key_sha256", "weight", "priority", "requests_per_s", "tokens_per_min",
@@ -230,16 +236,78 @@ def parse_tenants(path: str, doc: dict[str, Any]) -> TenantsConfig:
     return TenantsConfig(path, tenants, classes, wp, wq, _slos(path, doc.get("slo", {}), classes), reserve)
 
 
-def load_tenants(path: str) -> TenantsConfig:
-    """Read and validate the tenants file at ``path``. Raises :class:`ConfigError` (one line: file, key, why)."""
+def read_tenants(path: str) -> tuple[TenantsConfig, bytes]:
+    """Read and validate the tenants file at ``path``: the configuration and the exact bytes it was parsed from
+    (what :func:`save_last_good` keeps). Raises :class:`ConfigError` (one line: file, key, why)."""
     try:
         with open(path, "rb") as f:
-            doc = tomllib.load(f)
+            raw = f.read()
     except OSError as e:
         raise ConfigError(f"--tenants {path}: cannot read it: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
+    return _parse_bytes(path, raw), raw
+
+
+def _parse_bytes(path: str, raw: bytes) -> TenantsConfig:
+    try:
+        doc = tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     return parse_tenants(path, doc)
+
+
+def load_tenants(path: str) -> TenantsConfig:
+    """Read and validate the tenants file at ``path``. Raises :class:`ConfigError` (one line: file, key, why)."""
+    return read_tenants(path)[0]
+
+
+def last_good_path(run_dir: str) -> str:
+    """Where a router keeps the last version of its tenants file that loaded: ``<run_dir>/tenants.last-good.toml``."""
+    return os.path.join(run_dir, LAST_GOOD_NAME)
+
+
+def save_last_good(path: str, raw: bytes, run_dir: str) -> bool:
+    """Keep ``raw`` (the bytes of ``path`` that just loaded) as :func:`last_good_path`, atomically (a temporary file
+    renamed over it), headed by a comment naming ``path`` so that a copy is never used for another file. False when
+    the run directory cannot be written (nothing to fall back on later, nothing else changes)."""
+    dest = last_good_path(run_dir)
+    tmp = f"{dest}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_last_good_header(path) + raw)
+        os.replace(tmp, dest)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False
+    return True
+
+
+def _last_good_header(path: str) -> bytes:
+    return f"# dplb: last good copy of {path}\n".encode()
+
+
+def load_tenants_or_last_good(path: str, run_dir: str) -> tuple[TenantsConfig, ConfigError | None]:
+    """The tenants file at ``path`` (kept as the last good copy when it loads), or — when it does not load and a last
+    good copy of that same file is in ``run_dir`` — that copy, with the error that refused the file (the caller
+    logs it and exposes it; nginx keeps its running configuration the same way). Raises :class:`ConfigError` when
+    the file does not load and there is nothing to fall back on."""
+    try:
+        tc, raw = read_tenants(path)
+    except ConfigError as e:
+        try:
+            with open(last_good_path(run_dir), "rb") as f:
+                copy = f.read()
+        except OSError:
+            raise e from None
+        header = _last_good_header(path)
+        if not copy.startswith(header):
+            raise e from None
+        try:
+            return _parse_bytes(path, copy[len(header):]), e
+        except ConfigError:
+            raise e from None
+    save_last_good(path, raw, run_dir)
+    return tc, None
 
 
 def single_tenant(api_key: str | None) -> TenantsConfig:
@@ -248,5 +316,6 @@ def single_tenant(api_key: str | None) -> TenantsConfig:
     return TenantsConfig("", (Tenant(DEFAULT_TENANT, hashes),))
 
 
-__all__ = ["DEFAULT_CLASS", "DEFAULT_TENANT", "Slo", "Tenant", "TenantsConfig", "hash_key", "load_tenants",
-           "parse_tenants", "single_tenant"]
+__all__ = ["DEFAULT_CLASS", "DEFAULT_TENANT", "LAST_GOOD_NAME", "Slo", "Tenant", "TenantsConfig", "hash_key",
+           "last_good_path", "load_tenants", "load_tenants_or_last_good", "parse_tenants", "read_tenants",
+           "save_last_good", "single_tenant"]

@@ -97,6 +97,29 @@ def test_stitcher_relays_whole_events_and_stitches_the_resumed_answer() -> None:
     assert s.text == "one two three" and s.done and s.feed(b"data: [DONE]\n\n") == b""  # one [DONE] only
 
 
+def test_stitched_usage_reports_the_original_cached_tokens_never_more_than_the_prompt() -> None:
+    """The continuation's prompt holds the delivered text, which its worker often has cached: the client's usage
+    must show the original request's cached tokens (≤ its prompt_tokens), not the continuation's."""
+    def stream(seen: dict | None) -> dict:
+        s = ResumeStream(False, b"{}", None, True)
+        events = [_ev({"id": "A", "created": 1, "choices": [{"index": 0, "text": t}]}) for t in "abc"]
+        if seen is not None:  # continuous usage: the original's own figures are seen before the break
+            events.append(_ev({"id": "A", "created": 1, "choices": [], "usage": seen}))
+        s.feed(b"".join(events))
+        s.broken = "killed"
+        s.next_segment()
+        out = s.feed(_ev({"id": "B", "created": 9, "choices": [],
+                          "usage": {"prompt_tokens": 50, "completion_tokens": 2, "total_tokens": 52,
+                                    "prompt_tokens_details": {"cached_tokens": 48}}}))
+        return msgspec.json.decode(out.split(b"\n\n")[0][6:])["usage"]
+    u = stream(None)
+    assert (u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"]) == (47, 47)  # 50 − 3 delivered
+    u = stream({"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                "prompt_tokens_details": {"cached_tokens": 0}})
+    assert u == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+
+
 def test_stitcher_treats_a_5xx_error_event_as_a_break_and_passes_a_4xx_one() -> None:
     s = ResumeStream(False, b"{}", None, False)
     e4 = _ev({"error": {"message": "bad", "code": 400}})
@@ -255,15 +278,18 @@ def test_20_sigkills_under_32_streams_every_eligible_stream_completes_seamlessly
     for st in eligible:
         want, prompt = _expected(st)
         ids = {e["id"] for e in st.events}
-        # the engine's prompt_tokens_details (cached tokens) is the last worker's own figure: not compared here
+        # cached tokens depend on which workers served it: not compared, but never more than the prompt
         usage = [{k: v for k, v in e["usage"].items() if k != "prompt_tokens_details"} for e in st.events
                  if e.get("usage")]
+        cached = [(e["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for e in st.events
+                  if e.get("usage")]
         n = st.body["max_tokens"]
         ok = (st.status == 200 and st.done == 1 and not st.after_done and st.error is None and st.text == want
               and len(ids) == 1 and all(c["index"] == 0 for e in st.events for c in e["choices"])
-              and usage == [{"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}])
+              and usage == [{"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}]
+              and all(x <= prompt for x in cached))
         if not ok:
-            bad.append((st.path, st.body, st.status, st.done, st.error, st.text, want, usage))
+            bad.append((st.path, st.body, st.status, st.done, st.error, st.text, want, usage, cached))
     assert not bad, (len(bad), bad[:3], c.tail())
     broke = {r: [s for s in streams if s.reason == r and s.error is not None] for r in _REFUSED}
     for r, ss in broke.items():
@@ -390,7 +416,10 @@ def test_with_tenants_a_resumed_stream_is_metered_and_keeps_the_events_the_clien
         resumed = c.metric("dplb_streams_resumed_total") or 0
         completion = wait_for(lambda: c.metric("dplb_tenant_tokens_total", {"kind": "completion", "tenant": "chat"}),
                               5, "the ledger's count (written when the request ends)")
+        prompt = c.metric("dplb_tenant_tokens_total", {"kind": "prompt", "tenant": "chat"}) or 0
+        cached = c.metric("dplb_tenant_tokens_total", {"kind": "cached", "tenant": "chat"}) or 0
     want, _ = _expected(st)
     assert resumed == 1 and st.status == 200 and st.done == 1 and st.error is None and st.text == want
     assert not [e for e in st.events if e.get("usage") or not e.get("choices")], raw[-4:]
     assert completion == 40
+    assert prompt > 0 and cached <= prompt, (prompt, cached)  # the original request's, not the continuation's

@@ -3,6 +3,8 @@ the token buckets and the usage meter — each table-driven with an injected clo
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dplb.errors import ConfigError, RouterErrorKind
@@ -341,3 +343,39 @@ def test_bench_targets_judge_the_reserve_modes_and_leave_the_engine_only_row_as_
     assert rows["two classes (priority): B's TTFT P99 / solo ≤ 3"] == (2.5, 3.0)
     assert rows["two classes (priority-2proc): B's TTFT P99 / solo ≤ 3"] == (3.2, 3.0)
     assert not any("noreserve" in name for name in rows) and len(rows) == 6
+
+
+def test_tenants_check_cli_is_one_line_exit_0_or_2(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from dplb.cli import main
+
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text(f'[tenants.a]\napi_key_sha256 = ["{H1}"]\n')
+    bad.write_text("garbage [\n")
+    assert main(["tenants", "check", str(good)]) == 0
+    assert capsys.readouterr().out == f"{good}: OK (1 tenants, classes default)\n"
+    assert main(["tenants", "check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{bad}: not valid TOML" in err
+
+
+def test_last_good_copy_serves_only_the_file_it_was_taken_from(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A file that loads is kept (atomically, no temporary file left); when it later does not load the copy is
+    used with the error that refused it; another file, or no copy, raises as before."""
+    from dplb.tenants import last_good_path, load_tenants_or_last_good
+
+    f, other = tmp_path / "t.toml", tmp_path / "other.toml"
+    f.write_text(f'[tenants.a]\napi_key_sha256 = ["{H1}"]\n')
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(ConfigError):
+        load_tenants_or_last_good(str(other), str(run))  # no such file, nothing to fall back on
+    tc, err = load_tenants_or_last_good(str(f), str(run))
+    assert err is None and [t.name for t in tc.tenants] == ["a"]
+    assert os.listdir(run) == [os.path.basename(last_good_path(str(run)))]
+    f.write_text("garbage [\n")
+    tc, err = load_tenants_or_last_good(str(f), str(run))
+    assert [t.name for t in tc.tenants] == ["a"] and err is not None and "not valid TOML" in str(err)
+    assert tc.path == str(f)
+    other.write_text("garbage [\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_tenants_or_last_good(str(other), str(run))  # the copy is t.toml's, not other.toml's

@@ -320,3 +320,46 @@ def test_without_tenants_key_or_access_log_the_router_keeps_no_ledger(tmp_path: 
         assert post(c, "/v1/chat/completions", chat(), headers=key).status_code == 200  # JSON: the engine's usage
         led = wait_for(lambda: read_ledger(c.url, "k") or None, 5, "the default tenant's ledger")
         assert led["default"]["requests"] == {"ok": 1} and led["default"]["completion_tokens"] == 4
+
+
+def test_a_concurrency_429_carries_x_ratelimit_headers_like_the_other_limits(tmp_path: Path) -> None:
+    """Every limit 429 carries Retry-After and x-ratelimit-* (README): max_concurrent's too, with its limit and
+    0 remaining, and the tenant's request-rate headers as well."""
+    extra = (f'[tenants.one]\napi_key_sha256 = ["{hash_key("one-key")}"]\npriority = "batch"\nmax_concurrent = 1\n'
+             'requests_per_s = 100\n')
+    tf = write_tenants(tmp_path / "tenants.toml", extra)
+    with cluster(str(tmp_path), 1, worker_args={0: SLOW}, router_args=["--tenants", tf]) as c:
+        async def go() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                h = {"authorization": "Bearer one-key"}
+                first = asyncio.create_task(client.post(c.url + "/v1/chat/completions", json=chat(20), headers=h))
+                await asyncio.sleep(0.4)
+                second = await client.post(c.url + "/v1/chat/completions", json=chat(2), headers=h)
+                return [await first, second]
+        first, second = asyncio.run(go())
+        assert first.status_code == 200
+        assert_openai_error(second, 429, "concurrency_limit_exceeded")
+        assert second.headers["retry-after"] == "1"
+        assert second.headers["x-ratelimit-limit-concurrent"] == "1"
+        assert second.headers["x-ratelimit-remaining-concurrent"] == "0"
+        assert second.headers["x-ratelimit-reset-concurrent"] == "1s"
+        assert second.headers["x-ratelimit-limit-requests"] == "100"
+
+
+def test_models_list_only_what_the_tenant_may_use(tmp_path: Path) -> None:
+    """/v1/models and /v1/models/{id} show a tenant only the models of its allow-list (a LoRA adapter it may not
+    use is neither listed nor retrievable); a tenant without one sees every model."""
+    tf = write_tenants(tmp_path / "tenants.toml")
+    with cluster(str(tmp_path), 1, worker_args={0: ["--sim-lora-adapters", "lora-a"]},
+                 router_args=["--tenants", tf]) as c:
+        def ids(tenant: str) -> set[str]:
+            r = httpx.get(c.url + "/v1/models", headers=auth(tenant), timeout=10)
+            assert r.status_code == 200, r.text
+            return {m["id"] for m in r.json()["data"]}
+        assert ids("chat") == {"dplb-sim", "lora-a"}
+        assert ids("small") == {"dplb-sim"}
+        assert ids("narrow") == set()
+        assert httpx.get(c.url + "/v1/models/lora-a", headers=auth("chat"), timeout=10).status_code == 200
+        hidden = httpx.get(c.url + "/v1/models/lora-a", headers=auth("small"), timeout=10)
+        assert_openai_error(hidden, 404, "model_not_found")
+        assert "Served models: dplb-sim\"" in hidden.text, hidden.text

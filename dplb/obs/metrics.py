@@ -102,6 +102,10 @@ TENANT_E2E = "dplb_tenant_e2e_seconds"
 TENANT_QUEUED = "dplb_tenant_queued_requests"
 TENANT_SLO_EVENTS = "dplb_tenant_slo_events"  # _total, by tenant, priority, slo (availability, ttft), result
 TENANT_SLO_OBJECTIVE = "dplb_tenant_slo_objective"  # by priority, slo: the tenants file's target (0-1)
+# With --tenants only: 1 = the file on disk is what runs; 0 = it did not load (at a start or a SIGHUP) and the
+# router runs the previous / last good version.
+TENANTS_FILE_VALID = "dplb_tenants_file_valid"
+TENANTS_FILE_FAILURES = "dplb_tenants_file_load_failures"  # _total: loads of the file that failed (start, SIGHUP)
 
 #: One owner per name: the router exports every per-worker figure that travels through the shm slot
 #: (lifecycle, warm-up, first request, model load, CUDA OOMs, scoring inputs) for all workers, even those whose

@@ -20,6 +20,8 @@ from dplb.obs.metrics import (
     TENANT_SLO_OBJECTIVE,
     TENANT_TOKENS,
     TENANT_TTFT,
+    TENANTS_FILE_FAILURES,
+    TENANTS_FILE_VALID,
 )
 
 
@@ -47,3 +49,22 @@ class TenantMetrics:
         self.slo_objective = Gauge(TENANT_SLO_OBJECTIVE, "A priority class's SLO target from the tenants file (0-1).",
                                    ["priority", "slo"], registry=registry)
 
+
+
+class TenantsFileMetrics:
+    """Whether the tenants file on disk is what the router runs (registered with ``--tenants`` only): a gauge, 0
+    while the router runs an older / last good version because the file did not load, and a failure counter."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.valid = Gauge(TENANTS_FILE_VALID, "1 when the --tenants file on disk loaded at the last start or SIGHUP; "
+                           "0 when it did not and the router runs the previous (last good) version.",
+                           registry=registry)
+        self.failures = Counter(TENANTS_FILE_FAILURES, "Loads of the --tenants file that failed (at a start, "
+                                "falling back on the last good copy, or at a SIGHUP, keeping the previous one).",
+                                registry=registry)
+
+    def loaded(self, ok: bool) -> None:
+        """Record one load of the file."""
+        self.valid.set(1 if ok else 0)
+        if not ok:
+            self.failures.inc()

@@ -1,5 +1,5 @@
-"""``dplb usage`` and ``dplb tenants hash-key``: the usage ledger of a running router, and a key's digest for the
-tenants file (docs/DESIGN.md §15).
+"""``dplb usage``, ``dplb tenants hash-key`` and ``dplb tenants check``: the usage ledger of a running router, a
+key's digest for the tenants file, and a tenants file checked as the router loads it (docs/DESIGN.md §15).
 
 Contract
 - :func:`read_ledger` reads the router's ``/metrics`` (a group's answer covers every process) and sums the
@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dplb.errors import DPLBError
 from dplb.obs.metrics import TENANT_E2E, TENANT_QUEUE_WAIT, TENANT_QUEUED, TENANT_REQUESTS, TENANT_TOKENS, TENANT_TTFT
-from dplb.tenants import hash_key
+from dplb.tenants import hash_key, load_tenants
 
 _MEANS = {TENANT_QUEUE_WAIT: "queue_wait_s_mean", TENANT_TTFT: "ttft_s_mean", TENANT_E2E: "e2e_s_mean"}
 
@@ -103,13 +103,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_usage)
     t = sub.add_parser("tenants", help="tenants file helpers")
-    ts = t.add_subparsers(dest="tenants_cmd", required=True, metavar="{hash-key}")
+    ts = t.add_subparsers(dest="tenants_cmd", required=True, metavar="{hash-key,check}")
     h = ts.add_parser("hash-key", help="print the SHA-256 digest of an API key for api_key_sha256",
                       description="Print the digest of KEY (or of a key typed at the prompt, or read from stdin "
                       "with '-' or when stdin is not a terminal: keeps it out of the shell history).")
     h.add_argument("key", nargs="?", default=None, help="the key; omit to type it (or to read a pipe), '-' to read "
                    "stdin")
     h.set_defaults(func=_cmd_hash_key)
+    c = ts.add_parser("check", help="validate a tenants file (before a SIGHUP reload): one line, exit 0 or 2",
+                      description="Load FILE as the router would: print one line, 'FILE: OK (…)' and exit 0, or the "
+                      "error (file, key, why) and exit 2.")
+    c.add_argument("file", help="the tenants file (TOML)")
+    c.set_defaults(func=_cmd_check)
 
 
 def _cmd_usage(args: argparse.Namespace, rest: list[str]) -> int:
@@ -118,6 +123,14 @@ def _cmd_usage(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"{args.url} keeps no usage ledger (it runs without --tenants, --api-key and --access-log)",
               file=sys.stderr)
     print(json.dumps(ledger, indent=2, sort_keys=True) if args.json else format_table(ledger))
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
+    """Print one line for a tenants file that loads; :class:`~dplb.errors.ConfigError` (exit 2) for one that does
+    not."""
+    tc = load_tenants(args.file)
+    print(f"{tc.path}: OK ({len(tc.tenants)} tenants, classes {', '.join(tc.classes)})")
     return 0
 
 

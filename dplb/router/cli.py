@@ -190,7 +190,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("tenants (docs/DESIGN.md §15)")
     t.add_argument("--tenants", default=None, metavar="FILE",
                    help="TOML file of tenants (keys as SHA-256 digests, weights, priority classes, limits, models; "
-                   "`dplb tenants hash-key`); turns on the router's fair queue. SIGHUP reloads it (default: off, "
+                   "`dplb tenants hash-key`, `dplb tenants check`); turns on the router's fair queue. SIGHUP reloads "
+                   "it; a (re)start while it does not load uses its last good copy in the run dir (default: off, "
                    "one tenant 'default')")
     t.add_argument("--queue-max", type=int, default=d["queue_max"], metavar="N",
                    help=f"requests the fair queue holds at most; past it 429 (a tenant over its share) or 503 "
@@ -243,20 +244,21 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         resume_streams=args.resume_streams, direct_relay=args.direct_relay,
         stall_after_s=args.stall_after, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         serve_half_closed=args.serve_half_closed,
-        tenants_file=_tenants_file(args.tenants), queue_max=args.queue_max, queue_timeout_s=args.queue_timeout,
+        tenants_file=_tenants_file(args.tenants, run_dir), queue_max=args.queue_max, queue_timeout_s=args.queue_timeout,
         engine_priority=args.engine_priority,
     )
 
 
-def _tenants_file(path: str | None) -> str | None:
-    """``--tenants``: the absolute path of a file that loads (checked now, so a bad file stops the start with one
-    line). Raises :class:`ConfigError`."""
+def _tenants_file(path: str | None, run_dir: str) -> str | None:
+    """``--tenants``: the absolute path of a file that loads, or of one with a last good copy in ``run_dir`` (the
+    router starts on that copy and says so: :func:`dplb.tenants.load_tenants_or_last_good`). Checked now, so a bad
+    file with nothing to fall back on stops the start with one line. Raises :class:`ConfigError`."""
     if path is None:
         return None
-    from dplb.tenants import load_tenants
+    from dplb.tenants import load_tenants_or_last_good
 
     path = os.path.abspath(path)
-    load_tenants(path)
+    load_tenants_or_last_good(path, run_dir)
     return path
 
 

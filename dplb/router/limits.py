@@ -12,7 +12,9 @@ Contract (pure logic; the clock is injected)
   difference between the engine's token count and what was taken.
 - :meth:`TenantLimits.headers`: ``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``,
   ``x-ratelimit-reset-requests`` (time until the bucket is full, OpenAI's ``1s`` / ``6m0s`` / ``20ms`` form) and
-  the same three for ``tokens`` — only for the limits the tenant has.
+  the same three for ``tokens`` — only for the limits the tenant has. :func:`concurrency_headers`: the three for
+  ``concurrent`` (``max_concurrent``) on its 429: the limit, 0 remaining, and the ``Retry-After`` hint as the reset
+  (a slot frees when one of the tenant's requests ends: no exact time).
 """
 
 from __future__ import annotations
@@ -118,4 +120,10 @@ class TenantLimits:
         return out
 
 
-__all__ = ["TenantLimits", "TokenBucket", "reset_text"]
+def concurrency_headers(limit: int, retry_after_s: float) -> list[tuple[bytes, bytes]]:
+    """The ``x-ratelimit-*-concurrent`` headers of a ``max_concurrent`` 429 (module docstring)."""
+    return [(b"x-ratelimit-limit-concurrent", b"%d" % limit), (b"x-ratelimit-remaining-concurrent", b"0"),
+            (b"x-ratelimit-reset-concurrent", reset_text(retry_after_s).encode())]
+
+
+__all__ = ["TenantLimits", "TokenBucket", "concurrency_headers", "reset_text"]

@@ -81,7 +81,8 @@ def build_local_app(app: RouterParts) -> Litestar:
         # A group answers for all its processes (dplb.router.siblings); ?scope=process for this one alone.
         if cfg.processes > 1 and request.query_params.get("scope") != SCOPE_PROCESS:
             source = merge_metrics(metrics.registry.collect(), cfg.process_index,
-                                   await fetch_siblings(cfg, "/metrics"), cfg.processes)
+                                   await fetch_siblings(cfg, "/metrics", request.headers.get("authorization")),
+                                   cfg.processes)
         # OpenMetrics when asked (Prometheus does with exemplar storage on): latency histograms then carry
         # trace-id exemplars.
         if "application/openmetrics-text" in request.headers.get("accept", ""):
@@ -110,23 +111,35 @@ def build_local_app(app: RouterParts) -> Litestar:
             return None
         return seen, ",".join(str(k) for k, a in zip(ks, answers, strict=True) if a is not None)
 
+    def allowed(request: Request[Any, Any, Any], entries: dict[str, dict[str, object]]) -> dict[str, dict[str, object]]:
+        """The entries the caller's tenant may use (its ``models`` allow-list; all without one, or for a caller
+        without a key on a public path)."""
+        gate = app.proxy.gate
+        if not gate.on:
+            return entries
+        tenant = gate.tenant_of(request.headers.get("authorization", "").encode())
+        if tenant is None or tenant.models is None:
+            return entries
+        return {k: e for k, e in entries.items() if tenant.may_use(k)}
+
     @get("/v1/models")
-    async def models() -> Response[Any]:
+    async def models(request: Request[Any, Any, Any]) -> Response[Any]:
         got = await union()
         if got is None:
             return _error(RouterErrorKind.NONE_ROUTABLE, "no ready worker answered /v1/models", cfg.retry_after_s)
-        return Response(msgspec.json.encode({"object": "list", "data": list(got[0].values())}),
+        return Response(msgspec.json.encode({"object": "list", "data": list(allowed(request, got[0]).values())}),
                         media_type="application/json", headers={"x-sg-worker-id": got[1]})
 
     @get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> Response[Any]:
+    async def model(request: Request[Any, Any, Any], model_id: str) -> Response[Any]:
         got = await union()
         if got is None:
             return _error(RouterErrorKind.NONE_ROUTABLE, "no ready worker answered /v1/models", cfg.retry_after_s)
-        entry = got[0].get(model_id.lstrip("/"))
+        mine = allowed(request, got[0])
+        entry = mine.get(model_id.lstrip("/"))
         if entry is None:
             return _error(RouterErrorKind.MODEL_NOT_FOUND, f"The model `{model_id.lstrip('/')}` does not exist. "
-                          f"Served models: {', '.join(sorted(got[0])) or '(none)'}")
+                          f"Served models: {', '.join(sorted(mine)) or '(none)'}")
         return Response(msgspec.json.encode(entry), media_type="application/json",
                         headers={"x-sg-worker-id": got[1]})
 
@@ -164,8 +177,8 @@ def build_local_app(app: RouterParts) -> Litestar:
             return own
         if request.query_params.get("scope") == SCOPE_PROCESS:
             return [{**d, "process": cfg.process_index} for d in own]
-        return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={n}"),
-                               n)
+        return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={n}",
+                                                                       request.headers.get("authorization")), n)
 
     return Litestar(route_handlers=[health, ready, metrics_endpoint, host_metrics, models, model, decisions,
                                     load_lora, unload_lora],

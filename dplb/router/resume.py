@@ -22,7 +22,9 @@ Contract
 - Stitching (:meth:`ResumeStream.feed` after a resume): every event of the resumed answer gets the original
   ``id`` and ``created`` and choice index 0; its role-only first chunk is dropped (the client had it); ``usage``
   is rewritten to prompt_tokens = the original prompt (as seen in the stream, else the resumed prompt minus the
-  tokens delivered), completion_tokens = delivered + resumed, total = their sum; exactly one ``[DONE]`` ends it.
+  tokens delivered), completion_tokens = delivered + resumed, total = their sum, and
+  ``prompt_tokens_details.cached_tokens`` = the original's (as seen, else the continuation's capped at that
+  prompt_tokens: the delivered text it also caches is not the client's prompt); exactly one ``[DONE]`` ends it.
 - Each stream is resumed at most :data:`MAX_RESUMES` times. A stream not resumed ends as without the flag: a
   final ``data: {"error": …}`` event naming the reason, no ``[DONE]``, an abnormal close; counted in
   ``dplb_stream_resume_refused_total{reason}`` (reasons: :data:`dplb.obs.metrics.RESUME_REFUSALS`).
@@ -127,9 +129,9 @@ class ResumeStream:
     up-front reason it cannot be resumed (None: eligible); ``broken``: why the current attempt ended early (None:
     it did not); ``resumes``: continuations sent."""
 
-    __slots__ = ("body", "break_kind", "broken", "buf", "chat", "created", "done", "finished", "id", "parts",
-                 "prompt_tokens", "reasoning", "refused", "resumes", "role_sent", "seg_chunks", "seg_usage", "t_break",
-                 "tokens_before", "tool_calls", "usage_sent", "want_usage")
+    __slots__ = ("body", "break_kind", "broken", "buf", "cached_tokens", "chat", "created", "done", "finished", "id",
+                 "parts", "prompt_tokens", "reasoning", "refused", "resumes", "role_sent", "seg_chunks", "seg_usage",
+                 "t_break", "tokens_before", "tool_calls", "usage_sent", "want_usage")
 
     def __init__(self, chat: bool, body: bytes, refused: str | None, want_usage: bool) -> None:
         self.chat, self.body, self.refused, self.want_usage = chat, body, refused, want_usage
@@ -143,6 +145,7 @@ class ResumeStream:
         self.id: Any = None
         self.created: Any = None
         self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None  # the original request's, when its own segment reported usage
         self.resumes = 0
         self.t_break = 0.0
         self.role_sent = self.done = self.finished = self.tool_calls = self.reasoning = self.usage_sent = False
@@ -252,17 +255,25 @@ class ResumeStream:
         return keep
 
     def _usage(self, usage: dict[str, Any], stitch: bool) -> None:
-        """Record a usage block (and make it add up across the seam when stitching)."""
+        """Record a usage block (and make it add up across the seam when stitching: the original request's prompt
+        and cached tokens, never the continuation's — whose prompt holds the delivered text, often cached)."""
         prompt, comp = usage.get("prompt_tokens"), usage.get("completion_tokens")
         if not isinstance(prompt, int) or not isinstance(comp, int):
             return
         self.seg_usage = comp
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if not stitch:
             self.prompt_tokens = prompt
+            if isinstance(cached, int):
+                self.cached_tokens = cached
         else:
             p = self.prompt_tokens if self.prompt_tokens is not None else max(0, prompt - self.tokens_before)
             c = self.tokens_before + comp
             usage.update(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+            if isinstance(details, dict) and isinstance(cached, int):
+                # The original prompt is the continuation's prefix: of its cached tokens at most p are the original's.
+                details["cached_tokens"] = self.cached_tokens if self.cached_tokens is not None else min(cached, p)
         self.usage_sent = True
 
     def why_not(self) -> str | None:

@@ -34,10 +34,13 @@ FETCH_TIMEOUT_S = 2.0
 SCOPE_PROCESS = "process"  # ?scope=process: this process alone (what siblings ask each other)
 
 
-async def fetch_siblings(cfg: RouterConfig, path: str) -> dict[int, bytes | None]:
-    """GET ``path`` (with ``scope=process``) from every other process of the group over its private socket.
-    Returns process index → body, None for a process that did not answer 200 in time."""
-    headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+async def fetch_siblings(cfg: RouterConfig, path: str, authorization: str | None = None) -> dict[int, bytes | None]:
+    """GET ``path`` (with ``scope=process``) from every other process of the group over its private socket, with
+    ``authorization`` (the ``Authorization`` header of the request being answered: the siblings load the same
+    keys — ``--api-key`` and the tenants file — so a request this process let in is let in there too), else
+    ``--api-key``'s. Returns process index → body, None for a process that did not answer 200 in time."""
+    headers = {"authorization": authorization} if authorization else \
+        {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     sep = "&" if "?" in path else "?"
 
     async def one(i: int) -> bytes | None:

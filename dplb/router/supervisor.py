@@ -15,7 +15,8 @@ server streams. The state plane is shared memory, so N processes can route on it
 - Supervision: a child that exits while the group runs is restarted at once (then with a backoff doubling from
   0.5 s to 10 s while it keeps failing within :data:`STABLE_S`); connections the dead child had accepted are lost,
   the other children's are not. After :data:`MAX_START_FAILURES` exits in a row before listening the parent gives
-  up (exit 1, the child's exit status in the log).
+  up (exit 1, the child's exit status in the log) — only when no other child serves: while one does, the failing
+  child is retried every :data:`BACKOFF_MAX_S` (one missing process is not worth stopping the healthy ones).
 - Liveness: every :data:`HEALTH_EVERY_S` the parent asks each child's private socket for ``/health``; a child that
   gives no HTTP answer :data:`HUNG_AFTER` times in a row (stopped, or its event loop stuck) is SIGKILLed and
   restarted — the kernel keeps handing a hung process new connections, so waiting would strand clients.
@@ -237,9 +238,7 @@ class RouterGroup:
                     m.proc = None
                     if not m.listening:
                         m.failures += 1
-                        if m.failures >= MAX_START_FAILURES:
-                            log.error("router process %d failed to start %d times in a row (exit %s); giving up",
-                                      m.index, m.failures, rc)
+                        if m.failures >= MAX_START_FAILURES and self._give_up(m, rc):
                             return 1
                     if now - m.started_at > STABLE_S:
                         m.backoff_s = BACKOFF_START_S
@@ -262,6 +261,21 @@ class RouterGroup:
                 watchdog.maybe_ping()
             time.sleep(0.05)
         return 0
+
+    def _give_up(self, m: _Member, rc: int | None) -> bool:
+        """After :data:`MAX_START_FAILURES` failed starts in a row: give up (True) only when no sibling serves;
+        while one does, stopping the group would turn one missing process into an outage, so keep restarting this
+        one at the longest backoff (logged once; ``dplb_router_processes`` shows it missing)."""
+        serving = [o.index for o in self.members if o is not m and o.listening and o.proc is not None]
+        if not serving:
+            log.error("router process %d failed to start %d times in a row (exit %s) and no other process serves; "
+                      "giving up", m.index, m.failures, rc)
+            return True
+        if m.failures == MAX_START_FAILURES:
+            log.error("router process %d failed to start %d times in a row (exit %s); processes %s still serve, "
+                      "retrying every %.0f s", m.index, m.failures, rc, ",".join(map(str, serving)), BACKOFF_MAX_S)
+        m.backoff_s = BACKOFF_MAX_S
+        return False
 
     def _stop(self) -> int:
         """SIGTERM every child, wait up to :func:`stop_wait_s`, SIGKILL the rest. 1 if any did not exit 0."""

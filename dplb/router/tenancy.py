@@ -41,14 +41,22 @@ from typing import TYPE_CHECKING, Any
 
 from dplb.config import RouterConfig
 from dplb.errors import ConfigError, RouterErrorKind
-from dplb.obs.metrics_tenant import TenantMetrics
+from dplb.obs.metrics_tenant import TenantMetrics, TenantsFileMetrics
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
-from dplb.router.limits import TenantLimits
+from dplb.router.limits import TenantLimits, concurrency_headers
 from dplb.router.ticket import Ticket
 from dplb.router.usage import max_tokens, with_fields
 from dplb.runtime.asgi import until_disconnect
 from dplb.runtime.serving import DISCONNECT_EXT
-from dplb.tenants import DEFAULT_TENANT, Tenant, TenantsConfig, hash_key, load_tenants, single_tenant
+from dplb.tenants import (
+    DEFAULT_TENANT,
+    Tenant,
+    TenantsConfig,
+    hash_key,
+    last_good_path,
+    load_tenants_or_last_good,
+    single_tenant,
+)
 
 if TYPE_CHECKING:
     from dplb.router.exchange import Exchange
@@ -71,7 +79,8 @@ class Gate:
         #: Whether requests go through the gate (module docstring): a tenants file, an API key or the access log.
         self.on = cfg.tenants_file is not None or bool(cfg.api_key) or cfg.access_log
         self.metrics = TenantMetrics(registry)
-        self.config = self._read()
+        self.file_metrics = TenantsFileMetrics(registry) if cfg.tenants_file is not None else None
+        self.config = self._read(starting=True)
         self.fq: FairQueue | None = None
         if cfg.tenants_file is not None:
             self.fq = FairQueue(len(self.config.classes), cfg.queue_max, cfg.queue_timeout_s,
@@ -87,11 +96,27 @@ class Gate:
         self._publish_slos()
 
     # ---- configuration ----------------------------------------------------------------------------------------
-    def _read(self) -> TenantsConfig:
+    def _read(self, starting: bool = False) -> TenantsConfig:
+        """The configuration: the tenants file (plus ``--api-key``'s tenant). A file that does not load raises
+        :class:`ConfigError` (a reload keeps what runs), except at a start with a last good copy of it in the run
+        directory (:func:`dplb.tenants.load_tenants_or_last_good`): then the copy, one ERROR line and
+        ``dplb_tenants_file_valid 0``."""
         path, key = self.cfg.tenants_file, self.cfg.api_key
         if path is None:
             return single_tenant(key)
-        tc = load_tenants(path)
+        try:
+            tc, err = load_tenants_or_last_good(path, self.cfg.run_dir)
+            if err is not None and not starting:
+                raise err
+        except ConfigError:
+            if self.file_metrics is not None:
+                self.file_metrics.loaded(False)
+            raise
+        if err is not None:
+            log.error("tenants file not loaded, starting with its last good copy %s: %s",
+                      last_good_path(self.cfg.run_dir), err)
+        if self.file_metrics is not None:
+            self.file_metrics.loaded(err is None)
         if key:
             extra = Tenant(DEFAULT_TENANT, (hash_key(key),), priority=tc.classes[-1])
             tc = dataclasses.replace(tc, tenants=(*tc.tenants, extra))
@@ -183,7 +208,9 @@ class Gate:
         if t.max_concurrent is not None and self.active[t.name] >= t.max_concurrent:
             await self.reject(ex, RouterErrorKind.CONCURRENCY_LIMITED, f"tenant {t.name} has {t.max_concurrent} "
                               "requests open, its max_concurrent; retry when one ends",
-                              retry_after=self.cfg.retry_after_s)
+                              retry_after=self.cfg.retry_after_s,
+                              extra_headers=concurrency_headers(t.max_concurrent, self.cfg.retry_after_s)
+                              + (tk.limits.headers() if tk.limits is not None else []))
             return False
         if tk.limits is not None and tk.limits.any:
             refused = tk.limits.check(tk.est)
