@@ -6,6 +6,7 @@
 - Requests: :func:`post` (JSON to the router), :func:`completion` (a request body), :func:`worker_get` (a worker's
   own endpoints over its socket), :func:`router_ready`, :func:`cut_stream` (a client that leaves mid-stream).
 - Engine progress: :func:`progress_gaps` (the largest silence of a healthy busy engine).
+- Router groups: :func:`group_children` (the pids of a ``--processes N`` group's children).
 - Checks and polling: :func:`assert_openai_error`, :func:`assert_no_internals`, :func:`wait_for`, :func:`read`,
   :func:`log_count`.
 - A real Prometheus scraping the stack (:class:`Prometheus`).
@@ -425,6 +426,18 @@ def assert_no_internals(text: str) -> None:
     """No stack trace, source file or internal path in a response body (AssertionError naming what leaked)."""
     m = INTERNALS.search(text)
     assert m is None, f"internal detail {m.group(0)!r} in {text[:300]!r}"
+
+
+def group_children(c: Cluster) -> dict[int, int]:
+    """Router process index → pid of the children of ``c``'s router group (``--processes N``)."""
+    assert c.router is not None
+    out = subprocess.run(["pgrep", "-P", str(c.router.pid), "-a"], capture_output=True, text=True).stdout
+    kids = {}
+    for line in out.splitlines():
+        pid, _, cmd = line.partition(" ")
+        if "--process-index" in cmd:
+            kids[int(cmd.rsplit(" ", 1)[1])] = int(pid)
+    return kids
 
 
 def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, step_s: float = 0.02) -> Any:

@@ -24,7 +24,7 @@ from dplb.worker.process import WorkerConfig
 #: Float flags where ``inf`` is a value with a meaning (``dplb bench run --request-rate inf``: all at once).
 INF_ALLOWED = {("bench", "run", "--request-rate")}
 #: Port flags where 0 means off.
-ZERO_IS_OFF = {"--metrics-port", "--metrics-port-base"}
+ZERO_IS_OFF = {"--metrics-port", "--metrics-port-base", "--admin-port"}  # --admin-port 0: no Envoy admin listener
 #: A port this test may name (nothing binds it: every case is refused before that).
 PORT = "33917"
 

@@ -339,6 +339,8 @@ def test_emit_systemd_keeps_every_router_flag_and_the_key_out_of_shared_files(tm
         c = router_config(p.parse_args(argv), run_dir="/run/dplb", shm_path=None, num_workers=2)
         return dataclasses.replace(c, api_key=None)
 
-    assert cfg(shlex.split(line.partition("=")[2])) == cfg(flags)
+    argv = shlex.split(line.partition("=")[2])
+    assert cfg(argv) == cfg(flags)
+    assert [a for a in argv if a in ("--processes", "--router-processes")] == ["--processes"], argv  # said once
     unit = Path(ROOT, "deploy/systemd/dplb-router.service").read_text()
     assert "EnvironmentFile=-/etc/dplb/router.env" in unit

@@ -16,29 +16,17 @@ import time
 
 import httpx
 import pytest
-from cluster import Cluster, cluster
+from cluster import Cluster, cluster, group_children
 
 pytestmark = pytest.mark.timeout(120)
 BODY = {"model": "dplb-sim", "prompt": "hello", "max_tokens": 2}
 SLOW = ["--sim-decode-step-s", "0.05"]  # 30 tokens ≈ 1.5 s: long enough to kill or drain mid-stream
 
 
-def _children(c: Cluster) -> dict[int, int]:
-    """Router process index → pid of the group's children."""
-    assert c.router is not None
-    out = subprocess.run(["pgrep", "-P", str(c.router.pid), "-a"], capture_output=True, text=True).stdout
-    kids = {}
-    for line in out.splitlines():
-        pid, _, cmd = line.partition(" ")
-        if "--process-index" in cmd:
-            kids[int(cmd.rsplit(" ", 1)[1])] = int(pid)
-    return kids
-
-
 def _wait_group(c: Cluster, n: int, timeout: float = 30) -> dict[int, int]:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        kids = _children(c)
+        kids = group_children(c)
         if len(kids) == n and c.metric("dplb_router_processes", {"state": "answered"}) == n:
             return kids
         time.sleep(0.1)
@@ -104,7 +92,7 @@ def test_group_answers_as_one_router(tmp_path) -> None:  # type: ignore[no-untyp
         assert all("process" in d for d in httpx.get(c.url + "/debug/decisions?scope=process").json())
         # A restarted process resets only its own series: the survivor's count never goes down.
         before = samples[ok % "1"]
-        os.kill(_children(c)[0], signal.SIGKILL)
+        os.kill(group_children(c)[0], signal.SIGKILL)
         _wait_group(c, 2)
         after = _samples(httpx.get(c.url + "/metrics").text)
         assert after[ok % "1"] == before and after.get(ok % "0", 0) == 0
@@ -232,12 +220,12 @@ def test_a_hung_process_is_killed_and_replaced(tmp_path) -> None:  # type: ignor
         os.kill(kids[1], signal.SIGSTOP)
         t0 = time.monotonic()
         try:
-            while time.monotonic() - t0 < 40 and _children(c).get(1) == kids[1]:
+            while time.monotonic() - t0 < 40 and group_children(c).get(1) == kids[1]:
                 time.sleep(0.25)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(kids[1], signal.SIGCONT)
-        assert _children(c).get(1) != kids[1], "the stopped process was never replaced"
+        assert group_children(c).get(1) != kids[1], "the stopped process was never replaced"
         assert 8 <= time.monotonic() - t0 <= 25, time.monotonic() - t0
         assert f"router process 1 (pid {kids[1]}) gave no /health answer 5 times in a row" in c.router_log()
         assert _wait_group(c, 2)[0] == kids[0]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -15,27 +14,15 @@ import httpx
 import pytest
 
 from dplb.tenants import LAST_GOOD_NAME
-from tests.cluster import Cluster, cluster, post, wait_for
+from tests.cluster import Cluster, cluster, group_children, post, wait_for
 from tests.test_tenants_cluster import auth, chat, write_tenants
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _children(c: Cluster) -> dict[int, int]:
-    """Router process index → pid of the group's children."""
-    assert c.router is not None
-    out = subprocess.run(["pgrep", "-P", str(c.router.pid), "-a"], capture_output=True, text=True).stdout
-    kids = {}
-    for line in out.splitlines():
-        pid, _, cmd = line.partition(" ")
-        if "--process-index" in cmd:
-            kids[int(cmd.rsplit(" ", 1)[1])] = int(pid)
-    return kids
-
-
 def _wait_group(c: Cluster, timeout: float = 30) -> dict[int, int]:
     def up() -> dict[int, int] | None:
-        kids = _children(c)
+        kids = group_children(c)
         ok = len(kids) == 2 and c.metric("dplb_router_processes", {"state": "answered"}) == 2
         return kids if ok else None
     return wait_for(up, timeout, f"a group of 2\n{c.tail()}", step_s=0.1)
@@ -97,7 +84,7 @@ def test_a_process_that_cannot_start_never_stops_its_serving_sibling(tmp_path: P
                  step_s=0.2)
         assert "processes 1 still serve" in c.router_log(), c.tail()
         assert c.router is not None and c.router.poll() is None
-        assert _children(c).get(1) == kids[1]
+        assert group_children(c).get(1) == kids[1]
         _all_ok(c, 10)
 
 
@@ -120,5 +107,5 @@ def test_siblings_authenticate_to_each_other(tmp_path: Path) -> None:
 
 
 def _wait_group_keyed(c: Cluster) -> None:
-    wait_for(lambda: len(_children(c)) == 2 and "router group: 2 processes" in c.router_log(), 30,
+    wait_for(lambda: len(group_children(c)) == 2 and "router group: 2 processes" in c.router_log(), 30,
              f"a group of 2\n{c.tail()}", step_s=0.1)

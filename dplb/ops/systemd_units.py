@@ -108,7 +108,8 @@ def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
         f"DPLB_STATE_INTERVAL_MS={args.state_interval_ms}",
         "CUDA_DEVICE_ORDER=PCI_BUS_ID",
         # Every router flag given to this command (not only host/port/policy), the processes always.
-        "DPLB_ROUTER_ARGS=" + shlex.join(["--processes", str(args.router_processes), *router_argv(args)]),
+        "DPLB_ROUTER_ARGS=" + shlex.join(["--processes", str(args.router_processes),
+                                                *router_argv(args, skip=("router_processes",))]),
     ]
     with open(os.path.join(out, "dplb.env"), "w") as f:
         f.write("\n".join(common) + "\n")

@@ -86,15 +86,16 @@ def _param_list() -> str:
                      for p in cls.parameters)
 
 
-def router_argv(args: argparse.Namespace) -> list[str]:
+def router_argv(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
     """Every router and policy flag of ``args`` that differs from its default, as a command line (what
     ``--emit-systemd`` writes into ``DPLB_ROUTER_ARGS``): derived from :func:`add_router_args`, so no flag can be
-    forgotten. ``--api-key`` is left out: a key never goes on a command line (it travels in ``DPLB_API_KEY``)."""
+    forgotten. ``--api-key`` is left out: a key never goes on a command line (it travels in ``DPLB_API_KEY``);
+    ``skip``: other destinations the caller writes itself."""
     probe = argparse.ArgumentParser(add_help=False)
     add_router_args(probe)
     out: list[str] = []
     for action in probe._actions:
-        if action.dest in ("help", "api_key"):
+        if action.dest in ("help", "api_key") or action.dest in skip:
             continue
         value = getattr(args, action.dest)
         flag = action.option_strings[0]
