@@ -36,10 +36,14 @@ def require_vllm() -> None:
 
 def vllm_env() -> dict[str, str]:
     """Environment for vLLM CPU workers started one by one (``dplb worker``): do not pin every worker's OpenMP
-    threads to the same core. ``dplb launch`` replaces the value with each worker's own cores
+    threads to the same core, and run one that does not spin. ``dplb launch`` replaces the value with each worker's own cores
     (dplb/ops/placement.py)."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # One OpenMP thread that sleeps between parallel regions: spinning threads on every core of a 2-core box starve
+    # the other tests' sim workers (their heartbeats went ~1 s late, and the routers rightly held them out).
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 
