@@ -25,9 +25,11 @@ ORIGIN = "https://app.example.com"
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """Worker 0 serves dplb-sim + sql-lora, worker 1 dplb-sim + chat-lora; LoRA admin and CORS on."""
+    # A 500 ms state interval (stale after 1.5 s): this module tests the API surface, not heartbeat hysteresis, and
+    # in a full -n 2 run on 2 cores both sim workers' heartbeats were once late past the default 0.6 s together.
     with cluster(str(tmp_path_factory.mktemp("lora")), 2,
                  worker_args={0: ["--sim-lora-adapters", "sql-lora"], 1: ["--sim-lora-adapters", "chat-lora=/a/c"]},
-                 router_args=["--allow-runtime-lora", "--cors-allowed-origins", ORIGIN]) as c:
+                 router_args=["--allow-runtime-lora", "--cors-allowed-origins", ORIGIN], state_interval_ms=500) as c:
         _wait_models(c, {"dplb-sim", "sql-lora", "chat-lora"})
         yield c
 
