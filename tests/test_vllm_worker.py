@@ -267,7 +267,7 @@ def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
     async def stream(cl: httpx.AsyncClient, started: asyncio.Event) -> None:
         n, done, error = 0, False, False
         async with cl.stream("POST", "/v1/completions", json={
-                "model": "tiny", "prompt": "drain me", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+                "model": "tiny", "prompt": "drain me", "max_tokens": HOLD_TOKENS, "ignore_eos": True, "stream": True}) as r:
             if r.status_code != 200:  # fail below instead of waiting forever for a stream that never starts
                 started.set()
             async for line in r.aiter_lines():
@@ -287,16 +287,22 @@ def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
             tasks = [asyncio.create_task(stream(cl, e)) for e in evs]
             await asyncio.gather(*[e.wait() for e in evs])
             worker.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.5)
+            t0 = time.monotonic()  # the drain notice, then a late request, while all four streams are still open
+            while worker.seg.read(0).lifecycle == Lifecycle.READY:
+                assert time.monotonic() - t0 < 5, worker.tail()
+                await asyncio.sleep(0.01)
             assert worker.seg.read(0).lifecycle == Lifecycle.DRAINING
             r = await cl.post("/v1/completions", json={"model": "tiny", "prompt": "late", "max_tokens": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == "worker_draining"
+            assert not results, "a stream ended before the drain was checked: the test would not test draining"
             await asyncio.gather(*tasks)
 
     asyncio.run(main())
-    # 400 tokens (max-model-len 512): long enough that every stream is still open 0.5 s after SIGTERM even on a quiet
-    # machine (120 tokens once finished within it); each ends with its tokens (a chunk may carry two) and [DONE]
-    assert len(results) == 4 and all(done and not error and n >= 360 for n, done, error in results), results
+    # HOLD_TOKENS each: the drain is checked within tens of ms of SIGTERM, seconds before any stream can end (400
+    # tokens once all finished within 0.5 s on a quiet CI box); each ends with its tokens (a chunk may carry two)
+    # and [DONE]
+    assert len(results) == 4 and all(done and not error and n >= HOLD_TOKENS * 0.9 for n, done, error in results), \
+        results
     assert worker.proc.wait(90) == 0
     assert worker.seg.read(0).lifecycle == Lifecycle.STOPPED
     assert not os.path.exists(worker.sock)
