@@ -36,6 +36,7 @@ import msgspec
 from dplb.policy.decision import PREFIX_PREDICTED_HEADER
 from dplb.policy.prefix import MAX_PREFIX_BLOCKS, block_hashes
 from dplb.state.kv_rings import OP_CLEARED, OP_REMOVED, OP_STORED
+from dplb.state.layout import KV_RING_ENTRIES
 from dplb.worker.engines.base import REQUEST_EXT, ASGIApp, OpenRequest, Receive, Scope, Send
 from dplb.worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -129,6 +130,19 @@ class KvTranslator:
     def _clear_router(self) -> None:
         self._keys.clear()
         self.ring.append(OP_CLEARED, [0])
+
+    def move_to(self, ring: Any) -> int:
+        """Publish into ``ring`` from now on (the worker's segment was replaced: ``ring`` is new and empty) and
+        confirm there the router keys the engine still holds: the most recently published half ring's worth at
+        most (KV_RING_ENTRIES / 2), so a reader that attached at the empty ring is not lapped by the burst.
+        Returns how many keys were confirmed."""
+        with self._lock:
+            self.ring = ring
+            held = sorted(((t, k) for keys in self._keys.values() for k, t in keys.items()), reverse=True)
+            keys = [k for _, k in held[:KV_RING_ENTRIES // 2]]
+            if keys:
+                ring.append(OP_STORED, keys)
+            return len(keys)
 
     # ---- request side (serving loop) -------------------------------------------------------------------------
     def observe(self, raw: bytes, ids: list[int], cached: int = -1, predicted_bytes: int = -1) -> int:

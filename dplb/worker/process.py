@@ -5,9 +5,9 @@ Contract (docs/DESIGN.md §8, §3)
   with ``max_tokens: 1`` is sent through the worker's own socket and timed) → ready (logs
   ``Worker K registered. State: {...}``) → draining (SIGTERM/SIGINT: model requests get 503 ``worker_draining``,
   in-flight ones finish, bounded by ``drain_timeout_s``) → stopped.
-- The collector thread publishes every ``state_interval_ms`` (heartbeat written every tick even when nothing
-  changed): engine scheduler state, per-request figures from :class:`RequestStats`, NVML memory (zeros + the
-  NO_GPU flag without a GPU).
+- The collector thread (:mod:`dplb.worker.collector`) publishes every ``state_interval_ms`` (heartbeat written
+  every tick even when nothing changed): engine scheduler state, per-request figures from :class:`RequestStats`,
+  NVML memory (zeros + the NO_GPU flag without a GPU).
 - The worker's own metrics (:data:`dplb.obs.metrics.WORKER_SIDE`: what the slot does not carry) and the engine's
   ``vllm:*`` metrics are served on ``metrics_host:metrics_port`` (127.0.0.1 unless ``--metrics-host``).
 - ``model_load_seconds`` (engine start until the engine is up, i.e. the model load) is published with ``warming``.
@@ -27,7 +27,8 @@ Contract (docs/DESIGN.md §8, §3)
 - A segment removed or replaced at runtime (a cleanup, ``dplb segment create`` again) does not stop the worker: it
   keeps serving (and publishing into its old mapping), the collector notices at its next tick (one ``stat``), logs
   once, and re-attaches to the segment that appears at the same path, re-publishing its whole slot (pid,
-  lifecycle, figures); one log line each way.
+  lifecycle, figures); one log line each way. The worker's KV ring moves with it, re-confirming the keys its engine
+  still holds (else the routers would forget that cache until each key's next request).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import logging
 import math
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 
@@ -58,14 +58,14 @@ from dplb.config import (
     check_state_interval_ms,
     worker_server_stop_s,
 )
-from dplb.errors import ConfigError, ShmError, ShmMissingError
+from dplb.errors import ConfigError, ShmError
 from dplb.obs.metrics_worker import WorkerMetrics, worker_metrics
-from dplb.policy.stall import StallDetector
 from dplb.runtime.gpu import GpuReader, visible_gpu_indices
-from dplb.runtime.sd_notify import Watchdog, notify
+from dplb.runtime.sd_notify import notify
 from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
-from dplb.state.router_slots import ROUTER_STALE_S, read_router_slots
-from dplb.state.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, FLAG_STALLED, Lifecycle, Segment, SlotWriter, WorkerState
+from dplb.state.kv_rings import KvRingWriter
+from dplb.state.shm import Lifecycle, Segment
+from dplb.worker.collector import Collector
 from dplb.worker.engines.base import TIMED_PATHS, Engine, Reconcilable, RequestStats, RequestStatsMiddleware, Scope
 from dplb.worker.kv_events import ZMQ_AVAILABLE, KvEventSubscriber
 from dplb.worker.kv_translate import KvTranslateMiddleware, KvTranslator
@@ -116,169 +116,6 @@ class WorkerConfig:
         return METRICS_PORT_BASE + self.worker_id if self.metrics_port is None else self.metrics_port
 
 
-class Collector:
-    """Publishes the worker's state into its shm slot every interval, on its own thread.
-
-    Lifecycle changes from the main thread go through :meth:`set_lifecycle`, which publishes at once; a lock
-    keeps the slot single-writer.
-    """
-
-    def __init__(self, writer: SlotWriter, engine: Engine, req: RequestStats, gpu: GpuReader,
-                 interval_s: float, metrics: WorkerMetrics, stall_after_s: float = 0.0,
-                 stall_restart_after_s: float = 0.0) -> None:
-        self.writer = writer
-        self.engine = engine
-        self.req = req
-        self.gpu = gpu
-        self.interval_s = interval_s
-        self.metrics = metrics
-        self.state = WorkerState(writer.worker_id, pid=os.getpid(), lifecycle=Lifecycle.STARTING,
-                                 started_unix_ns=time.time_ns(), flags=0 if gpu.available else FLAG_NO_GPU)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"dplb-collector-{writer.worker_id}", daemon=True)
-        self._wid = str(writer.worker_id)
-        self._last_oom = 0
-        self._watchdog = Watchdog()
-        self._detached = False  # the segment file was removed/replaced; publishing waits for a new one
-        self._attach_error = ""
-        self._restart_after_s = stall_restart_after_s
-        self._stall = StallDetector(writer.segment.num_workers, stall_after_s) if stall_after_s > 0 else None
-        #: Set (a message) once the engine has been stalled ``stall_restart_after_s``: the worker exits.
-        self.stall_failure: str | None = None
-
-    @property
-    def segment(self) -> Segment:
-        """The segment currently written (it changes when a recreated segment is re-attached)."""
-        return self.writer.segment
-
-    def start(self) -> None:
-        """Publish once now, then every interval."""
-        self.tick()
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop the thread (after one last publish by the caller)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
-    def set_lifecycle(self, lc: Lifecycle, **fields: float) -> None:
-        """Change lifecycle (and e.g. ``warmup_seconds``) and publish immediately."""
-        with self._lock:
-            self.state.lifecycle = lc
-            for k, v in fields.items():
-                setattr(self.state, k, v)
-        self.tick()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.tick()
-            except Exception:  # never let the heartbeat die silently
-                log.exception("collector tick failed")
-
-    def tick(self) -> None:
-        """Read engine, request and GPU figures and publish them with a fresh heartbeat."""
-        t0 = time.perf_counter()
-        es = self.engine.stats()
-        lat, ttfb = self.req.averages()
-        used, total, busy = self.gpu.read()
-        with self._lock:
-            s = self.state
-            s.num_running, s.num_waiting = es.num_running, es.num_waiting
-            s.kv_cache_usage, s.max_num_seqs = es.kv_cache_usage, es.max_num_seqs
-            s.last_prompt_tokens = es.last_prompt_tokens
-            s.kv_total_blocks, s.kv_block_size = es.kv_total_blocks, es.kv_block_size
-            s.max_loras = es.max_loras
-            s.gpu_memory_used_bytes, s.gpu_memory_total_bytes = used, total
-            s.flags = (FLAG_NO_GPU if not self.gpu.available else 0) | (FLAG_GPU_BUSY if busy else 0)
-            s.avg_latency_s, s.avg_ttft_s = lat, ttfb
-            s.requests_total, s.errors_total = self.req.requests_total, self.req.errors_total
-            s.first_request_seconds = self.req.first_request_seconds
-            if es.cuda_oom_total > self._last_oom:
-                log.error(
-                    "worker %s: CUDA out of memory reported by the engine (total %d). Lower "
-                    "--gpu-memory-utilization (e.g. 0.95 → 0.85), reduce --max-num-seqs/--max-model-len, or use "
-                    "more tensor parallelism (--tensor-parallel-size).", self._wid, es.cuda_oom_total)
-                self._last_oom = es.cuda_oom_total
-            s.cuda_oom_total = es.cuda_oom_total
-            now = time.monotonic_ns()
-            if not es.progress_known:
-                s.progress_mono_ns = 0  # the router's stall check skips an engine that cannot tell
-            elif es.progress_total != s.progress_total or not s.progress_mono_ns:
-                s.progress_total, s.progress_mono_ns = es.progress_total, now
-            self._follow_segment()
-            self._check_stall(now)
-            self.writer.publish_now(s)
-        if self.stall_failure is None:
-            self._watchdog.maybe_ping()  # systemd: the heartbeat thread is alive and the engine is not stalled
-        self.metrics.collector_tick.labels(self._wid).observe(time.perf_counter() - t0)
-
-    def _check_stall(self, now: int) -> None:
-        """The router's stall check on this worker's slot (caller holds the lock, before publishing): sets the
-        slot's ``FLAG_STALLED`` while stalled, and :attr:`stall_failure` once the engine has been stalled
-        ``stall_restart_after_s`` (> 0) since its last progress."""
-        st = self._stall
-        if st is None:
-            return
-        if self.stall_failure is not None:
-            self.state.flags |= FLAG_STALLED
-            return
-        k = self.writer.worker_id
-        seg = self.writer.segment
-        outstanding = [0] * seg.num_workers
-        for r in read_router_slots(seg._mm, seg.num_workers):
-            age = r["heartbeat_age_s"]
-            if age is not None and age < ROUTER_STALE_S:
-                outstanding[k] += r["inflight"][k]
-        st.observe([self.state], outstanding, now)
-        stalled_s = st.no_progress_s(k, now)
-        if stalled_s:
-            self.state.flags |= FLAG_STALLED
-        if stalled_s and self._restart_after_s and stalled_s > self._restart_after_s:
-            self.stall_failure = (f"engine made no progress for {stalled_s:.0f} s with requests in flight (stalled "
-                                  f"longer than --stall-restart-after {self._restart_after_s:g} s); withholding the "
-                                  "systemd watchdog and exiting for a restart")
-
-    def _follow_segment(self) -> bool:
-        """Switch to a segment that replaced ours at the same path (caller holds the lock); one ``stat`` per tick.
-        Until one appears the worker keeps publishing into its old mapping: a router that has not noticed the
-        removal yet still reads it, and would otherwise see every heartbeat go stale and stop routing.
-        Returns True when the writer points at the segment file now at the path."""
-        seg = self.writer.segment
-        if not self._detached:
-            if seg.still_present():
-                return True
-            self._detached = True
-            log.warning("Worker %s: state segment %s was removed or replaced; serving continues, and the state is "
-                        "published into it again once a segment exists at that path (dplb segment create / dplb "
-                        "launch)", self._wid, seg.path)
-        try:
-            new = Segment.attach(seg.path)
-        except ShmError as e:
-            self._attach_failed(e)
-            return False
-        try:
-            writer = new.writer(self.writer.worker_id)
-        except ShmError as e:  # the new segment has too few slots for this worker id
-            new.close()
-            self._attach_failed(e)
-            return False
-        self.writer, self._detached, self._attach_error = writer, False, ""
-        seg.close()
-        log.info("Worker %s re-attached to state segment %s; slot re-published (pid %d, %s)", self._wid, new.path,
-                 self.state.pid, self.state.lifecycle.name.lower())
-        return True
-
-    def _attach_failed(self, e: ShmError) -> None:
-        msg = str(e)
-        if msg != self._attach_error:  # once per distinct problem; "missing" is the expected wait, not an error
-            self._attach_error = msg
-            if not isinstance(e, ShmMissingError):
-                log.error("Worker %s: cannot re-attach the state segment: %s", self._wid, e)
-
-
 class MetricsApp:
     """ASGI app for the worker's metrics port: ``GET /metrics`` = engine ``vllm:*`` text + the worker's own."""
 
@@ -316,12 +153,14 @@ class Worker:
         self.metrics = worker_metrics(cfg.worker_id, __version__, engine.name, lambda: (
             self.req.requests_total, self.req.errors_total, self.gpu.errors_total), self.reconciler.figures)
         self.collector = Collector(self.segment.writer(cfg.worker_id), engine, self.req, self.gpu,
-                                   self.interval_ms / 1000, self.metrics, cfg.stall_after_s, cfg.stall_restart_after_s)
+                                   self.interval_ms / 1000, self.metrics, cfg.stall_after_s, cfg.stall_restart_after_s,
+                                   on_reattach=self._move_kv_ring)
         self.accepting = True
         self._stop = asyncio.Event()
         self.kv: KvTranslator | None = None
         self._kv_sub: KvEventSubscriber | None = None
-        self._kv_ring = None
+        self._kv_ring: KvRingWriter | None = None
+        self._kv_since = 0  # CLOCK_MONOTONIC ns since when the ring follows the engine's events (0: it does not)
         self._kv_path = ""  # the engine's KV-events socket file (removed at exit: vLLM's EngineCore leaves it)
         self._setup_kv_events()
 
@@ -346,6 +185,23 @@ class Worker:
         self._kv_path = endpoint.removeprefix("ipc://")
         self.kv = KvTranslator(ring, cfg.prefix_block_bytes)
         self._kv_sub = KvEventSubscriber(endpoint, self.kv.on_batch)
+
+    def _move_kv_ring(self, seg: Segment) -> None:
+        """The collector attached ``seg``, which replaced the segment at our path: this worker's KV ring moves into
+        it, with the keys the engine still holds confirmed there (else the routers, trusting the new ring, would
+        forget the engine's cache until each key's next request)."""
+        old = self._kv_ring
+        if old is None:
+            return
+        ring = seg.kv_writer(self.cfg.worker_id)
+        ring.reset(self.cfg.prefix_block_bytes)
+        n = self.kv.move_to(ring) if self.kv is not None else 0
+        ring.enable(self._kv_since)
+        self._kv_ring = ring
+        old.close()
+        if self._kv_since:
+            log.info("Worker %d: KV ring moved to the new segment (%d held keys confirmed there)", self.cfg.worker_id,
+                     n)
 
     def _router_inflight(self) -> dict[int, int]:
         """Each live router process's in-flight count for this worker (empty while the segment is unreadable)."""
@@ -386,7 +242,8 @@ class Worker:
                 self._kv_sub = self.kv = None  # the engine cannot give the requests' token ids after all
             if self._kv_sub is not None and self._kv_ring is not None:
                 self._kv_sub.start()
-                self._kv_ring.enable(time.monotonic_ns())
+                self._kv_since = time.monotonic_ns()
+                self._kv_ring.enable(self._kv_since)
                 log.info("Worker %d: following the engine's KV events on %s", k, self._kv_sub.endpoint)
             if self.engine.app is not None:
                 inner = self.engine.app if self.kv is None else KvTranslateMiddleware(self.engine.app, self.kv,
