@@ -261,3 +261,24 @@ def test_peers_see_the_most_urgent_class_a_process_has_queued(seg: Segment) -> N
     b.refresh_peers()
     assert b.peers_urgent() is None
     b.close()
+
+
+def test_claim_never_registers_in_a_segment_that_replaced_the_attached_one(seg: Segment) -> None:
+    """A router attached one file; `dplb segment create` replaced it before the router claimed its slot: the claim
+    touches neither the new file's registry nor its slots (the router re-attaches the new file on its next step)."""
+    attached = seg.inode
+    os.unlink(seg.path)
+    new = Segment.create(seg.path, 4)
+    try:
+        def registered() -> list[tuple[int, int]]:
+            with open(seg.path, "rb") as f:
+                raw = f.read()
+            return list(decode_header(seg.path, raw, len(raw)).routers)
+
+        assert RouterSlots.claim(seg.path, 4, 30000, 0, pid=A, inode=attached) is None
+        assert registered() == []
+        mine = RouterSlots.claim(seg.path, 4, 30000, 0, pid=A, inode=new.inode)
+        assert mine is not None and registered() == [(A, 30000)]
+        mine.close()
+    finally:
+        new.close()

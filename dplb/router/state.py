@@ -138,11 +138,12 @@ class RouterState:
         self._attach_error = None
         self._close_slots()
         # Registered in the header too, so `dplb doctor` never calls this segment stale.
-        self.slots = RouterSlots.claim(seg.path, seg.num_workers, self.cfg.port, self.cfg.process_index)
+        self.slots = RouterSlots.claim(seg.path, seg.num_workers, self.cfg.port, self.cfg.process_index,
+                                       inode=seg.inode)
         log.info("attached state segment %s (%d workers, %d ms interval%s)", seg.path, seg.num_workers,
                  seg.state_interval_ms, f"; router slot {self.slots.index}" if self.slots else
-                 "; no router slot (segment not writable or all taken): other routers cannot see this one's "
-                 "in-flight requests")
+                 "; no router slot (segment not writable, all taken or replaced meanwhile): other routers cannot "
+                 "see this one's in-flight requests")
         return True
 
     def _close_slots(self) -> None:

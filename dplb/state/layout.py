@@ -203,22 +203,38 @@ def register_router(path: str, port: int, pid: int | None = None) -> int | None:
     entry, else a free one, else one whose process is gone. Returns the entry's index (also the index of the
     router's slot, :mod:`dplb.state.router_slots`), or None (recording nothing) when the segment cannot be written or
     all :data:`MAX_ROUTERS` entries belong to live processes."""
-    pid = os.getpid() if pid is None else pid
     try:
         with _locked_fd(path) as fd:
-            if os.pread(fd, 4, 0) != MAGIC:
-                return None
-            raw = os.pread(fd, MAX_ROUTERS * ROUTER_ENTRY.size, ROUTERS_OFFSET)
-            entries = [ROUTER_ENTRY.unpack_from(raw, i * ROUTER_ENTRY.size) for i in range(MAX_ROUTERS)]
-            slot = next((i for i, e in enumerate(entries) if e[0] == pid), None)
-            if slot is None:
-                slot = next((i for i, e in enumerate(entries) if e[0] == 0 or not pid_alive(e[0])), None)
-            if slot is None:
-                return None
-            os.pwrite(fd, ROUTER_ENTRY.pack(pid, port & 0xFFFF, 0), ROUTERS_OFFSET + slot * ROUTER_ENTRY.size)
-            return slot
+            return _register(fd, port, os.getpid() if pid is None else pid)
     except OSError:
         return None
+
+
+def register_router_fd(fd: int, port: int, pid: int) -> int | None:
+    """:func:`register_router` in the segment file open on ``fd`` (read-write): the file a caller already holds,
+    whatever is at its path now. Takes and releases the same ``flock``."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            return _register(fd, port, pid)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:
+        return None
+
+
+def _register(fd: int, port: int, pid: int) -> int | None:
+    if os.pread(fd, 4, 0) != MAGIC:
+        return None
+    raw = os.pread(fd, MAX_ROUTERS * ROUTER_ENTRY.size, ROUTERS_OFFSET)
+    entries = [ROUTER_ENTRY.unpack_from(raw, i * ROUTER_ENTRY.size) for i in range(MAX_ROUTERS)]
+    slot = next((i for i, e in enumerate(entries) if e[0] == pid), None)
+    if slot is None:
+        slot = next((i for i, e in enumerate(entries) if e[0] == 0 or not pid_alive(e[0])), None)
+    if slot is None:
+        return None
+    os.pwrite(fd, ROUTER_ENTRY.pack(pid, port & 0xFFFF, 0), ROUTERS_OFFSET + slot * ROUTER_ENTRY.size)
+    return slot
 
 
 def unregister_router(path: str, pid: int | None = None) -> None:

@@ -70,7 +70,7 @@ from dplb.state.layout import (
     PREFIX_RING_SIZE,
     ROUTER_SLOT_SIZE,
     SLOT_SIZE,
-    register_router,
+    register_router_fd,
     unregister_router,
 )
 
@@ -122,19 +122,23 @@ class RouterSlots:
 
     @classmethod
     def claim(cls, path: str, num_workers: int, port: int, process_index: int = 0,
-              pid: int | None = None) -> RouterSlots | None:
+              pid: int | None = None, inode: int | None = None) -> RouterSlots | None:
         """Register process ``pid`` (default: this one) in the segment at ``path`` (``num_workers`` worker slots)
-        and take its router slot, zeroed. Returns None when the segment cannot be written or every slot belongs to
-        a live router."""
+        and take its router slot, zeroed; registry entry and slot are in the one file opened here. ``inode``: the
+        file the caller attached (:attr:`dplb.state.shm.Segment.inode`); a different file at the path now (the
+        segment was replaced meanwhile) is left untouched. Returns None when the segment cannot be written, was
+        replaced, or every slot belongs to a live router."""
         pid = os.getpid() if pid is None else pid
-        index = register_router(path, port, pid)
-        if index is None:
-            return None
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError:
             return None
         try:
+            if inode is not None and os.fstat(fd).st_ino != inode:
+                raise ValueError("replaced")
+            index = register_router_fd(fd, port, pid)
+            if index is None:
+                raise ValueError("not writable or full")
             mm = mmap.mmap(fd, routers_offset(num_workers) + routers_size(), access=mmap.ACCESS_WRITE)
         except (OSError, ValueError):
             os.close(fd)
