@@ -102,15 +102,38 @@ async def sse(client: httpx.AsyncClient, url: str, streams: int, tokens: int) ->
     return sum(counts) / (time.perf_counter() - t0)
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of process ``pid`` to ``cpus`` (``sched_setaffinity`` binds one thread id)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def place(c, relay_pid: int, cpu: int | None) -> str:  # type: ignore[no-untyped-def]
+    """The production placement, when ``cpu`` is given: the router (and the byte relay it is compared with) on
+    that CPU of its own, the client (this process) and the worker on the others; returns a one-line description."""
+    if cpu is None:
+        return "unpinned"
+    rest = os.sched_getaffinity(0) - {cpu}
+    if not rest or cpu not in os.sched_getaffinity(0):
+        raise SystemExit(f"--router-cpu {cpu}: needs that CPU and at least one other in this process's affinity")
+    assert c.router is not None
+    for pid in (c.router.pid, relay_pid):
+        pin(pid, {cpu})
+    for pid in (c.workers[0].pid, os.getpid()):
+        pin(pid, rest)
+    return f"router and relay on CPU {cpu}; client and worker on CPUs {sorted(rest)}"
+
+
 @contextlib.contextmanager
-def raw_relay(sock: str) -> Iterator[int]:
-    """A :mod:`raw_relay` process in front of the worker's socket ``sock``; yields its port."""
+def raw_relay(sock: str) -> Iterator[tuple[int, int]]:
+    """A :mod:`raw_relay` process in front of the worker's socket ``sock``; yields (its port, its pid)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "raw_relay.py"), str(port), sock],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", "raw_relay did not start"
-        yield port
+        yield port, proc.pid
     finally:
         proc.kill()
         proc.wait()
@@ -193,10 +216,14 @@ def one_mode(args: argparse.Namespace, tracing: bool) -> dict[str, float]:
         os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = rx.endpoint + "/v1/traces"
     try:
         with tempfile.TemporaryDirectory() as tmp, cluster(tmp, 1, worker_args={0: INSTANT_SIM}) as c:
-            with raw_relay(c.sock(0)) as relay_port:
+            with raw_relay(c.sock(0)) as (relay_port, relay_pid):
+                mine = os.sched_getaffinity(0)
+                placement = place(c, relay_pid, args.router_cpu)
                 res = asyncio.run(latency(c, args.requests, args.rounds, relay_port))
+                pin(os.getpid(), mine)
             dsum = c.metric("dplb_routing_decision_duration_seconds_sum") or 0.0
             dcnt = c.metric("dplb_routing_decision_duration_seconds_count") or 1.0
+        print(f"concurrency-1 latency placement: {placement}")
         with tempfile.TemporaryDirectory() as tmp, cluster(tmp, 1, worker_args={0: FAST_SIM}) as c:
             res.update(asyncio.run(run(c, args.requests, args.rounds)))
     finally:
@@ -217,6 +244,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tracing", choices=("off", "on", "both"), default="off",
                     help="router tracing (spans to a local OTLP receiver); both = two runs, compared")
+    ap.add_argument("--router-cpu", type=int, default=None,
+                    help="pin the router (and the byte relay) to this CPU and the client and worker to the others "
+                         "for the concurrency-1 latency: the production placement, where the router has cores of "
+                         "its own (default: unpinned, as the scheduler places them)")
     ap.add_argument("--json")
     args = ap.parse_args()
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.tracing]
