@@ -2,9 +2,10 @@
 
 Conventions every dashboard follows (tests/test_dashboards.py checks them):
 - schemaVersion 39 (Grafana 11/12); the data source is a ``DS_PROMETHEUS`` datasource variable and every panel and
-  query names it as ``{"type": "prometheus", "uid": "${DS_PROMETHEUS}"}``; an ``instance`` variable (one router),
-  a hidden ``host`` variable (that router's host: its workers' targets) and a ``worker`` variable
-  (``label_values(dplb_worker_up{…router…}, worker)``, multi, All = ``.*``; ``worker="none"`` never shown).
+  query names it as ``{"type": "prometheus", "uid": "${DS_PROMETHEUS}"}``; a ``stack`` variable (one stack: its
+  router and its workers, by the ``stack`` target label that ``dplb launch``'s file_sd targets and the Kubernetes
+  PodMonitor put on both jobs) and a ``worker`` variable (``label_values(dplb_worker_up{…router…}, worker)``, multi,
+  All = ``.*``; ``worker="none"`` never shown).
 - Metric names come from :mod:`dplb.obs.metrics` (never typed here), engine metrics are the ``vllm:*`` names the sim
   engine and vLLM both expose. Router series are scoped ``job="dplb-router"``, worker metrics ports
   ``job="dplb-workers"``; engine series carry no ``worker`` label, so :data:`WORKER_JOIN` adds it by ``instance``.
@@ -21,10 +22,12 @@ from grafanalib.core import GridPos, RowPanel, Stat, StateTimeline, Template, Te
 from dplb.obs import metrics as M
 
 DS: dict[str, str] = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
-# One router (host) at a time: $instance picks the router, $host (hidden, derived from it) its workers' targets, so
-# several routers never add up (three routers summed to 7 "routable workers" of 3).
-ROUTER = 'job="dplb-router", instance=~"$instance"'
-WORKERS = 'job="dplb-workers", instance=~"$host:.*"'
+# One stack at a time, router and workers alike by its stack label, so several routers never add up (three routers
+# summed to 7 "routable workers" of 3) and two stacks on one host never share worker panels (the workers' address
+# says nothing of their stack: a second stack on the same host, a router on 127.0.0.2 with workers on 127.0.0.1, or
+# --emit-systemd's localhost router next to 127.0.0.1 workers).
+ROUTER = 'job="dplb-router", stack="$stack"'
+WORKERS = 'job="dplb-workers", stack="$stack"'
 # worker="none" (decisions that found no worker) is not a worker: never a per-worker series.
 SEL_W = 'worker=~"$worker", worker!="none"'
 RI = "$__rate_interval"
@@ -127,21 +130,18 @@ class Layout:
 
 def variables() -> Templating:
     """DS_PROMETHEUS (current = the default data source, as @grafana/schema's VariableOption needs text and value),
-    instance (one router), host (hidden: the router's host, selects its workers' targets), worker (multi, All)."""
+    stack (one stack: the stack labels of the routers' build info), worker (multi, All)."""
     ds = Template(name="DS_PROMETHEUS", label="Data source", query="prometheus", type="datasource", refresh=1,
                   regex="")
     ds._current = {"selected": False, "text": "default", "value": "default"}
     build = f'{M.BUILD_INFO}_info{{job="dplb-router"}}'
-    instance = Template(name="instance", label="Router", query=f"label_values({build}, instance)", dataSource=DS,
-                        includeAll=False, multi=False, refresh=2, sort=1, regex="")
-    instance._current = {}
-    host = Template(name="host", label="Host", query=f'label_values({build[:-1]}, instance=~"$instance"}}, instance)',
-                    dataSource=DS, includeAll=False, multi=False, refresh=2, sort=1, regex="/^(.*):[0-9]+$/", hide=2)
-    host._current = {}
+    stack = Template(name="stack", label="Stack", query=f"label_values({build}, stack)", dataSource=DS,
+                     includeAll=False, multi=False, refresh=2, sort=1, regex="")
+    stack._current = {}
     worker = Template(name="worker", label="Worker", query=f"label_values({M.WORKER_UP}{{{ROUTER}}}, worker)",
                       dataSource=DS, includeAll=True, multi=True, allValue=".*", refresh=2, sort=3, regex="")
     worker._current = {"selected": True, "text": ["All"], "value": ["$__all"]}
-    return Templating(list=[ds, instance, host, worker])
+    return Templating(list=[ds, stack, worker])
 
 
 def make_dashboard(title: str, uid: str, description: str, layout: Layout) -> _Dashboard:

@@ -1,13 +1,12 @@
 """DPLB integrity: stalled workers, failed-fast and resumed streams, passive ejections, retries, and the worker's
 in-flight reconciliation (docs/DESIGN.md §8.1, §13, §14). → dplb-integrity.json"""
 
-from _common import RI, WORKERS, Layout, make_dashboard, r, targets, ts
+from _common import RI, ROUTER, WORKERS, Layout, make_dashboard, r, targets, ts
 
 from dplb.obs import metrics as M
 
 BY_W = "sum by (worker)"
 W = f'{{{WORKERS}, worker=~"$worker"}}'
-ROUTER_SEL = 'job="dplb-router", instance=~"$instance"'
 
 L = Layout()
 L.row("Stalls (engine progress)").add(
@@ -26,9 +25,9 @@ L.row("Failures the router absorbed").add(
        targets((f"{BY_W} (increase({r(M.WORKER_EJECTIONS + '_total')}[{RI}]))", "worker {{worker}}")),
        "Passive health check: a worker ejected for a few seconds after consecutive failed responses."),
     ts("Retries and resumed streams/s", "reqps",
-       targets((f"sum (rate({M.UPSTREAM_RETRIES}_total{{{ROUTER_SEL}}}[{RI}]))", "retried before the first byte"),
-               (f"sum (rate({M.STREAMS_RESUMED}_total{{{ROUTER_SEL}}}[{RI}]))", "streams resumed"),
-               (f"sum by (reason) (rate({M.STREAM_RESUME_REFUSED}_total{{{ROUTER_SEL}}}[{RI}]))",
+       targets((f"sum (rate({M.UPSTREAM_RETRIES}_total{{{ROUTER}}}[{RI}]))", "retried before the first byte"),
+               (f"sum (rate({M.STREAMS_RESUMED}_total{{{ROUTER}}}[{RI}]))", "streams resumed"),
+               (f"sum by (reason) (rate({M.STREAM_RESUME_REFUSED}_total{{{ROUTER}}}[{RI}]))",
                 "resume refused: {{reason}}")),
        "Requests re-sent to another worker before any byte reached the client, broken SSE streams continued on "
        "another worker (--resume-streams), and streams that could not be resumed (the client got an error event)."),

@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from dplb.state.shm import Lifecycle, Segment
 
@@ -465,15 +466,28 @@ def log_count(text: str, needle: str) -> int:
 
 # ---- Prometheus -------------------------------------------------------------------------------------------------
 class Prometheus:
-    """A real Prometheus on loopback scraping ``targets`` ({job: [host:port]}) every second."""
+    """A real Prometheus on loopback scraping ``targets`` ({job: [host:port]}, each target labelled ``labels``,
+    then relabelled by ``relabel_configs``) every second; with ``file_sd`` (a glob of file_sd JSON files, e.g. what
+    ``dplb launch`` writes) also the shipped deploy/prometheus/dplb-scrape.yml scrape config, its files pointed
+    there. ``port``: where it listens (default: a free one)."""
 
-    def __init__(self, binary: str, tmp: Path, targets: dict[str, list[str]], rule_file: Path | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, binary: str, tmp: Path, targets: dict[str, list[str]], rule_file: Path | None = None,
+                 labels: dict[str, str] | None = None, file_sd: str | None = None,
+                 relabel_configs: list[dict[str, Any]] | None = None, port: int = 0) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg: dict[str, Any] = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": t}]} for job, t in targets.items()],
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": t, "labels": labels or {}}],
+                                "relabel_configs": relabel_configs or []} for job, t in targets.items()],
         }
+        if file_sd is not None:
+            shipped = yaml.safe_load((Path(ROOT) / "deploy" / "prometheus" / "dplb-scrape.yml").read_text())
+            for sc in shipped["scrape_configs"]:
+                sc["scrape_interval"] = "1s"
+                for fsd in sc["file_sd_configs"]:
+                    fsd["files"] = [file_sd]
+                cfg["scrape_configs"].append(sc)
         if rule_file is not None:
             cfg["rule_files"] = [str(rule_file)]
         tmp.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -81,14 +82,35 @@ def test_emit_systemd_enables_the_target_and_writes_scrape_targets(tmp_path: Pat
     assert r.returncode == 0, r.stderr
     assert "systemctl enable --now dplb.target " in r.stdout, r.stdout
     groups = json.loads((tmp_path / "prometheus-targets.json").read_text())
-    assert groups[0] == {"targets": ["10.0.0.5:31000"], "labels": {"job": "dplb-router"}}
+    stack = f"{socket.gethostname()}:31000"  # the default stack label, on the router's and the workers' targets
+    assert groups[0] == {"targets": ["10.0.0.5:31000"], "labels": {"job": "dplb-router", "stack": stack}}
     host = groups[1]["targets"][0].rsplit(":", 1)[0]
     assert host not in ("0.0.0.0", "") and groups[1]["targets"] == [f"{host}:32001", f"{host}:32002"]
-    assert groups[1]["labels"] == {"job": "dplb-workers"}
+    assert groups[1]["labels"] == {"job": "dplb-workers", "stack": stack}
+    assert f'stack="{stack}"' in r.stdout, r.stdout
     # the workers bind what the targets file says
     for k in range(2):
         env = (tmp_path / f"worker-{k}.env").read_text()
         assert f"--metrics-host 0.0.0.0 --metrics-port {32001 + k}\n" in env, env
+
+
+def test_emit_systemd_labels_a_localhost_router_and_127_0_0_1_workers_as_one_stack(tmp_path: Path) -> None:
+    """The router target ``localhost:P`` and the worker targets ``127.0.0.1:…`` share no host, only the stack label
+    (--stack-name) the dashboards select by; a name that cannot go into a PromQL string is refused, nothing written."""
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--host", "localhost", "--stack-name",
+                                "gpu-node-3.prod:a", "--emit-systemd", str(tmp_path)),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    groups = json.loads((tmp_path / "prometheus-targets.json").read_text())
+    assert [g["targets"] for g in groups] == [["localhost:30000"], ["127.0.0.1:30001", "127.0.0.1:30002"]]
+    assert [g["labels"] for g in groups] == [{"job": "dplb-router", "stack": "gpu-node-3.prod:a"},
+                                             {"job": "dplb-workers", "stack": "gpu-node-3.prod:a"}]
+    for bad in ('a"b', "", "two words", "-x", "x" * 129):
+        out = tmp_path / f"bad{len(bad)}"
+        r = subprocess.run(dplb_cmd("launch", "--num-workers", "1", "--stack-name", bad, "--emit-systemd", str(out)),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "--stack-name" in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+        assert not out.exists(), bad
 
 
 def test_state_watch_into_a_file_writes_frames_and_the_heading_does_not_wrap(tmp_path: Path) -> None:

@@ -93,14 +93,13 @@ def test_dashboard_is_importable_by_current_grafana(name: str) -> None:
     assert ds["current"] == {"selected": False, "text": "default", "value": "default"}
     assert "time_options" not in d.get("timepicker", {}) and set(d.get("timepicker", {})) <= {
         "hidden", "refresh_intervals", "nowDelay"}
-    assert list(variables) == ["DS_PROMETHEUS", "instance", "host", "worker"]
-    inst, host = variables["instance"], variables["host"]
-    assert inst["query"] == f'label_values({M.BUILD_INFO}_info{{job="dplb-router"}}, instance)'
-    assert not inst["multi"] and not inst["includeAll"]  # one router at a time: several never add up
-    assert host["hide"] == 2 and host["regex"] == "/^(.*):[0-9]+$/" and "$instance" in host["query"]
+    assert list(variables) == ["DS_PROMETHEUS", "stack", "worker"]
+    stack = variables["stack"]
+    assert stack["query"] == f'label_values({M.BUILD_INFO}_info{{job="dplb-router"}}, stack)'
+    assert not stack["multi"] and not stack["includeAll"]  # one stack at a time: several never add up
     w = variables["worker"]
     assert w["type"] == "query" and w["datasource"] == DS
-    assert w["query"] == f'label_values({M.WORKER_UP}{{job="dplb-router", instance=~"$instance"}}, worker)'
+    assert w["query"] == f'label_values({M.WORKER_UP}{{job="dplb-router", stack="$stack"}}, worker)'
     assert w["includeAll"] and w["multi"] and w["allValue"] == ".*"
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids)) and all(isinstance(i, int) and i > 0 for i in ids), ids
@@ -116,10 +115,10 @@ def test_dashboard_is_importable_by_current_grafana(name: str) -> None:
     for p in data_panels(d):
         assert p["datasource"] == DS, p["title"]
         assert p["targets"] and all(t["datasource"] == DS and t["expr"] for t in p["targets"]), p["title"]
-        for t in p["targets"]:  # every series is scoped to the chosen router / its host (the fleet view: all)
+        for t in p["targets"]:  # every series is scoped to the chosen stack, router and workers (the fleet: all)
             for sel in re.findall(r'\{([^{}]*job="dplb-[a-z]+"[^{}]*)\}', t["expr"]) if name != "dplb-fleet.json" \
                     else []:
-                assert 'instance=~"$instance"' in sel or 'instance=~"$host:.*"' in sel, (p["title"], sel)
+                assert 'stack="$stack"' in sel and "instance" not in sel, (p["title"], sel)
             if 'worker=~"$worker"' in t["expr"]:
                 assert t["expr"].count('worker=~"$worker"') == t["expr"].count('worker!="none"'), p["title"]
         refs = [t["refId"] for t in p["targets"]]
@@ -206,10 +205,10 @@ def test_panels_named_in_runbooks_exist() -> None:
 
 
 # ---- every query against a real Prometheus and a live cluster -----------------------------------------------------
-def substitute(expr: str, worker: str, instance: str) -> str:
+def substitute(expr: str, worker: str, stack: str) -> str:
+    """``expr`` with Grafana's variables replaced as the dashboard would (``$stack``: the Stack variable)."""
     return (expr.replace("$__rate_interval", "30s").replace("$__interval", "15s").replace("$__range", "5m")
-            .replace("$worker", worker).replace("$instance", instance)
-            .replace("$host", instance.rsplit(":", 1)[0]))
+            .replace("$worker", worker).replace("$stack", stack))
 
 
 def no_value_text(name: str, title: str) -> str:
@@ -246,15 +245,15 @@ def test_every_query_evaluates_and_returns_data_against_a_live_cluster(tmp_path:
             c.start_worker(k, metrics_port=ports[k])
         load = Load(c.url, pause=0.1)
         prom = Prometheus(binary, tmp_path / "prom", {"dplb-router": [f"127.0.0.1:{c.port}"],
-                                                     "dplb-workers": [f"127.0.0.1:{p}" for p in ports]})
+                                                     "dplb-workers": [f"127.0.0.1:{p}" for p in ports]},
+                          labels={"stack": "test-stack"})
         try:
             prom.wait_up(3)
             time.sleep(8)  # ≥ 8 scrapes of traffic in every 30 s rate window
             failures = []
-            instance = f"127.0.0.1:{c.port}"
             for worker in (".*", "1"):
                 for name, title, expr in all_exprs():
-                    q = substitute(expr, worker, instance)
+                    q = substitute(expr, worker, "test-stack")
                     try:
                         res = prom.query(q)
                     except AssertionError as e:

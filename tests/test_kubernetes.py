@@ -6,6 +6,7 @@ and the core kinds pass strict schema validation (kubernetes-validate, when inst
 from __future__ import annotations
 
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -115,6 +116,34 @@ def test_prometheus_overlay_is_generated_from_alerts_and_dashboards() -> None:
     assert all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in docs if d["kind"] == "ConfigMap")
     pm = one(docs, "PodMonitor")
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+
+
+def _snake(key: str) -> str:
+    """A PodMonitor relabeling key as the Prometheus Operator writes it into the Prometheus config."""
+    return re.sub(r"[A-Z]", lambda m: "_" + m.group(0).lower(), key)
+
+
+def test_podmonitor_labels_each_pod_as_a_stack_in_a_real_prometheus(tmp_path: pathlib.Path) -> None:
+    """The PodMonitor's relabelings, run by a real Prometheus on a target that carries the pod meta labels
+    Kubernetes service discovery gives: job dplb-router and stack ``<pod>:<port>`` (the dashboards' Stack
+    variable; the name ``dplb launch`` gives the stack by default, the pod name being its host name)."""
+    from cluster import Prometheus, free_port, need
+
+    binary = need("prometheus")
+    pm = one(render("prometheus-operator"), "PodMonitor")
+    relabel = [{_snake(k): v for k, v in r.items()} for r in pm["spec"]["podMetricsEndpoints"][0]["relabelings"]]
+    port, pod = free_port(), "dplb-6d8f9c7b5-x2k4q"
+    # The target is the Prometheus itself (any /metrics will do: the labels come from relabeling, not the scrape).
+    prom = Prometheus(binary, tmp_path / "prom", {"kubernetes-pods": [f"127.0.0.1:{port}"]}, port=port,
+                      labels={"__meta_kubernetes_pod_name": pod, "__meta_kubernetes_pod_container_port_number":
+                              str(port)}, relabel_configs=relabel)
+    try:
+        prom.wait_up(1)
+        (up,) = prom.query("up")
+        assert {k: up["metric"][k] for k in ("job", "stack")} == {"job": "dplb-router", "stack": f"{pod}:{port}"}
+        assert not any(k.startswith("__meta") for k in up["metric"]), up["metric"]
+    finally:
+        prom.stop()
 
 
 @pytest.mark.parametrize("name", sorted(OVERLAYS))

@@ -216,8 +216,9 @@ def test_launch_from_a_shadowing_cwd_heals_and_cleans_up_honestly(tmp_path: Path
         # the launcher writes a Prometheus file_sd file of its targets; the shipped scrape config reads it
         targets = tmp_path / "run" / "prometheus-targets.json"
         groups = json.loads(targets.read_text())
-        assert groups == [{"targets": [f"127.0.0.1:{port}"], "labels": {"job": "dplb-router"}},
-                          {"targets": [f"127.0.0.1:{mport}"], "labels": {"job": "dplb-workers"}}]
+        stack = f"{socket.gethostname()}:{port}"  # the default stack label: this host's name and the router port
+        assert groups == [{"targets": [f"127.0.0.1:{port}"], "labels": {"job": "dplb-router", "stack": stack}},
+                          {"targets": [f"127.0.0.1:{mport}"], "labels": {"job": "dplb-workers", "stack": stack}}]
         prom = _prometheus_from_shipped_config(tmp_path, targets)
         # heal a deleted segment the documented way: `dplb segment create --shm-path <same> --num-workers N`
         os.unlink(shm)

@@ -7,7 +7,8 @@
 - :func:`root_cause`: the line of a worker log that says why it failed (vLLM's ``ValueError … decrease
   --gpu-memory-utilization`` sits above a page of shutdown tracebacks).
 - :func:`scrape_targets`: Prometheus ``file_sd`` target groups of the stack (jobs ``dplb-router``, ``dplb-workers``,
-  the names the alert rules expect), written by ``dplb launch`` and ``--emit-systemd``.
+  the names the alert rules expect; every group labelled ``stack``, :func:`stack_label`, which the dashboards select
+  a stack's router and workers by), written by ``dplb launch`` and ``--emit-systemd``.
 - :func:`child_argv`: how children are started: ``python -P -m dplb.cli`` (``-P``: the current directory is not put
   first on ``sys.path``, so a ``dplb/`` folder there cannot shadow the installed package; ``PYTHONPATH`` still
   applies).
@@ -32,6 +33,11 @@ from dplb.runtime.serving import bind_tcp
 
 #: The scrape jobs the alert rules and dashboards expect.
 ROUTER_JOB, WORKERS_JOB = "dplb-router", "dplb-workers"
+#: The target label naming the stack a router or worker target belongs to (the dashboards' ``$stack`` variable).
+STACK_LABEL = "stack"
+#: A ``--stack-name``: the dashboards put it inside a PromQL string (``stack="$stack"``) and Grafana shows it in a
+#: drop-down, so letters, digits and ``._:@-`` only (no quotes, backslashes, spaces), 1..128 characters.
+_STACK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 TARGETS_FILE = "prometheus-targets.json"
 _ERROR_LINE = re.compile(r"^(?:\S+ )*?(\w*(?:Error|Exception)|error): (.+)$")
 _WRAPPERS = ("See root cause above", "Engine core initialization failed")
@@ -78,7 +84,8 @@ def check_socket_paths(paths: list[str]) -> None:
 def check_launch_flags(args: argparse.Namespace, num_workers: int) -> int:
     """Refuse bad ``dplb launch`` supervision flags (what the launcher and ``--emit-systemd`` both check before
     anything is started or written): ``--drain-timeout``, ``--port``, ``--metrics-port-base``, ``--stall-after`` /
-    ``--stall-restart-after`` (:func:`dplb.config.check_stall`), ``--max-start-failures``. Returns the metrics port
+    ``--stall-restart-after`` (:func:`dplb.config.check_stall`), ``--max-start-failures``, ``--stack-name``
+    (resolved in place to the stack's label, its default filled in: :func:`stack_label`). Returns the metrics port
     base (0 = off). Raises :class:`ConfigError` naming the flag."""
     if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
         raise ConfigError(f"--drain-timeout must be a finite number ≥ 0 seconds, got {args.drain_timeout}")
@@ -92,6 +99,7 @@ def check_launch_flags(args: argparse.Namespace, num_workers: int) -> int:
     check_stall(args.stall_after, args.stall_restart_after if args.stall_after else None)
     if args.max_start_failures < 1:
         raise ConfigError("--max-start-failures must be ≥ 1")
+    args.stack_name = stack_label(args.port, args.stack_name)
     return mbase
 
 
@@ -116,13 +124,31 @@ def _target_host(host: str) -> str:
     return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
 
 
-def scrape_targets(host: str, port: int, metrics_host: str, metrics_ports: list[int]) -> list[dict[str, object]]:
+def stack_label(port: int, given: str | None) -> str:
+    """The ``stack`` label value of the stack whose router listens on ``port``: ``given`` (``--stack-name``) when
+    set, else ``<this host's name>:<port>`` (``socket.gethostname()``, e.g. ``gpu-node-3:30000``): unique per host
+    and router port, the same whatever address the router or the workers' metrics bind (``127.0.0.2``,
+    ``localhost``, ``0.0.0.0``), and stable across restarts. On Kubernetes the pod name is the host name, and the
+    PodMonitor writes ``<pod>:<port>`` the same way. Raises :class:`ConfigError` for a name outside
+    :data:`_STACK_NAME`."""
+    name = given if given is not None else f"{socket.gethostname()}:{port}"
+    if not _STACK_NAME.fullmatch(name):
+        where = "--stack-name" if given is not None else "the default (this host's name): pass --stack-name"
+        raise ConfigError(f"{where}: a stack name is 1..128 letters, digits and ._:@- (starting with a letter or "
+                          f"digit), got {name!r}")
+    return name
+
+
+def scrape_targets(host: str, port: int, metrics_host: str, metrics_ports: list[int], stack: str
+                   ) -> list[dict[str, object]]:
     """``file_sd`` target groups: the router (``host:port``) and each worker's metrics port, with ``job`` labels
-    (a wildcard bind address is written as this host's FQDN)."""
-    groups: list[dict[str, object]] = [{"targets": [f"{_target_host(host)}:{port}"], "labels": {"job": ROUTER_JOB}}]
+    and the ``stack`` label (:func:`stack_label`) on both, so a stack's workers are found by name rather than by
+    address (a wildcard bind address is written as this host's FQDN)."""
+    groups: list[dict[str, object]] = [{"targets": [f"{_target_host(host)}:{port}"],
+                                        "labels": {"job": ROUTER_JOB, STACK_LABEL: stack}}]
     if metrics_ports:
         groups.append({"targets": [f"{_target_host(metrics_host)}:{p}" for p in metrics_ports],
-                       "labels": {"job": WORKERS_JOB}})
+                       "labels": {"job": WORKERS_JOB, STACK_LABEL: stack}})
     return groups
 
 

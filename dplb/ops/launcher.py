@@ -227,7 +227,8 @@ class Launcher:
               + "".join(f"  {'cpus:' if i == 0 else '':9}{line}\n" for i, line in enumerate(self.placement.describe()))
               + f"  segment: {self.shm_path}   (dplb state --shm-path {self.shm_path})\n"
               f"  logs:    {self.run_dir}/worker-K.log, {self.run_dir}/router.log (kept after exit)\n"
-              f"  scrape:  {self.targets_path} (Prometheus file_sd: jobs dplb-router, dplb-workers)\n"
+              f"  scrape:  {self.targets_path} (Prometheus file_sd: jobs dplb-router, dplb-workers; "
+              f"stack=\"{self.args.stack_name}\")\n"
               + try_line(url, model, self.args.api_key, getattr(self.args, "tenants", None),
                          os.environ.get("DPLB_API_KEY")), file=sys.stderr, flush=True)
 
@@ -242,7 +243,7 @@ class Launcher:
         try:
             self._prepare()
             self.targets_path = write_scrape_targets(self.run_dir, scrape_targets(
-                self.args.host, self.args.port, self.args.metrics_host, self.metrics_ports))
+                self.args.host, self.args.port, self.args.metrics_host, self.metrics_ports, self.args.stack_name))
             self._banner()
             for w in self.workers:
                 w.start()
@@ -453,6 +454,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-host", default=METRICS_HOST,
                    help=f"address the workers' metrics ports bind (default {METRICS_HOST}; 0.0.0.0 for a remote "
                    "Prometheus)")
+    p.add_argument("--stack-name", metavar="NAME",
+                   help="the stack label of this stack's Prometheus targets (router and workers), which the "
+                   "dashboards' Stack variable selects by (default HOSTNAME:PORT, e.g. gpu-node-3:30000; letters, "
+                   "digits and ._:@-)")
     p.add_argument("--max-start-failures", type=int, default=3,
                    help="give up after a worker fails to start N times in a row before becoming ready (default 3)")
     p.add_argument("--stall-restart-after", type=flag_number, default=STALL_RESTART_AFTER_S, metavar="S",

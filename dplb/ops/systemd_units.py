@@ -148,12 +148,13 @@ def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
     if removed:
         print(f"removed {' '.join(removed)} (an earlier emission's files for workers or CPU placements this "
               "configuration does not have)", file=sys.stderr)
-    targets = write_scrape_targets(out, scrape_targets(args.host, args.port, mhost, mports))
+    targets = write_scrape_targets(out, scrape_targets(args.host, args.port, mhost, mports, args.stack_name))
     wrote_key = " and router.env (the API key, 0600)" if getattr(args, "api_key", None) else ""
     print(f"wrote {out}/dplb.env{wrote_key} and worker-0..{len(plan) - 1}.env; install them in /etc/dplb/ and run: "
           f"systemctl enable --now dplb.target dplb-segment.service "
           + " ".join(f"dplb-worker@{k}.service" for k in range(len(plan))) + " dplb-router.service"
-          + f"\nwrote {targets}: Prometheus file_sd targets (jobs dplb-router, dplb-workers); copy it where a "
+          + f"\nwrote {targets}: Prometheus file_sd targets (jobs dplb-router, dplb-workers; "
+          f"stack=\"{args.stack_name}\"); copy it where a "
           "file_sd_configs entry reads it (deploy/prometheus/dplb-scrape.yml)"
           + f"\nwrote the drop-ins {' '.join(stops + [d for d in dropins if d])} (the units' stop timeouts"
           + (f"; the CPU placement: {'; '.join(placement.describe())}" if any(dropins) else "")
