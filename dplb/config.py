@@ -198,6 +198,9 @@ class PolicyConfig:
     - ``prefix_ttl_s``: a block not sent to a worker for this long is forgotten, seconds.
     - ``state_interval_ms``: publish interval; slots older than 3× are stale.
     - ``seed``: RNG seed of the ``random`` and ``power_of_two`` policies (deterministic runs).
+    - ``panic_routing``: when no worker is eligible for a request and some are held out only by the router's
+      heartbeat hysteresis (fresh again, ready, on probation), route among those instead of answering 503 (Envoy's
+      panic threshold, narrowed: docs/DESIGN.md §5.1). False (``--no-panic-routing``): probation always holds.
     - ``plugins``: modules imported before the policy is built (user scorers/pickers; see
       :mod:`dplb.policy.plugins`).
     - ``params``: per-plugin parameters, ``((plugin, parameter, value text), …)`` (``--scorer-param
@@ -225,6 +228,7 @@ class PolicyConfig:
     seed: int = 0
     plugins: tuple[str, ...] = ()
     params: PluginParams = ()
+    panic_routing: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:

@@ -69,6 +69,10 @@ RESUME_REFUSALS = ("n", "logprobs", "structured_output", "tools", "echo", "promp
                    "tool_calls", "reasoning", "max_tokens", "body_too_large", "too_many_resumes", "finished",
                    "no_worker", "worker_refused")
 WORKER_EJECTIONS = "dplb_worker_ejections"  # _total
+# Panic routing (docs/DESIGN.md §5.1): requests routed to a worker on heartbeat probation because no other could take
+# them, and 1 while no worker is routable and the router routes among those on probation (per router process).
+PANIC_ROUTED = "dplb_router_panic_routed"  # _total
+PANIC = "dplb_router_panic"
 WORKER_STALLED = "dplb_worker_stalled"  # 1 while stalled (requests outstanding, no engine progress)
 WORKER_STALLS = "dplb_worker_stalls"  # _total: times found stalled
 STALLED_REQUESTS_FAILED = "dplb_stalled_requests_failed"  # _total: in-flight requests failed fast on a stalled worker

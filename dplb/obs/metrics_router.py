@@ -1,5 +1,6 @@
 """The router's per-request families (docs/DESIGN.md §9): decisions, rejections, upstream outcomes and latencies,
-retries and resumed streams, stalls and ejections, shm errors, HTTP routes and the prefix-routing counters.
+retries and resumed streams, stalls, ejections and panic routing, shm errors, HTTP routes and the prefix-routing
+counters.
 
 Contract: :class:`RouterMetrics` builds them, with the process collector and the build info, in the router process's
 own registry; every known label value is pre-created at zero by ``init_workers``; the hot path only looks up cached
@@ -23,6 +24,8 @@ from dplb.obs.metrics import (
     HTTP_REQUEST_DURATION,
     HTTP_REQUESTS,
     OUTCOMES,
+    PANIC,
+    PANIC_ROUTED,
     PREFIX_HIT_BLOCKS,
     PREFIX_QUERY_BLOCKS,
     PREFIX_ROUTED,
@@ -72,6 +75,11 @@ class RouterMetrics:
                                 ["reason"], registry=reg)
         self.ejections = Counter(WORKER_EJECTIONS, "Times a worker was ejected for a few seconds after consecutive "
                                  "failed responses (passive health check).", ["worker"], registry=reg)
+        self.panic_routed = Counter(PANIC_ROUTED, "Requests routed in panic: no worker could take them, so they went "
+                                    "to a worker held out only by the heartbeat hysteresis (fresh again, on "
+                                    "probation).", registry=reg)
+        self.panic = Gauge(PANIC, "1 while no worker is routable and the router routes among the workers on "
+                           "heartbeat probation (panic routing; 0 with --no-panic-routing).", registry=reg)
         self.stalled = Gauge(WORKER_STALLED, "1 while the worker is stalled: requests in flight and no engine "
                              "progress (token, prefill step) for --stall-after seconds.", ["worker"], registry=reg)
         self.stalls = Counter(WORKER_STALLS, "Times the worker was found stalled (no engine progress with requests "
@@ -136,10 +144,10 @@ class RouterMetrics:
     def init_workers(self, n: int) -> None:
         """Pre-create every known label value at zero."""
         from dplb.errors import RouterErrorKind
-        from dplb.policy.decision import DECISION_REASONS
+        from dplb.policy.decision import ROUTED_REASONS, UNROUTED_REASONS
 
         for k in range(n):
-            for r in DECISION_REASONS[:4]:
+            for r in ROUTED_REASONS:
                 self.decisions.labels(str(k), r)
             self.upstream_ttfb.labels(str(k))
             self.ejections.labels(str(k))
@@ -148,7 +156,7 @@ class RouterMetrics:
             self.stalled_failed.labels(str(k))
             for o in OUTCOMES:
                 self.upstream_duration.labels(str(k), o)
-        for r in DECISION_REASONS[4:]:
+        for r in UNROUTED_REASONS:
             self.decisions.labels("none", r)
         for kind in RouterErrorKind:
             self.rejected.labels(kind.code)
@@ -169,8 +177,7 @@ class RouterMetrics:
         key = (d.worker, d.reason)  # type: ignore[attr-defined]
         child = self._decision_children.get(key)
         if child is None:
-            child = self._decision_children[key] = self.decisions.labels(
-                "none" if key[0] is None else str(key[0]), key[1])
+            child = self._decision_children[key] = self._decision_child(key)
         child.inc()
         self._decision_hist.observe(seconds)
         age = d.chosen_age_s()  # type: ignore[attr-defined]
@@ -179,6 +186,14 @@ class RouterMetrics:
         notes = d.notes  # type: ignore[attr-defined]
         if notes:
             self._count_notes(notes, d.worker)  # type: ignore[attr-defined]
+
+    def _decision_child(self, key: tuple[int | None, str]) -> Any:
+        """What counts a decision of (worker, reason) ``key``: its ``dplb_routing_decisions_total`` child, and for a
+        panic decision ``dplb_router_panic_routed_total`` too (made once per key, so the hot path tests nothing)."""
+        from dplb.policy.decision import REASON_PANIC
+
+        child = self.decisions.labels("none" if key[0] is None else str(key[0]), key[1])
+        return _Both(child, self.panic_routed) if key[1] == REASON_PANIC else child
 
     def _count_notes(self, notes: dict[str, Any], worker: int) -> None:
         """Count what the policy's plugins noted about one routed request, by note name (see ``__init__``). Label
@@ -199,3 +214,18 @@ class RouterMetrics:
                     child = cache[(worker, "\0" + note)] = counter.labels(str(worker))
                 child.inc(amount)
 
+
+
+class _Both:
+    """Two counters counted as one (a panic decision: its decision child and the panic counter)."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first = first
+        self.second = second
+
+    def inc(self) -> None:
+        """Count one in both."""
+        self.first.inc()
+        self.second.inc()

@@ -198,7 +198,7 @@ def _policy_families(policy: Any) -> Iterator[Metric]:
         "max_queue": str(cfg.max_queue), "max_queue_from_worker": str(cfg.max_queue_from_worker).lower(),
         "hard_queue_cap": str(cfg.hard_queue_cap), "waiting_weight": f"{cfg.waiting_weight:g}",
         "latency_deadband": f"{cfg.latency_deadband:g}", "prefix_block_bytes": str(cfg.prefix_block_bytes),
-        "baseline_window": str(cfg.baseline_window)}
+        "baseline_window": str(cfg.baseline_window), "panic_routing": str(cfg.panic_routing).lower()}
     # A setting that is an older flag's PolicyConfig field (``waiting_weight``) shows the value in force: that of
     # the first configured plugin whose parameter it is the default of (scorers come before the picker), so
     # ``--scorer-param queue.waiting_weight=4`` reads 4 under both names.

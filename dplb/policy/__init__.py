@@ -11,7 +11,7 @@
 """
 
 from dplb.policy.core import PROFILES, Policy, make_policy
-from dplb.policy.filters import routable
+from dplb.policy.filters import panic_set, routable
 from dplb.policy.framework import (
     Filter,
     PickContext,
@@ -23,6 +23,6 @@ from dplb.policy.framework import (
 )
 
 __all__ = [
-    "PROFILES", "Filter", "PickContext", "Picker", "Policy", "RouteRequest", "Scorer", "make_policy",
+    "PROFILES", "Filter", "PickContext", "Picker", "Policy", "RouteRequest", "Scorer", "make_policy", "panic_set",
     "register_picker", "register_scorer", "routable",
 ]

@@ -14,6 +14,10 @@ Contract
   picker over the same filters and scorers (:data:`PROFILES`). The max-score profile over the built-in filters and
   scorers computes the same on columns, without a candidate object (:class:`~dplb.policy.fused.FastPick`; the
   decision makes its candidates when they are read).
+- Panic routing (docs/DESIGN.md §5.1, ``PolicyConfig.panic_routing``, on by default): when a pick finds nobody
+  eligible and some worker was rejected only for the router's heartbeat probation (``held``), it picks again
+  without ``held`` and marks the decision ``panic``; stale, not-ready, ejected and stalled workers stay out. The
+  normal pick does not change: this runs only where it would have answered nobody.
 - What the other router processes learnt (their rings' raw entries) is applied by :meth:`Policy.absorb`, to the
   one scorer that shares what it learns (``absorb`` hook; the prefix scorer).
 - In-flight correction: requests this router sent to a worker that its last published snapshot may not count yet —
@@ -43,7 +47,9 @@ from dplb.policy.decision import (
     REASON_ALL_OVER_CAP,
     REASON_NO_WORKERS,
     REASON_NONE_ROUTABLE,
+    REASON_PANIC,
     REASON_SCORE,
+    WHY_HELD_OUT,
     WHY_OVER_CAP,
     Candidate,
     Decision,
@@ -227,7 +233,8 @@ class Policy:
         requests per worker; the correction never exceeds it (a request that already completed is in no queue).
         ``shared``: the other router processes' correction per worker
         (:meth:`dplb.state.router_slots.RouterSlots.peer_correction`), added. Returns a :class:`Decision`; ``worker``
-        is None when nobody is eligible (``reason`` says why). The chosen worker's in-flight correction is incremented
+        is None when nobody is eligible (``reason`` says why) — unless panic routing let a worker on probation in
+        (reason ``panic``, module docstring). The chosen worker's in-flight correction is incremented
         and the scorers' ``on_pick`` hooks run. ``dry_run=True`` evaluates without choosing (no rotation, no
         correction, no hooks): what a metrics scrape uses.
         """
@@ -276,7 +283,7 @@ class Policy:
         scores, i = fast.weigh(rows, columns, orders[self._rot % n] if n else (), depth, lo, span)
         self._rot += 1
         if i < 0:
-            return self._nobody(make_candidates(rows, scores), ctx, columns)
+            return self._nobody(make_candidates(rows, scores), ctx, columns, snapshot, inflight, shared)
         k = rows[i][0].worker_id
         self._sent_at[k].append(now_mono_ns)
         for s in self._pickers_hooks:
@@ -305,7 +312,7 @@ class Policy:
         if scan is not None and not dry_run:  # the max-score picker over the rotated candidates, no list between
             best = scan.scan(rotated)
             if best is None:
-                return self._nobody(cands, ctx, columns)
+                return self._nobody(cands, ctx, columns, snapshot, inflight, shared)
             chosen, reason = best, REASON_SCORE
         else:
             eligible = []
@@ -313,7 +320,7 @@ class Policy:
                 if c.why is OK:
                     eligible.append(c)
             if not eligible:
-                return self._nobody(cands, ctx, columns)
+                return self._nobody(cands, ctx, columns, snapshot, inflight, shared, dry_run)
             if dry_run:
                 return Decision(self.name, None, REASON_SCORE, cands, self.baseline_s, self.term_names, self.weights,
                                 None, self.scorers, ctx, columns)
@@ -325,8 +332,18 @@ class Policy:
         return Decision(self.name, k, reason, cands, self.baseline_s, self.term_names, self.weights, req.preferred,
                         self.scorers, ctx, columns, self._noters)
 
-    def _nobody(self, cands: list[Candidate], ctx: PickContext, columns: list[list[float]]) -> Decision:
-        """The decision when no candidate is eligible (``worker`` None, the reason why)."""
+    def _nobody(self, cands: list[Candidate], ctx: PickContext, columns: list[list[float]],
+                snapshot: Sequence[WorkerState], inflight: Sequence[int] | None, shared: Sequence[int] | None,
+                dry_run: bool = False) -> Decision:
+        """The decision when no candidate is eligible: panic routing (:meth:`_panic`) when it applies, else
+        ``worker`` None with the reason why. The other arguments are :meth:`pick`'s, for the panic pick."""
+        if ctx.held and not dry_run and self.cfg.panic_routing:
+            for c in cands:
+                if c.why == WHY_HELD_OUT:
+                    d = self._panic(snapshot, ctx, inflight, shared)
+                    if d is not None:
+                        return d
+                    break
         if not any(c.state.pid for c in cands):
             reason = REASON_NO_WORKERS
         elif self.cfg.hard_queue_cap and any(c.why is WHY_OVER_CAP for c in cands):
@@ -335,6 +352,22 @@ class Policy:
             reason = REASON_NONE_ROUTABLE
         return Decision(self.name, None, reason, cands, self.baseline_s, self.term_names, self.weights, None,
                         self.scorers, ctx, columns)
+
+    def _panic(self, snapshot: Sequence[WorkerState], ctx: PickContext, inflight: Sequence[int] | None,
+               shared: Sequence[int] | None) -> Decision | None:
+        """Panic routing (docs/DESIGN.md §5.1; Envoy's panic threshold, narrowed): nobody was eligible and some
+        worker was rejected for heartbeat probation, so pick again as if the router held nobody out — every other
+        filter still applies (stale, not ready, ejected, stalled, the request's own) and the profile scores and
+        chooses as usual. Returns that decision with reason ``panic`` (its context keeps the held set for the view:
+        ``held_out`` in ``/debug/decisions``), or None when it found nobody either. Runs only once the normal pick
+        found nobody: the hot path pays nothing for it."""
+        d = self.pick(snapshot, ctx.now_ns, ctx.request, ejected=ctx.ejected, stalled=ctx.stalled,
+                      inflight=inflight, shared=shared)
+        if d.worker is None:
+            return None
+        d.reason = REASON_PANIC
+        d.ctx.held = ctx.held
+        return d
 
     def _score(self, cands: list[Candidate], ctx: PickContext) -> list[list[float]]:
         """The general path: each scorer's ``score`` (clamped unless ``bounded``), then :func:`set_scores`.

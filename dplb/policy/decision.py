@@ -38,13 +38,16 @@ REASON_SCORE = "score"
 REASON_AFFINITY = "affinity"  # prefix_hash: the prefix's rendezvous worker
 REASON_POLICY = "policy"  # round_robin / random / least_loaded / power_of_two made the choice
 REASON_FALLBACK = "fallback"  # shm missing: router's own in-flight counts
+#: Panic routing (docs/DESIGN.md §5.1): no worker could take the request, so it went to one of the workers held out
+#: only by the heartbeat hysteresis (on probation: fresh again, ready), chosen by the profile as usual.
+REASON_PANIC = "panic"
 REASON_NO_WORKERS = "no_workers"
 REASON_NONE_ROUTABLE = "none_routable"
 REASON_ALL_OVER_CAP = "all_over_cap"
-DECISION_REASONS = (
-    REASON_SCORE, REASON_AFFINITY, REASON_POLICY, REASON_FALLBACK, REASON_NO_WORKERS, REASON_NONE_ROUTABLE,
-    REASON_ALL_OVER_CAP,
-)
+#: The reasons of a decision that chose a worker, then of one that did not (``worker`` None).
+ROUTED_REASONS = (REASON_SCORE, REASON_AFFINITY, REASON_POLICY, REASON_FALLBACK, REASON_PANIC)
+UNROUTED_REASONS = (REASON_NO_WORKERS, REASON_NONE_ROUTABLE, REASON_ALL_OVER_CAP)
+DECISION_REASONS = ROUTED_REASONS + UNROUTED_REASONS
 # Prefix outcome of a routed decision (dplb_prefix_routed_total): the longest-match worker got it, another one did
 # (spill: load won), or no worker had any block of the prompt.
 PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS = "hit", "spill", "miss"
@@ -200,7 +203,8 @@ class Decision:
         return notes.get(NOTE_PREFIX_OUTCOME) if notes else None
 
     def candidate_dict(self, c: Candidate) -> dict[str, object]:
-        """JSON-friendly view of one candidate: health, shm inputs, every scorer's inputs and terms, score."""
+        """JSON-friendly view of one candidate: health (``held_out``: the router's heartbeat hysteresis held it out
+        at this decision), shm inputs, every scorer's inputs and terms, score."""
         w = c.state
         out: dict[str, object] = {
             "worker": w.worker_id, "eligible": c.eligible, "why": c.why,
@@ -211,6 +215,8 @@ class Decision:
             "avg_ttft_s": w.avg_ttft_s,
         }
         if self.ctx is not None:
+            # On heartbeat probation at this decision: its why is held_out, or ok in a panic decision (let in).
+            out["held_out"] = c.worker_id in self.ctx.held
             for s in self.scorers:
                 out.update(s.inputs(c, self.ctx))
         out["terms"] = self.terms(c)

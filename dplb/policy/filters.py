@@ -7,7 +7,8 @@ requests outstanding and no engine progress, :mod:`dplb.policy.stall`) then
 The policy runs both (:func:`apply_filters`); ``/ready``, ``dplb_worker_up`` and ``dplb state`` ask
 :func:`routable`, which runs the health filters on the same :class:`~dplb.policy.decision.Candidate` objects, so the
 four can never disagree. Each filter sets the first ``why`` that rejects a candidate (values in
-:mod:`dplb.policy.decision`).
+:mod:`dplb.policy.decision`). :func:`panic_set` reads the same candidates for panic routing (docs/DESIGN.md §5.1):
+the workers the router would route among while no worker is routable.
 """
 
 from __future__ import annotations
@@ -204,3 +205,15 @@ def routable(
     apply_filters(build_filters(cfg, health_only=True), cands, PickContext(now_ns, RouteRequest(), None, held,
                                                                            ejected, stalled))
     return cands
+
+
+def panic_set(cands: Sequence[Candidate], ejected: frozenset[int] = frozenset(),
+              stalled: frozenset[int] = frozenset()) -> frozenset[int]:
+    """The workers panic routing routes among (docs/DESIGN.md §5.1), from :func:`routable`'s candidates with the
+    router's ``ejected`` and ``stalled`` sets: none while some candidate is routable (``ok``); else each one whose
+    only rejection is the heartbeat probation: ``held_out`` (the state filters come first, so it is registered,
+    consistent, fresh and ready) and neither ejected nor stalled (the filters after it, whose ``why`` it hides)."""
+    if any(c.why is OK for c in cands):
+        return frozenset()
+    return frozenset(c.worker_id for c in cands
+                     if c.why == WHY_HELD_OUT and c.worker_id not in ejected and c.worker_id not in stalled)

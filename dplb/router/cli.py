@@ -70,6 +70,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--baseline-window", type=int, default=d.baseline_window,
                    help="requests whose P95 is the latency baseline (default: %(default)s)")
     g.add_argument("--seed", type=int, default=d.seed, help="RNG seed of random/power_of_two (default: %(default)s)")
+    g.add_argument("--no-panic-routing", dest="panic_routing", action="store_false", default=d.panic_routing,
+                   help="never route to a worker on heartbeat probation (once stale, fresh again for 5 state "
+                   "intervals first), even when no other worker is routable: answer 503 no_routable_worker instead. "
+                   "By default such a request goes to one of those workers (panic routing, reason 'panic')")
     g.add_argument("--policy-plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE first: it registers extra scorers for --weights (repeatable)")
     g.add_argument("--scorer-param", action="append", default=[], metavar="PLUGIN.PARAM=VALUE",
@@ -99,8 +103,8 @@ def router_argv(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[st
             continue
         value = getattr(args, action.dest)
         flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            out += [flag] if value else []
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            out += [flag] if value != action.default else []
         elif isinstance(action, argparse._AppendAction):
             for v in value or ():
                 out += [flag, str(v)]
@@ -120,7 +124,7 @@ def policy_config(args: argparse.Namespace, state_interval_ms: int = 200) -> Pol
         latency_deadband=args.latency_deadband, prefix_block_bytes=args.prefix_block_bytes,
         prefix_index_blocks=args.prefix_index_blocks, prefix_ttl_s=args.prefix_ttl,
         state_interval_ms=state_interval_ms, seed=args.seed, plugins=tuple(args.policy_plugin),
-        params=tuple(parse_param(t) for t in args.scorer_param),
+        params=tuple(parse_param(t) for t in args.scorer_param), panic_routing=args.panic_routing,
     )
     validate_policy(cfg)
     return cfg

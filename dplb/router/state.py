@@ -17,6 +17,9 @@ Contract
 - Worker health (ejection for failures, heartbeat hysteresis) is :class:`dplb.router.health.WorkerHealth`, fed
   every snapshot this state reads and, through :meth:`RouterState.report`, every attempt's outcome; its ejected
   and held-out workers are passed to the policy.
+- Panic routing (docs/DESIGN.md §5.1; the pick itself is the policy's): every monitor step checks whether no worker
+  is routable while some are on heartbeat probation only (:func:`dplb.policy.panic_set`); ``dplb_router_panic`` is 1
+  while so, with one log line on entering and one on leaving (none per request). Off with ``--no-panic-routing``.
 - Stalls (:class:`dplb.policy.stall.StallDetector`, off with ``stall_after_s`` 0): every monitor step feeds it the
   snapshot and every router process's in-flight counts; a stalled worker is passed to the policy (``stalled``), and
   the attempts open on it (registered by :meth:`acquire`) are cut (``cut_stalled()``: answered 503
@@ -42,7 +45,7 @@ from typing import Protocol
 from dplb.config import PolicyConfig, RouterConfig
 from dplb.errors import ConfigError, ShmError
 from dplb.obs.metrics_router import RouterMetrics
-from dplb.policy import Policy, RouteRequest, make_policy, routable
+from dplb.policy import Policy, RouteRequest, make_policy, panic_set, routable
 from dplb.policy.decision import (
     OK,
     REASON_FALLBACK,
@@ -98,6 +101,7 @@ class RouterState:
         self.stall = StallDetector(n, cfg.stall_after_s) if cfg.stall_after_s > 0 else None
         self.attempts: list[set[Cuttable]] = [set() for _ in range(n)]  # open attempts per worker (stall cuts)
         self._stalled_shown: frozenset[int] = frozenset()
+        self._panic: frozenset[int] = frozenset()  # the workers panic routing routes among now (empty: no panic)
         self._pending: Segment | None = None  # a returned segment not routed on yet (see module docstring)
         self._pending_since = 0.0
         metrics.init_workers(n)
@@ -317,10 +321,12 @@ class RouterState:
             self.slots.heartbeat()
         snap = self.snapshot()
         if snap is None:
+            self._check_panic([], 0, frozenset())  # routing on the fallback: no panic
             return
         now = time.monotonic_ns()
         held = self.health.observe(snap, now, self._interval_ms())
         self._check_stalls(snap, now)
+        self._check_panic(snap, now, held)
         # Ejection is not a (de)registration; hysteresis and stalls log their own transitions (a stalled worker
         # let in for one probe request is not registered again).
         probing = self.stall.stalled() if self.stall is not None else frozenset()
@@ -352,6 +358,27 @@ class RouterState:
             for k in shown ^ self._stalled_shown:
                 m.stalled.labels(str(k)).set(1 if k in shown else 0)
             self._stalled_shown = shown
+
+    def _check_panic(self, snap: list[WorkerState], now: int, held: frozenset[int]) -> None:
+        """Keep ``dplb_router_panic`` and the panic log lines in step with the workers' health (module docstring)."""
+        panic: frozenset[int] = frozenset()
+        if held and self.cfg.policy.panic_routing:
+            health = self.health
+            ejected = health.ejected(snap) if health.any_ejected else frozenset()
+            stalled = self.stalled(now)
+            panic = panic_set(routable(snap, now, self._policy_cfg(), held, ejected, stalled), ejected, stalled)
+        was = self._panic
+        self._panic = panic
+        if bool(panic) == bool(was):
+            return
+        self.metrics.panic.set(1 if panic else 0)
+        if panic:
+            log.warning("no worker is routable; routing among workers %s, fresh again and ready but on heartbeat "
+                        "probation (panic routing) until one is readmitted", sorted(panic))
+        else:
+            ok = self.routable_workers()
+            log.info("panic routing over: %s", f"workers {ok} routable" if ok else "no worker on probation is fresh "
+                     "and ready any more")
 
     def _reattach(self) -> None:
         """Without a segment: attach one that (re)appeared. After a loss, route on it only once one of its workers
