@@ -361,6 +361,7 @@ class Policy:
         chooses as usual. Returns that decision with reason ``panic`` (its context keeps the held set for the view:
         ``held_out`` in ``/debug/decisions``), or None when it found nobody either. Runs only once the normal pick
         found nobody: the hot path pays nothing for it."""
+        self._rot -= 1  # the pick that found nobody took no turn: ties keep rotating one worker per request
         d = self.pick(snapshot, ctx.now_ns, ctx.request, ejected=ctx.ejected, stalled=ctx.stalled,
                       inflight=inflight, shared=shared)
         if d.worker is None:
