@@ -1,5 +1,5 @@
-"""DPLB integrity: stalled workers, failed-fast and resumed streams, passive ejections, retries, and the worker's
-in-flight reconciliation (docs/DESIGN.md §8.1, §13, §14). → dplb-integrity.json"""
+"""DPLB integrity: stalled workers, failed-fast and resumed streams, passive ejections, retries, panic routing, and the
+worker's in-flight reconciliation (docs/DESIGN.md §5.1, §8.1, §13, §14). → dplb-integrity.json"""
 
 from _common import RI, ROUTER, WORKERS, Layout, make_dashboard, r, targets, ts
 
@@ -31,6 +31,12 @@ L.row("Failures the router absorbed").add(
                 "resume refused: {{reason}}")),
        "Requests re-sent to another worker before any byte reached the client, broken SSE streams continued on "
        "another worker (--resume-streams), and streams that could not be resumed (the client got an error event)."),
+    ts("Panic routing", "none",
+       targets((f"max ({M.PANIC}{{{ROUTER_SEL}}})", "in panic (any router process)"),
+               (f"sum (increase({M.PANIC_ROUTED}_total{{{ROUTER_SEL}}}[{RI}]))", "requests routed in panic (per minute)")),
+       "1 while no worker is routable and the router routes among the workers on heartbeat probation (fresh "
+       "again, ready) instead of answering 503; and the requests it routed so (docs/DESIGN.md §5.1, runbook "
+       "DPLBPanicRouting)."),
 )
 L.row("In-flight reconciliation (worker side)").add(
     ts("Orphan engine requests and leaked in-flight per worker", "none",
@@ -49,5 +55,5 @@ L.row("In-flight reconciliation (worker side)").add(
 
 dashboard = make_dashboard(
     "DPLB integrity", "dplb-integrity",
-    "Stalled workers, requests failed fast, passive ejections, retries, resumed streams and the workers' in-flight "
-    "reconciliation. Generated from dashboards/dplb-integrity.dashboard.py; do not edit the JSON.", L)
+    "Stalled workers, requests failed fast, passive ejections, retries, resumed streams, panic routing and the workers' "
+    "in-flight reconciliation. Generated from dashboards/dplb-integrity.dashboard.py; do not edit the JSON.", L)

@@ -184,13 +184,13 @@ def test_the_issue_panels_are_all_there() -> None:
 
 
 def test_integrity_metrics_are_on_a_dashboard() -> None:
-    """Stalls, failed-fast requests, ejections, retries, resumed streams and the reconciler's counts each have a
-    panel (an SRE paged by DPLBWorkerStalled or DPLBInflightMismatch needs them in one place)."""
+    """Stalls, failed-fast requests, ejections, retries, resumed streams, panic routing and the reconciler's counts
+    each have a panel (an SRE paged by DPLBWorkerStalled or DPLBInflightMismatch needs them in one place)."""
     text = " ".join(e for name, _, e in all_exprs() if name == "dplb-integrity.json")
     for needed in (M.WORKER_STALLED, M.WORKER_STALLS + "_total", M.STALLED_REQUESTS_FAILED + "_total",
                    M.WORKER_EJECTIONS + "_total", M.UPSTREAM_RETRIES + "_total", M.STREAMS_RESUMED + "_total",
                    M.STREAM_RESUME_REFUSED + "_total", M.WORKER_ORPHANS, M.WORKER_ORPHAN_ABORTS + "_total",
-                   M.WORKER_LEAKED_INFLIGHT, M.WORKER_ENGINE_REQUESTS):
+                   M.WORKER_LEAKED_INFLIGHT, M.WORKER_ENGINE_REQUESTS, M.PANIC, M.PANIC_ROUTED + "_total"):
         assert needed in text, needed
 
 

@@ -28,7 +28,8 @@ ROUTER_GLOBAL = [
     M.ROUTING_DECISION_DURATION + "_bucket", M.STATE_READ_AGE + "_bucket", M.REQUESTS_REJECTED + "_total",
     M.UPSTREAM_RETRIES + "_total", M.UPSTREAM_REQUEST_DURATION + "_bucket", M.UPSTREAM_TTFB + "_bucket",
     M.HTTP_REQUESTS + "_total", M.HTTP_REQUEST_DURATION + "_bucket", M.SHM_SEGMENT_PRESENT,
-    M.SHM_ERRORS + "_total", M.BUILD_INFO + "_info", M.POLICY_INFO + "_info", M.POLICY_WEIGHT,
+    M.SHM_ERRORS + "_total", M.BUILD_INFO + "_info", M.POLICY_INFO + "_info", M.POLICY_WEIGHT, M.PANIC,
+    M.PANIC_ROUTED + "_total",
     M.PREFIX_INDEX_BLOCKS, M.PREFIX_INDEX_CAPACITY, M.PREFIX_INDEX_BYTES, M.PREFIX_ROUTED + "_total",
     "process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds_total",
 ]

@@ -313,7 +313,9 @@ def test_doctor_cli_exit_code() -> None:
 def test_emit_systemd_keeps_every_router_flag_and_the_key_out_of_shared_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Regression: --emit-systemd wrote only host/port/policy into DPLB_ROUTER_ARGS, so the
     deployed router ran without the --api-key and every other router flag given. Now every router flag reaches the
-    unit (parsed back here into the same RouterConfig) and the key goes to router.env (0600) alone."""
+    unit (parsed back here into the same RouterConfig) and the key goes to router.env (0600) alone. Regression: a
+    flag that turns something off (--no-direct-relay, --no-panic-routing) was written with its value
+    ("--no-direct-relay False"), which the router refuses to parse."""
     import argparse
     import dataclasses
     import shlex
@@ -323,7 +325,8 @@ def test_emit_systemd_keeps_every_router_flag_and_the_key_out_of_shared_files(tm
 
     flags = ["--port", "31555", "--weights", "queue=0.5,memory=0.2,latency=0.3", "--router-processes", "3",
              "--cors-allowed-origins", "https://a.example", "--api-key-exempt", "/health", "--prefix-block-bytes",
-             "256", "--sse-keepalive", "15", "--allow-runtime-lora", "--policy-plugin", "json"]
+             "256", "--sse-keepalive", "15", "--allow-runtime-lora", "--policy-plugin", "json", "--no-direct-relay",
+             "--no-panic-routing"]
     r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--api-key", "s3cret", "--emit-systemd", str(tmp_path),
                                 *flags), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
