@@ -33,7 +33,8 @@ L.row("Failures the router absorbed").add(
        "another worker (--resume-streams), and streams that could not be resumed (the client got an error event)."),
     ts("Panic routing", "none",
        targets((f"max ({M.PANIC}{{{ROUTER_SEL}}})", "in panic (any router process)"),
-               (f"sum (increase({M.PANIC_ROUTED}_total{{{ROUTER_SEL}}}[{RI}]))", "requests routed in panic (per minute)")),
+               (f"sum (increase({M.PANIC_ROUTED}_total{{{ROUTER_SEL}}}[{RI}]))",
+                "requests routed in panic (per minute)")),
        "1 while no worker is routable and the router routes among the workers on heartbeat probation (fresh "
        "again, ready) instead of answering 503; and the requests it routed so (docs/DESIGN.md §5.1, runbook "
        "DPLBPanicRouting)."),
@@ -55,5 +56,6 @@ L.row("In-flight reconciliation (worker side)").add(
 
 dashboard = make_dashboard(
     "DPLB integrity", "dplb-integrity",
-    "Stalled workers, requests failed fast, passive ejections, retries, resumed streams, panic routing and the workers' "
-    "in-flight reconciliation. Generated from dashboards/dplb-integrity.dashboard.py; do not edit the JSON.", L)
+    "Stalled workers, requests failed fast, passive ejections, retries, resumed streams, panic routing and the "
+    "workers' in-flight reconciliation. Generated from dashboards/dplb-integrity.dashboard.py; do not edit the "
+    "JSON.", L)
