@@ -105,7 +105,8 @@ class _NotIn(Filter):
 
 
 class NotHeldOut(_NotIn):
-    """Not on heartbeat probation (the router's hysteresis: once stale, fresh again for 5 intervals first)."""
+    """Not on heartbeat probation (the router's hysteresis: once stale, fresh again for 5 intervals first). The one
+    filter panic routing lifts when nobody else can take the request (docs/DESIGN.md §5.1)."""
 
     reasons = (WHY_HELD_OUT,)
 

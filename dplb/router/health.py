@@ -15,7 +15,9 @@ Contract
   ``STALE_INTERVALS`` × state interval; the policy then skips it) stays out after its heartbeat is fresh again
   until it has been fresh at every observation for :data:`READMIT_INTERVALS` state intervals (a worker restarted
   under a new pid is exempt: its lifecycle gates it). A single late heartbeat (shorter than the stale limit) changes
-  nothing; a worker flapping stale/fresh stays out instead of flapping in and out. One log line each way.
+  nothing; a worker flapping stale/fresh stays out instead of flapping in and out. One log line each way. While no
+  worker can take a request, the policy routes among those on probation rather than refusing it (panic routing,
+  docs/DESIGN.md §5.1).
 - Pure state: no I/O but logs; time comes from the caller (``now_ns``) or the injected ``clock``, so the state
   machine is testable without processes (``tests/test_health.py``). Single event loop; not thread-safe.
 """
