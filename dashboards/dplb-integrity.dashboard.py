@@ -32,8 +32,8 @@ L.row("Failures the router absorbed").add(
        "Requests re-sent to another worker before any byte reached the client, broken SSE streams continued on "
        "another worker (--resume-streams), and streams that could not be resumed (the client got an error event)."),
     ts("Panic routing", "none",
-       targets((f"max ({M.PANIC}{{{ROUTER_SEL}}})", "in panic (any router process)"),
-               (f"sum (increase({M.PANIC_ROUTED}_total{{{ROUTER_SEL}}}[{RI}]))",
+       targets((f"max ({M.PANIC}{{{ROUTER}}})", "in panic (any router process)"),
+               (f"sum (increase({M.PANIC_ROUTED}_total{{{ROUTER}}}[{RI}]))",
                 "requests routed in panic (per minute)")),
        "1 while no worker is routable and the router routes among the workers on heartbeat probation (fresh "
        "again, ready) instead of answering 503; and the requests it routed so (docs/DESIGN.md §5.1, runbook "
