@@ -144,6 +144,9 @@ def _add_segment(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-workers", type=int, help="slots (default $DPLB_NUM_WORKERS)")
     p.add_argument("--state-interval-ms", type=int, help="(default $DPLB_STATE_INTERVAL_MS or 200)")
     p.add_argument("--model", default="", help="served model name recorded in the header")
+    p.add_argument("--force", action="store_true",
+                   help="remove: even while live routers or workers use it (they keep serving on the router's own "
+                        "counts, and a launcher's frozen-worker watchdog is off until a segment is back)")
     p.set_defaults(func=_cmd_segment)
 
 
@@ -161,11 +164,14 @@ def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
                           f"{ENV_SHM_PATH}; the systemd units' is {SYSTEMD_SHM_PATH})")
     path = resolve_path(args.shm_path)
     check_not_foreign(path)  # never overwrite or remove a file that is not a DPLB segment
+    if args.force and args.action != "remove":
+        raise ConfigError("--force applies to `dplb segment remove` only (create never replaces a live segment)")
+    if not args.force:
+        _refuse_live_segment(path, args.action)
     if args.action == "remove":
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return 0
-    _refuse_live_segment(path)
     n = _int_flag(args.num_workers, "--num-workers", "DPLB_NUM_WORKERS", "")
     if not 1 <= n <= MAX_WORKERS:
         raise ConfigError(f"--num-workers (or DPLB_NUM_WORKERS) must be 1..{MAX_WORKERS}, got {n}")
@@ -193,18 +199,21 @@ def _int_flag(value: int | None, flag: str, env: str, default: str) -> int:
         raise ConfigError(f"{flag} (from ${env}) must be an integer, got {raw!r}") from None
 
 
-def _refuse_live_segment(path: str) -> None:
+def _refuse_live_segment(path: str, action: str) -> None:
     """``dplb segment create`` over a segment that live processes use would wipe their state (``dplb state`` then
-    shows ``model=-``): refuse it the way ``dplb launch`` does (:func:`dplb.state.segments.check_takeover`), and say
-    how to stop each kind of stack. Raises :class:`dplb.errors.ShmPathError`."""
+    shows ``model=-``), and ``remove`` would take the state plane from under them (routers fall back to their own
+    counts, a launcher's frozen-worker watchdog goes off): refuse both the way ``dplb launch`` does
+    (:func:`dplb.state.segments.check_takeover`), and say how to stop each kind of stack (``remove --force``
+    overrides). Raises :class:`dplb.errors.ShmPathError`."""
     from dplb.errors import ShmPathError
     from dplb.state.segments import check_takeover
 
     try:
         check_takeover(path)
     except ShmPathError as e:
+        force = " (or `dplb segment remove --force` to remove it anyway)" if action == "remove" else ""
         raise ShmPathError(f"{e}. To stop it: Ctrl-C its `dplb launch`, or `systemctl stop dplb.target` for the "
-                           "systemd units (which recreate the segment when started)", path) from e
+                           f"systemd units (which recreate the segment when started){force}", path) from e
 
 
 # ---- entry point ---------------------------------------------------------------------------------------------

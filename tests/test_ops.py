@@ -248,6 +248,29 @@ def test_segment_create_refuses_a_segment_a_live_process_uses(tmp_path) -> None:
         assert seg.header.model == "second"
 
 
+def test_segment_remove_refuses_a_segment_a_live_process_uses_unless_forced(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: ``dplb segment remove`` deleted a running stack's segment with exit 0 and no output (its routers
+    fell back to their own counts, the launcher's frozen-worker watchdog went off), while ``create`` refused."""
+    path = str(tmp_path / "dplb_state_live")
+    env = {k: v for k, v in os.environ.items() if k != "DPLB_SHM_PATH"}
+    seg_cmd = lambda *a: subprocess.run(dplb_cmd("segment", *a, "--shm-path", path), capture_output=True,  # noqa: E731
+                                        text=True, timeout=60, env=env)
+    assert seg_cmd("create", "--num-workers", "1").returncode == 0
+    with Segment.attach(path) as seg:  # a live worker publishes into its slot (this test's process)
+        seg.writer(0).publish_now(WorkerState(0, pid=os.getpid(), lifecycle=Lifecycle.READY))
+    r = seg_cmd("remove")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("dplb segment: error: "), r.stderr
+    assert f"pids {os.getpid()}" in lines[0] and "remove --force" in lines[0], r.stderr
+    assert os.path.exists(path)
+    r = seg_cmd("create", "--num-workers", "1", "--force")
+    assert r.returncode == 2 and "--force applies to `dplb segment remove` only" in r.stderr, r.stderr
+    assert seg_cmd("remove", "--force").returncode == 0 and not os.path.exists(path)
+    assert seg_cmd("create", "--num-workers", "1").returncode == 0
+    assert seg_cmd("remove").returncode == 0 and not os.path.exists(path)  # stale (no live process): removed
+    assert seg_cmd("remove").returncode == 0  # already gone: nothing to do
+
+
 def test_doctor_calls_out_docker_64mb_shm(tmpfs) -> None:  # type: ignore[no-untyped-def]
     c = doctor.check_shm(str(tmpfs("64m")))
     assert c.status == "warn" and "Docker" in c.detail and "--shm-size" in c.fix
