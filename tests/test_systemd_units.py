@@ -9,10 +9,13 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from cluster import ROOT, dplb_cmd, need
+
+from dplb.ops.systemd_units import closed_to
 
 UNITS = Path(ROOT, "deploy", "systemd")
 
@@ -154,6 +157,35 @@ def test_emit_systemd_warns_of_a_model_under_tmp_and_writes_it_absolute(tmp_path
     assert r.returncode == 0, r.stderr
     assert "WARNING" in r.stderr and "PrivateTmp=yes" in r.stderr
     assert f"--model {tmp_path / 'm'} " in (out / "worker-0.env").read_text()
+
+
+def test_emit_systemd_warns_of_a_model_the_units_user_cannot_read() -> None:
+    """Regression: --emit-systemd wrote a --model under a 0700 directory (~/.cache of root) without a word; the
+    worker units run as user dplb, which cannot enter it. A readable model gets no warning."""
+    top = Path(tempfile.mkdtemp(prefix="dplb-model-", dir="/dev/shm"))  # not /tmp: that has its own warning
+    try:
+        model = top / "home" / "m"
+        model.mkdir(parents=True)
+        (model / "config.json").write_text("{}")
+        cmd = dplb_cmd("launch", "--num-workers", "1", "--model", str(model), "--emit-systemd", str(top / "etc"))
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": ROOT}
+        for mode, warned in ((0o755, False), (0o700, True)):
+            (top / "home").chmod(mode)
+            top.chmod(0o755)
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+            assert r.returncode == 0, r.stderr
+            assert ("runs as user dplb, which cannot read it" in r.stderr) is warned, r.stderr
+            if warned:
+                assert f"{top / 'home'} is mode 0700" in r.stderr, r.stderr
+        assert closed_to(str(model), "root") is None  # root needs no permission bits
+        (top / "home").chmod(0o711)  # enterable, and the model directory itself readable: fine
+        assert closed_to(str(model), "dplb-no-such-user") is None
+        model.chmod(0o700)
+        assert "is mode 0700" in (closed_to(str(model), "dplb-no-such-user") or "")
+    finally:
+        for d in (top, top / "home", top / "home" / "m"):
+            d.chmod(0o755)
+        shutil.rmtree(top)
 
 
 def test_units_are_hardened_but_the_worker_keeps_its_gpus(tmp_path: Path) -> None:
