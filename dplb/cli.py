@@ -29,16 +29,10 @@ import typing
 from collections.abc import Sequence
 
 from dplb import __version__
-from dplb.config import (
-    LOG_FORMAT,
-    METRICS_HOST,
-    METRICS_PORT_BASE,
-    PREFIX_BLOCK_BYTES,
-    STALL_AFTER_S,
-    STALL_RESTART_AFTER_S,
-)
+from dplb.config import LOG_FORMAT, PREFIX_BLOCK_BYTES, STALL_AFTER_S, STALL_RESTART_AFTER_S
 from dplb.errors import DPLBError
 from dplb.flags import flag_number, flag_port_or_off
+from dplb.stack import METRICS_HOST, METRICS_PORT_BASE
 
 
 def _setup_logging(level: str) -> None:

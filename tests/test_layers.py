@@ -41,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
 def layer_of(module: str) -> str:
     """The layer of a dotted module name under ``dplb`` (``dplb.state.shm`` → ``state``)."""
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("config", "errors", "flags", "native", "tenants", "__init__"):
+    if len(parts) == 1 or parts[1] in ("config", "errors", "flags", "native", "stack", "tenants", "__init__"):
         return "foundation"
     if parts[1] == "cli":
         return "cli"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from dplb.config import stack_metrics_port_base, stack_run_dir
+from dplb.stack import stack_metrics_port_base, stack_run_dir
 from dplb.state.layout import default_segment_path
 from tests.cluster import dplb_cmd, free_block, free_port
 

@@ -26,10 +26,11 @@ import socket
 import stat
 import sys
 
-from dplb.config import check_stall, stack_metrics_port_base
+from dplb.config import check_stall
 from dplb.errors import ConfigError, bind_error
 from dplb.ops.doctor import model_path_problem
 from dplb.runtime.serving import bind_tcp
+from dplb.stack import stack_metrics_port_base
 
 #: The scrape jobs the alert rules and dashboards expect.
 ROUTER_JOB, WORKERS_JOB = "dplb-router", "dplb-workers"

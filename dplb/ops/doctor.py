@@ -24,11 +24,11 @@ import socket
 import tempfile
 from dataclasses import dataclass
 
-from dplb.config import METRICS_PORT_BASE, stack_metrics_port_base, stack_run_dir, worker_metrics_ports
 from dplb.errors import ConfigError
 from dplb.flags import flag_port, flag_port_or_off
 from dplb.ops.plan import plan_gpus
 from dplb.runtime.gpu import GpuInfo, discover_gpus, visible_gpu_indices
+from dplb.stack import METRICS_PORT_BASE, stack_metrics_port_base, stack_run_dir, worker_metrics_ports
 from dplb.state.layout import is_dplb_segment
 from dplb.state.segments import segments
 from dplb.state.shm import SHM_DIR

@@ -5,8 +5,8 @@ Contract
   runs, and the launcher says so loudly; with ``--model`` the vLLM engine runs, and if it cannot start that is an
   error (exit non-zero), never a silent fall-back to the sim.
 - Creates the segment (``/dev/shm/dplb_state_<unix seconds>_<pid>`` unless ``--shm-path``) and a private run
-  directory (0700) for sockets and logs (default :func:`dplb.config.stack_run_dir` of ``--port``; the metrics ports
-  follow ``--port`` too, :func:`dplb.config.stack_metrics_port_base`: a second stack is one flag), exports
+  directory (0700) for sockets and logs (default :func:`dplb.stack.stack_run_dir` of ``--port``; the metrics ports
+  follow ``--port`` too, :func:`dplb.stack.stack_metrics_port_base`: a second stack is one flag), exports
   ``DPLB_SHM_PATH``, starts each worker with ``CUDA_VISIBLE_DEVICES`` for its group, then the router; prints the
   URL, a curl example and where the logs are.
 - Supervision: a worker or router that exits unexpectedly is restarted with exponential backoff (1 s doubling to
@@ -39,14 +39,7 @@ import sys
 import time
 import urllib.request
 
-from dplb.config import (
-    METRICS_HOST,
-    METRICS_PORT_BASE,
-    STALL_RESTART_AFTER_S,
-    default_run_dir,
-    stack_run_dir,
-    worker_metrics_ports,
-)
+from dplb.config import STALL_RESTART_AFTER_S
 from dplb.errors import ConfigError
 from dplb.flags import flag_number, flag_port_or_off
 from dplb.ops.checks import (
@@ -67,6 +60,7 @@ from dplb.ops.plan import cuda_visible_devices, plan_gpus
 from dplb.router.cli import add_router_args, router_config
 from dplb.router.supervisor import child_env
 from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
+from dplb.stack import METRICS_HOST, METRICS_PORT_BASE, default_run_dir, stack_run_dir, worker_metrics_ports
 from dplb.state.follow import SegmentFollower
 from dplb.state.segments import check_takeover, inspect
 from dplb.state.shm import ENV_SHM_PATH, MAX_WORKERS, Lifecycle, Segment, default_segment_path

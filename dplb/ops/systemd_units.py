@@ -126,8 +126,8 @@ def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
     elif _is_ours(key_path):  # an earlier emission's key would still be required by the router unit
         os.unlink(key_path)
         print(f"removed {key_path} (an earlier --api-key; this configuration has none)", file=sys.stderr)
-    from dplb.config import METRICS_HOST, stack_metrics_port_base, worker_metrics_ports
     from dplb.ops.checks import scrape_targets, write_scrape_targets
+    from dplb.stack import METRICS_HOST, stack_metrics_port_base, worker_metrics_ports
 
     mhost = getattr(args, "metrics_host", METRICS_HOST)
     mbase = stack_metrics_port_base(args.port, getattr(args, "metrics_port_base", None))

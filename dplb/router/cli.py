@@ -16,7 +16,6 @@ from dplb.config import (
     PolicyConfig,
     RouterConfig,
     default_router_processes,
-    default_run_dir,
     format_weights,
     parse_param,
     parse_weights,
@@ -26,6 +25,7 @@ from dplb.errors import ConfigError
 from dplb.flags import PORT_ZERO_REFUSED, flag_number, flag_port
 from dplb.policy.plugins import validate as validate_policy
 from dplb.policy.prefix import ENTRY_BYTES
+from dplb.stack import default_run_dir
 
 #: Local routes that ``--api-key-exempt`` may open without a key (the proxied model routes never are).
 EXEMPTABLE = ("/health", "/ready", "/metrics", "/metrics/host", "/v1/models", "/debug/decisions")

@@ -48,8 +48,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dplb import __version__
 from dplb.config import (
-    METRICS_HOST,
-    METRICS_PORT_BASE,
     PREFIX_BLOCK_BYTES,
     STALL_AFTER_S,
     STALL_RESTART_AFTER_S,
@@ -63,6 +61,7 @@ from dplb.obs.metrics_worker import WorkerMetrics, worker_metrics
 from dplb.runtime.gpu import GpuReader, visible_gpu_indices
 from dplb.runtime.sd_notify import notify
 from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
+from dplb.stack import METRICS_HOST, METRICS_PORT_BASE
 from dplb.state.kv_rings import KvRingWriter
 from dplb.state.shm import Lifecycle, Segment
 from dplb.worker.collector import Collector
