@@ -144,9 +144,8 @@ class PrivateSystemd:
         (base / "service.d").mkdir(parents=True)
         for t in _BASE_TARGETS:
             (base / f"{t}.target").write_text(f"[Unit]\nDescription={t} (private systemd of a DPLB test)\n")
-        if self.keep:
-            with open(base / "dplbtest.target", "a") as f:
-                f.write(f"After={' '.join(self.keep)}\n")
+        with open(base / "dplbtest.target", "a") as f:  # not stopped by shutdown.target: it keeps the references
+            f.write("DefaultDependencies=no\n" + (f"After={' '.join(self.keep)}\n" if self.keep else ""))
         (base / "service.d" / "50-dplbtest-log.conf").write_text(
             "[Service]\nStandardOutput=append:/run/dplbtest/logs/%n.log\nStandardError=inherit\n")
         self.console.write_bytes(b"")

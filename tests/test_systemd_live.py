@@ -33,6 +33,7 @@ from cluster import ROOT, wait_for
 from systemd_ns import PrivateSystemd, cannot_boot
 
 from dplb.ops.systemd_units import stop_timeouts
+from dplb.tenants import hash_key
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.skipif(cannot_boot() is not None, reason=f"private systemd cannot boot: {cannot_boot()}")]
@@ -70,6 +71,14 @@ class Stack:
         return int(self.sd.show(unit, prop)[prop]) * US
 
 
+TENANTS = "/etc/dplb/tenants.toml"  # where the README says a --tenants file goes (the router unit sees /etc)
+
+
+def _write_tenants(sd: PrivateSystemd, key: str) -> None:
+    """Write the namespace's tenants file: one tenant, ``key`` its only API key."""
+    sd.run(["sh", "-c", f"printf '[tenants.team]\\napi_key_sha256 = [\"{hash_key(key)}\"]\\n' > {TENANTS}"])
+
+
 HOST_PATHS = ("/etc/dplb", "/etc/systemd/system/dplb.target", "/etc/systemd/system/dplb-router.service",
               "/etc/systemd/system/dplb-worker@.service", "/opt/dplb", "/run/dplb", "/dev/shm/dplb_state_systemd")
 
@@ -81,13 +90,18 @@ def start_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
     before = {p: os.path.lexists(p) for p in HOST_PATHS}
     sd = PrivateSystemd(tmp_path, ROOT, keep=("dplb.target", "dplb-segment.service", ROUTER, *WORKERS))
 
-    def start(router_processes: int = 1) -> Stack:
+    def start(router_processes: int = 1, tenant_key: str = "") -> Stack:
         sd.start()
         port = _port()
         env = {**os.environ, "PYTHONPATH": ROOT}
+        tenants = []
+        if tenant_key:
+            sd.run(["mkdir", "-p", "/etc/dplb"])
+            _write_tenants(sd, tenant_key)
+            tenants = ["--tenants", TENANTS]
         sd.run([sys.executable, "-m", "dplb.cli", "launch", "--num-workers", "2", "--host", "127.0.0.1", "--port",
                 str(port), "--metrics-port-base", "0", "--drain-notice", f"{DRAIN_NOTICE_S:g}", "--drain-timeout",
-                f"{DRAIN_TIMEOUT_S:g}", "--router-processes", str(router_processes), "--sim-warmup-delay-s",
+                f"{DRAIN_TIMEOUT_S:g}", "--router-processes", str(router_processes), *tenants, "--sim-warmup-delay-s",
                 f"{WARMUP_S:g}", "--emit-systemd", "/etc/dplb"], env=env)
         units = os.path.join(ROOT, "deploy", "systemd")
         sd.run(["sh", "-c", f"cp {units}/*.service {units}/*.target /etc/systemd/system/ && "
@@ -108,15 +122,15 @@ class Load:
     """``n`` client threads sending completions to the router in a loop; ``results``: (sent, done, status or the
     exception's class name), times on CLOCK_MONOTONIC."""
 
-    def __init__(self, url: str, n: int = 4) -> None:
-        self.url, self.stop = url, threading.Event()
+    def __init__(self, url: str, key: str, n: int = 4) -> None:
+        self.url, self.key, self.stop = url, key, threading.Event()
         self.results: list[tuple[float, float, int | str]] = []
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
         for t in self.threads:
             t.start()
 
     def _run(self, i: int) -> None:
-        with httpx.Client(timeout=30) as c:
+        with httpx.Client(timeout=30, headers={"authorization": f"Bearer {self.key}"}) as c:
             while not self.stop.is_set():
                 t0 = time.monotonic()
                 try:
@@ -139,7 +153,7 @@ def test_router_starts_after_ready_workers_reloads_on_sighup_and_stops_first_und
         start_stack: Callable[..., Stack], router_processes: int) -> None:
     """With one router process and with a group of two (its parent sends READY=1 once both listen, forwards
     SIGHUP to both, and drains both on SIGTERM: ``KillMode=mixed``)."""
-    stack = start_stack(router_processes)
+    stack = start_stack(router_processes, tenant_key="old-key")
     sd = stack.sd
     # Start: each worker's READY=1 (its start job's end) came after its warm-up and before the router was started.
     router_start = stack.mono(ROUTER, "ExecMainStartTimestampMonotonic")
@@ -153,34 +167,31 @@ def test_router_starts_after_ready_workers_reloads_on_sighup_and_stops_first_und
     assert sd.show(ROUTER, "TimeoutStopUSec")["TimeoutStopUSec"] == f"{router_stop_s}s"
     for w in WORKERS:
         assert sd.show(w, "TimeoutStopUSec")["TimeoutStopUSec"] == f"{worker_stop_s}s"
-    r = httpx.post(stack.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "hi", "max_tokens": 4}, timeout=30)
-    assert r.status_code == 200, r.text
-    # systemctl reload: ExecReload sends SIGHUP, the router says so (no --tenants file here).
+    assert [_status(stack, k) for k in ("old-key", "new-key")] == [200, 401]
+    # systemctl reload: ExecReload sends SIGHUP, every router process reloads the tenants file (the group's parent
+    # passes it on), and the new key is let in, the old one no longer.
+    _write_tenants(sd, "new-key")
     sd.ctl("reload", ROUTER)
-    wait_for(lambda: sd.unit_log(ROUTER).count("SIGHUP: no --tenants file to reload") == router_processes, 10,
-             "the SIGHUP log line of every router process")
+    wait_for(lambda: sd.unit_log(ROUTER).count(f"tenants file {TENANTS} reloaded") == router_processes, 10,
+             "the reload log line of every router process")
+    assert {(_status(stack, "old-key"), _status(stack, "new-key")) for _ in range(8)} == {(401, 200)}
     assert sd.show(ROUTER, "ActiveState", "NRestarts") == {"ActiveState": "active", "NRestarts": "0"}
+    # The router (ProtectSystem=strict) wrote its last good copy of the file into its RuntimeDirectory.
+    assert os.path.exists(sd.path("/run/dplb/tenants.last-good.toml"))
     # Stop under load: the router goes first and drains; the workers get SIGTERM only after it exited.
-    load = Load(stack.url)
+    load = Load(stack.url, "new-key")
     time.sleep(1.0)
     t_stop = time.monotonic()
     sd.ctl("stop", "dplb.target", timeout=120)
     # systemctl waits for the target's own stop job only: the target is ordered after its units (systemd adds
     # After= for what a target wants), so it stops before them and the command returns with the router still
-    # draining. Naming the units too waits for their stop jobs (the README says so).
+    # draining. Naming the units too (the README's command) waits for their stop jobs.
     assert sd.show(ROUTER, "ActiveState")["ActiveState"] == "deactivating"
-    sd.ctl("stop", "dplb.target", "dplb-segment.service", ROUTER, "dplb-worker@*.service", timeout=120)
+    sd.ctl("stop", "dplb.target", "dplb-*.service", timeout=120)
+    assert sd.show(ROUTER, "ActiveState")["ActiveState"] == "inactive"
     results = load.finish()
-    router_sigterm = stack.mono(ROUTER, "ActiveExitTimestampMonotonic")
-    router_gone = stack.mono(ROUTER, "InactiveEnterTimestampMonotonic")
-    assert t_stop <= router_sigterm < router_gone
-    assert router_gone - router_sigterm >= DRAIN_NOTICE_S  # it reported drain and kept serving for the notice
-    for w in WORKERS:
-        assert stack.mono(w, "ActiveExitTimestampMonotonic") >= router_gone, f"{w} got SIGTERM before the router exited"
-    segment_gone = stack.mono("dplb-segment.service", "ActiveExitTimestampMonotonic")
-    assert segment_gone >= max(stack.mono(w, "InactiveEnterTimestampMonotonic") for w in WORKERS)
-    for u in (*WORKERS, ROUTER, "dplb-segment.service"):
-        assert sd.show(u, "ActiveState", "Result") == {"ActiveState": "inactive", "Result": "success"}, u
+    router_sigterm = _stopped_router_first(stack)
+    assert t_stop <= router_sigterm
     # Clients: no answer but 200; every request sent before the drain notice ended was answered 200, also those
     # sent after the stop began (the workers were still serving); what failed was sent after the router closed.
     statuses = {s for _, _, s in results if isinstance(s, int)}
@@ -191,6 +202,29 @@ def test_router_starts_after_ready_workers_reloads_on_sighup_and_stops_first_und
     assert all(dt >= DRAIN_NOTICE_S - 0.2 for dt, _ in failed), failed
     log = sd.unit_log(ROUTER)
     assert log.count("host draining (stopping): reporting drain") == router_processes, log[-3000:]
+
+
+def _stopped_router_first(stack: Stack) -> float:
+    """Assert how the stack stopped: the router first, after its drain notice, each worker only once the router had
+    exited, the segment last, every unit cleanly. Returns when the router got SIGTERM (CLOCK_MONOTONIC, s)."""
+    router_sigterm = stack.mono(ROUTER, "ActiveExitTimestampMonotonic")
+    router_gone = stack.mono(ROUTER, "InactiveEnterTimestampMonotonic")
+    assert router_gone - router_sigterm >= DRAIN_NOTICE_S  # it reported drain and kept serving for the notice
+    for w in WORKERS:
+        assert stack.mono(w, "ActiveExitTimestampMonotonic") >= router_gone, f"{w} got SIGTERM before the router exited"
+    segment_gone = stack.mono("dplb-segment.service", "ActiveExitTimestampMonotonic")
+    assert segment_gone >= max(stack.mono(w, "InactiveEnterTimestampMonotonic") for w in WORKERS)
+    for u in (*WORKERS, ROUTER, "dplb-segment.service"):
+        assert stack.sd.show(u, "ActiveState", "Result") == {"ActiveState": "inactive", "Result": "success"}, u
+    return router_sigterm
+
+
+def _status(stack: Stack, key: str = "") -> int:
+    """The status of one small completion through the router, with ``key`` as the API key (none when empty); a new
+    connection each time (in a router group, any process may take it)."""
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(stack.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "hi", "max_tokens": 4},
+                      headers=headers, timeout=30).status_code
 
 
 def _restarted(stack: Stack, unit: str, old_pid: str, restarts: int) -> bool:
@@ -208,8 +242,7 @@ def test_sigkilled_worker_is_restarted_and_a_frozen_one_by_the_watchdog(start_st
     assert stack.mono(w0, "ExecMainStartTimestampMonotonic") - t_kill >= 5.0 - 0.1  # RestartSec=5
     assert sd.show(w0, "Result")["Result"] == "success"  # the restart's own result; the kill was counted above
     wait_for(lambda: sd.unit_log(w0).count("registered. State") >= 2, 30, f"{w0} registered again")
-    r = httpx.post(stack.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "hi", "max_tokens": 4}, timeout=30)
-    assert r.status_code == 200, r.text
+    assert _status(stack) == 200
     # The watchdog: a shorter WatchdogSec (and abort timeout) than the shipped 30 s, same mechanism.
     sd.run(["sh", "-c", "mkdir -p /etc/systemd/system/dplb-worker@1.service.d && printf "
                         "'[Service]\\nWatchdogSec=3\\nTimeoutAbortSec=2\\n' > "
@@ -226,3 +259,7 @@ def test_sigkilled_worker_is_restarted_and_a_frozen_one_by_the_watchdog(start_st
     wait_for(lambda: _restarted(stack, w1, pid, 1), 60, f"{w1} killed by the watchdog and restarted", step_s=0.2)
     assert stack.mono(w1, "ExecMainStartTimestampMonotonic") - t_stop >= 3.0
     assert "watchdog timeout" in sd.log().lower(), sd.log()[-3000:]
+    # A reboot: every unit conflicts with shutdown.target (DefaultDependencies), whose start job waits for their
+    # stop jobs; the order is the same as for `systemctl stop dplb.target`.
+    sd.ctl("start", "shutdown.target", timeout=120)
+    _stopped_router_first(stack)
