@@ -21,6 +21,8 @@ Contract
   class's objectives: ``availability`` (fraction of requests not failed by the server) and ``ttft_s`` with
   ``ttft_target`` (the fraction of requests whose TTFT must be ≤ ``ttft_s``).
 - :data:`DEFAULT_TENANT` is the tenant of requests when no tenants file is given (and of ``--api-key``'s key).
+- Every number has a range, :data:`BOUNDS` (one table: the loader enforces it, README quotes it); ``models = []``
+  is refused (it would refuse every request: leave ``models`` out for "any model").
 
 Example::
 
@@ -61,6 +63,22 @@ _TENANT_KEYS = frozenset({"api_key_sha256", "weight", "priority", "requests_per_
                           "max_concurrent", "models"})
 _TOP_KEYS = frozenset({"tenants", "priorities", "fair_queue", "slo"})
 _SLO_KEYS = frozenset({"availability", "ttft_s", "ttft_target"})
+#: The inclusive range of every number of a tenants file. Outside it a value is almost surely a typo, and it would
+#: overflow what it feeds: ``x-ratelimit-*`` and ``Retry-After`` are integers computed from the limits (a limit of
+#: 1e308 printed 309 digits; a rate of 1e-300 a Retry-After of 1e300 s), and the fair queue divides by the weight
+#: (1e-300 starved its tenant). The limits' ceilings are far above one server's throughput (a router process serves
+#: about 10 000 requests/s, a GPU server some 10⁵–10⁶ tokens/min per model); the floors bound a refusal's
+#: Retry-After to 1 000 s (requests) and 60 s (tokens). Weights: a share ratio of at most 10⁶ between two tenants.
+BOUNDS: dict[str, tuple[float, float]] = {
+    "weight": (0.001, 1000.0),
+    "requests_per_s": (0.001, 1e6),
+    "tokens_per_min": (1.0, 1e10),
+    "max_concurrent": (1, 1_000_000),
+    "reserve": (0, 100_000),
+    "prompt_token_weight": (0.0, 1000.0),
+    "output_token_weight": (0.0, 1000.0),
+    "ttft_s": (0.001, 3600.0),
+}
 
 
 def hash_key(key: str) -> str:
@@ -84,8 +102,10 @@ class Tenant:
     models: frozenset[str] | None = None
 
     def may_use(self, model: Any) -> bool:
-        """True when the request's ``model`` (any JSON value; None = not named) is allowed to this tenant."""
-        return self.models is None or not isinstance(model, str) or model in self.models
+        """True when the model id ``model`` is allowed to this tenant (always without an allow-list). A request that
+        names no model is checked against the model that would serve it (:meth:`dplb.router.tenancy.Gate.enter`),
+        never passed through as None."""
+        return self.models is None or (isinstance(model, str) and model in self.models)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +135,14 @@ class TenantsConfig:
         """Every tenant name, :data:`DEFAULT_TENANT` included (the bounded ``tenant`` label set)."""
         return tuple(dict.fromkeys((*(t.name for t in self.tenants), DEFAULT_TENANT)))
 
+    def summary(self) -> str:
+        """One phrase for logs and ``dplb tenants check``: the file's tenants and classes (``2 tenants, classes a,
+        b``); ``--api-key``'s tenant :data:`DEFAULT_TENANT`, when the router added it, is named apart, not
+        counted."""
+        n = sum(t.name != DEFAULT_TENANT for t in self.tenants)
+        extra = f" (plus --api-key's tenant {DEFAULT_TENANT})" if n < len(self.tenants) else ""
+        return f"{n} tenant{'' if n == 1 else 's'}{extra}, classes {', '.join(self.classes)}"
+
     def by_name(self, name: str) -> Tenant | None:
         """The tenant called ``name``, or None."""
         return next((t for t in self.tenants if t.name == name), None)
@@ -139,11 +167,14 @@ class TenantsConfig:
         return found
 
 
-def _number(where: str, v: Any, *, integer: bool = False, minimum: float = 0.0, inclusive: bool = False) -> float:
+def _number(where: str, v: Any, key: str, *, integer: bool = False) -> float:
+    """``v`` as a float when it is a number (an integer with ``integer``) in :data:`BOUNDS` ``[key]``. Raises
+    :class:`ConfigError` naming ``where`` and the range."""
+    low, high = BOUNDS[key]
     ok = isinstance(v, int) if integer else isinstance(v, int | float)
-    if isinstance(v, bool) or not ok or not math.isfinite(v) or v < minimum or (v == minimum and not inclusive):
+    if isinstance(v, bool) or not ok or not math.isfinite(v) or not low <= v <= high:
         kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{where} must be {kind} {'≥' if inclusive else '>'} {minimum:g}, got {v!r}")
+        raise ConfigError(f"{where} must be {kind} from {low:g} to {high:g}, got {v!r}")
     return float(v)
 
 
@@ -175,13 +206,16 @@ def _tenant(path: str, name: str, raw: Any, classes: tuple[str, ...], seen: dict
     models = raw.get("models")
     if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)):
         raise ConfigError(f"{where}.models must be a list of model ids, got {models!r}")
+    if models == []:
+        raise ConfigError(f"{where}.models is empty: every request of the tenant would be refused (403); leave "
+                          "models out to allow every model, or list the allowed ids (models = [\"llama-3.1-8b\"])")
     limits: dict[str, Any] = {}
     for key in ("requests_per_s", "tokens_per_min", "max_concurrent"):
         if key in raw:
-            limits[key] = _number(f"{where}.{key}", raw[key], integer=key == "max_concurrent")
+            limits[key] = _number(f"{where}.{key}", raw[key], key, integer=key == "max_concurrent")
     if "max_concurrent" in limits:
         limits["max_concurrent"] = int(limits["max_concurrent"])
-    return Tenant(name, tuple(h.lower() for h in hashes), _number(f"{where}.weight", raw.get("weight", 1.0)),
+    return Tenant(name, tuple(h.lower() for h in hashes), _number(f"{where}.weight", raw.get("weight", 1.0), "weight"),
                   priority, models=frozenset(models) if models is not None else None, **limits)
 
 
@@ -199,7 +233,7 @@ def _slos(path: str, raw: Any, classes: tuple[str, ...]) -> dict[str, Slo]:
         for key in ("availability", "ttft_target"):
             if key in body and not (isinstance(body[key], int | float) and 0 < body[key] < 1):
                 raise ConfigError(f"{where}.{key} must be a fraction in (0, 1) like 0.999, got {body[key]!r}")
-        ttft = _number(f"{where}.ttft_s", body["ttft_s"]) if "ttft_s" in body else None
+        ttft = _number(f"{where}.ttft_s", body["ttft_s"], "ttft_s") if "ttft_s" in body else None
         out[cls] = Slo(float(avail) if avail is not None else None, ttft, float(body.get("ttft_target", 0.99)))
     return out
 
@@ -218,12 +252,12 @@ def parse_tenants(path: str, doc: dict[str, Any]) -> TenantsConfig:
     unknown = sorted(set(prio) - {"order", "reserve"}) if isinstance(prio, dict) else []
     if unknown:
         raise ConfigError(f"{path}: priorities.{unknown[0]} is not a key; use order, reserve")
-    reserve = int(_number(f"{path}: priorities.reserve", prio.get("reserve", 0), integer=True, inclusive=True))
+    reserve = int(_number(f"{path}: priorities.reserve", prio.get("reserve", 0), "reserve", integer=True))
     fq = doc.get("fair_queue", {})
     if not isinstance(fq, dict) or set(fq) - {"prompt_token_weight", "output_token_weight"}:
         raise ConfigError(f"{path}: fair_queue takes prompt_token_weight and output_token_weight")
-    wp = _number(f"{path}: fair_queue.prompt_token_weight", fq.get("prompt_token_weight", 1.0), inclusive=True)
-    wq = _number(f"{path}: fair_queue.output_token_weight", fq.get("output_token_weight", 2.0), inclusive=True)
+    wp = _number(f"{path}: fair_queue.prompt_token_weight", fq.get("prompt_token_weight", 1.0), "prompt_token_weight")
+    wq = _number(f"{path}: fair_queue.output_token_weight", fq.get("output_token_weight", 2.0), "output_token_weight")
     if wp + wq == 0:
         raise ConfigError(f"{path}: fair_queue weights must not both be 0")
     raw = doc.get("tenants")
@@ -316,6 +350,6 @@ def single_tenant(api_key: str | None) -> TenantsConfig:
     return TenantsConfig("", (Tenant(DEFAULT_TENANT, hashes),))
 
 
-__all__ = ["DEFAULT_CLASS", "DEFAULT_TENANT", "LAST_GOOD_NAME", "Slo", "Tenant", "TenantsConfig", "hash_key",
+__all__ = ["BOUNDS", "DEFAULT_CLASS", "DEFAULT_TENANT", "LAST_GOOD_NAME", "Slo", "Tenant", "TenantsConfig", "hash_key",
            "last_good_path", "load_tenants", "load_tenants_or_last_good", "parse_tenants", "read_tenants",
            "save_last_good", "single_tenant"]

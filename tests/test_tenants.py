@@ -40,7 +40,8 @@ def test_a_valid_file_loads_with_defaults_and_lookup_finds_the_key(tmp_path) -> 
     assert tc.classes == ("interactive", "batch") and tc.rank("batch") == 1 and tc.output_token_weight == 3
     chat = tc.lookup(b"key-one")
     assert chat is not None and chat.name == "chat" and chat.weight == 2 and chat.requests_per_s == 5
-    assert chat.may_use("m1") and not chat.may_use("m2") and chat.may_use(None)
+    # No model named is not "allowed": the gate checks the model that would serve it (test_tenants_cluster.py).
+    assert chat.may_use("m1") and not chat.may_use("m2") and not chat.may_use(None) and not chat.may_use(["m1"])
     batch = tc.lookup(b"key-two")
     assert batch is not None and batch.name == "batch" and batch.weight == 1.0 and batch.models is None
     assert tc.lookup(b"key-three") is None and tc.lookup(b"") is None
@@ -58,7 +59,7 @@ def test_reserve_holds_slots_per_less_urgent_class() -> None:
     ({}, "no tenant"),
     (doc(a={"weight": 1}), "tenants.a.api_key_sha256 must list"),
     (doc(a={"api_key_sha256": ["abc"]}), "tenants.a.api_key_sha256: 'abc' is not a SHA-256"),
-    (doc(a={"api_key_sha256": [H1], "weight": -1}), "tenants.a.weight must be a number > 0, got -1"),
+    (doc(a={"api_key_sha256": [H1], "weight": -1}), "tenants.a.weight must be a number from 0.001 to 1000, got -1"),
     (doc(a={"api_key_sha256": [H1], "weight": True}), "tenants.a.weight must be a number"),
     (doc(a={"api_key_sha256": [H1], "max_concurrent": 1.5}), "tenants.a.max_concurrent must be an integer"),
     (doc(a={"api_key_sha256": [H1], "colour": 1}), "tenants.a.colour is not a tenant key"),
@@ -72,7 +73,23 @@ def test_reserve_holds_slots_per_less_urgent_class() -> None:
      "slo.default.availability must be a fraction"),
     ({"extra": 1, **doc(a={"api_key_sha256": [H1]})}, "extra is not a section"),
     ({"priorities": {"reserve": -1}, **doc(a={"api_key_sha256": [H1]})},
-     "priorities.reserve must be an integer ≥ 0, got -1"),
+     "priorities.reserve must be an integer from 0 to 100000, got -1"),
+    # An empty allow-list refuses everything: a mistake, said with how to write "any model".
+    (doc(a={"api_key_sha256": [H1], "models": []}), "tenants.a.models is empty: every request of the tenant would "
+     "be refused (403); leave models out to allow every model"),
+    # Absurd numbers: they overflowed the integer headers (309 digits) or starved the tenant (BOUNDS).
+    (doc(a={"api_key_sha256": [H1], "requests_per_s": 1e308}), "tenants.a.requests_per_s must be a number from "
+     "0.001 to 1e+06, got 1e+308"),
+    (doc(a={"api_key_sha256": [H1], "requests_per_s": 1e-300}), "tenants.a.requests_per_s must be a number from"),
+    (doc(a={"api_key_sha256": [H1], "tokens_per_min": 1e300}), "tenants.a.tokens_per_min must be a number from "
+     "1 to 1e+10"),
+    (doc(a={"api_key_sha256": [H1], "weight": 1e-300}), "tenants.a.weight must be a number from 0.001 to 1000"),
+    (doc(a={"api_key_sha256": [H1], "max_concurrent": 2**62}), "tenants.a.max_concurrent must be an integer from "
+     "1 to 1e+06"),
+    ({"fair_queue": {"output_token_weight": 1e300}, **doc(a={"api_key_sha256": [H1]})},
+     "fair_queue.output_token_weight must be a number from 0 to 1000"),
+    ({"slo": {"default": {"ttft_s": 1e300}}, **doc(a={"api_key_sha256": [H1]})},
+     "slo.default.ttft_s must be a number from 0.001 to 3600"),
     ({"priorities": {"reserve": 1.5}, **doc(a={"api_key_sha256": [H1]})}, "priorities.reserve must be an integer"),
     ({"priorities": {"reserved": 1}, **doc(a={"api_key_sha256": [H1]})}, "priorities.reserved is not a key"),
 ])
@@ -232,6 +249,32 @@ def test_request_bucket_refuses_with_the_exact_retry_after_and_refills() -> None
     assert hdr[b"x-ratelimit-reset-requests"] == b"1s"
 
 
+def test_a_refusal_message_quotes_the_reset_header_and_the_retry_after_it_rounds() -> None:
+    """requests_per_s = 5 (burst 5), 5 taken, 0.8 s later: one request is back in 0.2 s (Retry-After 1), all 5 in
+    0.2 s + 4 × 0.2 s = 1 s — the message says both, in the headers' words (it said only "retry in 200ms" beside
+    a reset header of 1s, and looked wrong)."""
+    clock = Clock()
+    lim = TenantLimits(Tenant("a", requests_per_s=5, tokens_per_min=60), clock)
+    for _ in range(5):
+        assert lim.check(1) is None
+    refused = lim.check(1)
+    assert refused is not None and refused[1] == 1
+    hdr = dict(lim.headers(refill=False))
+    assert hdr[b"x-ratelimit-reset-requests"] == b"1s"
+    assert refused[2] == "rate limit of 5 requests/s reached; retry in 200ms (one request is back then; all 5 in 1s, " \
+        "x-ratelimit-reset-requests)"
+    clock.t += 1.0
+    assert lim.check(1) is None
+    for _ in range(4):
+        lim.check(1)
+    lim.correct(54)  # tokens (60/min = 1/s): 60 - 5 + 1 - 5 - 54 = -3
+    clock.t += 1.0  # -2: 5 tokens are back in 7 s, all 60 in 62 s
+    refused = lim.check(5)
+    assert refused is not None and refused[0] is RouterErrorKind.TOKENS_RATE_LIMITED and refused[1] == 7
+    assert dict(lim.headers(refill=False))[b"x-ratelimit-reset-tokens"] == b"1m2s"
+    assert "retry in 7s (this request's 5 tokens are back then; all in 1m2s, x-ratelimit-reset-tokens)" in refused[2]
+
+
 def test_token_bucket_debt_from_the_engines_count_delays_the_next_request() -> None:
     clock = Clock()
     lim = TenantLimits(Tenant("a", tokens_per_min=600), clock)  # 10 tokens/s
@@ -352,7 +395,7 @@ def test_tenants_check_cli_is_one_line_exit_0_or_2(tmp_path, capsys) -> None:  #
     good.write_text(f'[tenants.a]\napi_key_sha256 = ["{H1}"]\n')
     bad.write_text("garbage [\n")
     assert main(["tenants", "check", str(good)]) == 0
-    assert capsys.readouterr().out == f"{good}: OK (1 tenants, classes default)\n"
+    assert capsys.readouterr().out == f"{good}: OK (1 tenant, classes default)\n"
     assert main(["tenants", "check", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{bad}: not valid TOML" in err

@@ -130,7 +130,7 @@ def _cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     """Print one line for a tenants file that loads; :class:`~dplb.errors.ConfigError` (exit 2) for one that does
     not."""
     tc = load_tenants(args.file)
-    print(f"{tc.path}: OK ({len(tc.tenants)} tenants, classes {', '.join(tc.classes)})")
+    print(f"{tc.path}: OK ({tc.summary()})")
     return 0
 
 

@@ -20,7 +20,8 @@ Contract (docs/DESIGN.md §4, §6)
   the same headers from the same config.
 - With an API key or a tenants file, every path except ``public_paths`` needs ``Authorization: Bearer <key>``
   (a tenant's key: :mod:`dplb.router.tenancy`; constant-time compare); failures are OpenAI-shaped 401s. SIGHUP
-  reloads the tenants file; ``/debug/decisions`` entries name the request's tenant.
+  reloads the tenants file; ``/debug/decisions`` entries name the request's tenant (a tenant's key sees only its
+  own: :mod:`dplb.router.local`).
 - The router starts before any worker is ready and answers 503 until one is.
 - The HTTP edge is bounded: request heads over :data:`MAX_HEAD_BYTES` get 431 ``headers_too_large``, malformed
   HTTP gets 400 ``invalid_http``, a head or body too slow (``--header-timeout``, ``--body-timeout``) 408

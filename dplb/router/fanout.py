@@ -9,6 +9,7 @@ Contract
   ``body`` is the worker's answer as text (status 0 and the transport error when it could not be reached).
   Status: 200 when every worker answered 2xx, the common status when all answered the same non-2xx status, else
   207 (mixed results).
+- :func:`lora_name`: the adapter a request body names (what a tenant's allow-list is checked against).
 - After the fan-out, the touched workers' model lists are refreshed, so routing to a new adapter works as soon as
   the answer is back.
 """
@@ -26,6 +27,22 @@ from dplb.router.models import ServedModels
 from dplb.router.upstream import UpstreamError, UpstreamPool, fetch
 
 TIMEOUT_S = 120.0  # loading an adapter reads its weights from disk
+
+
+class _LoraBody(msgspec.Struct):
+    lora_name: Any = None
+
+
+_lora_decode = msgspec.json.Decoder(_LoraBody).decode
+
+
+def lora_name(body: bytes) -> Any:
+    """The ``lora_name`` of a load/unload request body (any JSON value, as vLLM's field reads it: the last one when
+    repeated), or None when the body is not a JSON object."""
+    try:
+        return _lora_decode(body).lora_name
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
 
 
 def parse_workers(text: str | None, num_workers: int) -> list[int] | None:
@@ -67,4 +84,4 @@ async def fan_out(pool: UpstreamPool, models: ServedModels, workers: list[int], 
     return status, msgspec.json.encode({"object": "dplb.fanout", "results": results})
 
 
-__all__ = ["fan_out", "parse_workers"]
+__all__ = ["fan_out", "lora_name", "parse_workers"]

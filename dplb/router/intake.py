@@ -6,9 +6,11 @@ Contract
 - :func:`check_head` (before the body is read): 413 for a declared length over the limit, 415 for a Content-Type
   the route does not take or an unknown ``Content-Encoding``. :func:`read_body` (after): decodes gzip/deflate
   bounded by ``limit`` decoded bytes (413, never more than ``limit + 1`` bytes are inflated), peeks JSON (400
-  ``invalid_json``/``body_not_object``) or the multipart ``model`` field; a client that disconnects before its body
-  is complete is 499 ``client_closed_request`` (:func:`receive_body`; nothing is sent). The body is never
-  re-serialised: the worker gets the bytes, decoded only when they were compressed.
+  ``invalid_json``/``body_not_object``) or the multipart ``model`` field (:attr:`Peek.model` either way); a
+  client that disconnects before its body is complete is 499 ``client_closed_request`` (:func:`receive_body`;
+  nothing is sent). The body is never re-serialised: the worker gets the bytes, decoded only when they were compressed.
+- :func:`form_models`: every ``model`` field of a whole multipart body, strictly (what the tenant gate checks
+  against an allow-list: a form the router might read otherwise than vLLM does is refused there).
 - :func:`bearer_ok`: the one API-key check (``Authorization: Bearer <key>``, constant time) of the proxy and the
   local endpoints.
 """
@@ -163,6 +165,38 @@ def multipart_model(body: bytes) -> str | None:
     return None
 
 
+_DISPOSITION = b"content-disposition:"
+
+
+def form_models(body: bytes) -> list[str | None]:
+    """The value of every ``model`` field of a ``multipart/form-data`` body, in order, searched in the whole body:
+    each ``Content-Disposition`` line whose parameters mention ``model`` in any spelling. An entry is None when the
+    router cannot be sure vLLM (Starlette's form parser) reads the same field: a name other than exactly
+    ``name="model"`` that still says model (``name=model``, ``name="MODEL"``, ``name*=…``), a file part
+    (``filename``), or a value that is not one line of 1–256 bytes followed by the next boundary. Checked against
+    Starlette's ``MultiPartParser`` on such forms: where this reads a value it is the one Starlette reads.
+    Linear in the body."""
+    out: list[str | None] = []
+    low = body.lower()
+    i = low.find(_DISPOSITION)
+    while i != -1:
+        end = low.find(b"\r\n", i)
+        line = body[i + len(_DISPOSITION): end if end != -1 else len(body)]
+        at_start = i == 0 or low[i - 1:i] == b"\n"
+        if at_start and b"model" in line.lower():
+            params = [p.strip() for p in line.split(b";")[1:]]
+            exact = b'name="model"' in params and not any(p.lower().startswith(b"filename") for p in params)
+            value = None
+            if exact and end != -1:
+                start = body.find(b"\r\n\r\n", end - 2)
+                stop = body.find(b"\r\n", start + 4) if start != -1 else -1
+                if start != -1 and 0 < stop - start - 4 <= 256 and body.startswith(b"\r\n--", stop):
+                    value = body[start + 4:stop].decode("utf-8", "replace")
+            out.append(value)
+        i = low.find(_DISPOSITION, i + 1)
+    return out
+
+
 def check_head(route: Route, clen: int, ctype: bytes, encoding: bytes, limit: int) -> None:
     """Refuse what can be refused from the headers alone (module docstring): ``clen`` the declared
     ``Content-Length`` (negative: none or malformed), ``limit`` the body limit in bytes. Raises :class:`Rejected`."""
@@ -198,7 +232,10 @@ def read_body(route: Route, body: bytes, encoding: bytes, limit: int) -> tuple[b
             raise Rejected(RouterErrorKind.INVALID_JSON, "request body is not valid JSON: nested too deeply") \
                 from None
         return body, peek, peek.model, decoded
-    return body, NO_PEEK, multipart_model(body) if route.body == "multipart" else None, decoded
+    if route.body == "multipart":
+        model = multipart_model(body)
+        return body, Peek(model=model), model, decoded
+    return body, NO_PEEK, None, decoded
 
 
 async def receive_body(receive: Any, limit: int, hook: Any = None) -> bytes | None:
@@ -231,4 +268,4 @@ def bearer_ok(authorization: bytes, credential: bytes) -> bool:
 
 
 __all__ = ["NO_PEEK", "Peek", "Rejected", "bearer_credential", "bearer_ok", "check_head", "decode_body",
-           "multipart_model", "read_body", "receive_body"]
+           "form_models", "multipart_model", "read_body", "receive_body"]

@@ -9,7 +9,10 @@ Contract (pure logic; the clock is injected)
   and ``tokens_per_min`` (capacity one minute's worth). :meth:`TenantLimits.check` refuses a request with the
   error kind and the exact ``Retry-After`` (whole seconds, rounded up: when the bucket holds enough again) or
   admits it and takes one request and the prompt-token estimate; :meth:`TenantLimits.correct` adds the
-  difference between the engine's token count and what was taken.
+  difference between the engine's token count and what was taken. A refusal's message gives both times, read at one
+  instant with the headers of :meth:`TenantLimits.headers` ``(refill=False)``: when the request would be admitted
+  (``Retry-After`` is that, rounded up to whole seconds) and when the bucket is full again (the
+  ``x-ratelimit-reset-*`` header, OpenAI's meaning: back to its initial state), in the headers' format.
 - :meth:`TenantLimits.headers`: ``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``,
   ``x-ratelimit-reset-requests`` (time until the bucket is full, OpenAI's ``1s`` / ``6m0s`` / ``20ms`` form) and
   the same three for ``tokens`` — only for the limits the tenant has. :func:`concurrency_headers`: the three for
@@ -46,9 +49,10 @@ class TokenBucket:
         self.t = now
         return self.level
 
-    def wait_s(self, amount: float) -> float:
-        """Seconds until the bucket holds ``amount`` (capped at its capacity); 0 when it does now."""
-        need = min(amount, self.capacity) - self.refill()
+    def wait_s(self, amount: float, refill: bool = True) -> float:
+        """Seconds until the bucket holds ``amount`` (capped at its capacity); 0 when it does now. ``refill``:
+        False to read the level of the last :meth:`refill` (the same instant as another reading)."""
+        need = min(amount, self.capacity) - (self.refill() if refill else self.level)
         return need / self.rate if need > 0 else 0.0
 
     def take(self, amount: float) -> None:
@@ -56,9 +60,9 @@ class TokenBucket:
         self.refill()
         self.level -= amount
 
-    def reset_s(self) -> float:
-        """Seconds until the bucket is full again."""
-        return max(0.0, self.capacity - self.refill()) / self.rate
+    def reset_s(self, refill: bool = True) -> float:
+        """Seconds until the bucket is full again (``refill``: as in :meth:`wait_s`)."""
+        return max(0.0, self.capacity - (self.refill() if refill else self.level)) / self.rate
 
 
 def reset_text(seconds: float) -> str:
@@ -87,16 +91,23 @@ class TenantLimits:
     def check(self, tokens: int) -> tuple[RouterErrorKind, int, str] | None:
         """Refuse (kind, Retry-After seconds, message) or admit a request estimated at ``tokens`` prompt tokens
         (then one request and ``tokens`` are taken)."""
+        for b in (self.requests, self.tokens):  # one instant for the checks, the message and the headers
+            if b is not None:
+                b.refill()
         if self.requests is not None:
-            w = self.requests.wait_s(1)
+            w = self.requests.wait_s(1, refill=False)
             if w > 0:
                 return (RouterErrorKind.RATE_LIMITED, math.ceil(w), f"rate limit of {self.requests.rate:g} "
-                        f"requests/s reached; retry in {reset_text(w)}")
+                        f"requests/s reached; retry in {reset_text(w)} (one request is back then; all "
+                        f"{math.floor(self.requests.capacity)} in {reset_text(self.requests.reset_s(False))}, "
+                        "x-ratelimit-reset-requests)")
         if self.tokens is not None:
-            w = self.tokens.wait_s(max(tokens, 1))
+            w = self.tokens.wait_s(max(tokens, 1), refill=False)
             if w > 0:
                 return (RouterErrorKind.TOKENS_RATE_LIMITED, math.ceil(w), f"rate limit of "
-                        f"{self.tokens.capacity:g} tokens/min reached; retry in {reset_text(w)}")
+                        f"{self.tokens.capacity:g} tokens/min reached; retry in {reset_text(w)} (this request's "
+                        f"{max(tokens, 1)} tokens are back then; all in {reset_text(self.tokens.reset_s(False))}, "
+                        "x-ratelimit-reset-tokens)")
         if self.requests is not None:
             self.requests.take(1)
         if self.tokens is not None:
@@ -108,15 +119,17 @@ class TenantLimits:
         if self.tokens is not None and tokens:
             self.tokens.take(tokens)
 
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        """The ``x-ratelimit-*`` response headers (module docstring)."""
+    def headers(self, refill: bool = True) -> list[tuple[bytes, bytes]]:
+        """The ``x-ratelimit-*`` response headers (module docstring); ``refill=False``: at the instant of the last
+        :meth:`check` (a refusal's headers, which its message quotes)."""
         out: list[tuple[bytes, bytes]] = []
         for name, b in ((b"requests", self.requests), (b"tokens", self.tokens)):
             if b is None:
                 continue
+            level = b.refill() if refill else b.level
             out += [(b"x-ratelimit-limit-" + name, b"%d" % math.floor(b.capacity)),
-                    (b"x-ratelimit-remaining-" + name, b"%d" % max(0, math.floor(b.refill()))),
-                    (b"x-ratelimit-reset-" + name, reset_text(b.reset_s()).encode())]
+                    (b"x-ratelimit-remaining-" + name, b"%d" % max(0, math.floor(level))),
+                    (b"x-ratelimit-reset-" + name, reset_text(b.reset_s(False)).encode())]
         return out
 
 

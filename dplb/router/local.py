@@ -6,6 +6,11 @@ Contract: :func:`build_local_app` reads the router's parts (:class:`RouterParts`
 served models, host report, the proxy's tenant gate, CORS) from the router it is given; it owns no state. A wrong
 method is 405 ``method_not_allowed`` naming the allowed methods, with an ``Allow`` that lists ``HEAD`` beside
 ``GET``; an unknown path 404 ``not_found``; any other exception a logged 500 ``internal_error`` without internals.
+
+Tenant isolation (:func:`caller`): a tenant with a ``models`` allow-list sees only its models in ``/v1/models``,
+``/v1/models/{model}`` and their 404, and may load or unload through the fan-out only an adapter its list names
+(403 ``model_not_allowed``); ``/debug/decisions`` shows a tenant's key only its own tenant's decisions, while
+``--api-key``'s key (tenant ``default``) and a router without keys see every tenant's.
 """
 
 from __future__ import annotations
@@ -25,14 +30,14 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_gener
 from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind, error_body, openai_error_body
 from dplb.obs.metrics_router import RouterMetrics
-from dplb.router.fanout import fan_out, parse_workers
+from dplb.router.fanout import fan_out, lora_name, parse_workers
 from dplb.router.host_report import HostReporter
 from dplb.router.models import ServedModels
 from dplb.router.proxy import Proxy
 from dplb.router.siblings import SCOPE_PROCESS, fetch_siblings, merge_decisions, merge_metrics
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamPool
-from dplb.tenants import DEFAULT_TENANT
+from dplb.tenants import DEFAULT_TENANT, Tenant
 
 log = logging.getLogger("dplb.router")
 _TEXT_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
@@ -111,13 +116,16 @@ def build_local_app(app: RouterParts) -> Litestar:
             return None
         return seen, ",".join(str(k) for k, a in zip(ks, answers, strict=True) if a is not None)
 
+    def caller(request: Request[Any, Any, Any]) -> Tenant | None:
+        """The tenant of the request's key; None when the gate is off or the path is public and no known key came
+        (then nothing is restricted)."""
+        gate = app.proxy.gate
+        return gate.tenant_of(request.headers.get("authorization", "").encode()) if gate.on else None
+
     def allowed(request: Request[Any, Any, Any], entries: dict[str, dict[str, object]]) -> dict[str, dict[str, object]]:
         """The entries the caller's tenant may use (its ``models`` allow-list; all without one, or for a caller
         without a key on a public path)."""
-        gate = app.proxy.gate
-        if not gate.on:
-            return entries
-        tenant = gate.tenant_of(request.headers.get("authorization", "").encode())
+        tenant = caller(request)
         if tenant is None or tenant.models is None:
             return entries
         return {k: e for k, e in entries.items() if tenant.may_use(k)}
@@ -154,7 +162,15 @@ def build_local_app(app: RouterParts) -> Litestar:
         ks = chosen if chosen is not None else state.routable_workers()
         if not ks:
             return _error(RouterErrorKind.NONE_ROUTABLE, "no worker is ready", cfg.retry_after_s)
-        status, body = await fan_out(pool, served, ks, request.url.path, await request.body(), state.pid_of)
+        body = await request.body()
+        tenant = caller(request)
+        if tenant is not None and tenant.models is not None:
+            name = lora_name(body)
+            if not tenant.may_use(name):
+                return _error(RouterErrorKind.MODEL_NOT_ALLOWED, f"tenant {tenant.name} may load or unload only "
+                              f"the adapters its models list names ({', '.join(sorted(tenant.models))}), not "
+                              f"`{name}`")
+        status, body = await fan_out(pool, served, ks, request.url.path, body, state.pid_of)
         return Response(body, status_code=status, media_type="application/json")
 
     @post("/v1/load_lora_adapter", status_code=200)
@@ -168,11 +184,10 @@ def build_local_app(app: RouterParts) -> Litestar:
     @get("/debug/decisions")
     async def decisions(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
         n = _decisions_limit(request.query_params.get("limit", str(DECISIONS_LIMIT)))
-        items = list(state.decisions)[-n:]
-        gate = app.proxy.gate
-        tenant_of = gate.recent.get if gate.on else _default_tenant
-        own = [{"time": t, "request_id": rid, "tenant": tenant_of(rid), **d.to_dict()}
-               for t, rid, d in reversed(items)]
+        tenant = caller(request)
+        mine = None if tenant is None or tenant.name == DEFAULT_TENANT else tenant.name  # None: every tenant's
+        items = [e for e in state.decisions if mine is None or e[2] == mine][-n:]
+        own = [{"time": t, "request_id": rid, "tenant": who, **d.to_dict()} for t, rid, who, d in reversed(items)]
         if cfg.processes == 1:
             return own
         if request.query_params.get("scope") == SCOPE_PROCESS:
@@ -202,10 +217,6 @@ def _decisions_limit(raw: str) -> int:
 
 
 _HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed"}
-
-
-def _default_tenant(_request_id: str) -> str:
-    return DEFAULT_TENANT
 
 
 def _openai_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:

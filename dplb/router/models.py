@@ -9,7 +9,12 @@ Contract
   known worker serves, every other worker (including those whose list is not known yet, so nothing is misrouted
   while a worker's first answer is pending); for a model no known worker serves, the known workers (so a worker
   whose list is still unknown may take it and answer for itself). When every worker is known and none serves it,
-  the caller answers 404 ``model_not_found`` with :meth:`ServedModels.names`.
+  the caller answers 404 ``model_not_found`` with :meth:`ServedModels.names` (a tenant with an allow-list is told
+  only its allowed names: :mod:`dplb.router.tenancy`).
+- :meth:`ServedModels.defaults`: each known worker's *default model*, the one it serves a request without
+  ``model`` (or with ``null`` or ``""``) under: vLLM's first served model name (``base_model_paths[0]``, the first
+  ``/v1/models`` entry, whose ``parent`` is null; adapters name their base in ``parent``). The tenant gate checks a
+  model-less request of a tenant with an allow-list against it.
 - :meth:`ServedModels.refresh_loop` (a background task) asks each routable worker's ``/v1/models`` over its socket:
   at once (within :data:`TICK_S`) when it becomes routable or restarts under a new pid, then every
   ``refresh_s`` seconds; the router's LoRA fan-out refreshes the workers it touched right after. Update delay: a
@@ -60,6 +65,7 @@ class ServedModels:
         self._index: dict[str, frozenset[int]] = {}
         self._not_serving: dict[str, frozenset[int]] = {}  # name → every worker not serving it (known or not)
         self._known: frozenset[int] = frozenset()
+        self._default: list[str | None] = [None] * num_workers
         self._warned = False
 
     # ---- hot path --------------------------------------------------------------------------------------------
@@ -76,9 +82,14 @@ class ServedModels:
         """Every served name, sorted (for the ``model_not_found`` message)."""
         return sorted(self._index)
 
+    def defaults(self) -> dict[int, str]:
+        """Worker → its default model (module docstring), for the workers whose list is known and has one."""
+        return {k: d for k, d in enumerate(self._default) if d is not None}
+
     # ---- updates ---------------------------------------------------------------------------------------------
-    def update(self, worker: int, pid: int, names: Iterable[str]) -> None:
-        """Set ``worker``'s served names (bounded, see module docstring) as published by process ``pid``."""
+    def update(self, worker: int, pid: int, names: Iterable[str], default: str | None = None) -> None:
+        """Set ``worker``'s served names (bounded, see module docstring) as published by process ``pid``, and
+        its ``default`` model (None: the first name kept)."""
         kept: list[str] = []
         for n in names:
             if len(kept) >= MAX_NAMES_PER_WORKER or len(n.encode()) > MAX_NAME_BYTES:
@@ -89,6 +100,7 @@ class ServedModels:
                 continue
             kept.append(n)
         new = frozenset(kept)
+        self._default[worker] = default if default in new else (kept[0] if kept else None)
         old = self._names[worker]
         self._pid[worker] = pid
         self._fetched_at[worker] = time.monotonic()
@@ -124,7 +136,8 @@ class ServedModels:
             log.info("worker %d could not list its models: %s", worker, e)
             self._pid[worker], self._fetched_at[worker] = pid, time.monotonic()  # retried later, not every tick
             return None
-        self.update(worker, pid, (str(e["id"]) for e in entries))
+        base = next((str(e["id"]) for e in entries if e.get("parent") is None), None)
+        self.update(worker, pid, (str(e["id"]) for e in entries), base)
         return entries
 
     async def refresh_loop(self, pool: UpstreamPool, routable: Callable[[], list[int]],

@@ -87,7 +87,7 @@ class Proxy:
         self.metrics = state.metrics
         self.upstreams = Upstreams(cfg, state, pool, self.response_ids)
         # Tenants (the API key, --tenants), their limits, the fair queue and the usage ledger (docs/DESIGN.md §15).
-        self.gate = Gate(cfg, state, self.metrics.registry, self.upstreams.reject)
+        self.gate = Gate(cfg, state, self.metrics.registry, self.upstreams.reject, models)
         self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.obs.tracing.make_tracer)
         self._tracing: Tracing | None = None
         self._req_skip = REQ_OWN
@@ -184,11 +184,16 @@ class Proxy:
         ex.body, peek, model, ex.decoded = read_body(route, body, encoding, self.cfg.max_body_bytes)
         ex.peek = peek
         exclude: frozenset[int] = frozenset()
-        if isinstance(model, str):
+        if isinstance(model, str) and model:  # "" is vLLM's default model, as an absent one
             models = self.models
             if models.none_serves(model):
-                raise Rejected(RouterErrorKind.MODEL_NOT_FOUND, f"The model `{model}` does not exist. Served models: "
-                               f"{', '.join(models.names()) or '(none)'}")
+                # A tenant with an allow-list learns only of its own models; one outside it is the gate's 403 (the
+                # same answer whether or not the model exists: no oracle of the served names).
+                t = ex.tenant.tenant if ex.tenant is not None else None
+                if t is None or t.may_use(model):
+                    served = [n for n in models.names() if t is None or t.may_use(n)]
+                    raise Rejected(RouterErrorKind.MODEL_NOT_FOUND, f"The model `{model}` does not exist. Served "
+                                   f"models: {', '.join(served) or '(none)'}")
             exclude = models.workers_not_serving(model)
         pin_id = ex.pin
         if pin_id is None and route.path == _RESPONSES and isinstance(peek.previous_response_id, str):
@@ -202,7 +207,7 @@ class Proxy:
     def decide(self, ex: Exchange) -> int | None:
         """One routing decision for ``ex`` (kept on it, recorded and traced); the chosen worker or None."""
         ex.trace.deciding()
-        d = ex.decision = self.state.decide(ex.request, ex.rid.decode())
+        d = ex.decision = self.state.decide(ex.request, ex.rid.decode(), _tenant_name(ex))
         ex.trace.routed(d)
         return d.worker
 
@@ -214,7 +219,7 @@ class Proxy:
 
     def record(self, ex: Exchange, seconds: float) -> None:
         """Record ``ex``'s decision made by :meth:`choose` in ``seconds`` (metrics, debug ring)."""
-        self.state.record(ex.decision, seconds, ex.rid.decode())
+        self.state.record(ex.decision, seconds, ex.rid.decode(), _tenant_name(ex))
 
     async def _dispatch(self, ex: Exchange, exclude: frozenset[int]) -> None:
         ex.request = self.route_request(ex.peek, exclude)
@@ -324,6 +329,12 @@ class Proxy:
             await resume.end_stream(self.upstreams, ex, "no_worker", message)
         else:
             await self._reject(ex, kind, message)
+
+
+def _tenant_name(ex: Exchange) -> str:
+    """The name of ``ex``'s tenant (:data:`DEFAULT_TENANT` when the gate is off)."""
+    tk = ex.tenant
+    return tk.tenant.name if tk is not None else DEFAULT_TENANT
 
 
 def scan_headers(ex: Exchange) -> tuple[int, bytes, bytes, bytes]:

@@ -59,6 +59,7 @@ from dplb.policy.stall import StallDetector
 from dplb.router.health import READMIT_INTERVALS, Outcome, WorkerHealth
 from dplb.state.router_slots import RouterSlots
 from dplb.state.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
+from dplb.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("dplb.router")
 PROMOTE_GRACE_S = 5.0  # a returned segment without any routable worker is routed on after this long anyway
@@ -92,7 +93,8 @@ class RouterState:
         self.num_workers = n
         self.policy: Policy = make_policy(cfg.policy, n)
         self.inflight = [0] * n
-        self.decisions: collections.deque[tuple[float, str, Decision]] = collections.deque(maxlen=cfg.debug_ring)
+        #: (unix time, request id, tenant, decision) of the last ``debug_ring`` decisions (``/debug/decisions``).
+        self.decisions: collections.deque[tuple[float, str, str, Decision]] = collections.deque(maxlen=cfg.debug_ring)
         self._routable = [False] * n
         self._pids = [0] * n
         ejections = metrics.ejections
@@ -174,11 +176,11 @@ class RouterState:
         return snap[: self.num_workers]
 
     # ---- hot path --------------------------------------------------------------------------------------------
-    def decide(self, request: RouteRequest, request_id: str) -> Decision:
-        """Pick a worker for one request (see module docstring) and record the decision (:meth:`choose`, then
-        :meth:`record`). Never raises for a missing segment."""
+    def decide(self, request: RouteRequest, request_id: str, tenant: str = DEFAULT_TENANT) -> Decision:
+        """Pick a worker for one request of ``tenant`` (see module docstring) and record the decision
+        (:meth:`choose`, then :meth:`record`). Never raises for a missing segment."""
         d, seconds = self.choose(request)
-        self.record(d, seconds, request_id)
+        self.record(d, seconds, request_id, tenant)
         return d
 
     def choose(self, request: RouteRequest) -> tuple[Decision, float]:
@@ -213,11 +215,12 @@ class RouterState:
                 slots.publish_prefix(d.worker, request.learned)  # alone on the segment: nobody to tell
         return d, time.perf_counter() - t0
 
-    def record(self, d: Decision, seconds: float, request_id: str) -> None:
+    def record(self, d: Decision, seconds: float, request_id: str, tenant: str = DEFAULT_TENANT) -> None:
         """Count decision ``d`` (made in ``seconds``) in the metrics and keep it in the debug ring
-        (``/debug/decisions``)."""
+        (``/debug/decisions``) with the request's id and ``tenant`` (the tenant is kept with the decision, not looked
+        up by request id: a client chooses its ``X-Request-Id``, and two tenants may send the same one)."""
         self.metrics.observe_decision(d, seconds)
-        self.decisions.append((time.time(), request_id, d))
+        self.decisions.append((time.time(), request_id, tenant, d))
 
     def dry_run(self, snap: list[WorkerState] | None) -> Decision | None:
         """What the policy would see right now for a request without a prompt (a metrics scrape): every

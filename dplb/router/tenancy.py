@@ -9,7 +9,9 @@ Contract
   (:meth:`dplb.tenants.TenantsConfig.lookup`, constant time); False = answer 401. Without any key configured
   (no ``--tenants``, no ``--api-key``) every request is tenant ``default``. ``--api-key``'s key is tenant
   ``default`` too, with or without a tenants file.
-- :meth:`Gate.enter` (after the body is read): 403 ``model_not_allowed`` outside the tenant's ``models``; 429 for
+- :meth:`Gate.enter` (after the body is read): 403 ``model_not_allowed`` outside the tenant's ``models``
+  (:mod:`dplb.router.allowlist`: every proxied route that runs a model; a request naming none is checked against
+  the worker's default model and routed only to workers whose default the tenant may use); 429 for
   its ``max_concurrent`` and its rate limits (:mod:`dplb.router.limits`, exact ``Retry-After``); then, with a
   tenants file, the fair queue (:mod:`dplb.router.admission`): the request runs at once when it is alone and a
   worker has room, else it waits in the router — never in the engines — until :meth:`_pump` grants it a freed
@@ -43,6 +45,7 @@ from dplb.config import RouterConfig
 from dplb.errors import ConfigError, RouterErrorKind
 from dplb.obs.metrics_tenant import TenantMetrics, TenantsFileMetrics
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
+from dplb.router.allowlist import model_refusal
 from dplb.router.limits import TenantLimits, concurrency_headers
 from dplb.router.ticket import Ticket
 from dplb.router.usage import max_tokens, with_fields
@@ -60,6 +63,7 @@ from dplb.tenants import (
 
 if TYPE_CHECKING:
     from dplb.router.exchange import Exchange
+    from dplb.router.models import ServedModels
     from dplb.router.state import RouterState
 
 log = logging.getLogger("dplb.router.tenants")
@@ -72,9 +76,11 @@ _USAGE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 class Gate:
     """Tenants, limits, fair queue and ledger of one router process (module docstring)."""
 
-    def __init__(self, cfg: RouterConfig, state: RouterState, registry: Any, reject: Any) -> None:
+    def __init__(self, cfg: RouterConfig, state: RouterState, registry: Any, reject: Any,
+                 models: ServedModels) -> None:
         self.cfg = cfg
         self.state = state
+        self.models = models  # the workers' served and default models (allow-lists, model-less requests)
         self.reject = reject  # dplb.router.attempt.Upstreams.reject
         #: Whether requests go through the gate (module docstring): a tenants file, an API key or the access log.
         self.on = cfg.tenants_file is not None or bool(cfg.api_key) or cfg.access_log
@@ -91,7 +97,6 @@ class Gate:
         self._granted: dict[int, int] = collections.defaultdict(int)
         self._ticker: asyncio.Task[None] | None = None
         self._children: dict[str, tuple[Any, Any, Any]] = {}
-        self.recent: collections.OrderedDict[str, str] = collections.OrderedDict()  # request id → tenant
         self.closed = False
         self._publish_slos()
 
@@ -120,6 +125,8 @@ class Gate:
         if key:
             extra = Tenant(DEFAULT_TENANT, (hash_key(key),), priority=tc.classes[-1])
             tc = dataclasses.replace(tc, tenants=(*tc.tenants, extra))
+        if starting and err is None:
+            log.info("tenants file %s loaded: %s", path, tc.summary())
         return tc
 
     def _set_limits(self) -> None:
@@ -148,7 +155,7 @@ class Gate:
         if self.fq is not None:
             self.fq.resize(len(tc.classes))
             self.fq.w_prompt, self.fq.w_output = tc.prompt_token_weight, tc.output_token_weight
-        log.info("tenants file %s reloaded: %d tenants, classes %s", tc.path, len(tc.tenants), ", ".join(tc.classes))
+        log.info("tenants file %s reloaded: %s", tc.path, tc.summary())
         return True
 
     def _publish_slos(self) -> None:
@@ -188,10 +195,6 @@ class Gate:
             return False
         ex.tenant = Ticket(self.fq, t, self.config.rank(t.priority), self._limits.get(t.name))
         ex.trace.tenant(t.name)
-        recent = self.recent
-        recent[ex.rid.decode()] = t.name
-        if len(recent) > self.cfg.debug_ring:
-            recent.popitem(last=False)
         return True
 
     # ---- admission ----------------------------------------------------------------------------------------------
@@ -199,11 +202,11 @@ class Gate:
         """Admit ``ex`` now, after waiting, or answer it (module docstring). False when it was answered."""
         tk: Ticket = ex.tenant
         t = tk.tenant
-        model = ex.peek.model
-        if not t.may_use(model):
-            await self.reject(ex, RouterErrorKind.MODEL_NOT_ALLOWED, f"tenant {t.name} may not use the model "
-                              f"`{model}`; allowed: {', '.join(sorted(t.models or ()))}")
-            return False
+        if t.models is not None:
+            why = model_refusal(ex, t, self.models)
+            if why is not None:
+                await self.reject(ex, *why)
+                return False
         tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
         if t.max_concurrent is not None and self.active[t.name] >= t.max_concurrent:
             await self.reject(ex, RouterErrorKind.CONCURRENCY_LIMITED, f"tenant {t.name} has {t.max_concurrent} "
@@ -216,7 +219,7 @@ class Gate:
             refused = tk.limits.check(tk.est)
             if refused is not None:
                 await self.reject(ex, refused[0], f"tenant {t.name}: {refused[2]}", retry_after=refused[1],
-                                  extra_headers=tk.limits.headers())
+                                  extra_headers=tk.limits.headers(refill=False))
                 return False
         self.active[t.name] += 1
         tk.counted = True

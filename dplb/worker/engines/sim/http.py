@@ -43,9 +43,10 @@ def decode_object(body: bytes) -> dict[str, Any]:
 
 
 def check_model(model: Any, served: Container[str]) -> None:
-    """vLLM's check of a body's ``model``: absent (None) passes (the served model answers); a non-string is 400 (vLLM's
-    validation error, never a lookup); a name not in ``served`` is 404 ``NotFoundError``. Raises :class:`HTTPError`."""
-    if model is None:
+    """vLLM's check of a body's ``model``: absent (None) or ``""`` passes (the served model answers: vLLM's
+    ``check_model`` tests ``not model_name``); a non-string is 400 (vLLM's validation error, never a lookup); a name
+    not in ``served`` is 404 ``NotFoundError``. Raises :class:`HTTPError`."""
+    if model is None or model == "":
         return
     if not isinstance(model, str):
         raise HTTPError(400, f"'model' must be a string, got {model!r}")
