@@ -35,11 +35,23 @@ class _Details(msgspec.Struct):
 
 
 class Usage(msgspec.Struct):
-    """The OpenAI ``usage`` object's counts (tokens)."""
+    """The OpenAI ``usage`` object's counts (tokens). The Responses API's names (``input_tokens``,
+    ``output_tokens``, ``input_tokens_details``) are read into the chat names when those are absent."""
 
     prompt_tokens: int = 0
     completion_tokens: int | None = 0
     prompt_tokens_details: _Details | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    input_tokens_details: _Details | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_tokens and self.input_tokens:
+            self.prompt_tokens = self.input_tokens
+        if not self.completion_tokens and self.output_tokens:
+            self.completion_tokens = self.output_tokens
+        if self.prompt_tokens_details is None:
+            self.prompt_tokens_details = self.input_tokens_details
 
     @property
     def cached(self) -> int:
