@@ -12,8 +12,7 @@ Contract
 - :meth:`Gate.enter` (after the body is read): 403 ``model_not_allowed`` outside the tenant's ``models``; 429 for
   its ``max_concurrent`` and its rate limits (:mod:`dplb.router.limits`, exact ``Retry-After``; ``tokens_per_min``
   reserves the prompt estimate plus the body's output limit, 400 ``tokens_exceed_quota`` when that exceeds the
-  whole quota; the body's output limit is read only for a tenant with ``tokens_per_min`` or with the fair queue
-  on); then, with a
+  whole quota; the output limit comes from the body peek: :class:`dplb.router.intake.Peek`); then, with a
   tenants file, the fair queue (:mod:`dplb.router.admission`): the request runs at once when it is alone and a
   worker has room, else it waits in the router — never in the engines — until :meth:`_pump` grants it a freed
   slot, it times out, it is pushed out, the router drains (503 ``router_draining``), or its client leaves (499,
@@ -51,7 +50,7 @@ from dplb.obs.metrics_tenant import TenantMetrics, TenantsFileMetrics
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
 from dplb.router.limits import TenantLimits, concurrency_headers
 from dplb.router.ticket import Ticket
-from dplb.router.usage import max_tokens, with_fields
+from dplb.router.usage import output_limit, with_fields
 from dplb.runtime.asgi import until_disconnect
 from dplb.runtime.serving import DISCONNECT_EXT
 from dplb.tenants import (
@@ -221,7 +220,8 @@ class Gate:
             return False
         lim, fq = tk.limits, self.fq
         if fq is not None or (lim is not None and lim.tokens is not None):  # only they need the output limit
-            tk.expected = max_tokens(ex.body) if ex.route is not None and ex.route.body == "json" else 0
+            p = ex.peek  # decoded with the body (dplb.router.intake.Peek): no second parse
+            tk.expected = output_limit(p.max_completion_tokens, p.max_tokens, p.max_output_tokens)
         if lim is not None and lim.any:
             tk.quota = lim.estimate(tk.est, tk.expected)
             refused = lim.check(tk.quota)
