@@ -312,6 +312,16 @@ def test_meter_json_body_and_a_stream_without_usage() -> None:
     assert m.finish() is None and not m.exact and m.events == 3
 
 
+def test_meter_reads_the_responses_apis_usage_names() -> None:
+    """A Responses API body counts input/output tokens: read as prompt/completion (else a token quota's
+    reservation was given back whole, and the ledger counted 0)."""
+    m = Meter(False)
+    m.chunk(b'{"object":"response","usage":{"input_tokens":9,"input_tokens_details":{"cached_tokens":3},'
+            b'"output_tokens":4,"total_tokens":13}}')
+    u = m.finish()
+    assert u is not None and (u.prompt_tokens, u.completion_tokens, u.cached) == (9, 4, 3)
+
+
 @pytest.mark.parametrize(("body", "out"), [
     (b'{"model":"m"}', b'{"priority":1,"model":"m"}'),
     (b' {}', b' {"priority":1}'),
