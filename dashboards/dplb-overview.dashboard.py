@@ -133,7 +133,8 @@ L.row("Tenants").add(
        extraJson=_NO_TENANTS),
     ts("TTFT P99 by tenant", "s",
        targets((quantile(0.99, f"{M.TENANT_TTFT}_bucket{_T}", "tenant"), "{{tenant}}")),
-       "Arrival at the router to the first response byte, queue wait included.", extraJson=_NO_TENANTS),
+       "Arrival at the router to the first token of a streamed response, queue wait included (a response that is "
+       "not a stream is not counted: its first byte is the whole answer).", extraJson=_NO_TENANTS),
     ts("Error budget remaining (30 d) by class", "percentunit",
        targets((_BUDGET, "{{priority}} {{slo}}")),
        "1 − (bad ÷ all SLO events over 30 days) ÷ (1 − objective), per priority class and SLO of the tenants file "

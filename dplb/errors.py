@@ -163,6 +163,9 @@ class RouterErrorKind(enum.Enum):
     MODEL_NOT_ALLOWED = (403, "permission_error", "model_not_allowed")
     RATE_LIMITED = (429, "requests", "rate_limit_exceeded")
     TOKENS_RATE_LIMITED = (429, "tokens", "tokens_rate_limit_exceeded")
+    # One request's reserved tokens (prompt estimate + max_tokens) exceed the tenant's whole tokens_per_min: no
+    # wait makes it fit, so it is a client error, not a 429 (clients retry those).
+    TOKENS_EXCEED_QUOTA = (400, "invalid_request_error", "tokens_exceed_quota")
     CONCURRENCY_LIMITED = (429, "requests", "concurrency_limit_exceeded")
     QUEUE_SHARE_EXCEEDED = (429, "requests", "queue_share_exceeded")
     QUEUE_FULL = (503, "service_unavailable", "queue_full")

@@ -19,7 +19,8 @@ Contract
   "Fairness in Serving Large Language Models", OSDI 2024, §4: a prompt token costs ``prompt_token_weight``, a
   generated one ``output_token_weight``; the paper's evaluation uses 1 and 2). ``[slo.<class>]`` holds that
   class's objectives: ``availability`` (fraction of requests not failed by the server) and ``ttft_s`` with
-  ``ttft_target`` (the fraction of requests whose TTFT must be ≤ ``ttft_s``).
+  ``ttft_target`` (the fraction of streamed requests whose TTFT must be ≤ ``ttft_s``; the router sees no first token
+  of a response that is not a stream).
 - :data:`DEFAULT_TENANT` is the tenant of requests when no tenants file is given (and of ``--api-key``'s key).
 - Every number has a range, :data:`BOUNDS` (one table: the loader enforces it, README quotes it); ``models = []``
   is refused (it would refuse every request: leave ``models`` out for "any model").
@@ -89,8 +90,9 @@ def hash_key(key: str) -> str:
 @dataclass(frozen=True, slots=True)
 class Tenant:
     """One tenant. ``weight``: its fair share relative to the others (> 0); ``priority``: its class;
-    ``requests_per_s`` / ``tokens_per_min`` (prompt + generated tokens) / ``max_concurrent``: optional limits
-    (None = none); ``models``: the model ids it may use (None = all)."""
+    ``requests_per_s`` / ``tokens_per_min`` (prompt + generated tokens, reserved at admission as the prompt
+    estimate + max_tokens: :mod:`dplb.router.limits`) / ``max_concurrent``: optional limits (None = none);
+    ``models``: the model ids it may use (None = all)."""
 
     name: str
     key_sha256: tuple[str, ...] = ()
@@ -111,7 +113,7 @@ class Tenant:
 @dataclass(frozen=True, slots=True)
 class Slo:
     """One priority class's objectives: ``availability`` (0–1, None = none), ``ttft_s`` (seconds) with
-    ``ttft_target`` (0–1: the fraction of requests whose TTFT is at most ``ttft_s``)."""
+    ``ttft_target`` (0–1: the fraction of streamed requests whose TTFT is at most ``ttft_s``)."""
 
     availability: float | None = None
     ttft_s: float | None = None

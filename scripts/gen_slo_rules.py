@@ -3,8 +3,8 @@
 
 The alerts follow the Google SRE Workbook, "Alerting on SLOs" (multiwindow, multi-burn-rate): the burn rate over a
 window is the fraction of bad events (``dplb_tenant_slo_events_total{result="bad"}``) divided by the error budget
-(1 − ``dplb_tenant_slo_objective``), per router, priority class and SLO (availability, TTFT), so every class in any
-tenants file is covered by the same two rules:
+(1 − ``dplb_tenant_slo_objective``), per router, priority class and SLO (availability; TTFT, which the router counts
+for streamed responses only), so every class in any tenants file is covered by the same two rules:
 
 - page (critical): burn > 14.4 over 1 h and 5 m (2 % of a 30-day budget in an hour), or > 6 over 6 h and 30 m;
 - ticket (warning): burn > 3 over 1 d and 2 h, or > 1 over 3 d and 6 h.

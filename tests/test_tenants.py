@@ -9,7 +9,7 @@ import pytest
 
 from dplb.errors import ConfigError, RouterErrorKind
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
-from dplb.router.limits import TenantLimits, TokenBucket, reset_text
+from dplb.router.limits import DEFAULT_OUTPUT_TOKENS, TenantLimits, TokenBucket, reset_text
 from dplb.router.usage import Meter, max_tokens, with_fields
 from dplb.tenants import Tenant, hash_key, load_tenants, parse_tenants
 
@@ -286,6 +286,36 @@ def test_token_bucket_debt_from_the_engines_count_delays_the_next_request() -> N
     assert lim.check(100) is None
 
 
+def test_token_reservation_counts_max_tokens_so_a_burst_admits_only_what_fits() -> None:
+    clock = Clock()
+    lim = TenantLimits(Tenant("a", tokens_per_min=1000), clock)
+    need = lim.estimate(10, 200)
+    assert need == 210
+    admitted = [lim.check(need) is None for _ in range(10)]  # ten at once: no time passes, no usage known yet
+    assert admitted == [True] * 4 + [False] * 6
+    refused = lim.check(need)
+    assert refused is not None and refused[0] is RouterErrorKind.TOKENS_RATE_LIMITED
+    assert refused[1] == 3  # 1000 − 4 × 210 = 160 left: 50 more at 1000/60 tokens/s take 3 s
+    for _ in range(4):  # each used 10 + 5 tokens: the unused 195 go back
+        lim.correct(15 - need)
+    assert lim.check(need) is None
+
+
+def test_a_request_larger_than_the_whole_quota_is_refused_as_a_client_error() -> None:
+    lim = TenantLimits(Tenant("a", tokens_per_min=1000), Clock())
+    refused = lim.check(lim.estimate(12, 1000))
+    assert refused is not None and refused[0] is RouterErrorKind.TOKENS_EXCEED_QUOTA
+    assert RouterErrorKind.TOKENS_EXCEED_QUOTA.status == 400 and "1012" in refused[2]
+    assert lim.tokens is not None and lim.tokens.level == 1000  # nothing taken
+
+
+def test_without_max_tokens_the_default_output_is_reserved_within_the_capacity() -> None:
+    assert TenantLimits(Tenant("a", tokens_per_min=100_000)).estimate(30, 0) == 30 + DEFAULT_OUTPUT_TOKENS
+    small = TenantLimits(Tenant("a", tokens_per_min=100))
+    assert small.estimate(30, 0) == 100 and small.check(100) is None  # the whole bucket, never "too large"
+    assert TenantLimits(Tenant("a", requests_per_s=5)).estimate(30, 500) == 0  # no token limit: nothing reserved
+
+
 @pytest.mark.parametrize(("s", "text"), [(0.02, "20ms"), (1.0, "1s"), (1.5, "1.5s"), (360, "6m0s"), (61.2, "1m2s")])
 def test_reset_text_is_openais_format(s: float, text: str) -> None:
     assert reset_text(s) == text
@@ -323,6 +353,16 @@ def test_meter_json_body_and_a_stream_without_usage() -> None:
     m = Meter(True)
     m.chunk(b"".join(EVENTS) + b"data: [DONE]\n\n")
     assert m.finish() is None and not m.exact and m.events == 3
+
+
+def test_meter_reads_the_responses_apis_usage_names() -> None:
+    """A Responses API body counts input/output tokens: read as prompt/completion (else a token quota's
+    reservation was given back whole, and the ledger counted 0)."""
+    m = Meter(False)
+    m.chunk(b'{"object":"response","usage":{"input_tokens":9,"input_tokens_details":{"cached_tokens":3},'
+            b'"output_tokens":4,"total_tokens":13}}')
+    u = m.finish()
+    assert u is not None and (u.prompt_tokens, u.completion_tokens, u.cached) == (9, 4, 3)
 
 
 @pytest.mark.parametrize(("body", "out"), [

@@ -37,14 +37,16 @@ class TenantMetrics:
                               "usage counts).", ["tenant", "kind"], registry=registry)
         self.queue_wait = Histogram(TENANT_QUEUE_WAIT, "Time requests waited in the router's fair queue, seconds.",
                                     lt, buckets=REQUEST_BUCKETS, registry=registry)
-        self.ttft = Histogram(TENANT_TTFT, "Time from arrival to the first response body byte, seconds.", lt,
-                              buckets=REQUEST_BUCKETS, registry=registry)
+        self.ttft = Histogram(TENANT_TTFT, "Time from arrival to the first response body byte of a streamed "
+                              "response (the first token; a response that is not a stream is not observed), "
+                              "seconds.", lt, buckets=REQUEST_BUCKETS, registry=registry)
         self.e2e = Histogram(TENANT_E2E, "Time from arrival to the end of the response of a request answered OK "
                              "(outcome ok), seconds.", lt, buckets=REQUEST_BUCKETS, registry=registry)
         self.queued = Gauge(TENANT_QUEUED, "Requests waiting in the router's fair queue, by tenant.", ["tenant"],
                             registry=registry)
         self.slo_events = Counter(TENANT_SLO_EVENTS, "Requests counted by a class's SLO: availability (bad = a 5xx), "
-                                  "ttft (bad = TTFT over the class's ttft_s), by result good/bad.",
+                                  "ttft (streamed requests only; bad = TTFT over the class's ttft_s), by result "
+                                  "good/bad.",
                                   ["tenant", "priority", "slo", "result"], registry=registry)
         self.slo_objective = Gauge(TENANT_SLO_OBJECTIVE, "A priority class's SLO target from the tenants file (0-1).",
                                    ["priority", "slo"], registry=registry)

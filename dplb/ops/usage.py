@@ -5,9 +5,9 @@ Contract
 - :func:`read_ledger` reads the router's ``/metrics`` (a group's answer covers every process) and sums the
   ``dplb_tenant_*`` families per tenant: ``{tenant: {requests: {outcome: n}, prompt_tokens, completion_tokens,
   cached_tokens, queued, queue_wait_s_mean, ttft_s_mean, e2e_s_mean}}`` (means from the histograms' sum / count;
-  None when no sample). The queue wait counts every request that waited (one refused after its wait too), E2E
-  only those answered OK: the table heads that column ``OK_E2E_MS``. Raises :class:`~dplb.errors.DPLBError`
-  naming the URL when the router does not answer.
+  None when no sample). The queue wait counts every request that waited (one refused after its wait too), TTFT
+  only streamed requests (a tenant that never streams has none), E2E only those answered OK: the table heads that
+  column ``OK_E2E_MS``. Raises :class:`~dplb.errors.DPLBError` naming the URL when the router does not answer.
 - :func:`format_table` renders it as one row per tenant.
 """
 
@@ -97,7 +97,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Register ``dplb usage`` and ``dplb tenants``."""
     p = sub.add_parser("usage", help="print the per-tenant usage ledger of a running router",
                        description="Read the router's /metrics and print requests, tokens (the engine's counts), "
-                       "queue wait, TTFT and E2E per tenant.")
+                       "queue wait, TTFT (streamed requests) and E2E per tenant.")
     p.add_argument("--url", default="http://127.0.0.1:30000", help="the router (default %(default)s)")
     p.add_argument("--api-key", default=None, help="a key the router accepts, when /metrics needs one")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

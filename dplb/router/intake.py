@@ -68,6 +68,10 @@ class Peek(msgspec.Struct):
     input: msgspec.Raw = msgspec.Raw(b"")
     previous_response_id: Any = None
     request_id: Any = None
+    # The output limit (chat / completions / Responses API names): a tenant's token quota reserves it at admission.
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    max_output_tokens: Any = None
 
 
 NO_PEEK = Peek()

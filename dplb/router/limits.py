@@ -6,10 +6,21 @@ Contract (pure logic; the clock is injected)
   may drive the level below zero (a debt: tokens counted after the response), and nothing is admitted until it is
   paid back.
 - :class:`TenantLimits` holds one tenant's buckets: ``requests_per_s`` (capacity one second's worth, at least 1)
-  and ``tokens_per_min`` (capacity one minute's worth). :meth:`TenantLimits.check` refuses a request with the
-  error kind and the exact ``Retry-After`` (whole seconds, rounded up: when the bucket holds enough again) or
-  admits it and takes one request and the prompt-token estimate; :meth:`TenantLimits.correct` adds the
-  difference between the engine's token count and what was taken. A refusal's message gives both times, read at one
+  and ``tokens_per_min`` (capacity one minute's worth).
+- Tokens are reserved at admission and corrected at the end, as OpenAI counts its own limits ("your rate limit is
+  calculated as the maximum of max_tokens and the estimated number of tokens based on the character count of your
+  request", platform.openai.com/docs/guides/rate-limits; the request's cost is taken up front) and as reserving
+  limiters do (token-throttle: reserve before the call, refund what was not used). Counting only after the
+  response (Envoy AI Gateway's usage-based limits check the running total before a request and add its usage
+  after it) lets a burst of concurrent requests all pass a bucket that is still full. :meth:`TenantLimits.estimate`
+  is the reservation: the prompt estimate plus the request's output limit (``max_tokens`` and its aliases), or
+  :data:`DEFAULT_OUTPUT_TOKENS` capped at what the bucket's capacity leaves after the prompt when the body sets
+  none. :meth:`TenantLimits.check` refuses a reservation larger than the whole bucket (400
+  ``tokens_exceed_quota``: no wait makes it fit), else refuses with the error kind and the exact ``Retry-After``
+  (whole seconds, rounded up: when the bucket holds enough again), or admits it and takes one request and the
+  reservation (the bucket never goes below zero at admission); :meth:`TenantLimits.correct` adds the difference
+  between the engine's count and the reservation when the request ends (a debt only when the engine counted more
+  than was reserved: a prompt larger than its estimate). A refusal's message gives both times, read at one
   instant with the headers of :meth:`TenantLimits.headers` ``(refill=False)``: when the request would be admitted
   (``Retry-After`` is that, rounded up to whole seconds) and when the bucket is full again (the
   ``x-ratelimit-reset-*`` header, OpenAI's meaning: back to its initial state), in the headers' format.
@@ -28,6 +39,11 @@ from collections.abc import Callable
 
 from dplb.errors import RouterErrorKind
 from dplb.tenants import Tenant
+
+#: Output tokens reserved for a request whose body sets no ``max_tokens`` / ``max_completion_tokens`` /
+#: ``max_output_tokens`` (the engine's own cap is then the context left, unknown to the router); capped per tenant
+#: at its bucket's capacity less the prompt, so such a request is never refused as too large for the quota.
+DEFAULT_OUTPUT_TOKENS = 1024
 
 
 class TokenBucket:
@@ -88,9 +104,23 @@ class TenantLimits:
         """True when the tenant has a request or token limit."""
         return self.requests is not None or self.tokens is not None
 
+    def estimate(self, prompt: int, output: int) -> int:
+        """Tokens to reserve for a request of ``prompt`` estimated prompt tokens and an output limit of ``output``
+        (0: the body sets none, then :data:`DEFAULT_OUTPUT_TOKENS` within the capacity); 0 without a token limit."""
+        if self.tokens is None:
+            return 0
+        if output <= 0:
+            output = max(1, min(DEFAULT_OUTPUT_TOKENS, math.floor(self.tokens.capacity) - prompt))
+        return prompt + output
+
     def check(self, tokens: int) -> tuple[RouterErrorKind, int, str] | None:
-        """Refuse (kind, Retry-After seconds, message) or admit a request estimated at ``tokens`` prompt tokens
-        (then one request and ``tokens`` are taken)."""
+        """Refuse (kind, Retry-After seconds, message) or admit a request reserving ``tokens``
+        (:meth:`estimate`; then one request and ``tokens`` are taken). A reservation over the token bucket's
+        capacity is refused with :attr:`RouterErrorKind.TOKENS_EXCEED_QUOTA` (its Retry-After is 0: unused)."""
+        if self.tokens is not None and tokens > self.tokens.capacity:
+            return (RouterErrorKind.TOKENS_EXCEED_QUOTA, 0, f"this request needs about {tokens} tokens (the prompt "
+                    "estimate plus max_tokens), more than the whole quota of "
+                    f"{self.tokens.capacity:g} tokens/min: lower max_tokens or shorten the prompt")
         for b in (self.requests, self.tokens):  # one instant for the checks, the message and the headers
             if b is not None:
                 b.refill()
@@ -139,4 +169,4 @@ def concurrency_headers(limit: int, retry_after_s: float) -> list[tuple[bytes, b
             (b"x-ratelimit-reset-concurrent", reset_text(retry_after_s).encode())]
 
 
-__all__ = ["TenantLimits", "TokenBucket", "concurrency_headers", "reset_text"]
+__all__ = ["DEFAULT_OUTPUT_TOKENS", "TenantLimits", "TokenBucket", "concurrency_headers", "reset_text"]

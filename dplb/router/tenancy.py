@@ -12,7 +12,9 @@ Contract
 - :meth:`Gate.enter` (after the body is read): 403 ``model_not_allowed`` outside the tenant's ``models``
   (:mod:`dplb.router.allowlist`: every proxied route that runs a model; a request naming none is checked against
   the worker's default model and routed only to workers whose default the tenant may use); 429 for
-  its ``max_concurrent`` and its rate limits (:mod:`dplb.router.limits`, exact ``Retry-After``); then, with a
+  its ``max_concurrent`` and its rate limits (:mod:`dplb.router.limits`, exact ``Retry-After``; ``tokens_per_min``
+  reserves the prompt estimate plus the body's output limit, 400 ``tokens_exceed_quota`` when that exceeds the
+  whole quota; the output limit comes from the body peek: :class:`dplb.router.intake.Peek`); then, with a
   tenants file, the fair queue (:mod:`dplb.router.admission`): the request runs at once when it is alone and a
   worker has room, else it waits in the router — never in the engines — until :meth:`_pump` grants it a freed
   slot, it times out, it is pushed out, the router drains (503 ``router_draining``), or its client leaves (499,
@@ -27,7 +29,10 @@ Contract
 - With ``engine_priority`` the tenant's class rank is written into the body's ``priority`` field (vLLM: lower
   runs first; needs ``--scheduling-policy priority``), only when the body has no ``priority`` of its own.
 - :meth:`Gate.leave` (every exit path): the ledger (:class:`dplb.obs.metrics_tenant.TenantMetrics`), the VTC and token
-  bucket corrections from the engine's usage (:mod:`dplb.router.usage`), then the queue is pumped.
+  bucket corrections from the engine's usage (:mod:`dplb.router.usage`; without one, the token reservation is
+  corrected to the prompt estimate plus the generated events relayed; a request answered while queued gives its
+  whole reservation back), then the queue is pumped. TTFT (histogram and SLO) is observed for streamed responses
+  only: the first body byte of any other response is the whole answer (its latency is the E2E histogram).
 - :meth:`Gate.reload` (SIGHUP): a new tenants file replaces the old one between two requests; queued and running
   requests keep their tenant; a file that does not load keeps the old one and logs why.
 """
@@ -48,7 +53,7 @@ from dplb.router.admission import FairQueue, QueueRefusal, Waiter
 from dplb.router.allowlist import model_refusal
 from dplb.router.limits import TenantLimits, concurrency_headers
 from dplb.router.ticket import Ticket
-from dplb.router.usage import max_tokens, with_fields
+from dplb.router.usage import output_limit, with_fields
 from dplb.runtime.asgi import until_disconnect
 from dplb.runtime.serving import DISCONNECT_EXT
 from dplb.tenants import (
@@ -168,7 +173,8 @@ class Gate:
 
     def _count_slo(self, t: Tenant, outcome: str, ttft_s: float | None) -> None:
         """One request against its class's SLOs: availability counts ok, client_error (good) and server_error
-        (bad); TTFT counts successful requests, bad when over ``ttft_s``."""
+        (bad); TTFT counts successful streamed requests (``ttft_s`` None otherwise: the first body byte of a
+        response that is not a stream is the whole answer, not a first token), bad when over ``ttft_s``."""
         slo = self.config.slos.get(t.priority)
         if slo is None:
             return
@@ -215,21 +221,25 @@ class Gate:
                               extra_headers=concurrency_headers(t.max_concurrent, self.cfg.retry_after_s)
                               + (tk.limits.headers() if tk.limits is not None else []))
             return False
-        if tk.limits is not None and tk.limits.any:
-            refused = tk.limits.check(tk.est)
+        lim, fq = tk.limits, self.fq
+        if fq is not None or (lim is not None and lim.tokens is not None):  # only they need the output limit
+            p = ex.peek  # decoded with the body (dplb.router.intake.Peek): no second parse
+            tk.expected = output_limit(p.max_completion_tokens, p.max_tokens, p.max_output_tokens)
+        if lim is not None and lim.any:
+            tk.quota = lim.estimate(tk.est, tk.expected)
+            refused = lim.check(tk.quota)
             if refused is not None:
+                tk.quota = 0
                 await self.reject(ex, refused[0], f"tenant {t.name}: {refused[2]}", retry_after=refused[1],
-                                  extra_headers=tk.limits.headers(refill=False))
+                                  extra_headers=lim.headers(refill=False))
                 return False
         self.active[t.name] += 1
         tk.counted = True
-        fq = self.fq
         if fq is None:
             self._prepare(ex, tk)
             self._observe_wait(tk, 0.0)
             return True
         fq.arrive(t.name)
-        tk.expected = max_tokens(ex.body) if ex.route is not None and ex.route.body == "json" else 0
         free = self._free()
         held = self.config.held(tk.rank)
         if fq.length == 0 and (not free or self._best(free, ex.request.cannot_serve, held) is not None):
@@ -256,6 +266,7 @@ class Gate:
         try:
             out = fq.push(w)
         except QueueRefusal as e:
+            _refund(tk)
             await self.reject(ex, e.kind, str(e), retry_after=self.cfg.retry_after_s)
             return False
         if out is not None:
@@ -277,6 +288,7 @@ class Gate:
             got = await fut
         except BaseException:  # the server cancels the request (shutdown): leave nothing behind
             self._ungrant(tk)
+            _refund(tk)
             raise
         finally:
             self.metrics.queued.labels(t.name).dec()
@@ -292,6 +304,7 @@ class Gate:
             self._steer(ex, self._free(), self.config.held(tk.rank))
             self._prepare(ex, tk)
             return True
+        _refund(tk)  # never sent: its tokens go back to the bucket
         if got == _GONE:
             self._ungrant(tk)  # granted after its client left (the grant raced the disconnect): give it back
             ex.gone = True
@@ -423,10 +436,13 @@ class Gate:
             c[2].inc(usage.cached)
             if self.fq is not None:
                 self.fq.charge(t.name, t.weight, usage.prompt_tokens - tk.est, completion - tk.charged)
-            if tk.limits is not None:
-                tk.limits.correct(usage.prompt_tokens + completion - tk.est)
         elif m is not None and m.events:
             c[1].inc(m.events)
+        if tk.quota and tk.limits is not None:  # the reservation becomes the engine's count (else what was seen)
+            used = (usage.prompt_tokens + (usage.completion_tokens or 0) if usage is not None
+                    else tk.est + (m.events if m is not None else 0))
+            tk.limits.correct(used - tk.quota)
+            tk.quota = 0
         if usage is None and self.fq is not None and tk.charged:  # no engine count: keep what was seen produced
             self.fq.charge(t.name, t.weight, 0, (m.events if m is not None else 0) - tk.charged)
         status = ex.status
@@ -435,7 +451,7 @@ class Gate:
                    else "client_error")
         self.metrics.requests.labels(t.name, t.priority, outcome).inc()
         end = time.perf_counter()
-        ttft = tk.t_first - ex.t_start if tk.t_first is not None else None
+        ttft = tk.t_first - ex.t_start if tk.t_first is not None and tk.sse else None  # streams only
         if ttft is not None:
             self.metrics.ttft.labels(t.name, t.priority).observe(ttft)
         self._count_slo(t, outcome, ttft)
@@ -473,6 +489,13 @@ _MESSAGES = {
     RouterErrorKind.QUEUE_TIMEOUT: "no batch slot freed within --queue-timeout {timeout:g} s; retry later",
     RouterErrorKind.DRAINING_QUEUED: "the router is shutting down; retry on another router",
 }
+
+
+def _refund(tk: Ticket) -> None:
+    """A request that is answered before it was sent gives its reserved tokens back."""
+    if tk.quota and tk.limits is not None:
+        tk.limits.correct(-tk.quota)
+        tk.quota = 0
 
 
 def _resolve(tk: Ticket, value: Any) -> None:

@@ -26,7 +26,7 @@ class Ticket:
     estimate, the queue future, the usage meter and timings (perf_counter seconds)."""
 
     __slots__ = ("cannot", "charged", "counted", "est", "expected", "fq", "fut", "granted_to", "limits", "meter",
-                 "rank", "relayed", "strip", "t_first", "tenant", "wait_s", "waiter")
+                 "quota", "rank", "relayed", "sse", "strip", "t_first", "tenant", "wait_s", "waiter")
 
     def __init__(self, fq: FairQueue | None, tenant: Tenant, rank: int, limits: TenantLimits | None) -> None:
         self.fq = fq  # the gate's fair queue (None without one), charged for output as it is produced
@@ -44,6 +44,8 @@ class Ticket:
         self.cannot: frozenset[int] = frozenset()  # workers that cannot serve it (model, pinned response)
         self.charged = 0  # output tokens charged to the VTC so far (the expected output at dispatch, then events)
         self.expected = 0  # the request's max_tokens (0 when it sets none)
+        self.quota = 0  # tokens reserved in the tenant's tokens_per_min bucket (corrected when the request ends)
+        self.sse = False  # the relayed response is an event stream (its first body byte is the first token)
         self.t_first: float | None = None
         self.wait_s = 0.0
 
@@ -53,6 +55,7 @@ class Ticket:
         if self.limits is not None and self.limits.any:
             headers += self.limits.headers()
         self.relayed = True
+        self.sse = sse
         self.meter = Meter(sse, self.strip) if status < 300 else None
 
     def chunk(self, data: bytes) -> bytes:

@@ -15,7 +15,7 @@ Contract
   otherwise corrupt the router's closing error event). Without any usage (another route, a broken stream)
   :attr:`Meter.exact` is False and the ledger counts the generated events as completion tokens.
 - :func:`with_fields` writes fields first into a JSON body (the rest of its bytes unchanged); :func:`max_tokens`
-  reads a body's output-token limit.
+  reads a body's output-token limit (:func:`output_limit` from the fields the router's body peek already decoded).
 - Bounded: a JSON body is kept up to :data:`MAX_JSON` bytes for its usage; SSE keeps only the unfinished event.
 """
 
@@ -35,11 +35,23 @@ class _Details(msgspec.Struct):
 
 
 class Usage(msgspec.Struct):
-    """The OpenAI ``usage`` object's counts (tokens)."""
+    """The OpenAI ``usage`` object's counts (tokens). The Responses API's names (``input_tokens``,
+    ``output_tokens``, ``input_tokens_details``) are read into the chat names when those are absent."""
 
     prompt_tokens: int = 0
     completion_tokens: int | None = 0
     prompt_tokens_details: _Details | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    input_tokens_details: _Details | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_tokens and self.input_tokens:
+            self.prompt_tokens = self.input_tokens
+        if not self.completion_tokens and self.output_tokens:
+            self.completion_tokens = self.output_tokens
+        if self.prompt_tokens_details is None:
+            self.prompt_tokens_details = self.input_tokens_details
 
     @property
     def cached(self) -> int:
@@ -140,17 +152,23 @@ class _Limit(msgspec.Struct):
 _decode_limit = msgspec.json.Decoder(_Limit).decode
 
 
-def max_tokens(body: bytes) -> int:
-    """The output-token limit a JSON body asks for (``max_tokens``, ``max_completion_tokens``,
-    ``max_output_tokens``), 0 when none is an integer."""
-    try:
-        lim = _decode_limit(body)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return 0
-    for v in (lim.max_completion_tokens, lim.max_tokens, lim.max_output_tokens):
+def output_limit(max_completion_tokens: Any, max_tokens: Any, max_output_tokens: Any) -> int:
+    """The output-token limit of a request from its three fields' decoded values (the first positive integer, in
+    that order), 0 when none is one."""
+    for v in (max_completion_tokens, max_tokens, max_output_tokens):
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return 0
 
 
-__all__ = ["MAX_JSON", "Meter", "Usage", "max_tokens", "with_fields"]
+def max_tokens(body: bytes) -> int:
+    """The output-token limit a JSON body asks for (``max_tokens``, ``max_completion_tokens``,
+    ``max_output_tokens``: :func:`output_limit`), 0 when none is an integer."""
+    try:
+        lim = _decode_limit(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0
+    return output_limit(lim.max_completion_tokens, lim.max_tokens, lim.max_output_tokens)
+
+
+__all__ = ["MAX_JSON", "Meter", "Usage", "max_tokens", "output_limit", "with_fields"]
