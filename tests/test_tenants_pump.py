@@ -19,6 +19,7 @@ import pytest
 from dplb.config import PolicyConfig, RouterConfig
 from dplb.obs.metrics_router import RouterMetrics
 from dplb.router.admission import Waiter
+from dplb.router.models import ServedModels
 from dplb.router.state import RouterState
 from dplb.router.tenancy import Gate, Ticket
 from dplb.state.router_slots import RouterSlots
@@ -41,7 +42,7 @@ def group(shm_path: str, tmp_path: Path) -> Iterator[tuple[Gate, RouterSlots, Se
     assert state.slots is not None and peer is not None
     state.slots.refresh_peers()
     peer.refresh_peers()
-    gate = Gate(cfg, state, RouterMetrics("test").registry, reject=None)
+    gate = Gate(cfg, state, RouterMetrics("test").registry, reject=None, models=ServedModels(1))
     yield gate, peer, seg
     peer.close()
     state.slots.close()
