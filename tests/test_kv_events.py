@@ -142,3 +142,22 @@ def test_sim_publishes_over_zmq(tmp_path) -> None:
     assert isinstance(events[0], BlockStored) and events[0].token_ids[:4] == tokenize("a b c d")
     assert len(events[0].block_hashes) == 2 and events[0].parent_block_hash is None  # 10 tokens: 2 full blocks
     assert isinstance(events[-1], AllBlocksCleared) and sub.lost_batches == 0
+
+
+def test_the_engines_kv_events_socket_is_0600_like_the_workers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: ``<run dir>/kv-events-K.sock`` (bound by the engine's publisher with its umask: 0755) is made
+    0600 by the worker once the engine is up, as its own socket (README: the sockets are 0600)."""
+    pytest.importorskip("zmq")
+    import os
+    import stat
+
+    from tests.cluster import cluster
+
+    old = os.umask(0o022)  # the usual umask, whatever the test runner's: the engine's bind would give 0755
+    try:
+        with cluster(str(tmp_path), 1) as c:
+            kv = os.path.join(c.run_dir, "kv-events-0.sock")
+            modes = {p: stat.S_IMODE(os.stat(p).st_mode) for p in (kv, c.sock(0))}
+    finally:
+        os.umask(old)
+    assert modes == {kv: 0o600, c.sock(0): 0o600}, {p: oct(m) for p, m in modes.items()}

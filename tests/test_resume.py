@@ -20,7 +20,7 @@ from dplb.router.resume import ResumeStream, _fields, continuation, refusal
 from dplb.state.shm import Lifecycle
 from dplb.worker.engines.sim.prompts import render_chat, tokenize
 from dplb.worker.engines.sim.text import TextGen, leads
-from tests.cluster import Cluster, cluster, wait_for
+from tests.cluster import Cluster, cluster, post, wait_for, worker_get
 
 SIM = ["--sim-decode-step-s", "0.04", "--sim-max-num-seqs", "64"]
 NOT_RESUMED = "the stream was not resumed on another worker: "
@@ -423,3 +423,92 @@ def test_with_tenants_a_resumed_stream_is_metered_and_keeps_the_events_the_clien
     assert not [e for e in st.events if e.get("usage") or not e.get("choices")], raw[-4:]
     assert completion == 40
     assert prompt > 0 and cached <= prompt, (prompt, cached)  # the original request's, not the continuation's
+
+
+def test_tokenize_body_renders_the_original_prompt_as_the_engine_does() -> None:
+    """The /tokenize request that counts a resumed stream's original prompt (dplb/router/prompt_count.py): the
+    prompt-rendering fields only, ``documents`` / ``reasoning_effort`` folded into the chat template's kwargs over
+    the request's own (vLLM's chat completions do the same)."""
+    from dplb.router.prompt_count import tokenize_body
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0, "chat_template_kwargs": {"x": 1,
+                                                                                                "enable_thinking": True},
+            "reasoning_effort": "none", "documents": [{"t": "d"}], "add_generation_prompt": True, "tools": None}
+    assert json.loads(tokenize_body(json.dumps(chat).encode(), True)) == {
+        "model": "m", "messages": chat["messages"], "add_generation_prompt": True,
+        "chat_template_kwargs": {"x": 1, "enable_thinking": True, "documents": [{"t": "d"}],
+                                 "reasoning_effort": "none"}}
+    plain = {"model": "m", "messages": [], "reasoning_effort": "low"}
+    assert json.loads(tokenize_body(json.dumps(plain).encode(), True))["chat_template_kwargs"] == {
+        "reasoning_effort": "low", "enable_thinking": True}
+    comp = {"model": "m", "prompt": "once", "max_tokens": 3, "echo": False, "add_special_tokens": False}
+    assert json.loads(tokenize_body(json.dumps(comp).encode(), False)) == {"model": "m", "prompt": "once",
+                                                                           "add_special_tokens": False}
+
+
+def test_the_sim_tokenizes_a_chat_as_its_chat_completions_count_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's /tokenize chat form (``messages``) counts what chat completions would: the sim does too, so the
+    router's count of a resumed stream's original prompt is exercised on the sim."""
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me a story"}]
+    with cluster(str(tmp_path), 1, worker_args={0: SIM}) as c:
+        counted = post(c, "/tokenize", {"model": "dplb-sim", "messages": msgs})
+        usage = post(c, CHAT, {"model": "dplb-sim", "messages": msgs, "max_tokens": 2}).json()["usage"]
+        bad = post(c, "/tokenize", {"model": "dplb-sim", "messages": [{"content": "no role"}]})
+    assert counted.status_code == 200 and counted.json()["count"] == usage["prompt_tokens"] == len(
+        tokenize(render_chat(msgs))), counted.text
+    assert bad.status_code == 400
+
+
+def _kill_after(c: Cluster, st: Stream, events: int) -> Any:
+    """Stream ``st`` through the router of ``c``; SIGKILL the serving worker after ``events`` data events. Returns
+    (the stream as the client saw it, the worker killed)."""
+    async def main() -> tuple[Stream, int]:
+        worker = -1
+        try:
+            async with httpx.AsyncClient(base_url=c.url) as http, \
+                    http.stream("POST", st.path, json=st.body, timeout=60) as r:
+                st.status, worker = r.status_code, int(r.headers["x-sg-worker-id"])
+                async for line in r.aiter_lines():
+                    _line(st, line)
+                    if len(st.events) == events and c.workers[worker].poll() is None:
+                        await asyncio.to_thread(c.kill_worker, worker)
+        except httpx.RemoteProtocolError:
+            st.cut = True
+        return st, worker
+
+    return asyncio.run(main())
+
+
+def test_a_resumed_stream_asks_the_continuations_worker_to_count_the_original_prompt(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The continuation's prompt holds the delivered text re-tokenized, so its own prompt_tokens minus the tokens
+    delivered is not the original prompt on a real tokenizer (vLLM: 49 reported for 21). The router asks the
+    worker that takes the continuation to count the original request's prompt (``POST /tokenize``) and reports
+    that; the sim records the call. A stream whose client wants no usage is resumed without it."""
+    with cluster(str(tmp_path), 3, worker_args={k: SIM for k in range(3)}, router_args=["--resume-streams"]) as c:
+        st, first = _kill_after(c, Stream(CHAT, _body(CHAT, random.Random(5), "u", {"max_tokens": 60})), 6)
+        quiet_body = _body(COMP, random.Random(6), "v", {"max_tokens": 60})
+        del quiet_body["stream_options"]
+        quiet, second = _kill_after(c, Stream(COMP, quiet_body), 6)
+        live = [k for k in range(3) if k not in (first, second)]
+        calls = [r for k in live for r in worker_get(c.sock(k), "/debug/requests").json() if r["path"] == "/tokenize"]
+        resumed = c.metric("dplb_streams_resumed_total")
+    want, prompt = _expected(st)
+    assert st.done == 1 and st.error is None and st.text == want, (st.error, st.text)
+    usage = [e["usage"] for e in st.events if e.get("usage")]
+    assert [{k: u[k] for k in ("prompt_tokens", "completion_tokens")} for u in usage] == [
+        {"prompt_tokens": prompt, "completion_tokens": 60}]
+    assert quiet.done == 1 and quiet.error is None and quiet.text == _expected(quiet)[0]
+    assert not [e for e in quiet.events if e.get("usage")]
+    assert resumed == 2 and len(calls) == 1 and calls[0]["status"] == 200, (resumed, calls)
+
+
+def test_a_broken_stream_that_cannot_be_resumed_is_logged_with_its_reason_not_0_tokens(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: an n=2 stream (relayed untracked) whose worker died was logged "broke off stream … after 0
+    tokens" although it had delivered events to both choices; the log now says it cannot be resumed and why."""
+    with cluster(str(tmp_path), 2, worker_args={k: SIM for k in range(2)}, router_args=["--resume-streams"]) as c:
+        st, _ = _kill_after(c, Stream(CHAT, _body(CHAT, random.Random(8), "n", {"max_tokens": 200, "n": 2}), "n"), 10)
+        log = c.router_log()
+    assert st.error is not None and NOT_RESUMED + "n" in st.error
+    assert re.search(r"broke off stream \S+, which cannot be resumed \(n\)", log), log[-2000:]
+    assert "after 0 tokens" not in log

@@ -112,3 +112,14 @@ def test_ring_follows_the_engine_stored_removed_cleared(worker: VllmWorker) -> N
     complete(worker, "hi")
     assert ring.wait(lambda s: (OP_CLEARED, 0) in s[n:]), (ring.seen[n:], worker.tail())
     assert ring.reader.counters(0)["lost_batches"] == 0
+
+
+def test_the_engine_core_kv_events_socket_is_0600(worker: VllmWorker) -> None:
+    """vLLM's EngineCore binds ``kv-events-0.sock`` with its umask (0755 under 022); the worker makes it 0600 once
+    the engine is up, as its own socket."""
+    import os
+    import stat
+
+    kv = os.path.join(worker.tmp, "kv-events-0.sock")
+    assert stat.S_ISSOCK(os.stat(kv).st_mode)
+    assert {p: oct(stat.S_IMODE(os.stat(p).st_mode)) for p in (kv, worker.sock)} == {kv: "0o600", worker.sock: "0o600"}

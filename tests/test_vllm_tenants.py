@@ -108,3 +108,27 @@ def test_ledger_tokens_equal_vllms_for_plain_and_streamed_responses(tenant_route
     assert g1 - g0 == total["completion_tokens"]  # vLLM's own generation counter
     assert p1 - p0 == total["prompt_tokens"]  # and its prompt counter
     assert led["chat"]["requests"].get("ok", 0) - led0.get("chat", {}).get("requests", {}).get("ok", 0) == 3
+
+
+def test_ledger_counts_the_prefix_cache_hits_of_a_repeated_long_prompt(tenant_router: tuple[str, VllmWorker]) -> None:
+    """Regression: vLLM sends ``prompt_tokens_details: null`` unless started with ``--enable-prompt-tokens-details``,
+    so ``dplb usage`` showed 0 cached tokens for every tenant. The vLLM engine wrapper turns it on: the same
+    ~240-token prompt sent again is partly served from vLLM's prefix cache, and the client's usage and the
+    ledger's cached tokens both say how much (vLLM's own ``vllm:prefix_cache_hits_total`` moves by as many)."""
+    url, w = tenant_router
+
+    def hits() -> float:
+        return sum(float(line.rpartition(" ")[2]) for line in worker_get(w.sock, "/metrics").text.splitlines()
+                   if line.startswith("vllm:prefix_cache_hits_total"))
+
+    body = {"model": "tiny", "prompt": "The quick brown fox jumps over the lazy dog. " * 20, "max_tokens": 2}
+    led0 = ledger_of(httpx.get(url + "/metrics", timeout=5).text).get("batch", {}).get("cached_tokens", 0)
+    h0 = hits()
+    cached = []
+    for _ in range(3):
+        got, text = _via_router(url, "/v1/completions", body, "batch")
+        assert got is not None and got.get("prompt_tokens_details") is not None, text
+        cached.append(got["prompt_tokens_details"]["cached_tokens"])
+    led = ledger_of(httpx.get(url + "/metrics", timeout=5).text)["batch"]["cached_tokens"]
+    assert cached[1] > 0 and cached[2] > 0, cached
+    assert led - led0 == sum(cached) == hits() - h0, (led, led0, cached)

@@ -21,8 +21,10 @@ Contract
   changes; each one is counted (``dplb_streams_resumed_total``) and traced (``dplb.stream_resumed``).
 - Stitching (:meth:`ResumeStream.feed` after a resume): every event of the resumed answer gets the original
   ``id`` and ``created`` and choice index 0; its role-only first chunk is dropped (the client had it); ``usage``
-  is rewritten to prompt_tokens = the original prompt (as seen in the stream, else the resumed prompt minus the
-  tokens delivered), completion_tokens = delivered + resumed, total = their sum, and
+  is rewritten to prompt_tokens = the original prompt (as seen in the stream; else as the worker that takes the
+  continuation counts it — ``POST /tokenize`` of the original request when the continuation's head arrives and
+  usage is wanted, :mod:`dplb.router.prompt_count`; else, when it cannot say, the resumed prompt minus the tokens
+  delivered), completion_tokens = delivered + resumed, total = their sum, and
   ``prompt_tokens_details.cached_tokens`` = the original's (as seen, else the continuation's capped at that
   prompt_tokens: the delivered text it also caches is not the client's prompt); exactly one ``[DONE]`` ends it.
 - Each stream is resumed at most :data:`MAX_RESUMES` times. A stream not resumed ends as without the flag: a
@@ -46,6 +48,7 @@ from dplb.router.exchange import Exchange
 from dplb.router.health import Outcome
 from dplb.router.intake import ResumeFields as _Fields
 from dplb.router.intake import resume_fields as _fields
+from dplb.router.prompt_count import original_prompt_tokens
 from dplb.router.upstream import UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("dplb.router.resume")
@@ -308,6 +311,11 @@ class ResumableAttempt(Attempt):
         self.continuing = bool(self.ex.status)
         if not self.continuing:  # nothing sent to the client yet: relay the head as usual
             return await super().start_response(status, headers)
+        s = self.stream
+        if status == 200 and s.want_usage and s.prompt_tokens is None and s.tokens_before:
+            # The continuation's own prompt count includes the delivered text, re-tokenized: ask for the original's
+            # (its prefill is under way meanwhile; the usage event comes at its end).
+            s.prompt_tokens = await original_prompt_tokens(self.up.pool, self.worker, s.body, s.chat)
         self.status = status  # a resumed segment: the client has its head already
         self.outcome = Outcome.BROKEN
         return True
@@ -373,8 +381,12 @@ class ResumableAttempt(Attempt):
             self.outcome = Outcome.TIMEOUT if isinstance(e, UpstreamTimeout) else Outcome.BROKEN
             why = f"worker {self.worker} stopped mid-response: {e}"
         s.broken, s.t_break = why, time.perf_counter()
-        log.warning("worker %d broke off stream %s after %d tokens (%s)", self.worker, self.ex.rid.decode(),
-                    s.tokens, e)
+        if s.refused is None:
+            log.warning("worker %d broke off stream %s after %d tokens (%s)", self.worker, self.ex.rid.decode(),
+                        s.tokens, e)
+        else:  # relayed untracked: what it delivered was not counted
+            log.warning("worker %d broke off stream %s, which cannot be resumed (%s) (%s)", self.worker,
+                        self.ex.rid.decode(), s.refused, e)
 
     async def _refused_by_worker(self) -> None:
         """A resumed segment answered with an error (or not a stream): its message ends the client's stream."""

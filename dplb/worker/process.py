@@ -185,6 +185,16 @@ class Worker:
         self.kv = KvTranslator(ring, cfg.prefix_block_bytes)
         self._kv_sub = KvEventSubscriber(endpoint, self.kv.on_batch)
 
+    def _private_kv_socket(self) -> None:
+        """Make the engine's KV-events socket file 0600, as the worker's own (the engine binds it with its umask,
+        0755 under the usual 022, and the events name what every prompt holds). Called once the engine is up:
+        vLLM's EngineCore binds its publisher before it reports ready; the sim binds in ``start``."""
+        if self._kv_path and os.path.exists(self._kv_path):
+            try:
+                os.chmod(self._kv_path, 0o600)
+            except OSError as e:
+                log.warning("Worker %d: could not make %s 0600: %s", self.cfg.worker_id, self._kv_path, e)
+
     def _move_kv_ring(self, seg: Segment) -> None:
         """The collector attached ``seg``, which replaced the segment at our path: this worker's KV ring moves into
         it, with the keys the engine still holds confirmed there (else the routers, trusting the new ring, would
@@ -237,6 +247,7 @@ class Worker:
                 log.info("Worker %d: stop requested while the engine was loading", k)
                 return 0
             load_s = time.perf_counter() - t_load
+            self._private_kv_socket()
             if self._kv_sub is not None and not getattr(self.engine, "kv_events_on", True):
                 self._kv_sub = self.kv = None  # the engine cannot give the requests' token ids after all
             if self._kv_sub is not None and self._kv_ring is not None:

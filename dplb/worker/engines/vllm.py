@@ -7,6 +7,9 @@ Contract
   API feature (chat, completions, embeddings, tools, streaming, …) is vLLM's code, untouched. The worker serves the
   app on its own 0600 Unix socket and owns SIGTERM, so draining is DPLB's (vLLM's own handler would abort streams
   when ``--shutdown-timeout`` is 0, its default).
+- ``--enable-prompt-tokens-details`` is added unless the arguments set it or ``--no-enable-prompt-tokens-details``:
+  vLLM's ``usage`` then carries ``prompt_tokens_details.cached_tokens`` (prompt tokens served from its prefix
+  cache), which the router's usage ledger reads (docs/DESIGN.md §15); without it vLLM sends ``null``.
 - :meth:`stats` reads vLLM's gauges (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
   ``vllm:kv_cache_usage_perc``) straight from the in-process Prometheus registry where vLLM's
   ``PrometheusStatLogger`` keeps them (vllm/v1/metrics/loggers.py): no HTTP, no text parsing.
@@ -53,6 +56,9 @@ from dplb.worker.engines.base import REQUEST_EXT, ASGIApp, EngineRequest, Engine
 log = logging.getLogger("dplb.engine.vllm")
 _OOM_RE = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory", re.IGNORECASE)
 _GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+#: On unless the arguments say either way: without it vLLM's usage has ``prompt_tokens_details: null`` and the
+#: usage ledger (``dplb usage``'s CACHED) could not count cached prompt tokens.
+_DETAILS = "--enable-prompt-tokens-details"
 #: The request vLLM is serving in this task: (its OpenRequest, [its RequestState once added]).
 _CURRENT: ContextVar[tuple[OpenRequest, list[Any]] | None] = ContextVar("dplb_vllm_request", default=None)
 
@@ -175,6 +181,8 @@ class VllmEngine:
         for bad in ("--uds", "--host", "--port", "--api-key"):
             if bad in self.argv:
                 raise ConfigError(f"{bad} is set by DPLB (the worker socket / the router's --api-key); remove it")
+        if not (_has_flag(self.argv, _DETAILS) or _has_flag(self.argv, "--no-" + _DETAILS[2:])):
+            self.argv.append(_DETAILS)
         self._stack = contextlib.AsyncExitStack()
         self._client: Any = None
         self._app: ASGIApp | None = None

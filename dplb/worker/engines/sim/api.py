@@ -17,7 +17,8 @@ Contract
   then ``completed``); ``POST /v1/responses/{id}/cancel`` cancels a queued or in-progress one (its request is
   aborted; the answer is the response, ``status: "cancelled"``) and answers 400 "Cannot cancel a synchronous
   response." for any other, as vLLM.
-- The other proxied routes (``/tokenize``, ``/detokenize``, ``/v1/embeddings``, ``/pooling``, ``/classify``,
+- The other proxied routes (``/tokenize`` — its chat form with ``messages`` counts the prompt chat completions
+  would see —, ``/detokenize``, ``/v1/embeddings``, ``/pooling``, ``/classify``,
   ``/score``, ``/rerank`` and their versions, ``/v1/messages``, audio, …) validate the JSON body (multipart for
   audio) and the model, and answer a deterministic body of the right kind, one result per input for the pooling
   routes (:mod:`dplb.worker.engines.sim.pooling`); no scheduler time. The proxied routes in
@@ -50,6 +51,7 @@ from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, check_model, d
 from dplb.worker.engines.sim.pooling import POOLING_PATHS
 from dplb.worker.engines.sim.prompts import block_hashes, prompt_hash, render_chat, tokenize
 from dplb.worker.engines.sim.scheduler import WORDS, SimConfig, SimRequest, SimScheduler
+from dplb.worker.engines.sim.text import render_prompt
 
 
 class SimEngine(Protocol):
@@ -206,6 +208,11 @@ class SimApi:
         model = data.get("model") or self.engine.config.model
         text = data.get("prompt") or data.get("input") or data.get("text_1") or data.get("query") or ""
         ids = tokenize(text if isinstance(text, str) else msgspec.json.encode(text).decode())
+        if path == "/tokenize" and "messages" in data:  # vLLM's chat form: the prompt chat completions would see
+            try:
+                ids = tokenize(render_prompt(data)[0])
+            except ValueError as e:
+                raise HTTPError(400, str(e)) from None
         if path == "/tokenize":
             return {"count": len(ids), "max_model_len": self.engine.config.max_model_len, "tokens": ids}
         if path == "/detokenize":
