@@ -2,9 +2,12 @@
 
 Contract (docs/DESIGN.md §8, §3)
 - Lifecycle, each transition written to the slot at once and logged: starting → warming (engine up; one request
-  with ``max_tokens: 1`` is sent through the worker's own socket and timed) → ready (logs
-  ``Worker K registered. State: {...}``) → draining (SIGTERM/SIGINT: model requests get 503 ``worker_draining``,
-  in-flight ones finish, bounded by ``drain_timeout_s``) → stopped.
+  with ``max_tokens: 1`` is sent through the worker's own socket and timed, then, for an engine with
+  ``warm_logprobs`` (vLLM), one asking for ``logprobs``, best effort: vLLM compiles its logprobs kernel with
+  ``torch.compile`` at the first request that wants logprobs — 2.0 s on the tiny model on a loaded 2-core CPU
+  against 0.04 s after, long enough on a busier host for the router's stall check to fail the first user's
+  request) → ready (logs ``Worker K registered. State: {...}``) → draining (SIGTERM/SIGINT: model requests get 503
+  ``worker_draining``, in-flight ones finish, bounded by ``drain_timeout_s``) → stopped.
 - The collector thread (:mod:`dplb.worker.collector`) publishes every ``state_interval_ms`` (heartbeat written
   every tick even when nothing changed): engine scheduler state, per-request figures from :class:`RequestStats`,
   NVML memory (zeros + the NO_GPU flag without a GPU).
@@ -331,7 +334,9 @@ class Worker:
         return None
 
     async def _warmup(self) -> float:
-        """Send one ``max_tokens: 1`` completion through our own socket; return its duration in seconds."""
+        """Send one ``max_tokens: 1`` completion through our own socket, then one with ``logprobs`` when the engine
+        has ``warm_logprobs`` (module docstring); return their duration in seconds. Raises RuntimeError when the
+        first is not answered 200."""
         transport = httpx.AsyncHTTPTransport(uds=self.cfg.uds)
         async with httpx.AsyncClient(transport=transport, base_url="http://worker",
                                      timeout=self.cfg.warmup_timeout_s) as client:
@@ -339,9 +344,15 @@ class Worker:
             model = models["data"][0]["id"]
             t0 = time.perf_counter()
             r = await client.post("/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 1})
+            if r.status_code != 200:
+                raise RuntimeError(f"warm-up request failed with HTTP {r.status_code}: {r.text[:300]}")
+            if getattr(self.engine, "warm_logprobs", False):
+                lp = await client.post("/v1/completions", json={"model": model, "prompt": "warm up",
+                                                                 "max_tokens": 1, "logprobs": 1})
+                if lp.status_code != 200:  # e.g. --max-logprobs 0: then no request can ask for them either
+                    log.info("Worker %d: the logprobs warm-up request was refused (HTTP %d: %s)",
+                             self.cfg.worker_id, lp.status_code, lp.text[:200])
             took = time.perf_counter() - t0
-        if r.status_code != 200:
-            raise RuntimeError(f"warm-up request failed with HTTP {r.status_code}: {r.text[:300]}")
         return took
 
     async def _drain(self) -> None:

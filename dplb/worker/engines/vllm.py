@@ -173,6 +173,9 @@ class VllmEngine:
     ``--tensor-parallel-size``, …); ``model`` is the model path or name."""
 
     name = "vllm"
+    #: The worker's warm-up also asks for logprobs (dplb/worker/process.py): vLLM compiles its logprobs kernel
+    #: (``batched_count_greater_than``, ``torch.compile``) at the first request that wants them.
+    warm_logprobs = True
 
     def __init__(self, engine_args: list[str], *, model: str | None = None) -> None:
         if not model and "--model" not in engine_args:
