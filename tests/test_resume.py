@@ -512,3 +512,37 @@ def test_a_broken_stream_that_cannot_be_resumed_is_logged_with_its_reason_not_0_
     assert st.error is not None and NOT_RESUMED + "n" in st.error
     assert re.search(r"broke off stream \S+, which cannot be resumed \(n\)", log), log[-2000:]
     assert "after 0 tokens" not in log
+
+
+def test_when_every_worker_died_the_stream_is_refused_not_logged_as_resumed_on_a_dead_one(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: with both workers SIGKILLed one after the other, the second continuation was logged "resuming
+    stream … on worker A (broken on worker B)" — A being the worker the stream had first broken on, dead — and
+    counted as resumed, before the stream ended ``not resumed (no_worker)``. A resume is now logged and counted
+    when a worker takes the continuation (its response head)."""
+    with cluster(str(tmp_path), 2, worker_args={k: SIM for k in range(2)}, router_args=["--resume-streams"]) as c:
+        async def main() -> tuple[Stream, list[int]]:
+            st = Stream(CHAT, _body(CHAT, random.Random(9), "d", {"max_tokens": 300}))
+            killed: list[int] = []
+            try:
+                async with httpx.AsyncClient(base_url=c.url) as http, \
+                        http.stream("POST", CHAT, json=st.body, timeout=60) as r:
+                    first = int(r.headers["x-sg-worker-id"])
+                    async for line in r.aiter_lines():
+                        _line(st, line)
+                        if len(st.events) in (3, 8) and len(killed) < (1 if len(st.events) == 3 else 2):
+                            k = first if not killed else 1 - first
+                            await asyncio.to_thread(c.kill_worker, k)
+                            killed.append(k)
+            except httpx.RemoteProtocolError:
+                st.cut = True
+            return st, killed
+
+        st, killed = asyncio.run(main())
+        log = c.router_log()
+        resumed = c.metric("dplb_streams_resumed_total")
+        no_worker = c.metric("dplb_stream_resume_refused_total", {"reason": "no_worker"})
+    assert killed == sorted(killed, key=lambda k: k != killed[0]) and len(killed) == 2, killed
+    assert st.error is not None and NOT_RESUMED + "no_worker" in st.error and st.done == 0, st.error
+    lines = re.findall(r"resuming stream \S+ after \d+ tokens on worker (\d) \(broken on worker (\d)\)", log)
+    assert lines == [(str(killed[1]), str(killed[0]))], lines
+    assert (resumed, no_worker) == (1, 1)

@@ -284,7 +284,6 @@ class Proxy:
         (:mod:`dplb.router.resume`) with a retry of its own."""
         tried: set[int] = set()
         s = ex.resume
-        broken = -1  # the worker whose stream break the continuation being placed follows (-1: none)
         while True:
             retry = await (first.resume() if first is not None else self._attempt(ex, worker).run())
             first = None
@@ -294,7 +293,7 @@ class Proxy:
                 body = await resume.prepare(self.upstreams, ex)
                 if body is None:
                     return
-                broken = worker
+                s.broken_on = worker  # logged and counted once a worker takes the continuation (resume.resumed)
                 ex.body = body
                 ex.head = request_head(ex.scope, len(body), ex.rid, ex.decoded, self._req_skip, True)
                 tried = {worker}
@@ -311,9 +310,6 @@ class Proxy:
             if next_worker is None:
                 await self._fail(ex, retry or RouterErrorKind.NONE_ROUTABLE, why)
                 return
-            if broken >= 0:
-                resume.resumed(self.upstreams, ex, broken, next_worker)
-                broken = -1
             worker = next_worker
 
     def _attempt(self, ex: Exchange, worker: int) -> Attempt:

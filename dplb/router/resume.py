@@ -18,7 +18,8 @@ Contract
   completions — ``prompt`` + the delivered text; ``max_tokens`` / ``max_completion_tokens`` reduced by the
   tokens delivered (refused when nothing is left) and ``min_tokens`` likewise (not below 0). Nothing delivered:
   the original body unchanged. Refused when it exceeds ``--max-body-bytes``. It is the one body the router
-  changes; each one is counted (``dplb_streams_resumed_total``) and traced (``dplb.stream_resumed``).
+  changes; each one a worker takes (its response head arrived) is counted (``dplb_streams_resumed_total``),
+  logged and traced (``dplb.stream_resumed``).
 - Stitching (:meth:`ResumeStream.feed` after a resume): every event of the resumed answer gets the original
   ``id`` and ``created`` and choice index 0; its role-only first chunk is dropped (the client had it); ``usage``
   is rewritten to prompt_tokens = the original prompt (as seen in the stream; else as the worker that takes the
@@ -132,13 +133,14 @@ class ResumeStream:
     up-front reason it cannot be resumed (None: eligible); ``broken``: why the current attempt ended early (None:
     it did not); ``resumes``: continuations sent."""
 
-    __slots__ = ("body", "break_kind", "broken", "buf", "cached_tokens", "chat", "created", "done", "finished", "id",
-                 "parts", "prompt_tokens", "reasoning", "refused", "resumes", "role_sent", "seg_chunks", "seg_usage",
-                 "t_break", "tokens_before", "tool_calls", "usage_sent", "want_usage")
+    __slots__ = ("body", "break_kind", "broken", "broken_on", "buf", "cached_tokens", "chat", "created", "done",
+                 "finished", "id", "parts", "prompt_tokens", "reasoning", "refused", "resumes", "role_sent",
+                 "seg_chunks", "seg_usage", "t_break", "tokens_before", "tool_calls", "usage_sent", "want_usage")
 
     def __init__(self, chat: bool, body: bytes, refused: str | None, want_usage: bool) -> None:
         self.chat, self.body, self.refused, self.want_usage = chat, body, refused, want_usage
         self.broken: str | None = None
+        self.broken_on = -1  # the worker the continuation being placed follows (-1: none, or counted already)
         self.break_kind = RouterErrorKind.UPSTREAM_FAILED  # the error kind of the event if not resumed
         self.buf = b""
         self.parts: list[str] = []
@@ -308,10 +310,13 @@ class ResumableAttempt(Attempt):
         return self.stream.refused is None and self.is_sse and self.status == 200
 
     async def start_response(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+        s = self.stream
+        if s.broken_on >= 0:  # a worker took the continuation: now it is a resume
+            resumed(self.up, self.ex, s.broken_on, self.worker)
+            s.broken_on = -1
         self.continuing = bool(self.ex.status)
         if not self.continuing:  # nothing sent to the client yet: relay the head as usual
             return await super().start_response(status, headers)
-        s = self.stream
         if status == 200 and s.want_usage and s.prompt_tokens is None and s.tokens_before:
             # The continuation's own prompt count includes the delivered text, re-tokenized: ask for the original's
             # (its prefill is under way meanwhile; the usage event comes at its end).
@@ -448,9 +453,10 @@ async def prepare(up: Upstreams, ex: Exchange) -> bytes | None:
 
 
 def resumed(up: Upstreams, ex: Exchange, broken: int, worker: int) -> None:
-    """The continuation of ``ex``'s stream (its body in ``ex.body``), broken on worker ``broken``, goes to
-    ``worker``: logged, counted (``dplb_streams_resumed_total``) and traced. A continuation no worker takes is not
-    counted here but as refused (``no_worker``)."""
+    """The continuation of ``ex``'s stream (its body in ``ex.body``), broken on worker ``broken``, was taken by
+    ``worker`` (its response head arrived): logged, counted (``dplb_streams_resumed_total``) and traced. A
+    continuation no worker takes — none ready, or the one picked unreachable — is not counted here but as refused
+    (``no_worker``)."""
     s = ex.resume
     assert s is not None
     log.warning("resuming stream %s after %d tokens on worker %d (broken on worker %d)", ex.rid.decode(), s.tokens,
