@@ -17,7 +17,9 @@ Contract
   slots (the most urgent class all of them), so an urgent request finds a slot at once while a less urgent class
   floods (docs/DESIGN.md §15). ``[fair_queue]`` holds the Virtual Token Counter's token weights (Sheng et al.,
   "Fairness in Serving Large Language Models", OSDI 2024, §4: a prompt token costs ``prompt_token_weight``, a
-  generated one ``output_token_weight``; the paper's evaluation uses 1 and 2). ``[slo.<class>]`` holds that
+  generated one ``output_token_weight``; the paper's evaluation uses 1 and 2) and ``anticipation_s`` (default
+  :data:`ANTICIPATION_S`, 0 = off): how long a slot freed by a tenant that would be served next is held for that
+  tenant's next request (:mod:`dplb.router.admission`). ``[slo.<class>]`` holds that
   class's objectives: ``availability`` (fraction of requests not failed by the server) and ``ttft_s`` with
   ``ttft_target`` (the fraction of streamed requests whose TTFT must be ≤ ``ttft_s``; the router sees no first token
   of a response that is not a stream).
@@ -58,6 +60,10 @@ from dplb.errors import ConfigError
 DEFAULT_TENANT = "default"
 DEFAULT_CLASS = "default"
 LAST_GOOD_NAME = "tenants.last-good.toml"
+# The fair queue's hold for a tenant's next request (seconds): longer than a closed-loop client's turnaround from a
+# response to its next request (10-220 ms measured on the loaded 2-core CI box with 60 clients in one process),
+# short next to an LLM request (docs/DESIGN.md §15).
+ANTICIPATION_S = 0.25
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _TENANT_KEYS = frozenset({"api_key_sha256", "weight", "priority", "requests_per_s", "tokens_per_min",
@@ -79,6 +85,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "prompt_token_weight": (0.0, 1000.0),
     "output_token_weight": (0.0, 1000.0),
     "ttft_s": (0.001, 3600.0),
+    "anticipation_s": (0.0, 5.0),  # a hold is for a client already sending; a larger number is likely milliseconds
 }
 
 
@@ -123,7 +130,8 @@ class Slo:
 @dataclass(frozen=True, slots=True)
 class TenantsConfig:
     """A validated tenants file (module docstring). ``classes``: priority classes, most urgent first;
-    ``reserve``: batch slots per worker held for each more urgent class."""
+    ``reserve``: batch slots per worker held for each more urgent class; ``anticipation_s``: the fair queue's hold
+    for a tenant's next request (seconds)."""
 
     path: str
     tenants: tuple[Tenant, ...]
@@ -132,6 +140,7 @@ class TenantsConfig:
     output_token_weight: float = 2.0
     slos: dict[str, Slo] = field(default_factory=dict)
     reserve: int = 0
+    anticipation_s: float = ANTICIPATION_S
 
     def names(self) -> tuple[str, ...]:
         """Every tenant name, :data:`DEFAULT_TENANT` included (the bounded ``tenant`` label set)."""
@@ -256,10 +265,12 @@ def parse_tenants(path: str, doc: dict[str, Any]) -> TenantsConfig:
         raise ConfigError(f"{path}: priorities.{unknown[0]} is not a key; use order, reserve")
     reserve = int(_number(f"{path}: priorities.reserve", prio.get("reserve", 0), "reserve", integer=True))
     fq = doc.get("fair_queue", {})
-    if not isinstance(fq, dict) or set(fq) - {"prompt_token_weight", "output_token_weight"}:
-        raise ConfigError(f"{path}: fair_queue takes prompt_token_weight and output_token_weight")
+    if not isinstance(fq, dict) or set(fq) - {"prompt_token_weight", "output_token_weight", "anticipation_s"}:
+        raise ConfigError(f"{path}: fair_queue takes prompt_token_weight, output_token_weight and anticipation_s")
     wp = _number(f"{path}: fair_queue.prompt_token_weight", fq.get("prompt_token_weight", 1.0), "prompt_token_weight")
     wq = _number(f"{path}: fair_queue.output_token_weight", fq.get("output_token_weight", 2.0), "output_token_weight")
+    anticipation = _number(f"{path}: fair_queue.anticipation_s", fq.get("anticipation_s", ANTICIPATION_S),
+                           "anticipation_s")
     if wp + wq == 0:
         raise ConfigError(f"{path}: fair_queue weights must not both be 0")
     raw = doc.get("tenants")
@@ -269,7 +280,8 @@ def parse_tenants(path: str, doc: dict[str, Any]) -> TenantsConfig:
         raise ConfigError(f"{path}: tenants.{DEFAULT_TENANT}: the name is reserved (--api-key's tenant)")
     seen: dict[str, str] = {}
     tenants = tuple(_tenant(path, name, body, classes, seen) for name, body in raw.items())
-    return TenantsConfig(path, tenants, classes, wp, wq, _slos(path, doc.get("slo", {}), classes), reserve)
+    return TenantsConfig(path, tenants, classes, wp, wq, _slos(path, doc.get("slo", {}), classes), reserve,
+                         anticipation)
 
 
 def read_tenants(path: str) -> tuple[TenantsConfig, bytes]:

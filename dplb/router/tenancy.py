@@ -95,11 +95,13 @@ class Gate:
         self.fq: FairQueue | None = None
         if cfg.tenants_file is not None:
             self.fq = FairQueue(len(self.config.classes), cfg.queue_max, cfg.queue_timeout_s,
-                                self.config.prompt_token_weight, self.config.output_token_weight)
+                                self.config.prompt_token_weight, self.config.output_token_weight,
+                                anticipation_s=self.config.anticipation_s)
         self._limits: dict[str, TenantLimits] = {}
         self._set_limits()
         self.active: dict[str, int] = collections.defaultdict(int)
         self._granted: dict[int, int] = collections.defaultdict(int)
+        self._held: dict[int, int] = collections.defaultdict(int)  # worker → slots held for a tenant's next request
         self._ticker: asyncio.Task[None] | None = None
         self._children: dict[str, tuple[Any, Any, Any]] = {}
         self.closed = False
@@ -160,6 +162,7 @@ class Gate:
         if self.fq is not None:
             self.fq.resize(len(tc.classes))
             self.fq.w_prompt, self.fq.w_output = tc.prompt_token_weight, tc.output_token_weight
+            self.fq.anticipation_s = tc.anticipation_s
         log.info("tenants file %s reloaded: %s", tc.path, tc.summary())
         return True
 
@@ -240,9 +243,13 @@ class Gate:
             self._observe_wait(tk, 0.0)
             return True
         fq.arrive(t.name)
+        claimed = fq.claim(t.name) if fq.holding else None  # a slot held for this tenant (anticipation)
+        if claimed is not None:
+            self._held[claimed] -= 1
         free = self._free()
         held = self.config.held(tk.rank)
-        if fq.length == 0 and (not free or self._best(free, ex.request.cannot_serve, held) is not None):
+        if ((claimed is not None or fq.length == 0)
+                and (not free or self._best(free, ex.request.cannot_serve, held) is not None)):
             fq.charge(t.name, t.weight, tk.est, tk.expected)
             tk.charged = tk.expected
             self._steer(ex, free, held)
@@ -282,8 +289,8 @@ class Gate:
         else:
             watcher = asyncio.ensure_future(_watch(ex.receive, tk))
         self._pump()
-        if not fut.done() and (self._ticker is None or self._ticker.done()):
-            self._ticker = asyncio.ensure_future(self._tick())
+        if not fut.done():
+            self._start_ticker()
         try:
             got = await fut
         except BaseException:  # the server cancels the request (shutdown): leave nothing behind
@@ -349,8 +356,9 @@ class Gate:
         load = st.inflight_all()
         default = self.cfg.policy.max_queue
         granted = self._granted
+        held = self._held
         return {k: (snap[k].max_num_seqs if snap is not None and snap[k].max_num_seqs > 0 else default)
-                - load[k] - granted[k] for k in ks}
+                - load[k] - granted[k] - held[k] for k in ks}
 
     @staticmethod
     def _best(free: dict[int, int], cannot: frozenset[int], held: int = 0) -> int | None:
@@ -406,17 +414,38 @@ class Gate:
         if slots is not None and self.fq is not None:
             slots.publish_urgent(self.fq.top_rank())
 
+    def _start_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.ensure_future(self._tick())
+
     async def _tick(self) -> None:
-        """While requests wait: time them out, and look for room every :data:`TICK_S`."""
+        """While requests wait or slots are held: time them out, and look for room every :data:`TICK_S`."""
         fq = self.fq
         assert fq is not None
-        while fq.length:
+        while fq.length or fq.holding:
             self._share_urgent()
             await asyncio.sleep(TICK_S)
             for w, kind in fq.expire():
                 _resolve(w.data, kind)
+            self._unhold(fq.expire_holds())
             self._pump()
         self._share_urgent()
+
+    def _unhold(self, workers: list[int]) -> None:
+        for k in workers:
+            self._held[k] -= 1
+
+    def _anticipate(self, ex: Exchange, tk: Ticket) -> None:
+        """``ex`` ended on a worker: hold its slot for its tenant's next request when the fair queue says so."""
+        fq = self.fq
+        d = getattr(ex, "decision", None)
+        k = d.worker if d is not None else None
+        if fq is None or k is None or not tk.relayed or not fq.length:
+            return
+        t = tk.tenant
+        if fq.anticipate(t.name, t.weight, tk.rank, tk.est, tk.expected, k):
+            self._held[k] += 1
+            self._start_ticker()
 
     def leave(self, ex: Exchange) -> None:
         """``ex`` ended (any way): ledger, corrections, and the next queued request (module docstring)."""
@@ -461,6 +490,7 @@ class Gate:
             log.info("%s tenant=%s status=%d outcome=%s queue_wait_ms=%.0f prompt_tokens=%s completion_tokens=%s",
                      ex.rid.decode(), t.name, status, outcome, tk.wait_s * 1000,
                      usage.prompt_tokens if usage else "-", (usage.completion_tokens if usage else None) or "-")
+        self._anticipate(ex, tk)
         self._pump()
 
     def _child(self, tenant: str) -> tuple[Any, Any, Any]:
@@ -478,6 +508,7 @@ class Gate:
         fq = self.fq
         if fq is None:
             return
+        self._unhold(fq.expire_holds(every=True))
         for w in list(fq.order()):
             fq.remove(w)
             _resolve(w.data, RouterErrorKind.DRAINING_QUEUED)
