@@ -92,6 +92,11 @@ def test_reserve_holds_slots_per_less_urgent_class() -> None:
      "slo.default.ttft_s must be a number from 0.001 to 3600"),
     ({"priorities": {"reserve": 1.5}, **doc(a={"api_key_sha256": [H1]})}, "priorities.reserve must be an integer"),
     ({"priorities": {"reserved": 1}, **doc(a={"api_key_sha256": [H1]})}, "priorities.reserved is not a key"),
+    ({"fair_queue": {"anticipation_s": -0.1}, **doc(a={"api_key_sha256": [H1]})},
+     "fair_queue.anticipation_s must be a number ≥ 0"),
+    ({"fair_queue": {"anticipation_s": 250}, **doc(a={"api_key_sha256": [H1]})},
+     "fair_queue.anticipation_s must be ≤ 5 (seconds), got 250"),
+    ({"fair_queue": {"idle_s": 1}, **doc(a={"api_key_sha256": [H1]})}, "fair_queue takes"),
 ])
 def test_a_bad_file_is_one_line_naming_the_file_and_key(document: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -172,6 +177,54 @@ def test_lift_when_the_queue_is_empty_uses_the_last_tenant_that_left() -> None:
     names(q, 1)
     q.arrive("B")
     assert q.counters["B"] == 510.0  # A left with 500 + its 10 prompt tokens
+
+
+def test_anticipation_holds_the_slot_of_the_tenant_served_next_and_its_next_request_takes_it() -> None:
+    """A's request ends while A has nothing queued and B waits: A (lower counter) would be served next, so its slot
+    is held for A, charged like the request that ended; A's next request takes it without the lift erasing A's
+    deficit, and the charge is refunded (the request is charged its own at dispatch)."""
+    clock = Clock()
+    q = FairQueue(1, 100, 60, clock=clock, anticipation_s=0.1)
+    q.counters.update(A=100.0, B=300.0)
+    push(q, "B", "b0")
+    assert q.anticipate("A", 2.0, 0, 10, 20, data=7)
+    assert q.holding == 1 and q.counters["A"] == 100.0 + (10 + 2 * 20) / 2
+    clock.t += 0.05
+    q.arrive("A")  # holding a slot counts as queued: no lift to B's 300
+    assert q.claim("A") == 7 and q.holding == 0 and q.counters["A"] == 100.0
+    assert q.claim("A") is None
+
+
+def test_anticipation_only_for_the_tenant_the_queue_would_serve_next() -> None:
+    q = FairQueue(2, 100, 60, clock=Clock(), anticipation_s=0.1)
+    assert not q.anticipate("A", 1.0, 0, 10, 0, data=0)  # nothing waits: the slot is free for anyone
+    q.counters.update(A=500.0, B=100.0)
+    push(q, "B", "b0")
+    assert not q.anticipate("A", 1.0, 0, 10, 0, data=0)  # A is ahead of B: B's request gets the slot
+    assert not q.anticipate("C", 1.0, 1, 10, 0, data=0)  # a less urgent class than the one waiting
+    push(q, "A", "a0")
+    assert not q.anticipate("A", 1.0, 0, 10, 0, data=0)  # A has a request queued: the queue decides
+    q.counters["D"] = 0.0
+    assert q.anticipate("D", 1.0, 0, 10, 0, data=0)  # behind nobody
+    q.anticipation_s = 0.0
+    assert not q.anticipate("E", 1.0, 0, 10, 0, data=0)  # turned off
+
+
+def test_an_unused_hold_expires_refunded_and_the_tenant_gets_none_until_it_comes_back_in_time() -> None:
+    clock = Clock()
+    q = FairQueue(1, 100, 60, clock=clock, anticipation_s=0.1)
+    q.counters.update(A=0.0, B=100.0)
+    push(q, "B", "b0")
+    assert q.anticipate("A", 1.0, 0, 10, 0, data=3)
+    clock.t += 0.05
+    assert q.expire_holds() == []
+    clock.t += 0.06
+    assert q.expire_holds() == [3] and q.holding == 0 and q.counters["A"] == 0.0
+    assert not q.anticipate("A", 1.0, 0, 10, 0, data=3)  # its client did not come back in time: no hold
+    clock.t += 0.05
+    q.arrive("A")  # ... until a request of A arrives within anticipation_s of one of A's requests ending
+    assert q.anticipate("A", 1.0, 0, 10, 0, data=4)
+    assert q.expire_holds(every=True) == [4]  # the router stops: every hold ends
 
 
 def test_priority_class_first_then_fairness_within_it() -> None:
