@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -112,5 +113,31 @@ def test_a_full_worker_grants_nothing_and_the_class_stays_published(group) -> No
         gate.state.inflight[0] = SLOTS - 1  # one ends
         gate._pump()
         assert batch.fut.done() and batch.granted_to == 0
+
+    asyncio.run(main())
+
+
+def test_a_slot_held_for_the_tenant_served_next_is_not_granted_until_the_hold_expires(group) -> None:  # type: ignore[no-untyped-def]
+    """A chat (interactive) request ends while a batch request waits: its slot is held for chat's next request
+    (anticipation), so the pump does not grant it; unclaimed, the hold ends after ``anticipation_s`` and the tick
+    grants the slot to the batch request."""
+    gate, _, _ = group
+
+    async def main() -> None:
+        assert gate.fq is not None
+        gate.fq.anticipation_s = 0.05
+        gate.state.inflight[0] = SLOTS
+        batch = queue(gate, "batch")
+        gate._pump()
+        assert batch.fut is not None and not batch.fut.done()
+        chat_t = next(t for t in gate.config.tenants if t.name == "chat")
+        ended = Ticket(gate.fq, chat_t, 0, None)
+        ended.relayed = True
+        gate.state.inflight[0] = SLOTS - 1  # chat's request on worker 0 ended
+        gate._anticipate(SimpleNamespace(decision=SimpleNamespace(worker=0)), ended)  # type: ignore[arg-type]
+        gate._pump()
+        assert gate._free() == {0: 0} and gate.fq.holding == 1 and not batch.fut.done()
+        await asyncio.wait_for(batch.fut, 2.0)  # the ticker expires the hold and grants the slot
+        assert batch.granted_to == 0 and gate.fq.holding == 0 and gate._held[0] == 0
 
     asyncio.run(main())

@@ -438,9 +438,11 @@ class Gate:
     def _anticipate(self, ex: Exchange, tk: Ticket) -> None:
         """``ex`` ended on a worker: hold its slot for its tenant's next request when the fair queue says so."""
         fq = self.fq
-        d = getattr(ex, "decision", None)
+        if fq is None or not fq.length or not tk.relayed:
+            return
+        d = getattr(ex, "decision", None)  # unset when no worker was picked
         k = d.worker if d is not None else None
-        if fq is None or k is None or not tk.relayed or not fq.length:
+        if k is None:
             return
         t = tk.tenant
         if fq.anticipate(t.name, t.weight, tk.rank, tk.est, tk.expected, k):
