@@ -210,6 +210,23 @@ def test_anticipation_only_for_the_tenant_the_queue_would_serve_next() -> None:
     assert not q.anticipate("E", 1.0, 0, 10, 0, data=0)  # turned off
 
 
+def test_a_slot_another_tenant_frees_is_held_for_the_tenant_expected_back_when_it_would_be_served_next() -> None:
+    """Equal requests end together: A's ended while nothing waited (no hold), then B queued, then C's request ends.
+    A is expected back (its request ended within anticipation_s and no request of it arrived since) and has the
+    smallest counter, so C's slot is held for A; once A's client is back, A is no longer expected."""
+    clock = Clock()
+    q = FairQueue(1, 100, 60, clock=clock, anticipation_s=0.1)
+    q.counters.update(A=100.0, B=300.0, C=1000.0)
+    assert not q.anticipate("A", 1.0, 0, 10, 0, data=1)  # nothing waits
+    push(q, "B", "b0")
+    clock.t += 0.02
+    assert q.anticipate("C", 1.0, 0, 10, 0, data=2)
+    assert q.counters["A"] == 110.0 and q.counters["C"] == 1000.0
+    q.arrive("A")
+    assert q.claim("A") == 2 and q.counters["A"] == 100.0
+    assert not q.anticipate("C", 1.0, 0, 10, 0, data=3)  # A is back; C (1000) is not next, B's request is
+
+
 def test_an_unused_hold_expires_refunded_and_the_tenant_gets_none_until_it_comes_back_in_time() -> None:
     clock = Clock()
     q = FairQueue(1, 100, 60, clock=clock, anticipation_s=0.1)

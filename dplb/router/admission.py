@@ -16,17 +16,18 @@ Contract (pure logic: no I/O, no event loop; the clock is injected so tests driv
   queue last), so idle time is not banked as credit. Work-conserving: :meth:`FairQueue.pop` skips a request no
   worker can take (``can_serve``) and takes the next one, and a lone tenant gets every slot.
 - Anticipation (Iyer & Druschel, "Anticipatory scheduling", SOSP 2001; Linux BFQ's idling for synchronous
-  queues): when a request ends, its tenant has nothing queued, another tenant waits, and the ending tenant would be
-  the next one served (:meth:`FairQueue.anticipate`: a more urgent class than any queued, or in the class first by
-  its counter), its slot is held for up to ``anticipation_s`` seconds for the tenant's next request, charged as a
-  request of the same cost. A request of the tenant arriving in time takes the slot without queueing
-  (:meth:`FairQueue.claim`, the charge refunded as the request is charged its own); past the time the hold ends and
-  is refunded (:meth:`FairQueue.expire_holds`), and the tenant gets no hold again until one of its requests arrives
-  within ``anticipation_s`` of one of its requests ending. Why: equal requests that started together end together,
-  so a closed-loop tenant (its clients send the next request when the last one ends) has nothing queued exactly when
-  a batch's worth of slots frees at once; without holding, those slots all went to the other tenants and the lift
-  erased the deficit, and weight 2 vs 1 got 1.1:1 on 32 slots (docs/DESIGN.md §15). A held tenant counts as queued
-  for the lift. ``anticipation_s`` 0 turns it off.
+  queues): a tenant whose request ended less than ``anticipation_s`` ago is expected back (once per such request,
+  until a request of it arrives). When a request ends while another tenant waits and the tenant the queue would
+  serve next is one expected back with nothing queued (:meth:`FairQueue.anticipate`: a more urgent class than any
+  queued, or in the class first by its counter), the freed slot is held for up to ``anticipation_s`` seconds for
+  that tenant's next request, charged as a request of the cost of its last one. A request of the tenant arriving
+  in time takes the slot without queueing (:meth:`FairQueue.claim`, the charge refunded as the request is charged
+  its own); past the time the hold ends and is refunded (:meth:`FairQueue.expire_holds`), and the tenant is not
+  expected back again until one of its requests arrives within ``anticipation_s`` of one of its requests ending.
+  Why: equal requests that started together end together, so a closed-loop tenant (its clients send the next
+  request when the last one ends) has nothing queued exactly when a batch's worth of slots frees at once; without
+  holding, those slots all went to the other tenants and the lift erased the deficit, and weight 2 vs 1 got 1.1:1
+  on 32 slots (docs/DESIGN.md §15). A held tenant counts as queued for the lift. ``anticipation_s`` 0 turns it off.
 - Bounds. A request that arrives to a full queue: when another tenant holds more of the queue than its share
   (queued / weight larger than the arrival's tenant would hold), that tenant's newest request is pushed out and
   answered 429 ``queue_share_exceeded``; otherwise the arrival is refused: 429 when its tenant is over its share
@@ -97,6 +98,9 @@ class FairQueue:
         self._holds: dict[str, collections.deque[tuple[float, float, Any]]] = {}
         self._ended: dict[str, float] = {}
         self._late: set[str] = set()
+        # tenant → (deadline, weight, rank, cost) of its requests that ended within anticipation_s, one per client not
+        # back yet (oldest first)
+        self._expect: dict[str, collections.deque[tuple[float, float, int, float]]] = {}
         self.holding = 0  # holds open, all tenants
 
     # ---- the Virtual Token Counter --------------------------------------------------------------------------
@@ -114,6 +118,9 @@ class FairQueue:
         :meth:`claim`); a tenant holding a slot counts as queued."""
         if tenant in self._late and self.clock() - self._ended.get(tenant, -1e18) <= self.anticipation_s:
             self._late.discard(tenant)  # its clients come back in time again
+        q = self._expect.get(tenant)
+        if q:
+            q.popleft()  # one of its clients came back
         if self._queued.get(tenant) or tenant in self._holds:
             return
         active = [self.counters[t] for t, n in self._queued.items() if n]
@@ -125,18 +132,34 @@ class FairQueue:
     def anticipate(self, tenant: str, weight: float, rank: int, prompt_tokens: int, output_tokens: int,
                    data: Any) -> bool:
         """A request of ``tenant`` (class ``rank``, of these token counts) ended and freed a slot; True when the slot
-        is to be held for the tenant's next request (``data``: the caller's, not None, given back by :meth:`claim`
-        or :meth:`expire_holds`), its cost charged."""
+        is to be held (``data``: the caller's, not None, given back by :meth:`claim` or :meth:`expire_holds`) for
+        the tenant the queue would serve next when that is one whose client is expected back (a request of it ended
+        within ``anticipation_s``, not followed by an arrival) with nothing queued, the hold charged as the cost of
+        its request that ended. The ending tenant is expected back unless its last hold expired unused."""
         now = self.clock()
         self._ended[tenant] = now
+        if self.anticipation_s <= 0:
+            return False
+        if tenant not in self._late:  # its client is expected back within anticipation_s
+            entry = (now + self.anticipation_s, weight, rank, self.cost(weight, prompt_tokens, output_tokens))
+            self._expect.setdefault(tenant, collections.deque()).append(entry)
+        for t in list(self._expect):
+            q = self._expect[t]
+            while q and q[0][0] <= now:
+                q.popleft()
+            if not q:
+                del self._expect[t]
         top = self.top_rank()
-        if self.anticipation_s <= 0 or top is None or rank > top or tenant in self._late or self._queued.get(tenant):
+        best = min(((q[-1][2], self.counters[t], t) for t, q in self._expect.items()
+                    if not self._queued.get(t) and len(q) > len(self._holds.get(t, ()))), default=None)
+        if top is None or best is None:
             return False
-        if rank == top and self.counters[tenant] > min(self.counters[t] for t in self._classes[top]):
+        r, counter, t = best
+        if r > top or (r == top and counter > min(self.counters[u] for u in self._classes[top])):
             return False
-        cost = self.cost(weight, prompt_tokens, output_tokens)
-        self.counters[tenant] += cost
-        self._holds.setdefault(tenant, collections.deque()).append((now + self.anticipation_s, cost, data))
+        cost = self._expect[t][-1][3]
+        self.counters[t] += cost
+        self._holds.setdefault(t, collections.deque()).append((now + self.anticipation_s, cost, data))
         self.holding += 1
         return True
 
