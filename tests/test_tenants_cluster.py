@@ -312,8 +312,9 @@ def test_weight_two_gets_twice_the_tokens_when_a_batch_of_slots_frees_at_once(tm
     request when the last one ends), equal requests: they start together, so they end together and 16 slots free
     at once, while the weighted tenant's clients are still reading their answers. Without holding those slots for
     it (fair queue anticipation) the slots went to the other tenant's queued requests and the lift erased the
-    deficit: 1.11-1.24 in 6 runs. With it: 1.87-1.96 in 6 runs (the box at load 2-8); the bounds are 2 ± 0.4, 0.25
-    from either."""
+    deficit: 1.11-1.24 in 6 runs. With it: 1.87-1.96 in 6 runs (the box at load 2-8), and down to ~1.65 when the
+    clients' turnaround passes anticipation_s on a saturated box; the bounds, 1.5-2.5, keep 0.26 above the worst
+    run without it."""
     tf = tmp_path / "tenants.toml"
     tf.write_text("".join(f'[tenants.{t}]\napi_key_sha256 = ["{hash_key(KEYS[t])}"]\nweight = {w}\n\n'
                           for t, w in (("chat", 2.0), ("batch", 1.0))))
@@ -334,7 +335,7 @@ def test_weight_two_gets_twice_the_tokens_when_a_batch_of_slots_frees_at_once(tm
             return served
         served = asyncio.run(go())
     assert served["batch"] > 0, served
-    assert 1.6 <= served["chat"] / served["batch"] <= 2.4, served
+    assert 1.5 <= served["chat"] / served["batch"] <= 2.5, served
 
 
 def test_without_tenants_key_or_access_log_the_router_keeps_no_ledger(tmp_path: Path) -> None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -52,18 +51,13 @@ from dplb.obs.metrics_tenant import TenantMetrics, TenantsFileMetrics
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
 from dplb.router.allowlist import model_refusal
 from dplb.router.limits import TenantLimits, concurrency_headers
+from dplb.router.tenant_book import count_slo, limits_for, publish_slos, read_tenants
 from dplb.router.ticket import Ticket
 from dplb.router.usage import output_limit, with_fields
 from dplb.runtime.asgi import until_disconnect
 from dplb.runtime.serving import DISCONNECT_EXT
 from dplb.tenants import (
-    DEFAULT_TENANT,
     Tenant,
-    TenantsConfig,
-    hash_key,
-    last_good_path,
-    load_tenants_or_last_good,
-    single_tenant,
 )
 
 if TYPE_CHECKING:
@@ -91,101 +85,41 @@ class Gate:
         self.on = cfg.tenants_file is not None or bool(cfg.api_key) or cfg.access_log
         self.metrics = TenantMetrics(registry)
         self.file_metrics = TenantsFileMetrics(registry) if cfg.tenants_file is not None else None
-        self.config = self._read(starting=True)
+        self.config = read_tenants(cfg, self.file_metrics, starting=True)
         self.fq: FairQueue | None = None
         if cfg.tenants_file is not None:
             self.fq = FairQueue(len(self.config.classes), cfg.queue_max, cfg.queue_timeout_s,
                                 self.config.prompt_token_weight, self.config.output_token_weight,
                                 anticipation_s=self.config.anticipation_s)
-        self._limits: dict[str, TenantLimits] = {}
-        self._set_limits()
+        self._limits: dict[str, TenantLimits] = limits_for(self.config, {})
         self.active: dict[str, int] = collections.defaultdict(int)
         self._granted: dict[int, int] = collections.defaultdict(int)
         self._held: dict[int, int] = collections.defaultdict(int)  # worker → slots held for a tenant's next request
         self._ticker: asyncio.Task[None] | None = None
         self._children: dict[str, tuple[Any, Any, Any]] = {}
         self.closed = False
-        self._publish_slos()
+        publish_slos(self.metrics, self.config)
 
     # ---- configuration ----------------------------------------------------------------------------------------
-    def _read(self, starting: bool = False) -> TenantsConfig:
-        """The configuration: the tenants file (plus ``--api-key``'s tenant). A file that does not load raises
-        :class:`ConfigError` (a reload keeps what runs), except at a start with a last good copy of it in the run
-        directory (:func:`dplb.tenants.load_tenants_or_last_good`): then the copy, one ERROR line and
-        ``dplb_tenants_file_valid 0``."""
-        path, key = self.cfg.tenants_file, self.cfg.api_key
-        if path is None:
-            return single_tenant(key)
-        try:
-            tc, err = load_tenants_or_last_good(path, self.cfg.run_dir)
-            if err is not None and not starting:
-                raise err
-        except ConfigError:
-            if self.file_metrics is not None:
-                self.file_metrics.loaded(False)
-            raise
-        if err is not None:
-            log.error("tenants file not loaded, starting with its last good copy %s: %s",
-                      last_good_path(self.cfg.run_dir), err)
-        if self.file_metrics is not None:
-            self.file_metrics.loaded(err is None)
-        if key:
-            extra = Tenant(DEFAULT_TENANT, (hash_key(key),), priority=tc.classes[-1])
-            tc = dataclasses.replace(tc, tenants=(*tc.tenants, extra))
-        if starting and err is None:
-            log.info("tenants file %s loaded: %s", path, tc.summary())
-        return tc
-
-    def _set_limits(self) -> None:
-        old = self._limits
-        new = {}
-        for t in self.config.tenants:
-            prev = old.get(t.name)
-            same = prev is not None and (prev.requests.rate if prev.requests else None) == t.requests_per_s and (
-                prev.tokens.capacity if prev.tokens else None) == t.tokens_per_min
-            new[t.name] = prev if same and prev is not None else TenantLimits(t)
-        self._limits = new
-
     def reload(self) -> bool:
         """Read the tenants file again (SIGHUP). False (and a log line) when it does not load: the old one stays."""
         if self.cfg.tenants_file is None:
             log.info("SIGHUP: no --tenants file to reload")
             return False
         try:
-            tc = self._read()
+            tc = read_tenants(self.cfg, self.file_metrics)
         except ConfigError as e:
             log.error("tenants file not reloaded, keeping the previous one: %s", e)
             return False
         self.config = tc
-        self._set_limits()
-        self._publish_slos()
+        self._limits = limits_for(tc, self._limits)
+        publish_slos(self.metrics, tc)
         if self.fq is not None:
             self.fq.resize(len(tc.classes))
             self.fq.w_prompt, self.fq.w_output = tc.prompt_token_weight, tc.output_token_weight
             self.fq.anticipation_s = tc.anticipation_s
         log.info("tenants file %s reloaded: %s", tc.path, tc.summary())
         return True
-
-    def _publish_slos(self) -> None:
-        """``dplb_tenant_slo_objective`` from the file (what the burn-rate alerts divide by)."""
-        for cls, slo in self.config.slos.items():
-            if slo.availability is not None:
-                self.metrics.slo_objective.labels(cls, "availability").set(slo.availability)
-            if slo.ttft_s is not None:
-                self.metrics.slo_objective.labels(cls, "ttft").set(slo.ttft_target)
-
-    def _count_slo(self, t: Tenant, outcome: str, ttft_s: float | None) -> None:
-        """One request against its class's SLOs: availability counts ok, client_error (good) and server_error
-        (bad); TTFT counts successful streamed requests (``ttft_s`` None otherwise: the first body byte of a
-        response that is not a stream is the whole answer, not a first token), bad when over ``ttft_s``."""
-        slo = self.config.slos.get(t.priority)
-        if slo is None:
-            return
-        ev = self.metrics.slo_events
-        if slo.availability is not None and outcome in ("ok", "client_error", "server_error"):
-            ev.labels(t.name, t.priority, "availability", "bad" if outcome == "server_error" else "good").inc()
-        if slo.ttft_s is not None and outcome == "ok" and ttft_s is not None:
-            ev.labels(t.name, t.priority, "ttft", "bad" if ttft_s > slo.ttft_s else "good").inc()
 
     # ---- identification -----------------------------------------------------------------------------------------
     def tenant_of(self, authorization: bytes) -> Tenant | None:
@@ -485,7 +419,7 @@ class Gate:
         ttft = tk.t_first - ex.t_start if tk.t_first is not None and tk.sse else None  # streams only
         if ttft is not None:
             self.metrics.ttft.labels(t.name, t.priority).observe(ttft)
-        self._count_slo(t, outcome, ttft)
+        count_slo(self.metrics, self.config, t, outcome, ttft)
         if outcome == "ok":
             self.metrics.e2e.labels(t.name, t.priority).observe(end - ex.t_start)
         if self.cfg.access_log:
