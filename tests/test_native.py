@@ -92,3 +92,27 @@ def test_the_build_imports_wherever_the_package_does(tmp_path) -> None:  # type:
     r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={**env, "PYTHONPATH": str(site)},
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "true", r.stdout + r.stderr[-2000:]
+
+
+def test_no_hot_function_binds_one_except_name_to_two_dplb_classes() -> None:
+    """Compiled, a local name is one typed variable, typed by its first binding: ``except UpstreamTimeout as e``
+    and then ``except UpstreamClosed as e`` in one function made the second handler raise ``TypeError:
+    UpstreamTimeout object expected; got UpstreamClosed`` in the compiled router only (builtin exception classes
+    are plain objects to mypyc, so only classes of compiled modules are at stake)."""
+    import ast
+    import builtins
+
+    found = []
+    for name in native.HOT_MODULES:
+        tree = ast.parse((ROOT / (name.replace(".", "/") + ".py")).read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            bound: dict[str, set[str]] = {}
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ExceptHandler) and node.name and node.type is not None:
+                    bound.setdefault(node.name, set()).add(ast.unparse(node.type))
+            for var, types in bound.items():
+                if len(types) > 1 and not all(hasattr(builtins, t.strip("()").split(",")[0]) for t in types):
+                    found.append(f"{name}.{fn.name}: {var} = {sorted(types)}")
+    assert not found, found
