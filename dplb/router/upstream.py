@@ -104,7 +104,10 @@ class UpstreamConn(asyncio.Protocol):
         self.closed = False
 
     def _reset(self) -> None:
-        self._stop_timer()
+        timer = self._timer
+        if timer is not None:
+            timer.cancel()
+        self._timer = None
         self._deadline = self._tick_at = 0.0  # loop time of the idle timeout / of the next keep-alive tick
         self._idle_s = self._tick_s = 0.0
         self.status = 0
