@@ -293,10 +293,10 @@ class UpstreamConn(asyncio.Protocol):
 class BodyChunks:
     """The async iterator :meth:`UpstreamConn.chunks` returns: one response body's chunks (its docstring).
 
-    A class, not an async generator, so that mypyc compiles the module (it compiles no async generator). Any
-    exception that leaves :meth:`__anext__` (the end, a timeout, a broken connection, a cancelled task) stops the
-    connection's body timer; an iteration abandoned part way leaves it to :meth:`UpstreamConn.abort` or the next
-    request's reset (it does nothing while nobody waits)."""
+    A class, not an async generator, so that mypyc compiles the module (it compiles no async generator). The end
+    of the body and any exception that leaves :meth:`__anext__` (a timeout, a broken connection, a cancelled task)
+    stop the connection's body timer; an iteration abandoned part way leaves it to :meth:`UpstreamConn.abort` or
+    the next request's reset (it does nothing while nobody waits)."""
 
     def __init__(self, conn: UpstreamConn, idle_timeout_s: float, tick_s: float) -> None:
         self._conn = conn
@@ -316,40 +316,42 @@ class BodyChunks:
         """The next chunk (``b""``: a keep-alive tick). Raises StopAsyncIteration at the end of the message,
         :class:`UpstreamTimeout` or the connection's :class:`UpstreamError`."""
         conn = self._conn
-        try:
-            while True:
-                queue = conn._chunks
-                if queue:
-                    c = queue.popleft()
-                    conn._buffered -= len(c)
-                    if conn._paused and conn._buffered < LOW_WATER and conn.transport is not None:
-                        conn._paused = False
-                        conn.transport.resume_reading()
-                    self._drained = True
-                    return c
-                loop = conn.loop
-                if self._drained:  # the queue ran dry: the silence starts now
-                    self._drained = False
-                    now = loop.time()
-                    conn._deadline = now + self._idle_s
-                    if self._tick:
-                        conn._tick_at = now + self._tick_s
-                if conn._complete:
-                    raise StopAsyncIteration
-                if conn._error is not None:
-                    raise conn._error
-                conn._wakeup = wake = loop.create_future()
-                if conn._timer is None:
-                    conn._timer = loop.call_at(min(conn._deadline, conn._tick_at), conn._on_timer)
-                try:
-                    ticked = await wake
-                finally:
-                    conn._wakeup = None
-                if ticked and not conn._chunks and not conn._complete and conn._error is None:
-                    return b""
-        except BaseException:
-            conn._stop_timer()
-            raise
+        queue = conn._chunks  # (replaced only by the next request's reset)
+        while True:
+            if queue:
+                c = queue.popleft()
+                conn._buffered -= len(c)
+                if conn._paused and conn._buffered < LOW_WATER and conn.transport is not None:
+                    conn._paused = False
+                    conn.transport.resume_reading()
+                self._drained = True
+                return c
+            loop = conn.loop
+            if self._drained:  # the queue ran dry: the silence starts now
+                self._drained = False
+                now = loop.time()
+                conn._deadline = now + self._idle_s
+                if self._tick:
+                    conn._tick_at = now + self._tick_s
+            if conn._complete:
+                conn._stop_timer()
+                raise StopAsyncIteration
+            error = conn._error
+            if error is not None:
+                conn._stop_timer()
+                raise error
+            conn._wakeup = wake = loop.create_future()
+            if conn._timer is None:
+                conn._timer = loop.call_at(min(conn._deadline, conn._tick_at), conn._on_timer)
+            try:
+                ticked = await wake
+            except BaseException:  # the idle timeout, a broken connection, the task cancelled
+                conn._wakeup = None
+                conn._stop_timer()
+                raise
+            conn._wakeup = None
+            if ticked and not queue and not conn._complete and conn._error is None:
+                return b""
 
 
 def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
