@@ -238,10 +238,10 @@ class Attempt:
         assert conn is not None
         try:
             status, up_headers = await conn.response_head(up.cfg.first_byte_timeout_s)
-        except UpstreamTimeout as e:
+        except UpstreamTimeout as timeout:  # one name per class: compiled, a name is one typed variable
             self.outcome = Outcome.TIMEOUT
             conn.abort()
-            await self.no_head(RouterErrorKind.UPSTREAM_TIMEOUT, f"worker {worker}: {e}")
+            await self.no_head(RouterErrorKind.UPSTREAM_TIMEOUT, f"worker {worker}: {timeout}")
             return False
         except UpstreamClosed as e:
             if ex.gone:

@@ -29,7 +29,6 @@ import asyncio
 import collections
 import math
 import time
-from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import httptools
@@ -100,14 +99,15 @@ class UpstreamConn(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._error: UpstreamError | None = None
         self.sink: Sink | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the body phase's one lazy timer (see chunks())
         self._reset()
         self.closed = False
 
     def _reset(self) -> None:
-        timer = getattr(self, "_timer", None)
+        timer = self._timer
         if timer is not None:
             timer.cancel()
-        self._timer: asyncio.TimerHandle | None = None  # the body phase's one lazy timer (see chunks())
+        self._timer = None
         self._deadline = self._tick_at = 0.0  # loop time of the idle timeout / of the next keep-alive tick
         self._idle_s = self._tick_s = 0.0
         self.status = 0
@@ -179,6 +179,11 @@ class UpstreamConn(asyncio.Protocol):
         if sink is not None:
             sink.due()
 
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def _stop_sink_timer(self) -> None:
         if self._sink_timer is not None:
             self._sink_timer.cancel()
@@ -242,51 +247,15 @@ class UpstreamConn(asyncio.Protocol):
         :class:`UpstreamTimeout` at once."""
         _expire(self._head, "first_byte", timeout_s)
 
-    async def chunks(self, idle_timeout_s: float, tick_s: float = 0.0) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive, until the message is complete. Raises :class:`UpstreamTimeout` after
-        ``idle_timeout_s`` seconds without a byte. With ``tick_s`` > 0, an empty ``b""`` is yielded after every
-        ``tick_s`` seconds of silence (SSE keep-alives); ticks do not extend the idle timeout. Time the caller
-        spends between two items does not count as silence.
+    def chunks(self, idle_timeout_s: float, tick_s: float = 0.0) -> BodyChunks:
+        """Body bytes as they arrive, until the message is complete (an async iterator: :class:`BodyChunks`).
+        Raises :class:`UpstreamTimeout` after ``idle_timeout_s`` seconds without a byte. With ``tick_s`` > 0, an
+        empty ``b""`` is yielded after every ``tick_s`` seconds of silence (SSE keep-alives); ticks do not extend
+        the idle timeout. Time the caller spends between two items does not count as silence.
 
         One timer per response, not per chunk: a chunk only moves the deadlines, and the timer, when it fires
         early, re-arms itself at the later deadline (a timer per wait cost ~5 % of the router's CPU per token)."""
-        loop = self.loop
-        self._idle_s, self._tick_s = idle_timeout_s, tick_s
-        tick = tick_s > 0.0
-        self._deadline = loop.time() + idle_timeout_s
-        self._tick_at = loop.time() + tick_s if tick else math.inf
-        try:
-            while True:
-                queue = self._chunks
-                if queue:
-                    while queue:
-                        c = queue.popleft()
-                        self._buffered -= len(c)
-                        if self._paused and self._buffered < LOW_WATER and self.transport is not None:
-                            self._paused = False
-                            self.transport.resume_reading()
-                        yield c
-                    now = loop.time()
-                    self._deadline = now + idle_timeout_s
-                    if tick:
-                        self._tick_at = now + tick_s
-                if self._complete:
-                    return
-                if self._error is not None:
-                    raise self._error
-                self._wakeup = wake = loop.create_future()
-                if self._timer is None:
-                    self._timer = loop.call_at(min(self._deadline, self._tick_at), self._on_timer)
-                try:
-                    ticked = await wake
-                finally:
-                    self._wakeup = None
-                if ticked and not self._chunks and not self._complete and self._error is None:
-                    yield b""
-        finally:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+        return BodyChunks(self, idle_timeout_s, tick_s)
 
     def _on_timer(self) -> None:
         """The body phase's timer: expire the idle timeout, wake for a keep-alive tick, or re-arm at the next
@@ -316,8 +285,73 @@ class UpstreamConn(asyncio.Protocol):
         """Close now (the worker sees the disconnect and aborts the request)."""
         self.closed = True
         self._stop_sink_timer()
+        self._stop_timer()
         if self.transport is not None:
             self.transport.abort()
+
+
+class BodyChunks:
+    """The async iterator :meth:`UpstreamConn.chunks` returns: one response body's chunks (its docstring).
+
+    A class, not an async generator, so that mypyc compiles the module (it compiles no async generator). The end
+    of the body and any exception that leaves :meth:`__anext__` (a timeout, a broken connection, a cancelled task)
+    stop the connection's body timer; an iteration abandoned part way leaves it to :meth:`UpstreamConn.abort` or
+    the next request's reset (it does nothing while nobody waits)."""
+
+    def __init__(self, conn: UpstreamConn, idle_timeout_s: float, tick_s: float) -> None:
+        self._conn = conn
+        self._idle_s = idle_timeout_s
+        self._tick_s = tick_s
+        self._tick = tick_s > 0.0
+        self._drained = False  # chunks were handed out since the deadlines last moved
+        now = conn.loop.time()
+        conn._idle_s, conn._tick_s = idle_timeout_s, tick_s
+        conn._deadline = now + idle_timeout_s
+        conn._tick_at = now + tick_s if self._tick else math.inf
+
+    def __aiter__(self) -> BodyChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        """The next chunk (``b""``: a keep-alive tick). Raises StopAsyncIteration at the end of the message,
+        :class:`UpstreamTimeout` or the connection's :class:`UpstreamError`."""
+        conn = self._conn
+        queue = conn._chunks  # (replaced only by the next request's reset)
+        while True:
+            if queue:
+                c = queue.popleft()
+                conn._buffered -= len(c)
+                if conn._paused and conn._buffered < LOW_WATER and conn.transport is not None:
+                    conn._paused = False
+                    conn.transport.resume_reading()
+                self._drained = True
+                return c
+            loop = conn.loop
+            if self._drained:  # the queue ran dry: the silence starts now
+                self._drained = False
+                now = loop.time()
+                conn._deadline = now + self._idle_s
+                if self._tick:
+                    conn._tick_at = now + self._tick_s
+            if conn._complete:
+                conn._stop_timer()
+                raise StopAsyncIteration
+            error = conn._error
+            if error is not None:
+                conn._stop_timer()
+                raise error
+            conn._wakeup = wake = loop.create_future()
+            if conn._timer is None:
+                conn._timer = loop.call_at(min(conn._deadline, conn._tick_at), conn._on_timer)
+            try:
+                ticked = await wake
+            except BaseException:  # the idle timeout, a broken connection, the task cancelled
+                conn._wakeup = None
+                conn._stop_timer()
+                raise
+            conn._wakeup = None
+            if ticked and not queue and not conn._complete and conn._error is None:
+                return b""
 
 
 def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
