@@ -358,7 +358,7 @@ def test_router_latency_phase_measures_the_relay_floor(tmp_path) -> None:  # typ
     import bench_router
 
     with cluster(str(tmp_path), 1, worker_args={0: bench_router.INSTANT_SIM}) as c, \
-            bench_router.raw_relay(c.sock(0)) as relay_port:
+            bench_router.raw_relay(c.sock(0)) as (relay_port, _):
         res = asyncio.run(bench_router.latency(c, 30, 3, relay_port))
     assert 0 < res["direct_p50_ms"] < 1000 and 0 < res["router_p50_ms"] < 1000, res
     assert math.isclose(res["floor_added_p50_ms"] + res["router_own_p50_ms"], res["added_p50_ms"], abs_tol=1e-9), res

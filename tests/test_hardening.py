@@ -50,6 +50,15 @@ def _clean_failure(r: Result, codes: tuple[str, ...]) -> bool:
     return False
 
 
+def _dead(pid: int) -> bool:
+    """True once process ``pid`` has exited (a zombie its parent has not reaped yet counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def _fresh_ready(seg: Segment, k: int, old_pid: int) -> bool:
     w = seg.read(k)
     return w.pid not in (0, old_pid) and w.lifecycle == Lifecycle.READY and not w.is_stale(seg.state_interval_ms)
@@ -70,6 +79,10 @@ def test_sigkill_one_of_four_under_load(tmp_path) -> None:  # type: ignore[no-un
             old = lc.worker_pid(2)
             t_kill = time.monotonic()
             os.kill(old, signal.SIGKILL)
+            # SIGKILL takes effect when the kernel next runs the task (milliseconds on a loaded box): a request sent
+            # meanwhile is in the dying worker's socket, in flight like the earlier ones.
+            wait_for(lambda: _dead(old), 5, "worker 2 to die", step_s=0.001)
+            t_dead = time.monotonic()
             wait_for(lambda: seg.read(2).pid not in (0, old), 30, "the launcher to restart worker 2")
             # The new process's start, on the monotonic clock (this poll may notice it late on a loaded box, and a
             # request sent to the new worker in between is not late).
@@ -83,7 +96,7 @@ def test_sigkill_one_of_four_under_load(tmp_path) -> None:  # type: ignore[no-un
         failed = [r for r in results if r.outcome != "ok"]
         assert failed, "no request was in flight on the killed worker: the test did not exercise the fault"
         for r in failed:  # only the killed worker's in-flight requests, each with a clean error
-            assert r.worker == 2 and r.t0 < t_kill, r
+            assert r.worker == 2 and r.t0 < t_dead, (r, t_kill, t_dead)
             assert _clean_failure(r, ("worker_failed",)), r
         assert not [r for r in results if r.outcome == "short"], "a truncated answer passed as complete"
         # No request reached worker 2 after its heartbeat went stale, until the restarted one registered.

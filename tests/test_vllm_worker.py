@@ -279,10 +279,10 @@ def test_reconciler_sees_live_vllm_requests_spares_them_and_vllm_aborts_cut_ones
 
 def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
     """Last in this module: SIGTERM with 4 streams open → all four end normally, then the worker stops."""
-    results: list[tuple[int, bool, bool]] = []
+    results: list[tuple[int, bool, bool, str | None]] = []
 
     async def stream(cl: httpx.AsyncClient, started: asyncio.Event) -> None:
-        n, done, error = 0, False, False
+        n, done, error, finish = 0, False, False, None
         async with cl.stream("POST", "/v1/completions", json={
                 "model": "tiny", "prompt": "drain me", "max_tokens": HOLD_TOKENS, "ignore_eos": True, "stream": True}) as r:
             if r.status_code != 200:  # fail below instead of waiting forever for a stream that never starts
@@ -291,11 +291,13 @@ def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
                 if line.startswith("data: {"):
                     n += 1
                     # an error event has a top-level "error" key (the random tiny model can generate the text "error")
-                    error = error or "error" in json.loads(line[6:])
+                    event = json.loads(line[6:])
+                    error = error or "error" in event
+                    finish = (event.get("choices") or [{}])[0].get("finish_reason") or finish
                     if n == 3:
                         started.set()
                 done = done or line == "data: [DONE]"
-        results.append((n, done, error))
+        results.append((n, done, error, finish))
 
     async def main() -> None:
         async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=worker.sock), base_url="http://w",
@@ -316,10 +318,10 @@ def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
 
     asyncio.run(main())
     # HOLD_TOKENS each: the drain is checked within tens of ms of SIGTERM, seconds before any stream can end (400
-    # tokens once all finished within 0.5 s on a quiet CI box); each ends with its tokens (a chunk may carry two)
-    # and [DONE]
-    assert len(results) == 4 and all(done and not error and n >= HOLD_TOKENS * 0.9 for n, done, error in results), \
-        results
+    # tokens once all finished within 0.5 s on a quiet CI box); each ends normally: all its tokens (finish_reason
+    # "length"; events may carry several tokens under load: 1505 events for 1800 tokens were seen) and [DONE]
+    assert len(results) == 4 and all(done and not error and finish == "length" and n >= HOLD_TOKENS // 4
+                                     for n, done, error, finish in results), results
     assert worker.proc.wait(90) == 0
     assert worker.seg.read(0).lifecycle == Lifecycle.STOPPED
     assert not os.path.exists(worker.sock)
