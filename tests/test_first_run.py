@@ -293,6 +293,25 @@ def test_emit_systemd_again_without_api_key_removes_the_old_router_env(tmp_path:
     assert r.returncode == 0 and (out / "router.env").read_text() == "DPLB_API_KEY=hand-written\n", r.stderr
 
 
+@pytest.mark.parametrize("key", ["abc\nDPLB_ROUTER_ARGS=--host 0.0.0.0", "two words", 'quo"te', " padded", "tab\t"])
+def test_an_api_key_that_is_not_a_bearer_token_is_refused_before_anything_is_written(tmp_path: Path, key: str) -> None:
+    """Regression: --emit-systemd wrote --api-key into router.env unescaped; a newline in it injected a
+    DPLB_ROUTER_ARGS line that overrode dplb.env's (router.env is read second). A key must be an RFC 6750 bearer
+    token (what an HTTP header can carry anyway): one error line, nothing written, for launch and the router."""
+    out = tmp_path / "units"
+    env = {k: v for k, v in os.environ.items() if k != "DPLB_API_KEY"}
+    for cmd in (["launch", "--num-workers", "1", "--api-key", key, "--emit-systemd", str(out)],
+                ["router", "--num-workers", "1", "--api-key", key, "--port", "1"]):
+        r = subprocess.run(dplb_cmd(*cmd), capture_output=True, text=True, timeout=60, env=env)
+        lines = [ln for ln in r.stderr.strip().splitlines() if "SIM" not in ln]
+        assert r.returncode == 2 and len(lines) == 1 and "must be a bearer token" in lines[0], r.stderr
+        assert key not in r.stderr  # a secret is never echoed
+    assert not out.exists()
+    r = subprocess.run(dplb_cmd("launch", "--num-workers", "1", "--api-key", "sk-Ab0_9.~+/x==", "--emit-systemd",
+                                str(out)), capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and "DPLB_API_KEY=sk-Ab0_9.~+/x==\n" in (out / "router.env").read_text(), r.stderr
+
+
 def test_readme_alert_table_lists_every_alert_with_its_severity_and_for() -> None:
     """Regression: four alerts of alerts/dplb.rules.yml (the fleet and SLO groups) were missing from the README's
     alert table, the table an SRE reads to know what can page."""
