@@ -75,12 +75,22 @@ def limits_for(tc: TenantsConfig, old: dict[str, TenantLimits]) -> dict[str, Ten
 
 
 def publish_slos(metrics: TenantMetrics, tc: TenantsConfig) -> None:
-    """``dplb_tenant_slo_objective`` from the file (what the burn-rate alerts divide by)."""
+    """``dplb_tenant_slo_objective`` from the file (what the burn-rate alerts divide by), and every tenant's
+    ``dplb_tenant_slo_events_total`` series of its class's SLOs at 0, good and bad: a ``result="bad"`` series that
+    appears only with the first bad event left the error-budget panel empty ("no data") while nothing had failed
+    (Prometheus's advice: initialise the label values you know)."""
     for cls, slo in tc.slos.items():
+        kinds = [k for k, on in (("availability", slo.availability is not None), ("ttft", slo.ttft_s is not None))
+                 if on]
         if slo.availability is not None:
             metrics.slo_objective.labels(cls, "availability").set(slo.availability)
         if slo.ttft_s is not None:
             metrics.slo_objective.labels(cls, "ttft").set(slo.ttft_target)
+        for t in tc.tenants:
+            if t.priority == cls:
+                for kind in kinds:
+                    for result in ("good", "bad"):
+                        metrics.slo_events.labels(t.name, cls, kind, result)
 
 
 def count_slo(metrics: TenantMetrics, tc: TenantsConfig, t: Tenant, outcome: str, ttft_s: float | None) -> None:
