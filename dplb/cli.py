@@ -23,7 +23,6 @@ if _ENTRY:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import argparse
-import contextlib
 import logging
 import typing
 from collections.abc import Sequence
@@ -163,8 +162,15 @@ def _cmd_segment(args: argparse.Namespace, rest: list[str]) -> int:
     if not args.force:
         _refuse_live_segment(path, args.action)
     if args.action == "remove":
-        with contextlib.suppress(FileNotFoundError):
+        from dplb.state.segments import inspect
+
+        live = inspect(path).live_pids if os.path.lexists(path) else []
+        try:
             os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        print(f"removed {path}" + (f" while pids {', '.join(map(str, live))} used it (--force): their routers serve "
+                                   "on their own counts until a segment is back (dplb segment create)" if live else ""))
         return 0
     n = _int_flag(args.num_workers, "--num-workers", "DPLB_NUM_WORKERS", "")
     if not 1 <= n <= MAX_WORKERS:

@@ -265,7 +265,9 @@ def test_segment_remove_refuses_a_segment_a_live_process_uses_unless_forced(tmp_
     assert os.path.exists(path)
     r = seg_cmd("create", "--num-workers", "1", "--force")
     assert r.returncode == 2 and "--force applies to `dplb segment remove` only" in r.stderr, r.stderr
-    assert seg_cmd("remove", "--force").returncode == 0 and not os.path.exists(path)
+    r = seg_cmd("remove", "--force")
+    assert r.returncode == 0 and not os.path.exists(path), r.stderr
+    assert f"removed {path} while pids {os.getpid()} used it (--force)" in r.stdout, r.stdout
     assert seg_cmd("create", "--num-workers", "1").returncode == 0
     assert seg_cmd("remove").returncode == 0 and not os.path.exists(path)  # stale (no live process): removed
     assert seg_cmd("remove").returncode == 0  # already gone: nothing to do
