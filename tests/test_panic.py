@@ -281,6 +281,7 @@ def test_with_tenants_queued_requests_are_granted_and_routed_in_panic(tmp_path) 
                     os.kill(pid, signal.SIGCONT)
                 t_cont = time.monotonic()
                 answers = [f.result() for f in queued]
+                ready = httpx.get(c.url + "/ready", timeout=5)
                 took = time.monotonic() - t_cont
                 assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
                 assert [f.result().status_code for f in running] == [200] * 4
@@ -291,4 +292,10 @@ def test_with_tenants_queued_requests_are_granted_and_routed_in_panic(tmp_path) 
                               timeout=5).json()
         assert [d["reason"] for d in decisions] == ["panic"] * 4, (f"{took:.2f} s after SIGCONT", decisions)
         assert c.metric("dplb_router_panic_routed_total") == 4
+        # /ready stays 503 in panic (the host has no routable worker: a front balancer should send elsewhere), and
+        # says that requests that arrive are served anyway.
+        assert took < 2.5, f"{took:.2f} s after SIGCONT, past the probation: inconclusive"
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "no_routable_worker", ready.text
+        assert "served by panic routing among workers [0, 1]" in ready.text, ready.text
         wait_for(lambda: log_count(c.router_log(), "panic routing over") == 1, 10, "the panic to end")
+        assert httpx.get(c.url + "/ready", timeout=5).status_code == 200
