@@ -137,6 +137,10 @@ def test_every_alert_is_named_labelled_annotated_and_linked() -> None:
         job = "dplb-workers" if used and all(_base(n) in M.WORKER_SIDE for n in used) else "dplb-router"
         assert f'job="{job}"' in r["expr"] or r["expr"].strip() == 'up{job="dplb-workers"} == 0', \
             f"{name}: scope the expression to the {job} job"
+        # Every alert carries the stack it is about (README): no aggregation or match drops the label.
+        dropped = [m.group(0) for m in re.finditer(r"\b(?:by|on)\s*\(([^)]*)\)", r["expr"])
+                   if "stack" not in re.split(r"\s*,\s*", m.group(1).strip())]
+        assert not dropped, f"{name}: {dropped} drops the stack label"
 
 
 def test_requests_rejected_excludes_exactly_the_client_errors_and_worker_timeouts() -> None:

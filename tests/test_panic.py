@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -24,6 +25,7 @@ from dplb.policy import RouteRequest, make_policy, panic_set, routable
 from dplb.policy.decision import REASON_NONE_ROUTABLE, REASON_PANIC
 from dplb.router.health import READMIT_INTERVALS, WorkerHealth
 from dplb.state.shm import STALE_INTERVALS, Lifecycle, WorkerState
+from dplb.tenants import hash_key
 
 NOW = 10**12
 INTERVAL_MS = 200
@@ -172,8 +174,10 @@ def test_panic_over_the_hysteresis_in_time(case: str, obs: list[tuple[int, tuple
 
 
 # ---- end to end: real sim workers, real signals ---------------------------------------------------------------
-def _ask(url: str, i: int) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json=completion(i, max_tokens=2, stream=False), timeout=10)
+def _ask(url: str, i: int, key: str = "") -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else None
+    return httpx.post(url + "/v1/completions", json=completion(i, max_tokens=2, stream=False), headers=headers,
+                      timeout=10)
 
 
 def _fresh_again(seg: Any, pids: list[int]) -> None:
@@ -246,3 +250,52 @@ def test_both_workers_stale_then_fresh_are_routed_in_panic_and_the_flag_turns_it
         wait_for(lambda: _ask(c.url, 6).status_code == 200, 10, "the workers to be readmitted")
         assert c.metric("dplb_router_panic_routed_total") == 0
         assert "routing among workers" not in c.router_log().split("DPLB router listening")[-1]
+
+
+def test_with_tenants_queued_requests_are_granted_and_routed_in_panic(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With ``--tenants`` the fair queue grants by room: both workers frozen with their batch slots full (2 each), so 4
+    more requests queue in the router; past the stale limit, SIGCONT. While both are on probation (2.5 s) the gate counts
+    the panic set's room: the queued requests are granted and routed in panic (answered 200 with reason ``panic``,
+    counted), not held until the probation ends (which is what happened when the gate saw only routable workers)."""
+    tf = tmp_path / "tenants.toml"
+    tf.write_text(f'[tenants.a]\napi_key_sha256 = ["{hash_key("key-a")}"]\n')
+    slots = ["--sim-max-num-seqs", "2"]
+    with cluster(str(tmp_path), 2, worker_args={0: slots, 1: slots}, router_args=["--tenants", str(tf)],
+                 state_interval_ms=500) as c:  # stale 1.5 s after SIGSTOP: time to fill the slots and the queue
+        pids = [c.workers[k].pid for k in range(2)]
+        assert _ask(c.url, 0, "key-a").status_code == 200
+        log0 = log_count(c.router_log(), "heartbeat is stale")
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                running = [pool.submit(_ask, c.url, i, "key-a") for i in range(1, 5)]  # the frozen workers' 4 slots
+                wait_for(lambda: sum(c.metric("dplb_routing_decisions_total", {"reason": "score", "worker": str(k)})
+                                     or 0 for k in range(2)) == 5, 10, "4 requests sent to the frozen workers")
+                queued = [pool.submit(_ask, c.url, i, "key-a") for i in range(5, 9)]
+                wait_for(lambda: c.metric("dplb_tenant_queued_requests", {"tenant": "a"}) == 4, 10,
+                         "4 requests queued in the router")
+                wait_for(lambda: log_count(c.router_log(), "heartbeat is stale") >= log0 + 2, 10,
+                         "the router to see both workers stale", step_s=0.05)
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+                t_cont = time.monotonic()
+                answers = [f.result() for f in queued]
+                ready = httpx.get(c.url + "/ready", timeout=5)
+                took = time.monotonic() - t_cont
+                assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+                assert [f.result().status_code for f in running] == [200] * 4
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        decisions = httpx.get(c.url + "/debug/decisions?limit=4", headers={"authorization": "Bearer key-a"},
+                              timeout=5).json()
+        assert [d["reason"] for d in decisions] == ["panic"] * 4, (f"{took:.2f} s after SIGCONT", decisions)
+        assert c.metric("dplb_router_panic_routed_total") == 4
+        # /ready stays 503 in panic (the host has no routable worker: a front balancer should send elsewhere), and
+        # says that requests that arrive are served anyway.
+        assert took < 2.5, f"{took:.2f} s after SIGCONT, past the probation: inconclusive"
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "no_routable_worker", ready.text
+        assert "served by panic routing among workers [0, 1]" in ready.text, ready.text
+        wait_for(lambda: log_count(c.router_log(), "panic routing over") == 1, 10, "the panic to end")
+        assert httpx.get(c.url + "/ready", timeout=5).status_code == 200

@@ -76,8 +76,11 @@ def build_local_app(app: RouterParts) -> Litestar:
         if app.host.draining:
             return _error(RouterErrorKind.NONE_ROUTABLE, "this host is draining", cfg.retry_after_s)
         ws = state.routable_workers()
-        if not ws:
-            return _error(RouterErrorKind.NONE_ROUTABLE, "no worker is ready", cfg.retry_after_s)
+        if not ws:  # in panic too: the host has no routable worker, a front balancer should look elsewhere (§5.1)
+            panic = state.routable_workers(panic=True)
+            return _error(RouterErrorKind.NONE_ROUTABLE, "no worker is ready" + (
+                f"; requests are served by panic routing among workers {panic} on heartbeat probation"
+                if panic else ""), cfg.retry_after_s)
         return Response({"ready": True, "routable_workers": ws, "shm_segment_present": state.segment is not None})
 
     @get("/metrics")

@@ -20,6 +20,8 @@ Contract
 - Panic routing (docs/DESIGN.md §5.1; the pick itself is the policy's): every monitor step checks whether no worker
   is routable while some are on heartbeat probation only (:func:`dplb.policy.panic_set`); ``dplb_router_panic`` is 1
   while so, with one log line on entering and one on leaving (none per request). Off with ``--no-panic-routing``.
+  ``routable_workers(panic=True)`` gives the same set per call to the tenant gate, which counts room on those
+  workers while in panic (its queued requests are granted and then routed in panic).
 - Stalls (:class:`dplb.policy.stall.StallDetector`, off with ``stall_after_s`` 0): every monitor step feeds it the
   snapshot and every router process's in-flight counts; a stalled worker is passed to the policy (``stalled``), and
   the attempts open on it (registered by :meth:`acquire`) are cut (``cut_stalled()``: answered 503
@@ -412,15 +414,23 @@ class RouterState:
             log.info("state segment is back; routing on shm state again (%s)",
                      f"workers {ready} re-published" if ready else f"no worker re-published within {waited:.1f} s")
 
-    def routable_workers(self) -> list[int]:
+    def routable_workers(self, panic: bool = False) -> list[int]:
         """Worker ids that are eligible right now (for ``/ready`` and ``/v1/models``). Without a segment: the
-        workers whose socket file exists."""
+        workers whose socket file exists. With ``panic`` (the tenant gate's room), when none is eligible and panic
+        routing is on: the workers panic routing routes among now (:func:`dplb.policy.panic_set`, the condition of
+        ``dplb_router_panic``, here on this very snapshot), empty when there are none. Costs nothing more while
+        some worker is routable."""
         snap = self.snapshot()
         if snap is None:
             return [k for k in range(self.num_workers) if os.path.exists(self.cfg.socket_path(k))]
         now = time.monotonic_ns()
-        return [c.worker_id for c in routable(snap, now, self._policy_cfg(), self.health.held_out(),
-                                              self.health.ejected(snap), self.stalled(now)) if c.why is OK]
+        health = self.health
+        held, ejected, stalled = health.held_out(), health.ejected(snap), self.stalled(now)
+        cands = routable(snap, now, self._policy_cfg(), held, ejected, stalled)
+        ok = [c.worker_id for c in cands if c.why is OK]
+        if ok or not (panic and held and self.cfg.policy.panic_routing):
+            return ok
+        return sorted(panic_set(cands, ejected, stalled))
 
     def _policy_cfg(self) -> PolicyConfig:
         """The policy configuration with the segment's state interval (what staleness is measured against)."""

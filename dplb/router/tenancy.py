@@ -25,7 +25,10 @@ Contract
   publishes (the policy's ``max_queue`` when it publishes none) and ``granted`` counts requests let out of the
   queue that have not reached :meth:`RouterState.acquire` yet. A request of class rank ``r`` sees room only in
   the free slots beyond :meth:`TenantsConfig.held` (``[priorities] reserve``, kept for the more urgent classes).
-  A granted request is routed among the workers with room only.
+  A granted request is routed among the workers with room only. In panic (docs/DESIGN.md §5.1: no worker is
+  routable and some are only on heartbeat probation, :meth:`RouterState.routable_workers` with ``panic``) the
+  workers panic routing routes among count as routable here, with the same room: queued and new requests are
+  granted and then routed in panic instead of waiting for the probation to end.
 - With ``engine_priority`` the tenant's class rank is written into the body's ``priority`` field (vLLM: lower
   runs first; needs ``--scheduling-policy priority``), only when the body has no ``priority`` of its own.
 - :meth:`Gate.leave` (every exit path): the ledger (:class:`dplb.obs.metrics_tenant.TenantMetrics`), the VTC and token
@@ -281,9 +284,10 @@ class Gate:
 
     # ---- room -------------------------------------------------------------------------------------------------
     def _free(self) -> dict[int, int]:
-        """Free slots per routable worker (module docstring); {} when none is routable."""
+        """Free slots per routable worker (module docstring); in panic, per worker of the panic set (module
+        docstring); {} when there are none."""
         st = self.state
-        ks = st.routable_workers()
+        ks = st.routable_workers(panic=True)
         if not ks:
             return {}
         snap = st.snapshot()
