@@ -85,7 +85,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "prompt_token_weight": (0.0, 1000.0),
     "output_token_weight": (0.0, 1000.0),
     "ttft_s": (0.001, 3600.0),
-    "anticipation_s": (0.0, 5.0),  # a hold is for a client already sending; a larger number is likely milliseconds
+    "anticipation_s": (0.0, 1.0),  # a hold is for a client already sending; a larger number is likely milliseconds
 }
 
 

@@ -93,9 +93,9 @@ def test_reserve_holds_slots_per_less_urgent_class() -> None:
     ({"priorities": {"reserve": 1.5}, **doc(a={"api_key_sha256": [H1]})}, "priorities.reserve must be an integer"),
     ({"priorities": {"reserved": 1}, **doc(a={"api_key_sha256": [H1]})}, "priorities.reserved is not a key"),
     ({"fair_queue": {"anticipation_s": -0.1}, **doc(a={"api_key_sha256": [H1]})},
-     "fair_queue.anticipation_s must be a number from 0 to 5, got -0.1"),
+     "fair_queue.anticipation_s must be a number from 0 to 1, got -0.1"),
     ({"fair_queue": {"anticipation_s": 250}, **doc(a={"api_key_sha256": [H1]})},
-     "fair_queue.anticipation_s must be a number from 0 to 5, got 250"),
+     "fair_queue.anticipation_s must be a number from 0 to 1, got 250"),
     ({"fair_queue": {"idle_s": 1}, **doc(a={"api_key_sha256": [H1]})}, "fair_queue takes"),
 ])
 def test_a_bad_file_is_one_line_naming_the_file_and_key(document: dict, needle: str) -> None:
