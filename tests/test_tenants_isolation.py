@@ -248,3 +248,35 @@ def test_the_router_reads_a_forms_model_as_vllms_form_parser_does_or_refuses(cas
         assert theirs is None, theirs
     else:  # refused by the gate: 403 before any worker
         assert len(ours) > 1 or ours == [None]
+
+
+def test_a_tenants_decisions_do_not_tell_whether_another_tenant_sent_a_prompt(iso: tuple[Cluster, Path]) -> None:
+    """The prefix index is shared by every tenant: tenant ``open`` sends a secret prompt, then tenant ``base``
+    sends a guess at it. Its own decision said every block of the guess was already on the worker ``open`` used
+    (``prefix_matched_blocks``; with a choice of workers also ``prefix_outcome: "hit"``, ``preferred`` and the
+    prefix term) — an exact yes. Now a tenant's key sees its decision without any prefix-derived
+    field (and no score, which sums the prefix term); the admin key still sees the hit."""
+    c, _ = iso
+    secret = "confidential plan: " + " ".join(f"item-{i}" for i in range(120))
+    r = post(c, "/v1/chat/completions", chat(model="dplb-sim", messages=[{"role": "user", "content": secret}]),
+             headers=auth("open"))
+    assert r.status_code == 200, r.text
+    r = post(c, "/v1/chat/completions", chat(model="dplb-sim", messages=[{"role": "user", "content": secret}]),
+             headers={**auth("base"), "x-request-id": "guess"})
+    assert r.status_code == 200, r.text
+
+    def guess(tenant: str) -> dict:
+        got = httpx.get(c.url + "/debug/decisions?limit=1000", headers=auth(tenant), timeout=5)
+        assert got.status_code == 200, got.text
+        return next(d for d in got.json() if d["request_id"] == "guess")
+
+    admin = guess("admin")  # what the tenant's key used to show: every block of the guess was already on worker 0
+    w0 = admin["candidates"][0]
+    assert "prefix_outcome" in admin and "preferred" in admin, admin
+    assert w0["worker"] == 0 and w0["prefix_matched_blocks"] == w0["prefix_blocks"] > 0, w0
+    seen = guess("base")
+    assert "prefix_outcome" not in seen and "preferred" not in seen, seen
+    for cand in seen["candidates"]:
+        assert "prefix" not in cand["terms"] and "score" not in cand, cand
+        assert not [k for k in cand if k.startswith("prefix")], cand
+    assert seen["worker"] == admin["worker"] and seen["tenant"] == "base"
