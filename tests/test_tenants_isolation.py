@@ -162,7 +162,7 @@ def test_a_restricted_tenant_learns_only_its_models_and_its_decisions(iso: tuple
         assert r.status_code == 200, r.text
 
     def decisions(tenant: str) -> list[dict]:
-        r = httpx.get(c.url + "/debug/decisions?limit=1000", headers=auth(tenant), timeout=5)
+        r = httpx.get(c.url + "/debug/decisions?limit=256", headers=auth(tenant), timeout=5)
         assert r.status_code == 200, r.text
         return [{"tenant": d["tenant"], "request_id": d["request_id"]} for d in r.json()]
 
@@ -274,7 +274,7 @@ def test_a_tenants_decisions_do_not_tell_whether_another_tenant_sent_a_prompt(is
     assert r.status_code == 200, r.text
 
     def guess(tenant: str) -> dict:
-        got = httpx.get(c.url + "/debug/decisions?limit=1000", headers=auth(tenant), timeout=5)
+        got = httpx.get(c.url + "/debug/decisions?limit=256", headers=auth(tenant), timeout=5)
         assert got.status_code == 200, got.text
         return next(d for d in got.json() if d["request_id"] == "guess")
 

@@ -185,7 +185,9 @@ def build_local_app(app: RouterParts) -> Litestar:
 
     @get("/debug/decisions")
     async def decisions(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
-        n = _decisions_limit(request.query_params.get("limit", str(DECISIONS_LIMIT)))
+        most = cfg.debug_ring * cfg.processes
+        raw = request.query_params.get("limit")
+        n = min(DECISIONS_LIMIT, most) if raw is None else _decisions_limit(raw, most)
         tenant = caller(request)
         mine = None if tenant is None or tenant.name == DEFAULT_TENANT else tenant.name  # None: every tenant's
         items = [e for e in state.decisions if mine is None or e[2] == mine][-n:]
@@ -196,7 +198,8 @@ def build_local_app(app: RouterParts) -> Litestar:
             return own
         if request.query_params.get("scope") == SCOPE_PROCESS:
             return [{**d, "process": cfg.process_index} for d in own]
-        return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={n}",
+        each = min(n, cfg.debug_ring)  # what one sibling holds
+        return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={each}",
                                                                        request.headers.get("authorization")), n)
 
     return Litestar(route_handlers=[health, ready, metrics_endpoint, host_metrics, models, model, decisions,
@@ -228,15 +231,17 @@ def without_prefix(entry: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _decisions_limit(raw: str) -> int:
-    """``?limit=`` of ``/debug/decisions``: a positive integer (decimal digits). Raises :class:`HTTPException` 400
-    naming the parameter and what it accepts (Litestar's own message says only "Validation failed"). More digits
-    than an int64 has mean "every decision" (the ring is bounded; Python refuses to parse 4300+ digits)."""
+def _decisions_limit(raw: str, most: int) -> int:
+    """``?limit=`` of ``/debug/decisions``: a positive integer (decimal digits) up to ``most``, the decisions the
+    router keeps (its ring, times the processes of a group). Raises :class:`HTTPException` 400 naming the parameter
+    and what it accepts (Litestar's own message says only "Validation failed"), for a number above ``most`` too:
+    no more can be shown, and a 20-digit limit is a mistake, not a request for everything."""
     digits = raw.lstrip("0") if raw.isascii() and raw.isdigit() else ""
-    n = int(digits[:18]) if digits else 0
-    if n <= 0:
-        raise HTTPException(status_code=400, detail=f"query parameter 'limit' must be a positive integer (the number "
-                            f"of most recent decisions; default {DECISIONS_LIMIT}), got {raw[:40]!r}")
+    n = int(digits) if 0 < len(digits) <= len(str(most)) else 0
+    if not 0 < n <= most:
+        raise HTTPException(status_code=400, detail=f"query parameter 'limit' must be a positive integer up to "
+                            f"{most} (the number of most recent decisions; the router keeps the last {most}; "
+                            f"default {DECISIONS_LIMIT}), got {raw[:40]!r}")
     return n
 
 
