@@ -427,13 +427,14 @@ def test_draining_worker_loses_no_request(tmp_path: str) -> None:
 def test_router_own_errors_are_openai_shaped(two: Cluster) -> None:
     r = httpx.get(two.url + "/no/such/path")
     assert_openai_error(r, 404, "not_found")
-    for bad in ("abc", "0", "-1", "1.5", "", "%EF%BC%91"):  # the last: a fullwidth digit one (str.isdigit says yes)
-        r = httpx.get(two.url + f"/debug/decisions?limit={bad}")
+    # The last three: more than the ring of 256 decisions holds (a 20-digit limit was taken as "everything").
+    for bad in ("abc", "0", "-1", "1.5", "", "%EF%BC%91", "257", "99999999999999999999", "9" * 5000):
+        r = httpx.get(two.url + f"/debug/decisions?limit={bad}")  # %EF%BC%91: a fullwidth one (isdigit says yes)
         err = r.json()["error"]
         assert r.status_code == 400 and err["code"] == "invalid_request" and err["type"] == "invalid_request_error"
-        assert err["message"].startswith("query parameter 'limit' must be a positive integer"), (bad, err)
+        assert err["message"].startswith("query parameter 'limit' must be a positive integer up to 256"), (bad, err)
         assert "Validation failed" not in r.text and "Traceback" not in r.text and "/work" not in r.text
-    for good in ("2", "007", "9" * 5000):  # more than the ring holds: all of it
+    for good in ("2", "007", "256", "0256"):
         r = httpx.get(two.url + f"/debug/decisions?limit={good}")
         assert r.status_code == 200 and isinstance(r.json(), list), (good[:10], r.text)
 

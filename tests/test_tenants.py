@@ -10,7 +10,7 @@ import pytest
 from dplb.errors import ConfigError, RouterErrorKind
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
 from dplb.router.limits import DEFAULT_OUTPUT_TOKENS, TenantLimits, TokenBucket, reset_text
-from dplb.router.usage import Meter, max_tokens, with_fields
+from dplb.router.usage import Meter, max_tokens, sequences, with_fields
 from dplb.tenants import Tenant, hash_key, load_tenants, parse_tenants
 
 H1, H2 = hash_key("key-one"), hash_key("key-two")
@@ -377,6 +377,17 @@ def test_a_request_larger_than_the_whole_quota_is_refused_as_a_client_error() ->
     assert refused is not None and refused[0] is RouterErrorKind.TOKENS_EXCEED_QUOTA
     assert RouterErrorKind.TOKENS_EXCEED_QUOTA.status == 400 and "1012" in refused[2]
     assert lim.tokens is not None and lim.tokens.level == 1000  # nothing taken
+
+
+def test_the_reservation_counts_the_output_limit_once_per_generated_sequence() -> None:
+    lim = TenantLimits(Tenant("a", tokens_per_min=2000), Clock())
+    assert sequences(10, None) == 10 and sequences(2, 5) == 5 and sequences(" 7 ", 3.0) == 7
+    assert sequences(None, None) == sequences(0, -3) == sequences("x", 2.5) == sequences(float("inf"), None) == 1
+    need = lim.estimate(1, 300, sequences(10, None))
+    assert need == 3001
+    refused = lim.check(need)
+    assert refused is not None and refused[0] is RouterErrorKind.TOKENS_EXCEED_QUOTA and "3001" in refused[2]
+    assert lim.estimate(1, 0, 10) == 2000  # no max_tokens: the default per sequence, capped at the capacity
 
 
 def test_without_max_tokens_the_default_output_is_reserved_within_the_capacity() -> None:

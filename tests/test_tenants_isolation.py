@@ -91,7 +91,7 @@ def audio(c: Cluster, tenant: str, body: tuple[bytes, str], path: str = "/v1/aud
 
 def test_an_allow_list_holds_on_every_route_whatever_the_body_says_of_the_model(iso: tuple[Cluster, Path]) -> None:
     """Tenant ``lora`` may use lora-a only. A body naming no model was served by the worker's default model (200)
-    on every route: now every JSON route refuses it 403 before any worker, naming the defaults it would have got;
+    on every route: now every JSON route refuses it 403 before any worker, without naming the defaults;
     so do ``null``, ``""``, a number, a served model outside the list, and — never checked before — the multipart
     audio form, however its ``model`` field is written. Tenant ``base`` (dplb-sim only) sending no model is served,
     only by worker 0, whose default is dplb-sim (worker 1 would have answered with other-base)."""
@@ -102,10 +102,10 @@ def test_an_allow_list_holds_on_every_route_whatever_the_body_says_of_the_model(
             assert_openai_error(r, 403, "model_not_allowed")
             assert "x-sg-worker-id" not in r.headers, (path, extra)  # the router answered, no worker saw it
             if extra.get("model", "") in ("", None):
+                # No served name the tenant may not see (its /v1/models lists neither default).
                 assert r.json()["error"]["message"] == (
-                    "the request names no model, so a worker would serve it with its default model `dplb-sim`, "
-                    "`other-base`, which tenant lora may not use; name one of its models in `model`: gone-lora, "
-                    "lora-a"), (path, extra)
+                    "the request names no model, so a worker would serve it with its default model, which is not "
+                    "one tenant lora may use; name one of its models in `model`: gone-lora, lora-a"), (path, extra)
     ok = post(c, "/v1/chat/completions", chat(model="lora-a"), headers=auth("lora"))
     assert ok.status_code == 200 and ok.headers["x-sg-worker-id"] == "0", ok.text
     for extra in ({}, {"model": None}, {"model": ""}) * 3:  # the default is checked and routed by: worker 0 only
@@ -121,6 +121,14 @@ def test_an_allow_list_holds_on_every_route_whatever_the_body_says_of_the_model(
                     form(('name="model"', "dplb-sim"), audio_first=70_000)):  # past the 64 KiB peek
             assert_openai_error(audio(c, "lora", bad, path), 403, "model_not_allowed")
         assert audio(c, "open", form(), path).status_code == 200  # no allow-list: nothing to check
+        # Two fields, the first naming a model of the list that no worker serves: the two-fields 403 (what the
+        # README documents), not the 404 of the first field that the served check used to answer first.
+        for bad in (form(('name="model"', "gone-lora"), ('name="model"', "lora-a")),
+                    form(('name="model"', "gone-lora"), ('name="model"', "gone-lora"))):
+            r = audio(c, "lora", bad, path)
+            assert_openai_error(r, 403, "model_not_allowed")
+            assert "must carry the model once" in r.json()["error"]["message"], r.text
+        assert_openai_error(audio(c, "lora", form(('name="model"', "gone-lora")), path), 404, "model_not_found")
 
     created = post(c, "/v1/responses", {"model": "lora-a", "input": "hi", "max_output_tokens": 2},
                    headers=auth("lora")).json()
@@ -154,7 +162,7 @@ def test_a_restricted_tenant_learns_only_its_models_and_its_decisions(iso: tuple
         assert r.status_code == 200, r.text
 
     def decisions(tenant: str) -> list[dict]:
-        r = httpx.get(c.url + "/debug/decisions?limit=1000", headers=auth(tenant), timeout=5)
+        r = httpx.get(c.url + "/debug/decisions?limit=256", headers=auth(tenant), timeout=5)
         assert r.status_code == 200, r.text
         return [{"tenant": d["tenant"], "request_id": d["request_id"]} for d in r.json()]
 
@@ -248,3 +256,35 @@ def test_the_router_reads_a_forms_model_as_vllms_form_parser_does_or_refuses(cas
         assert theirs is None, theirs
     else:  # refused by the gate: 403 before any worker
         assert len(ours) > 1 or ours == [None]
+
+
+def test_a_tenants_decisions_do_not_tell_whether_another_tenant_sent_a_prompt(iso: tuple[Cluster, Path]) -> None:
+    """The prefix index is shared by every tenant: tenant ``open`` sends a secret prompt, then tenant ``base``
+    sends a guess at it. Its own decision said every block of the guess was already on the worker ``open`` used
+    (``prefix_matched_blocks``; with a choice of workers also ``prefix_outcome: "hit"``, ``preferred`` and the
+    prefix term) — an exact yes. Now a tenant's key sees its decision without any prefix-derived
+    field (and no score, which sums the prefix term); the admin key still sees the hit."""
+    c, _ = iso
+    secret = "confidential plan: " + " ".join(f"item-{i}" for i in range(120))
+    r = post(c, "/v1/chat/completions", chat(model="dplb-sim", messages=[{"role": "user", "content": secret}]),
+             headers=auth("open"))
+    assert r.status_code == 200, r.text
+    r = post(c, "/v1/chat/completions", chat(model="dplb-sim", messages=[{"role": "user", "content": secret}]),
+             headers={**auth("base"), "x-request-id": "guess"})
+    assert r.status_code == 200, r.text
+
+    def guess(tenant: str) -> dict:
+        got = httpx.get(c.url + "/debug/decisions?limit=256", headers=auth(tenant), timeout=5)
+        assert got.status_code == 200, got.text
+        return next(d for d in got.json() if d["request_id"] == "guess")
+
+    admin = guess("admin")  # what the tenant's key used to show: every block of the guess was already on worker 0
+    w0 = admin["candidates"][0]
+    assert "prefix_outcome" in admin and "preferred" in admin, admin
+    assert w0["worker"] == 0 and w0["prefix_matched_blocks"] == w0["prefix_blocks"] > 0, w0
+    seen = guess("base")
+    assert "prefix_outcome" not in seen and "preferred" not in seen, seen
+    for cand in seen["candidates"]:
+        assert "prefix" not in cand["terms"] and "score" not in cand, cand
+        assert not [k for k in cand if k.startswith("prefix")], cand
+    assert seen["worker"] == admin["worker"] and seen["tenant"] == "base"

@@ -106,3 +106,27 @@ def test_the_ttft_slo_counts_streamed_requests_only(tmp_path: Path) -> None:
         assert led["e2e_s_mean"] > 0.3  # the non-streamed requests' latency is in E2E
         count = [ln for ln in text.splitlines() if ln.startswith("dplb_tenant_ttft_seconds_count{")]
         assert [float(ln.rpartition(" ")[2]) for ln in count] == [2.0], count
+
+
+def test_the_reservation_counts_every_sequence_n_or_best_of_generates(tmp_path: Path) -> None:
+    """tokens_per_min = 2000: ``n = 10, max_tokens = 300`` generates 3000 tokens, so it can never fit (400 at once);
+    reserving max_tokens once (as before) admitted it with 200 and 3000 completion tokens. ``best_of`` (vLLM
+    completions) and ``n`` as a string (vLLM's lax integer) count the same; ``n = 4, max_tokens = 200`` (800
+    reserved) fits twice but not three times in a burst, and its 800 tokens are really generated."""
+    tf = write(tmp_path / "t.toml", "tokens_per_min = 2000\n")
+    with cluster(str(tmp_path), 2, router_args=["--tenants", tf]) as c:
+        for extra in ({"n": 10}, {"n": "10"}, {"best_of": 10, "n": 1}):
+            r = post(c, "/v1/completions", {"model": "dplb-sim", "prompt": "hi", "max_tokens": 300, **extra},
+                     headers=AUTH)
+            assert_openai_error(r, 400, "tokens_exceed_quota")
+            assert "2000 tokens/min" in r.json()["error"]["message"]
+        big = dict(body(300), n=10)
+        assert_openai_error(post(c, "/v1/chat/completions", big, headers=AUTH), 400, "tokens_exceed_quota")
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*(client.post(c.url + "/v1/chat/completions",
+                                                          json=dict(body(200), n=4), headers=AUTH)
+                                              for _ in range(3)))
+        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        assert codes == [200, 200, 429], codes

@@ -11,8 +11,9 @@ Contract (docs/DESIGN.md §4, §6)
     ``GET /health``: the process is alive. ``GET /ready``: 200 when ≥ 1 worker is routable and the host is not
   draining, else 503. ``GET /metrics``: Prometheus text; ``GET /metrics/host``: the host load report's families
   alone (:mod:`dplb.router.host_report`). ``GET /debug/decisions?limit=N``: the last N decisions with every candidate's
-  inputs, terms and score. ``HEAD`` on every ``GET`` route answers like ``GET`` without a body; a wrong method is
-  405 ``method_not_allowed`` naming the allowed ones, as in its ``Allow`` header (``GET, HEAD, OPTIONS``).
+  inputs, terms and score (N at most the decisions kept, else 400 naming ``limit``; a tenant's key: its own,
+  without the prefix-derived fields). ``HEAD`` on every ``GET`` route answers like ``GET`` without a body; a wrong
+  method is 405 ``method_not_allowed`` naming the allowed ones, as in its ``Allow`` header (``GET, HEAD, OPTIONS``).
 - ``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: fanned out to the workers
   (:mod:`dplb.router.fanout`) with ``--allow-runtime-lora``, else 404 ``route_disabled``.
 - CORS (``--cors-allowed-origins``, off by default): Litestar's CORS config answers preflights (``OPTIONS`` with

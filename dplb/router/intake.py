@@ -72,6 +72,10 @@ class Peek(msgspec.Struct):
     max_tokens: Any = None
     max_completion_tokens: Any = None
     max_output_tokens: Any = None
+    # How many sequences the engine generates (OpenAI/vLLM ``n``; vLLM completions' ``best_of``): the quota reserves
+    # the output limit once per sequence.
+    n: Any = None
+    best_of: Any = None
 
 
 NO_PEEK = Peek()

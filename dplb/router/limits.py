@@ -13,9 +13,10 @@ Contract (pure logic; the clock is injected)
   limiters do (token-throttle: reserve before the call, refund what was not used). Counting only after the
   response (Envoy AI Gateway's usage-based limits check the running total before a request and add its usage
   after it) lets a burst of concurrent requests all pass a bucket that is still full. :meth:`TenantLimits.estimate`
-  is the reservation: the prompt estimate plus the request's output limit (``max_tokens`` and its aliases), or
-  :data:`DEFAULT_OUTPUT_TOKENS` capped at what the bucket's capacity leaves after the prompt when the body sets
-  none. :meth:`TenantLimits.check` refuses a reservation larger than the whole bucket (400
+  is the reservation: the prompt estimate plus the request's output limit (``max_tokens`` and its aliases) times
+  the sequences it generates (``n``, vLLM's ``best_of``: each may run to the limit), or
+  :data:`DEFAULT_OUTPUT_TOKENS` per sequence capped at what the bucket's capacity leaves after the prompt when the
+  body sets none. :meth:`TenantLimits.check` refuses a reservation larger than the whole bucket (400
   ``tokens_exceed_quota``: no wait makes it fit), else refuses with the error kind and the exact ``Retry-After``
   (whole seconds, rounded up: when the bucket holds enough again), or admits it and takes one request and the
   reservation (the bucket never goes below zero at admission); :meth:`TenantLimits.correct` adds the difference
@@ -104,14 +105,16 @@ class TenantLimits:
         """True when the tenant has a request or token limit."""
         return self.requests is not None or self.tokens is not None
 
-    def estimate(self, prompt: int, output: int) -> int:
-        """Tokens to reserve for a request of ``prompt`` estimated prompt tokens and an output limit of ``output``
-        (0: the body sets none, then :data:`DEFAULT_OUTPUT_TOKENS` within the capacity); 0 without a token limit."""
+    def estimate(self, prompt: int, output: int, seqs: int = 1) -> int:
+        """Tokens to reserve for a request of ``prompt`` estimated prompt tokens that generates ``seqs`` sequences
+        (``n`` / ``best_of``: :func:`dplb.router.usage.sequences`) of at most ``output`` tokens each: the prompt
+        plus ``output × seqs``. ``output`` 0 (the body sets none): :data:`DEFAULT_OUTPUT_TOKENS` per sequence,
+        capped at what the capacity leaves after the prompt. 0 without a token limit."""
         if self.tokens is None:
             return 0
         if output <= 0:
-            output = max(1, min(DEFAULT_OUTPUT_TOKENS, math.floor(self.tokens.capacity) - prompt))
-        return prompt + output
+            return prompt + max(1, min(DEFAULT_OUTPUT_TOKENS * seqs, math.floor(self.tokens.capacity) - prompt))
+        return prompt + output * seqs
 
     def check(self, tokens: int) -> tuple[RouterErrorKind, int, str] | None:
         """Refuse (kind, Retry-After seconds, message) or admit a request reserving ``tokens``
@@ -119,8 +122,8 @@ class TenantLimits:
         capacity is refused with :attr:`RouterErrorKind.TOKENS_EXCEED_QUOTA` (its Retry-After is 0: unused)."""
         if self.tokens is not None and tokens > self.tokens.capacity:
             return (RouterErrorKind.TOKENS_EXCEED_QUOTA, 0, f"this request needs about {tokens} tokens (the prompt "
-                    "estimate plus max_tokens), more than the whole quota of "
-                    f"{self.tokens.capacity:g} tokens/min: lower max_tokens or shorten the prompt")
+                    "estimate plus max_tokens times the sequences generated, n or best_of), more than the whole "
+                    f"quota of {self.tokens.capacity:g} tokens/min: lower max_tokens or n, or shorten the prompt")
         for b in (self.requests, self.tokens):  # one instant for the checks, the message and the headers
             if b is not None:
                 b.refill()

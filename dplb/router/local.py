@@ -9,8 +9,10 @@ method is 405 ``method_not_allowed`` naming the allowed methods, with an ``Allow
 
 Tenant isolation (:func:`caller`): a tenant with a ``models`` allow-list sees only its models in ``/v1/models``,
 ``/v1/models/{model}`` and their 404, and may load or unload through the fan-out only an adapter its list names
-(403 ``model_not_allowed``); ``/debug/decisions`` shows a tenant's key only its own tenant's decisions, while
-``--api-key``'s key (tenant ``default``) and a router without keys see every tenant's.
+(403 ``model_not_allowed``); ``/debug/decisions`` shows a tenant's key only its own tenant's decisions, without
+the fields drawn from the prefix index every tenant shares (:func:`without_prefix`: they would say whether another
+tenant sent a prompt), while ``--api-key``'s key (tenant ``default``) and a router without keys see every
+tenant's, whole.
 """
 
 from __future__ import annotations
@@ -186,16 +188,21 @@ def build_local_app(app: RouterParts) -> Litestar:
 
     @get("/debug/decisions")
     async def decisions(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
-        n = _decisions_limit(request.query_params.get("limit", str(DECISIONS_LIMIT)))
+        most = cfg.debug_ring * cfg.processes
+        raw = request.query_params.get("limit")
+        n = min(DECISIONS_LIMIT, most) if raw is None else _decisions_limit(raw, most)
         tenant = caller(request)
         mine = None if tenant is None or tenant.name == DEFAULT_TENANT else tenant.name  # None: every tenant's
         items = [e for e in state.decisions if mine is None or e[2] == mine][-n:]
         own = [{"time": t, "request_id": rid, "tenant": who, **d.to_dict()} for t, rid, who, d in reversed(items)]
+        if mine is not None:  # the prefix index is every tenant's: its view would tell of other tenants' prompts
+            own = [without_prefix(d) for d in own]
         if cfg.processes == 1:
             return own
         if request.query_params.get("scope") == SCOPE_PROCESS:
             return [{**d, "process": cfg.process_index} for d in own]
-        return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={n}",
+        each = min(n, cfg.debug_ring)  # what one sibling holds
+        return merge_decisions(own, cfg.process_index, await fetch_siblings(cfg, f"/debug/decisions?limit={each}",
                                                                        request.headers.get("authorization")), n)
 
     return Litestar(route_handlers=[health, ready, metrics_endpoint, host_metrics, models, model, decisions,
@@ -206,16 +213,38 @@ def build_local_app(app: RouterParts) -> Litestar:
 
 DECISIONS_LIMIT = 50  # /debug/decisions without ?limit=: the 50 most recent decisions
 
+#: The decision fields drawn from the prefix index all tenants share (``dplb.policy.decision.Decision.to_dict``):
+#: the worker that held the longest match and the hit/spill/miss outcome; per candidate every ``prefix_*`` input,
+#: the ``prefix`` term and the score it is part of.
+_PREFIX_FIELDS = ("preferred", "prefix_outcome")
 
-def _decisions_limit(raw: str) -> int:
-    """``?limit=`` of ``/debug/decisions``: a positive integer (decimal digits). Raises :class:`HTTPException` 400
-    naming the parameter and what it accepts (Litestar's own message says only "Validation failed"). More digits
-    than an int64 has mean "every decision" (the ring is bounded; Python refuses to parse 4300+ digits)."""
+
+def without_prefix(entry: dict[str, Any]) -> dict[str, Any]:
+    """A ``/debug/decisions`` entry (``Decision.to_dict`` plus time, request id, tenant) without what the shared
+    prefix index says (:data:`_PREFIX_FIELDS`): shown to a tenant's key, those told whether any other tenant had
+    sent the same prompt (a miss, then a hit on the worker another tenant used). The weights stay (configuration)."""
+    out = {k: v for k, v in entry.items() if k not in _PREFIX_FIELDS}
+    cands = []
+    for c in entry.get("candidates") or ():
+        cand = {k: v for k, v in c.items() if not k.startswith("prefix") and k != "score"}
+        if isinstance(c.get("terms"), dict):
+            cand["terms"] = {k: v for k, v in c["terms"].items() if k != "prefix"}
+        cands.append(cand)
+    out["candidates"] = cands
+    return out
+
+
+def _decisions_limit(raw: str, most: int) -> int:
+    """``?limit=`` of ``/debug/decisions``: a positive integer (decimal digits) up to ``most``, the decisions the
+    router keeps (its ring, times the processes of a group). Raises :class:`HTTPException` 400 naming the parameter
+    and what it accepts (Litestar's own message says only "Validation failed"), for a number above ``most`` too:
+    no more can be shown, and a 20-digit limit is a mistake, not a request for everything."""
     digits = raw.lstrip("0") if raw.isascii() and raw.isdigit() else ""
-    n = int(digits[:18]) if digits else 0
-    if n <= 0:
-        raise HTTPException(status_code=400, detail=f"query parameter 'limit' must be a positive integer (the number "
-                            f"of most recent decisions; default {DECISIONS_LIMIT}), got {raw[:40]!r}")
+    n = int(digits) if 0 < len(digits) <= len(str(most)) else 0
+    if not 0 < n <= most:
+        raise HTTPException(status_code=400, detail=f"query parameter 'limit' must be a positive integer up to "
+                            f"{most} (the number of most recent decisions; the router keeps the last {most}; "
+                            f"default {DECISIONS_LIMIT}), got {raw[:40]!r}")
     return n
 
 
@@ -247,4 +276,4 @@ def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response
                     media_type="application/json")
 
 
-__all__ = ["DECISIONS_LIMIT", "RouterParts", "build_local_app"]
+__all__ = ["DECISIONS_LIMIT", "RouterParts", "build_local_app", "without_prefix"]

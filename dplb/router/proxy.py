@@ -51,9 +51,10 @@ from dplb.obs.tracing import Tracing
 from dplb.policy import RouteRequest
 from dplb.policy.decision import NOTE_PREFIX_HIT_BYTES, PREFIX_PREDICTED_HEADER, REASON_ALL_OVER_CAP, REASON_NO_WORKERS
 from dplb.router import resume
+from dplb.router.allowlist import ambiguous
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, watch_disconnect
-from dplb.router.intake import Peek, Rejected, check_head, read_body, receive_body
+from dplb.router.intake import Peek, Rejected, check_head, form_models, read_body, receive_body
 from dplb.router.models import ServedModels
 from dplb.router.routes import PROXY_PATHS, ResponseIds, allowed_methods, match
 from dplb.router.state import RouterState
@@ -188,9 +189,11 @@ class Proxy:
             models = self.models
             if models.none_serves(model):
                 # A tenant with an allow-list learns only of its own models; one outside it is the gate's 403 (the
-                # same answer whether or not the model exists: no oracle of the served names).
+                # same answer whether or not the model exists: no oracle of the served names), and so is a form
+                # whose model fields it cannot read as vLLM does, whatever the first field names.
                 t = ex.tenant.tenant if ex.tenant is not None else None
-                if t is None or t.may_use(model):
+                if t is None or (t.may_use(model) and not (t.models is not None and route.body == "multipart"
+                                                           and ambiguous(form_models(ex.body)))):
                     served = [n for n in models.names() if t is None or t.may_use(n)]
                     raise Rejected(RouterErrorKind.MODEL_NOT_FOUND, f"The model `{model}` does not exist. Served "
                                    f"models: {', '.join(served) or '(none)'}")

@@ -13,8 +13,9 @@ Contract
   (:mod:`dplb.router.allowlist`: every proxied route that runs a model; a request naming none is checked against
   the worker's default model and routed only to workers whose default the tenant may use); 429 for
   its ``max_concurrent`` and its rate limits (:mod:`dplb.router.limits`, exact ``Retry-After``; ``tokens_per_min``
-  reserves the prompt estimate plus the body's output limit, 400 ``tokens_exceed_quota`` when that exceeds the
-  whole quota; the output limit comes from the body peek: :class:`dplb.router.intake.Peek`); then, with a
+  reserves the prompt estimate plus the body's output limit times its sequences (``n``/``best_of``), 400
+  ``tokens_exceed_quota`` when that exceeds the whole quota; both come from the body peek:
+  :class:`dplb.router.intake.Peek`); then, with a
   tenants file, the fair queue (:mod:`dplb.router.admission`): the request runs at once when it is alone and a
   worker has room, else it waits in the router — never in the engines — until :meth:`_pump` grants it a freed
   slot, it times out, it is pushed out, the router drains (503 ``router_draining``), or its client leaves (499,
@@ -56,7 +57,7 @@ from dplb.router.allowlist import model_refusal
 from dplb.router.limits import TenantLimits, concurrency_headers
 from dplb.router.tenant_book import count_slo, limits_for, publish_slos, read_tenants
 from dplb.router.ticket import Ticket
-from dplb.router.usage import output_limit, with_fields
+from dplb.router.usage import output_limit, sequences, with_fields
 from dplb.runtime.asgi import until_disconnect
 from dplb.runtime.serving import DISCONNECT_EXT
 from dplb.tenants import (
@@ -162,11 +163,14 @@ class Gate:
                               + (tk.limits.headers() if tk.limits is not None else []))
             return False
         lim, fq = tk.limits, self.fq
+        out, seqs = 0, 1
         if fq is not None or (lim is not None and lim.tokens is not None):  # only they need the output limit
             p = ex.peek  # decoded with the body (dplb.router.intake.Peek): no second parse
-            tk.expected = output_limit(p.max_completion_tokens, p.max_tokens, p.max_output_tokens)
+            out = output_limit(p.max_completion_tokens, p.max_tokens, p.max_output_tokens)
+            seqs = sequences(p.n, p.best_of)  # every sequence may run to the output limit
+            tk.expected = out * seqs
         if lim is not None and lim.any:
-            tk.quota = lim.estimate(tk.est, tk.expected)
+            tk.quota = lim.estimate(tk.est, out, seqs)
             refused = lim.check(tk.quota)
             if refused is not None:
                 tk.quota = 0

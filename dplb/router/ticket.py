@@ -43,7 +43,7 @@ class Ticket:
         self.relayed = False  # the worker's response head was relayed
         self.cannot: frozenset[int] = frozenset()  # workers that cannot serve it (model, pinned response)
         self.charged = 0  # output tokens charged to the VTC so far (the expected output at dispatch, then events)
-        self.expected = 0  # the request's max_tokens (0 when it sets none)
+        self.expected = 0  # the request's output limit × its sequences, n / best_of (0 when it sets no limit)
         self.quota = 0  # tokens reserved in the tenant's tokens_per_min bucket (corrected when the request ends)
         self.sse = False  # the relayed response is an event stream (its first body byte is the first token)
         self.t_first: float | None = None

@@ -15,7 +15,8 @@ Contract
   otherwise corrupt the router's closing error event). Without any usage (another route, a broken stream)
   :attr:`Meter.exact` is False and the ledger counts the generated events as completion tokens.
 - :func:`with_fields` writes fields first into a JSON body (the rest of its bytes unchanged); :func:`max_tokens`
-  reads a body's output-token limit (:func:`output_limit` from the fields the router's body peek already decoded).
+  reads a body's output-token limit (:func:`output_limit` from the fields the router's body peek already decoded);
+  :func:`sequences`: how many sequences it generates (``n`` / ``best_of``), each up to that limit.
 - Bounded: a JSON body is kept up to :data:`MAX_JSON` bytes for its usage; SSE keeps only the unfinished event.
 """
 
@@ -161,6 +162,26 @@ def output_limit(max_completion_tokens: Any, max_tokens: Any, max_output_tokens:
     return 0
 
 
+def _count(v: Any) -> int:
+    """A positive whole number as vLLM's request model (pydantic, lax mode) reads an ``int`` field: an int, a bool,
+    a float with no fraction or a string of one (``" 10 "``); 0 for anything else."""
+    if isinstance(v, str):
+        try:
+            v = int(v.strip())
+        except ValueError:
+            return 0
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    return v if isinstance(v, int) and v > 0 else 0
+
+
+def sequences(n: Any, best_of: Any) -> int:
+    """How many sequences a request generates from its ``n`` and ``best_of`` fields' decoded values: the larger
+    (vLLM completions generate ``best_of`` sequences and return the best ``n``; OpenAI and vLLM chat generate
+    ``n``), read as vLLM reads an integer field (:func:`_count`); 1 when neither is a positive integer."""
+    return max(1, _count(n), _count(best_of))
+
+
 def max_tokens(body: bytes) -> int:
     """The output-token limit a JSON body asks for (``max_tokens``, ``max_completion_tokens``,
     ``max_output_tokens``: :func:`output_limit`), 0 when none is an integer."""
@@ -171,4 +192,4 @@ def max_tokens(body: bytes) -> int:
     return output_limit(lim.max_completion_tokens, lim.max_tokens, lim.max_output_tokens)
 
 
-__all__ = ["MAX_JSON", "Meter", "Usage", "max_tokens", "output_limit", "with_fields"]
+__all__ = ["MAX_JSON", "Meter", "Usage", "max_tokens", "output_limit", "sequences", "with_fields"]
