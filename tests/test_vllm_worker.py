@@ -277,8 +277,28 @@ def test_reconciler_sees_live_vllm_requests_spares_them_and_vllm_aborts_cut_ones
     assert _reconciler(worker)["dplb_worker_orphan_aborts_total"] == 0, worker.tail()
 
 
+def _engine_core(worker_pid: int) -> int:
+    """The pid of vLLM's EngineCore process started by the worker ``worker_pid`` (its child)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                parent = int(f.read().rpartition(")")[2].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == worker_pid and b"EngineCore" in cmd:
+            return int(name)
+    raise AssertionError(f"worker {worker_pid} has no EngineCore child")
+
+
 def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
-    """Last in this module: SIGTERM with 4 streams open → all four end normally, then the worker stops."""
+    """Last in this module: SIGTERM with 4 streams open → all four end normally, then the worker stops. The
+    engine is paused (SIGSTOP of its EngineCore) from just before the SIGTERM until the drain has been checked, so
+    the streams are certainly open then, however fast the machine (a quiet CI box once finished 4 × 400 tokens
+    within 0.5 s, and a loaded one 4 × 1800 before the check)."""
     results: list[tuple[int, bool, bool, str | None]] = []
 
     async def stream(cl: httpx.AsyncClient, started: asyncio.Event) -> None:
@@ -305,7 +325,18 @@ def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
             evs = [asyncio.Event() for _ in range(4)]
             tasks = [asyncio.create_task(stream(cl, e)) for e in evs]
             await asyncio.gather(*[e.wait() for e in evs])
-            worker.proc.send_signal(signal.SIGTERM)
+            core = _engine_core(worker.proc.pid)
+            os.kill(core, signal.SIGSTOP)  # no token until the drain is checked: every stream stays open
+            try:
+                worker.proc.send_signal(signal.SIGTERM)
+                await drain_checked()
+            finally:
+                os.kill(core, signal.SIGCONT)
+            await asyncio.gather(*tasks)
+
+    async def drain_checked() -> None:
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=worker.sock), base_url="http://w",
+                                     timeout=30) as cl:
             t0 = time.monotonic()  # the drain notice, then a late request, while all four streams are still open
             while worker.seg.read(0).lifecycle == Lifecycle.READY:
                 assert time.monotonic() - t0 < 5, worker.tail()
@@ -314,7 +345,6 @@ def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
             r = await cl.post("/v1/completions", json={"model": "tiny", "prompt": "late", "max_tokens": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == "worker_draining"
             assert not results, "a stream ended before the drain was checked: the test would not test draining"
-            await asyncio.gather(*tasks)
 
     asyncio.run(main())
     # HOLD_TOKENS each: the drain is checked within tens of ms of SIGTERM, seconds before any stream can end (400
