@@ -4,7 +4,7 @@
 Times, with timeit (``--repeat`` runs of ``--number`` requests each, the median per request in ns), for chat
 bodies of about 300 B, 4 KiB and 64 KiB:
 
-- ``peek``: the router's body peek (:class:`dplb.router.intake.Peek`, decoded for every JSON request), which now
+- ``peek``: the router's body peek (:class:`dplb.router.peek.Peek`, decoded for every JSON request), which now
   also decodes ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``; ``peek (before)`` is the same
   struct without those three fields — the cost every request pays, quota or not;
 - ``quota``: what the tenant gate adds for a tenant with ``tokens_per_min``: :func:`output_limit` from the peek,
@@ -27,8 +27,8 @@ from typing import Any
 
 import msgspec
 
-from dplb.router.intake import Peek
 from dplb.router.limits import TenantLimits
+from dplb.router.peek import Peek
 from dplb.router.usage import output_limit
 from dplb.tenants import Tenant
 

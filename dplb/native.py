@@ -28,14 +28,15 @@ else:
         return lambda cls: cls
 
 #: The modules compiled by scripts/build_native.sh (dotted names): the client-side HTTP protocol, the request's
-#: path through the router and the worker-side HTTP client, the policy's pick and the shm reads it works on, and
+#: path through the router (its intake checks, the worker health, the HTTP request count) and the worker-side HTTP
+#: client, the policy's pick and the shm reads it works on, and
 #: the per-request metrics.
 HOT_MODULES: tuple[str, ...] = (
     "dplb.runtime.direct", "dplb.runtime.protocol", "dplb.runtime.lane_cycle", "dplb.runtime.edge",
     "dplb.runtime.conn_timer",
     "dplb.router.direct", "dplb.router.upstream", "dplb.router.attempt", "dplb.router.exchange",
     "dplb.router.proxy", "dplb.router.state", "dplb.router.resume", "dplb.router.orca", "dplb.router.routes",
-    "dplb.router.models",
+    "dplb.router.models", "dplb.router.health", "dplb.router.intake", "dplb.router.http_count",
     "dplb.policy.core", "dplb.policy.fused", "dplb.policy.scorers", "dplb.policy.prefix", "dplb.policy.decision",
     "dplb.policy.pickers", "dplb.policy.filters", "dplb.policy.framework", "dplb.policy.plugins",
     "dplb.policy.stall",
@@ -86,8 +87,8 @@ def build_label() -> str:
 
 
 def describe() -> str:
-    """One line for the router's start-up log: ``"compiled (32/32 hot modules)"`` or ``"pure Python"``; a build
-    older than its source says so (``"compiled (32/32 hot modules; 2 older than their .py: dplb.policy.core, …;
+    """One line for the router's start-up log: ``"compiled (35/35 hot modules)"`` or ``"pure Python"``; a build
+    older than its source says so (``"compiled (35/35 hot modules; 2 older than their .py: dplb.policy.core, …;
     rebuild with scripts/build_native.sh)"``)."""
     n = len(compiled_modules())
     if n == 0:

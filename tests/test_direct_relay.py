@@ -184,3 +184,22 @@ def _wait_inflight_zero(c: Cluster) -> None:
     while (v := c.metric("dplb_worker_requests_inflight", {"worker": "0"})) != 0:
         assert time.monotonic() - t0 < 5, v
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("feature", [{}, {"direct_relay": False}, {"api_key": "k"}, {"access_log": True},
+                                     {"cors_allowed_origins": ("https://a.example",)}, {"resume_streams": True},
+                                     {"sse_keepalive_s": 5.0}])
+def test_the_direct_relay_is_on_only_while_no_feature_needs_the_asgi_path(tmp_path: Path, feature: dict[str, Any]
+                                                                         ) -> None:
+    """In-process (the router's own objects, no segment): each feature that needs the ASGI path turns the direct
+    relay off; tracing, enabled after start, too."""
+    from dplb.config import PolicyConfig, RouterConfig
+    from dplb.router.app import RouterApp
+
+    app = RouterApp(RouterConfig(PolicyConfig(), run_dir=str(tmp_path), num_workers=1,
+                                 shm_path=str(tmp_path / "absent"), **feature))
+    assert app.proxy.direct_enabled() is (not feature)
+    app.proxy.enable_tracing(object())
+    assert app.proxy.direct_enabled() is False
+    app.state.close()
+    app.pool.close()

@@ -22,14 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_every_hot_module_exists_and_is_reported_as_what_was_imported() -> None:
     suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
     compiled = set(native.compiled_modules())
-    assert len(set(native.HOT_MODULES)) == len(native.HOT_MODULES) == 32
+    assert len(set(native.HOT_MODULES)) == len(native.HOT_MODULES) == 35
     for name in native.HOT_MODULES:
         assert (ROOT / (name.replace(".", "/") + ".py")).is_file(), name  # the script builds from this file
         mod = importlib.import_module(name)
         assert (name in compiled) == str(mod.__file__).endswith(suffixes), (name, mod.__file__)
     label = native.build_label()
-    assert label == ("true" if len(compiled) == 32 else "false" if not compiled else "partial")
-    assert native.describe().startswith("pure Python" if not compiled else f"compiled ({len(compiled)}/32 hot modules")
+    assert label == ("true" if len(compiled) == 35 else "false" if not compiled else "partial")
+    assert native.describe().startswith("pure Python" if not compiled else f"compiled ({len(compiled)}/35 hot modules")
 
 
 def test_build_info_carries_the_compiled_label() -> None:
@@ -60,15 +60,16 @@ def test_a_build_older_than_its_source_is_named(tmp_path, monkeypatch) -> None: 
     assert native.stale_modules() == ["dplb.policy.core"]
     assert "1 older than their .py: dplb.policy.core; rebuild with scripts/build_native.sh" in native.describe()
     os.utime(so, (3_000_000, 3_000_000))  # rebuilt
-    assert native.stale_modules() == [] and native.describe() == "compiled (1/32 hot modules)"
+    assert native.stale_modules() == [] and native.describe() == "compiled (1/35 hot modules)"
 
 
 #: Behaviour tests run again against the compiled copy: the direct relay byte for byte against the ASGI path, its
 #: timeouts, kills and limits, pipelining with disconnects, the exact request and response heads, keep-alive, panic
-#: routing. A compiled-only bug (mypyc's typed locals, native classes that cannot be patched) shows up here in CI,
-#: where the README's test command otherwise runs pure Python only.
+#: routing, the worker health's state machine and the HTTP request count (unit tests, seconds). A compiled-only bug
+#: (mypyc's typed locals, native classes that cannot be patched) shows up here in CI, where the README's test
+#: command otherwise runs pure Python only.
 COMPILED_CHECKS = ("test_direct_relay.py", "test_pipelined_disconnect.py", "test_head_bytes.py",
-                   "test_serving_keepalive.py", "test_panic.py")
+                   "test_serving_keepalive.py", "test_panic.py", "test_health.py", "test_http_count.py")
 
 
 @pytest.mark.slow

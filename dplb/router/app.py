@@ -60,11 +60,12 @@ from dplb.obs.tracing import shutdown as tracing_shutdown
 from dplb.router.agent import bind_agent, start_agent
 from dplb.router.direct import DirectLane
 from dplb.router.host_report import HostReporter
+from dplb.router.http_count import MODELS_PREFIX, HttpCount
 from dplb.router.local import build_local_app
 from dplb.router.models import ServedModels
 from dplb.router.orca import OrcaResponder
 from dplb.router.proxy import Exchange, Proxy
-from dplb.router.routes import NOT_ROUTED, PROXY_PATHS, RESPONSES_PREFIX, is_proxy_path
+from dplb.router.routes import NOT_ROUTED, is_proxy_path
 from dplb.router.siblings import SingleProcess
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamPool
@@ -75,10 +76,6 @@ from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
 log = logging.getLogger("dplb.router")
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more gets 431 (nginx allows 32 KiB, Node 16 KiB)
 _TEXT_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
-_METHODS = frozenset({"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"})
-_ROUTES = frozenset({"/health", "/ready", "/metrics", "/metrics/host", "/v1/models", "/debug/decisions",
-                     "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}) | PROXY_PATHS
-_MODELS_PREFIX, _MODEL_ROUTE = "/v1/models/", "/v1/models/{model}"
 _HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/metrics/host", "/v1/models", "/debug/decisions"})
 
 
@@ -111,7 +108,7 @@ class RouterApp:
         if cfg.orca != "off":
             self.proxy.upstreams.on_response_head = OrcaResponder(cfg.orca, lambda: self.host.report)
         self._keyed = bool(cfg.api_key or cfg.tenants_file)  # local routes need a key (a tenant's, with --tenants)
-        self._http_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        self._observe = HttpCount(self.metrics).observe  # dplb_http_requests_total and its duration histogram
         self.litestar = build_local_app(self)
 
     def _scrape_source(self) -> tuple[Any, list[int], int, float | None, Any]:
@@ -138,7 +135,7 @@ class RouterApp:
             await self.serve_proxy(ex, self.proxy.serve(ex))
             return
         status = [0]
-        if scope["method"] == "HEAD" and (path in _HEAD_PATHS or path.startswith(_MODELS_PREFIX)):  # every GET route
+        if scope["method"] == "HEAD" and (path in _HEAD_PATHS or path.startswith(MODELS_PREFIX)):  # every GET route
             scope = {**scope, "method": "GET"}
             send = _without_body(send)
 
@@ -197,25 +194,6 @@ class RouterApp:
         finally:
             self._observe(scope["path"], scope["method"], ex.status, ex.t_start)
 
-    def direct_enabled(self) -> bool:
-        """Whether the direct relay may take a request now: no feature that needs the ASGI path is on."""
-        return self.cfg.direct_relay and not self.proxy.gate.on and self.proxy.tracer is None \
-            and self.cors is None and not self.cfg.resume_streams and not self.cfg.sse_keepalive_s
-
-    def _observe(self, path: str, method: str, status: int, t0: float) -> None:
-        """Count one request in ``dplb_http_requests_total`` and its duration since ``t0`` (perf_counter seconds)
-        by route template (bounded), method and status; the label children are looked up once per key."""
-        route = path if path in _ROUTES else (RESPONSES_PREFIX + "{id}" if path.startswith(RESPONSES_PREFIX)
-                                              else _MODEL_ROUTE if path.startswith(_MODELS_PREFIX) else "other")
-        key = (route, method if method in _METHODS else "other", status)
-        children = self._http_children.get(key)
-        if children is None:
-            m = self.metrics
-            children = self._http_children[key] = (m.http_requests.labels(key[0], key[1], str(status)),
-                                                    m.http_duration.labels(key[0], key[1]))
-        children[0].inc()
-        children[1].observe(time.perf_counter() - t0)
-
     @staticmethod
     def _origin(scope: dict[str, Any]) -> str | None:
         for n, v in scope["headers"]:
@@ -269,7 +247,7 @@ async def run_router(cfg: RouterConfig, ready_cb: Any = None) -> int:
         raise bind_error(cfg.host, cfg.port, e) from e
     agent_sock = bind_agent(cfg.host, cfg.agent_port) if cfg.agent_port and cfg.process_index == 0 else None
     app = RouterApp(cfg)
-    lane = DirectLane(app.proxy, app.serve_proxy, app._observe, app.direct_enabled)
+    lane = DirectLane(app.proxy, app.serve_proxy, app._observe, app.proxy.direct_enabled)
     # The start-up objects (modules, the app, its tables) leave the cyclic collector's generations: its passes,
     # triggered by the requests' allocations, stop traversing them (CPython's gc.freeze, meant for this).
     gc.collect()

@@ -186,7 +186,8 @@ class Attempt:
             up.state.report(self.worker, outcome, end - ex.t_start, None if t_first is None else t_first - ex.t_start)
             label = outcome.recorded
             if label is not None:
-                up.duration(self.worker, label).observe(end - self.t0, ex.trace.exemplar())
+                trace = ex.trace  # (untraced, the hot path: no call for the no-op hook's None)
+                up.duration(self.worker, label).observe(end - self.t0, None if trace is NO_TRACE else trace.exemplar())
             if may_retry:
                 retry = RETRY.get(outcome)
         finally:

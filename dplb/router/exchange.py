@@ -24,7 +24,7 @@ from dplb.obs.tracing import NO_TRACE, NoTrace
 if TYPE_CHECKING:
     from dplb.policy import RouteRequest
     from dplb.policy.decision import Decision
-    from dplb.router.intake import Peek
+    from dplb.router.peek import Peek
     from dplb.router.routes import Route
 
 from dplb.runtime.asgi import until_disconnect

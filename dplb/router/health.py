@@ -65,20 +65,17 @@ class Outcome(enum.Enum):
     UNREACHABLE = (None, False, Verdict.UNREACHABLE)  # connect failed: no request byte was sent
     STALLED = ("stalled", False, Verdict.NONE)  # failed fast: the worker's engine stalled (dplb.policy.stall)
 
-    def __init__(self, recorded: str | None, reusable: bool, verdict: Verdict) -> None:
-        #: The ``outcome`` label of ``dplb_upstream_request_duration_seconds`` (None: the duration is not recorded).
-        self.recorded = recorded
-        #: True when the response was read completely: the connection may go back to the pool (if keep-alive).
-        self.reusable = reusable
-        #: What this outcome tells :class:`WorkerHealth` about the worker.
-        self.verdict = verdict
-        # Plain attributes, not properties over ``value``: read on every attempt (an enum property costs a
-        # descriptor call each time).
-
-    @property
-    def latency_sample(self) -> bool:
-        """True when the attempt's end-to-end time is a sample of the policy's latency baseline."""
-        return self is Outcome.OK
+    # Each member's value as plain attributes (set below, after the class: a compiled ``__init__`` cannot run
+    # while the enum class is being made), not properties over ``value``: read on every attempt (an enum property
+    # costs a descriptor call each time).
+    #: The ``outcome`` label of ``dplb_upstream_request_duration_seconds`` (None: the duration is not recorded).
+    recorded: str | None
+    #: True when the response was read completely: the connection may go back to the pool (if keep-alive).
+    reusable: bool
+    #: What this outcome tells :class:`WorkerHealth` about the worker.
+    verdict: Verdict
+    #: True when the attempt's end-to-end time is a sample of the policy's latency baseline (:attr:`OK` only).
+    latency_sample: bool
 
     @staticmethod
     def of_status(status: int) -> Outcome:
@@ -88,6 +85,16 @@ class Outcome(enum.Enum):
         if status < 500:
             return Outcome.UPSTREAM_4XX
         return Outcome.FULL if status == 503 else Outcome.UPSTREAM_5XX
+
+
+def _member_attributes() -> None:
+    """Set each :class:`Outcome` member's attributes from its value (once, at import)."""
+    for o in Outcome:
+        o.recorded, o.reusable, o.verdict = o.value
+        o.latency_sample = o is Outcome.OK
+
+
+_member_attributes()
 
 
 class WorkerHealth:

@@ -1,5 +1,6 @@
 """Request intake of the proxy, before routing: content checks, ``Content-Encoding`` decoding and the peek at the
-few fields the router reads (which workers may take the request: :meth:`dplb.router.proxy.Proxy.take_body`).
+few fields the router reads (:class:`dplb.router.peek.Peek`; which workers may take the request:
+:meth:`dplb.router.proxy.Proxy.take_body`).
 
 Contract
 - Every refusal is a :class:`Rejected` carrying the :class:`~dplb.errors.RouterErrorKind` and message to answer.
@@ -25,6 +26,7 @@ from typing import Any
 import msgspec
 
 from dplb.errors import BodyTooLarge, RouterErrorKind
+from dplb.router.peek import NO_PEEK, Peek, peek_decoder
 from dplb.router.routes import Route
 from dplb.runtime.asgi import receive_body as asgi_receive_body
 
@@ -56,56 +58,6 @@ def lone_surrogate(body: bytes) -> str | None:
         elif 0xDC00 <= cp <= 0xDFFF:
             return m[0].decode()
     return high[0].decode() if high is not None else None
-
-
-class Peek(msgspec.Struct):
-    """The only fields the router reads; everything else stays opaque in the forwarded bytes."""
-
-    stream: Any = False
-    model: Any = None
-    messages: msgspec.Raw = msgspec.Raw(b"")
-    prompt: msgspec.Raw = msgspec.Raw(b"")
-    input: msgspec.Raw = msgspec.Raw(b"")
-    previous_response_id: Any = None
-    request_id: Any = None
-    # The output limit (chat / completions / Responses API names): a tenant's token quota reserves it at admission.
-    max_tokens: Any = None
-    max_completion_tokens: Any = None
-    max_output_tokens: Any = None
-    # How many sequences the engine generates (OpenAI/vLLM ``n``; vLLM completions' ``best_of``): the quota reserves
-    # the output limit once per sequence.
-    n: Any = None
-    best_of: Any = None
-
-
-NO_PEEK = Peek()
-_decoder = msgspec.json.Decoder(Peek)
-
-
-class ResumeFields(msgspec.Struct):
-    """The request fields that decide whether a stream can be resumed (:mod:`dplb.router.resume`; everything else
-    stays opaque). Declared here, not there: resume is compiled by scripts/build_native.sh, and a class compiled by
-    mypyc keeps erased annotations (``Any`` becomes ``type``, which msgspec would then demand)."""
-
-    n: Any = None
-    best_of: Any = None
-    logprobs: Any = None
-    prompt_logprobs: Any = None
-    echo: Any = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    continue_final_message: Any = None
-    prompt: Any = None
-    stream_options: Any = None
-
-
-resume_fields = msgspec.json.Decoder(ResumeFields)
 
 
 class Rejected(Exception):
@@ -228,7 +180,7 @@ def read_body(route: Route, body: bytes, encoding: bytes, limit: int) -> tuple[b
         decoded = True
     if route.body == "json":
         try:
-            peek = _decoder.decode(body)
+            peek = peek_decoder.decode(body)
         except msgspec.ValidationError:
             raise Rejected(RouterErrorKind.NOT_AN_OBJECT, "request body must be a JSON object") from None
         except msgspec.DecodeError as e:
@@ -275,5 +227,5 @@ def bearer_ok(authorization: bytes, credential: bytes) -> bool:
     return hmac.compare_digest(authorization[:7].lower() + authorization[7:], credential)
 
 
-__all__ = ["NO_PEEK", "Peek", "Rejected", "bearer_credential", "bearer_ok", "check_head", "decode_body",
+__all__ = ["Rejected", "bearer_credential", "bearer_ok", "check_head", "decode_body",
            "form_models", "multipart_model", "read_body", "receive_body"]

@@ -54,8 +54,9 @@ from dplb.router import resume
 from dplb.router.allowlist import ambiguous
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, watch_disconnect
-from dplb.router.intake import Peek, Rejected, check_head, form_models, read_body, receive_body
+from dplb.router.intake import Rejected, check_head, form_models, read_body, receive_body
 from dplb.router.models import ServedModels
+from dplb.router.peek import Peek
 from dplb.router.routes import PROXY_PATHS, ResponseIds, allowed_methods, match
 from dplb.router.state import RouterState
 from dplb.router.tenancy import Gate
@@ -92,6 +93,15 @@ class Proxy:
         self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.obs.tracing.make_tracer)
         self._tracing: Tracing | None = None
         self._req_skip = REQ_OWN
+        # The features that need the ASGI path, all fixed at start (tracing aside: enable_tracing).
+        self._direct_ok = bool(cfg.direct_relay and not self.gate.on and not cfg.cors_allowed_origins
+                               and not cfg.resume_streams and not cfg.sse_keepalive_s)
+
+    def direct_enabled(self) -> bool:
+        """Whether the direct relay (:mod:`dplb.router.direct`) may take a request now: ``--direct-relay`` is on and
+        no feature that needs the ASGI path is (tenants, API key or access log, CORS, ``--resume-streams``, SSE
+        keep-alives, tracing)."""
+        return self._direct_ok and self.tracer is None
 
     # ---- helpers -------------------------------------------------------------------------------------------------
     async def _reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None) -> None:

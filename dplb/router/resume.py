@@ -47,8 +47,8 @@ from dplb.obs.metrics import RESUME_REFUSALS
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import Exchange
 from dplb.router.health import Outcome
-from dplb.router.intake import ResumeFields as _Fields
-from dplb.router.intake import resume_fields as _fields
+from dplb.router.peek import ResumeFields as _Fields
+from dplb.router.peek import resume_fields as _fields
 from dplb.router.prompt_count import original_prompt_tokens
 from dplb.router.upstream import UpstreamError, UpstreamTimeout
 

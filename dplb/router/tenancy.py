@@ -15,7 +15,7 @@ Contract
   its ``max_concurrent`` and its rate limits (:mod:`dplb.router.limits`, exact ``Retry-After``; ``tokens_per_min``
   reserves the prompt estimate plus the body's output limit times its sequences (``n``/``best_of``), 400
   ``tokens_exceed_quota`` when that exceeds the whole quota; both come from the body peek:
-  :class:`dplb.router.intake.Peek`); then, with a
+  :class:`dplb.router.peek.Peek`); then, with a
   tenants file, the fair queue (:mod:`dplb.router.admission`): the request runs at once when it is alone and a
   worker has room, else it waits in the router — never in the engines — until :meth:`_pump` grants it a freed
   slot, it times out, it is pushed out, the router drains (503 ``router_draining``), or its client leaves (499,
@@ -165,7 +165,7 @@ class Gate:
         lim, fq = tk.limits, self.fq
         out, seqs = 0, 1
         if fq is not None or (lim is not None and lim.tokens is not None):  # only they need the output limit
-            p = ex.peek  # decoded with the body (dplb.router.intake.Peek): no second parse
+            p = ex.peek  # decoded with the body (dplb.router.peek.Peek): no second parse
             out = output_limit(p.max_completion_tokens, p.max_tokens, p.max_output_tokens)
             seqs = sequences(p.n, p.best_of)  # every sequence may run to the output limit
             tk.expected = out * seqs
