@@ -161,6 +161,13 @@ class RouterErrorKind(enum.Enum):
     UNAUTHORIZED = (401, "authentication_error", "invalid_api_key")
     # Tenants (docs/DESIGN.md §15): a model outside the tenant's allow-list; its limits; the router's fair queue.
     MODEL_NOT_ALLOWED = (403, "permission_error", "model_not_allowed")
+    # A route only an operator's key may use with tenants (LoRA administration, a keyed /metrics).
+    ADMIN_ONLY = (403, "permission_error", "admin_only")
+    # A stored response (/v1/responses/{id}, previous_response_id) this tenant did not create, or one the router
+    # cannot tell the creator of: vLLM's own 404 words, no oracle of another tenant's ids.
+    RESPONSE_NOT_FOUND = (404, "invalid_request_error", "response_not_found")
+    # A POST /v1/responses whose request_id is the id of another tenant's stored response (vLLM would replace it).
+    RESPONSE_ID_IN_USE = (409, "invalid_request_error", "response_id_in_use")
     RATE_LIMITED = (429, "requests", "rate_limit_exceeded")
     TOKENS_RATE_LIMITED = (429, "tokens", "tokens_rate_limit_exceeded")
     # One request's reserved tokens (prompt estimate + max_tokens) exceed the tenant's whole tokens_per_min: no

@@ -25,7 +25,12 @@ Contract
   of a response that is not a stream).
 - :data:`DEFAULT_TENANT` is the tenant of requests when no tenants file is given (and of ``--api-key``'s key).
 - Every number has a range, :data:`BOUNDS` (one table: the loader enforces it, README quotes it); ``models = []``
-  is refused (it would refuse every request: leave ``models`` out for "any model").
+  is refused (it would refuse every request: leave ``models`` out for "any model"); ``admin`` is a boolean
+  (``true``/``false``, no string or number).
+- Operators (:attr:`Tenant.operator`): :data:`DEFAULT_TENANT` (``--api-key``'s key, or everyone when no key is
+  configured) and every tenant with ``admin = true``. What only they may do on a shared router (LoRA
+  administration, the whole ``/debug/decisions``, a keyed ``/metrics``, any stored response) is
+  :mod:`dplb.router.privileges` and :mod:`dplb.router.ownership`.
 
 Example::
 
@@ -41,6 +46,10 @@ Example::
     tokens_per_min = 200000
     max_concurrent = 64
     models = ["llama-3.1-8b", "lora-a"]
+
+    [tenants.ops]
+    api_key_sha256 = ["<hex sha256 of another key>"]
+    admin = true        # an operator's key: LoRA administration, every tenant's decisions
 """
 
 from __future__ import annotations
@@ -67,7 +76,7 @@ ANTICIPATION_S = 0.25
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _TENANT_KEYS = frozenset({"api_key_sha256", "weight", "priority", "requests_per_s", "tokens_per_min",
-                          "max_concurrent", "models"})
+                          "max_concurrent", "models", "admin"})
 _TOP_KEYS = frozenset({"tenants", "priorities", "fair_queue", "slo"})
 _SLO_KEYS = frozenset({"availability", "ttft_s", "ttft_target"})
 #: The inclusive range of every number of a tenants file. Outside it a value is almost surely a typo, and it would
@@ -99,7 +108,8 @@ class Tenant:
     """One tenant. ``weight``: its fair share relative to the others (> 0); ``priority``: its class;
     ``requests_per_s`` / ``tokens_per_min`` (prompt + generated tokens, reserved at admission as the prompt
     estimate + max_tokens: :mod:`dplb.router.limits`) / ``max_concurrent``: optional limits (None = none);
-    ``models``: the model ids it may use (None = all)."""
+    ``models``: the model ids it may use (None = all); ``admin``: its keys are operator keys (module docstring).
+    """
 
     name: str
     key_sha256: tuple[str, ...] = ()
@@ -109,6 +119,12 @@ class Tenant:
     tokens_per_min: float | None = None
     max_concurrent: int | None = None
     models: frozenset[str] | None = None
+    admin: bool = False
+
+    @property
+    def operator(self) -> bool:
+        """True for an operator's key (module docstring): ``admin = true``, or :data:`DEFAULT_TENANT`."""
+        return self.admin or self.name == DEFAULT_TENANT
 
     def may_use(self, model: Any) -> bool:
         """True when the model id ``model`` is allowed to this tenant (always without an allow-list). A request that
@@ -147,11 +163,13 @@ class TenantsConfig:
         return tuple(dict.fromkeys((*(t.name for t in self.tenants), DEFAULT_TENANT)))
 
     def summary(self) -> str:
-        """One phrase for logs and ``dplb tenants check``: the file's tenants and classes (``2 tenants, classes a,
-        b``); ``--api-key``'s tenant :data:`DEFAULT_TENANT`, when the router added it, is named apart, not
-        counted."""
+        """One phrase for logs and ``dplb tenants check``: the file's tenants, those with ``admin = true`` and the
+        classes (``3 tenants, admin ops, classes a, b``); ``--api-key``'s tenant :data:`DEFAULT_TENANT`, when the
+        router added it, is named apart, not counted."""
         n = sum(t.name != DEFAULT_TENANT for t in self.tenants)
         extra = f" (plus --api-key's tenant {DEFAULT_TENANT})" if n < len(self.tenants) else ""
+        admins = [t.name for t in self.tenants if t.admin]
+        extra += f", admin {', '.join(admins)}" if admins else ""
         return f"{n} tenant{'' if n == 1 else 's'}{extra}, classes {', '.join(self.classes)}"
 
     def by_name(self, name: str) -> Tenant | None:
@@ -220,6 +238,9 @@ def _tenant(path: str, name: str, raw: Any, classes: tuple[str, ...], seen: dict
     if models == []:
         raise ConfigError(f"{where}.models is empty: every request of the tenant would be refused (403); leave "
                           "models out to allow every model, or list the allowed ids (models = [\"llama-3.1-8b\"])")
+    admin = raw.get("admin", False)
+    if not isinstance(admin, bool):
+        raise ConfigError(f"{where}.admin must be true or false, got {admin!r}")
     limits: dict[str, Any] = {}
     for key in ("requests_per_s", "tokens_per_min", "max_concurrent"):
         if key in raw:
@@ -227,7 +248,7 @@ def _tenant(path: str, name: str, raw: Any, classes: tuple[str, ...], seen: dict
     if "max_concurrent" in limits:
         limits["max_concurrent"] = int(limits["max_concurrent"])
     return Tenant(name, tuple(h.lower() for h in hashes), _number(f"{where}.weight", raw.get("weight", 1.0), "weight"),
-                  priority, models=frozenset(models) if models is not None else None, **limits)
+                  priority, models=frozenset(models) if models is not None else None, admin=admin, **limits)
 
 
 def _slos(path: str, raw: Any, classes: tuple[str, ...]) -> dict[str, Slo]:

@@ -48,6 +48,16 @@ def test_a_valid_file_loads_with_defaults_and_lookup_finds_the_key(tmp_path) -> 
     assert tc.slos["interactive"].availability == 0.999 and tc.slos["interactive"].ttft_s == 0.5
 
 
+def test_operators_are_the_admin_tenants_and_the_api_keys_default_and_the_check_names_them() -> None:
+    tc = parse_tenants("t.toml", doc(ops={"api_key_sha256": [H1], "admin": True, "models": ["m"]},
+                                     team={"api_key_sha256": [H2], "admin": False}))
+    ops, team = tc.by_name("ops"), tc.by_name("team")
+    assert ops is not None and ops.admin and ops.operator
+    assert team is not None and not team.admin and not team.operator
+    assert Tenant("default").operator  # --api-key's tenant, and every request of a router without keys
+    assert tc.summary() == "2 tenants, admin ops, classes default"
+
+
 def test_reserve_holds_slots_per_less_urgent_class() -> None:
     tc = parse_tenants("t.toml", {"priorities": {"order": ["a", "b", "c"], "reserve": 2},
                                   **doc(x={"api_key_sha256": [H1], "priority": "c"})})
@@ -97,6 +107,9 @@ def test_reserve_holds_slots_per_less_urgent_class() -> None:
     ({"fair_queue": {"anticipation_s": 250}, **doc(a={"api_key_sha256": [H1]})},
      "fair_queue.anticipation_s must be a number from 0 to 1, got 250"),
     ({"fair_queue": {"idle_s": 1}, **doc(a={"api_key_sha256": [H1]})}, "fair_queue takes"),
+    # admin grants operator rights (LoRA administration, every decision): only a TOML boolean says so.
+    (doc(a={"api_key_sha256": [H1], "admin": "true"}), "tenants.a.admin must be true or false, got 'true'"),
+    (doc(a={"api_key_sha256": [H1], "admin": 1}), "tenants.a.admin must be true or false, got 1"),
 ])
 def test_a_bad_file_is_one_line_naming_the_file_and_key(document: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -1,7 +1,7 @@
 """Tenants in a router group (``--processes 2``) with real processes and real signals: a bad tenants file on disk
 never takes the group down (a restarted process starts on the last good copy, the supervisor never stops a
 serving sibling for a failing one), and siblings authenticate to each other when the group merges
-``/debug/decisions`` and ``/metrics``."""
+``/debug/decisions`` and ``/metrics`` (a keyed ``/metrics`` answering only an operator's key)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dplb.tenants import LAST_GOOD_NAME
-from tests.cluster import Cluster, cluster, group_children, post, wait_for
+from dplb.router.privileges import TENANT_DECISION_FIELDS
+from dplb.tenants import LAST_GOOD_NAME, hash_key
+from tests.cluster import Cluster, assert_openai_error, cluster, group_children, post, wait_for
 from tests.test_tenants_cluster import auth, chat, write_tenants
 
 pytestmark = pytest.mark.timeout(120)
+OPS_KEY = "ops-key"
 
 
 def _wait_group(c: Cluster, timeout: float = 30) -> dict[int, int]:
@@ -90,17 +92,32 @@ def test_a_process_that_cannot_start_never_stops_its_serving_sibling(tmp_path: P
 
 def test_siblings_authenticate_to_each_other(tmp_path: Path) -> None:
     """/debug/decisions (and /metrics when it needs a key) of a group with tenants holds every process's part,
-    and no sibling answers the merge with a 401."""
-    tf = write_tenants(tmp_path / "tenants.toml")
+    and no sibling answers the merge with a 401. A keyed /metrics (and /metrics/host) names every tenant's traffic
+    and every worker's load: any tenant's key read it; now only an operator's key does (here an ``admin`` tenant),
+    a tenant's key gets 403 ``admin_only``, and a tenant's decisions are its own view on every process."""
+    tf = write_tenants(tmp_path / "tenants.toml", f"""
+[tenants.ops]
+api_key_sha256 = ["{hash_key(OPS_KEY)}"]
+priority = "batch"
+admin = true
+""")
     with cluster(str(tmp_path), 1, router_args=["--tenants", tf, "--processes", "2",
                                                      "--api-key-exempt", "/health,/ready"]) as c:
         _wait_group_keyed(c)
         _all_ok(c, 30)
-        h = auth("chat")
+        h, ops = auth("chat"), {"authorization": f"Bearer {OPS_KEY}"}
         got = httpx.get(c.url + "/debug/decisions?limit=100", headers=h, timeout=10)
         assert got.status_code == 200, got.text
         assert {d["process"] for d in got.json()} == {0, 1}, got.json()
-        text = httpx.get(c.url + "/metrics", headers=h, timeout=10).text
+        assert {k for d in got.json() for k in d} == {*TENANT_DECISION_FIELDS, "process"}, got.json()[0]
+        whole = httpx.get(c.url + "/debug/decisions?limit=100", headers=ops, timeout=10).json()
+        assert {d["process"] for d in whole} == {0, 1} and all("candidates" in d for d in whole), whole[0]
+        for path in ("/metrics", "/metrics/host"):
+            for _ in range(4):  # new connections: both processes refuse
+                r = httpx.get(c.url + path, headers={**h, "connection": "close"}, timeout=10)
+                assert_openai_error(r, 403, "admin_only")
+            assert httpx.get(c.url + path, headers=ops, timeout=10).status_code == 200
+        text = httpx.get(c.url + "/metrics", headers=ops, timeout=10).text
         assert 'dplb_router_processes{state="answered"} 2.0' in text
         assert 'code="401"' not in text and 'status="401"' not in text, [
             ln for ln in text.splitlines() if "401" in ln]

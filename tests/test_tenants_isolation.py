@@ -1,10 +1,13 @@
 """Tenant isolation on a real router with real sim workers (docs/DESIGN.md §15, README "Tenants, priorities and the
 fair queue"): a ``models`` allow-list holds on every proxied route whatever the body says of the model (none,
 ``null``, ``""``, a number, a multipart form written to mislead), a restricted tenant learns only its own models
-and its own routing decisions, and the router's words agree with ``dplb tenants check`` and its own headers.
+and its own routing decisions (not the other tenants' load on the workers), LoRA administration is an operator's,
+a stored response answers only the tenant that created it, and the router's words agree with ``dplb tenants
+check`` and its own headers.
 
 Two workers with different default models: worker 0 serves ``dplb-sim`` (+ adapter ``lora-a``), worker 1
-``other-base`` (+ ``lora-b``); ``--api-key`` is the admin (tenant ``default``)."""
+``other-base`` (+ ``lora-b``); ``--api-key`` is the admin (tenant ``default``); tenant ``ops`` has ``admin = true``
+with an allow-list (an adapter-publishing key scoped to its adapters)."""
 
 from __future__ import annotations
 
@@ -20,11 +23,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dplb.router.privileges import TENANT_DECISION_FIELDS
 from dplb.router.routes import PROXY_ROUTES
 from dplb.tenants import hash_key
 from tests.cluster import Cluster, assert_openai_error, cluster, post, wait_for
 
-KEYS = {"lora": "lora-key", "base": "base-key", "open": "open-key", "limited": "limited-key"}
+KEYS = {"lora": "lora-key", "base": "base-key", "open": "open-key", "limited": "limited-key", "ops": "ops-key"}
 ADMIN = "admin-key"
 SERVED = {"dplb-sim", "lora-a", "other-base", "lora-b"}
 JSON_ROUTES = sorted(r.path for (m, _), r in PROXY_ROUTES.items() if r.body == "json")
@@ -58,6 +62,11 @@ api_key_sha256 = ["{hash_key(KEYS['open'])}"]
 [tenants.limited]
 api_key_sha256 = ["{hash_key(KEYS['limited'])}"]
 requests_per_s = 2
+
+[tenants.ops]
+api_key_sha256 = ["{hash_key(KEYS['ops'])}"]
+admin = true
+models = ["gone-lora"]
 """)
     with cluster(str(tmp), 2, worker_args={0: ["--sim-lora-adapters", "lora-a"],
                                            1: ["--model", "other-base", "--sim-lora-adapters", "lora-b"]},
@@ -175,31 +184,58 @@ def test_a_restricted_tenant_learns_only_its_models_and_its_decisions(iso: tuple
     assert {"open", "lora", "base"} <= {d["tenant"] for d in every}
     assert sorted(d["tenant"] for d in every if d["request_id"] == "same-id") == ["lora", "open"]
 
-    # The LoRA fan-out reaches every worker: a restricted tenant may touch only the adapters its list names.
-    r = post(c, "/v1/unload_lora_adapter", {"lora_name": "lora-b"}, headers=auth("lora"))
-    assert_openai_error(r, 403, "model_not_allowed")
-    assert "lora-b" in {m["id"] for m in httpx.get(c.url + "/v1/models", headers=auth("admin"), timeout=5)
-                        .json()["data"]}
-    r = post(c, "/v1/load_lora_adapter", {"lora_name": "gone-lora", "lora_path": "/x"}, headers=auth("lora"))
+
+
+def served(c: Cluster) -> set[str]:
+    return {m["id"] for m in httpx.get(c.url + "/v1/models", headers=auth("admin"), timeout=5).json()["data"]}
+
+
+def test_lora_administration_is_an_operators(iso: tuple[Cluster, Path]) -> None:
+    """The fan-out reaches every worker, and an adapter serves every tenant that lists it: tenant ``open`` (no
+    allow-list) unloaded ``lora-b`` from under everyone (200), and any tenant could replace an adapter or make the
+    workers read a path of its choosing. Now only an operator's key administers adapters — the router's
+    ``--api-key`` any adapter, an ``admin = true`` tenant with an allow-list only the adapters it names — and every
+    other tenant's key is 403 ``admin_only`` before anything about the workers is said."""
+    c, _ = iso
+    for tenant in ("open", "lora", "base"):
+        for path, body in (("/v1/unload_lora_adapter", {"lora_name": "lora-b"}),
+                           ("/v1/unload_lora_adapter", {"lora_name": "lora-a"}),  # in lora's own list
+                           ("/v1/load_lora_adapter", {"lora_name": "lora-x", "lora_path": "/etc"})):
+            r = post(c, path + "?workers=9", body, headers=auth(tenant))  # refused before the bad ?workers= 400
+            assert_openai_error(r, 403, "admin_only")
+            assert r.json()["error"]["message"].startswith(f"tenant {tenant} may not load or unload LoRA adapters")
+    assert {"lora-a", "lora-b"} <= served(c) and "lora-x" not in served(c)
+
+    r = post(c, "/v1/unload_lora_adapter", {"lora_name": "lora-b"}, headers=auth("ops"))
+    assert_openai_error(r, 403, "model_not_allowed")  # a scoped operator: only the adapters its list names
+    assert "lora-b" in served(c)
+    r = post(c, "/v1/load_lora_adapter", {"lora_name": "gone-lora", "lora_path": "/x"}, headers=auth("ops"))
     assert r.status_code == 200 and r.json()["object"] == "dplb.fanout", r.text
-    r = post(c, "/v1/unload_lora_adapter", {"lora_name": "gone-lora"}, headers=auth("lora"))
+    assert "gone-lora" in served(c)
+    r = post(c, "/v1/unload_lora_adapter", {"lora_name": "gone-lora"}, headers=auth("ops"))
     assert r.status_code == 200, r.text
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "lora-y", "lora_path": "/y"}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "lora-y"})):  # --api-key: any adapter
+        r = post(c, path, body, headers=auth("admin"))
+        assert r.status_code == 200, r.text
+    assert "lora-y" not in served(c) and {"lora-a", "lora-b"} <= served(c)
 
 
 def test_the_tenant_count_and_the_rate_limit_message_agree_with_the_check_and_the_headers(
         iso: tuple[Cluster, Path]) -> None:
-    """The reload line counted --api-key's tenant (5 against `dplb tenants check`'s 4) and the first start logged
-    nothing; a 429 said "retry in 168ms" beside a reset header of 968ms."""
+    """The reload line counted --api-key's tenant (6 against `dplb tenants check`'s 5) and the first start logged
+    nothing; both name the admin tenants; a 429 said "retry in 168ms" beside a reset header of 968ms."""
     c, tf = iso
     check = subprocess.run([sys.executable, "-m", "dplb.cli", "tenants", "check", str(tf)], capture_output=True,
                            text=True, timeout=60, env=c.env())
-    assert check.stdout == f"{tf}: OK (4 tenants, classes default)\n", check.stderr
+    assert check.stdout == f"{tf}: OK (5 tenants, admin ops, classes default)\n", check.stderr
     log = Path(c.run_dir, "router.log")
-    assert f"tenants file {tf} loaded: 4 tenants (plus --api-key's tenant default), classes default" in log.read_text()
+    assert (f"tenants file {tf} loaded: 5 tenants (plus --api-key's tenant default), admin ops, classes "
+            "default") in log.read_text()
     assert c.router is not None
     c.router.send_signal(signal.SIGHUP)
-    wait_for(lambda: f"tenants file {tf} reloaded: 4 tenants (plus --api-key's tenant default), classes default"
-             in log.read_text(), 10, "the reload line")
+    wait_for(lambda: f"tenants file {tf} reloaded: 5 tenants (plus --api-key's tenant default), admin ops, "
+             "classes default" in log.read_text(), 10, "the reload line")
 
     time.sleep(1.1)  # the bucket of `limited` (2 requests/s) is full
     codes = [post(c, "/v1/chat/completions", chat(model="dplb-sim"), headers=auth("limited")) for _ in range(3)]
@@ -283,8 +319,98 @@ def test_a_tenants_decisions_do_not_tell_whether_another_tenant_sent_a_prompt(is
     assert "prefix_outcome" in admin and "preferred" in admin, admin
     assert w0["worker"] == 0 and w0["prefix_matched_blocks"] == w0["prefix_blocks"] > 0, w0
     seen = guess("base")
-    assert "prefix_outcome" not in seen and "preferred" not in seen, seen
-    for cand in seen["candidates"]:
-        assert "prefix" not in cand["terms"] and "score" not in cand, cand
-        assert not [k for k in cand if k.startswith("prefix")], cand
+    assert "prefix_outcome" not in seen and "preferred" not in seen and "candidates" not in seen, seen
+    assert not [k for k in seen if k.startswith("prefix")], seen
     assert seen["worker"] == admin["worker"] and seen["tenant"] == "base"
+
+
+def test_a_tenants_decisions_do_not_show_the_load_of_the_other_tenants(iso: tuple[Cluster, Path]) -> None:
+    """Tenant ``open`` holds a long stream on worker 0; tenant ``base``'s next decision carried every candidate's
+    live load (``queue``, ``num_running``, ``correction``, KV use…): ``open``'s stream in worker 0's ``queue``,
+    so a tenant could watch the others' traffic rise and fall. A tenant's key now reads of its own decisions only
+    when, which request, which worker served it, why and the policy; the admin still reads the candidates, and
+    sees the other tenant's stream in them."""
+    c, _ = iso
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", c.url + "/v1/chat/completions", headers=auth("open"),
+            json=chat(model="dplb-sim", stream=True, max_tokens=2000)) as held:
+        assert held.status_code == 200 and held.headers["x-sg-worker-id"] == "0"
+        chunks = held.iter_raw()  # kept: a dropped iterator closes the response (the client leaves)
+        next(chunks)  # the stream is under way; wait until worker 0 publishes it running (the router's own
+        # in-flight correction is dropped by the first snapshot after the send, which may not count it yet)
+        wait_for(lambda: (c.metric("dplb_worker_requests_running", {"worker": "0"}) or 0) >= 1, 10, "the stream")
+        r = post(c, "/v1/chat/completions", chat(model="dplb-sim"), headers={**auth("base"), "x-request-id": "watch"})
+        assert r.status_code == 200, r.text
+
+        def watch(tenant: str) -> dict:
+            got = httpx.get(c.url + "/debug/decisions?limit=256", headers=auth(tenant), timeout=5)
+            assert got.status_code == 200, got.text
+            return next(d for d in got.json() if d["request_id"] == "watch")
+
+        whole = watch("admin")
+        w0 = next(cand for cand in whole["candidates"] if cand["worker"] == 0)
+        assert w0["queue"] >= 1 and w0["num_running"] >= 1, w0  # open's stream, in base's decision
+        for tenant in ("base", "ops"):  # an admin tenant's key is an operator's
+            seen = watch(tenant)
+            if tenant == "ops":
+                assert seen == whole
+                continue
+            assert sorted(seen) == sorted(TENANT_DECISION_FIELDS), seen
+            assert (seen["worker"], seen["reason"], seen["tenant"]) == (0, whole["reason"], "base"), seen
+
+
+
+def test_a_stored_response_answers_only_the_tenant_that_created_it(iso: tuple[Cluster, Path]) -> None:
+    """The router sends ``GET /v1/responses/{id}``, ``…/cancel`` and ``previous_response_id`` to the worker that
+    created the response, for anyone: tenant ``base`` holding ``open``'s id (a leaked one, or a client-chosen
+    ``request_id`` it guessed) read ``open``'s stored answer, continued ``open``'s conversation with
+    ``previous_response_id``, and — creating a response under ``open``'s id as its ``request_id`` — replaced it, so
+    that ``open`` read ``base``'s words back. Now each id is bound to the tenant that created it: another tenant gets
+    vLLM's own 404 (409 for the request_id), an id the router cannot tell the creator of is refused too (fail
+    closed), and the operators (``--api-key``, an ``admin`` tenant) may read any."""
+    c, _ = iso
+
+    def create(tenant: str, **extra: object) -> dict:
+        r = post(c, "/v1/responses", {"model": "dplb-sim", "input": "open's secret plan", "max_output_tokens": 3,
+                                      **extra}, headers=auth(tenant))
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def get(tenant: str, rid: str) -> httpx.Response:
+        return httpx.get(c.url + f"/v1/responses/{rid}", headers=auth(tenant), timeout=10)
+
+    mine = create("open")
+    guessable = create("open", request_id="chat-1")
+    with httpx.stream("POST", c.url + "/v1/responses", headers=auth("open"), timeout=30, json={
+            "model": "dplb-sim", "input": "x", "max_output_tokens": 3, "stream": True}) as s:
+        lines = list(s.iter_lines())  # read to the end: a stream left early is aborted, not stored
+    streamed = next(json.loads(ln[6:])["response"]["id"] for ln in lines if '"response.created"' in ln)
+    odd = create("open", request_id="chat 2!")  # no id of the LRU's pattern: never pinned, routed by score
+    ids = [mine["id"], guessable["id"], streamed, odd["id"]]
+    for rid in ids:
+        own = get("open", rid)
+        assert own.status_code == 200 or rid == odd["id"], own.text  # (odd: whichever worker the score picks)
+        for tenant in ("base", "lora"):
+            r = get(tenant, rid)
+            assert_openai_error(r, 404, "response_not_found")
+            assert r.json()["error"]["message"] == f"Response with id '{rid}' not found.", r.text
+            assert "x-sg-worker-id" not in r.headers  # the router answered: no worker saw it
+            r = httpx.post(c.url + f"/v1/responses/{rid}/cancel", headers=auth(tenant), timeout=10)
+            assert_openai_error(r, 404, "response_not_found")
+        r = post(c, "/v1/responses", {"model": "dplb-sim", "input": "and then?", "previous_response_id": rid},
+                 headers=auth("base"))
+        assert_openai_error(r, 404, "response_not_found")
+        r = post(c, "/v1/responses", {"model": "dplb-sim", "input": "injected", "request_id": rid},
+                 headers=auth("base"))
+        assert_openai_error(r, 409, "response_id_in_use")
+    for tenant in ("admin", "ops"):  # operators read any
+        assert get(tenant, mine["id"]).json()["output"] == mine["output"]
+    assert get("open", guessable["id"]).json()["output"] == guessable["output"]  # not replaced by base's
+    follow = post(c, "/v1/responses", {"model": "dplb-sim", "input": "and then?", "previous_response_id": mine["id"],
+                                       "max_output_tokens": 2}, headers=auth("open"))
+    assert follow.status_code == 200 and follow.json()["previous_response_id"] == mine["id"], follow.text
+    # An id the router does not know (forgotten, another router process's, a guess): refused to a tenant; an
+    # operator's request goes to a worker, which answers its own 404.
+    assert_openai_error(get("open", "resp_" + "0" * 32), 404, "response_not_found")
+    r = get("admin", "resp_" + "0" * 32)
+    assert r.status_code == 404 and "x-sg-worker-id" in r.headers, r.text

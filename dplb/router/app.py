@@ -12,10 +12,12 @@ Contract (docs/DESIGN.md §4, §6)
   draining, else 503. ``GET /metrics``: Prometheus text; ``GET /metrics/host``: the host load report's families
   alone (:mod:`dplb.router.host_report`). ``GET /debug/decisions?limit=N``: the last N decisions with every candidate's
   inputs, terms and score (N at most the decisions kept, else 400 naming ``limit``; a tenant's key: its own,
-  without the prefix-derived fields). ``HEAD`` on every ``GET`` route answers like ``GET`` without a body; a wrong
-  method is 405 ``method_not_allowed`` naming the allowed ones, as in its ``Allow`` header (``GET, HEAD, OPTIONS``).
+  each reduced to the chosen worker and why: :mod:`dplb.router.privileges`). ``HEAD`` on every ``GET`` route
+  answers like ``GET`` without a body; a wrong method is 405 ``method_not_allowed`` naming the allowed ones, as in
+  its ``Allow`` header (``GET, HEAD, OPTIONS``).
 - ``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: fanned out to the workers
-  (:mod:`dplb.router.fanout`) with ``--allow-runtime-lora``, else 404 ``route_disabled``.
+  (:mod:`dplb.router.fanout`) with ``--allow-runtime-lora``, else 404 ``route_disabled``; with keys, an
+  operator's key only (:mod:`dplb.router.privileges`).
 - CORS (``--cors-allowed-origins``, off by default): Litestar's CORS config answers preflights (``OPTIONS`` with
   ``Origin``, before the API key check, on every path) and adds the headers to local routes; proxied responses get
   the same headers from the same config.

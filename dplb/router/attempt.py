@@ -381,7 +381,7 @@ class Attempt:
         if not capture or self.status >= 300:
             return None
         if isinstance(capture, str):
-            self.up.response_ids.remember(capture, self.worker)
+            self.up.response_ids.remember(capture, self.worker, self.ex)
             return None
         return b""
 
@@ -390,7 +390,7 @@ class Attempt:
         after :data:`_CAPTURE_MAX` bytes, else return ``head`` to keep looking."""
         rid = response_id(head)
         if rid is not None:
-            self.up.response_ids.remember(rid, self.worker)
+            self.up.response_ids.remember(rid, self.worker, self.ex)
             return None
         return head if len(head) < _CAPTURE_MAX else None
 

@@ -7,12 +7,13 @@ served models, host report, the proxy's tenant gate, CORS) from the router it is
 method is 405 ``method_not_allowed`` naming the allowed methods, with an ``Allow`` that lists ``HEAD`` beside
 ``GET``; an unknown path 404 ``not_found``; any other exception a logged 500 ``internal_error`` without internals.
 
-Tenant isolation (:func:`caller`): a tenant with a ``models`` allow-list sees only its models in ``/v1/models``,
-``/v1/models/{model}`` and their 404, and may load or unload through the fan-out only an adapter its list names
-(403 ``model_not_allowed``); ``/debug/decisions`` shows a tenant's key only its own tenant's decisions, without
-the fields drawn from the prefix index every tenant shares (:func:`without_prefix`: they would say whether another
-tenant sent a prompt), while ``--api-key``'s key (tenant ``default``) and a router without keys see every
-tenant's, whole.
+Tenant isolation (:func:`caller`; the rules are :mod:`dplb.router.privileges`): a tenant with a ``models``
+allow-list sees only its models in ``/v1/models``, ``/v1/models/{model}`` and their 404; the LoRA fan-out is an
+operator's (``--api-key``'s key, a tenant with ``admin = true``; an operator with a ``models`` list only for the
+adapters it names); ``/debug/decisions`` shows a tenant's key only its own tenant's decisions, each without the
+other workers' load and the shared prefix index's verdict (:func:`dplb.router.privileges.decision_view`); a keyed
+``/metrics`` or ``/metrics/host`` only to an operator's key. Operators, and every caller of a router without
+keys, see everything, whole.
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_gener
 from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind, error_body, openai_error_body
 from dplb.obs.metrics_router import RouterMetrics
-from dplb.router.fanout import fan_out, lora_name, parse_workers
+from dplb.router.fanout import fan_out, parse_workers
 from dplb.router.host_report import HostReporter
 from dplb.router.models import ServedModels
+from dplb.router.privileges import decision_view, lora_refusal, operator_refusal
 from dplb.router.proxy import Proxy
 from dplb.router.siblings import SCOPE_PROCESS, fetch_siblings, merge_decisions, merge_metrics
 from dplb.router.state import RouterState
 from dplb.router.upstream import UpstreamPool
-from dplb.tenants import DEFAULT_TENANT, Tenant
+from dplb.tenants import Tenant
 
 log = logging.getLogger("dplb.router")
 _TEXT_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
@@ -85,8 +87,16 @@ def build_local_app(app: RouterParts) -> Litestar:
                 if panic else ""), cfg.retry_after_s)
         return Response({"ready": True, "routable_workers": ws, "shm_segment_present": state.segment is not None})
 
+    def operator_only(request: Request[Any, Any, Any]) -> Response[bytes] | None:
+        """The 403 of a non-operator tenant's key on an operator's route that needs a key (module docstring)."""
+        path = request.scope["path"]
+        why = None if path in cfg.public_paths else operator_refusal(caller(request), path)
+        return _error(*why) if why is not None else None
+
     @get("/metrics")
     async def metrics_endpoint(request: Request[Any, Any, Any]) -> Response[bytes]:
+        if (refused := operator_only(request)) is not None:
+            return refused
         source: Any = metrics.registry
         # A group answers for all its processes (dplb.router.siblings); ?scope=process for this one alone.
         if cfg.processes > 1 and request.query_params.get("scope") != SCOPE_PROCESS:
@@ -103,7 +113,9 @@ def build_local_app(app: RouterParts) -> Litestar:
         return Response(generate_latest(source), media_type=_TEXT_TYPE)
 
     @get("/metrics/host", sync_to_thread=False)
-    def host_metrics() -> Response[bytes]:
+    def host_metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
+        if (refused := operator_only(request)) is not None:
+            return refused
         # The host report's families only (the Endpoint Picker's metrics-data-source `path`): a few hundred
         # bytes from the stored report, whatever the worker count; the same for every process of a group.
         return Response(generate_latest(app.host_registry), media_type=_TEXT_TYPE)
@@ -160,6 +172,10 @@ def build_local_app(app: RouterParts) -> Litestar:
         if not cfg.allow_runtime_lora:
             return _error(RouterErrorKind.ROUTE_DISABLED, f"{request.url.path} is off; start the router with "
                           "--allow-runtime-lora (and the vLLM workers with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
+        body = await request.body()
+        why = lora_refusal(caller(request), body)  # before anything about the workers is said
+        if why is not None:
+            return _error(*why)
         try:
             chosen = parse_workers(request.query_params.get("workers"), state.num_workers)
         except ValueError as e:
@@ -167,14 +183,6 @@ def build_local_app(app: RouterParts) -> Litestar:
         ks = chosen if chosen is not None else state.routable_workers()
         if not ks:
             return _error(RouterErrorKind.NONE_ROUTABLE, "no worker is ready", cfg.retry_after_s)
-        body = await request.body()
-        tenant = caller(request)
-        if tenant is not None and tenant.models is not None:
-            name = lora_name(body)
-            if not tenant.may_use(name):
-                return _error(RouterErrorKind.MODEL_NOT_ALLOWED, f"tenant {tenant.name} may load or unload only "
-                              f"the adapters its models list names ({', '.join(sorted(tenant.models))}), not "
-                              f"`{name}`")
         status, body = await fan_out(pool, served, ks, request.url.path, body, state.pid_of)
         return Response(body, status_code=status, media_type="application/json")
 
@@ -192,11 +200,11 @@ def build_local_app(app: RouterParts) -> Litestar:
         raw = request.query_params.get("limit")
         n = min(DECISIONS_LIMIT, most) if raw is None else _decisions_limit(raw, most)
         tenant = caller(request)
-        mine = None if tenant is None or tenant.name == DEFAULT_TENANT else tenant.name  # None: every tenant's
+        mine = None if tenant is None or tenant.operator else tenant.name  # None: every tenant's, whole
         items = [e for e in state.decisions if mine is None or e[2] == mine][-n:]
         own = [{"time": t, "request_id": rid, "tenant": who, **d.to_dict()} for t, rid, who, d in reversed(items)]
-        if mine is not None:  # the prefix index is every tenant's: its view would tell of other tenants' prompts
-            own = [without_prefix(d) for d in own]
+        if mine is not None:  # the candidates' load and the prefix index are every tenant's traffic
+            own = [decision_view(d) for d in own]
         if cfg.processes == 1:
             return own
         if request.query_params.get("scope") == SCOPE_PROCESS:
@@ -212,27 +220,6 @@ def build_local_app(app: RouterParts) -> Litestar:
 
 
 DECISIONS_LIMIT = 50  # /debug/decisions without ?limit=: the 50 most recent decisions
-
-#: The decision fields drawn from the prefix index all tenants share (``dplb.policy.decision.Decision.to_dict``):
-#: the worker that held the longest match and the hit/spill/miss outcome; per candidate every ``prefix_*`` input,
-#: the ``prefix`` term and the score it is part of.
-_PREFIX_FIELDS = ("preferred", "prefix_outcome")
-
-
-def without_prefix(entry: dict[str, Any]) -> dict[str, Any]:
-    """A ``/debug/decisions`` entry (``Decision.to_dict`` plus time, request id, tenant) without what the shared
-    prefix index says (:data:`_PREFIX_FIELDS`): shown to a tenant's key, those told whether any other tenant had
-    sent the same prompt (a miss, then a hit on the worker another tenant used). The weights stay (configuration)."""
-    out = {k: v for k, v in entry.items() if k not in _PREFIX_FIELDS}
-    cands = []
-    for c in entry.get("candidates") or ():
-        cand = {k: v for k, v in c.items() if not k.startswith("prefix") and k != "score"}
-        if isinstance(c.get("terms"), dict):
-            cand["terms"] = {k: v for k, v in c["terms"].items() if k != "prefix"}
-        cands.append(cand)
-    out["candidates"] = cands
-    return out
-
 
 def _decisions_limit(raw: str, most: int) -> int:
     """``?limit=`` of ``/debug/decisions``: a positive integer (decimal digits) up to ``most``, the decisions the
@@ -276,4 +263,4 @@ def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response
                     media_type="application/json")
 
 
-__all__ = ["DECISIONS_LIMIT", "RouterParts", "build_local_app", "without_prefix"]
+__all__ = ["DECISIONS_LIMIT", "RouterParts", "build_local_app"]

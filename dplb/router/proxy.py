@@ -32,7 +32,8 @@ Contract
 - Model-aware: a request naming a ``model`` goes only to workers serving it (:mod:`dplb.router.models`); when
   every worker's list is known and none has it: 404 ``model_not_found`` listing the served names.
 - ``/v1/responses``: the id of each created response is remembered with its worker (:class:`ResponseIds`);
-  ``GET /v1/responses/{id}``, ``POST …/{id}/cancel`` and a request with ``previous_response_id`` go to that worker.
+  ``GET /v1/responses/{id}``, ``POST …/{id}/cancel`` and a request with ``previous_response_id`` go to that worker
+  (with ``--tenants``, only for the tenant that created it: :mod:`dplb.router.ownership`).
 - With ``sse_keepalive_s``, an SSE response gets ``: keep-alive`` comment lines after that many seconds of worker
   silence, only between events.
 """
@@ -56,6 +57,7 @@ from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, watch_disconnect
 from dplb.router.intake import Rejected, check_head, form_models, read_body, receive_body
 from dplb.router.models import ServedModels
+from dplb.router.ownership import OwnedResponseIds
 from dplb.router.peek import Peek
 from dplb.router.routes import PROXY_PATHS, ResponseIds, allowed_methods, match
 from dplb.router.state import RouterState
@@ -85,11 +87,13 @@ class Proxy:
         self.state = state
         self.pool = pool
         self.models = models
-        self.response_ids = ResponseIds(cfg.response_ids)
+        # With tenants, each response id is bound to its tenant too (dplb.router.ownership).
+        owned = OwnedResponseIds(cfg.response_ids) if cfg.tenants_file is not None else None
+        self.response_ids = owned if owned is not None else ResponseIds(cfg.response_ids)
         self.metrics = state.metrics
         self.upstreams = Upstreams(cfg, state, pool, self.response_ids)
         # Tenants (the API key, --tenants), their limits, the fair queue and the usage ledger (docs/DESIGN.md §15).
-        self.gate = Gate(cfg, state, self.metrics.registry, self.upstreams.reject, models)
+        self.gate = Gate(cfg, state, self.metrics.registry, self.upstreams.reject, models, owned)
         self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.obs.tracing.make_tracer)
         self._tracing: Tracing | None = None
         self._req_skip = REQ_OWN

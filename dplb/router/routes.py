@@ -10,7 +10,8 @@ Contract
   (``--allow-runtime-lora``); :data:`NOT_ROUTED`: vLLM routes the router does not serve, each with the reason.
 - Request bodies: ``json`` (``Content-Type`` JSON or absent), ``multipart`` (``multipart/form-data``, audio uploads;
   the ``model`` form field is read for model filtering, the prefix key is none), ``none`` (GET).
-- :class:`ResponseIds` remembers which worker created which ``/v1/responses`` id.
+- :class:`ResponseIds` remembers which worker created which ``/v1/responses`` id (with ``--tenants``, also which
+  tenant: :mod:`dplb.router.ownership`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import collections
 import re
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +127,9 @@ class ResponseIds:
         self.capacity = capacity
         self._map: collections.OrderedDict[str, int] = collections.OrderedDict()
 
-    def remember(self, response_id: str, worker: int) -> None:
-        """``worker`` created ``response_id``."""
+    def remember(self, response_id: str, worker: int, ex: Any = None) -> None:
+        """``worker`` created ``response_id`` (``ex``, the creating request's exchange, is for
+        :class:`dplb.router.ownership.OwnedResponseIds`, which keeps its tenant)."""
         m = self._map
         m[response_id] = worker
         m.move_to_end(response_id)

@@ -11,7 +11,9 @@ Contract
   ``default`` too, with or without a tenants file.
 - :meth:`Gate.enter` (after the body is read): 403 ``model_not_allowed`` outside the tenant's ``models``
   (:mod:`dplb.router.allowlist`: every proxied route that runs a model; a request naming none is checked against
-  the worker's default model and routed only to workers whose default the tenant may use); 429 for
+  the worker's default model and routed only to workers whose default the tenant may use); 404/409 for a stored
+  response of another tenant (:mod:`dplb.router.ownership`: ``GET /v1/responses/{id}``, cancel,
+  ``previous_response_id``, a ``request_id`` already another tenant's); 429 for
   its ``max_concurrent`` and its rate limits (:mod:`dplb.router.limits`, exact ``Retry-After``; ``tokens_per_min``
   reserves the prompt estimate plus the body's output limit times its sequences (``n``/``best_of``), 400
   ``tokens_exceed_quota`` when that exceeds the whole quota; both come from the body peek:
@@ -67,6 +69,7 @@ from dplb.tenants import (
 if TYPE_CHECKING:
     from dplb.router.exchange import Exchange
     from dplb.router.models import ServedModels
+    from dplb.router.ownership import OwnedResponseIds
     from dplb.router.state import RouterState
 
 log = logging.getLogger("dplb.router.tenants")
@@ -80,10 +83,11 @@ class Gate:
     """Tenants, limits, fair queue and ledger of one router process (module docstring)."""
 
     def __init__(self, cfg: RouterConfig, state: RouterState, registry: Any, reject: Any,
-                 models: ServedModels) -> None:
+                 models: ServedModels, owners: OwnedResponseIds | None = None) -> None:
         self.cfg = cfg
         self.state = state
         self.models = models  # the workers' served and default models (allow-lists, model-less requests)
+        self.owners = owners  # each stored response's tenant (with a tenants file)
         self.reject = reject  # dplb.router.attempt.Upstreams.reject
         #: Whether requests go through the gate (module docstring): a tenants file, an API key or the access log.
         self.on = cfg.tenants_file is not None or bool(cfg.api_key) or cfg.access_log
@@ -149,11 +153,12 @@ class Gate:
         """Admit ``ex`` now, after waiting, or answer it (module docstring). False when it was answered."""
         tk: Ticket = ex.tenant
         t = tk.tenant
-        if t.models is not None:
-            why = model_refusal(ex, t, self.models)
-            if why is not None:
-                await self.reject(ex, *why)
-                return False
+        why = model_refusal(ex, t, self.models) if t.models is not None else None
+        if why is None and self.owners is not None:
+            why = self.owners.refusal(ex, t)
+        if why is not None:
+            await self.reject(ex, *why)
+            return False
         tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
         if t.max_concurrent is not None and self.active[t.name] >= t.max_concurrent:
             await self.reject(ex, RouterErrorKind.CONCURRENCY_LIMITED, f"tenant {t.name} has {t.max_concurrent} "
