@@ -153,12 +153,13 @@ class Gate:
         """Admit ``ex`` now, after waiting, or answer it (module docstring). False when it was answered."""
         tk: Ticket = ex.tenant
         t = tk.tenant
-        why = model_refusal(ex, t, self.models) if t.models is not None else None
-        if why is None and self.owners is not None:
-            why = self.owners.refusal(ex, t)
-        if why is not None:
-            await self.reject(ex, *why)
-            return False
+        if t.models is not None or self.owners is not None:  # an allow-list; stored responses (--tenants)
+            why = model_refusal(ex, t, self.models) if t.models is not None else None
+            if why is None and self.owners is not None:
+                why = self.owners.refusal(ex, t)
+            if why is not None:
+                await self.reject(ex, *why)
+                return False
         tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
         if t.max_concurrent is not None and self.active[t.name] >= t.max_concurrent:
             await self.reject(ex, RouterErrorKind.CONCURRENCY_LIMITED, f"tenant {t.name} has {t.max_concurrent} "
