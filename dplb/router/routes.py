@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from dplb.native import mypyc_attr
+
 
 @dataclass(frozen=True, slots=True)
 class Route:
@@ -117,6 +119,8 @@ def response_id(head: bytes) -> str | None:
     return m.group(1).decode() if m else None
 
 
+# Subclassed by dplb.router.ownership, which mypyc does not compile (with --tenants only): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ResponseIds:
     """Bounded LRU map response id → the worker that created it (``GET /v1/responses/{id}``, ``…/cancel`` and
     ``previous_response_id`` need that worker: vLLM keeps responses in the memory of the engine that made them).
