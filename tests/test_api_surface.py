@@ -302,6 +302,16 @@ def test_response_ids_are_bounded_and_codings_stack() -> None:
     for i in range(3):
         ids.remember(f"r{i}", i)
     assert ids.worker_of("r0") is None and ids.worker_of("r2") == 2 and len(ids) == 2
+    # A client-chosen request_id of any length would be kept capacity times over: ids past MAX_ID_CHARS are not.
+    from dplb.router.ownership import OwnedResponseIds
+    from dplb.router.routes import MAX_ID_CHARS
+
+    for table in (ResponseIds(4), OwnedResponseIds(4)):
+        table.remember("x" * (MAX_ID_CHARS + 1), 1)
+        table.remember("y" * MAX_ID_CHARS, 0)
+        assert len(table) == 1 and table.worker_of("y" * MAX_ID_CHARS) == 0
+        assert table.worker_of("x" * (MAX_ID_CHARS + 1)) is None
+    assert OwnedResponseIds(4).owner_of("x") is None
     assert decode_body(gzip.compress(zlib.compress(b"{}")), b"deflate, gzip", 10) == b"{}"
     with pytest.raises(Rejected) as e:
         decode_body(gzip.compress(b"x" * 11), b"gzip", 10)

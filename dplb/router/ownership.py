@@ -29,7 +29,7 @@ import collections
 from typing import Any
 
 from dplb.errors import RouterErrorKind
-from dplb.router.routes import RESPONSES_PREFIX, ResponseIds
+from dplb.router.routes import MAX_ID_CHARS, RESPONSES_PREFIX, ResponseIds
 from dplb.tenants import Tenant
 
 _RESPONSES = RESPONSES_PREFIX.rstrip("/")
@@ -46,6 +46,8 @@ class OwnedResponseIds(ResponseIds):
 
     def remember(self, response_id: str, worker: int, ex: Any = None) -> None:
         """``worker`` created ``response_id`` for ``ex``'s tenant (``ex``: the exchange of the creating request)."""
+        if len(response_id) > MAX_ID_CHARS:  # not kept (ResponseIds): its follow-ups are refused, unattributed
+            return
         super().remember(response_id, worker)
         tk = ex.tenant if ex is not None else None
         o = self._owner

@@ -109,7 +109,10 @@ def is_proxy_path(path: str) -> bool:
     return path in PROXY_PATHS or path.startswith(RESPONSES_PREFIX)
 
 
-_ID_RE = re.compile(rb'"id"\s*:\s*"([A-Za-z0-9._:\-]{1,256})"')
+#: The longest response id remembered (characters): vLLM's are ~40 (``resp_`` + a UUID's hex); a client-chosen
+#: ``request_id`` may be any length, and the map holds ``capacity`` of them, so a longer one is not kept.
+MAX_ID_CHARS = 256
+_ID_RE = re.compile(rb'"id"\s*:\s*"([A-Za-z0-9._:\-]{1,%d})"' % MAX_ID_CHARS)
 
 
 def response_id(head: bytes) -> str | None:
@@ -124,8 +127,9 @@ def response_id(head: bytes) -> str | None:
 class ResponseIds:
     """Bounded LRU map response id → the worker that created it (``GET /v1/responses/{id}``, ``…/cancel`` and
     ``previous_response_id`` need that worker: vLLM keeps responses in the memory of the engine that made them).
-    ``capacity`` ids (oldest forgotten first); a forgotten or unknown id is routed by the policy like any request
-    (the worker that does not have it answers its own 404)."""
+    ``capacity`` ids (oldest forgotten first) of at most :data:`MAX_ID_CHARS` characters (a longer one is not kept:
+    the map's memory stays bounded); a forgotten or unknown id is routed by the policy like any request (the worker
+    that does not have it answers its own 404)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -134,6 +138,8 @@ class ResponseIds:
     def remember(self, response_id: str, worker: int, ex: Any = None) -> None:
         """``worker`` created ``response_id`` (``ex``, the creating request's exchange, is for
         :class:`dplb.router.ownership.OwnedResponseIds`, which keeps its tenant)."""
+        if len(response_id) > MAX_ID_CHARS:
+            return
         m = self._map
         m[response_id] = worker
         m.move_to_end(response_id)
@@ -148,5 +154,5 @@ class ResponseIds:
         return len(self._map)
 
 
-__all__ = ["FANOUT_ROUTES", "LOCAL_ROUTES", "NOT_ROUTED", "PROXY_PATHS", "PROXY_ROUTES", "ResponseIds", "Route",
-           "is_proxy_path", "match", "response_id"]
+__all__ = ["FANOUT_ROUTES", "LOCAL_ROUTES", "MAX_ID_CHARS", "NOT_ROUTED", "PROXY_PATHS", "PROXY_ROUTES",
+           "ResponseIds", "Route", "is_proxy_path", "match", "response_id"]
