@@ -10,8 +10,9 @@
 #   2. bench_router.py (added latency vs direct at concurrency 1, requests/s and SSE ratios);
 #   3. bench_capacity.py: DPLB 1 process, DPLB 2 processes and the SGLang router (when sglang-router is
 #      installed) on the same fast sim workers, with enough clients and workers that the router is the limit.
-# With COMPILED_FROM=DIR (a folder of mypyc .so files built by scripts/build_native.sh for this Python, laid out
-# as under dplb/), steps 1 and 3 run again with those modules in place, then they are removed.
+# With COMPILED_FROM=DIR (a folder of mypyc .so files and the manifest built by scripts/build_native.sh for this
+# Python and this source, laid out as under dplb/), steps 1 and 3 run again with those modules in place, then they
+# are removed.
 # PYTHON picks the interpreter (default python3); dplb runs from this checkout (PYTHONPATH), so only the
 # dependencies must be installed. Sizes: CAP_CLIENTS (4), CAP_WORKERS (8), CAP_CONCURRENCY (256),
 # CAP_REQUESTS (6000 one-token requests a round), CAP_STREAMS (1500 SSE streams a round), CAP_ROUNDS (3),
@@ -43,14 +44,15 @@ step capacity "$PY" benchmarks/bench_capacity.py --targets dplb1,dplb2,sglang "$
     --json "$OUT_DIR/capacity.json"
 
 if [[ -n "${COMPILED_FROM:-}" ]]; then
-    (cd "$COMPILED_FROM" && find . -name '*.so' -print0) | while IFS= read -r -d '' f; do
-        cp "$COMPILED_FROM/$f" "$ROOT/$f"
-    done
+    # The .so files and the build's manifest (dplb/_hot_build.json): without it every dplb command refuses them.
+    (cd "$COMPILED_FROM" && find . \( -name '*.so' -o -name '_hot_build.json' \) -print0) \
+        | while IFS= read -r -d '' f; do cp "$COMPILED_FROM/$f" "$ROOT/$f"; done
     "$PY" -c "import dplb.native as n; print('compiled modules:', len(n.compiled_modules()))"
     step pick-compiled "$PY" benchmarks/bench_pick.py --iterations 20000 --json "$OUT_DIR/pick-compiled.json"
     step capacity-compiled "$PY" benchmarks/bench_capacity.py --targets dplb1,dplb2,sglang "${CAP[@]}" \
         --json "$OUT_DIR/capacity-compiled.json"
-    (cd "$COMPILED_FROM" && find . -name '*.so' -print0) | while IFS= read -r -d '' f; do rm -f "$ROOT/$f"; done
+    (cd "$COMPILED_FROM" && find . \( -name '*.so' -o -name '_hot_build.json' \) -print0) \
+        | while IFS= read -r -d '' f; do rm -f "$ROOT/$f"; done
 fi
 echo "=== summary"
 for f in pick router capacity pick-compiled capacity-compiled; do

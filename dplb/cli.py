@@ -5,7 +5,9 @@ Contract: argparse parses and validates into typed ``*Config`` objects once; a :
 printed as one clear message without a traceback (exit 2 for configuration errors, 1 otherwise), prefixed with
 the (sub)command given (``dplb tenants hash-key: error: …``); a usage error is one line too, naming the subcommand and
 its ``--help`` (exit 2). Subcommands
-import their modules lazily so ``dplb state`` stays fast and the router never imports engine code.
+import their modules lazily so ``dplb state`` stays fast and the router never imports engine code. Every command
+first refuses a compiled build that may not run (partial, or stale: :func:`dplb.native.refusal`; exit 1), before any
+of its modules is imported: this module imports none of :data:`dplb.native.HOT_MODULES`.
 """
 
 # ruff: noqa: E402  (the imports after the SIGINT guard come after it on purpose)
@@ -27,9 +29,9 @@ import logging
 import typing
 from collections.abc import Sequence
 
-from dplb import __version__
+from dplb import __version__, native
 from dplb.config import LOG_FORMAT, PREFIX_BLOCK_BYTES, STALL_AFTER_S, STALL_RESTART_AFTER_S
-from dplb.errors import DPLBError
+from dplb.errors import DPLBError, NativeBuildError
 from dplb.flags import flag_number, flag_port_or_off
 from dplb.stack import METRICS_HOST, METRICS_PORT_BASE
 
@@ -269,6 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if _ENTRY:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        # Before any subcommand's module (and so any compiled module) is imported: a partial build crashes.
+        problem = native.refusal()
+        if problem:
+            raise NativeBuildError(problem)
         parser = build_parser()
         args, rest = parser.parse_known_args(argv)
         leaf = _leaf_parser(parser, args)

@@ -58,6 +58,17 @@ def bind_error(host: str, port: int, err: OSError, flag: str = "--port", who: st
     return ConfigError(f"{what}: {reason}; pass another {flag}")
 
 
+class NativeBuildError(DPLBError):
+    """The compiled build (``scripts/build_native.sh``) in the package may not run: partial, or stale and not
+    accepted. The message is :meth:`dplb.native.Build.refusal`'s line: what is wrong and the two fixes."""
+
+
+class PluginError(DPLBError):
+    """A policy plugin broke the framework's contract at run time (a scorer's ``score`` returned something that is
+    not one number per candidate, a picker's ``pick`` not a ``(candidate, reason)`` pair): names the plugin, what it
+    returned and what it must return. The pick fails as it does when the plugin raises."""
+
+
 class ShmError(DPLBError):
     """Base class of shared-memory segment errors; ``path`` is the segment file involved."""
 

@@ -332,7 +332,8 @@ def test_doctor_cli_exit_code() -> None:
     assert r.returncode == 1, r.stdout + r.stderr
     checks = {c["name"]: c for c in json.loads(r.stdout)}
     assert checks["ports"]["status"] == "fail"
-    assert set(checks) == {"gpus", "plan", "model_memory", "shm", "stale_segments", "ports", "run_dir"}
+    assert set(checks) == {"gpus", "plan", "model_memory", "shm", "stale_segments", "ports", "run_dir", "build"}
+    assert checks["build"]["status"] == "pass", checks["build"]  # pure Python, or a whole current build
 
 
 def test_emit_systemd_keeps_every_router_flag_and_the_key_out_of_shared_files(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ Each check prints PASS/WARN/FAIL and, when it is not a pass, the fix. Exit code 
 | model too large / CUDA OOM   | ``model_memory`` (config.json weights vs per-GPU memory → TP)   |
 | missing shm / Docker         | ``shm`` (size and free space of /dev/shm; Docker's 64 MB)       |
 | GPU plan                     | ``gpus``, ``plan`` (TP × workers = GPUs)                        |
+| compiled build               | ``build`` (pure, or whole and current: :mod:`dplb.native`)      |
 
 Model memory estimate (weights only): parameters from config.json (Llama-style decoder: embeddings + per layer
 attention and MLP) × bytes per parameter of ``torch_dtype``; it needs headroom for the KV cache, so the check asks
@@ -24,6 +25,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 
+from dplb import native
 from dplb.errors import ConfigError
 from dplb.flags import flag_port, flag_port_or_off
 from dplb.ops.plan import plan_gpus
@@ -248,6 +250,24 @@ def check_run_dir(path: str) -> Check:
     return Check("run_dir", "pass", f"{path} is writable" if not made else f"{path} can be created")
 
 
+def check_build(build: native.Build | None = None) -> Check:
+    """Which build runs (default: this process's, :func:`dplb.native.build`): pure Python or a whole, current
+    compiled build pass; a partial one fails (every ``dplb`` command refuses it before this check could run, so
+    this is for a caller with another package directory), and so does a stale one, even run anyway
+    (``DPLB_ACCEPT_STALE_BUILD=1``)."""
+    b = build or native.build()
+    n = f"{len(b.compiled)}/{len(native.HOT_MODULES)} hot modules"
+    if b.pure:
+        return Check("build", "pass", "pure Python (scripts/build_native.sh compiles the hot path)")
+    if b.partial:
+        return Check("build", "fail", b.refusal(), native.FIXES)
+    if b.stale:
+        stale = ", ".join(f"dplb/{p}" for p in b.stale)
+        return Check("build", "fail", f"compiled ({n}) but stale: {stale} changed since the build; the compiled "
+                     f"modules run the old code", native.FIXES)
+    return Check("build", "pass", f"compiled ({n}; the manifest matches every .so and source)")
+
+
 def run_checks(args: argparse.Namespace) -> list[Check]:
     """Every check for these arguments."""
     gpus = discover_gpus()
@@ -265,12 +285,14 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         check_stale_segments(args.shm_dir),
         check_ports(args.host, ports),
         check_run_dir(args.run_dir or stack_run_dir(args.port)),
+        check_build(),
     ]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``dplb doctor``."""
-    p = sub.add_parser("doctor", help="pre-flight checks (GPUs, plan, model memory, /dev/shm, segments, ports)")
+    p = sub.add_parser("doctor", help="pre-flight checks (GPUs, plan, model memory, /dev/shm, segments, ports, "
+                       "compiled build)")
     p.add_argument("--model", help="local model directory to size against GPU memory")
     p.add_argument("--num-workers", type=int)
     p.add_argument("--tensor-parallel-size", type=int, default=1)

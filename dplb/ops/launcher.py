@@ -39,6 +39,7 @@ import sys
 import time
 import urllib.request
 
+from dplb import native
 from dplb.config import STALL_RESTART_AFTER_S
 from dplb.errors import ConfigError
 from dplb.flags import flag_number, flag_port_or_off
@@ -220,6 +221,7 @@ class Launcher:
               f"{', API key required' if self.args.api_key else ''})\n"
               + "".join(f"  {'cpus:' if i == 0 else '':9}{line}\n" for i, line in enumerate(self.placement.describe()))
               + f"  segment: {self.shm_path}   (dplb state --shm-path {self.shm_path})\n"
+              f"  build:   {native.describe()}\n"
               f"  logs:    {self.run_dir}/worker-K.log, {self.run_dir}/router.log (kept after exit)\n"
               f"  scrape:  {self.targets_path} (Prometheus file_sd: jobs dplb-router, dplb-workers; "
               f"stack=\"{self.args.stack_name}\")\n"

@@ -78,10 +78,12 @@ from dplb.policy.framework import (
     Scorer,
     build_scorers,
     clamp_unit,
+    plugin_pick,
+    plugin_scores,
 )
 from dplb.policy.fused import FastPick, FusedScores, prefix_span
 from dplb.policy.pickers import MaxScore
-from dplb.policy.plugins import PROFILES, validate
+from dplb.policy.plugins import BUILT_IN, PROFILES, validate
 from dplb.policy.scorers import _Query
 from dplb.state.shm import Lifecycle, WorkerState
 
@@ -130,6 +132,9 @@ class Policy:
         self._preparers = [p for p in self.plugins if type(p).prepare is not Plugin.prepare]
         self._noters = tuple(s for s in self.scorers if type(s).notes is not Scorer.notes)
         self._unbounded = tuple(j for j, s in enumerate(self.scorers) if not s.bounded)
+        #: The scorers (by index) and picker whose results the framework normalises: not built-in classes.
+        self._foreign = tuple(j for j, s in enumerate(self.scorers) if type(s) not in BUILT_IN)
+        self._foreign_picker = type(self.picker) not in BUILT_IN
         #: The built-in scorer set in two passes (None: another set, each scorer's ``score``; dplb.policy.fused).
         self._fused = FusedScores.of(self.scorers, self.weights)
         #: The picker when it is the plain max-score one: pick() lets it scan the rotated candidates (no list of the
@@ -324,7 +329,8 @@ class Policy:
             if dry_run:
                 return Decision(self.name, None, REASON_SCORE, cands, self.baseline_s, self.term_names, self.weights,
                                 None, self.scorers, ctx, columns)
-            chosen, reason = self.picker.pick(eligible, ctx)
+            chosen, reason = plugin_pick(self.picker, eligible, ctx) if self._foreign_picker \
+                else self.picker.pick(eligible, ctx)
         k = chosen.worker_id
         self._sent_at[k].append(now_mono_ns)
         for s in self._pickers_hooks:
@@ -371,11 +377,13 @@ class Policy:
         return d
 
     def _score(self, cands: list[Candidate], ctx: PickContext) -> list[list[float]]:
-        """The general path: each scorer's ``score`` (clamped unless ``bounded``), then :func:`set_scores`.
+        """The general path: each scorer's ``score`` (a plugin's normalised: :func:`plugin_scores`; clamped unless
+        ``bounded``), then :func:`set_scores`.
         Returns the columns."""
         columns = []
-        for s in self.scorers:
-            columns.append(s.score(cands, ctx))
+        foreign = self._foreign
+        for j, s in enumerate(self.scorers):
+            columns.append(plugin_scores(s, cands, ctx) if j in foreign else s.score(cands, ctx))
         for j in self._unbounded:  # the framework's guarantee: every term in [0, 1]
             columns[j] = clamp_unit(columns[j])
         set_scores(cands, columns, self.weights)

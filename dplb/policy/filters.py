@@ -18,6 +18,7 @@ from operator import attrgetter
 from typing import ClassVar
 
 from dplb.config import PolicyConfig
+from dplb.native import mypyc_attr
 from dplb.policy.decision import (
     OK,
     WHY_CANNOT_SERVE,
@@ -40,6 +41,8 @@ _READY = Lifecycle.READY
 _DRAINING = Lifecycle.DRAINING
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Registered(Filter):
     """The worker wrote its slot at least once (pid ≠ 0)."""
 
@@ -51,6 +54,8 @@ class Registered(Filter):
                 c.why = WHY_UNREGISTERED
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Consistent(Filter):
     """The slot read was not torn (seqlock retries exhausted)."""
 
@@ -62,6 +67,8 @@ class Consistent(Filter):
                 c.why = WHY_TORN
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Fresh(Filter):
     """Heartbeat younger than ``STALE_INTERVALS`` (3) × the state interval."""
 
@@ -78,6 +85,8 @@ class Fresh(Filter):
                 c.why = WHY_STALE
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Ready(Filter):
     """Lifecycle ``ready`` (not starting, warming, draining or stopped)."""
 
@@ -89,6 +98,8 @@ class Ready(Filter):
                 c.why = WHY_DRAINING if c.state.lifecycle == _DRAINING else WHY_NOT_READY
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class _NotIn(Filter):
     """Rejects candidates whose worker id is in a set of ids the context carries: ``ids(ctx)``, a getter of that
     :class:`PickContext` attribute (a C call, not a method)."""
@@ -104,6 +115,8 @@ class _NotIn(Filter):
                     c.why = why
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class NotHeldOut(_NotIn):
     """Not on heartbeat probation (the router's hysteresis: once stale, fresh again for 5 intervals first). The one
     filter panic routing lifts when nobody else can take the request (docs/DESIGN.md §5.1)."""
@@ -113,6 +126,8 @@ class NotHeldOut(_NotIn):
     ids = attrgetter("held")
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class NotEjected(_NotIn):
     """Not ejected by the router (refused a connection, or failed 3 responses in a row: a few seconds out)."""
 
@@ -121,6 +136,8 @@ class NotEjected(_NotIn):
     ids = attrgetter("ejected")
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class NotStalled(_NotIn):
     """Not stalled (requests outstanding, no engine progress for ``--stall-after``; :mod:`dplb.policy.stall`)."""
 
@@ -129,6 +146,8 @@ class NotStalled(_NotIn):
     ids = attrgetter("stalled")
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class NotTried(_NotIn):
     """Not already tried for this request (a retry goes to another worker)."""
 
@@ -138,6 +157,8 @@ class NotTried(_NotIn):
     ids = attrgetter("request.exclude")
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class CanServe(_NotIn):
     """Serves the request's model (and holds the response it names, if any): :mod:`dplb.router.models`."""
 
@@ -147,6 +168,8 @@ class CanServe(_NotIn):
     ids = attrgetter("request.cannot_serve")
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class UnderHardCap(Filter):
     """Queue (with the in-flight correction) below ``hard_queue_cap`` (0 = no cap)."""
 

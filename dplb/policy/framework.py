@@ -38,13 +38,15 @@ Adding a scorer: a class with ``name`` and ``score`` in one file, plus one line 
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set, Sized
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dplb.config import PolicyConfig
-from dplb.errors import ConfigError
+from dplb.errors import ConfigError, PluginError
 from dplb.native import mypyc_attr
 from dplb.policy.decision import Candidate
 from dplb.state.shm import WorkerState
@@ -243,6 +245,64 @@ class Scorer(Plugin):
 def clamp_unit(column: list[float]) -> list[float]:
     """``column`` with every value clamped into [0, 1]; NaN → 0."""
     return [v if 0.0 <= v <= 1.0 else (1.0 if v > 1.0 else 0.0) for v in column]
+
+
+def plugin_scores(scorer: Scorer, cands: list[Candidate], ctx: PickContext) -> list[float]:
+    """``scorer.score(cands, ctx)`` for a scorer whose code the framework does not own (a plugin's, or a plugin's
+    subclass of a built-in): any sequence of one real number per candidate (list, tuple, array; ints, bools, numpy
+    numbers) becomes the framework's list of floats; the clamp of unbounded scorers applies after, as for every
+    scorer. Anything else (not a sized iterable, a str or mapping or set, another length, a value that is not a
+    real number) raises :class:`PluginError` saying what it returned, logged once per scorer at ERROR: the pick
+    fails as it does when the scorer raises. The same in pure Python and compiled (where a typed call would check
+    for a ``list`` itself and fail with a bare ``TypeError``)."""
+    score: Callable[[list[Candidate], PickContext], object] = scorer.score
+    raw = score(cands, ctx)
+    n = len(cands)
+    if type(raw) is list and len(raw) == n and all(type(v) is float for v in raw):
+        return raw
+    if isinstance(raw, str | bytes | bytearray | Mapping | Set) or not isinstance(raw, Sized) \
+            or not isinstance(raw, Iterable):
+        problem = f"a {type(raw).__name__}, not a sequence of numbers"
+    elif len(raw) != n:
+        problem = f"{len(raw)} values for {n} candidates"
+    else:
+        out: list[float] = []
+        for v in raw:
+            if not isinstance(v, numbers.Real):
+                problem = f"{v!r} (a {type(v).__name__}) at index {len(out)}"
+                break
+            out.append(float(v))
+        else:
+            return out
+    raise _plugin_error(scorer, f"score() returned {problem}; it must return one number per candidate, in order")
+
+
+def plugin_pick(picker: Picker, eligible: list[Candidate], ctx: PickContext) -> tuple[Candidate, str]:
+    """``picker.pick(eligible, ctx)`` for a picker whose code the framework does not own: any pair (tuple, list) of
+    a :class:`Candidate` and a ``str`` reason. Anything else raises :class:`PluginError`, logged once per picker
+    (see :func:`plugin_scores`)."""
+    pick: Callable[[list[Candidate], PickContext], object] = picker.pick
+    raw = pick(eligible, ctx)
+    if isinstance(raw, tuple | list) and len(raw) == 2 and isinstance(raw[0], Candidate) \
+            and isinstance(raw[1], str):
+        return raw[0], raw[1]
+    raise _plugin_error(picker, f"pick() returned {raw!r}; it must return (candidate, reason: str)")
+
+
+_log = logging.getLogger("dplb.policy")
+#: The plugins whose broken result was logged (by name: one line each per process).
+_REPORTED: set[str] = set()
+
+
+def _plugin_error(plugin: Plugin, problem: str) -> PluginError:
+    """The :class:`PluginError` for ``plugin``'s ``problem``; logged the first time for that plugin."""
+    cls = type(plugin)
+    where = f"{getattr(cls, '__module__', '?')}.{cls.__qualname__}"
+    err = PluginError(f"policy plugin {plugin.name!r} ({where}): {problem}; every pick fails until it is fixed")
+    if plugin.name not in _REPORTED:
+        _REPORTED.add(plugin.name)
+        _log.error("%s", err)
+    return err
 
 
 # Subclassed by code mypyc does not compile (plugins, tests): allowed (dplb.native).

@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 
 from dplb.config import MAX_PREFIX_BLOCK_BYTES, PolicyConfig
+from dplb.native import mypyc_attr
 from dplb.policy.decision import OK, REASON_AFFINITY, REASON_POLICY, REASON_SCORE, Candidate
 from dplb.policy.framework import Param, PickContext, Picker, RouteRequest
 from dplb.policy.prefix import block_hashes
@@ -31,6 +32,8 @@ from dplb.policy.prefix import block_hashes
 AFFINITY_BLOCKS = 2
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MaxScore(Picker):
     """Best score, then shorter queue, then rotation."""
 
@@ -55,6 +58,8 @@ class MaxScore(Picker):
         return best
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RoundRobin(Picker):
     """Next eligible worker in id order."""
 
@@ -72,6 +77,8 @@ class RoundRobin(Picker):
         return c, REASON_POLICY
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class _Seeded(Picker):
     """A picker with its own RNG seeded by its ``seed`` parameter (``--seed``; deterministic runs)."""
 
@@ -82,6 +89,8 @@ class _Seeded(Picker):
         self._rng = random.Random(self.params["seed"])
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Random(_Seeded):
     """Uniformly random eligible worker."""
 
@@ -91,6 +100,8 @@ class Random(_Seeded):
         return self._rng.choice(sorted(eligible, key=lambda c: c.worker_id)), REASON_POLICY
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LeastLoaded(Picker):
     """Minimum ``4·(waiting + correction) + running`` (vLLM DP), first in rotation on a tie."""
 
@@ -101,6 +112,8 @@ class LeastLoaded(Picker):
             REASON_POLICY
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PowerOfTwo(_Seeded):
     """Two distinct random eligible workers; the shorter queue wins (the first sampled on a tie)."""
 
@@ -113,6 +126,8 @@ class PowerOfTwo(_Seeded):
         return (b if b.queue < a.queue else a), REASON_POLICY
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PrefixHash(Picker):
     """Rendezvous worker of the prompt's first blocks; without a prefix key, the first in rotation."""
 

@@ -30,6 +30,11 @@ register_picker(LeastLoaded)
 register_picker(PowerOfTwo)
 register_picker(PrefixHash)
 
+#: The built-in scorer and picker classes: the framework calls them as they are; a plugin's (or a plugin's subclass
+#: of one of them) has its results normalised (:func:`dplb.policy.framework.plugin_scores`).
+BUILT_IN: Final = frozenset({QueueScorer, MemoryScorer, LatencyScorer, PrefixScorer, MaxScore, RoundRobin, Random,
+                             LeastLoaded, PowerOfTwo, PrefixHash})
+
 #: Policy name → picker name. Every profile runs the same filters and scorers (the terms are visible whatever picks).
 PROFILES: Final = {
     "dplb": "max_score", "round_robin": "round_robin", "random": "random", "least_loaded": "least_loaded",

@@ -68,6 +68,8 @@ from dplb.policy.prefix import ENTRY_BYTES, MAX_PREFIX_BLOCKS, SPECULATIVE_TTL_S
 from dplb.state.shm import WorkerState
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class QueueScorer(Scorer):
     """``1 − queue/max_queue``, clamped to [0, 1] (see the module docstring)."""
 
@@ -115,6 +117,8 @@ def memory_ratio(w: WorkerState, signal: str) -> float:
     return w.gpu_memory_used_bytes / total if total > 0 else 0.0
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MemoryScorer(Scorer):
     """``1 − memory ratio``, clamped to [0, 1]."""
 
@@ -180,6 +184,8 @@ def settle_latency(states: Sequence[WorkerState], terms: list[float], timed: lis
     return terms
 
 
+# Subclassed by plugins (not compiled): allowed (dplb.native).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LatencyScorer(Scorer):
     """``1 − latency/baseline`` with neutral fill and a deadband (see the module docstring)."""
 
