@@ -345,10 +345,12 @@ class Attempt:
 
     async def _broken(self, e: UpstreamError) -> None:
         """The worker broke off mid-body: end an SSE stream with an error event; the response stays incomplete
-        (the server closes the client connection abnormally)."""
+        (the client connection is closed abnormally: :meth:`Exchange.cut`)."""
         evt = self.broken_event(e)
         if evt is not None:
             await self.ex.send({"type": "http.response.body", "body": evt, "more_body": True})
+        if not self.ex.gone:
+            self.ex.cut()
 
     def broken_event(self, e: UpstreamError) -> bytes | None:
         """The worker broke off mid-body (``e``): set the outcome (the client left, the worker stalled, timed out

@@ -175,7 +175,7 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
         if self._refusal is not None:
             raise ValueError("framing refused")
         scope = self.scope
-        scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid)}  # type: ignore[dict-item]
+        scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid, self)}  # type: ignore[dict-item]
         if self._direct is not None and self._lane(scope):
             return
         scope["asgi"] = {"version": self.asgi_version, "spec_version": "2.3"}  # (_asgi_keys, inlined)
@@ -280,6 +280,16 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
         if not cycle.keep_alive and cycle.scope["http_version"] == "1.0":
             close_delimited(cycle)
         _start_task(self, cycle, app)
+
+    def cut_response(self, hook: DisconnectHook) -> None:
+        """End the response of the request whose hook is ``hook`` abnormally (:meth:`DisconnectHook.cut`): that
+        request is marked disconnected and the connection closed through its cycle's transport (a held head is
+        written first)."""
+        for cycle in (self._active, self.cycle):
+            if cycle is not None and cycle.scope.get("extensions", {}).get(DISCONNECT_EXT) is hook:
+                cycle.disconnected = True
+                cycle.transport.close()
+                return
 
     def pause_writing(self) -> None:
         super().pause_writing()
