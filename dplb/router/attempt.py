@@ -104,7 +104,8 @@ class Upstreams:
             headers.append(WWW_AUTHENTICATE)
         if kind in _BODY_UNREAD:
             # Close instead of keep-alive: uvicorn would otherwise read and discard the rest of the body, however
-            # large (a 100 MB upload was consumed whole after its 413).
+            # large (a 100 MB upload was consumed whole after its 413); the server's lingering close discards it only
+            # up to a bound (dplb.runtime.conn_timer), so that a client still uploading gets to read this answer.
             headers.append((b"connection", b"close"))
         headers += extra_headers
         ex.status = kind.status

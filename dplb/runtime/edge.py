@@ -6,7 +6,8 @@ Contract
   too slow (``--body-timeout``: the edge answered 408 already); :meth:`DisconnectHook.cut` is the app's way to end
   its response abnormally (closed without completing it) without the server taking it for an app error.
 - :class:`CorkedTransport`: the response head held until the next write (the body) or the end of the loop
-  iteration, so a head and a body sent back to back go out in one ``send()``.
+  iteration, so a head and a body sent back to back go out in one ``send()``; its ``close()`` closes through the
+  protocol's ``close_connection()`` (the bounded protocol's lingering close) when it has one.
 - :func:`error_response`: a complete OpenAI-shaped error response with ``connection: close`` (the edge's own
   refusals: 400, 408, 431).
 - :func:`close_delimited`: makes an HTTP/1.0 request's ASGI cycle frame a response without Content-Length by
@@ -18,6 +19,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from collections.abc import Callable
@@ -98,12 +100,18 @@ class CorkedTransport:
     def _flush(self) -> None:
         held, self._held = self._held, None
         if held is not None and not self._transport.is_closing():
-            self._transport.write(held)
+            with contextlib.suppress(RuntimeError):  # writing shut meanwhile (a lingering close): dropped, as if closed
+                self._transport.write(held)
 
     def close(self) -> None:
-        """Write what is held, then close the transport."""
+        """Write what is held, then close the connection: through the protocol's ``close_connection()`` when it
+        has one (the bounded protocol's lingering close), else the transport's ``close()``."""
         self._flush()
-        self._transport.close()
+        closer = getattr(self._transport.get_protocol(), "close_connection", None)
+        if closer is not None:
+            closer()
+        else:
+            self._transport.close()
 
     def is_closing(self) -> bool:
         """The transport's ``is_closing()``."""
