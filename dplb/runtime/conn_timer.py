@@ -21,17 +21,17 @@ a disconnect at once, as if the connection were closed.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, Final, cast
 
 from dplb.runtime.edge import DISCONNECT_EXT
 
 #: Longest lingering close, seconds after the answer (nginx's ``lingering_time`` default).
-LINGER_S = 30.0
+LINGER_S: Final = 30.0
 #: Lingering close: longest wait for the client's next byte, seconds (nginx's ``lingering_timeout`` default).
-LINGER_IDLE_S = 5.0
+LINGER_IDLE_S: Final = 5.0
 #: Lingering close: most bytes discarded (nginx has no such bound; at loopback speed 30 s is gigabytes). 64 MiB is
 #: twice the default ``--max-body-bytes``: a body over the limit by that much still gets its answer read.
-LINGER_BYTES = 64 * 1024 * 1024
+LINGER_BYTES: Final = 64 * 1024 * 1024
 
 
 class ConnectionTimer:
