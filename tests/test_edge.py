@@ -213,6 +213,37 @@ def test_a_half_closed_incomplete_request_is_the_client_leaving(stack: Cluster) 
         time.sleep(0.05)
 
 
+MIB = 2**20
+_CHUNKED = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" \
+           b"Transfer-Encoding: chunked\r\n\r\n"
+# A whole request a client sends before it reads anything (Python's urllib, a raw socket: no Expect: 100-continue),
+# over a bound the router answers before reading it all, and the answer: (status, error code).
+UPLOADS = {
+    "body over --max-body-bytes": (_post(b"x" * (36 * MIB)), 413, "body_too_large"),  # the 32 MiB default
+    "chunked body over it": (_CHUNKED + (b"100000\r\n" + b"x" * MIB + b"\r\n") * 48 + b"0\r\n\r\n", 413,
+                             "body_too_large"),
+    "head over 64 KiB": (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"y" * (16 * MIB) + b"\r\n\r\n", 431,
+                         "headers_too_large"),
+    "bad chunk": (_CHUNKED + b"zz\r\n" + b"x" * (16 * MIB), 400, "invalid_http"),
+}
+
+
+@pytest.mark.parametrize("case", list(UPLOADS))
+def test_a_client_still_uploading_reads_the_early_answer(stack: Cluster, case: str) -> None:
+    """The router answers before reading the whole request, then closes the nginx way (lingering close): the
+    writing side shut after the answer, the rest of the upload read and discarded, so the client's send completes
+    and it reads the answer, then the end. Before, the router closed at once: the unread bytes made the kernel
+    reset the connection, and the client got a broken pipe or a reset instead of the 413."""
+    data, status, code = UPLOADS[case]
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=30) as s:
+        s.sendall(data)
+        got, took = _read_all(s)
+    [(got_status, headers, body)] = _responses(got)
+    assert got_status == status and headers["connection"] == "close", got[:300]
+    assert json.loads(body)["error"]["code"] == code, body
+    assert took < TIMEOUT_S, took  # the end follows the answer (not a timeout's)
+
+
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with cluster(str(tmp_path_factory.mktemp("keyed")), 1,

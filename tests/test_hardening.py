@@ -17,6 +17,7 @@ import time
 from collections import Counter
 
 import httpx
+import pytest
 from cluster import (
     Cluster,
     LaunchedCluster,
@@ -105,6 +106,66 @@ def test_sigkill_one_of_four_under_load(tmp_path) -> None:  # type: ignore[no-un
         assert Counter(r.worker for r in results if r.t0 > t_ready)[2] > 0
         wait_for(lambda: not any(lc.inflight()), 5, "router in-flight back to 0")
         assert "worker 2 exited unexpectedly (code -9)" in read(lc.log_path)
+
+
+async def _streams(url: str, n: int, started: asyncio.Event) -> list[tuple[str, bytes]]:
+    """``n`` concurrent chat streams: (the worker that answered, the bytes received); ``started`` is set once each
+    has received two events."""
+    body = {"model": "dplb-sim", "max_tokens": 60, "stream": True, "messages": [{"role": "user", "content": "k"}]}
+    going = [0]
+
+    async def one(client: httpx.AsyncClient) -> tuple[str, bytes]:
+        got = b""
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            counted = False
+            try:
+                async for chunk in r.aiter_raw():
+                    got += chunk
+                    if not counted and got.count(b"data: ") >= 2:
+                        counted = True
+                        going[0] += 1
+                        if going[0] == n:
+                            started.set()
+            except httpx.HTTPError:  # the abnormal close after an error event
+                pass
+            return r.headers["x-sg-worker-id"], got
+
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n)) as client:
+        return await asyncio.gather(*(one(client) for _ in range(n)))
+
+
+@pytest.mark.parametrize("relay", ["direct", "asgi"])
+def test_a_worker_killed_under_streaming_load_logs_no_error_and_one_ejection(tmp_path, relay: str) -> None:  # type: ignore[no-untyped-def]
+    """24 streams on 2 workers, worker 0 SIGKILLed: each of its streams ends with the worker_failed event (no
+    [DONE]), the others complete; router.log has one WARNING per broken stream, exactly one ejection line (the
+    ejection counted once) and no ERROR line — a handled, expected event. Before: uvicorn's "ASGI callable returned
+    without completing response" at ERROR per stream on the ASGI path, and an ejection line (and count) per three
+    broken streams."""
+    args = ["--no-direct-relay"] if relay == "asgi" else []
+    with cluster(str(tmp_path), 2, worker_args={k: ["--sim-chunk-delay-s", "0.05"] for k in (0, 1)},
+                 router_args=args) as c:
+
+        async def main() -> list[tuple[str, bytes]]:
+            started = asyncio.Event()
+            task = asyncio.ensure_future(_streams(c.url, 24, started))
+            await asyncio.wait_for(started.wait(), 30)
+            c.kill_worker(0, signal.SIGKILL)
+            return await task
+
+        results = asyncio.run(main())
+        broken = [got for k, got in results if k == "0"]
+        assert len(broken) >= 3, "fewer than three streams on the killed worker: no ejection exercised"
+        for k, got in results:
+            if k == "0":
+                assert b"worker_failed" in got and b"[DONE]" not in got, got[-300:]
+            else:
+                assert got.rstrip().endswith(b"data: [DONE]"), got[-300:]
+        wait_for(lambda: c.metric("dplb_worker_requests_inflight", {"worker": "0"}) == 0, 5, "in-flight back to 0")
+        log = c.router_log()
+        assert not [line for line in log.splitlines() if " ERROR " in line], log
+        assert log_count(log, "broke off a response mid-body") == len(broken), log
+        assert log_count(log, "ejecting it for") == 1, log
+        assert c.metric("dplb_worker_ejections_total", {"worker": "0"}) == 1
 
 
 # ---- SIGSTOP ---------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from dplb.config import PolicyConfig, RouterConfig
 from dplb.errors import RouterErrorKind
 from dplb.router.app import RouterApp
 from dplb.router.proxy import _REQUEST_ID_RE
+from dplb.runtime.conn_timer import LINGER_BYTES
 
 #: Error codes the router itself may answer with (RouterErrorKind + Litestar's mapped errors); never internal_error.
 ROUTER_CODES = {k.code for k in RouterErrorKind} - {"internal_error"} | {"invalid_request", "not_found",
@@ -177,15 +178,16 @@ def test_oversized_heads_get_431_and_malformed_http_400(fuzz: Cluster) -> None:
             continue
         assert resp.startswith(b"HTTP/1.1 431"), resp[:100]
         assert json.loads(resp.partition(b"\r\n\r\n")[2])["error"]["code"] == "headers_too_large"
-    # A 20 MB header trickled in: the router stops reading it early instead of buffering it.
+    # A 100 MB header streamed in: the router answers 431 once past the cap and buffers none of it, then discards
+    # the rest only up to its lingering close's bound (dplb.runtime.conn_timer.LINGER_BYTES) and closes.
     sent = 0
     with socket.create_connection(("127.0.0.1", fuzz.port), timeout=5) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-huge: ")
         with pytest.raises(OSError):
-            for _ in range(20 * 16):
+            for _ in range(100 * 16):
                 s.sendall(b"a" * 65536)
                 sent += 65536
-    assert sent < 10 * 2**20, sent
+    assert sent < LINGER_BYTES + 16 * 2**20, sent
     assert proc_stats(pid)[0] - rss0 < 4 * 2**20
     for bad in (b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
                 b"content-length: 99999999999999999999999\r\n\r\n"):
@@ -253,8 +255,9 @@ def test_an_upgrade_the_router_does_not_speak_loses_nothing_and_smuggles_nothing
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
 def test_100_mb_body_is_refused_without_being_read(fuzz: Cluster, framing: str) -> None:
-    """A real 100 MB upload: 413 arrives while the client is still sending, and the router closes instead of
-    draining the rest (the client cannot push the 100 MB through)."""
+    """A real 100 MB upload: 413 arrives while the client is still sending, and the router reads and discards the
+    rest only up to its lingering close's bound (dplb.runtime.conn_timer.LINGER_BYTES), then closes: the client
+    cannot push the 100 MB through."""
     head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n" + (
         b"content-length: 104857600\r\n\r\n" if framing == "content-length" else b"transfer-encoding: chunked\r\n\r\n")
     chunk = b"x" * 2**20
@@ -286,7 +289,7 @@ def test_100_mb_body_is_refused_without_being_read(fuzz: Cluster, framing: str) 
     s.close()
     assert bytes(got).startswith(b"HTTP/1.1 413"), bytes(got[:200])
     assert b"body_too_large" in got and b"connection: close" in got
-    assert sent < 50 * 2**20, f"the router read {sent >> 20} MB of a rejected body"
+    assert sent < LINGER_BYTES + 16 * 2**20, f"the router read {sent >> 20} MB of a rejected body"
 
 
 def test_a_wrong_method_on_a_local_route_is_an_openai_405_with_allow(fuzz: Cluster) -> None:

@@ -114,6 +114,8 @@ EJECTION = [
     ("a client leaving mid-response counts as an answer", [F, F, Outcome.CLIENT_LEFT, F, F], False, 0),
     ("a refused connection ejects at once (not counted as a failure ejection)", [Outcome.UNREACHABLE], True, 0),
     ("the streak starts over after an ejection", [F] * (MAX_FAILS + MAX_FAILS - 1), True, 1),
+    ("failures while ejected (the streams a dead worker held, breaking one by one) eject it once",
+     [F] * (4 * MAX_FAILS), True, 1),
 ]
 
 
@@ -130,6 +132,22 @@ def test_ejection(case: str, outcomes: list[Outcome], ejected: bool, counted: in
     assert h.ejected(snap) == (frozenset({0}) if ejected else frozenset()), case  # still out before
     clock.t += 0.5
     assert h.ejected(snap) == frozenset() and not h.any_ejected, case  # back after UNREACHABLE_S
+
+
+def test_failures_count_again_once_the_ejection_ends_or_the_worker_restarted() -> None:
+    clock, ejections, pid = Clock(), [], [7]
+    h = WorkerHealth(1, pid_of=lambda k: pid[0], on_eject=ejections.append, clock=clock)
+    for _ in range(2 * MAX_FAILS):
+        h.report(0, F)
+    assert ejections == [0]
+    clock.t += UNREACHABLE_S  # over: a new streak ejects again
+    for _ in range(MAX_FAILS):
+        h.report(0, F)
+    assert ejections == [0, 0]
+    pid[0] = 9  # restarted while ejected: its failures are its own
+    for _ in range(MAX_FAILS):
+        h.report(0, F)
+    assert ejections == [0, 0, 0]
 
 
 def test_restart_lifts_an_ejection_early() -> None:

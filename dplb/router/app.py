@@ -182,7 +182,8 @@ class RouterApp:
     async def serve_proxy(self, ex: Exchange, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work``, the proxying of ``ex`` (from its start, or where the direct relay left it), then count it
         in the HTTP metrics. A router bug must not leak a traceback or a non-OpenAI body: it is logged and answered
-        with a bare 500 when nothing was sent yet (else the connection is cut mid-response)."""
+        with a bare 500 (with the request's ``X-Request-Id``) when nothing was sent yet (else the connection is cut
+        mid-response)."""
         scope = ex.scope
         try:
             await work
@@ -192,7 +193,8 @@ class RouterApp:
                 raise
             self.metrics.rejected.labels(RouterErrorKind.INTERNAL.code).inc()
             ex.status = 500
-            await send_json(ex.send, 500, error_body(RouterErrorKind.INTERNAL, "internal error"))
+            await send_json(ex.send, 500, error_body(RouterErrorKind.INTERNAL, "internal error"),
+                            [(b"x-request-id", ex.rid)] if ex.rid else None)
         finally:
             self._observe(scope["path"], scope["method"], ex.status, ex.t_start)
 

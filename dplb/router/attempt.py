@@ -104,7 +104,8 @@ class Upstreams:
             headers.append(WWW_AUTHENTICATE)
         if kind in _BODY_UNREAD:
             # Close instead of keep-alive: uvicorn would otherwise read and discard the rest of the body, however
-            # large (a 100 MB upload was consumed whole after its 413).
+            # large (a 100 MB upload was consumed whole after its 413); the server's lingering close discards it only
+            # up to a bound (dplb.runtime.conn_timer), so that a client still uploading gets to read this answer.
             headers.append((b"connection", b"close"))
         headers += extra_headers
         ex.status = kind.status
@@ -345,10 +346,12 @@ class Attempt:
 
     async def _broken(self, e: UpstreamError) -> None:
         """The worker broke off mid-body: end an SSE stream with an error event; the response stays incomplete
-        (the server closes the client connection abnormally)."""
+        (the client connection is closed abnormally: :meth:`Exchange.cut`)."""
         evt = self.broken_event(e)
         if evt is not None:
             await self.ex.send({"type": "http.response.body", "body": evt, "more_body": True})
+        if not self.ex.gone:
+            self.ex.cut()
 
     def broken_event(self, e: UpstreamError) -> bytes | None:
         """The worker broke off mid-body (``e``): set the outcome (the client left, the worker stalled, timed out

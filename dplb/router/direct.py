@@ -25,10 +25,17 @@ Contract
   (metrics, debug ring) and the worker acquired after the request is written to the worker (synchronously, before
   any other callback can run: the next decision sees both); the attempt is accounted (``settle``, the HTTP
   metrics) after the response's last bytes are written to the client, before a pipelined request may start.
+- A router bug (an exception from any step the lane runs once it decided: the decision and the policy's plugins,
+  the request's write, the response head, a chunk, the end, a timer) ends the request as the ASGI path ends it,
+  by the ASGI path's own code: the attempt is settled (the worker released), then the exception is re-raised in a
+  coroutine continued on the ASGI path (:meth:`dplb.router.app.RouterApp.serve_proxy`), which logs it and answers
+  the bare OpenAI-shaped 500 when no response byte reached the client, else cuts the connection; the HTTP metrics
+  count it there. An exception while the lane reads the request declines it: the ASGI path reads it again.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -44,6 +51,7 @@ from dplb.router.upstream import UpstreamConn, UpstreamError, UpstreamTimeout
 from dplb.runtime.direct import DirectResponse
 from dplb.runtime.serving import DISCONNECT_EXT
 
+log = logging.getLogger("dplb.router")
 _RESPONSES = "/v1/responses"
 
 #: ``(ex, work)`` → a coroutine that runs ``work`` as the ASGI path runs a proxied request (its error handling and
@@ -73,30 +81,57 @@ class DirectLane:
 
     def begin(self, cycle: Any, start: Callable[[Any], None]) -> bool:
         """Serve the request of ``cycle`` (its body complete); False (nothing done) to leave it to the ASGI path."""
-        ex = self._read(cycle)
+        try:
+            ex = self._read(cycle)
+        except Exception:  # a router bug: the ASGI path runs the same checks, meets it and answers it
+            ex = None
         if ex is None:
             self.n_declined.inc()
             return False
         proxy = self.proxy
-        seconds = proxy.choose(ex)  # from here on the request is this lane's (tracing is off: nothing to trace)
-        worker = ex.decision.worker
-        if worker is None:
-            proxy.record(ex, seconds)
-            self._continue(ex, start, proxy.no_worker(ex))
-            return True
-        conn = self.up.pool.take_idle(worker)
-        proxy.prepare(ex)
-        if conn is None:  # held now, as the ASGI path holds it right after its decision: the next one sees it
-            proxy.record(ex, seconds)
-            attempt = Attempt(self.up, ex, worker)
-            self.up.state.acquire(worker, attempt)
-            self._continue(ex, start, proxy.place(ex, worker, attempt))
-            return True
-        hook = ex.scope["extensions"][DISCONNECT_EXT]
-        hook.callback = ex.client_gone
-        DirectAttempt(self, ex, worker, conn, cycle, start).begin()
-        proxy.record(ex, seconds)  # once the request is on its way to the worker
+        held: Attempt | None = None  # the attempt holding the worker, once acquired (a bug settles it)
+        conn: UpstreamConn | None = None
+        try:
+            seconds = proxy.choose(ex)  # from here on the request is this lane's (tracing is off: nothing to trace)
+            worker = ex.decision.worker
+            if worker is None:
+                proxy.record(ex, seconds)
+                self._continue(ex, start, proxy.no_worker(ex))
+                return True
+            conn = self.up.pool.take_idle(worker)
+            proxy.prepare(ex)
+            if conn is None:  # held now, as the ASGI path holds it right after its decision: the next one sees it
+                proxy.record(ex, seconds)
+                attempt = Attempt(self.up, ex, worker)
+                self.up.state.acquire(worker, attempt)
+                held = attempt
+                self._continue(ex, start, proxy.place(ex, worker, attempt))
+                return True
+            hook = ex.scope["extensions"][DISCONNECT_EXT]
+            hook.callback = ex.client_gone
+            held = direct = DirectAttempt(self, ex, worker, conn, cycle, start)
+            direct.begin()
+            proxy.record(ex, seconds)  # once the request is on its way to the worker
+        except Exception as e:
+            self._failed(ex, cycle, start, e, held, conn)
         return True
+
+    def _failed(self, ex: Exchange, cycle: Any, start: Callable[[Any], None], exc: Exception, held: Attempt | None,
+                conn: UpstreamConn | None) -> None:
+        """``exc`` was raised once the lane decided (module docstring): release what the request holds, then
+        continue on the ASGI path, which logs it and answers."""
+        if isinstance(held, DirectAttempt) and ex.conn is not None:  # sent, the worker acquired
+            held.crash(exc)
+            return
+        ex.scope["extensions"][DISCONNECT_EXT].callback = None
+        cycle.direct = None
+        if conn is not None:
+            conn.sink = None
+        if held is not None and not isinstance(held, DirectAttempt):
+            _settle(held)
+        elif conn is not None:
+            conn.abort()
+        self._continue(ex, start, _reraise(exc))
 
     def _read(self, cycle: Any) -> Exchange | None:
         """The request's Exchange with its body read and peeked, or None when the lane declines it."""
@@ -173,57 +208,100 @@ class DirectAttempt(Attempt):
         self.out.cycle.direct = None
         self.lane._continue(self.ex, self.start, self.lane.proxy.place(self.ex, self.worker, self))
 
-    # ---- Sink ---------------------------------------------------------------------------------------------------
+    # ---- Sink (each call guarded: a router bug ends the request as on the ASGI path, see crash) ---------------------
     def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        if status == 503 or self.ex.gone:
-            self.conn.sink = None  # type: ignore[union-attr]  # a draining refusal, or nobody to answer
-            self._resume()
-            return
-        out = self.accept_head(status, headers)
-        assert out is not None
-        self.status = self.ex.status = status
-        self.out.start(status, out)
-        self.outcome = Outcome.BROKEN  # from here on, a relay that does not complete is a broken response
-        self.out.pause, self.out.resume = self._pause, self._unpause
-        self.deadline = self.clock() + self.idle_s
-        self.conn.wake_by(self.deadline)  # type: ignore[union-attr]
+        try:
+            if status == 503 or self.ex.gone:
+                self.conn.sink = None  # type: ignore[union-attr]  # a draining refusal, or nobody to answer
+                self._resume()
+                return
+            out = self.accept_head(status, headers)
+            assert out is not None
+            self.status = self.ex.status = status
+            self.out.start(status, out)
+            self.outcome = Outcome.BROKEN  # from here on, a relay that does not complete is a broken response
+            self.out.pause, self.out.resume = self._pause, self._unpause
+            self.deadline = self.clock() + self.idle_s
+            self.conn.wake_by(self.deadline)  # type: ignore[union-attr]
+        except Exception as e:
+            self.crash(e)
 
     def body(self, chunk: bytes) -> None:
-        if self.t_first is None:
-            self.t_first = time.perf_counter()
-        self.out.body(chunk)
-        self.deadline = self.clock() + self.idle_s
+        try:
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
+            self.out.body(chunk)
+            self.deadline = self.clock() + self.idle_s
+        except Exception as e:
+            self.crash(e)
 
     def complete(self) -> None:
-        self.outcome = Outcome.of_status(self.status)
-        self.out.end(self._done)  # accounted once the client has its bytes, before a pipelined request starts
+        try:
+            self.outcome = Outcome.of_status(self.status)
+            self.out.end(self._done)  # accounted once the client has its bytes, before a pipelined request starts
+        except Exception as e:
+            self.crash(e)
 
     def failed(self, exc: UpstreamError) -> None:
-        if not self.status:  # before the head: the ASGI path answers (or the client left)
-            if self.ex.gone:
-                self.outcome = Outcome.CLIENT_LEFT_EARLY
-                self._done()
+        try:
+            if not self.status:  # before the head: the ASGI path answers (or the client left)
+                if self.ex.gone:
+                    self.outcome = Outcome.CLIENT_LEFT_EARLY
+                    self._done()
+                    return
+                self._resume()
                 return
-            self._resume()
-            return
-        self._break(exc)
+            self._break(exc)
+        except Exception as e:
+            self.crash(e)
 
     def flush(self) -> None:
-        self.out.flush()
+        try:
+            self.out.flush()
+        except Exception as e:
+            self.crash(e)
 
     def due(self) -> None:
         """The connection's timer: the first-byte timeout before the head, the idle timeout after it (no chunk for
         ``idle_s`` seconds); not due yet, it is asked for again at the deadline (the last chunk moved it)."""
         conn = self.conn
         assert conn is not None
-        if self.clock() < self.deadline:
-            conn.wake_by(self.deadline)
-        elif not self.status:
-            self._first_byte_late()
+        try:
+            if self.clock() < self.deadline:
+                conn.wake_by(self.deadline)
+            elif not self.status:
+                self._first_byte_late()
+            else:
+                conn.sink = None
+                conn.abort()
+                self._break(UpstreamTimeout("idle", self.idle_s))
+        except Exception as e:
+            self.crash(e)
+
+    def crash(self, exc: Exception) -> None:
+        """A router bug (``exc``) while this attempt relays: detached from the worker connection (aborted) and
+        the client's flow control, settled when it still holds the worker, then ended as the ASGI path ends it
+        (module docstring): continued there, re-raising ``exc``, with what is pending written first when the
+        response head was, dropped (and the response not started) when it was not. Once settled and counted
+        (the bug was in the accounting, after the response's last bytes), logged here and the connection cut."""
+        ex, out, conn = self.ex, self.out, self.conn
+        assert conn is not None
+        conn.sink = None
+        out.cycle.direct = None
+        out.pause = out.resume = None
+        ex.scope["extensions"][DISCONNECT_EXT].callback = None
+        if ex.conn is None:  # settled and counted already (_done)
+            log.error("internal error handling POST %s", ex.scope["path"], exc_info=exc)
+            out.cut()
+            return
+        _settle(self)  # (aborts the connection: the outcome is not a complete response)
+        if out.unsent():  # nothing reached the client: the ASGI path answers the 500
+            out.pending.clear()
+            out.cycle.response_started = False
+            ex.status = 0
         else:
-            conn.sink = None
-            conn.abort()
-            self._break(UpstreamTimeout("idle", self.idle_s))
+            out.flush()
+        self.lane._continue(ex, self.start, _reraise(exc))
 
     # ---- after the response head -------------------------------------------------------------------------------
 
@@ -259,6 +337,20 @@ class DirectAttempt(Attempt):
         finally:
             self.lane.observe(ex.scope["path"], "POST", ex.status, ex.t_start)
             self.lane.n_direct.inc()
+
+
+def _settle(attempt: Attempt) -> None:
+    """Settle ``attempt`` cut short by a router bug (as :meth:`Attempt._complete` does); a failure of the
+    accounting itself is logged (the bug being handled is answered all the same)."""
+    try:
+        attempt.settle(False)
+    except Exception:
+        log.exception("settling an attempt cut short by an internal error failed")
+
+
+async def _reraise(exc: Exception) -> None:
+    """The work continued on the ASGI path for a router bug on the lane: raise it there."""
+    raise exc
 
 
 __all__ = ["DirectAttempt", "DirectLane"]

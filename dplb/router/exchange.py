@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from dplb.router.routes import Route
 
 from dplb.runtime.asgi import until_disconnect
+from dplb.runtime.edge import DISCONNECT_EXT
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
@@ -76,6 +77,14 @@ class Exchange:
         self.peek: Peek
         self.request: RouteRequest
         self.decision: Decision
+
+    def cut(self) -> None:
+        """End the response abnormally, the rest never coming (a worker broke off mid-body): the router's server
+        closes the connection without the response's end (:meth:`dplb.runtime.edge.DisconnectHook.cut`); another
+        ASGI server does that when the app returns with the response incomplete."""
+        hook = self.scope.get("extensions", {}).get(DISCONNECT_EXT)
+        if hook is not None:
+            hook.cut()
 
     def client_gone(self) -> None:
         """The client disconnected: abort the worker connection (the engine aborts the request)."""

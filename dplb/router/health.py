@@ -8,7 +8,9 @@ Contract
   attempt that never reached a worker's answer phase). :meth:`Outcome.of_status` classifies a complete response.
 - Ejection (passive health check, like nginx's ``max_fails``): :data:`MAX_FAILS` failures in a row (a 5xx other
   than 503, a timeout, a broken or unanswered connection) or one refused connection eject a worker for
-  :data:`UNREACHABLE_S` seconds, or until it publishes a different pid (it restarted). A worker that fails fast
+  :data:`UNREACHABLE_S` seconds, or until it publishes a different pid (it restarted); failures reported while it
+  is ejected (the requests it held when it died, breaking one after the other) count for nothing: one ejection,
+  one log line, one count in ``dplb_worker_ejections_total``. A worker that fails fast
   looks idle to the score (no latency sample, empty queue) and would otherwise attract traffic. 503 (the worker's
   queue is full) and 4xx are not failures.
 - Hysteresis on heartbeats: a worker seen routable whose heartbeat then went stale (older than
@@ -133,6 +135,9 @@ class WorkerHealth:
         if verdict is Verdict.SUCCESS:
             self._fails[worker] = 0
         elif verdict is Verdict.FAILURE:
+            if self._until[worker] and self._clock() < self._until[worker] \
+                    and self._pid_of(worker) == self._until_pid[worker]:
+                return  # ejected already: the requests it held when it failed say nothing new (one ejection)
             self._fails[worker] += 1
             if self._fails[worker] >= MAX_FAILS:
                 self._fails[worker] = 0

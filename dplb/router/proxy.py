@@ -4,9 +4,10 @@ completions, embeddings, responses, pooling, scoring, tokenize, audio, …; docs
 Contract
 - The request body is read whole (bounded: 413 from Content-Length before reading, or as soon as the bytes read
   exceed the limit; a rejection sent before the body was read closes the connection, so the rest of the upload is
-  not read), peeked with msgspec for ``stream``, the model and the prompt (whose raw bytes go to the policy as they
-  are), and forwarded **byte for byte**: the router never re-serialises it (the exceptions, opt-in: with
-  ``--tenants``, the tenant gate may write one or two fields first: ``priority`` with ``--engine-priority``,
+  read only as the server's lingering close discards it, bounded: :mod:`dplb.runtime.conn_timer`), peeked with
+  msgspec for ``stream``, the model and the prompt (whose raw bytes go to the policy as they are), and forwarded
+  **byte for byte**: the router never re-serialises it (the exceptions, opt-in: with ``--tenants``, the tenant
+  gate may write one or two fields first: ``priority`` with ``--engine-priority``,
   ``stream_options`` for the usage ledger, :mod:`dplb.router.tenancy`; a stream resumed on another worker with
   ``--resume-streams``, :mod:`dplb.router.resume`).
 - Every proxied response carries ``X-SG-Worker-ID: <k>`` and ``X-Request-Id``. Status, body and end-to-end headers

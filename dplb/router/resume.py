@@ -423,6 +423,7 @@ async def end_stream(up: Upstreams, ex: Exchange, reason: str, message: str) -> 
     log.warning("stream %s not resumed (%s): %s", ex.rid.decode(), reason, message)
     if not ex.gone:
         await ex.send({"type": "http.response.body", "body": evt, "more_body": True})
+        ex.cut()
 
 
 async def prepare(up: Upstreams, ex: Exchange) -> bytes | None:

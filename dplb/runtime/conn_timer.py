@@ -1,5 +1,5 @@
-"""The one timer of a client connection of :func:`dplb.runtime.protocol.bounded_protocol`: keep-alive and the read
-timeouts of an incomplete request, without a timer per request.
+"""The one timer of a client connection of :func:`dplb.runtime.protocol.bounded_protocol`: keep-alive, the read
+timeouts of an incomplete request and the lingering close, without a timer per request.
 
 Contract: :class:`ConnectionTimer` is a mixin of the bounded protocol (before uvicorn's ``HttpToolsProtocol`` in its
 bases). The protocol records instants (``_idle_since`` after a response, ``_head_since`` when a head began,
@@ -7,13 +7,31 @@ bases). The protocol records instants (``_idle_since`` after a response, ``_head
 request incomplete; the timer, when it fires, closes an idle connection past its keep-alive, answers 408
 ``request_timeout`` (``_count_timeout`` counts it) and closes one whose head or body came too slowly,
 or re-arms itself at the deadline of what the connection waits for.
+
+Lingering close (nginx's ``lingering_close``, ``ngx_http_set_lingering_close`` in src/http/ngx_http_request.c): a
+connection closed after an answer sent while the client may still be sending — its request's body not all read
+(an early 413, 401, 415, …), or bytes refused (400 ``invalid_http``, 431) — is not closed at once: closing a socket
+with unread bytes makes the kernel answer them with a reset, and a client still uploading (one that sends no
+``Expect: 100-continue``: Python's urllib, a raw socket) gets a broken pipe or a reset instead of the answer.
+:meth:`ConnectionTimer.close_connection` shuts the writing side instead (the answer, then FIN) and reads on,
+discarding, until the client closes its side, or :data:`LINGER_S` after the answer, or :data:`LINGER_IDLE_S`
+without a byte, or :data:`LINGER_BYTES` discarded — then closes. Nothing read is parsed; the request's app hears
+a disconnect at once, as if the connection were closed.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, Final, cast
 
 from dplb.runtime.edge import DISCONNECT_EXT
+
+#: Longest lingering close, seconds after the answer (nginx's ``lingering_time`` default).
+LINGER_S: Final = 30.0
+#: Lingering close: longest wait for the client's next byte, seconds (nginx's ``lingering_timeout`` default).
+LINGER_IDLE_S: Final = 5.0
+#: Lingering close: most bytes discarded (nginx has no such bound; at loopback speed 30 s is gigabytes). 64 MiB is
+#: twice the default ``--max-body-bytes``: a body over the limit by that much still gets its answer read.
+LINGER_BYTES: Final = 64 * 1024 * 1024
 
 
 class ConnectionTimer:
@@ -34,6 +52,12 @@ class ConnectionTimer:
     _heard = False  # a byte of a head came on this connection
     _refuse_after: bytes | None = None  # the answer to bad bytes read after complete requests (sent after theirs)
     _active: Any = None  # the request being answered
+    _linger_s = LINGER_S
+    _linger_idle_s = LINGER_IDLE_S
+    _linger_bytes = LINGER_BYTES
+    _linger_until = 0.0  # loop time a lingering close ends at the latest (0.0: not lingering)
+    _linger_at = 0.0  # loop time of the last read while lingering
+    _linger_left = 0  # bytes still discarded before the close
     cycle: Any
     flow: Any
     loop: Any
@@ -126,4 +150,59 @@ class ConnectionTimer:
         self.transport.close()
 
 
-__all__ = ["ConnectionTimer"]
+    # ---- lingering close (module docstring) ------------------------------------------------------------------------
+    def close_connection(self) -> None:
+        """Close the client connection once the answers are written (a request's CorkedTransport closes through
+        this): lingering when the client may still be sending and no answer is cut short, else at once."""
+        active, cycle = self._active, self.cycle
+        if (active is None or active.response_complete) and (
+                self._refuse_after is not None or (cycle is not None and cycle.more_body)):
+            self._linger()
+        else:
+            self.transport.close()
+
+    def _linger(self) -> None:
+        """Start the lingering close: the requests not answered hear a disconnect, nothing read is parsed any
+        more, the writing side is shut once what is written went out, and the connection is read until a bound."""
+        transport = self.transport
+        if transport.is_closing() or self._linger_until:
+            return
+        for cycle in (self._active, self.cycle):
+            if cycle is not None and not cycle.response_complete and not cycle.disconnected:
+                cycle.disconnected = True
+                cycle.message_event.set()
+                hook: Any = cycle.scope.get("extensions", {}).get(DISCONNECT_EXT)
+                if hook is not None:
+                    hook.fire()
+        if self._refuse_after is None:
+            self._refuse_after = b""  # (the protocol parses nothing after it)
+        now = float(self.loop.time())
+        self._linger_until = now + self._linger_s
+        self._linger_at = now
+        self._linger_left = self._linger_bytes
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_at(min(self._linger_until, now + self._linger_idle_s), self._linger_due)
+        if self.flow.read_paused:
+            self.flow.resume_reading()
+        transport.write_eof()
+
+    def _lingered(self, n: int) -> None:
+        """``n`` bytes read (and discarded) while lingering."""
+        self._linger_left -= n
+        self._linger_at = float(self.loop.time())
+        if self._linger_left <= 0:
+            self.transport.close()
+
+    def _linger_due(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        due = min(self._linger_until, self._linger_at + self._linger_idle_s)
+        if self.loop.time() >= due:
+            self.transport.close()
+        else:
+            self._timer = self.loop.call_at(due, self._linger_due)
+
+
+__all__ = ["LINGER_BYTES", "LINGER_IDLE_S", "LINGER_S", "ConnectionTimer"]

@@ -18,7 +18,8 @@ Contract
   connection is not kept alive, the cycle's state flags and its ``on_response`` callback, which starts the next
   pipelined request or arms the keep-alive timer), minus the per-message ASGI work. Writes are collected and go out
   in one ``write`` per :meth:`DirectResponse.flush`. ``pause`` / ``resume`` are called when the client's transport
-  crosses its write-buffer marks (the caller stops and restarts its source).
+  crosses its write-buffer marks (the caller stops and restarts its source). :meth:`DirectResponse.unsent` says
+  whether no byte of the response was written yet (its owner may still answer something else instead).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class DirectResponse:
     the connection is closed without the terminating chunk). ``flush()`` writes what is pending. ``pause`` and
     ``resume``: callables set by the owner, called by the protocol at the client transport's write-buffer marks."""
 
-    __slots__ = ("chunked", "cycle", "pause", "pending", "remaining", "resume", "transport")
+    __slots__ = ("chunked", "cycle", "head", "pause", "pending", "remaining", "resume", "transport")
 
     def __init__(self, cycle: Any) -> None:
         self.cycle = cycle
@@ -56,6 +57,7 @@ class DirectResponse:
         self.pending: list[bytes] = []
         self.chunked = False
         self.remaining = 0  # Content-Length bytes still to come
+        self.head = b""  # the response head, once start made it
         self.pause: Callable[[], None] | None = None
         self.resume: Callable[[], None] | None = None
         cycle.direct = self
@@ -81,7 +83,9 @@ class DirectResponse:
         tail = _TAILS[not cycle.keep_alive, chunked]
         self.chunked = chunked
         self.remaining = max(length, 0)
-        self.pending.append(b"".join((STATUS_LINE[status], lines, tail)) if lines else STATUS_LINE[status] + tail[2:])
+        head = b"".join((STATUS_LINE[status], lines, tail)) if lines else STATUS_LINE[status] + tail[2:]
+        self.pending.append(head)
+        self.head = head
 
     def body(self, data: bytes) -> None:
         """Body bytes (chunk-framed when the response is chunked)."""
@@ -112,6 +116,12 @@ class DirectResponse:
         self.flush()
         self.cycle.direct = None
         self.transport.close()
+
+    def unsent(self) -> bool:
+        """True while no byte of the response was written: not started, or its head still pending (no flush since
+        :meth:`start`); the owner may then drop what is pending and answer otherwise."""
+        pending = self.pending
+        return not self.head or (bool(pending) and pending[0] is self.head)
 
     def flush(self) -> None:
         """Write the pending bytes in one ``write`` (nothing once the client is gone)."""

@@ -3,9 +3,11 @@
 Contract
 - :class:`DisconnectHook`: a request's ``scope["extensions"][DISCONNECT_EXT]``; fired once when the client's
   connection is lost before the response completed; ``timed_out`` says the edge closed it because the client was
-  too slow (``--body-timeout``: the edge answered 408 already).
+  too slow (``--body-timeout``: the edge answered 408 already); :meth:`DisconnectHook.cut` is the app's way to end
+  its response abnormally (closed without completing it) without the server taking it for an app error.
 - :class:`CorkedTransport`: the response head held until the next write (the body) or the end of the loop
-  iteration, so a head and a body sent back to back go out in one ``send()``.
+  iteration, so a head and a body sent back to back go out in one ``send()``; its ``close()`` closes through the
+  protocol's ``close_connection()`` (the bounded protocol's lingering close) when it has one.
 - :func:`error_response`: a complete OpenAI-shaped error response with ``connection: close`` (the edge's own
   refusals: 400, 408, 431).
 - :func:`close_delimited`: makes an HTTP/1.0 request's ASGI cycle frame a response without Content-Length by
@@ -17,6 +19,7 @@ Contract
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from collections.abc import Callable
@@ -42,15 +45,25 @@ class DisconnectHook:
     ``timed_out``: True when the edge closed the connection because the request body stopped coming for
     ``--body-timeout`` (the client got a 408 already; the app records it as such, not as the client leaving).
     ``peer_pid``: the client process on a Unix socket (``SO_PEERCRED``, read once per connection; 0 on TCP or when
-    unknown) — a worker tells which router process sent a request by it (docs/DESIGN.md §8.1)."""
+    unknown) — a worker tells which router process sent a request by it (docs/DESIGN.md §8.1). ``conn``: the
+    server protocol whose ``cut_response(hook)`` :meth:`cut` calls (None: nothing to cut)."""
 
-    __slots__ = ("callback", "gone", "peer_pid", "timed_out")
+    __slots__ = ("callback", "conn", "gone", "peer_pid", "timed_out")
 
-    def __init__(self, peer_pid: int = 0) -> None:
+    def __init__(self, peer_pid: int = 0, conn: Any = None) -> None:
         self.gone = False
         self.timed_out = False
         self.peer_pid = peer_pid
+        self.conn = conn
         self.callback: Callable[[], None] | None = None
+
+    def cut(self) -> None:
+        """End the request's response abnormally, the rest of it never coming (a worker broke off mid-body): the
+        connection is closed without the response's end, and the request counts as disconnected, so its app
+        returns with the response incomplete as after the client left — not an app error (uvicorn logs "ASGI
+        callable returned without completing response" at ERROR for that)."""
+        if self.conn is not None:
+            self.conn.cut_response(self)
 
     def fire(self) -> None:
         """Mark the client gone and call the app's callback (once)."""
@@ -87,12 +100,18 @@ class CorkedTransport:
     def _flush(self) -> None:
         held, self._held = self._held, None
         if held is not None and not self._transport.is_closing():
-            self._transport.write(held)
+            with contextlib.suppress(RuntimeError):  # writing shut meanwhile (a lingering close): dropped, as if closed
+                self._transport.write(held)
 
     def close(self) -> None:
-        """Write what is held, then close the transport."""
+        """Write what is held, then close the connection: through the protocol's ``close_connection()`` when it
+        has one (the bounded protocol's lingering close), else the transport's ``close()``."""
         self._flush()
-        self._transport.close()
+        closer = getattr(self._transport.get_protocol(), "close_connection", None)
+        if closer is not None:
+            closer()
+        else:
+            self._transport.close()
 
     def is_closing(self) -> bool:
         """The transport's ``is_closing()``."""

@@ -32,6 +32,8 @@ Contract
 - HTTP/1.0 (never kept alive): a response without Content-Length is its bare bytes, delimited by the close.
 - EOF from the client is its leaving (its requests are aborted), unless ``serve_half_closed`` and its requests
   are complete: they are answered, then the connection is closed.
+- A close after an answer sent while the client may still be sending (a body not read, bytes refused: 400, 431)
+  lingers (:mod:`dplb.runtime.conn_timer`), so that the client gets to read the answer.
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
         if self._refusal is not None:
             raise ValueError("framing refused")
         scope = self.scope
-        scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid)}  # type: ignore[dict-item]
+        scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid, self)}  # type: ignore[dict-item]
         if self._direct is not None and self._lane(scope):
             return
         scope["asgi"] = {"version": self.asgi_version, "spec_version": "2.3"}  # (_asgi_keys, inlined)
@@ -281,6 +283,16 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
             close_delimited(cycle)
         _start_task(self, cycle, app)
 
+    def cut_response(self, hook: DisconnectHook) -> None:
+        """End the response of the request whose hook is ``hook`` abnormally (:meth:`DisconnectHook.cut`): that
+        request is marked disconnected and the connection closed through its cycle's transport (a held head is
+        written first)."""
+        for cycle in (self._active, self.cycle):
+            if cycle is not None and cycle.scope.get("extensions", {}).get(DISCONNECT_EXT) is hook:
+                cycle.disconnected = True
+                cycle.transport.close()
+                return
+
     def pause_writing(self) -> None:
         super().pause_writing()
         d = getattr(self.cycle, "direct", None)
@@ -320,9 +332,14 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
             return
         refusal = self._refuse_after
         if refusal is not None:  # bad bytes came after the requests now answered: their 400, then close
+            if self._linger_until:  # (closing already: nothing is answered any more)
+                return
             transport = self._active.transport if self._active is not None else self.transport
             transport.write(refusal)
-            transport.close()
+            if transport is self.transport:
+                self.close_connection()
+            else:
+                transport.close()  # (a CorkedTransport: what it holds, then close_connection)
             return
         now = self._idle_since = self.loop.time()
         if self._timed and self._in_head:  # the next head began while this one was answered
@@ -335,7 +352,8 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
         answered yet are answered, the last one with ``connection: close`` (True: the transport stays open for
         writing); otherwise, or with no such request, the EOF closes the connection (the client left)."""
         cycle = self.cycle
-        if not self._settings.serve_half_closed or cycle is None or cycle.more_body or cycle.response_complete:
+        if not self._settings.serve_half_closed or cycle is None or cycle.more_body or cycle.response_complete \
+                or self._linger_until:
             return None
         cycle.keep_alive = False
         return True
@@ -364,6 +382,8 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:  # uvicorn's, inlined, then the bounds of an incomplete request
         self._idle_since = -1.0  # (uvicorn's _unset_keepalive_if_required: busy, see above)
         if self._refuse_after is not None:  # bad bytes were read: nothing after them is parsed
+            if self._linger_until:
+                self._lingered(len(data))
             return
         try:
             self.parser.feed_data(data)
@@ -447,6 +467,9 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
         if idle and (cycle is None or cycle.response_complete
                      or ((cycle.more_body or self._refusal) and not cycle.response_started)):
             self.transport.write(self._settings.too_large if self._too_large else self._refusal or _BAD_HTTP)
+            if self._deferred is None:  # (the client may still be sending: it gets to read the answer)
+                self._linger()
+                return
         self.transport.close()
 
 
