@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError
@@ -85,17 +85,17 @@ from dplb.policy.plugins import PROFILES, validate
 from dplb.policy.scorers import _Query
 from dplb.state.shm import Lifecycle, WorkerState
 
-_NO_REQUEST = RouteRequest()
+_NO_REQUEST: Final = RouteRequest()
 #: ``object.__new__``, called only where :data:`~dplb.policy.decision.PLAIN_NEW` says the class allows it.
 _new: Callable[[type], Any] = object.__new__
-_PLAIN_CTX: bool = PickContext.__new__ is object.__new__
-_READY = Lifecycle.READY
+_PLAIN_CTX: Final[bool] = PickContext.__new__ is object.__new__
+_READY: Final = Lifecycle.READY
 #: The filters about the worker's published state, in chain order: fused into the candidate loop.
-_STATE_FILTERS = (Registered, Consistent, Fresh, Ready)
+_STATE_FILTERS: Final = (Registered, Consistent, Fresh, Ready)
 #: Filters that reject only the ids of a set the context carries: nothing to do while every set is empty.
-_ID_FILTERS = (NotHeldOut, NotEjected, NotStalled, CanServe, NotTried)
+_ID_FILTERS: Final = (NotHeldOut, NotEjected, NotStalled, CanServe, NotTried)
 #: The rest of the built-in chain, in order: what :class:`~dplb.policy.fused.FastPick` applies itself.
-_CHAIN = (*_ID_FILTERS, UnderHardCap)
+_CHAIN: Final = (*_ID_FILTERS, UnderHardCap)
 
 
 class Policy:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, Final
 
 from dplb.config import RouterConfig
 from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body
@@ -43,15 +43,23 @@ from dplb.router.upstream import (
 )
 
 log = logging.getLogger("dplb.router.proxy")
-_KEEPALIVE = b": keep-alive\n\n"
-_CAPTURE_MAX = 65536  # bytes of an answer searched for its response id
+# Read per request: module constants (compiled, a C static instead of a module-dict and an attribute lookup; an enum
+# member is read through the enum class's __getattr__ hook, ~4x a plain class attribute, in either build).
+_perf_counter: Final = time.perf_counter
+_NO_ANSWER: Final = Outcome.NO_ANSWER
+_DRAINING: Final = Outcome.DRAINING
+_BROKEN: Final = Outcome.BROKEN
+_NO_TRACE: Final = NO_TRACE
+_KEEPALIVE: Final = b": keep-alive\n\n"
+_CAPTURE_MAX: Final = 65536  # bytes of an answer searched for its response id
 # Rejections answered before the request body was read.
-_BODY_UNREAD = frozenset({RouterErrorKind.UNAUTHORIZED, RouterErrorKind.METHOD_NOT_ALLOWED,
+_BODY_UNREAD: Final = frozenset({RouterErrorKind.UNAUTHORIZED, RouterErrorKind.METHOD_NOT_ALLOWED,
                           RouterErrorKind.UNSUPPORTED_MEDIA, RouterErrorKind.BODY_TOO_LARGE,
                           RouterErrorKind.UNSUPPORTED_ENCODING})
 # The outcomes retried on another worker (nothing was generated) and the error kind each is answered with when no
 # other worker can take the request.
-RETRY = {Outcome.UNREACHABLE: RouterErrorKind.UPSTREAM_UNREACHABLE, Outcome.DRAINING: RouterErrorKind.NONE_ROUTABLE}
+RETRY: Final = {Outcome.UNREACHABLE: RouterErrorKind.UPSTREAM_UNREACHABLE,
+                Outcome.DRAINING: RouterErrorKind.NONE_ROUTABLE}
 
 
 class Upstreams:
@@ -125,7 +133,7 @@ class Attempt:
         self.worker = worker
         self.conn: UpstreamConn | None = None
         self.status = 0
-        self.outcome = Outcome.NO_ANSWER  # an attempt cut short before the response head (e.g. by an exception)
+        self.outcome = _NO_ANSWER  # an attempt cut short before the response head (e.g. by an exception)
         self.t0 = 0.0
         self.t_first: float | None = None
         self.is_sse = False
@@ -181,16 +189,18 @@ class Attempt:
                     up.pool.release(conn)  # complete response: kept if the connection is keep-alive
                 else:
                     conn.abort()
-            end = time.perf_counter()
+            end = _perf_counter()
             t_first = self.t_first
             up.state.report(self.worker, outcome, end - ex.t_start, None if t_first is None else t_first - ex.t_start)
             label = outcome.recorded
-            if label is not None:
-                up.duration(self.worker, label).observe(end - self.t0, ex.trace.exemplar())
+            if label is not None:  # (the hot path: no call of the no-op trace's exemplar, None)
+                trace = ex.trace
+                up.duration(self.worker, label).observe(end - self.t0,
+                                                        None if trace is _NO_TRACE else trace.exemplar())
             if may_retry:
                 retry = RETRY.get(outcome)
         finally:
-            if ex.trace is not NO_TRACE:  # (the hot path: no call for the no-op hook)
+            if ex.trace is not _NO_TRACE:  # (the hot path: no call for the no-op hook)
                 ex.trace.attempt_done(retry)
             up.state.release(self.worker, self)
         return retry
@@ -213,7 +223,7 @@ class Attempt:
             self.outcome = Outcome.UNREACHABLE
             return False
         self.ex.conn = self.conn  # aborted by the disconnect watcher
-        self.t0 = time.perf_counter()
+        self.t0 = _perf_counter()
         return True
 
     async def send(self, head: bytes) -> bool:
@@ -264,12 +274,12 @@ class Attempt:
         hook may add some); None for a ``503 worker_draining`` refusal (outcome ``DRAINING``: nothing was generated,
         safe to send elsewhere)."""
         up, worker = self.up, self.worker
-        up.ttfb[worker].observe(time.perf_counter() - self.t0)
+        up.ttfb[worker].observe(_perf_counter() - self.t0)
         out, self.is_sse, draining = response_headers(up_headers, up.worker_ids[worker], self.ex.rid)
         if up.on_response_head is not None:
             up.on_response_head(self.ex.scope, out)
         if status == 503 and draining:
-            self.outcome = Outcome.DRAINING
+            self.outcome = _DRAINING
             return None
         return out
 
@@ -280,7 +290,7 @@ class Attempt:
             self.ex.tenant.head(status, headers, self.is_sse)
         self.status = self.ex.status = status
         await self.ex.send({"type": "http.response.start", "status": status, "headers": headers})
-        self.outcome = Outcome.BROKEN  # from here on, a relay that does not complete is a broken response
+        self.outcome = _BROKEN  # from here on, a relay that does not complete is a broken response
         return True
 
     async def no_head(self, kind: RouterErrorKind, message: str) -> None:
@@ -317,7 +327,7 @@ class Attempt:
             if ex.gone:
                 break
             if self.t_first is None:
-                self.t_first = time.perf_counter()
+                self.t_first = _perf_counter()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def _relay_hooked(self, chunks: AsyncIterator[bytes], capture: bytes | None, keepalive: float) -> None:
@@ -333,8 +343,9 @@ class Attempt:
                     await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
                 continue
             if self.t_first is None:
-                self.t_first = time.perf_counter()
+                self.t_first = _perf_counter()
             if ex.tenant is not None and not (chunk := ex.tenant.chunk(chunk)):
+
                 continue  # held back until its SSE event is complete (dplb.router.usage)
             if capture is not None:
                 capture = self._capture_id(capture + chunk)

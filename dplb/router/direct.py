@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Final
 
 from dplb.obs.metrics import DIRECT_PATHS
 from dplb.router.attempt import Attempt, Upstreams
@@ -42,9 +42,13 @@ from dplb.router.proxy import Proxy, scan_headers
 from dplb.router.routes import match
 from dplb.router.upstream import UpstreamConn, UpstreamError, UpstreamTimeout
 from dplb.runtime.direct import DirectResponse
-from dplb.runtime.serving import DISCONNECT_EXT
+from dplb.runtime.edge import DISCONNECT_EXT
 
-_RESPONSES = "/v1/responses"
+_RESPONSES: Final = "/v1/responses"
+# (Final: compiled, a C static instead of a module-dict and an attribute lookup per use; see dplb.router.attempt.)
+_perf_counter: Final = time.perf_counter
+_BROKEN: Final = Outcome.BROKEN
+_CLIENT_LEFT_EARLY: Final = Outcome.CLIENT_LEFT_EARLY
 
 #: ``(ex, work)`` → a coroutine that runs ``work`` as the ASGI path runs a proxied request (its error handling and
 #: HTTP metrics: :meth:`dplb.router.app.RouterApp.serve_proxy`).
@@ -152,7 +156,7 @@ class DirectAttempt(Attempt):
         ex, conn = self.ex, self.conn
         assert conn is not None
         conn.sink = self
-        self.t0 = time.perf_counter()
+        self.t0 = _perf_counter()
         conn.send_request(ex.head, ex.body)
         self.up.state.acquire(self.worker, self)
         ex.conn = conn
@@ -183,14 +187,14 @@ class DirectAttempt(Attempt):
         assert out is not None
         self.status = self.ex.status = status
         self.out.start(status, out)
-        self.outcome = Outcome.BROKEN  # from here on, a relay that does not complete is a broken response
+        self.outcome = _BROKEN  # from here on, a relay that does not complete is a broken response
         self.out.pause, self.out.resume = self._pause, self._unpause
         self.deadline = self.clock() + self.idle_s
         self.conn.wake_by(self.deadline)  # type: ignore[union-attr]
 
     def body(self, chunk: bytes) -> None:
         if self.t_first is None:
-            self.t_first = time.perf_counter()
+            self.t_first = _perf_counter()
         self.out.body(chunk)
         self.deadline = self.clock() + self.idle_s
 
@@ -201,7 +205,8 @@ class DirectAttempt(Attempt):
     def failed(self, exc: UpstreamError) -> None:
         if not self.status:  # before the head: the ASGI path answers (or the client left)
             if self.ex.gone:
-                self.outcome = Outcome.CLIENT_LEFT_EARLY
+                self.outcome = _CLIENT_LEFT_EARLY
+
                 self._done()
                 return
             self._resume()

@@ -29,14 +29,16 @@ import asyncio
 import collections
 import math
 import time
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import httptools
 
-HIGH_WATER = 256 * 1024  # bytes buffered from a worker before we stop reading its socket
-LOW_WATER = 64 * 1024
-POOL_IDLE_S = 20.0  # pooled connections idle longer are closed (workers keep idle connections 75 s)
-POOL_MAX_PER_WORKER = 256
+HIGH_WATER: Final = 256 * 1024  # bytes buffered from a worker before we stop reading its socket
+LOW_WATER: Final = 64 * 1024
+POOL_IDLE_S: Final = 20.0  # pooled connections idle longer are closed (workers keep idle connections 75 s)
+POOL_MAX_PER_WORKER: Final = 256
+# (Final: compiled, a C constant or static instead of a module-dict lookup and an attribute lookup per use.)
+_monotonic: Final = time.monotonic
 
 
 class UpstreamError(Exception):
@@ -95,7 +97,7 @@ class UpstreamConn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._sink_timer: asyncio.TimerHandle | None = None  # see wake_by
         self._sink_at = 0.0
-        self.last_used = time.monotonic()
+        self.last_used = _monotonic()
         self._parser = httptools.HttpResponseParser(self)
         self._error: UpstreamError | None = None
         self.sink: Sink | None = None
@@ -393,7 +395,7 @@ class UpstreamPool:
         """A pooled live connection to ``worker``, or None when none is idle (no connect: the caller that cannot
         wait for one uses :meth:`open`)."""
         idle = self._idle[worker]
-        now = time.monotonic()
+        now = _monotonic()
         while idle:
             c = idle.pop()
             if not c.closed and c.transport is not None and not c.transport.is_closing() \
@@ -406,7 +408,7 @@ class UpstreamPool:
         """Return ``conn`` to the pool if it can carry another request, else close it."""
         idle = self._idle[conn.worker]
         if conn.reusable and len(idle) < POOL_MAX_PER_WORKER:
-            conn.last_used = time.monotonic()
+            conn.last_used = _monotonic()
             idle.append(conn)
         else:
             conn.abort()

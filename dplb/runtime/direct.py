@@ -24,16 +24,19 @@ Contract
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+_STATUS_LINE: Final = STATUS_LINE  # (Final: compiled, a C static instead of a module-dict lookup per use)
+
+
 #: Largest request body a direct handler is offered (bytes): uvicorn pauses reading above 64 KiB until its app reads.
-MAX_DIRECT_BODY = 65536
-_NO_BODY_STATUS = (204, 304)
+MAX_DIRECT_BODY: Final = 65536
+_NO_BODY_STATUS: Final = (204, 304)
 #: (closing: not kept alive, chunked) → the end of a response head after its last header line (without that line's
 #: CRLF): what uvicorn's ``send`` adds.
-_TAILS = {
+_TAILS: Final = {
     (False, False): b"\r\n\r\n",
     (True, False): b"\r\nconnection: close\r\n\r\n",
     (False, True): b"\r\ntransfer-encoding: chunked\r\n\r\n",
@@ -81,7 +84,9 @@ class DirectResponse:
         tail = _TAILS[not cycle.keep_alive, chunked]
         self.chunked = chunked
         self.remaining = max(length, 0)
-        self.pending.append(b"".join((STATUS_LINE[status], lines, tail)) if lines else STATUS_LINE[status] + tail[2:])
+        line = _STATUS_LINE[status]
+        self.pending.append(b"".join((line, lines, tail)) if lines else line + tail[2:])
+
 
     def body(self, data: bytes) -> None:
         """Body bytes (chunk-framed when the response is chunked)."""

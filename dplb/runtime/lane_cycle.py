@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
@@ -27,7 +27,7 @@ class _NoEvent:
         """Nothing was set."""
 
 
-_NO_EVENT = _NoEvent()
+_NO_EVENT: Final = _NoEvent()
 
 
 class LaneCycle(RequestResponseCycle):

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 from urllib.parse import unquote
 
 from httptools import HttpParserError, HttpParserUpgrade, parse_url
@@ -62,22 +62,24 @@ log = logging.getLogger("dplb.serving")
 #: Requests queued behind the one being answered on a connection (HTTP/1.1 pipelining) before the router stops
 #: reading it. uvicorn stops at the first, and a connection not read does not report its client leaving: the
 #: request being answered ran to its end. Each queued request's body is bounded by uvicorn's read pause (64 KiB).
-MAX_QUEUED = 8
+MAX_QUEUED: Final = 8
 
 
-_BASE = HttpToolsProtocol
+_BASE: Final = HttpToolsProtocol
 # The base class's callbacks, called as plain functions (no super() object and bound method per call: these run
 # several times a request).
-_start_task = _BASE._start_asgi_task
-_base_headers_complete, _base_body, _base_complete = _BASE.on_headers_complete, _BASE.on_body, _BASE.on_message_complete
-_BAD_HTTP = error_response(400, b"Bad Request", "invalid_http", "malformed HTTP request")
+_start_task: Final = _BASE._start_asgi_task
+_base_headers_complete: Final = _BASE.on_headers_complete
+_base_body: Final = _BASE.on_body
+_base_complete: Final = _BASE.on_message_complete
+_BAD_HTTP: Final = error_response(400, b"Bad Request", "invalid_http", "malformed HTTP request")
 # Framings the router does not take, answered like malformed HTTP (and the connection closed), since reading them
 # another way than a proxy in front does would desynchronise the connection (RFC 9112 §6.1, §9.9).
-_BAD_CODING = error_response(400, b"Bad Request", "invalid_http",
-                             "Transfer-Encoding other than 'chunked' is not supported")
-_BAD_UPGRADE = error_response(400, b"Bad Request", "invalid_http",
-                              "the router switches protocols only to WebSocket: send this request without "
-                              "'Upgrade' (curl: --http1.1)")
+_BAD_CODING: Final = error_response(400, b"Bad Request", "invalid_http",
+                                    "Transfer-Encoding other than 'chunked' is not supported")
+_BAD_UPGRADE: Final = error_response(400, b"Bad Request", "invalid_http",
+                                     "the router switches protocols only to WebSocket: send this request without "
+                                     "'Upgrade' (curl: --http1.1)")
 
 
 class ProtocolSettings:
