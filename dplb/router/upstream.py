@@ -102,6 +102,7 @@ class UpstreamConn(asyncio.Protocol):
         self._error: UpstreamError | None = None
         self.sink: Sink | None = None
         self._timer: asyncio.TimerHandle | None = None  # the body phase's one lazy timer (see chunks())
+        self._chunks: collections.deque[bytes] = collections.deque()  # (one per connection: emptied per request)
         self._reset()
         self.closed = False
 
@@ -114,8 +115,13 @@ class UpstreamConn(asyncio.Protocol):
         self._idle_s = self._tick_s = 0.0
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self._head = self.loop.create_future()
-        self._chunks: collections.deque[bytes] = collections.deque()
+        # The head: came (_got_head), or failed (_head_error: a close, a malformed response, the first-byte
+        # timeout); the future exists only while response_head waits for it (a sink never needs one).
+        self._got_head = False
+        self._head_error: UpstreamError | None = None
+        self._head: asyncio.Future[None] | None = None
+        if self._chunks:
+            self._chunks.clear()
         self._buffered = 0
         self._wakeup: asyncio.Future[bool | None] | None = None  # True: a keep-alive tick
         self._complete = False
@@ -148,12 +154,17 @@ class UpstreamConn(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
-        self.keep_alive = self._parser.should_keep_alive()
-        if not self._head.done():
-            self._head.set_result(None)
-        if self.sink is not None:
-            self.sink.head(self.status, self.headers)
+        parser = self._parser
+        self.status = parser.get_status_code()
+        self.keep_alive = parser.should_keep_alive()
+        if self._head_error is None:
+            self._got_head = True
+            head = self._head
+            if head is not None and not head.done():
+                head.set_result(None)
+        sink = self.sink
+        if sink is not None:
+            sink.head(self.status, self.headers)
 
     def on_body(self, body: bytes) -> None:
         sink = self.sink
@@ -196,10 +207,18 @@ class UpstreamConn(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_result(None)
 
+    def _fail_head(self, exc: UpstreamError) -> None:
+        """The head will not come: :meth:`response_head` raises ``exc`` (nothing once the head came or failed)."""
+        if self._got_head or self._head_error is not None:
+            return
+        self._head_error = exc
+        head = self._head
+        if head is not None and not head.done():
+            _set_exception(head, exc)
+
     def _fail(self, exc: UpstreamError) -> None:
         self.closed = True
-        if not self._head.done():
-            _set_exception(self._head, exc)
+        self._fail_head(exc)
         w = self._wakeup
         if w is not None and not w.done():
             _set_exception(w, exc)
@@ -232,22 +251,25 @@ class UpstreamConn(asyncio.Protocol):
 
     async def response_head(self, timeout_s: float) -> tuple[int, list[tuple[bytes, bytes]]]:
         """Wait for the status and headers (the first-byte phase)."""
-        head = self._head
-        if not head.done():
+        if not self._got_head:
+            error = self._head_error
+            if error is not None:
+                raise error
+            head = self._head
+            if head is None:
+                head = self._head = self.loop.create_future()
             # A plain timer instead of asyncio.wait_for: no extra task or shield on the hot path.
-            timer = self.loop.call_later(timeout_s, _expire, head, "first_byte", timeout_s)
+            timer = self.loop.call_later(timeout_s, self.expire_head, timeout_s)
             try:
                 await head
             finally:
                 timer.cancel()
-        else:
-            head.result()
         return self.status, self.headers
 
     def expire_head(self, timeout_s: float) -> None:
         """The first-byte timeout passed (timed by the caller): :meth:`response_head` raises
-        :class:`UpstreamTimeout` at once."""
-        _expire(self._head, "first_byte", timeout_s)
+        :class:`UpstreamTimeout` at once (nothing once the head came or failed)."""
+        self._fail_head(UpstreamTimeout("first_byte", timeout_s))
 
     def chunks(self, idle_timeout_s: float, tick_s: float = 0.0) -> BodyChunks:
         """Body bytes as they arrive, until the message is complete (an async iterator: :class:`BodyChunks`).
@@ -361,11 +383,6 @@ def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
     nobody awaits any more (its client went away first) does not log "Future exception was never retrieved"."""
     fut.set_exception(exc)
     fut.exception()
-
-
-def _expire(fut: asyncio.Future[None], phase: str, seconds: float) -> None:
-    if not fut.done():
-        _set_exception(fut, UpstreamTimeout(phase, seconds))
 
 
 class UpstreamPool:
