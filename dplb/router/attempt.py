@@ -28,6 +28,7 @@ from typing import Any, Final
 
 from dplb.config import RouterConfig
 from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body
+from dplb.obs.fastmetrics import HistogramChild
 from dplb.obs.tracing import NO_TRACE
 from dplb.router.exchange import Exchange, response_headers
 from dplb.router.health import UNREACHABLE_S, Outcome
@@ -74,13 +75,13 @@ class Upstreams:
         self.metrics = state.metrics
         n = state.num_workers
         self.worker_ids = [str(k).encode() for k in range(n)]
-        self.ttfb = [self.metrics.upstream_ttfb.labels(str(k)) for k in range(n)]
-        self._durations: dict[tuple[int, str], Any] = {}
+        self.ttfb: list[HistogramChild] = [self.metrics.upstream_ttfb.labels(str(k)) for k in range(n)]
+        self._durations: dict[tuple[int, str], HistogramChild] = {}
         #: Called with (scope, response headers) before a worker's response head is relayed (the ORCA load report:
         #: :mod:`dplb.router.orca`); it may append headers.
         self.on_response_head: Callable[[dict[str, Any], list[tuple[bytes, bytes]]], None] | None = None
 
-    def duration(self, worker: int, label: str) -> Any:
+    def duration(self, worker: int, label: str) -> HistogramChild:
         """The ``dplb_upstream_request_duration_seconds`` child of ``worker`` and outcome ``label``."""
         key = (worker, label)
         child = self._durations.get(key)

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
+from dplb.obs.fastmetrics import CounterChild
 from dplb.obs.metrics import DIRECT_PATHS
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import Exchange
@@ -42,7 +43,8 @@ from dplb.router.proxy import Proxy, scan_headers
 from dplb.router.routes import match
 from dplb.router.upstream import UpstreamConn, UpstreamError, UpstreamTimeout
 from dplb.runtime.direct import DirectResponse
-from dplb.runtime.edge import DISCONNECT_EXT
+from dplb.runtime.edge import DISCONNECT_EXT, DisconnectHook
+from dplb.runtime.lane_cycle import LaneCycle
 
 _RESPONSES: Final = "/v1/responses"
 # (Final: compiled, a C static instead of a module-dict and an attribute lookup per use; see dplb.router.attempt.)
@@ -69,13 +71,16 @@ class DirectLane:
         self.enabled = enabled
         self.limit = proxy.cfg.max_body_bytes
         counter = proxy.metrics.direct_relay
+        self.n_direct: CounterChild
+        self.n_continued: CounterChild
+        self.n_declined: CounterChild
         self.n_direct, self.n_continued, self.n_declined = (counter.labels(p) for p in DIRECT_PATHS)
 
     def wants(self, scope: dict[str, Any]) -> bool:
         """Whether the request may skip the ASGI task (asked at the end of its head)."""
         return scope["method"] == "POST" and self.enabled()
 
-    def begin(self, cycle: Any, start: Callable[[Any], None]) -> bool:
+    def begin(self, cycle: LaneCycle, start: Callable[[Any], None]) -> bool:
         """Serve the request of ``cycle`` (its body complete); False (nothing done) to leave it to the ASGI path."""
         ex = self._read(cycle)
         if ex is None:
@@ -96,13 +101,13 @@ class DirectLane:
             self.up.state.acquire(worker, attempt)
             self._continue(ex, start, proxy.place(ex, worker, attempt))
             return True
-        hook = ex.scope["extensions"][DISCONNECT_EXT]
+        hook: DisconnectHook = ex.scope["extensions"][DISCONNECT_EXT]
         hook.callback = ex.client_gone
         DirectAttempt(self, ex, worker, conn, cycle, start).begin()
         proxy.record(ex, seconds)  # once the request is on its way to the worker
         return True
 
-    def _read(self, cycle: Any) -> Exchange | None:
+    def _read(self, cycle: LaneCycle) -> Exchange | None:
         """The request's Exchange with its body read and peeked, or None when the lane declines it."""
         scope = cycle.scope
         found = match("POST", scope["path"])
@@ -139,7 +144,7 @@ class DirectAttempt(Attempt):
 
     __slots__ = ("clock", "deadline", "idle_s", "lane", "out", "start")
 
-    def __init__(self, lane: DirectLane, ex: Exchange, worker: int, conn: UpstreamConn, cycle: Any,
+    def __init__(self, lane: DirectLane, ex: Exchange, worker: int, conn: UpstreamConn, cycle: LaneCycle,
                  start: Callable[[Any], None]) -> None:
         super().__init__(lane.up, ex, worker)
         self.lane = lane
@@ -257,8 +262,9 @@ class DirectAttempt(Attempt):
         if self.conn is not None:
             self.conn.sink = None
         self.out.pause = self.out.resume = None  # (bound to this attempt: no cycle left for the collector)
-        hook = ex.scope["extensions"][DISCONNECT_EXT]
+        hook: DisconnectHook = ex.scope["extensions"][DISCONNECT_EXT]
         hook.callback = None
+
         try:
             self.settle(False)  # nothing to retry: the response started, or the client left
         finally:

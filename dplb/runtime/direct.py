@@ -24,9 +24,11 @@ Contract
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+
+from dplb.runtime.lane_cycle import LaneCycle
 
 _STATUS_LINE: Final = STATUS_LINE  # (Final: compiled, a C static instead of a module-dict lookup per use)
 
@@ -45,7 +47,7 @@ _TAILS: Final = {
 
 
 class DirectResponse:
-    """One response written straight to ``cycle``'s transport (a uvicorn ``RequestResponseCycle``).
+    """One response written straight to ``cycle``'s transport (a :class:`dplb.runtime.lane_cycle.LaneCycle`).
 
     ``start(status, headers)`` once, ``body(data)`` per chunk, then ``end()`` (complete) or ``cut()`` (abnormal end:
     the connection is closed without the terminating chunk). ``flush()`` writes what is pending. ``pause`` and
@@ -53,7 +55,8 @@ class DirectResponse:
 
     __slots__ = ("chunked", "cycle", "pause", "pending", "remaining", "resume", "transport")
 
-    def __init__(self, cycle: Any) -> None:
+    def __init__(self, cycle: LaneCycle) -> None:
+
         self.cycle = cycle
         self.transport = cycle.transport
         self.pending: list[bytes] = []

@@ -116,6 +116,25 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
     _peer_pid = 0  # SO_PEERCRED of a Unix-socket client, read once per connection
     _deferred: LaneCycle | None = None  # the request held for the direct handler until its body is complete
     _on_response: Callable[[], None]
+    # uvicorn's attributes read per request, declared here: compiled, each is a typed slot instead of an entry of
+    # the instance's __dict__ (a generic attribute lookup per use). uvicorn's code writes them too, so each is
+    # typed as uvicorn sets it (Any where it starts at None).
+    parser: Any
+    expect_100_continue: bool
+    limit_concurrency: int | None
+    headers: Any
+    url: bytes
+    root_path: str
+    server_state: Any
+    pipeline: Any
+    app: Any
+    scope: Any
+    server: Any
+    client: Any
+    scheme: Any
+    app_state: dict[str, Any]
+    asgi_version: Any
+
 
     def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
                  _loop: Any = None, *, settings: ProtocolSettings) -> None:
@@ -140,7 +159,7 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
-        self.scope = {  # type: ignore[typeddict-item]  # (+ "asgi" and "state": _asgi_keys)
+        self.scope = {  # (+ "asgi" and "state": _asgi_keys)
             "type": "http",
             "http_version": "1.1",
             "server": self.server,
@@ -177,7 +196,7 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
         if self._refusal is not None:
             raise ValueError("framing refused")
         scope = self.scope
-        scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid)}  # type: ignore[dict-item]
+        scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid)}
         if self._direct is not None and self._lane(scope):
             return
         scope["asgi"] = {"version": self.asgi_version, "spec_version": "2.3"}  # (_asgi_keys, inlined)
@@ -272,7 +291,7 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
 
     def _start_deferred(self, cycle: LaneCycle) -> None:
         """Start the ASGI task of a request held for the direct handler, which did not take it."""
-        cycle.transport = CorkedTransport(self.transport)  # type: ignore[assignment]
+        cycle.transport = CorkedTransport(self.transport)
         self._hand_on(cycle, self.app)
 
     def _hand_on(self, cycle: LaneCycle, app: Any) -> None:
