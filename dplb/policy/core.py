@@ -201,12 +201,15 @@ class Policy:
         """Feed one completed request's E2E latency and time to first body byte (seconds; TTFT of a stream).
         After ``baseline_window`` of them the baseline is frozen at the P95 (nearest rank) of the configured
         ``latency_signal``."""
+        if self.baseline_s is not None:  # frozen (after the first baseline_window requests: the common case)
+            return
         if self.cfg.latency_signal == "ttft":
             if ttft_s is None:
                 return
             seconds = ttft_s
-        if self.baseline_s is not None or not math.isfinite(seconds) or seconds <= 0:
+        if not math.isfinite(seconds) or seconds <= 0:
             return
+
         self._latencies.append(seconds)
         if len(self._latencies) >= self.cfg.baseline_window:
             ordered = sorted(self._latencies)

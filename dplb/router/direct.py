@@ -69,7 +69,10 @@ class DirectLane:
         self.run = run
         self.observe = observe
         self.enabled = enabled
-        self.limit = proxy.cfg.max_body_bytes
+        cfg = proxy.cfg
+        self.limit = cfg.max_body_bytes
+        self.first_byte_s = cfg.first_byte_timeout_s  # (read per request: the frozen config's, once)
+        self.idle_s = cfg.idle_timeout_s
         counter = proxy.metrics.direct_relay
         self.n_direct: CounterChild
         self.n_continued: CounterChild
@@ -113,7 +116,7 @@ class DirectLane:
         found = match("POST", scope["path"])
         if found is None or found[0].path == _RESPONSES:
             return None
-        ex = Exchange(scope, cycle.receive, cycle.send)
+        ex = Exchange(scope, None, None)  # (receive and send: the cycle's, given to the ASGI app if it continues)
         ex.route, ex.pin = found
         clen, ctype, _, encoding = scan_headers(ex)
         if encoding or clen < 0 or clen != len(cycle.body):
@@ -133,7 +136,9 @@ class DirectLane:
         run = self.run
 
         async def app(scope: Any, receive: Any, send: Any) -> None:
+            ex.receive, ex.send = receive, send  # (the cycle's, as the ASGI path's exchange has them)
             await run(ex, work)
+
 
         start(app)
 
@@ -151,8 +156,8 @@ class DirectAttempt(Attempt):
         self.conn = conn
         self.start = start
         self.out = DirectResponse(cycle)
-        self.idle_s = lane.up.cfg.idle_timeout_s
-        self.clock = conn.loop.time
+        self.idle_s = lane.idle_s
+        self.clock = conn.clock
         self.deadline = 0.0  # loop time of the first-byte timeout, then of the idle timeout
 
     def begin(self) -> None:
@@ -165,7 +170,7 @@ class DirectAttempt(Attempt):
         conn.send_request(ex.head, ex.body)
         self.up.state.acquire(self.worker, self)
         ex.conn = conn
-        self.deadline = self.clock() + self.up.cfg.first_byte_timeout_s
+        self.deadline = self.clock() + self.lane.first_byte_s
         conn.wake_by(self.deadline)
 
     # ---- before the response head: anything unusual continues on the ASGI path -----------------------------
@@ -173,7 +178,7 @@ class DirectAttempt(Attempt):
         conn = self.conn
         assert conn is not None
         conn.sink = None
-        conn.expire_head(self.up.cfg.first_byte_timeout_s)
+        conn.expire_head(self.lane.first_byte_s)
         self._resume()
 
     def _resume(self) -> None:
@@ -193,7 +198,7 @@ class DirectAttempt(Attempt):
         self.status = self.ex.status = status
         self.out.start(status, out)
         self.outcome = _BROKEN  # from here on, a relay that does not complete is a broken response
-        self.out.pause, self.out.resume = self._pause, self._unpause
+        self.out.source = self  # (pause_reading / resume_reading at the client's write-buffer marks)
         self.deadline = self.clock() + self.idle_s
         self.conn.wake_by(self.deadline)  # type: ignore[union-attr]
 
@@ -245,12 +250,14 @@ class DirectAttempt(Attempt):
         self.out.cut()
         self._done()
 
-    def _pause(self) -> None:
+    def pause_reading(self) -> None:
+        """The client's write buffer is over its high-water mark: stop reading the worker's socket."""
         conn = self.conn
         if conn is not None and conn.transport is not None:
             conn.transport.pause_reading()
 
-    def _unpause(self) -> None:
+    def resume_reading(self) -> None:
+        """The client's write buffer drained: read the worker's socket again."""
         conn = self.conn
         if conn is not None and conn.transport is not None and not conn.closed:
             conn.transport.resume_reading()
@@ -261,7 +268,8 @@ class DirectAttempt(Attempt):
         ex = self.ex
         if self.conn is not None:
             self.conn.sink = None
-        self.out.pause = self.out.resume = None  # (bound to this attempt: no cycle left for the collector)
+        self.out.source = None  # (no reference cycle left for the collector)
+
         hook: DisconnectHook = ex.scope["extensions"][DISCONNECT_EXT]
         hook.callback = None
 

@@ -29,6 +29,7 @@ import asyncio
 import collections
 import math
 import time
+from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 import httptools
@@ -94,6 +95,8 @@ class UpstreamConn(asyncio.Protocol):
     def __init__(self, worker: int) -> None:
         self.worker = worker
         self.loop = asyncio.get_running_loop()  # (made by the loop's connection factory; asked once, not per use)
+        self.clock: Callable[[], float] = self.loop.time  # (loop time, bound once per connection)
+
         self.transport: asyncio.Transport | None = None
         self._sink_timer: asyncio.TimerHandle | None = None  # see wake_by
         self._sink_at = 0.0

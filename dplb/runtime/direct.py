@@ -17,14 +17,14 @@ Contract
   delimited by the close — ``connection: close`` when the
   connection is not kept alive, the cycle's state flags and its ``on_response`` callback, which starts the next
   pipelined request or arms the keep-alive timer), minus the per-message ASGI work. Writes are collected and go out
-  in one ``write`` per :meth:`DirectResponse.flush`. ``pause`` / ``resume`` are called when the client's transport
-  crosses its write-buffer marks (the caller stops and restarts its source).
+  in one ``write`` per :meth:`DirectResponse.flush`. Its ``source`` (a :class:`Source`) is paused and resumed when
+  the client's transport crosses its write-buffer marks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Final
+from typing import Final, Protocol
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
@@ -46,24 +46,33 @@ _TAILS: Final = {
 }
 
 
+class Source(Protocol):
+    """What feeds a :class:`DirectResponse` (the router's direct relay: its attempt, reading the worker's socket)."""
+
+    def pause_reading(self) -> None:
+        """The client reads slower than the source writes: stop producing until :meth:`resume_reading`."""
+
+    def resume_reading(self) -> None:
+        """The client's write buffer drained: produce again."""
+
+
 class DirectResponse:
     """One response written straight to ``cycle``'s transport (a :class:`dplb.runtime.lane_cycle.LaneCycle`).
 
     ``start(status, headers)`` once, ``body(data)`` per chunk, then ``end()`` (complete) or ``cut()`` (abnormal end:
-    the connection is closed without the terminating chunk). ``flush()`` writes what is pending. ``pause`` and
-    ``resume``: callables set by the owner, called by the protocol at the client transport's write-buffer marks."""
+    the connection is closed without the terminating chunk). ``flush()`` writes what is pending. ``source``: what
+    feeds the response (a :class:`Source`, set by the owner, or None): the protocol calls its ``pause_reading()``
+    and ``resume_reading()`` at the client transport's write-buffer marks."""
 
-    __slots__ = ("chunked", "cycle", "pause", "pending", "remaining", "resume", "transport")
+    __slots__ = ("chunked", "cycle", "pending", "remaining", "source", "transport")
 
     def __init__(self, cycle: LaneCycle) -> None:
-
         self.cycle = cycle
         self.transport = cycle.transport
         self.pending: list[bytes] = []
         self.chunked = False
         self.remaining = 0  # Content-Length bytes still to come
-        self.pause: Callable[[], None] | None = None
-        self.resume: Callable[[], None] | None = None
+        self.source: Source | None = None
         cycle.direct = self
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -131,4 +140,4 @@ class DirectResponse:
                 self.transport.write(data)
 
 
-__all__ = ["MAX_DIRECT_BODY", "DirectResponse"]
+__all__ = ["MAX_DIRECT_BODY", "DirectResponse", "Source"]

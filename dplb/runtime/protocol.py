@@ -305,14 +305,14 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         d = getattr(self.cycle, "direct", None)
-        if d is not None and d.pause is not None:
-            d.pause()
+        if d is not None and d.source is not None:
+            d.source.pause_reading()
 
     def resume_writing(self) -> None:
         super().resume_writing()
         d = getattr(self.cycle, "direct", None)
-        if d is not None and d.resume is not None:
-            d.resume()
+        if d is not None and d.source is not None:
+            d.source.resume_reading()
 
     def _count_timeout(self) -> None:
         if self._settings.on_reject is not None:
