@@ -41,7 +41,7 @@ from dplb.router.health import Outcome
 from dplb.router.intake import Rejected, check_head
 from dplb.router.proxy import Proxy, scan_headers
 from dplb.router.routes import match
-from dplb.router.upstream import UpstreamConn, UpstreamError, UpstreamTimeout
+from dplb.router.upstream import Sink, UpstreamConn, UpstreamError, UpstreamTimeout
 from dplb.runtime.direct import DirectResponse
 from dplb.runtime.edge import DISCONNECT_EXT, DisconnectHook
 from dplb.runtime.lane_cycle import LaneCycle
@@ -143,7 +143,7 @@ class DirectLane:
         start(app)
 
 
-class DirectAttempt(Attempt):
+class DirectAttempt(Attempt, Sink):
     """An :class:`Attempt` relayed from callbacks: ``begin`` sends the request on the pooled ``conn``; the
     connection's :class:`dplb.router.upstream.Sink` calls do the rest."""
 

@@ -30,9 +30,11 @@ import collections
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import httptools
+
+from dplb.native import trait
 
 HIGH_WATER: Final = 256 * 1024  # bytes buffered from a worker before we stop reading its socket
 LOW_WATER: Final = 64 * 1024
@@ -62,14 +64,19 @@ class UpstreamClosed(UpstreamError):
     """The worker closed the connection before the response was complete."""
 
 
-class Sink(Protocol):
+@trait
+class Sink:
     """What a connection with ``sink`` set calls instead of queueing its response (see the module docstring).
     ``head`` comes once, then ``body`` per chunk and ``complete`` once, or ``failed`` once (instead of what is
-    left) when the connection breaks or the response is malformed; ``flush`` after each socket read. A protocol
-    (structural), not a base class: the direct relay's attempt satisfies it without inheriting it, which lets
-    mypyc compile that class."""
+    left) when the connection breaks or the response is malformed; ``flush`` after each socket read. A mypyc trait
+    (:func:`dplb.native.trait`): the direct relay's attempt, a subclass of its attempt class, takes it in as a
+    second base, and compiled, the connection calls its methods through the trait's table instead of looking them
+    up by name; each method here does nothing."""
 
-    def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    __slots__ = ()
+
+    def head(
+self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The response head: ``status`` and the worker's headers as parsed."""
 
     def due(self) -> None:
