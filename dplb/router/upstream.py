@@ -29,7 +29,7 @@ import asyncio
 import collections
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import httptools
@@ -133,7 +133,10 @@ class UpstreamConn(asyncio.Protocol):
         if self._chunks:
             self._chunks.clear()
         self._buffered = 0
-        self._wakeup: asyncio.Future[bool | None] | None = None  # True: a keep-alive tick
+        # What a body iteration waits on (BodyChunks.__anext__): resolved with the next chunk, b"" (a keep-alive
+        # tick), failed at the end (StopAsyncIteration), with the idle timeout or the connection's error.
+        self._wakeup: asyncio.Future[bytes] | None = None
+        self._drained = False  # chunks were handed out since the body deadlines last moved
         self._complete = False
         self._paused = False
         self.keep_alive = False
@@ -181,19 +184,28 @@ class UpstreamConn(asyncio.Protocol):
         if sink is not None:
             sink.body(body)
             return
+        w = self._wakeup
+        if w is not None and not w.done():  # waited for (nothing is queued then): handed over as it is
+            self._wakeup = None
+            self._drained = True
+            w.set_result(body)
+            return
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-        self._wake()
 
     def on_message_complete(self) -> None:
         self._complete = True
         if self.sink is not None:
             self.sink.complete()
             return
-        self._wake()
+        w = self._wakeup
+        if w is not None and not w.done():  # the iteration waiting for a chunk ends
+            self._wakeup = None
+            self._stop_timer()
+            _set_exception(w, StopAsyncIteration())
 
     # ---- internals -----------------------------------------------------------------------------------------------
     def _sink_due(self) -> None:
@@ -212,11 +224,6 @@ class UpstreamConn(asyncio.Protocol):
             self._sink_timer.cancel()
             self._sink_timer = None
 
-    def _wake(self) -> None:
-        w = self._wakeup
-        if w is not None and not w.done():
-            w.set_result(None)
-
     def _fail_head(self, exc: UpstreamError) -> None:
         """The head will not come: :meth:`response_head` raises ``exc`` (nothing once the head came or failed)."""
         if self._got_head or self._head_error is not None:
@@ -231,6 +238,8 @@ class UpstreamConn(asyncio.Protocol):
         self._fail_head(exc)
         w = self._wakeup
         if w is not None and not w.done():
+            self._wakeup = None
+            self._stop_timer()
             _set_exception(w, exc)
         self._error = exc
         if self.transport is not None:
@@ -298,14 +307,16 @@ class UpstreamConn(asyncio.Protocol):
         w = self._wakeup
         if w is None or w.done():
             return
-        loop = w.get_loop()
+        loop = self.loop
         now = loop.time()
         if now >= self._deadline:
+            self._wakeup = None
             _set_exception(w, UpstreamTimeout("idle", self._idle_s))
             return
         if now >= self._tick_at:
             self._tick_at = now + self._tick_s
-            w.set_result(True)
+            self._wakeup = None
+            w.set_result(b"")
             return
         self._timer = loop.call_at(min(self._deadline, self._tick_at), self._on_timer)
 
@@ -327,17 +338,18 @@ class UpstreamConn(asyncio.Protocol):
 class BodyChunks:
     """The async iterator :meth:`UpstreamConn.chunks` returns: one response body's chunks (its docstring).
 
-    A class, not an async generator, so that mypyc compiles the module (it compiles no async generator). The end
-    of the body and any exception that leaves :meth:`__anext__` (a timeout, a broken connection, a cancelled task)
-    stop the connection's body timer; an iteration abandoned part way leaves it to :meth:`UpstreamConn.abort` or
-    the next request's reset (it does nothing while nobody waits)."""
+    A class, not an async generator, so that mypyc compiles the module (it compiles no async generator), and
+    :meth:`__anext__` a plain method: a waited-for chunk is handed to the waiting task by the parser, with no
+    coroutine resumed per chunk. The end of the body, the idle timeout and a broken connection stop the
+    connection's body timer; after a cancelled wait or an iteration abandoned part way it stops at its next expiry
+    (it does nothing while nobody waits), or at :meth:`UpstreamConn.abort` or the next request's reset."""
 
     def __init__(self, conn: UpstreamConn, idle_timeout_s: float, tick_s: float) -> None:
         self._conn = conn
         self._idle_s = idle_timeout_s
         self._tick_s = tick_s
         self._tick = tick_s > 0.0
-        self._drained = False  # chunks were handed out since the deadlines last moved
+        conn._drained = False
         now = conn.loop.time()
         conn._idle_s, conn._tick_s = idle_timeout_s, tick_s
         conn._deadline = now + idle_timeout_s
@@ -346,46 +358,45 @@ class BodyChunks:
     def __aiter__(self) -> BodyChunks:
         return self
 
-    async def __anext__(self) -> bytes:
-        """The next chunk (``b""``: a keep-alive tick). Raises StopAsyncIteration at the end of the message,
-        :class:`UpstreamTimeout` or the connection's :class:`UpstreamError`."""
+    def __anext__(self) -> Awaitable[bytes]:
+        """An awaitable of the next chunk (``b""``: a keep-alive tick): a coroutine of the chunk when one is queued
+        (cheaper than a done future), else the connection's wake-up future, which the parser resolves with the next
+        chunk, the body timer with a tick or fails with :class:`UpstreamTimeout`, and which fails with
+        StopAsyncIteration at the end of the message or with the connection's :class:`UpstreamError`. Raises those
+        two at once when they are known already."""
         conn = self._conn
-        queue = conn._chunks  # (replaced only by the next request's reset)
-        while True:
-            if queue:
-                c = queue.popleft()
-                conn._buffered -= len(c)
-                if conn._paused and conn._buffered < LOW_WATER and conn.transport is not None:
-                    conn._paused = False
-                    conn.transport.resume_reading()
-                self._drained = True
-                return c
-            loop = conn.loop
-            if self._drained:  # the queue ran dry: the silence starts now
-                self._drained = False
-                now = loop.time()
-                conn._deadline = now + self._idle_s
-                if self._tick:
-                    conn._tick_at = now + self._tick_s
-            if conn._complete:
-                conn._stop_timer()
-                raise StopAsyncIteration
-            error = conn._error
-            if error is not None:
-                conn._stop_timer()
-                raise error
-            conn._wakeup = wake = loop.create_future()
-            if conn._timer is None:
-                conn._timer = loop.call_at(min(conn._deadline, conn._tick_at), conn._on_timer)
-            try:
-                ticked = await wake
-            except BaseException:  # the idle timeout, a broken connection, the task cancelled
-                conn._wakeup = None
-                conn._stop_timer()
-                raise
-            conn._wakeup = None
-            if ticked and not queue and not conn._complete and conn._error is None:
-                return b""
+        queue = conn._chunks  # (emptied only by the next request's reset)
+        loop = conn.loop
+        if queue:
+            c = queue.popleft()
+            conn._buffered -= len(c)
+            if conn._paused and conn._buffered < LOW_WATER and conn.transport is not None:
+                conn._paused = False
+                conn.transport.resume_reading()
+            conn._drained = True
+            return _now(c)
+        if conn._drained:  # the queue ran dry: the silence starts now
+            conn._drained = False
+            now = loop.time()
+            conn._deadline = now + self._idle_s
+            if self._tick:
+                conn._tick_at = now + self._tick_s
+        if conn._complete:
+            conn._stop_timer()
+            raise StopAsyncIteration
+        error = conn._error
+        if error is not None:
+            conn._stop_timer()
+            raise error
+        conn._wakeup = wake = loop.create_future()
+        if conn._timer is None:
+            conn._timer = loop.call_at(min(conn._deadline, conn._tick_at), conn._on_timer)
+        return wake
+
+
+async def _now(chunk: bytes) -> bytes:
+    """``chunk`` as an awaitable (a coroutine costs less than a done future)."""
+    return chunk
 
 
 def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:

@@ -1,7 +1,10 @@
-"""The response head of a worker connection as :meth:`dplb.router.upstream.UpstreamConn.response_head` sees it,
-whenever it comes: before the wait, during it, never (a close, the first-byte timeout, one passed by the caller with
-``expire_head``), and on a connection used again. Real Unix socket, a real peer writing the bytes; the loop's
-exception handler must stay silent (no future failed that nobody awaits)."""
+"""A worker connection's awaitable API (:class:`dplb.router.upstream.UpstreamConn`, the ASGI path's): the response
+head as ``response_head`` sees it whenever it comes (before the wait, during it, never: a close, the first-byte
+timeout, one passed by the caller with ``expire_head``; on a connection used again), and the body as ``chunks()``
+gives it (chunks queued before they are asked for and chunks waited for, keep-alive ticks that do not extend the
+idle timeout, the idle timeout, a close mid-body, the end). Real Unix socket, a real peer writing the bytes; the
+loop's exception handler must stay silent (no future failed that nobody awaits)."""
+
 
 from __future__ import annotations
 
@@ -106,5 +109,68 @@ def test_close_before_the_wait(tmp_path: Any) -> None:
         await _until(lambda: conn.closed)
         with pytest.raises(UpstreamClosed):
             await asyncio.wait_for(conn.response_head(60.0), 0.5)
+
+    _run(tmp_path, scenario)
+
+
+_SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def test_body_chunks_queued_waited_for_ticked_and_ended(tmp_path: Any) -> None:
+    async def scenario(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
+        conn.send_request(_REQ, b"")
+        peer.sendall(_SSE_HEAD + _chunk(b"a") + _chunk(b"b"))  # two chunks queued before they are asked for
+        await conn.response_head(0.5)
+        await _until(lambda: len(conn._chunks) == 2)
+        it = conn.chunks(5.0, 0.05).__aiter__()
+        assert [await it.__anext__(), await it.__anext__()] == [b"a", b"b"]
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.02, peer.sendall, _chunk(b"c"))  # one waited for
+        assert await it.__anext__() == b"c"
+        ticks = 0
+        while ticks < 2:  # silence: keep-alive ticks
+            assert await it.__anext__() == b""
+            ticks += 1
+        peer.sendall(_chunk(b"d") + b"0\r\n\r\n")  # the last chunk and the end in one read
+        assert [c async for c in it] == [b"d"]
+        assert conn.reusable
+
+    _run(tmp_path, scenario)
+
+
+def test_body_idle_timeout_not_extended_by_ticks(tmp_path: Any) -> None:
+    async def scenario(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
+        conn.send_request(_REQ, b"")
+        peer.sendall(_SSE_HEAD + _chunk(b"a"))
+        await conn.response_head(0.5)
+        got: list[bytes] = []
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamTimeout, match="idle"):
+            async for c in conn.chunks(0.3, 0.05):
+                got.append(c)
+        waited = asyncio.get_running_loop().time() - t0
+        assert got[0] == b"a" and set(got[1:]) == {b""} and len(got) >= 3, got  # ticks, then the timeout
+        assert 0.25 < waited < 2.0, waited  # the ticks did not extend it
+
+    _run(tmp_path, scenario)
+
+
+def test_body_close_mid_body_raises_the_connection_error(
+tmp_path: Any) -> None:
+    async def scenario(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
+        conn.send_request(_REQ, b"")
+        peer.sendall(_SSE_HEAD + _chunk(b"a"))
+        await conn.response_head(0.5)
+        it = conn.chunks(5.0).__aiter__()
+        assert await it.__anext__() == b"a"
+        asyncio.get_running_loop().call_later(0.02, peer.close)  # closed while the iteration waits
+        with pytest.raises(UpstreamClosed):
+            await it.__anext__()
+        with pytest.raises(UpstreamClosed):  # and asked again: at once
+            await it.__anext__()
 
     _run(tmp_path, scenario)
