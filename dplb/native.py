@@ -29,8 +29,8 @@ Why the sources compiled code depends on, not only the compiled ones: mypyc inli
 extensions. :func:`build_sources` is every ``dplb`` module the hot modules import, transitively (ast, ``dplb.*``
 imports only), with their packages' ``__init__.py``.
 
-:func:`mypyc_attr` is ``mypy_extensions.mypyc_attr`` to mypy and mypyc, a no-op otherwise (mypy_extensions is not
-a dependency).
+:func:`mypyc_attr` and :func:`trait` are ``mypy_extensions``'s to mypy and mypyc, no-ops otherwise (mypy_extensions
+is not a dependency).
 """
 
 from __future__ import annotations
@@ -45,13 +45,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mypy_extensions import mypyc_attr
+    from mypy_extensions import mypyc_attr, trait
 else:
     def mypyc_attr(*_args: object, **_kwargs: object):
         """``mypy_extensions.mypyc_attr`` for pure Python: it only means something to mypyc, which reads the
         decorator from the source (``allow_interpreted_subclasses=True`` on a compiled class that plugins, tests or
         modules not compiled subclass); at run time it returns the class unchanged."""
         return lambda cls: cls
+
+    def trait(cls):
+        """``mypy_extensions.trait`` for pure Python: to mypyc, a class of methods that a compiled class may take in
+        besides its base class (called through a table, not looked up by name); at run time the class unchanged."""
+        return cls
+
 
 #: The modules compiled by scripts/build_native.sh (dotted names): the client-side HTTP protocol, the request's
 #: path through the router (its intake checks, the worker health, the HTTP request count) and the worker-side HTTP

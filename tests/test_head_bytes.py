@@ -9,6 +9,7 @@ from typing import Any
 
 from dplb.router.exchange import REQ_OWN, request_head, response_headers
 from dplb.runtime.direct import DirectResponse
+from dplb.runtime.lane_cycle import LaneCycle
 
 
 def _scope(headers: list[tuple[bytes, bytes]], path: str = "/v1/completions", raw: bytes | None = b"/v1/completions",
@@ -42,20 +43,16 @@ def test_request_head_bytes() -> None:
         b"POST /v1/x?b=2 HTTP/1.1\r\n")
 
 
-class _Cycle:
-    def __init__(self, keep_alive: bool = True, default_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        self.transport = None
-        self.keep_alive = keep_alive
-        self.default_headers = default_headers or []
-        self.response_started = False
-        self.waiting_for_100_continue = True
-        self.direct: Any = None
-        self.scope = {"http_version": "1.1"}
+def _cycle(keep_alive: bool = True, default_headers: list[tuple[bytes, bytes]] | None = None) -> LaneCycle:
+    """A request's cycle as the protocol makes it (no transport: nothing is flushed here)."""
+    cycle = LaneCycle({"http_version": "1.1"}, None, None, default_headers or [], keep_alive, lambda: None)
+    cycle.waiting_for_100_continue = True  # (start() clears it)
+    return cycle
 
 
 def _head(status: int, up: list[tuple[bytes, bytes]], **cycle: Any) -> tuple[bytes, bool, bool, DirectResponse]:
     out, sse, draining = response_headers(up, b"3", b"rid-9")
-    resp = DirectResponse(_Cycle(**cycle))
+    resp = DirectResponse(_cycle(**cycle))
     resp.start(status, out)
     assert len(resp.pending) == 1 and resp.cycle.response_started and not resp.cycle.waiting_for_100_continue
     return resp.pending[0], sse, draining, resp
@@ -92,7 +89,7 @@ def test_direct_response_head_bytes() -> None:
     assert head == b"HTTP/1.1 204 No Content\r\nx-sg-worker-id: 3\r\nx-request-id: rid-9\r\n\r\n"
     assert not resp.chunked
     # The same cycle's default headers changing between requests (uvicorn rebuilds the list once a second).
-    cyc = _Cycle(default_headers=[(b"date", b"one")])
+    cyc = _cycle(default_headers=[(b"date", b"one")])
     for day in (b"one", b"two"):
         cyc.default_headers = [(b"date", day)]
         resp = DirectResponse(cyc)

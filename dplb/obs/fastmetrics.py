@@ -37,11 +37,11 @@ Private prometheus_client names used (tests/test_fastmetrics.py catches a releas
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
-from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import prometheus_client.metrics as _pm
 from prometheus_client import CollectorRegistry
@@ -49,6 +49,8 @@ from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricF
 from prometheus_client.samples import Exemplar, Sample
 from prometheus_client.utils import floatToGoString
 from prometheus_client.validation import _validate_exemplar, _validate_labelname, get_legacy_validation
+
+_bisect_left: Final = bisect.bisect_left  # (Final: compiled, a C static instead of a module-dict lookup per use)
 
 __all__ = ["CounterChild", "CounterFamily", "HistogramChild", "HistogramFamily"]
 
@@ -95,7 +97,8 @@ class HistogramChild:
         self._sum += v
         if v != v:  # NaN: no bucket, as prometheus_client (its `v <= bound` is never true)
             return
-        i = bisect_left(self._bounds, v)
+        i = _bisect_left(self._bounds, v)
+
         self._counts[i] += 1.0
         if exemplar:
             _check_exemplar(exemplar)

@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 
 from dplb import native
-from dplb.obs.fastmetrics import CounterFamily, HistogramFamily
+from dplb.obs.fastmetrics import CounterFamily, HistogramChild, HistogramFamily
 from dplb.obs.metrics import (
     BUILD_INFO,
     DECISION_BUCKETS,
@@ -49,6 +49,7 @@ from dplb.obs.metrics import (
     WORKER_STALLED,
     WORKER_STALLS,
 )
+from dplb.policy.decision import Decision
 
 
 class RouterMetrics:
@@ -120,7 +121,8 @@ class RouterMetrics:
         self.state_age = HistogramFamily(STATE_READ_AGE, "Age of the chosen worker's published state when the "
                                          "router decided, seconds.",
                                          buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.6, 1, 2, 5), registry=reg)
-        self._decision_hist, self._age_hist = self.decision_duration.labels(), self.state_age.labels()
+        self._decision_hist: HistogramChild = self.decision_duration.labels()
+        self._age_hist: HistogramChild = self.state_age.labels()
         self.prefix_routed = CounterFamily(
             PREFIX_ROUTED, "Routed requests with a prefix key by outcome: hit (the worker with the longest cached "
             "prefix got it), spill (load sent it elsewhere), miss (no worker had any block).", ["outcome"],
@@ -172,20 +174,22 @@ class RouterMetrics:
             self.prefix_query_blocks.labels(str(k))
             self.prefix_hit_blocks.labels(str(k))
 
-    def observe_decision(self, d: object, seconds: float) -> None:
-        """Count one decision (``d`` a :class:`dplb.policy.Decision`) and its duration."""
-        key = (d.worker, d.reason)  # type: ignore[attr-defined]
+    def observe_decision(self, d: Decision, seconds: float) -> None:
+        """Count one decision and its duration."""
+        worker = d.worker
+        key = (worker, d.reason)
         child = self._decision_children.get(key)
         if child is None:
             child = self._decision_children[key] = self._decision_child(key)
         child.inc()
         self._decision_hist.observe(seconds)
-        age = d.chosen_age_s()  # type: ignore[attr-defined]
+        age = d.chosen_age_s()
         if age is not None:
             self._age_hist.observe(age)
-        notes = d.notes  # type: ignore[attr-defined]
-        if notes:
-            self._count_notes(notes, d.worker)  # type: ignore[attr-defined]
+        notes = d.notes
+        if notes and worker is not None:  # (notes come only with a chosen worker)
+            self._count_notes(notes, worker)
+
 
     def _decision_child(self, key: tuple[int | None, str]) -> Any:
         """What counts a decision of (worker, reason) ``key``: its ``dplb_routing_decisions_total`` child, and for a

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError
@@ -87,17 +87,17 @@ from dplb.policy.plugins import BUILT_IN, PROFILES, validate
 from dplb.policy.scorers import _Query
 from dplb.state.shm import Lifecycle, WorkerState
 
-_NO_REQUEST = RouteRequest()
+_NO_REQUEST: Final = RouteRequest()
 #: ``object.__new__``, called only where :data:`~dplb.policy.decision.PLAIN_NEW` says the class allows it.
 _new: Callable[[type], Any] = object.__new__
-_PLAIN_CTX: bool = PickContext.__new__ is object.__new__
-_READY = Lifecycle.READY
+_PLAIN_CTX: Final[bool] = PickContext.__new__ is object.__new__
+_READY: Final = Lifecycle.READY
 #: The filters about the worker's published state, in chain order: fused into the candidate loop.
-_STATE_FILTERS = (Registered, Consistent, Fresh, Ready)
+_STATE_FILTERS: Final = (Registered, Consistent, Fresh, Ready)
 #: Filters that reject only the ids of a set the context carries: nothing to do while every set is empty.
-_ID_FILTERS = (NotHeldOut, NotEjected, NotStalled, CanServe, NotTried)
+_ID_FILTERS: Final = (NotHeldOut, NotEjected, NotStalled, CanServe, NotTried)
 #: The rest of the built-in chain, in order: what :class:`~dplb.policy.fused.FastPick` applies itself.
-_CHAIN = (*_ID_FILTERS, UnderHardCap)
+_CHAIN: Final = (*_ID_FILTERS, UnderHardCap)
 
 
 class Policy:
@@ -206,12 +206,15 @@ class Policy:
         """Feed one completed request's E2E latency and time to first body byte (seconds; TTFT of a stream).
         After ``baseline_window`` of them the baseline is frozen at the P95 (nearest rank) of the configured
         ``latency_signal``."""
+        if self.baseline_s is not None:  # frozen (after the first baseline_window requests: the common case)
+            return
         if self.cfg.latency_signal == "ttft":
             if ttft_s is None:
                 return
             seconds = ttft_s
-        if self.baseline_s is not None or not math.isfinite(seconds) or seconds <= 0:
+        if not math.isfinite(seconds) or seconds <= 0:
             return
+
         self._latencies.append(seconds)
         if len(self._latencies) >= self.cfg.baseline_window:
             ordered = sorted(self._latencies)

@@ -11,63 +11,65 @@ Units: requests, fractions 0–1, bytes, seconds.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Final
 
 from dplb.state.shm import Lifecycle, WorkerState
 
 # Eligibility ("why") values: a closed set. The first group is about the worker's health (decides /ready,
 # dplb_worker_up, dplb state); the second about one request.
-OK = "ok"
-WHY_UNREGISTERED = "unregistered"
-WHY_TORN = "torn"
-WHY_STALE = "stale"
-WHY_DRAINING = "draining"
-WHY_NOT_READY = "not_ready"
-WHY_HELD_OUT = "held_out"  # heartbeat hysteresis: fresh again, on probation (panic routing may let it in, §5.1)
-WHY_EJECTED = "ejected"  # refused a connection / failed responses in a row
-WHY_STALLED = "stalled"  # requests outstanding and no engine progress for --stall-after (dplb.policy.stall)
-WHY_EXCLUDED = "excluded"  # failed this request already (retry goes elsewhere)
-WHY_CANNOT_SERVE = "cannot_serve"  # does not serve the request's model, or another worker holds its response
-WHY_OVER_CAP = "over_cap"
-HEALTH_WHYS = frozenset({WHY_UNREGISTERED, WHY_TORN, WHY_STALE, WHY_DRAINING, WHY_NOT_READY, WHY_HELD_OUT,
+OK: Final = "ok"
+WHY_UNREGISTERED: Final = "unregistered"
+WHY_TORN: Final = "torn"
+WHY_STALE: Final = "stale"
+WHY_DRAINING: Final = "draining"
+WHY_NOT_READY: Final = "not_ready"
+WHY_HELD_OUT: Final = "held_out"  # heartbeat hysteresis: fresh again, on probation (panic routing may let it in, §5.1)
+WHY_EJECTED: Final = "ejected"  # refused a connection / failed responses in a row
+WHY_STALLED: Final = "stalled"  # requests outstanding and no engine progress for --stall-after (dplb.policy.stall)
+WHY_EXCLUDED: Final = "excluded"  # failed this request already (retry goes elsewhere)
+WHY_CANNOT_SERVE: Final = "cannot_serve"  # does not serve the request's model, or another worker holds its response
+WHY_OVER_CAP: Final = "over_cap"
+HEALTH_WHYS: Final = frozenset({WHY_UNREGISTERED, WHY_TORN, WHY_STALE, WHY_DRAINING, WHY_NOT_READY, WHY_HELD_OUT,
                          WHY_EJECTED, WHY_STALLED})
-WHYS = (OK, *sorted(HEALTH_WHYS), WHY_CANNOT_SERVE, WHY_EXCLUDED, WHY_OVER_CAP)
+WHYS: Final = (OK, *sorted(HEALTH_WHYS), WHY_CANNOT_SERVE, WHY_EXCLUDED, WHY_OVER_CAP)
 
 # Decision reasons: a closed set (metric label values).
-REASON_SCORE = "score"
-REASON_AFFINITY = "affinity"  # prefix_hash: the prefix's rendezvous worker
-REASON_POLICY = "policy"  # round_robin / random / least_loaded / power_of_two made the choice
-REASON_FALLBACK = "fallback"  # shm missing: router's own in-flight counts
+REASON_SCORE: Final = "score"
+REASON_AFFINITY: Final = "affinity"  # prefix_hash: the prefix's rendezvous worker
+REASON_POLICY: Final = "policy"  # round_robin / random / least_loaded / power_of_two made the choice
+REASON_FALLBACK: Final = "fallback"  # shm missing: router's own in-flight counts
 #: Panic routing (docs/DESIGN.md §5.1): no worker could take the request, so it went to one of the workers held out
 #: only by the heartbeat hysteresis (on probation: fresh again, ready), chosen by the profile as usual.
-REASON_PANIC = "panic"
-REASON_NO_WORKERS = "no_workers"
-REASON_NONE_ROUTABLE = "none_routable"
-REASON_ALL_OVER_CAP = "all_over_cap"
+REASON_PANIC: Final = "panic"
+REASON_NO_WORKERS: Final = "no_workers"
+REASON_NONE_ROUTABLE: Final = "none_routable"
+REASON_ALL_OVER_CAP: Final = "all_over_cap"
 #: The reasons of a decision that chose a worker, then of one that did not (``worker`` None).
-ROUTED_REASONS = (REASON_SCORE, REASON_AFFINITY, REASON_POLICY, REASON_FALLBACK, REASON_PANIC)
-UNROUTED_REASONS = (REASON_NO_WORKERS, REASON_NONE_ROUTABLE, REASON_ALL_OVER_CAP)
-DECISION_REASONS = ROUTED_REASONS + UNROUTED_REASONS
+ROUTED_REASONS: Final = (REASON_SCORE, REASON_AFFINITY, REASON_POLICY, REASON_FALLBACK, REASON_PANIC)
+UNROUTED_REASONS: Final = (REASON_NO_WORKERS, REASON_NONE_ROUTABLE, REASON_ALL_OVER_CAP)
+DECISION_REASONS: Final = ROUTED_REASONS + UNROUTED_REASONS
 # Prefix outcome of a routed decision (dplb_prefix_routed_total): the longest-match worker got it, another one did
 # (spill: load won), or no worker had any block of the prompt.
-PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS = "hit", "spill", "miss"
-PREFIX_OUTCOMES = (PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS)
+PREFIX_HIT: Final = "hit"
+PREFIX_SPILL: Final = "spill"
+PREFIX_MISS: Final = "miss"
+PREFIX_OUTCOMES: Final = (PREFIX_HIT, PREFIX_SPILL, PREFIX_MISS)
 # Notes a scorer gives about a routed request (Scorer.notes, via Decision.notes; read by name by
 # dplb.obs.metrics_router): the prefix scorer's outcome (one of PREFIX_OUTCOMES), the prompt's blocks, and the blocks
 # the index says the chosen worker has.
-NOTE_PREFIX_OUTCOME = "prefix_outcome"
-NOTE_PREFIX_BLOCKS = "prefix_blocks"
-NOTE_PREFIX_HIT_BLOCKS = "prefix_hit_blocks"
+NOTE_PREFIX_OUTCOME: Final = "prefix_outcome"
+NOTE_PREFIX_BLOCKS: Final = "prefix_blocks"
+NOTE_PREFIX_HIT_BLOCKS: Final = "prefix_hit_blocks"
 #: Prompt bytes the prefix index predicted the chosen worker has cached (hit blocks × block bytes); the router
 #: tells the worker (request header ``x-dplb-prefix-predicted``), which compares it with its engine's cached tokens.
-NOTE_PREFIX_HIT_BYTES = "prefix_hit_bytes"
-PREFIX_PREDICTED_HEADER = b"x-dplb-prefix-predicted"
+NOTE_PREFIX_HIT_BYTES: Final = "prefix_hit_bytes"
+PREFIX_PREDICTED_HEADER: Final = b"x-dplb-prefix-predicted"
 # Stats a plugin reports about its own state (Plugin.stats(); read by name by dplb.obs.metrics_scrape): the prefix
 # index's entries, capacity (blocks) and estimated memory (bytes).
-STAT_INDEX_BLOCKS = "index_blocks"
-STAT_INDEX_CAPACITY = "index_capacity_blocks"
-STAT_INDEX_BYTES = "index_bytes"
-_UNASKED: Any = object()  # Decision.notes not asked yet
+STAT_INDEX_BLOCKS: Final = "index_blocks"
+STAT_INDEX_CAPACITY: Final = "index_capacity_blocks"
+STAT_INDEX_BYTES: Final = "index_bytes"
+_UNASKED: Final[Any] = object()  # Decision.notes not asked yet
 
 
 class Candidate:
@@ -110,7 +112,7 @@ class Candidate:
 #: True when ``object.__new__(Candidate)`` may make a candidate (plain Python: CPython allows it when the class keeps
 #: ``object``'s allocator; a class compiled by mypyc has its own and refuses it). The policy's hot loop then sets the
 #: slots itself: a class call costs ~600 instructions more a candidate in CPython 3.11.
-PLAIN_NEW: bool = Candidate.__new__ is object.__new__
+PLAIN_NEW: Final[bool] = Candidate.__new__ is object.__new__
 
 
 class Decision:
@@ -272,8 +274,8 @@ def make_candidates(rows: list[tuple[WorkerState, int, int, int, str]], scores: 
     return out
 
 
-_PLAIN_DECISION: bool = Decision.__new__ is object.__new__
-_new: Any = object.__new__
+_PLAIN_DECISION: Final[bool] = Decision.__new__ is object.__new__
+_new: Final[Any] = object.__new__
 
 
 def _finite(x: float) -> float | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from dplb.policy.decision import (
     OK,
@@ -49,7 +50,7 @@ from dplb.policy.scorers import (
 )
 from dplb.state.shm import Lifecycle, WorkerState
 
-_READY = Lifecycle.READY
+_READY: Final = Lifecycle.READY
 
 
 class FusedScores:
@@ -176,7 +177,7 @@ Row = tuple[WorkerState, int, int, int, str]
 #: state filters but freshness (registered, consistent, ready), running + waiting, the memory term, the latency
 #: signal and its term (−1.0: no sample).
 State = tuple[WorkerState | None, int, bool, int, float, float, float]
-_NO_STATE: State = (None, 0, False, 0, 0.0, 0.0, 0.0)
+_NO_STATE: Final[State] = (None, 0, False, 0, 0.0, 0.0, 0.0)
 
 #: The router's held, ejected and stalled workers (:meth:`dplb.policy.Policy.pick`'s arguments).
 Verdicts = tuple[frozenset[int], frozenset[int], frozenset[int]]

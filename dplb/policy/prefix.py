@@ -103,7 +103,7 @@ def _set_bits(out: list[int], mask: int, value: int) -> None:
 #: Byte value → the positions of its set bits.
 _BYTE_BITS: Final = tuple(tuple(b for b in range(8) if m >> b & 1) for m in range(256))
 #: Block size (bytes) → ``iter_unpack`` of a ``"{size}s"`` struct: cuts a buffer into its blocks in one call.
-_CHUNKERS: dict[int, Callable[[Any], Iterator[tuple[bytes]]]] = {}
+_CHUNKERS: Final[dict[int, Callable[[Any], Iterator[tuple[bytes]]]]] = {}
 _BLOCK_STEP: Final = 1 << 32
 
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Final
 
 from dplb.state.shm import Lifecycle, WorkerState
 
 log = logging.getLogger("dplb.stall")
-_READY = Lifecycle.READY
+_READY: Final = Lifecycle.READY
 
-_NONE: frozenset[int] = frozenset()
+_NONE: Final[frozenset[int]] = frozenset()
 
 
 class StallDetector:

@@ -24,10 +24,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, Final
 
 from dplb.config import RouterConfig
 from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body
+from dplb.obs.fastmetrics import HistogramChild
 from dplb.obs.tracing import NO_TRACE
 from dplb.router.exchange import Exchange, response_headers
 from dplb.router.health import UNREACHABLE_S, Outcome
@@ -43,15 +44,23 @@ from dplb.router.upstream import (
 )
 
 log = logging.getLogger("dplb.router.proxy")
-_KEEPALIVE = b": keep-alive\n\n"
-_CAPTURE_MAX = 65536  # bytes of an answer searched for its response id
+# Read per request: module constants (compiled, a C static instead of a module-dict and an attribute lookup; an enum
+# member is read through the enum class's __getattr__ hook, ~4x a plain class attribute, in either build).
+_perf_counter: Final = time.perf_counter
+_NO_ANSWER: Final = Outcome.NO_ANSWER
+_DRAINING: Final = Outcome.DRAINING
+_BROKEN: Final = Outcome.BROKEN
+_NO_TRACE: Final = NO_TRACE
+_KEEPALIVE: Final = b": keep-alive\n\n"
+_CAPTURE_MAX: Final = 65536  # bytes of an answer searched for its response id
 # Rejections answered before the request body was read.
-_BODY_UNREAD = frozenset({RouterErrorKind.UNAUTHORIZED, RouterErrorKind.METHOD_NOT_ALLOWED,
+_BODY_UNREAD: Final = frozenset({RouterErrorKind.UNAUTHORIZED, RouterErrorKind.METHOD_NOT_ALLOWED,
                           RouterErrorKind.UNSUPPORTED_MEDIA, RouterErrorKind.BODY_TOO_LARGE,
                           RouterErrorKind.UNSUPPORTED_ENCODING})
 # The outcomes retried on another worker (nothing was generated) and the error kind each is answered with when no
 # other worker can take the request.
-RETRY = {Outcome.UNREACHABLE: RouterErrorKind.UPSTREAM_UNREACHABLE, Outcome.DRAINING: RouterErrorKind.NONE_ROUTABLE}
+RETRY: Final = {Outcome.UNREACHABLE: RouterErrorKind.UPSTREAM_UNREACHABLE,
+                Outcome.DRAINING: RouterErrorKind.NONE_ROUTABLE}
 
 
 class Upstreams:
@@ -66,13 +75,13 @@ class Upstreams:
         self.metrics = state.metrics
         n = state.num_workers
         self.worker_ids = [str(k).encode() for k in range(n)]
-        self.ttfb = [self.metrics.upstream_ttfb.labels(str(k)) for k in range(n)]
-        self._durations: dict[tuple[int, str], Any] = {}
+        self.ttfb: list[HistogramChild] = [self.metrics.upstream_ttfb.labels(str(k)) for k in range(n)]
+        self._durations: dict[tuple[int, str], HistogramChild] = {}
         #: Called with (scope, response headers) before a worker's response head is relayed (the ORCA load report:
         #: :mod:`dplb.router.orca`); it may append headers.
         self.on_response_head: Callable[[dict[str, Any], list[tuple[bytes, bytes]]], None] | None = None
 
-    def duration(self, worker: int, label: str) -> Any:
+    def duration(self, worker: int, label: str) -> HistogramChild:
         """The ``dplb_upstream_request_duration_seconds`` child of ``worker`` and outcome ``label``."""
         key = (worker, label)
         child = self._durations.get(key)
@@ -126,7 +135,7 @@ class Attempt:
         self.worker = worker
         self.conn: UpstreamConn | None = None
         self.status = 0
-        self.outcome = Outcome.NO_ANSWER  # an attempt cut short before the response head (e.g. by an exception)
+        self.outcome = _NO_ANSWER  # an attempt cut short before the response head (e.g. by an exception)
         self.t0 = 0.0
         self.t_first: float | None = None
         self.is_sse = False
@@ -182,17 +191,18 @@ class Attempt:
                     up.pool.release(conn)  # complete response: kept if the connection is keep-alive
                 else:
                     conn.abort()
-            end = time.perf_counter()
+            end = _perf_counter()
             t_first = self.t_first
             up.state.report(self.worker, outcome, end - ex.t_start, None if t_first is None else t_first - ex.t_start)
             label = outcome.recorded
-            if label is not None:
-                trace = ex.trace  # (untraced, the hot path: no call for the no-op hook's None)
-                up.duration(self.worker, label).observe(end - self.t0, None if trace is NO_TRACE else trace.exemplar())
+            if label is not None:  # (the hot path: no call of the no-op trace's exemplar, None)
+                trace = ex.trace
+                up.duration(self.worker, label).observe(end - self.t0,
+                                                        None if trace is _NO_TRACE else trace.exemplar())
             if may_retry:
                 retry = RETRY.get(outcome)
         finally:
-            if ex.trace is not NO_TRACE:  # (the hot path: no call for the no-op hook)
+            if ex.trace is not _NO_TRACE:  # (the hot path: no call for the no-op hook)
                 ex.trace.attempt_done(retry)
             up.state.release(self.worker, self)
         return retry
@@ -215,7 +225,7 @@ class Attempt:
             self.outcome = Outcome.UNREACHABLE
             return False
         self.ex.conn = self.conn  # aborted by the disconnect watcher
-        self.t0 = time.perf_counter()
+        self.t0 = _perf_counter()
         return True
 
     async def send(self, head: bytes) -> bool:
@@ -266,12 +276,12 @@ class Attempt:
         hook may add some); None for a ``503 worker_draining`` refusal (outcome ``DRAINING``: nothing was generated,
         safe to send elsewhere)."""
         up, worker = self.up, self.worker
-        up.ttfb[worker].observe(time.perf_counter() - self.t0)
+        up.ttfb[worker].observe(_perf_counter() - self.t0)
         out, self.is_sse, draining = response_headers(up_headers, up.worker_ids[worker], self.ex.rid)
         if up.on_response_head is not None:
             up.on_response_head(self.ex.scope, out)
         if status == 503 and draining:
-            self.outcome = Outcome.DRAINING
+            self.outcome = _DRAINING
             return None
         return out
 
@@ -282,7 +292,7 @@ class Attempt:
             self.ex.tenant.head(status, headers, self.is_sse)
         self.status = self.ex.status = status
         await self.ex.send({"type": "http.response.start", "status": status, "headers": headers})
-        self.outcome = Outcome.BROKEN  # from here on, a relay that does not complete is a broken response
+        self.outcome = _BROKEN  # from here on, a relay that does not complete is a broken response
         return True
 
     async def no_head(self, kind: RouterErrorKind, message: str) -> None:
@@ -319,7 +329,7 @@ class Attempt:
             if ex.gone:
                 break
             if self.t_first is None:
-                self.t_first = time.perf_counter()
+                self.t_first = _perf_counter()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def _relay_hooked(self, chunks: AsyncIterator[bytes], capture: bytes | None, keepalive: float) -> None:
@@ -335,8 +345,9 @@ class Attempt:
                     await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
                 continue
             if self.t_first is None:
-                self.t_first = time.perf_counter()
+                self.t_first = _perf_counter()
             if ex.tenant is not None and not (chunk := ex.tenant.chunk(chunk)):
+
                 continue  # held back until its SSE event is complete (dplb.router.usage)
             if capture is not None:
                 capture = self._capture_id(capture + chunk)

@@ -38,8 +38,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Final
 
+from dplb.obs.fastmetrics import CounterChild
 from dplb.obs.metrics import DIRECT_PATHS
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import Exchange
@@ -47,12 +48,17 @@ from dplb.router.health import Outcome
 from dplb.router.intake import Rejected, check_head
 from dplb.router.proxy import Proxy, scan_headers
 from dplb.router.routes import match
-from dplb.router.upstream import UpstreamConn, UpstreamError, UpstreamTimeout
+from dplb.router.upstream import Sink, UpstreamConn, UpstreamError, UpstreamTimeout
 from dplb.runtime.direct import DirectResponse
-from dplb.runtime.serving import DISCONNECT_EXT
+from dplb.runtime.edge import DISCONNECT_EXT, DisconnectHook
+from dplb.runtime.lane_cycle import LaneCycle
 
 log = logging.getLogger("dplb.router")
-_RESPONSES = "/v1/responses"
+_RESPONSES: Final = "/v1/responses"
+# (Final: compiled, a C static instead of a module-dict and an attribute lookup per use; see dplb.router.attempt.)
+_perf_counter: Final = time.perf_counter
+_BROKEN: Final = Outcome.BROKEN
+_CLIENT_LEFT_EARLY: Final = Outcome.CLIENT_LEFT_EARLY
 
 #: ``(ex, work)`` → a coroutine that runs ``work`` as the ASGI path runs a proxied request (its error handling and
 #: HTTP metrics: :meth:`dplb.router.app.RouterApp.serve_proxy`).
@@ -71,15 +77,21 @@ class DirectLane:
         self.run = run
         self.observe = observe
         self.enabled = enabled
-        self.limit = proxy.cfg.max_body_bytes
+        cfg = proxy.cfg
+        self.limit = cfg.max_body_bytes
+        self.first_byte_s = cfg.first_byte_timeout_s  # (read per request: the frozen config's, once)
+        self.idle_s = cfg.idle_timeout_s
         counter = proxy.metrics.direct_relay
+        self.n_direct: CounterChild
+        self.n_continued: CounterChild
+        self.n_declined: CounterChild
         self.n_direct, self.n_continued, self.n_declined = (counter.labels(p) for p in DIRECT_PATHS)
 
     def wants(self, scope: dict[str, Any]) -> bool:
         """Whether the request may skip the ASGI task (asked at the end of its head)."""
         return scope["method"] == "POST" and self.enabled()
 
-    def begin(self, cycle: Any, start: Callable[[Any], None]) -> bool:
+    def begin(self, cycle: LaneCycle, start: Callable[[Any], None]) -> bool:
         """Serve the request of ``cycle`` (its body complete); False (nothing done) to leave it to the ASGI path."""
         try:
             ex = self._read(cycle)
@@ -107,7 +119,7 @@ class DirectLane:
                 held = attempt
                 self._continue(ex, start, proxy.place(ex, worker, attempt))
                 return True
-            hook = ex.scope["extensions"][DISCONNECT_EXT]
+            hook: DisconnectHook = ex.scope["extensions"][DISCONNECT_EXT]
             hook.callback = ex.client_gone
             held = direct = DirectAttempt(self, ex, worker, conn, cycle, start)
             direct.begin()
@@ -133,13 +145,13 @@ class DirectLane:
             conn.abort()
         self._continue(ex, start, _reraise(exc))
 
-    def _read(self, cycle: Any) -> Exchange | None:
+    def _read(self, cycle: LaneCycle) -> Exchange | None:
         """The request's Exchange with its body read and peeked, or None when the lane declines it."""
         scope = cycle.scope
         found = match("POST", scope["path"])
         if found is None or found[0].path == _RESPONSES:
             return None
-        ex = Exchange(scope, cycle.receive, cycle.send)
+        ex = Exchange(scope, None, None)  # (receive and send: the cycle's, given to the ASGI app if it continues)
         ex.route, ex.pin = found
         clen, ctype, _, encoding = scan_headers(ex)
         if encoding or clen < 0 or clen != len(cycle.body):
@@ -159,26 +171,28 @@ class DirectLane:
         run = self.run
 
         async def app(scope: Any, receive: Any, send: Any) -> None:
+            ex.receive, ex.send = receive, send  # (the cycle's, as the ASGI path's exchange has them)
             await run(ex, work)
+
 
         start(app)
 
 
-class DirectAttempt(Attempt):
+class DirectAttempt(Attempt, Sink):
     """An :class:`Attempt` relayed from callbacks: ``begin`` sends the request on the pooled ``conn``; the
     connection's :class:`dplb.router.upstream.Sink` calls do the rest."""
 
     __slots__ = ("clock", "deadline", "idle_s", "lane", "out", "start")
 
-    def __init__(self, lane: DirectLane, ex: Exchange, worker: int, conn: UpstreamConn, cycle: Any,
+    def __init__(self, lane: DirectLane, ex: Exchange, worker: int, conn: UpstreamConn, cycle: LaneCycle,
                  start: Callable[[Any], None]) -> None:
         super().__init__(lane.up, ex, worker)
         self.lane = lane
         self.conn = conn
         self.start = start
         self.out = DirectResponse(cycle)
-        self.idle_s = lane.up.cfg.idle_timeout_s
-        self.clock = conn.loop.time
+        self.idle_s = lane.idle_s
+        self.clock = conn.clock
         self.deadline = 0.0  # loop time of the first-byte timeout, then of the idle timeout
 
     def begin(self) -> None:
@@ -187,11 +201,11 @@ class DirectAttempt(Attempt):
         ex, conn = self.ex, self.conn
         assert conn is not None
         conn.sink = self
-        self.t0 = time.perf_counter()
+        self.t0 = _perf_counter()
         conn.send_request(ex.head, ex.body)
         self.up.state.acquire(self.worker, self)
         ex.conn = conn
-        self.deadline = self.clock() + self.up.cfg.first_byte_timeout_s
+        self.deadline = self.clock() + self.lane.first_byte_s
         conn.wake_by(self.deadline)
 
     # ---- before the response head: anything unusual continues on the ASGI path -----------------------------
@@ -199,7 +213,7 @@ class DirectAttempt(Attempt):
         conn = self.conn
         assert conn is not None
         conn.sink = None
-        conn.expire_head(self.up.cfg.first_byte_timeout_s)
+        conn.expire_head(self.lane.first_byte_s)
         self._resume()
 
     def _resume(self) -> None:
@@ -219,8 +233,8 @@ class DirectAttempt(Attempt):
             assert out is not None
             self.status = self.ex.status = status
             self.out.start(status, out)
-            self.outcome = Outcome.BROKEN  # from here on, a relay that does not complete is a broken response
-            self.out.pause, self.out.resume = self._pause, self._unpause
+            self.outcome = _BROKEN  # from here on, a relay that does not complete is a broken response
+            self.out.source = self  # (pause_reading / resume_reading at the client's write-buffer marks)
             self.deadline = self.clock() + self.idle_s
             self.conn.wake_by(self.deadline)  # type: ignore[union-attr]
         except Exception as e:
@@ -229,7 +243,7 @@ class DirectAttempt(Attempt):
     def body(self, chunk: bytes) -> None:
         try:
             if self.t_first is None:
-                self.t_first = time.perf_counter()
+                self.t_first = _perf_counter()
             self.out.body(chunk)
             self.deadline = self.clock() + self.idle_s
         except Exception as e:
@@ -246,7 +260,7 @@ class DirectAttempt(Attempt):
         try:
             if not self.status:  # before the head: the ASGI path answers (or the client left)
                 if self.ex.gone:
-                    self.outcome = Outcome.CLIENT_LEFT_EARLY
+                    self.outcome = _CLIENT_LEFT_EARLY
                     self._done()
                     return
                 self._resume()
@@ -288,7 +302,7 @@ class DirectAttempt(Attempt):
         assert conn is not None
         conn.sink = None
         out.cycle.direct = None
-        out.pause = out.resume = None
+        out.source = None
         ex.scope["extensions"][DISCONNECT_EXT].callback = None
         if ex.conn is None:  # settled and counted already (_done)
             log.error("internal error handling POST %s", ex.scope["path"], exc_info=exc)
@@ -313,12 +327,14 @@ class DirectAttempt(Attempt):
         self.out.cut()
         self._done()
 
-    def _pause(self) -> None:
+    def pause_reading(self) -> None:
+        """The client's write buffer is over its high-water mark: stop reading the worker's socket."""
         conn = self.conn
         if conn is not None and conn.transport is not None:
             conn.transport.pause_reading()
 
-    def _unpause(self) -> None:
+    def resume_reading(self) -> None:
+        """The client's write buffer drained: read the worker's socket again."""
         conn = self.conn
         if conn is not None and conn.transport is not None and not conn.closed:
             conn.transport.resume_reading()
@@ -329,9 +345,11 @@ class DirectAttempt(Attempt):
         ex = self.ex
         if self.conn is not None:
             self.conn.sink = None
-        self.out.pause = self.out.resume = None  # (bound to this attempt: no cycle left for the collector)
-        hook = ex.scope["extensions"][DISCONNECT_EXT]
+        self.out.source = None  # (no reference cycle left for the collector)
+
+        hook: DisconnectHook = ex.scope["extensions"][DISCONNECT_EXT]
         hook.callback = None
+
         try:
             self.settle(False)  # nothing to retry: the response started, or the client left
         finally:

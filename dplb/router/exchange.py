@@ -17,7 +17,7 @@ Contract
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from dplb.obs.tracing import NO_TRACE, NoTrace
 
@@ -30,13 +30,16 @@ if TYPE_CHECKING:
 from dplb.runtime.asgi import until_disconnect
 from dplb.runtime.edge import DISCONNECT_EXT
 
-HOP_BY_HOP = frozenset({
+HOP_BY_HOP: Final = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
     b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
 })
 # Request headers the router sets itself; response headers the worker must not set for us.
-REQ_OWN = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
-RESP_OWN = HOP_BY_HOP | {b"x-sg-worker-id", b"x-request-id", b"x-dplb-draining"}
+REQ_OWN: Final = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
+RESP_OWN: Final = HOP_BY_HOP | {b"x-sg-worker-id", b"x-request-id", b"x-dplb-draining"}
+# (Final: compiled, a C static instead of a module-dict and an attribute lookup per use.)
+_perf_counter: Final = time.perf_counter
+_NO_TRACE: Final = NO_TRACE
 
 
 class Exchange:
@@ -60,14 +63,15 @@ class Exchange:
         self.scope = scope
         self.receive = receive
         self.send = send
-        self.t_start = time.perf_counter()
+        self.t_start = _perf_counter()
         self.rid = b""
         self.status = 0
         self.gone = False
         self.conn: Any = None
         self.route: Route | None = None
         self.pin: str | None = None
-        self.trace: NoTrace = NO_TRACE
+        self.trace: NoTrace = _NO_TRACE
+
         self.body = b""
         self.decoded = False
         self.head = b""

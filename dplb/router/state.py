@@ -42,7 +42,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Protocol
+from typing import Final, Protocol
 
 from dplb.config import PolicyConfig, RouterConfig
 from dplb.errors import ConfigError, ShmError
@@ -64,8 +64,12 @@ from dplb.state.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
 from dplb.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("dplb.router")
-PROMOTE_GRACE_S = 5.0  # a returned segment without any routable worker is routed on after this long anyway
-_READY = Lifecycle.READY
+PROMOTE_GRACE_S: Final = 5.0  # a returned segment without any routable worker is routed on after this long anyway
+_READY: Final = Lifecycle.READY
+# (Final: compiled, a C static instead of a module-dict and an attribute lookup per use.)
+_perf_counter: Final = time.perf_counter
+_monotonic_ns: Final = time.monotonic_ns
+_time: Final = time.time
 
 
 class Cuttable(Protocol):
@@ -189,7 +193,7 @@ class RouterState:
         """:meth:`decide` without the record: (the decision, its duration in seconds). The caller must
         :meth:`record` it (the direct relay does once the request is on its way to the worker)."""
         self.policy.prepare(request)
-        t0 = time.perf_counter()
+        t0 = _perf_counter()
         snap = self.snapshot()
         health = self.health
         ejected = health.ejected(snap) if health.any_ejected else frozenset()
@@ -203,7 +207,7 @@ class RouterState:
             except LookupError:
                 d = Decision(self.policy.name, None, REASON_NO_WORKERS, [], self.policy.baseline_s)
         else:
-            now = time.monotonic_ns()
+            now = _monotonic_ns()
             held = health.observe(snap, now, self._interval_ms())
             slots = self.slots
             if slots is not None and self.policy.shares and slots.has_peers:
@@ -215,14 +219,14 @@ class RouterState:
                                  shared=self._shared(snap, now), stalled=self.stalled(now))
             if request.learned and slots is not None and slots.has_peers and d.worker is not None:
                 slots.publish_prefix(d.worker, request.learned)  # alone on the segment: nobody to tell
-        return d, time.perf_counter() - t0
+        return d, _perf_counter() - t0
 
     def record(self, d: Decision, seconds: float, request_id: str, tenant: str = DEFAULT_TENANT) -> None:
         """Count decision ``d`` (made in ``seconds``) in the metrics and keep it in the debug ring
         (``/debug/decisions``) with the request's id and ``tenant`` (the tenant is kept with the decision, not looked
         up by request id: a client chooses its ``X-Request-Id``, and two tenants may send the same one)."""
         self.metrics.observe_decision(d, seconds)
-        self.decisions.append((time.time(), request_id, tenant, d))
+        self.decisions.append((_time(), request_id, tenant, d))
 
     def dry_run(self, snap: list[WorkerState] | None) -> Decision | None:
         """What the policy would see right now for a request without a prompt (a metrics scrape): every
@@ -281,7 +285,7 @@ class RouterState:
         slots = self.slots
         if slots is not None and worker < slots.num_workers:
             c = self.policy.correction(worker)
-            slots.publish(worker, c if c < n else n, n, time.monotonic_ns())
+            slots.publish(worker, c if c < n else n, n, _monotonic_ns())
 
     def release(self, worker: int, attempt: Cuttable | None = None) -> None:
         """A request to ``worker`` ended (any outcome)."""

@@ -29,14 +29,19 @@ import asyncio
 import collections
 import math
 import time
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
 
 import httptools
 
-HIGH_WATER = 256 * 1024  # bytes buffered from a worker before we stop reading its socket
-LOW_WATER = 64 * 1024
-POOL_IDLE_S = 20.0  # pooled connections idle longer are closed (workers keep idle connections 75 s)
-POOL_MAX_PER_WORKER = 256
+from dplb.native import trait
+
+HIGH_WATER: Final = 256 * 1024  # bytes buffered from a worker before we stop reading its socket
+LOW_WATER: Final = 64 * 1024
+POOL_IDLE_S: Final = 20.0  # pooled connections idle longer are closed (workers keep idle connections 75 s)
+POOL_MAX_PER_WORKER: Final = 256
+# (Final: compiled, a C constant or static instead of a module-dict lookup and an attribute lookup per use.)
+_monotonic: Final = time.monotonic
 
 
 class UpstreamError(Exception):
@@ -59,14 +64,19 @@ class UpstreamClosed(UpstreamError):
     """The worker closed the connection before the response was complete."""
 
 
-class Sink(Protocol):
+@trait
+class Sink:
     """What a connection with ``sink`` set calls instead of queueing its response (see the module docstring).
     ``head`` comes once, then ``body`` per chunk and ``complete`` once, or ``failed`` once (instead of what is
-    left) when the connection breaks or the response is malformed; ``flush`` after each socket read. A protocol
-    (structural), not a base class: the direct relay's attempt satisfies it without inheriting it, which lets
-    mypyc compile that class."""
+    left) when the connection breaks or the response is malformed; ``flush`` after each socket read. A mypyc trait
+    (:func:`dplb.native.trait`): the direct relay's attempt, a subclass of its attempt class, takes it in as a
+    second base, and compiled, the connection calls its methods through the trait's table instead of looking them
+    up by name; each method here does nothing."""
 
-    def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    __slots__ = ()
+
+    def head(
+self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The response head: ``status`` and the worker's headers as parsed."""
 
     def due(self) -> None:
@@ -92,14 +102,17 @@ class UpstreamConn(asyncio.Protocol):
     def __init__(self, worker: int) -> None:
         self.worker = worker
         self.loop = asyncio.get_running_loop()  # (made by the loop's connection factory; asked once, not per use)
+        self.clock: Callable[[], float] = self.loop.time  # (loop time, bound once per connection)
+
         self.transport: asyncio.Transport | None = None
         self._sink_timer: asyncio.TimerHandle | None = None  # see wake_by
         self._sink_at = 0.0
-        self.last_used = time.monotonic()
+        self.last_used = _monotonic()
         self._parser = httptools.HttpResponseParser(self)
         self._error: UpstreamError | None = None
         self.sink: Sink | None = None
         self._timer: asyncio.TimerHandle | None = None  # the body phase's one lazy timer (see chunks())
+        self._chunks: collections.deque[bytes] = collections.deque()  # (one per connection: emptied per request)
         self._reset()
         self.closed = False
 
@@ -112,10 +125,18 @@ class UpstreamConn(asyncio.Protocol):
         self._idle_s = self._tick_s = 0.0
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self._head = self.loop.create_future()
-        self._chunks: collections.deque[bytes] = collections.deque()
+        # The head: came (_got_head), or failed (_head_error: a close, a malformed response, the first-byte
+        # timeout); the future exists only while response_head waits for it (a sink never needs one).
+        self._got_head = False
+        self._head_error: UpstreamError | None = None
+        self._head: asyncio.Future[None] | None = None
+        if self._chunks:
+            self._chunks.clear()
         self._buffered = 0
-        self._wakeup: asyncio.Future[bool | None] | None = None  # True: a keep-alive tick
+        # What a body iteration waits on (BodyChunks.__anext__): resolved with the next chunk, b"" (a keep-alive
+        # tick), failed at the end (StopAsyncIteration), with the idle timeout or the connection's error.
+        self._wakeup: asyncio.Future[bytes] | None = None
+        self._drained = False  # chunks were handed out since the body deadlines last moved
         self._complete = False
         self._paused = False
         self.keep_alive = False
@@ -146,31 +167,45 @@ class UpstreamConn(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
-        self.keep_alive = self._parser.should_keep_alive()
-        if not self._head.done():
-            self._head.set_result(None)
-        if self.sink is not None:
-            self.sink.head(self.status, self.headers)
+        parser = self._parser
+        self.status = parser.get_status_code()
+        self.keep_alive = parser.should_keep_alive()
+        if self._head_error is None:
+            self._got_head = True
+            head = self._head
+            if head is not None and not head.done():
+                head.set_result(None)
+        sink = self.sink
+        if sink is not None:
+            sink.head(self.status, self.headers)
 
     def on_body(self, body: bytes) -> None:
         sink = self.sink
         if sink is not None:
             sink.body(body)
             return
+        w = self._wakeup
+        if w is not None and not w.done():  # waited for (nothing is queued then): handed over as it is
+            self._wakeup = None
+            self._drained = True
+            w.set_result(body)
+            return
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-        self._wake()
 
     def on_message_complete(self) -> None:
         self._complete = True
         if self.sink is not None:
             self.sink.complete()
             return
-        self._wake()
+        w = self._wakeup
+        if w is not None and not w.done():  # the iteration waiting for a chunk ends
+            self._wakeup = None
+            self._stop_timer()
+            _set_exception(w, StopAsyncIteration())
 
     # ---- internals -----------------------------------------------------------------------------------------------
     def _sink_due(self) -> None:
@@ -189,17 +224,22 @@ class UpstreamConn(asyncio.Protocol):
             self._sink_timer.cancel()
             self._sink_timer = None
 
-    def _wake(self) -> None:
-        w = self._wakeup
-        if w is not None and not w.done():
-            w.set_result(None)
+    def _fail_head(self, exc: UpstreamError) -> None:
+        """The head will not come: :meth:`response_head` raises ``exc`` (nothing once the head came or failed)."""
+        if self._got_head or self._head_error is not None:
+            return
+        self._head_error = exc
+        head = self._head
+        if head is not None and not head.done():
+            _set_exception(head, exc)
 
     def _fail(self, exc: UpstreamError) -> None:
         self.closed = True
-        if not self._head.done():
-            _set_exception(self._head, exc)
+        self._fail_head(exc)
         w = self._wakeup
         if w is not None and not w.done():
+            self._wakeup = None
+            self._stop_timer()
             _set_exception(w, exc)
         self._error = exc
         if self.transport is not None:
@@ -230,22 +270,25 @@ class UpstreamConn(asyncio.Protocol):
 
     async def response_head(self, timeout_s: float) -> tuple[int, list[tuple[bytes, bytes]]]:
         """Wait for the status and headers (the first-byte phase)."""
-        head = self._head
-        if not head.done():
+        if not self._got_head:
+            error = self._head_error
+            if error is not None:
+                raise error
+            head = self._head
+            if head is None:
+                head = self._head = self.loop.create_future()
             # A plain timer instead of asyncio.wait_for: no extra task or shield on the hot path.
-            timer = self.loop.call_later(timeout_s, _expire, head, "first_byte", timeout_s)
+            timer = self.loop.call_later(timeout_s, self.expire_head, timeout_s)
             try:
                 await head
             finally:
                 timer.cancel()
-        else:
-            head.result()
         return self.status, self.headers
 
     def expire_head(self, timeout_s: float) -> None:
         """The first-byte timeout passed (timed by the caller): :meth:`response_head` raises
-        :class:`UpstreamTimeout` at once."""
-        _expire(self._head, "first_byte", timeout_s)
+        :class:`UpstreamTimeout` at once (nothing once the head came or failed)."""
+        self._fail_head(UpstreamTimeout("first_byte", timeout_s))
 
     def chunks(self, idle_timeout_s: float, tick_s: float = 0.0) -> BodyChunks:
         """Body bytes as they arrive, until the message is complete (an async iterator: :class:`BodyChunks`).
@@ -264,14 +307,16 @@ class UpstreamConn(asyncio.Protocol):
         w = self._wakeup
         if w is None or w.done():
             return
-        loop = w.get_loop()
+        loop = self.loop
         now = loop.time()
         if now >= self._deadline:
+            self._wakeup = None
             _set_exception(w, UpstreamTimeout("idle", self._idle_s))
             return
         if now >= self._tick_at:
             self._tick_at = now + self._tick_s
-            w.set_result(True)
+            self._wakeup = None
+            w.set_result(b"")
             return
         self._timer = loop.call_at(min(self._deadline, self._tick_at), self._on_timer)
 
@@ -293,17 +338,18 @@ class UpstreamConn(asyncio.Protocol):
 class BodyChunks:
     """The async iterator :meth:`UpstreamConn.chunks` returns: one response body's chunks (its docstring).
 
-    A class, not an async generator, so that mypyc compiles the module (it compiles no async generator). The end
-    of the body and any exception that leaves :meth:`__anext__` (a timeout, a broken connection, a cancelled task)
-    stop the connection's body timer; an iteration abandoned part way leaves it to :meth:`UpstreamConn.abort` or
-    the next request's reset (it does nothing while nobody waits)."""
+    A class, not an async generator, so that mypyc compiles the module (it compiles no async generator), and
+    :meth:`__anext__` a plain method: a waited-for chunk is handed to the waiting task by the parser, with no
+    coroutine resumed per chunk. The end of the body, the idle timeout and a broken connection stop the
+    connection's body timer; after a cancelled wait or an iteration abandoned part way it stops at its next expiry
+    (it does nothing while nobody waits), or at :meth:`UpstreamConn.abort` or the next request's reset."""
 
     def __init__(self, conn: UpstreamConn, idle_timeout_s: float, tick_s: float) -> None:
         self._conn = conn
         self._idle_s = idle_timeout_s
         self._tick_s = tick_s
         self._tick = tick_s > 0.0
-        self._drained = False  # chunks were handed out since the deadlines last moved
+        conn._drained = False
         now = conn.loop.time()
         conn._idle_s, conn._tick_s = idle_timeout_s, tick_s
         conn._deadline = now + idle_timeout_s
@@ -312,46 +358,45 @@ class BodyChunks:
     def __aiter__(self) -> BodyChunks:
         return self
 
-    async def __anext__(self) -> bytes:
-        """The next chunk (``b""``: a keep-alive tick). Raises StopAsyncIteration at the end of the message,
-        :class:`UpstreamTimeout` or the connection's :class:`UpstreamError`."""
+    def __anext__(self) -> Awaitable[bytes]:
+        """An awaitable of the next chunk (``b""``: a keep-alive tick): a coroutine of the chunk when one is queued
+        (cheaper than a done future), else the connection's wake-up future, which the parser resolves with the next
+        chunk, the body timer with a tick or fails with :class:`UpstreamTimeout`, and which fails with
+        StopAsyncIteration at the end of the message or with the connection's :class:`UpstreamError`. Raises those
+        two at once when they are known already."""
         conn = self._conn
-        queue = conn._chunks  # (replaced only by the next request's reset)
-        while True:
-            if queue:
-                c = queue.popleft()
-                conn._buffered -= len(c)
-                if conn._paused and conn._buffered < LOW_WATER and conn.transport is not None:
-                    conn._paused = False
-                    conn.transport.resume_reading()
-                self._drained = True
-                return c
-            loop = conn.loop
-            if self._drained:  # the queue ran dry: the silence starts now
-                self._drained = False
-                now = loop.time()
-                conn._deadline = now + self._idle_s
-                if self._tick:
-                    conn._tick_at = now + self._tick_s
-            if conn._complete:
-                conn._stop_timer()
-                raise StopAsyncIteration
-            error = conn._error
-            if error is not None:
-                conn._stop_timer()
-                raise error
-            conn._wakeup = wake = loop.create_future()
-            if conn._timer is None:
-                conn._timer = loop.call_at(min(conn._deadline, conn._tick_at), conn._on_timer)
-            try:
-                ticked = await wake
-            except BaseException:  # the idle timeout, a broken connection, the task cancelled
-                conn._wakeup = None
-                conn._stop_timer()
-                raise
-            conn._wakeup = None
-            if ticked and not queue and not conn._complete and conn._error is None:
-                return b""
+        queue = conn._chunks  # (emptied only by the next request's reset)
+        loop = conn.loop
+        if queue:
+            c = queue.popleft()
+            conn._buffered -= len(c)
+            if conn._paused and conn._buffered < LOW_WATER and conn.transport is not None:
+                conn._paused = False
+                conn.transport.resume_reading()
+            conn._drained = True
+            return _now(c)
+        if conn._drained:  # the queue ran dry: the silence starts now
+            conn._drained = False
+            now = loop.time()
+            conn._deadline = now + self._idle_s
+            if self._tick:
+                conn._tick_at = now + self._tick_s
+        if conn._complete:
+            conn._stop_timer()
+            raise StopAsyncIteration
+        error = conn._error
+        if error is not None:
+            conn._stop_timer()
+            raise error
+        conn._wakeup = wake = loop.create_future()
+        if conn._timer is None:
+            conn._timer = loop.call_at(min(conn._deadline, conn._tick_at), conn._on_timer)
+        return wake
+
+
+async def _now(chunk: bytes) -> bytes:
+    """``chunk`` as an awaitable (a coroutine costs less than a done future)."""
+    return chunk
 
 
 def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
@@ -359,11 +404,6 @@ def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
     nobody awaits any more (its client went away first) does not log "Future exception was never retrieved"."""
     fut.set_exception(exc)
     fut.exception()
-
-
-def _expire(fut: asyncio.Future[None], phase: str, seconds: float) -> None:
-    if not fut.done():
-        _set_exception(fut, UpstreamTimeout(phase, seconds))
 
 
 class UpstreamPool:
@@ -393,7 +433,7 @@ class UpstreamPool:
         """A pooled live connection to ``worker``, or None when none is idle (no connect: the caller that cannot
         wait for one uses :meth:`open`)."""
         idle = self._idle[worker]
-        now = time.monotonic()
+        now = _monotonic()
         while idle:
             c = idle.pop()
             if not c.closed and c.transport is not None and not c.transport.is_closing() \
@@ -406,7 +446,7 @@ class UpstreamPool:
         """Return ``conn`` to the pool if it can carry another request, else close it."""
         idle = self._idle[conn.worker]
         if conn.reusable and len(idle) < POOL_MAX_PER_WORKER:
-            conn.last_used = time.monotonic()
+            conn.last_used = _monotonic()
             idle.append(conn)
         else:
             conn.abort()

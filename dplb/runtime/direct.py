@@ -17,24 +17,29 @@ Contract
   delimited by the close — ``connection: close`` when the
   connection is not kept alive, the cycle's state flags and its ``on_response`` callback, which starts the next
   pipelined request or arms the keep-alive timer), minus the per-message ASGI work. Writes are collected and go out
-  in one ``write`` per :meth:`DirectResponse.flush`. ``pause`` / ``resume`` are called when the client's transport
-  crosses its write-buffer marks (the caller stops and restarts its source). :meth:`DirectResponse.unsent` says
-  whether no byte of the response was written yet (its owner may still answer something else instead).
+  in one ``write`` per :meth:`DirectResponse.flush`. Its ``source`` (a :class:`Source`) is paused and resumed when
+  the client's transport crosses its write-buffer marks. :meth:`DirectResponse.unsent` says whether no byte of the
+  response was written yet (its owner may still answer something else instead).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Final, Protocol
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+from dplb.runtime.lane_cycle import LaneCycle
+
+_STATUS_LINE: Final = STATUS_LINE  # (Final: compiled, a C static instead of a module-dict lookup per use)
+
+
 #: Largest request body a direct handler is offered (bytes): uvicorn pauses reading above 64 KiB until its app reads.
-MAX_DIRECT_BODY = 65536
-_NO_BODY_STATUS = (204, 304)
+MAX_DIRECT_BODY: Final = 65536
+_NO_BODY_STATUS: Final = (204, 304)
 #: (closing: not kept alive, chunked) → the end of a response head after its last header line (without that line's
 #: CRLF): what uvicorn's ``send`` adds.
-_TAILS = {
+_TAILS: Final = {
     (False, False): b"\r\n\r\n",
     (True, False): b"\r\nconnection: close\r\n\r\n",
     (False, True): b"\r\ntransfer-encoding: chunked\r\n\r\n",
@@ -42,24 +47,34 @@ _TAILS = {
 }
 
 
+class Source(Protocol):
+    """What feeds a :class:`DirectResponse` (the router's direct relay: its attempt, reading the worker's socket)."""
+
+    def pause_reading(self) -> None:
+        """The client reads slower than the source writes: stop producing until :meth:`resume_reading`."""
+
+    def resume_reading(self) -> None:
+        """The client's write buffer drained: produce again."""
+
+
 class DirectResponse:
-    """One response written straight to ``cycle``'s transport (a uvicorn ``RequestResponseCycle``).
+    """One response written straight to ``cycle``'s transport (a :class:`dplb.runtime.lane_cycle.LaneCycle`).
 
     ``start(status, headers)`` once, ``body(data)`` per chunk, then ``end()`` (complete) or ``cut()`` (abnormal end:
-    the connection is closed without the terminating chunk). ``flush()`` writes what is pending. ``pause`` and
-    ``resume``: callables set by the owner, called by the protocol at the client transport's write-buffer marks."""
+    the connection is closed without the terminating chunk). ``flush()`` writes what is pending. ``source``: what
+    feeds the response (a :class:`Source`, set by the owner, or None): the protocol calls its ``pause_reading()``
+    and ``resume_reading()`` at the client transport's write-buffer marks."""
 
-    __slots__ = ("chunked", "cycle", "head", "pause", "pending", "remaining", "resume", "transport")
+    __slots__ = ("chunked", "cycle", "head", "pending", "remaining", "source", "transport")
 
-    def __init__(self, cycle: Any) -> None:
+    def __init__(self, cycle: LaneCycle) -> None:
         self.cycle = cycle
         self.transport = cycle.transport
         self.pending: list[bytes] = []
         self.chunked = False
         self.remaining = 0  # Content-Length bytes still to come
         self.head = b""  # the response head, once start made it
-        self.pause: Callable[[], None] | None = None
-        self.resume: Callable[[], None] | None = None
+        self.source: Source | None = None
         cycle.direct = self
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -83,7 +98,8 @@ class DirectResponse:
         tail = _TAILS[not cycle.keep_alive, chunked]
         self.chunked = chunked
         self.remaining = max(length, 0)
-        head = b"".join((STATUS_LINE[status], lines, tail)) if lines else STATUS_LINE[status] + tail[2:]
+        line = _STATUS_LINE[status]
+        head = b"".join((line, lines, tail)) if lines else line + tail[2:]
         self.pending.append(head)
         self.head = head
 
@@ -133,4 +149,4 @@ class DirectResponse:
                 self.transport.write(data)
 
 
-__all__ = ["MAX_DIRECT_BODY", "DirectResponse"]
+__all__ = ["MAX_DIRECT_BODY", "DirectResponse", "Source"]

@@ -23,11 +23,11 @@ import contextlib
 import socket
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from dplb.errors import openai_error_body
 
-DISCONNECT_EXT = "dplb.disconnect"  # scope["extensions"] key of a request's DisconnectHook (the router's server)
+DISCONNECT_EXT: Final = "dplb.disconnect"  # scope["extensions"] key of a request's DisconnectHook (the router's server)
 
 
 def error_response(status: int, reason: bytes, code: str, message: str) -> bytes:
@@ -121,7 +121,7 @@ class CorkedTransport:
         return getattr(self._transport, name)
 
 
-_FRAMED = (b"content-length", b"transfer-encoding")
+_FRAMED: Final = (b"content-length", b"transfer-encoding")
 
 
 def close_delimited(cycle: Any) -> None:
@@ -149,7 +149,7 @@ def close_delimited(cycle: Any) -> None:
     cycle.send = send_10
 
 
-_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid (Linux)
+_PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid (Linux)
 
 
 def peer_pid(transport: Any) -> int:

@@ -38,7 +38,15 @@ class LaneCycle(RequestResponseCycle):
     its answer, if any."""
 
     # (Annotated as uvicorn's cycle types them: compiled, each is a typed slot that uvicorn's code writes too.)
+    scope: Any
+    transport: Any  # (uvicorn's transport, or the protocol's CorkedTransport)
+    flow: Any
+    default_headers: list[tuple[bytes, bytes]]
+    keep_alive: bool
+    on_response: Callable[..., None]
+    body: bytearray
     disconnected: bool = False
+
     waiting_for_100_continue: bool = False
     more_body: bool = True
     response_started: bool = False

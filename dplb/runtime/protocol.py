@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 from urllib.parse import unquote
 
 from httptools import HttpParserError, HttpParserUpgrade, parse_url
@@ -64,22 +64,24 @@ log = logging.getLogger("dplb.serving")
 #: Requests queued behind the one being answered on a connection (HTTP/1.1 pipelining) before the router stops
 #: reading it. uvicorn stops at the first, and a connection not read does not report its client leaving: the
 #: request being answered ran to its end. Each queued request's body is bounded by uvicorn's read pause (64 KiB).
-MAX_QUEUED = 8
+MAX_QUEUED: Final = 8
 
 
-_BASE = HttpToolsProtocol
+_BASE: Final = HttpToolsProtocol
 # The base class's callbacks, called as plain functions (no super() object and bound method per call: these run
 # several times a request).
-_start_task = _BASE._start_asgi_task
-_base_headers_complete, _base_body, _base_complete = _BASE.on_headers_complete, _BASE.on_body, _BASE.on_message_complete
-_BAD_HTTP = error_response(400, b"Bad Request", "invalid_http", "malformed HTTP request")
+_start_task: Final = _BASE._start_asgi_task
+_base_headers_complete: Final = _BASE.on_headers_complete
+_base_body: Final = _BASE.on_body
+_base_complete: Final = _BASE.on_message_complete
+_BAD_HTTP: Final = error_response(400, b"Bad Request", "invalid_http", "malformed HTTP request")
 # Framings the router does not take, answered like malformed HTTP (and the connection closed), since reading them
 # another way than a proxy in front does would desynchronise the connection (RFC 9112 §6.1, §9.9).
-_BAD_CODING = error_response(400, b"Bad Request", "invalid_http",
-                             "Transfer-Encoding other than 'chunked' is not supported")
-_BAD_UPGRADE = error_response(400, b"Bad Request", "invalid_http",
-                              "the router switches protocols only to WebSocket: send this request without "
-                              "'Upgrade' (curl: --http1.1)")
+_BAD_CODING: Final = error_response(400, b"Bad Request", "invalid_http",
+                                    "Transfer-Encoding other than 'chunked' is not supported")
+_BAD_UPGRADE: Final = error_response(400, b"Bad Request", "invalid_http",
+                                     "the router switches protocols only to WebSocket: send this request without "
+                                     "'Upgrade' (curl: --http1.1)")
 
 
 class ProtocolSettings:
@@ -116,6 +118,25 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
     _peer_pid = 0  # SO_PEERCRED of a Unix-socket client, read once per connection
     _deferred: LaneCycle | None = None  # the request held for the direct handler until its body is complete
     _on_response: Callable[[], None]
+    # uvicorn's attributes read per request, declared here: compiled, each is a typed slot instead of an entry of
+    # the instance's __dict__ (a generic attribute lookup per use). uvicorn's code writes them too, so each is
+    # typed as uvicorn sets it (Any where it starts at None).
+    parser: Any
+    expect_100_continue: bool
+    limit_concurrency: int | None
+    headers: Any
+    url: bytes
+    root_path: str
+    server_state: Any
+    pipeline: Any
+    app: Any
+    scope: Any
+    server: Any
+    client: Any
+    scheme: Any
+    app_state: dict[str, Any]
+    asgi_version: Any
+
 
     def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
                  _loop: Any = None, *, settings: ProtocolSettings) -> None:
@@ -140,7 +161,7 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
-        self.scope = {  # type: ignore[typeddict-item]  # (+ "asgi" and "state": _asgi_keys)
+        self.scope = {  # (+ "asgi" and "state": _asgi_keys)
             "type": "http",
             "http_version": "1.1",
             "server": self.server,
@@ -177,7 +198,7 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
         if self._refusal is not None:
             raise ValueError("framing refused")
         scope = self.scope
-        scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid, self)}  # type: ignore[dict-item]
+        scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid, self)}
         if self._direct is not None and self._lane(scope):
             return
         scope["asgi"] = {"version": self.asgi_version, "spec_version": "2.3"}  # (_asgi_keys, inlined)
@@ -272,7 +293,7 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
 
     def _start_deferred(self, cycle: LaneCycle) -> None:
         """Start the ASGI task of a request held for the direct handler, which did not take it."""
-        cycle.transport = CorkedTransport(self.transport)  # type: ignore[assignment]
+        cycle.transport = CorkedTransport(self.transport)
         self._hand_on(cycle, self.app)
 
     def _hand_on(self, cycle: LaneCycle, app: Any) -> None:
@@ -296,14 +317,14 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         d = getattr(self.cycle, "direct", None)
-        if d is not None and d.pause is not None:
-            d.pause()
+        if d is not None and d.source is not None:
+            d.source.pause_reading()
 
     def resume_writing(self) -> None:
         super().resume_writing()
         d = getattr(self.cycle, "direct", None)
-        if d is not None and d.resume is not None:
-            d.resume()
+        if d is not None and d.source is not None:
+            d.source.resume_reading()
 
     def _count_timeout(self) -> None:
         if self._settings.on_reject is not None:

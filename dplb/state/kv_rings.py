@@ -32,20 +32,23 @@ from __future__ import annotations
 
 import mmap
 import struct
+from typing import Final
 
 from dplb.state.layout import KV_RING_ENTRIES, KV_RING_SIZE, kv_rings_offset
 
-OP_STORED, OP_REMOVED, OP_CLEARED = 1, 2, 3
-_KEY_MASK = (1 << 56) - 1
-_MASK = KV_RING_ENTRIES - 1
+OP_STORED: Final = 1
+OP_REMOVED: Final = 2
+OP_CLEARED: Final = 3
+_KEY_MASK: Final = (1 << 56) - 1
+_MASK: Final = KV_RING_ENTRIES - 1
 assert KV_RING_ENTRIES & _MASK == 0 and KV_RING_SIZE % 64 == 0
-_COUNTERS = ("compared_total", "cached_tokens_total", "predicted_tokens_total", "error_tokens_total")
-_TAIL = struct.Struct("<II")  # block_bytes, lost_batches at offset 48
+_COUNTERS: Final = ("compared_total", "cached_tokens_total", "predicted_tokens_total", "error_tokens_total")
+_TAIL: Final = struct.Struct("<II")  # block_bytes, lost_batches at offset 48
 #: The 64-byte ring head as documented (docs/DESIGN.md §3.7; tests/test_design_doc.py checks it).
-KV_HEAD = struct.Struct("<QQQQQQIIQ")
+KV_HEAD: Final = struct.Struct("<QQQQQQIIQ")
 assert KV_HEAD.size == 64
 #: How often a reader re-reads which workers translate events (CLOCK_MONOTONIC ns).
-MASK_REFRESH_NS = 250_000_000
+MASK_REFRESH_NS: Final = 250_000_000
 
 
 class KvRingWriter:

@@ -21,41 +21,42 @@ import struct
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Final
 
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError
 
-MAGIC = b"DPLB"
-LAYOUT_VERSION = 5  # 5: a KV ring per worker (dplb.state.kv_rings);
+MAGIC: Final = b"DPLB"
+LAYOUT_VERSION: Final = 5  # 5: a KV ring per worker (dplb.state.kv_rings);
 #                      4: engine progress in each worker slot; 3: KV blocks in each worker slot; 2: router slots, 16
 #                      router entries (docs/DESIGN.md §3)
-HEADER_SIZE = 4096
-SLOT_SIZE = 192
-MAX_WORKERS = 64
-MAX_GPUS_PER_WORKER = 15
-MODEL_NAME_BYTES = 128
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "dplb_state_"
-ENV_SHM_PATH = "DPLB_SHM_PATH"
+HEADER_SIZE: Final = 4096
+SLOT_SIZE: Final = 192
+MAX_WORKERS: Final = 64
+MAX_GPUS_PER_WORKER: Final = 15
+MODEL_NAME_BYTES: Final = 128
+SHM_DIR: Final = "/dev/shm"
+SEGMENT_PREFIX: Final = "dplb_state_"
+ENV_SHM_PATH: Final = "DPLB_SHM_PATH"
 
-HEADER = struct.Struct("<4sHHHHIQII128s")  # 160 bytes
-GPU_ENTRY = struct.Struct("<B15s")
-GPU_MAP_OFFSET = 160
+HEADER: Final = struct.Struct("<4sHHHHIQII128s")  # 160 bytes
+GPU_ENTRY: Final = struct.Struct("<B15s")
+GPU_MAP_OFFSET: Final = 160
 #: Router registry: MAX_ROUTERS entries {u32 pid, u16 port, u16 reserved} at ROUTERS_OFFSET (0 pid = free).
-ROUTER_ENTRY = struct.Struct("<IHH")
-ROUTERS_OFFSET = 1184
-MAX_ROUTERS = 16
+ROUTER_ENTRY: Final = struct.Struct("<IHH")
+ROUTERS_OFFSET: Final = 1184
+MAX_ROUTERS: Final = 16
 #: Run directory of the worker sockets (UTF-8, NUL-padded; empty when the creator did not know it).
-RUN_DIR_OFFSET = ROUTERS_OFFSET + MAX_ROUTERS * ROUTER_ENTRY.size  # 1312
-RUN_DIR_BYTES = 256
-HEADER_READ = RUN_DIR_OFFSET + RUN_DIR_BYTES  # 1568: the bytes a header decode needs
+RUN_DIR_OFFSET: Final = ROUTERS_OFFSET + MAX_ROUTERS * ROUTER_ENTRY.size  # 1312
+RUN_DIR_BYTES: Final = 256
+HEADER_READ: Final = RUN_DIR_OFFSET + RUN_DIR_BYTES  # 1568: the bytes a header decode needs
 #: Router slots (dplb.state.router_slots) after the worker slots: a 64-byte head + 16 bytes per possible worker.
-ROUTER_SLOT_SIZE = 64 + 16 * MAX_WORKERS  # 1088
+ROUTER_SLOT_SIZE: Final = 64 + 16 * MAX_WORKERS  # 1088
 #: Prefix rings (dplb.state.router_slots) after the router slots, one per router slot: a 64-byte head + u64 entries.
-PREFIX_RING_ENTRIES = 8192
-PREFIX_RING_SIZE = 64 + 8 * PREFIX_RING_ENTRIES  # 65600
+PREFIX_RING_ENTRIES: Final = 8192
+PREFIX_RING_SIZE: Final = 64 + 8 * PREFIX_RING_ENTRIES  # 65600
 #: KV rings (dplb.state.kv_rings) after the prefix rings, one per worker slot: a 64-byte head + u64 entries.
-KV_RING_ENTRIES = 8192
-KV_RING_SIZE = 64 + 8 * KV_RING_ENTRIES  # 65600
+KV_RING_ENTRIES: Final = 8192
+KV_RING_SIZE: Final = 64 + 8 * KV_RING_ENTRIES  # 65600
 assert HEADER.size == 160 and HEADER_READ <= HEADER_SIZE
 
 

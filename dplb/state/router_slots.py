@@ -61,7 +61,7 @@ import os
 import struct
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from dplb.state.layout import (
     HEADER_SIZE,
@@ -74,10 +74,10 @@ from dplb.state.layout import (
     unregister_router,
 )
 
-ROUTER_HEAD = struct.Struct("<IHHQQ")  # pid, port, process_index, heartbeat, last_sent (after seq)
-ROUTER_ENTRY = struct.Struct("<IIQ")  # pending, inflight, last_sent
-ROUTER_STALE_S = 2.0  # a router slot whose heartbeat is older is ignored (its owner died or hung)
-READ_RETRIES = 64
+ROUTER_HEAD: Final = struct.Struct("<IHHQQ")  # pid, port, process_index, heartbeat, last_sent (after seq)
+ROUTER_ENTRY: Final = struct.Struct("<IIQ")  # pending, inflight, last_sent
+ROUTER_STALE_S: Final = 2.0  # a router slot whose heartbeat is older is ignored (its owner died or hung)
+READ_RETRIES: Final = 64
 assert ROUTER_SLOT_SIZE % 64 == 0 and ROUTER_ENTRY.size == 16
 
 def routers_offset(num_workers: int) -> int:
@@ -90,8 +90,8 @@ def routers_size() -> int:
     return MAX_ROUTERS * (ROUTER_SLOT_SIZE + PREFIX_RING_SIZE)
 
 
-_RING_MASK = PREFIX_RING_ENTRIES - 1
-_KEY_MASK = (1 << 56) - 1
+_RING_MASK: Final = PREFIX_RING_ENTRIES - 1
+_KEY_MASK: Final = (1 << 56) - 1
 assert PREFIX_RING_ENTRIES & _RING_MASK == 0
 
 

@@ -87,7 +87,7 @@ import os
 import stat
 import struct
 import time
-from typing import Any
+from typing import Any, Final
 
 from dplb.config import MAX_STATE_INTERVAL_MS
 from dplb.errors import (
@@ -133,11 +133,11 @@ from dplb.state.worker_state import (
     WorkerState,
 )
 
-READ_RETRIES = 64
+READ_RETRIES: Final = 64
 
 # Slot body without seq: from offset 8 to 168.
-_BODY = struct.Struct("<IBBHQQIIIIdQQddQQQddQdIIQQ")
-_SLOT = struct.Struct("<Q" + _BODY.format[1:])  # seq + body, for one-slice decoding
+_BODY: Final = struct.Struct("<IBBHQQIIIIdQQddQQQddQdIIQQ")
+_SLOT: Final = struct.Struct("<Q" + _BODY.format[1:])  # seq + body, for one-slice decoding
 assert _SLOT.size == 168 <= SLOT_SIZE and SLOT_SIZE % 64 == 0
 
 
@@ -450,7 +450,7 @@ class Segment:
         return HEADER_SIZE + worker_id * SLOT_SIZE
 
 
-_LIFECYCLES = list(Lifecycle)
+_LIFECYCLES: Final = list(Lifecycle)
 
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import Final
 
-STALE_INTERVALS = 3
+STALE_INTERVALS: Final = 3
 
-FLAG_NO_GPU = 0x01
-FLAG_GPU_BUSY = 0x02
-FLAG_STALLED = 0x04
+FLAG_NO_GPU: Final = 0x01
+FLAG_GPU_BUSY: Final = 0x02
+FLAG_STALLED: Final = 0x04
 
 
 class Lifecycle(enum.IntEnum):
