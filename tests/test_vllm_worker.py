@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -278,18 +279,20 @@ def test_reconciler_sees_live_vllm_requests_spares_them_and_vllm_aborts_cut_ones
 
 
 def _engine_core(worker_pid: int) -> int:
-    """The pid of vLLM's EngineCore process started by the worker ``worker_pid`` (its child)."""
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    """The pid of vLLM's EngineCore process started by the worker ``worker_pid`` (its child: read from the worker's
+    own ``/proc/PID/task/*/children``, never from other processes of the host)."""
+    children: list[str] = []
+    for task in os.listdir(f"/proc/{worker_pid}/task"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{worker_pid}/task/{task}/children") as f:
+                children += f.read().split()
+    for name in children:
         try:
-            with open(f"/proc/{name}/stat") as f:
-                parent = int(f.read().rpartition(")")[2].split()[1])
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 cmd = f.read()
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue
-        if parent == worker_pid and b"EngineCore" in cmd:
+        if b"EngineCore" in cmd:
             return int(name)
     raise AssertionError(f"worker {worker_pid} has no EngineCore child")
 

@@ -214,7 +214,6 @@ class Policy:
             seconds = ttft_s
         if not math.isfinite(seconds) or seconds <= 0:
             return
-
         self._latencies.append(seconds)
         if len(self._latencies) >= self.cfg.baseline_window:
             ordered = sorted(self._latencies)

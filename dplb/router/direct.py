@@ -174,7 +174,6 @@ class DirectLane:
             ex.receive, ex.send = receive, send  # (the cycle's, as the ASGI path's exchange has them)
             await run(ex, work)
 
-
         start(app)
 
 

@@ -149,7 +149,6 @@ class ConnectionTimer:
             self.transport.write(self._slow_body)
         self.transport.close()
 
-
     # ---- lingering close (module docstring) ------------------------------------------------------------------------
     def close_connection(self) -> None:
         """Close the client connection once the answers are written (a request's CorkedTransport closes through

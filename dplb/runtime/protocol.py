@@ -137,7 +137,6 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
     app_state: dict[str, Any]
     asgi_version: Any
 
-
     def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
                  _loop: Any = None, *, settings: ProtocolSettings) -> None:
         super().__init__(config, server_state, app_state, _loop)
