@@ -5,7 +5,6 @@ gives it (chunks queued before they are asked for and chunks waited for, keep-al
 idle timeout, the idle timeout, a close mid-body, the end). Real Unix socket, a real peer writing the bytes; the
 loop's exception handler must stay silent (no future failed that nobody awaits)."""
 
-
 from __future__ import annotations
 
 import asyncio

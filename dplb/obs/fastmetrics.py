@@ -98,7 +98,6 @@ class HistogramChild:
         if v != v:  # NaN: no bucket, as prometheus_client (its `v <= bound` is never true)
             return
         i = _bisect_left(self._bounds, v)
-
         self._counts[i] += 1.0
         if exemplar:
             _check_exemplar(exemplar)

@@ -190,7 +190,6 @@ class RouterMetrics:
         if notes and worker is not None:  # (notes come only with a chosen worker)
             self._count_notes(notes, worker)
 
-
     def _decision_child(self, key: tuple[int | None, str]) -> Any:
         """What counts a decision of (worker, reason) ``key``: its ``dplb_routing_decisions_total`` child, and for a
         panic decision ``dplb_router_panic_routed_total`` too (made once per key, so the hot path tests nothing)."""

@@ -50,6 +50,7 @@ _perf_counter: Final = time.perf_counter
 _NO_ANSWER: Final = Outcome.NO_ANSWER
 _DRAINING: Final = Outcome.DRAINING
 _BROKEN: Final = Outcome.BROKEN
+_of_status: Final = Outcome.of_status
 _NO_TRACE: Final = NO_TRACE
 _KEEPALIVE: Final = b": keep-alive\n\n"
 _CAPTURE_MAX: Final = 65536  # bytes of an answer searched for its response id
@@ -318,7 +319,7 @@ class Attempt:
             self.outcome = Outcome.CLIENT_LEFT
             return
         await ex.send({"type": "http.response.body", "body": b"", "more_body": False})
-        self.outcome = Outcome.of_status(self.status)
+        self.outcome = _of_status(self.status)
 
     async def _relay_plain(self, chunks: AsyncIterator[bytes]) -> None:
         """The body loop when no feature looks at the chunks: each one is sent as it came (the common case, kept
@@ -347,7 +348,6 @@ class Attempt:
             if self.t_first is None:
                 self.t_first = _perf_counter()
             if ex.tenant is not None and not (chunk := ex.tenant.chunk(chunk)):
-
                 continue  # held back until its SSE event is complete (dplb.router.usage)
             if capture is not None:
                 capture = self._capture_id(capture + chunk)

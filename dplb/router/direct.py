@@ -59,6 +59,7 @@ _RESPONSES: Final = "/v1/responses"
 _perf_counter: Final = time.perf_counter
 _BROKEN: Final = Outcome.BROKEN
 _CLIENT_LEFT_EARLY: Final = Outcome.CLIENT_LEFT_EARLY
+_of_status: Final = Outcome.of_status
 
 #: ``(ex, work)`` → a coroutine that runs ``work`` as the ASGI path runs a proxied request (its error handling and
 #: HTTP metrics: :meth:`dplb.router.app.RouterApp.serve_proxy`).
@@ -121,7 +122,7 @@ class DirectLane:
                 return True
             hook: DisconnectHook = ex.scope["extensions"][DISCONNECT_EXT]
             hook.callback = ex.client_gone
-            held = direct = DirectAttempt(self, ex, worker, conn, cycle, start)
+            held = direct = DirectAttempt(self, ex, worker, conn, cycle, start, hook)
             direct.begin()
             proxy.record(ex, seconds)  # once the request is on its way to the worker
         except Exception as e:
@@ -181,14 +182,15 @@ class DirectAttempt(Attempt, Sink):
     """An :class:`Attempt` relayed from callbacks: ``begin`` sends the request on the pooled ``conn``; the
     connection's :class:`dplb.router.upstream.Sink` calls do the rest."""
 
-    __slots__ = ("clock", "deadline", "idle_s", "lane", "out", "start")
+    __slots__ = ("clock", "deadline", "hook", "idle_s", "lane", "out", "start")
 
     def __init__(self, lane: DirectLane, ex: Exchange, worker: int, conn: UpstreamConn, cycle: LaneCycle,
-                 start: Callable[[Any], None]) -> None:
+                 start: Callable[[Any], None], hook: DisconnectHook) -> None:
         super().__init__(lane.up, ex, worker)
         self.lane = lane
         self.conn = conn
         self.start = start
+        self.hook = hook  # the request's disconnect hook (its callback is the exchange's client_gone until _done)
         self.out = DirectResponse(cycle)
         self.idle_s = lane.idle_s
         self.clock = conn.clock
@@ -250,7 +252,7 @@ class DirectAttempt(Attempt, Sink):
 
     def complete(self) -> None:
         try:
-            self.outcome = Outcome.of_status(self.status)
+            self.outcome = _of_status(self.status)
             self.out.end(self._done)  # accounted once the client has its bytes, before a pipelined request starts
         except Exception as e:
             self.crash(e)
@@ -302,7 +304,7 @@ class DirectAttempt(Attempt, Sink):
         conn.sink = None
         out.cycle.direct = None
         out.source = None
-        ex.scope["extensions"][DISCONNECT_EXT].callback = None
+        self.hook.callback = None
         if ex.conn is None:  # settled and counted already (_done)
             log.error("internal error handling POST %s", ex.scope["path"], exc_info=exc)
             out.cut()
@@ -345,10 +347,7 @@ class DirectAttempt(Attempt, Sink):
         if self.conn is not None:
             self.conn.sink = None
         self.out.source = None  # (no reference cycle left for the collector)
-
-        hook: DisconnectHook = ex.scope["extensions"][DISCONNECT_EXT]
-        hook.callback = None
-
+        self.hook.callback = None
         try:
             self.settle(False)  # nothing to retry: the response started, or the client left
         finally:

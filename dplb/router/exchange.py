@@ -71,7 +71,6 @@ class Exchange:
         self.route: Route | None = None
         self.pin: str | None = None
         self.trace: NoTrace = _NO_TRACE
-
         self.body = b""
         self.decoded = False
         self.head = b""

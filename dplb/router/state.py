@@ -66,6 +66,7 @@ from dplb.tenants import DEFAULT_TENANT
 log = logging.getLogger("dplb.router")
 PROMOTE_GRACE_S: Final = 5.0  # a returned segment without any routable worker is routed on after this long anyway
 _READY: Final = Lifecycle.READY
+_NONE: Final[frozenset[int]] = frozenset()
 # (Final: compiled, a C static instead of a module-dict and an attribute lookup per use.)
 _perf_counter: Final = time.perf_counter
 _monotonic_ns: Final = time.monotonic_ns
@@ -192,11 +193,13 @@ class RouterState:
     def choose(self, request: RouteRequest) -> tuple[Decision, float]:
         """:meth:`decide` without the record: (the decision, its duration in seconds). The caller must
         :meth:`record` it (the direct relay does once the request is on its way to the worker)."""
-        self.policy.prepare(request)
+        policy = self.policy
+        policy.prepare(request)
         t0 = _perf_counter()
-        snap = self.snapshot()
+        seg = self.segment
+        snap = None if seg is None else seg.read_all()[: self.num_workers]  # (snapshot(), inlined: per request)
         health = self.health
-        ejected = health.ejected(snap) if health.any_ejected else frozenset()
+        ejected = health.ejected(snap) if health.any_ejected else _NONE
         if snap is None:
             # No state: only workers whose socket file exists are candidates (a stat per worker, fallback only).
             exclude = request.exclude | request.cannot_serve | ejected | {
@@ -207,18 +210,23 @@ class RouterState:
             except LookupError:
                 d = Decision(self.policy.name, None, REASON_NO_WORKERS, [], self.policy.baseline_s)
         else:
+            assert seg is not None
             now = _monotonic_ns()
-            held = health.observe(snap, now, self._interval_ms())
+            held = health.observe(snap, now, seg.state_interval_ms)
             slots = self.slots
-            if slots is not None and self.policy.shares and slots.has_peers:
-                self.policy.absorb(slots.drain_prefix(), now)  # what the other router processes learnt meanwhile
-            if self.policy.follows_engines and self.segment is not None:
-                kv = self.segment.kv_reader()  # what the workers' engines confirmed and evicted meanwhile
-                self.policy.absorb_engine(kv.drain(), kv.refresh_mask(now, self.policy.truth_block_bytes), now)
-            d = self.policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight,
-                                 shared=self._shared(snap, now), stalled=self.stalled(now))
-            if request.learned and slots is not None and slots.has_peers and d.worker is not None:
-                slots.publish_prefix(d.worker, request.learned)  # alone on the segment: nobody to tell
+            if slots is not None and not slots.has_peers:  # (asked once: only the monitor changes it)
+                slots = None  # alone on the segment: nobody to learn from or tell
+            if slots is not None and policy.shares:
+                policy.absorb(slots.drain_prefix(), now)  # what the other router processes learnt meanwhile
+            if policy.follows_engines:
+                kv = seg.kv_reader()  # what the workers' engines confirmed and evicted meanwhile
+                policy.absorb_engine(kv.drain(), kv.refresh_mask(now, policy.truth_block_bytes), now)
+            stall = self.stall  # (stalled(), inlined)
+            d = policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight,
+                            shared=None if slots is None else self._shared(snap, now),
+                            stalled=_NONE if stall is None else stall.excluded(now))
+            if request.learned and slots is not None and d.worker is not None:
+                slots.publish_prefix(d.worker, request.learned)
         return d, _perf_counter() - t0
 
     def record(self, d: Decision, seconds: float, request_id: str, tenant: str = DEFAULT_TENANT) -> None:

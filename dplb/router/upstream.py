@@ -75,8 +75,7 @@ class Sink:
 
     __slots__ = ()
 
-    def head(
-self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The response head: ``status`` and the worker's headers as parsed."""
 
     def due(self) -> None:
@@ -103,7 +102,6 @@ class UpstreamConn(asyncio.Protocol):
         self.worker = worker
         self.loop = asyncio.get_running_loop()  # (made by the loop's connection factory; asked once, not per use)
         self.clock: Callable[[], float] = self.loop.time  # (loop time, bound once per connection)
-
         self.transport: asyncio.Transport | None = None
         self._sink_timer: asyncio.TimerHandle | None = None  # see wake_by
         self._sink_at = 0.0

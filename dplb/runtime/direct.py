@@ -32,8 +32,6 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from dplb.runtime.lane_cycle import LaneCycle
 
 _STATUS_LINE: Final = STATUS_LINE  # (Final: compiled, a C static instead of a module-dict lookup per use)
-
-
 #: Largest request body a direct handler is offered (bytes): uvicorn pauses reading above 64 KiB until its app reads.
 MAX_DIRECT_BODY: Final = 65536
 _NO_BODY_STATUS: Final = (204, 304)

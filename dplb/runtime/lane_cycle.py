@@ -46,7 +46,6 @@ class LaneCycle(RequestResponseCycle):
     on_response: Callable[..., None]
     body: bytearray
     disconnected: bool = False
-
     waiting_for_100_continue: bool = False
     more_body: bool = True
     response_started: bool = False

@@ -187,7 +187,8 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
             self.expect_100_continue = True
         elif name == b"transfer-encoding" and value.lower() != b"chunked":  # (llhttp reads the last coding only)
             self._refusal = _BAD_CODING
-        self.headers.append((name, value))
+        headers: list[tuple[bytes, bytes]] = self.headers
+        headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -196,7 +197,7 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
             raise ValueError("request head too large")  # httptools stops parsing; send_400_response below
         if self._refusal is not None:
             raise ValueError("framing refused")
-        scope = self.scope
+        scope: dict[str, Any] = self.scope
         scope["extensions"] = {DISCONNECT_EXT: DisconnectHook(self._peer_pid, self)}
         if self._direct is not None and self._lane(scope):
             return
@@ -214,7 +215,7 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
             elif len(self.pipeline) < MAX_QUEUED:  # queued: uvicorn stopped reading; read on (MAX_QUEUED)
                 self.flow.resume_reading()
 
-    def _lane(self, scope: Any) -> bool:
+    def _lane(self, scope: dict[str, Any]) -> bool:
         """uvicorn's ``on_headers_complete`` for a request the direct handler may take: the scope completed the
         same way, a :class:`LaneCycle`, held until the body is complete — or, queued behind another request,
         queued as uvicorn queues it (see on_response_complete). False (nothing done but the scope's method) for
@@ -226,18 +227,19 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
         scope["method"] = "POST"
         if not self._wants(scope):  # (first: a handler that takes nothing now costs uvicorn's path the least)
             return False
-        for name, value in self.headers:  # a Content-Length within the direct limit (the first one: see begin)
+        headers: list[tuple[bytes, bytes]] = self.headers
+        for name, value in headers:  # a Content-Length within the direct limit (the first one: see begin)
             if name == b"content-length":
                 if not value.isdigit() or int(value) > MAX_DIRECT_BODY:
                     return False
                 break
         else:
             return False  # chunked: the app reads it (it may refuse it before reading it)
-        version = parser.get_http_version()
+        version: str = parser.get_http_version()
         if version != "1.1":
             scope["http_version"] = version
         url: Any = parse_url(self.url)  # (Any: its query is None when absent, not the stubs' bytes)
-        raw_path = url.path
+        raw_path: bytes = url.path
         path = raw_path.decode("ascii")
         if "%" in path:
             path = unquote(path)
@@ -246,7 +248,8 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
             path, raw_path = root + path, root.encode("ascii") + raw_path
         scope["path"] = path
         scope["raw_path"] = raw_path
-        scope["query_string"] = url.query or b""
+        query: bytes | None = url.query
+        scope["query_string"] = query or b""
         prev = self.cycle
         cycle = self.cycle = LaneCycle(scope, self.transport, self.flow, self.server_state.default_headers,
                                        version != "1.0" and parser.should_keep_alive(), self._on_response)
