@@ -77,17 +77,17 @@ class Upstreams:
         n = state.num_workers
         self.worker_ids = [str(k).encode() for k in range(n)]
         self.ttfb: list[HistogramChild] = [self.metrics.upstream_ttfb.labels(str(k)) for k in range(n)]
-        self._durations: dict[tuple[int, str], HistogramChild] = {}
+        self._durations: list[dict[str, HistogramChild]] = [{} for _ in range(n)]  # per worker, by outcome label
         #: Called with (scope, response headers) before a worker's response head is relayed (the ORCA load report:
         #: :mod:`dplb.router.orca`); it may append headers.
         self.on_response_head: Callable[[dict[str, Any], list[tuple[bytes, bytes]]], None] | None = None
 
     def duration(self, worker: int, label: str) -> HistogramChild:
         """The ``dplb_upstream_request_duration_seconds`` child of ``worker`` and outcome ``label``."""
-        key = (worker, label)
-        child = self._durations.get(key)
+        children = self._durations[worker]
+        child = children.get(label)
         if child is None:
-            child = self._durations[key] = self.metrics.upstream_duration.labels(str(worker), label)
+            child = children[label] = self.metrics.upstream_duration.labels(str(worker), label)
         return child
 
     async def reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None, *,

@@ -116,6 +116,9 @@ class RouterSlots:
         self.prefix_lost = 0  # peers' entries overwritten before this process read them
         self._peers: list[int] = []
         self._peer_rings: list[int] = []
+        #: True when another live router shares the segment (as of the last :meth:`refresh_peers`; an attribute,
+        #: not a property: read on every decision).
+        self.has_peers = False
         self._last_sent = [0] * num_workers
         self._sent_any = 0
         self.pid = os.getpid()
@@ -194,6 +197,7 @@ class RouterSlots:
             else:
                 self._ring_seen[r] = 0  # a later owner starts its ring at 0
         self._peers, self._peer_rings = peers, rings
+        self.has_peers = bool(peers)
 
     def publish_urgent(self, rank: int | None) -> None:
         """Publish the most urgent priority class this process has queued (None: nothing queued)."""
@@ -270,11 +274,6 @@ class RouterSlots:
         self._fd = -1
 
     # ---- readers ---------------------------------------------------------------------------------------------
-    @property
-    def has_peers(self) -> bool:
-        """True when another live router shares the segment."""
-        return bool(self._peers)
-
     def _read_entries(self, si: int) -> tuple[int, ...] | None:
         q = self._q
         off = si << 3
