@@ -5,3 +5,9 @@ travels through a shared-memory segment (:mod:`dplb.state.shm`) and is scored by
 """
 
 __version__ = "0.1.0"
+
+from dplb import native as _native
+
+# Before any compiled hot module loads, in every process that imports the package: refuse a partial or stale build
+# (dplb.native.ImportGuard).
+_native.guard_imports()

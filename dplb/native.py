@@ -296,6 +296,37 @@ def manifest_for(pkg_dir: str) -> dict[str, object]:
             "sources": {p: _sha256(os.path.join(pkg_dir, p)) for p in build_sources(pkg_dir)}}
 
 
+class ImportGuard:
+    """A ``sys.meta_path`` finder that checks the build (:func:`refusal`) when the first hot module is imported, in
+    any process that imports ``dplb`` (``dplb/__init__.py`` installs it): tests, benchmarks and scripts that import
+    the package directly, not through ``dplb``'s entry point, would otherwise load a stale build's old code
+    silently, or a partial build's crash. On a build that may run it removes itself (one check per process); on
+    one that may not, every import of a hot module raises ``ImportError`` with :meth:`Build.refusal`'s line."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        """Checks the build on the first import of a hot module (``name``: dotted); never finds anything itself.
+
+        Raises:
+            ImportError: the build may not run (the message is :meth:`Build.refusal`'s line)."""
+        if name not in _HOT_SET:
+            return None
+        problem = refusal()
+        if problem:
+            raise ImportError(problem, name=name)
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        return None
+
+
+_HOT_SET = frozenset(HOT_MODULES)
+
+
+def guard_imports() -> None:
+    """Install :class:`ImportGuard` first on ``sys.meta_path`` unless one is there (``dplb/__init__.py``)."""
+    if not any(isinstance(f, ImportGuard) for f in sys.meta_path):
+        sys.meta_path.insert(0, ImportGuard())
+
+
 def main(argv: list[str]) -> int:
     """``python -m dplb.native manifest DIR``: print the manifest of the build in package directory DIR (exit 1,
     saying what is missing, when it is not whole). ``python -m dplb.native check [DIR]``: print :func:`describe`'s

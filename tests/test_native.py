@@ -178,6 +178,28 @@ def test_a_stale_build_is_refused_unless_accepted(tmp_path: Path) -> None:
     assert r.stdout.split() == ["runs", "stale"], r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("broken", ["partial", "stale"])
+def test_importing_the_package_directly_refuses_the_build_too(tmp_path: Path, broken: str) -> None:
+    """A test, benchmark or script that imports ``dplb`` (not through the ``dplb`` command) gets the same refusal as
+    an ImportError at its first hot module, before the extension loads (the fake one would fail otherwise);
+    modules off the hot path still import."""
+    pkg = _fake_build(tmp_path)
+    if broken == "partial":
+        _so(pkg, "dplb.policy.core").unlink()
+    else:
+        (pkg / "policy" / "scorers.py").write_text("# edited\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop(native.ACCEPT_STALE_ENV, None)
+    probe = ("import dplb.errors\n"
+             "for name in ('dplb.router.proxy', 'dplb.state.shm'):\n"
+             "    try:\n        __import__(name)\n    except ImportError as e:\n        print(name, e.name, e)\n")
+    r = subprocess.run([sys.executable, "-P", "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 2, r.stdout + r.stderr
+    assert lines[0].startswith(f"dplb.router.proxy dplb.router.proxy the compiled build in {pkg}/ is {broken}")
+    assert lines[1].startswith(f"dplb.state.shm dplb.state.shm the compiled build in {pkg}/ is {broken}")
+
+
 def test_describe_and_doctor_say_which_build_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     whole = native.Build("/x", native.HOT_MODULES)
     stale = native.Build("/x", native.HOT_MODULES, stale=("router/proxy.py",))
