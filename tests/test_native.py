@@ -31,15 +31,15 @@ SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
 def test_every_hot_module_exists_and_is_reported_as_what_was_imported() -> None:
     compiled = set(native.compiled_modules())
-    assert len(set(native.HOT_MODULES)) == len(native.HOT_MODULES) == 35
+    assert len(set(native.HOT_MODULES)) == len(native.HOT_MODULES) == 38
     for name in native.HOT_MODULES:
         assert (ROOT / (name.replace(".", "/") + ".py")).is_file(), name  # the script builds from this file
         mod = importlib.import_module(name)
         loaded = isinstance(mod.__loader__, importlib.machinery.ExtensionFileLoader)
         assert (name in compiled) == loaded, (name, mod.__spec__)
     label = native.build_label()
-    assert label in (("true", "stale") if len(compiled) == 35 else ("false",)), label
-    assert native.describe().startswith("pure Python" if not compiled else "compiled (35/35 hot modules")
+    assert label in (("true", "stale") if len(compiled) == 38 else ("false",)), label
+    assert native.describe().startswith("pure Python" if not compiled else "compiled (38/38 hot modules")
 
 
 def test_build_info_carries_the_compiled_label(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,10 +207,10 @@ def test_describe_and_doctor_say_which_build_runs(monkeypatch: pytest.MonkeyPatc
     pure = native.Build("/x", (), missing=(*native.HOT_MODULES, native.GROUP_LIBRARY))
     expect = {
         "pure Python": (pure, "pass"),
-        "compiled (35/35 hot modules)": (whole, "pass"),
-        "compiled (35/35 hot modules; STALE: dplb/router/proxy.py changed since the build, run because "
+        "compiled (38/38 hot modules)": (whole, "pass"),
+        "compiled (38/38 hot modules; STALE: dplb/router/proxy.py changed since the build, run because "
         "DPLB_ACCEPT_STALE_BUILD=1)": (stale, "fail"),
-        f"compiled (34/35 hot modules; PARTIAL: {partial.refusal()})": (partial, "fail"),
+        f"compiled (37/38 hot modules; PARTIAL: {partial.refusal()})": (partial, "fail"),
     }
     for line, (b, status) in expect.items():
         monkeypatch.setattr(native, "_BUILD", [b])
@@ -221,13 +221,13 @@ def test_describe_and_doctor_say_which_build_runs(monkeypatch: pytest.MonkeyPatc
 
 
 #: Behaviour tests run again against the compiled copy: the direct relay byte for byte against the ASGI path, its
-#: timeouts, kills and limits, pipelining with disconnects, the exact request and response heads, keep-alive, panic
-#: routing, the worker health's state machine and the HTTP request count (unit tests, seconds). A compiled-only bug
-#: (mypyc's typed locals, native classes that cannot be patched) shows up here in CI, where the README's test
-#: command otherwise runs pure Python only.
+#: timeouts, kills and limits, pipelining with disconnects, the exact request and response heads, keep-alive, the
+#: lingering close's bounds, panic routing, the worker health's state machine and the HTTP request count (unit
+#: tests, seconds). A compiled-only bug (mypyc's typed locals, native classes that cannot be patched) shows up here
+#: in CI, where the README's test command otherwise runs pure Python only.
 COMPILED_CHECKS = ("test_direct_relay.py", "test_pipelined_disconnect.py", "test_head_bytes.py",
-                   "test_serving_keepalive.py", "test_panic.py", "test_health.py", "test_http_count.py",
-                   "test_policy_plugins.py")
+                   "test_serving_keepalive.py", "test_serving_linger.py", "test_panic.py", "test_health.py",
+                   "test_http_count.py", "test_policy_plugins.py")
 
 
 def _run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -263,7 +263,7 @@ def _check_refusals(tree: Path, env: dict[str, str]) -> None:
     assert 'dplb_build_info{compiled="stale"' in r.stdout, r.stdout
     proxy.write_text(original)
     r = _run([sys.executable, "-P", "-m", "dplb.native", "check"], env, tree)
-    assert r.returncode == 0 and r.stdout.startswith("true: 35/35"), r.stdout + r.stderr
+    assert r.returncode == 0 and r.stdout.startswith("true: 38/38"), r.stdout + r.stderr
 
 
 def _check_failed_rebuild_keeps_the_build(tree: Path, env: dict[str, str]) -> None:

@@ -1,7 +1,8 @@
 """The lingering close of the router's server (dplb.runtime.conn_timer, nginx's lingering_close): after an answer
 sent while the client is still uploading, the writing side is shut and the rest is read and discarded — but never
 unboundedly: the connection is closed after the idle bound without a byte, after the total bound however the
-client trickles, and after the byte bound however fast it sends. In-process server, bounds made small."""
+client trickles, and after the byte bound however fast it sends. In-process server, bounds made small through the
+server's ``linger`` setting (no class attribute patched: the protocol class may be compiled, tests/test_native.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from dplb.runtime.protocol import BoundedHttpToolsProtocol
+from dplb.runtime.conn_timer import LingerBounds
 from dplb.runtime.serving import bind_tcp, make_server
 
 IDLE_S, TOTAL_S, BYTES = 0.5, 2.0, 1 << 20
@@ -31,12 +32,10 @@ async def _refuse(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 @pytest.fixture
-def port(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
-    monkeypatch.setattr(BoundedHttpToolsProtocol, "_linger_idle_s", IDLE_S)
-    monkeypatch.setattr(BoundedHttpToolsProtocol, "_linger_s", TOTAL_S)
-    monkeypatch.setattr(BoundedHttpToolsProtocol, "_linger_bytes", BYTES)
+def port() -> Iterator[int]:
     sock = bind_tcp("127.0.0.1", 0)
-    server = make_server(_refuse, max_head_bytes=16384, graceful_s=None)
+    server = make_server(_refuse, max_head_bytes=16384, graceful_s=None,
+                         linger=LingerBounds(total_s=TOTAL_S, idle_s=IDLE_S, max_bytes=BYTES))
     loop = asyncio.new_event_loop()
     task = loop.create_task(server.serve(sockets=[sock]))
     t = threading.Thread(target=loop.run_until_complete, args=(task,), daemon=True)

@@ -6,8 +6,8 @@
   ``dplb state``).
 - :mod:`dplb.policy.scorers`: queue, memory, latency, prefix.
 - :mod:`dplb.policy.pickers`: max_score, round_robin, random, least_loaded, power_of_two, prefix_hash.
-- :mod:`dplb.policy.core`: :class:`Policy` (a profile + the in-flight correction and the latency baseline) and
-  :func:`make_policy`.
+- :mod:`dplb.policy.core`: :class:`Policy` (a profile + the in-flight correction) and :func:`make_policy`.
+- :mod:`dplb.policy.baseline`: the latency baseline (P95 of the first requests, then frozen).
 """
 
 from dplb.policy.core import PROFILES, Policy, make_policy

@@ -27,20 +27,20 @@ Contract
   worker: short requests that already completed within the interval are in no queue (counting them made a
   conversation's quick next turn spill away from the worker holding its history). Other router processes on the
   same segment publish theirs in their router slots (:mod:`dplb.state.router_slots`); the router adds them (``shared``).
-- Latency baseline: P95 (nearest rank: the ⌈0.95·n⌉-th smallest) of the first ``baseline_window`` (50) completed
-  requests fed to :meth:`Policy.observe_latency`; then frozen.
+- Latency baseline: the completed requests fed to :meth:`Policy.observe_latency` make it
+  (:class:`~dplb.policy.baseline.LatencyBaseline`: P95 of the first ``baseline_window``, then frozen).
 - A worker whose pid changed (restarted) is forgotten by every scorer that learns (the prefix index).
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from dplb.config import PolicyConfig
 from dplb.errors import ConfigError
+from dplb.policy.baseline import LatencyBaseline
 from dplb.policy.decision import (
     OK,
     PLAIN_NEW,
@@ -80,6 +80,7 @@ from dplb.policy.framework import (
     clamp_unit,
     plugin_pick,
     plugin_scores,
+    set_scores,
 )
 from dplb.policy.fused import FastPick, FusedScores, prefix_span
 from dplb.policy.pickers import MaxScore
@@ -163,7 +164,8 @@ class Policy:
         self.grace_ns = cfg.state_interval_ms * 1_000_000 // 2
         self._seen_pid = [0] * num_workers
         self._rot = 0
-        self._latencies: list[float] = []
+        self._baseline = LatencyBaseline(cfg.baseline_window, cfg.latency_signal == "ttft")
+        #: The latency baseline, seconds (None until it is frozen: :class:`LatencyBaseline`); read by every pick.
         self.baseline_s: float | None = None
 
     def scorer(self, name: str) -> Scorer | None:
@@ -203,22 +205,11 @@ class Policy:
 
     # ---- feedback ------------------------------------------------------------------------------------------
     def observe_latency(self, seconds: float, ttft_s: float | None = None) -> None:
-        """Feed one completed request's E2E latency and time to first body byte (seconds; TTFT of a stream).
-        After ``baseline_window`` of them the baseline is frozen at the P95 (nearest rank) of the configured
-        ``latency_signal``."""
-        if self.baseline_s is not None:  # frozen (after the first baseline_window requests: the common case)
-            return
-        if self.cfg.latency_signal == "ttft":
-            if ttft_s is None:
-                return
-            seconds = ttft_s
-        if not math.isfinite(seconds) or seconds <= 0:
-            return
-        self._latencies.append(seconds)
-        if len(self._latencies) >= self.cfg.baseline_window:
-            ordered = sorted(self._latencies)
-            self.baseline_s = ordered[math.ceil(0.95 * len(ordered)) - 1]
-            self._latencies = []
+        """Feed one completed request's E2E latency and time to first body byte (seconds; TTFT of a stream) to the
+        baseline (:class:`LatencyBaseline`): after ``baseline_window`` of them :attr:`baseline_s` is frozen at the
+        P95 (nearest rank) of the configured ``latency_signal``."""
+        if self.baseline_s is None:  # (frozen after the first baseline_window requests: the common case)
+            self.baseline_s = self._baseline.observe(seconds, ttft_s)
 
     def correction(self, worker_id: int) -> int:
         """Requests this router sent to ``worker_id`` since its last published snapshot (minus the grace)."""
@@ -473,31 +464,6 @@ class Policy:
         if best < 0:
             raise LookupError("no worker left to try")
         return best
-
-
-def set_scores(cands: list[Candidate], columns: list[list[float]], weights: tuple[float, ...]) -> None:
-    """Set every candidate's ``score`` = Σ_j weights[j]·columns[j][k] (``columns[j][k]``: scorer j's term for
-    ``cands[k]``, summed in scorer order). Written out for three and four scorers (the defaults): one loop instead
-    of one per scorer. Raises ValueError when a column's length is not the candidates'."""
-    n = len(cands)
-    for col in columns:
-        if len(col) != n:
-            raise ValueError(f"a scorer returned {len(col)} terms for {n} candidates")
-    if len(columns) == 4:
-        (a, b, c, d), (wa, wb, wc, wd) = columns, weights
-        for cand, p, q, r, s in zip(cands, a, b, c, d, strict=False):  # lengths checked above
-            cand.score = wa * p + wb * q + wc * r + wd * s
-        return
-    if len(columns) == 3:
-        (a, b, c), (wa, wb, wc) = columns, weights
-        for cand, p, q, r in zip(cands, a, b, c, strict=False):
-            cand.score = wa * p + wb * q + wc * r
-        return
-    out = [0.0] * len(cands)
-    for col, w in zip(columns, weights, strict=True):
-        out = [x + w * v for x, v in zip(out, col, strict=True)]
-    for cand, sc in zip(cands, out, strict=True):
-        cand.score = sc
 
 
 def make_policy(cfg: PolicyConfig, num_workers: int) -> Policy:

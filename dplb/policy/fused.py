@@ -9,7 +9,7 @@ Contract
   then runs each scorer's own ``score`` (the general path, any scorer set).
 - :meth:`FusedScores.score` returns the same columns as the scorers' ``score`` methods (equal floats: every term
   is computed by the same expression in the same order, and each sum by ``sum()`` over the same values in the same
-  order), sets every candidate's ``score`` to the same weighted sum as :func:`dplb.policy.core.set_scores`
+  order), sets every candidate's ``score`` to the same weighted sum as :func:`dplb.policy.framework.set_scores`
   (Σ weight·term in scorer order), and has the prefix scorer's side effects (its query's ``depth``, the request's
   ``preferred``). tests/test_pick_lockstep.py runs both on random snapshots, requests and settings.
 - Parameters are read once, when the policy is built (the scorers resolve theirs once, too).

@@ -3,7 +3,7 @@
 - :mod:`dplb.runtime.asgi`: the one JSON responder and body-receive loop of raw-ASGI code.
 - :mod:`dplb.runtime.serving`: sockets, the uvicorn server, fd limits.
 - :mod:`dplb.runtime.protocol`: the HTTP/1.1 server protocol (bounded heads, the disconnect hook, the lean cycle
-  of the direct relay's requests).
+  of the direct relay's requests); :mod:`dplb.runtime.rejection`: its rejection path (the head cap, 400 and 431).
 - :mod:`dplb.runtime.edge`: the protocol's parts (disconnect hook, corked transport, canned error responses,
   HTTP/1.0 close-delimited framing); :mod:`dplb.runtime.conn_timer`: a connection's one timer (keep-alive, read
   timeouts).

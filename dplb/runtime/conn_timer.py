@@ -14,13 +14,15 @@ connection closed after an answer sent while the client may still be sending —
 with unread bytes makes the kernel answer them with a reset, and a client still uploading (one that sends no
 ``Expect: 100-continue``: Python's urllib, a raw socket) gets a broken pipe or a reset instead of the answer.
 :meth:`ConnectionTimer.close_connection` shuts the writing side instead (the answer, then FIN) and reads on,
-discarding, until the client closes its side, or :data:`LINGER_S` after the answer, or :data:`LINGER_IDLE_S`
-without a byte, or :data:`LINGER_BYTES` discarded — then closes. Nothing read is parsed; the request's app hears
-a disconnect at once, as if the connection were closed.
+discarding, until the client closes its side, or ``total_s`` after the answer, or ``idle_s`` without a byte, or
+``max_bytes`` discarded — then closes: the connection's :class:`LingerBounds` (``_linger_bounds``, set by the
+protocol from its settings; by default :data:`LINGER_S`, :data:`LINGER_IDLE_S`, :data:`LINGER_BYTES`). Nothing read
+is parsed; the request's app hears a disconnect at once, as if the connection were closed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Final, cast
 
 from dplb.runtime.edge import DISCONNECT_EXT
@@ -34,10 +36,20 @@ LINGER_IDLE_S: Final = 5.0
 LINGER_BYTES: Final = 64 * 1024 * 1024
 
 
+@dataclass(frozen=True)
+class LingerBounds:
+    """The bounds of a lingering close (module docstring): at most ``total_s`` seconds after the answer, ``idle_s``
+    seconds without a byte from the client, ``max_bytes`` bytes discarded."""
+
+    total_s: float = LINGER_S
+    idle_s: float = LINGER_IDLE_S
+    max_bytes: int = LINGER_BYTES
+
+
 class ConnectionTimer:
     """The timer of one connection (see the module docstring). Class attributes set by the protocol: ``_timed``
     (read timeouts on), ``_head_s`` / ``_body_s`` (seconds), ``_slow_head`` / ``_slow_body`` (the 408s),
-    and ``_count_timeout`` (metrics)."""
+    ``_linger_bounds`` (when it is made) and ``_count_timeout`` (metrics)."""
 
     _timed = False
     _head_s = 0.0
@@ -52,9 +64,7 @@ class ConnectionTimer:
     _heard = False  # a byte of a head came on this connection
     _refuse_after: bytes | None = None  # the answer to bad bytes read after complete requests (sent after theirs)
     _active: Any = None  # the request being answered
-    _linger_s = LINGER_S
-    _linger_idle_s = LINGER_IDLE_S
-    _linger_bytes = LINGER_BYTES
+    _linger_bounds: LingerBounds
     _linger_until = 0.0  # loop time a lingering close ends at the latest (0.0: not lingering)
     _linger_at = 0.0  # loop time of the last read while lingering
     _linger_left = 0  # bytes still discarded before the close
@@ -176,12 +186,13 @@ class ConnectionTimer:
         if self._refuse_after is None:
             self._refuse_after = b""  # (the protocol parses nothing after it)
         now = float(self.loop.time())
-        self._linger_until = now + self._linger_s
+        bounds = self._linger_bounds
+        self._linger_until = now + bounds.total_s
         self._linger_at = now
-        self._linger_left = self._linger_bytes
+        self._linger_left = bounds.max_bytes
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = self.loop.call_at(min(self._linger_until, now + self._linger_idle_s), self._linger_due)
+        self._timer = self.loop.call_at(min(self._linger_until, now + bounds.idle_s), self._linger_due)
         if self.flow.read_paused:
             self.flow.resume_reading()
         transport.write_eof()
@@ -197,11 +208,11 @@ class ConnectionTimer:
         self._timer = None
         if self.transport.is_closing():
             return
-        due = min(self._linger_until, self._linger_at + self._linger_idle_s)
+        due = min(self._linger_until, self._linger_at + self._linger_bounds.idle_s)
         if self.loop.time() >= due:
             self.transport.close()
         else:
             self._timer = self.loop.call_at(due, self._linger_due)
 
 
-__all__ = ["LINGER_BYTES", "LINGER_IDLE_S", "LINGER_S", "ConnectionTimer"]
+__all__ = ["LINGER_BYTES", "LINGER_IDLE_S", "LINGER_S", "ConnectionTimer", "LingerBounds"]

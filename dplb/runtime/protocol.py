@@ -3,7 +3,8 @@ request cycle for the requests a direct handler may take.
 
 Contract
 - :func:`bounded_protocol` is uvicorn's ``HttpToolsProtocol`` with request heads capped (431 + close above the cap;
-  the raw bytes of an incomplete head are bounded too), OpenAI-shaped 400s for malformed HTTP, a
+  the raw bytes of an incomplete head are bounded too), OpenAI-shaped 400s for malformed HTTP (that rejection path
+  is :mod:`dplb.runtime.rejection`, a base of the protocol class), a
   :class:`DisconnectHook` in each request's scope (``scope["extensions"][DISCONNECT_EXT]``), the response head
   written together with the first body bytes (:class:`CorkedTransport`) and one keep-alive timer per connection
   (uvicorn's closing rule, timed from the same instants).
@@ -33,7 +34,8 @@ Contract
 - EOF from the client is its leaving (its requests are aborted), unless ``serve_half_closed`` and its requests
   are complete: they are answered, then the connection is closed.
 - A close after an answer sent while the client may still be sending (a body not read, bytes refused: 400, 431)
-  lingers (:mod:`dplb.runtime.conn_timer`), so that the client gets to read the answer.
+  lingers (:mod:`dplb.runtime.conn_timer`), so that the client gets to read the answer, within the bounds given
+  (``linger``, :class:`~dplb.runtime.conn_timer.LingerBounds`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from urllib.parse import unquote
 from httptools import HttpParserError, HttpParserUpgrade, parse_url
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from dplb.runtime.conn_timer import ConnectionTimer
+from dplb.runtime.conn_timer import LingerBounds
 from dplb.runtime.direct import MAX_DIRECT_BODY
 from dplb.runtime.edge import (
     DISCONNECT_EXT,
@@ -58,6 +60,8 @@ from dplb.runtime.edge import (
     peer_pid,
 )
 from dplb.runtime.lane_cycle import LaneCycle
+from dplb.runtime.rejection import BAD_CODING as _BAD_CODING
+from dplb.runtime.rejection import Rejection
 
 log = logging.getLogger("dplb.serving")
 
@@ -74,14 +78,6 @@ _start_task: Final = _BASE._start_asgi_task
 _base_headers_complete: Final = _BASE.on_headers_complete
 _base_body: Final = _BASE.on_body
 _base_complete: Final = _BASE.on_message_complete
-_BAD_HTTP: Final = error_response(400, b"Bad Request", "invalid_http", "malformed HTTP request")
-# Framings the router does not take, answered like malformed HTTP (and the connection closed), since reading them
-# another way than a proxy in front does would desynchronise the connection (RFC 9112 §6.1, §9.9).
-_BAD_CODING: Final = error_response(400, b"Bad Request", "invalid_http",
-                                    "Transfer-Encoding other than 'chunked' is not supported")
-_BAD_UPGRADE: Final = error_response(400, b"Bad Request", "invalid_http",
-                                     "the router switches protocols only to WebSocket: send this request without "
-                                     "'Upgrade' (curl: --http1.1)")
 
 
 class ProtocolSettings:
@@ -89,7 +85,8 @@ class ProtocolSettings:
     and shared by every connection of the server."""
 
     def __init__(self, max_head_bytes: int, on_reject: Callable[[str], None] | None, direct: Any,
-                 timeouts: tuple[float, float] | None, serve_half_closed: bool) -> None:
+                 timeouts: tuple[float, float] | None, serve_half_closed: bool,
+                 linger: LingerBounds | None = None) -> None:
         self.max_head_bytes = max_head_bytes
         self.on_reject = on_reject
         self.direct = direct
@@ -104,16 +101,12 @@ class ProtocolSettings:
         self.slow_body = error_response(408, b"Request Timeout", "request_timeout",
                                         f"the request body stopped coming for {self.body_s:g} s")
         self.serve_half_closed = serve_half_closed
+        self.linger = linger if linger is not None else LingerBounds()
 
 
-class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
+class BoundedHttpToolsProtocol(Rejection, HttpToolsProtocol):
     """uvicorn's ``HttpToolsProtocol`` bounded and extended as the module docstring says, configured by its
     :class:`ProtocolSettings` (:func:`bounded_protocol` makes the factory that passes them)."""
-
-    _head_bytes = 0  # request line + header bytes parsed so far (exact)
-    _raw_bytes = 0  # bytes of the incomplete head read so far (bounds memory); -1: it began in the current read
-    _too_large = False
-    _refusal: bytes | None = None  # the answer to a framing refused (the connection is then closed)
 
     _peer_pid = 0  # SO_PEERCRED of a Unix-socket client, read once per connection
     _deferred: LaneCycle | None = None  # the request held for the direct handler until its body is complete
@@ -141,7 +134,9 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
                  _loop: Any = None, *, settings: ProtocolSettings) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self._settings = settings
-        self._max_head = settings.max_head_bytes
+        self._max_head, self._on_reject, self._too_large_answer = (settings.max_head_bytes, settings.on_reject,
+                                                                   settings.too_large)
+        self._linger_bounds = settings.linger
         self._direct = settings.direct
         self._wants, self._begin = settings.wants, settings.begin
         self._timed, self._head_s, self._body_s = settings.timed, settings.head_s, settings.body_s
@@ -428,77 +423,11 @@ class BoundedHttpToolsProtocol(ConnectionTimer, HttpToolsProtocol):
                 self._body_at = self.loop.time()
                 self._arm()
 
-    def _head_read(self, n: int) -> None:
-        """A read of ``n`` bytes left a head incomplete: bound the bytes it holds and time it. Only the head's
-        own bytes count — a read that began it also carried the requests before it (a pipelined body), and of
-        it only what was parsed of the head counts (a partial header held by the parser: one read at most)."""
-        self._heard = True
-        raw = self._raw_bytes
-        if raw < 0:  # the head began in this read
-            raw = self._head_bytes
-            if self._timed and self.cycle is not None:  # (a new connection's first head is timed from the accept)
-                self._head_since = self.loop.time()
-        else:
-            raw += n
-        self._raw_bytes = raw
-        if raw > self._max_head:  # a head still incomplete past the cap: stop reading it now
-            self._too_large = True
-            self._bad_bytes()
-        elif self._timed:
-            self._arm()
-
-    def _bad_bytes(self) -> None:
-        """Bytes that are not HTTP, or a head over the cap. After complete requests not answered yet they wait
-        for those answers (nothing more is read); the 400 (431) then follows them and the connection closes
-        (on_response_complete). Else they are answered at once (send_400_response)."""
-        cycle = self.cycle
-        if cycle is None or cycle.more_body or cycle.response_complete or cycle.disconnected:
-            self.send_400_response("")
-            return
-        if self._settings.on_reject is not None:
-            self._settings.on_reject("headers_too_large" if self._too_large else "invalid_http")
-        self._refuse_after = self._settings.too_large if self._too_large else self._refusal or _BAD_HTTP
-        self.flow.pause_reading()
-
-    def _unsupported_upgrade(self) -> None:
-        """An ``Upgrade`` to anything but WebSocket: llhttp ends the request at its head and leaves the rest of
-        the bytes to the other protocol, so a body would be lost (the app would read none) and then read as the
-        next request. A request without a body is answered, then the connection closed; one with a body gets a
-        400 instead of its app's answer (the app hears a disconnect), and the connection is closed."""
-        self._unsupported_upgrade_warning()
-        cycle = self.cycle
-        if not any(n == b"transfer-encoding" or (n == b"content-length" and v.strip(b"0"))
-                   for n, v in self.headers):
-            if cycle is not None:
-                cycle.keep_alive = False
-            self.flow.pause_reading()
-            return
-        if cycle is not None and not cycle.response_started:
-            cycle.disconnected = True  # (before its task runs: its answer is never written, the 400 is)
-        self._refusal = _BAD_UPGRADE
-        self.send_400_response("")
-
-    def send_400_response(self, msg: str) -> None:
-        code = "headers_too_large" if self._too_large else "invalid_http"
-        if self._settings.on_reject is not None:
-            self._settings.on_reject(code)
-        cycle, active = self.cycle, self._active
-        # No request open, or the bad bytes are the open request's own body (a malformed chunk) before its
-        # answer began: answer 400; its app then sees a disconnect. Else (a pipelined request while the previous
-        # one is still being answered, or its answer is streaming) a 400 would read as that answer: only close.
-        idle = active is None or active is cycle or active.response_complete
-        if idle and (cycle is None or cycle.response_complete
-                     or ((cycle.more_body or self._refusal) and not cycle.response_started)):
-            self.transport.write(self._settings.too_large if self._too_large else self._refusal or _BAD_HTTP)
-            if self._deferred is None:  # (the client may still be sending: it gets to read the answer)
-                self._linger()
-                return
-        self.transport.close()
-
 
 def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | None = None,
                      direct: Any = None, timeouts: tuple[float, float] | None = None,
-                     serve_half_closed: bool = False) -> Callable[..., BoundedHttpToolsProtocol]:
+                     serve_half_closed: bool = False,
+                     linger: LingerBounds | None = None) -> Callable[..., BoundedHttpToolsProtocol]:
     """The factory of :class:`BoundedHttpToolsProtocol` (what uvicorn's ``Config(http=...)`` takes): uvicorn's
     httptools protocol with request heads capped at ``max_head_bytes`` (431 + close above it) and OpenAI-shaped
     400s for malformed HTTP. ``on_reject(code)`` is called for each (metrics). Each request's scope
@@ -507,8 +436,9 @@ def bounded_protocol(max_head_bytes: int, on_reject: Callable[[str], None] | Non
     (:mod:`dplb.runtime.direct`) offered each request it ``wants`` once the body is complete, before any ASGI task
     (the request gets a :class:`LaneCycle`). ``timeouts``: ``(header_s, body_s)``, the
     read timeouts of the module docstring (None: none, as on the workers). ``serve_half_closed``: answer complete
-    requests whose client shut its sending side, then close (else that EOF is the client leaving)."""
-    settings = ProtocolSettings(max_head_bytes, on_reject, direct, timeouts, serve_half_closed)
+    requests whose client shut its sending side, then close (else that EOF is the client leaving). ``linger``: the
+    bounds of a lingering close (None: :class:`~dplb.runtime.conn_timer.LingerBounds`' defaults)."""
+    settings = ProtocolSettings(max_head_bytes, on_reject, direct, timeouts, serve_half_closed, linger)
     return functools.partial(BoundedHttpToolsProtocol, settings=settings)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import uvicorn
 
+from dplb.runtime.conn_timer import LingerBounds
 from dplb.runtime.protocol import DISCONNECT_EXT, DisconnectHook, LaneCycle, bounded_protocol, peer_pid
 
 log = logging.getLogger("dplb.serving")
@@ -43,13 +44,15 @@ class Server(uvicorn.Server):
 def make_server(app: Any, *, timeout_keep_alive: int = 75, graceful_s: float | None = 5.0,
                 access_log: bool = False, max_head_bytes: int | None = None,
                 on_reject: Callable[[str], None] | None = None, direct: Any = None,
-                read_timeouts: tuple[float, float] | None = None, serve_half_closed: bool = False) -> Server:
+                read_timeouts: tuple[float, float] | None = None, serve_half_closed: bool = False,
+                linger: LingerBounds | None = None) -> Server:
     """A :class:`Server` for ``app`` with uvloop + httptools when available, lifespan on, quiet logs.
     ``max_head_bytes``: cap request heads (see the module docstring); ``on_reject(code)`` counts those refusals;
     ``direct``: a direct handler (:mod:`dplb.runtime.direct`); ``read_timeouts``: ``(header_s, body_s)``, 408 and
     close for a request head not complete within header_s seconds or a body silent for body_s;
-    ``serve_half_closed``: answer a complete request whose client shut its sending side (else it is aborted). The
-    last four need ``max_head_bytes`` (:func:`bounded_protocol`)."""
+    ``serve_half_closed``: answer a complete request whose client shut its sending side (else it is aborted);
+    ``linger``: the bounds of the lingering close (None: the defaults of :class:`LingerBounds`). The last five need
+    ``max_head_bytes`` (:func:`bounded_protocol`)."""
     try:
         import uvloop  # noqa: F401
 
@@ -57,7 +60,7 @@ def make_server(app: Any, *, timeout_keep_alive: int = 75, graceful_s: float | N
     except ImportError:  # pragma: no cover
         loop = "asyncio"
     http: Any = "httptools" if max_head_bytes is None else bounded_protocol(
-        max_head_bytes, on_reject, direct, read_timeouts, serve_half_closed)
+        max_head_bytes, on_reject, direct, read_timeouts, serve_half_closed, linger)
     cfg = uvicorn.Config(
         app, loop=loop, http=http, lifespan="auto", log_level="info" if access_log else "warning",
         access_log=access_log, log_config=None,  # uvicorn's lines go through DPLB's logging format

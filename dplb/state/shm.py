@@ -75,55 +75,37 @@ x86-64's TSO keeps that order for other cores. There is exactly one writer per s
 Staleness: a slot whose heartbeat is older than ``3 × state_interval_ms`` is stale (not routable).
 
 The decoded slot (:class:`WorkerState`, :class:`Lifecycle`, the flag bits, the staleness rule) is
-:mod:`dplb.state.worker_state`, re-exported here; this module owns the bytes: the mapping, the layout and the seqlock.
+:mod:`dplb.state.worker_state`, re-exported here; making, validating and mapping the file (and restoring empty header
+fields) is :mod:`dplb.state.segment_file`'s. This module owns the slots' bytes: the layout, the seqlock reads and
+writes, and the :class:`Segment` object that holds the mapping.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
-import stat
 import struct
 import time
 from typing import Any, Final
 
-from dplb.config import MAX_STATE_INTERVAL_MS
-from dplb.errors import (
-    ShmCreateError,
-    ShmError,
-    ShmLayoutError,
-    ShmMissingError,
-    ShmPathError,
-    ShmSpaceError,
-    ShmWorkerIdError,
-)
+from dplb.errors import ShmWorkerIdError
 from dplb.state.layout import (
     ENV_SHM_PATH,
-    GPU_ENTRY,
-    GPU_MAP_OFFSET,
-    HEADER,
     HEADER_READ,
     HEADER_SIZE,
-    LAYOUT_VERSION,
-    MAGIC,
-    MAX_GPUS_PER_WORKER,
     MAX_WORKERS,
-    MODEL_NAME_BYTES,
-    RUN_DIR_OFFSET,
     SEGMENT_PREFIX,
     SHM_DIR,
     SLOT_SIZE,
     SegmentHeader,
-    check_not_foreign,
     decode_header,
     default_segment_path,
-    encode_run_dir,
     list_segments,
     resolve_path,
     segment_size,
 )
+from dplb.state.segment_file import create_file, map_file, restore_header
 from dplb.state.worker_state import (
     FLAG_GPU_BUSY,
     FLAG_NO_GPU,
@@ -184,7 +166,7 @@ class Segment:
         replace: bool = False,
         run_dir: str = "",
     ) -> Segment:
-        """Create a segment file at ``path`` and map it.
+        """Create a segment file at ``path`` and map it (:func:`dplb.state.segment_file.create_file`).
 
         The file is written under a temporary name in the same directory and renamed into place, so a reader
         never sees a half-written header. ``replace=True`` atomically replaces an existing file (e.g. a segment
@@ -193,53 +175,8 @@ class Segment:
         ``run_dir`` (the sockets' directory) is recorded for ``dplb state``/``dplb doctor``.
         Raises :class:`ShmSpaceError` when the filesystem has no room, ``ValueError`` for bad arguments.
         """
-        if not 1 <= num_workers <= MAX_WORKERS:
-            raise ValueError(f"num_workers must be 1..{MAX_WORKERS}, got {num_workers}")
-        if not 1 <= state_interval_ms <= MAX_STATE_INTERVAL_MS:
-            raise ValueError(f"state_interval_ms must be 1..{MAX_STATE_INTERVAL_MS}, got {state_interval_ms}")
-        gmap = gpu_map or [[] for _ in range(num_workers)]
-        if len(gmap) != num_workers:
-            raise ValueError(f"gpu_map has {len(gmap)} entries for {num_workers} workers")
-        for g in gmap:
-            if len(g) > MAX_GPUS_PER_WORKER or any(not 0 <= i < 256 for i in g):
-                raise ValueError(f"gpu_map entry {g} must hold at most {MAX_GPUS_PER_WORKER} indices 0..255")
-        model_b = model.encode()[:MODEL_NAME_BYTES]
-        run_dir_b = encode_run_dir(run_dir)
-        check_not_foreign(path)
-        if not replace and os.path.exists(path):
-            raise FileExistsError(f"segment '{path}' already exists (use replace=True to take it over)")
-        size = segment_size(num_workers)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)
-        except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
-            raise ShmCreateError(path, e) from e
-        try:
-            os.fchmod(fd, mode)  # umask-proof
-            try:
-                os.posix_fallocate(fd, 0, size)  # tmpfs: really reserve pages, so a full fs fails here, not SIGBUS
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                    raise ShmSpaceError(path, size, os.strerror(e.errno)) from e
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.ftruncate(fd, size)
-            buf = bytearray(HEADER_SIZE)
-            HEADER.pack_into(
-                buf, 0, MAGIC, LAYOUT_VERSION, HEADER_SIZE, num_workers, SLOT_SIZE, state_interval_ms,
-                time.time_ns(), os.getpid(), 0, model_b,
-            )
-            for w, g in enumerate(gmap):
-                GPU_ENTRY.pack_into(buf, GPU_MAP_OFFSET + 16 * w, len(g), bytes(g))
-            buf[RUN_DIR_OFFSET:RUN_DIR_OFFSET + len(run_dir_b)] = run_dir_b
-            os.pwrite(fd, bytes(buf), 0)
-            os.rename(tmp, path)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        os.close(fd)
+        create_file(path, num_workers, state_interval_ms=state_interval_ms, model=model, gpu_map=gpu_map, mode=mode,
+                    replace=replace, run_dir=run_dir)
         return cls.attach(path)
 
     @classmethod
@@ -249,40 +186,7 @@ class Segment:
         Raises :class:`ShmMissingError` (no file), :class:`ShmLayoutError` (wrong magic/version/size, not a regular
         file), :class:`ShmError` (a directory, no permission).
         """
-        p = resolve_path(path)
-        with contextlib.suppress(OSError):
-            mode = os.stat(p).st_mode
-            if stat.S_ISDIR(mode):
-                raise ShmPathError(f"segment path '{p}' is a directory, not a DPLB segment; set DPLB_SHM_PATH (or pass "
-                               "--shm-path) to the segment file `dplb launch` created (ls /dev/shm | grep dplb_state_)",
-                               p)
-            if not stat.S_ISREG(mode):  # a device or FIFO: never opened (a FIFO would block)
-                raise ShmLayoutError(p, "not a regular file", dplb_magic=False)
-        try:
-            fd = os.open(p, os.O_RDWR if writable else os.O_RDONLY)
-        except FileNotFoundError as e:
-            raise ShmMissingError(p) from e
-        except PermissionError as e:
-            raise ShmError(
-                f"no permission to open DPLB segment '{p}' ({e.strerror}); run as the user/group that owns it "
-                "(systemd: the dplb user) or fix its mode.",
-                p,
-            ) from e
-        try:
-            st = os.fstat(fd)
-            raw = os.pread(fd, HEADER_READ, 0)
-            if st.st_size < HEADER_SIZE:
-                raise ShmLayoutError(p, f"file is {st.st_size} bytes, smaller than the {HEADER_SIZE}-byte header",
-                                     dplb_magic=raw[:4] == MAGIC)
-            header = decode_header(p, raw, st.st_size)
-            mm = mmap.mmap(
-                fd, segment_size(header.num_workers),
-                access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ,
-            )
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(p, fd, mm, header, st.st_ino)
+        return cls(*map_file(path, writable=writable))
 
     def close(self) -> None:
         """Unmap and close. Idempotent. The file is kept."""
@@ -325,17 +229,7 @@ class Segment:
         """Fill the header fields that are empty (a segment ``dplb segment create`` recreated lacks the GPU map, and
         the model and run dir unless given) with ``model``, ``gpu_map``, ``run_dir``; other fields are never touched.
         Re-reads :attr:`header`; returns the names of the fields written. Needs a writable mapping."""
-        h, mm, done = self.header, self._mm, list[str]()
-        if model and not h.model:
-            b, off = model.encode()[:MODEL_NAME_BYTES], HEADER.size - MODEL_NAME_BYTES
-            mm[off:off + len(b)], done = b, ["model"]
-        if any(gpu_map) and not any(h.gpu_map):
-            for w, g in enumerate(gpu_map[: self.num_workers]):
-                GPU_ENTRY.pack_into(mm, GPU_MAP_OFFSET + 16 * w, len(g), bytes(g))
-            done.append("GPU map")
-        if run_dir and not h.run_dir:
-            b = encode_run_dir(run_dir)
-            mm[RUN_DIR_OFFSET:RUN_DIR_OFFSET + len(b)], done = b, [*done, "run dir"]
+        done = restore_header(self._mm, self.header, model, gpu_map, run_dir)
         self.reload_header()
         return done
 
