@@ -33,13 +33,41 @@ class ConfigError(DPLBError, ValueError):
     exit_code = 2
 
 
+#: Where Linux takes the local port of an outgoing connection from (ip(7), ``ip_local_port_range``).
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int] | None:
+    """This machine's ephemeral port range (low, high), inclusive; None when it cannot be read."""
+    try:
+        with open(path) as f:
+            low, high = (int(v) for v in f.read().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def port_holders_hint(port: int) -> str:
+    """How to see what holds local TCP ``port``: ``ss -tanp 'sport = :PORT'`` lists a listener and also the
+    connections and TIME-WAIT sockets on that local port, which ``ss -ltnp`` (listeners only) does not show and which
+    block a bind all the same; plus, for a port inside the ephemeral range (:func:`ephemeral_range`), that outgoing
+    connections take their local ports there (such a port is taken by chance: one below the range is the fix)."""
+    hint = f"`ss -tanp 'sport = :{port}'` shows it (a listener, or a connection or TIME-WAIT on that local port)"
+    rng = ephemeral_range()
+    if rng is not None and rng[0] <= port <= rng[1]:
+        hint += (f"; {port} is in the ephemeral port range {rng[0]}-{rng[1]} ({EPHEMERAL_RANGE_FILE}), where outgoing "
+                 f"connections take their local ports: a port below {rng[0]} is not taken by chance")
+    return hint
+
+
 class PortInUseError(ConfigError):
-    """A TCP address the stack must bind is taken: names the address and the flag to change."""
+    """A TCP address the stack must bind is taken: names the address, the flag to change and how to see what holds
+    it (:func:`port_holders_hint`). The message is ``what: reason; fix``."""
 
     def __init__(self, host: str, port: int, reason: str, flag: str = "--port", who: str = "") -> None:
         what = f" for {who}" if who else ""
-        super().__init__(f"cannot bind {host}:{port}{what}: {reason}; another process holds it (another DPLB or "
-                         f"server: stop it, or pass {flag})")
+        super().__init__(f"cannot bind {host}:{port}{what}: {reason}; stop what holds it or pass another {flag}. "
+                         f"{port_holders_hint(port)}")
 
 
 def bind_error(host: str, port: int, err: OSError, flag: str = "--port", who: str = "",
@@ -47,7 +75,8 @@ def bind_error(host: str, port: int, err: OSError, flag: str = "--port", who: st
     """The error to raise when binding ``host:port`` failed with ``err``. :class:`PortInUseError` only when the
     port is taken (``EADDRINUSE``); a host that does not resolve (``socket.gaierror``) or is not an address of this
     machine (``EADDRNOTAVAIL``) names ``host_flag``; anything else (``EACCES`` for a port below 1024, …) names
-    ``flag``. No other process is blamed unless one holds the port."""
+    ``flag``. No other process is blamed unless one holds the port. Every message is ``what: reason; fix`` (one
+    ``; `` before the fix: ``dplb doctor`` splits it there)."""
     reason = err.strerror or str(err)
     what = f"cannot bind {host}:{port}" + (f" for {who}" if who else "")
     if isinstance(err, socket.gaierror) or err.errno == errno.EADDRNOTAVAIL:
@@ -211,6 +240,18 @@ class RouterErrorKind(enum.Enum):
         """Bounded reason code (``error.code`` and the ``reason`` metric label)."""
         return self.value[2]
 
+
+#: The router's own errors for a request that reached no engine: no worker could take it, or none could be connected
+#: to (no request byte sent), or it waited in the tenants' fair queue and was never sent. Nothing was generated, so
+#: a front balancer may re-send the request to another host (docs/DESIGN.md §13); each carries
+#: :data:`NOT_STARTED_HEADER`. ``worker_stalled``, ``worker_failed`` and ``worker_timeout`` are not here: the request
+#: reached an engine, which may have started it (and a request that hangs or crashes an engine would take the next
+#: host down too).
+NOT_STARTED = frozenset({RouterErrorKind.NO_WORKERS, RouterErrorKind.NONE_ROUTABLE, RouterErrorKind.ALL_OVER_CAP,
+                         RouterErrorKind.UPSTREAM_UNREACHABLE, RouterErrorKind.QUEUE_FULL,
+                         RouterErrorKind.QUEUE_TIMEOUT, RouterErrorKind.DRAINING_QUEUED})
+#: The response header that marks a :data:`NOT_STARTED` answer (Envoy's ``retriable_headers`` matches it).
+NOT_STARTED_HEADER = (b"x-dplb-not-started", b"1")
 
 #: The challenge every 401 of the router carries (RFC 9110 §11.6.1 requires one; RFC 6750 §3 names the scheme).
 WWW_AUTHENTICATE = (b"www-authenticate", b"Bearer")

@@ -2,7 +2,9 @@
 Inference Extension's Endpoint Picker reads, exported once as the host's aggregate, and the ``dplb_host_*`` figures.
 
 Contract: :class:`HostReportCollector` reads the latest :class:`dplb.router.host_report.HostReport` at scrape time
-and computes nothing; names come from :mod:`dplb.obs.metrics` (:data:`~dplb.obs.metrics.HOST_FAMILIES`).
+and computes nothing; names come from :mod:`dplb.obs.metrics` (:data:`~dplb.obs.metrics.HOST_FAMILIES`). The
+waiting and KV-usage families carry the report's ``picker_waiting``/``picker_kv_usage``: the host's figures while it
+is up, saturated while it drains or is down (the report's docstring says why and which values).
 """
 
 from __future__ import annotations
@@ -44,11 +46,14 @@ class HostReportCollector:
     def collect(self) -> Iterator[Metric]:
         r = self.source()
         yield GaugeMetricFamily(MSP_WAITING, "Host aggregate: requests waiting in the workers' queues plus those the "
-                                "router sent that the workers do not count yet.", value=r.waiting)
+                                "router sent that the workers do not count yet; saturated (at the picker's default "
+                                "queue threshold per worker) while the host drains or is down.",
+                                value=r.picker_waiting)
         yield GaugeMetricFamily(MSP_RUNNING, "Host aggregate: requests the routable workers are running.",
                                 value=r.running)
         yield GaugeMetricFamily(MSP_KV_USAGE, "Host aggregate KV-cache usage: used / total blocks over the routable "
-                                "workers. 1 means 100 percent usage.", value=r.kv_usage)
+                                "workers. 1 means 100 percent usage; 1 while the host drains or is down.",
+                                value=r.picker_kv_usage)
         cache = GaugeMetricFamily(MSP_CACHE_CONFIG, "Host aggregate cache config: block size (tokens) and the "
                                   "routable workers' KV blocks summed.", labels=["block_size", "num_gpu_blocks"])
         cache.add_metric([str(r.kv_block_size), str(r.kv_total_blocks)], 1)

@@ -1,7 +1,9 @@
 """What ``dplb launch`` checks and writes around the stack (split out of :mod:`dplb.ops.launcher`).
 
-- :func:`check_ports`: every TCP port the stack will bind (router, each worker's metrics port) is free, before
-  anything starts; the error names the port, its owner in the stack and the flag that moves it.
+- :func:`check_ports`: every TCP port the stack will bind (router, agent-check, each worker's metrics port) can be
+  bound, before anything starts; the error names the port, its owner in the stack and the flag that moves it
+  (:mod:`dplb.ops.ports`, which ``dplb doctor`` uses too). Two of the stack's own ports on one port are refused
+  by :func:`check_launch_flags`, before anything is bound.
 - :func:`check_socket_paths`: each worker socket path fits a Unix socket and is free or a (stale) socket.
 - :func:`check_model`: a local ``--model`` path exists and is a model directory (not found after 3 start attempts).
 - :func:`root_cause`: the line of a worker log that says why it failed (vLLM's ``ValueError … decrease
@@ -27,10 +29,10 @@ import stat
 import sys
 
 from dplb.config import check_stall
-from dplb.errors import ConfigError, bind_error
+from dplb.errors import ConfigError
 from dplb.ops.doctor import model_path_problem
-from dplb.runtime.serving import bind_tcp
-from dplb.stack import stack_metrics_port_base
+from dplb.ops.ports import clash, stack_ports, try_bind
+from dplb.stack import stack_metrics_port_base, worker_metrics_ports
 
 #: The scrape jobs the alert rules and dashboards expect.
 ROUTER_JOB, WORKERS_JOB = "dplb-router", "dplb-workers"
@@ -52,18 +54,17 @@ def child_argv(*args: str) -> list[str]:
 def check_ports(host: str, port: int, metrics_host: str, metrics_ports: list[int], agent_port: int | None = None
                 ) -> None:
     """Bind-test the router port, the HAProxy agent-check port (when on; the router binds it on ``host``) and every
-    worker metrics port. Raises :class:`ConfigError` for the first one in use, naming what would have used it and
-    the flag that changes it."""
-    wanted = [(host, port, "the router", "--port", "--host")]
-    if agent_port is not None:
-        wanted.append((host, agent_port, "the HAProxy agent-check", "--agent-port", "--host"))
-    wanted += [(metrics_host, p, f"worker {k}'s metrics", "--metrics-port-base (e.g. 31001; 0 = no worker metrics)",
-                "--metrics-host") for k, p in enumerate(metrics_ports)]
-    for h, p, who, flag, host_flag in wanted:
-        try:
-            bind_tcp(h, p).close()
-        except OSError as e:
-            raise bind_error(h, p, e, flag, who, host_flag) from e
+    worker metrics port (:func:`dplb.ops.ports.stack_ports`). Raises :class:`ConfigError` for two of them on one
+    port, else for the first one that cannot be bound, naming what would have used it and the flag that changes
+    it."""
+    uses = stack_ports(host, port, metrics_host, metrics_ports, agent_port)
+    err = clash(uses)
+    for use in uses:
+        if err is not None:
+            raise err
+        err = try_bind(use)
+    if err is not None:
+        raise err
 
 
 #: Longest Unix socket path Linux accepts (``sun_path`` is 108 bytes with its terminating NUL; unix(7)).
@@ -85,7 +86,8 @@ def check_socket_paths(paths: list[str]) -> None:
 def check_launch_flags(args: argparse.Namespace, num_workers: int) -> int:
     """Refuse bad ``dplb launch`` supervision flags (what the launcher and ``--emit-systemd`` both check before
     anything is started or written): ``--drain-timeout``, ``--port``, ``--metrics-port-base``, ``--stall-after`` /
-    ``--stall-restart-after`` (:func:`dplb.config.check_stall`), ``--max-start-failures``, ``--stack-name``
+    ``--stall-restart-after`` (:func:`dplb.config.check_stall`), ``--max-start-failures``, two of the stack's
+    ports on one port (``--port``, ``--agent-port``, the metrics ports: :func:`dplb.ops.ports.clash`), ``--stack-name``
     (resolved in place to the stack's label, its default filled in: :func:`stack_label`). Returns the metrics port
     base (0 = off). Raises :class:`ConfigError` naming the flag."""
     if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
@@ -97,6 +99,10 @@ def check_launch_flags(args: argparse.Namespace, num_workers: int) -> int:
         raise ConfigError(f"--metrics-port-base must be 0 (off) or a port with room for {num_workers} "
                           f"workers, got {mbase}" + ("" if args.metrics_port_base is not None else
                                                       f" (--port {args.port} + 1): pass --metrics-port-base"))
+    err = clash(stack_ports(args.host, args.port, args.metrics_host, worker_metrics_ports(mbase, num_workers),
+                            args.agent_port))
+    if err is not None:  # the stack's own ports on one port: a configuration error, found before anything binds
+        raise err
     check_stall(args.stall_after, args.stall_restart_after if args.stall_after else None)
     if args.max_start_failures < 1:
         raise ConfigError("--max-start-failures must be ≥ 1")

@@ -29,8 +29,9 @@ from dplb import native
 from dplb.errors import ConfigError
 from dplb.flags import flag_port, flag_port_or_off
 from dplb.ops.plan import plan_gpus
+from dplb.ops.ports import PortUse, clash, stack_ports, try_bind
 from dplb.runtime.gpu import GpuInfo, discover_gpus, visible_gpu_indices
-from dplb.stack import METRICS_PORT_BASE, stack_metrics_port_base, stack_run_dir, worker_metrics_ports
+from dplb.stack import METRICS_HOST, METRICS_PORT_BASE, stack_metrics_port_base, stack_run_dir, worker_metrics_ports
 from dplb.state.layout import is_dplb_segment
 from dplb.state.segments import segments
 from dplb.state.shm import SHM_DIR
@@ -171,26 +172,24 @@ def check_stale_segments(directory: str = SHM_DIR) -> Check:
                                                                                 if live else ""))
 
 
-def check_ports(host: str, ports: list[int]) -> Check:
-    """The router and metrics ports are TCP ports (0..65535) and free."""
-    bad = [p for p in ports if not 0 <= p <= 65535]
+def check_ports(uses: list[PortUse]) -> Check:
+    """The stack's TCP ports (:func:`dplb.ops.ports.stack_ports`: router, agent-check, workers' metrics, each on its
+    own address) are TCP ports, not one port twice (:func:`dplb.ops.ports.clash`) and can be bound: the errors
+    ``dplb launch`` would refuse with, in its words (``what: reason; fix``), the first in full and the others by
+    address."""
+    bad = [u.port for u in uses if not 0 <= u.port <= 65535]
     if bad:
         return Check("ports", "fail", f"not TCP ports (0..65535): {bad}",
                      "pass a --port (and --metrics-port-base) with room for the router and every worker below 65536")
-    busy = []
-    for port in ports:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError:
-                busy.append(port)
-    if busy:
-        where = f"{host} (or one of its addresses)" if host in ("0.0.0.0", "::", "") else host
-        return Check("ports", "fail", f"port(s) cannot be bound on {where}, in use: {busy}",
-                     "stop what holds them (ss -ltnp | grep PORT), or move the stack: --port for the router, "
-                     "--metrics-port-base for the workers' metrics ports")
-    return Check("ports", "pass", f"ports free on {host}: {ports}")
+    twice = clash(uses)
+    failed = [(u, err) for u in uses if (err := try_bind(u)) is not None] if twice is None else []
+    if twice is None and not failed:
+        return Check("ports", "pass", "free: " + ", ".join(f"{u.host}:{u.port}" for u in uses))
+    first = twice if twice is not None else failed[0][1]
+    what, _, fix = str(first).partition("; ")
+    if len(failed) > 1:
+        what += "; also cannot bind " + ", ".join(f"{u.host}:{u.port} ({u.who})" for u, _ in failed[1:])
+    return Check("ports", "fail", what, fix)
 
 
 def live_sockets(run_dir: str) -> list[str]:
@@ -276,14 +275,16 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         gpus = [g for g in gpus if g.index in visible]
     indices = [g.index for g in gpus]
     n = args.num_workers or (len(indices) // args.tensor_parallel_size if indices else 2)
-    ports = [args.port, *worker_metrics_ports(stack_metrics_port_base(args.port, args.metrics_port_base), n)]
+    ports = stack_ports(args.host, args.port, args.metrics_host,
+                        worker_metrics_ports(stack_metrics_port_base(args.port, args.metrics_port_base), n),
+                        args.agent_port)
     return [
         check_gpus(gpus),
         check_plan(indices, args.num_workers, args.tensor_parallel_size),
         check_model_memory(args.model, gpus, args.tensor_parallel_size),
         check_shm(args.shm_dir),
         check_stale_segments(args.shm_dir),
-        check_ports(args.host, ports),
+        check_ports(ports),
         check_run_dir(args.run_dir or stack_run_dir(args.port)),
         check_build(),
     ]
@@ -300,6 +301,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=flag_port, default=30000, help="router port to check (default 30000)")
     p.add_argument("--metrics-port-base", type=flag_port_or_off, default=None,
                    help=f"worker metrics ports to check: BASE+K (default {METRICS_PORT_BASE}+K; 0 = none)")
+    p.add_argument("--metrics-host", default=METRICS_HOST,
+                   help=f"address the workers' metrics ports bind (default {METRICS_HOST}, as `dplb launch`)")
+    p.add_argument("--agent-port", type=flag_port, default=None, metavar="PORT",
+                   help="the HAProxy agent-check port to check (on --host; default: none, as `dplb launch`)")
     p.add_argument("--run-dir", help="run directory to check (default: the one `dplb launch --port PORT` uses)")
     p.add_argument("--shm-dir", default=SHM_DIR, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")

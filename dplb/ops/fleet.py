@@ -7,9 +7,20 @@ Contract
 - Server names (:func:`server_names`) are readable and unique: ``h-`` and the address and port with every other
   character as ``-``, an IPv6 address with all eight groups, and ``-2``, ``-3``… on a name already taken (hosts
   differing only in punctuation). HAProxy sends the name to clients as ``x-dplb-host``.
+- Retries, one rule for both balancers: a request is re-sent to another host only when it reached no engine, so
+  nothing was generated — a connection that failed before the request was sent, or DPLB's own answer marked
+  ``x-dplb-not-started: 1`` (:data:`dplb.errors.NOT_STARTED`: ``no_routable_worker``, ``worker_unreachable``, …).
+  Never a ``503 worker_stalled``, a ``502``/``504``, a cut response or a timeout: the host's engine may have started
+  it, and a request that hangs or crashes an engine would take the next host down too. Envoy matches the header
+  (``retriable_headers``); HAProxy 2.6's ``retry-on`` reads only connection events and status codes
+  (``configuration.txt``, ``retry-on``), and ``503`` would include ``worker_stalled``, so HAProxy re-sends connection
+  failures only (``retry-on conn-failure``, ``option redispatch 1``: every retry to another host) and passes a
+  not-started answer to the client, with its ``Retry-After``, until its agent-check takes the host out.
 - :func:`haproxy_config` writes a complete ``haproxy.cfg`` (HAProxy ≥ 2.6): one backend, every host a server with
   an HTTP readiness check on ``/ready`` (503 while the host drains) and DPLB's agent-check (:mod:`dplb.router.agent`:
-  ``up ready NN%`` sets the weight, ``drain`` stops new requests, ``down#reason`` takes it out). ``balance`` is
+  ``up ready NN%`` sets the weight, ``drain`` stops new requests, ``down #reason`` takes it out). With
+  ``stats_socket`` (``--stats-socket PATH``) HAProxy's admin socket is on (``show stat`` has each server's
+  ``agent_status`` and ``agent_desc``), else the config carries it, and a ``log`` stanza, commented out. ``balance`` is
   ``leastconn`` (fewest open connections ÷ weight: a streamed LLM request holds its connection, so a slow host's
   longer requests count against it at once; ``roundrobin`` on request); with ``affinity_header`` it is
   ``hdr(<name>)`` with ``hash-type consistent`` and
@@ -21,7 +32,7 @@ Contract
   ``client_side_weighted_round_robin`` from the ORCA header DPLB adds (:mod:`dplb.router.orca`; the route asks for
   it with ``endpoint-load-metrics-format: TEXT`` and removes the report from the answer to the client: Envoy's
   router reads it from the upstream headers before it applies ``response_headers_to_remove``), an HTTP health
-  check on ``/ready`` (1 s, 2 failures), retries on connect failures and refused streams, and outlier detection
+  check on ``/ready`` (1 s, 2 failures), the retries above (on another host each time), and outlier detection
   on local-origin failures only (2 consecutive connect failures or resets eject a host that died between health
   checks; HTTP 5xx answers never eject: a loaded DPLB host says so in its ORCA report, and ejecting it would pile
   its load on the others). The cluster is
@@ -43,7 +54,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from dplb.config import split_list
-from dplb.errors import ConfigError
+from dplb.errors import NOT_STARTED_HEADER, ConfigError
 from dplb.flags import flag_port, flag_port_or_off
 
 DEFAULT_AGENT_PORT = 30090
@@ -115,9 +126,10 @@ def parse_hosts(text: str, default_agent_port: int = DEFAULT_AGENT_PORT) -> list
 
 def haproxy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, affinity_header: str | None = None,
                    balance_factor: int = 150, agent_inter_ms: int = 500, check_inter_ms: int = 1000,
-                   algorithm: str = "leastconn") -> str:
+                   algorithm: str = "leastconn", stats_socket: str | None = None) -> str:
     """A complete ``haproxy.cfg`` (module docstring). Intervals in milliseconds; ``balance_factor`` ≥ 100;
-    ``algorithm``: ``roundrobin`` or ``leastconn`` (without ``affinity_header``)."""
+    ``algorithm``: ``roundrobin`` or ``leastconn`` (without ``affinity_header``); ``stats_socket``: the admin
+    socket's path (None: written commented out)."""
     if algorithm not in ("roundrobin", "leastconn"):
         raise ConfigError(f"--balance must be roundrobin or leastconn, got {algorithm!r}")
     if affinity_header is not None and not re.fullmatch(r"[A-Za-z0-9\-_]+", affinity_header):
@@ -126,21 +138,35 @@ def haproxy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, affi
         raise ConfigError(f"--hash-balance-factor must be ≥ 100 (percent of the average load), got {balance_factor}")
     balance = [f"balance {algorithm}"] if affinity_header is None else [
         f"balance hdr({affinity_header})", "hash-type consistent", f"hash-balance-factor {balance_factor}"]
+    if stats_socket is not None and (not stats_socket.startswith("/") or any(c.isspace() for c in stats_socket)):
+        raise ConfigError(f"--stats-socket: {stats_socket!r} must be an absolute path without spaces")
     servers = [f"    server {name} {_hp(h.host, h.port)} check agent-check agent-port {h.agent_port}"
                for h, name in zip(hosts, server_names(hosts), strict=True)]
+    stats = (f"    stats socket {stats_socket} mode 600 level admin" if stats_socket else
+             "    # stats socket /run/haproxy/dplb.sock mode 600 level admin  # or --stats-socket PATH")
     lines = [
         "# Written by `dplb fleet haproxy-config` (dplb.ops.fleet). DPLB hosts behind HAProxy:",
         "# /ready is the health check (503 while the host drains); the agent-check port sets each host's weight",
-        "# from its load report (up ready NN% / drain / down#reason).",
+        "# from its load report (up ready NN% / drain / down #reason).",
         "global",
         "    maxconn 4096",  # two descriptors per connection: within a default 20000-fd limit
+        "    # Each host's state, the agent's last answer included (agent_status, agent_desc):",
+        "    #   echo 'show stat' | socat stdio UNIX-CONNECT:<the socket below>",
+        stats,
+        "    # log /dev/log local0  # with `log global` and `option log-health-checks` below: agent/check changes",
         "defaults",
         "    mode http",
+        "    # log global",
+        "    # option httplog",
+        "    # option log-health-checks",
         "    option http-keep-alive",
         "    option http-no-delay  # send each streamed token at once (without it HAProxy batches SSE chunks)",
-        "    option redispatch",
+        "    # Re-send a request only when it never reached a host (a failed connection), each time to another",
+        f"    # host. HAProxy cannot match DPLB's {NOT_STARTED_HEADER[0].decode()} header and a 503 may be",
+        "    # worker_stalled (started): no retry on 503, empty-response or response-timeout (README: Running a fleet)",
+        "    option redispatch 1",
         "    retries 2",
-        "    retry-on conn-failure empty-response response-timeout 503",
+        "    retry-on conn-failure",
         "    timeout connect 2s",
         "    timeout client 600s",
         "    timeout server 600s",
@@ -230,8 +256,12 @@ def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: 
         "                route:\n"
         "                  cluster: dplb_hosts\n"
         "                  timeout: 600s\n"
-        "                  retry_policy:  # never re-sent once the host may have started it; on another host\n"
-        "                    retry_on: connect-failure,refused-stream,reset-before-request\n"
+        "                  retry_policy:  # re-sent only when it reached no engine, each time to another host:\n"
+        "                    # a failed connection, or DPLB's own answer marked not started (README, Running a fleet)\n"
+        "                    retry_on: connect-failure,refused-stream,reset-before-request,retriable-headers\n"
+        "                    retriable_headers:\n"
+        f"                    - name: {NOT_STARTED_HEADER[0].decode()}\n"
+        f"                      string_match: {{exact: '{NOT_STARTED_HEADER[1].decode()}'}}\n"
         "                    num_retries: 2\n"
         "                    retry_host_predicate:\n"
         "                    - name: envoy.retry_host_predicates.previous_hosts\n"
@@ -317,6 +347,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                            "(default %(default)s)")
             q.add_argument("--balance", choices=("roundrobin", "leastconn"), default="leastconn",
                            help="HAProxy's algorithm without --affinity-header (default %(default)s)")
+            q.add_argument("--stats-socket", metavar="PATH", default=None,
+                           help="turn on HAProxy's admin socket at PATH (`show stat`: each host's agent_status and "
+                           "agent_desc); default: written commented out")
         else:
             q.add_argument("--round-robin", action="store_true", help="plain round robin (no ORCA weights)")
             q.add_argument("--admin-port", type=flag_port_or_off, default=DEFAULT_ENVOY_ADMIN_PORT,
@@ -328,7 +361,8 @@ def _cmd_fleet(args: argparse.Namespace, rest: list[str]) -> int:
     hosts = parse_hosts(args.hosts, args.agent_port)
     if args.fleet_cmd == "haproxy-config":
         text = haproxy_config(hosts, args.listen, affinity_header=args.affinity_header,
-                              balance_factor=args.hash_balance_factor, algorithm=args.balance)
+                              balance_factor=args.hash_balance_factor, algorithm=args.balance,
+                              stats_socket=args.stats_socket)
     else:
         text = envoy_config(hosts, args.listen, orca=not args.round_robin, admin_port=args.admin_port)
     if args.probe:

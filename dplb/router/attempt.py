@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, Final
 
 from dplb.config import RouterConfig
-from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body
+from dplb.errors import NOT_STARTED, NOT_STARTED_HEADER, WWW_AUTHENTICATE, RouterErrorKind, error_body
 from dplb.obs.fastmetrics import HistogramChild
 from dplb.obs.tracing import NO_TRACE
 from dplb.router.exchange import Exchange, response_headers
@@ -94,7 +94,11 @@ class Upstreams:
                      retry_after: int | None = None, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Answer ``ex`` with one of the router's own errors: OpenAI-shaped JSON with ``kind``'s status,
         ``Retry-After`` on 503/429 (``retry_after`` seconds, else ``--retry-after``), ``X-SG-Worker-ID`` when a
-        worker is named, then ``extra_headers``; closes the connection when the request body was not read."""
+        worker is named, ``x-dplb-not-started: 1`` when the request reached no engine
+        (:data:`dplb.errors.NOT_STARTED`), the ORCA load report when the request asks for one (the hook
+        :attr:`on_response_head`: a host that has no routable worker or drains answers only such errors, and they
+        carry its utilization ≥ 1 to Envoy), then ``extra_headers``; closes the connection when the request body was
+        not read."""
         if kind is RouterErrorKind.REQUEST_TIMEOUT:  # the edge answered (and counted) it and closed: record the 408
             ex.status = kind.status
             return
@@ -110,6 +114,10 @@ class Upstreams:
             headers.append((b"retry-after", str(wait).encode()))
         if worker is not None:
             headers.append((b"x-sg-worker-id", self.worker_ids[worker]))
+        if kind in NOT_STARTED:
+            headers.append(NOT_STARTED_HEADER)
+        if self.on_response_head is not None:
+            self.on_response_head(ex.scope, headers)
         if kind is RouterErrorKind.UNAUTHORIZED:
             headers.append(WWW_AUTHENTICATE)
         if kind in _BODY_UNREAD:

@@ -36,6 +36,20 @@ Contract
     the segment's model name (vLLM lists loaded LoRA adapters beside the base model).
   - ``max_loras``: the routable workers' published ``max_loras`` summed (vLLM ``--max-loras`` per worker: how many
     adapters the host holds in its batches at once, each worker holding its own); 0 when none publishes one.
+- ``picker_waiting``/``picker_kv_usage``: what the Model Server Protocol families the Endpoint Picker scores by
+  say (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``; :mod:`dplb.obs.metrics_host`): ``waiting`` and
+  ``kv_usage`` while ``up``; while the host drains or is down, saturated, as the ORCA report's utilization ≥ 1
+  and the agent's ``drain``/``down`` say it to the other balancers (an empty queue and cache would make the host the
+  picker's *best* endpoint until kubelet's readiness probe removes the pod). The values come from llm-d-router's
+  scorers and saturation filter (``kv-cache-utilization-scorer``: score 1 − KV usage; ``queue-scorer``: min-max
+  normalised waiting, the longest queue scores 0; ``utilization-detector``: an endpoint stays a candidate only with
+  waiting < ``queueDepthThreshold`` × (1 + headroom) and KV usage < ``kvCacheUtilThreshold`` × (1 + headroom)):
+  KV usage 1 — the scorer's lowest score, and out of the filter at every threshold ≤ 1 ÷ (1 + headroom), the
+  defaults (0.8, 0) included; waiting ≥ :data:`PICKER_QUEUE_PER_WORKER` × workers — the detector's default
+  ``queueDepthThreshold`` (5 per engine) for each worker slot, the threshold the shipped
+  ``endpoint-picker-config.yaml`` sets (5 × 8 workers), so the host is at the threshold (out of the filter without
+  headroom) and scores like a stale endpoint (1, the detector's "100% saturated") in the pool's average instead of
+  dragging it up with a huge figure.
 - ``state``: ``drain`` once :meth:`HostReporter.begin_drain` was called (SIGUSR1 of the router, or SIGTERM, after
   which the router serves ``--drain-notice`` seconds more: :meth:`HostReporter.drain_notice`), else
   ``down`` with a reason when no worker is routable, else ``up``. Without a segment the router serves on its own
@@ -57,6 +71,9 @@ from dplb.state.shm import Lifecycle, WorkerState
 
 log = logging.getLogger("dplb.router")
 RATE_WINDOW_S = 5.0  # seconds of completions the request rate is measured over
+#: Waiting requests per worker slot a draining or down host reports to the Endpoint Picker (module docstring):
+#: llm-d-router's utilization-detector default queueDepthThreshold (per engine).
+PICKER_QUEUE_PER_WORKER = 5
 STATE_UP, STATE_DRAIN, STATE_DOWN = "up", "drain", "down"
 
 
@@ -87,6 +104,8 @@ class HostReport:
     models: tuple[str, ...] = ()
     adapters: tuple[str, ...] = field(default=())
     max_loras: int = 0
+    picker_waiting: int = 0
+    picker_kv_usage: float = 1.0
 
     def to_dict(self) -> dict[str, object]:
         """JSON-friendly dict."""
@@ -107,6 +126,14 @@ def kv_figures(ws: list[WorkerState]) -> tuple[float, int, int, int]:
     if not ws:
         return 0.0, 0, 0, bs
     return sum(min(1.0, max(0.0, w.kv_cache_usage)) for w in ws) / len(ws), 0, 0, bs
+
+
+def picker_view(state: str, waiting: int, kv_usage: float, workers: int) -> tuple[int, float]:
+    """(``picker_waiting``, ``picker_kv_usage``): the figures themselves while ``state`` is up, else saturated
+    (module docstring): at least :data:`PICKER_QUEUE_PER_WORKER` × ``workers`` waiting, and KV usage 1."""
+    if state == STATE_UP:
+        return waiting, kv_usage
+    return max(waiting, PICKER_QUEUE_PER_WORKER * max(1, workers)), 1.0
 
 
 class _Rate:
@@ -210,10 +237,12 @@ class HostReporter:
             state, reason, util = STATE_DOWN, "state segment missing and no worker socket", 1.0
         else:
             state, reason, util = STATE_UP, "state segment missing: routing on in-flight counts", min(1.0, load)
+        pw, pkv = picker_view(state, 0, 0.0, st.num_workers)
         return HostReport(**common, state=state, reason=reason, running=running,  # type: ignore[arg-type]
                           capacity=capacity, load=load, utilization=util,
                           pressure=load if state == STATE_UP else max(1.0, load),
-                          agent_weight=max(1, min(100, round(100 / (1 + load)))), routable=tuple(socks))
+                          agent_weight=max(1, min(100, round(100 / (1 + load)))), routable=tuple(socks),
+                          picker_waiting=pw, picker_kv_usage=pkv)
 
     def _from_snapshot(self, snap: list[WorkerState], routable: list[int], common: dict[str, object]) -> HostReport:
         inflight = self.state.inflight_all()
@@ -234,12 +263,14 @@ class HostReporter:
         else:
             state, reason, util = STATE_UP, "", min(1.0, max(load, kv))
         weight = max(1, min(100, round(100 / (1 + load))))
+        pw, pkv = picker_view(state, waiting, kv, self.state.num_workers)
         return HostReport(**common, state=state, reason=reason, waiting=waiting,  # type: ignore[arg-type]
                           router_pending=pending, running=running, capacity=capacity, load=load,
                           utilization=util, pressure=max(load, kv) if state == STATE_UP else max(1.0, load, kv),
                           agent_weight=weight, kv_usage=kv, kv_used_blocks=used,
                           kv_total_blocks=total, kv_block_size=bs, routable=tuple(routable), draining=draining,
-                          max_loras=sum(w.max_loras for w in ws))
+                          max_loras=sum(w.max_loras for w in ws), picker_waiting=pw, picker_kv_usage=pkv)
 
 
-__all__ = ["RATE_WINDOW_S", "STATE_DOWN", "STATE_DRAIN", "STATE_UP", "HostReport", "HostReporter", "kv_figures"]
+__all__ = ["PICKER_QUEUE_PER_WORKER", "RATE_WINDOW_S", "STATE_DOWN", "STATE_DRAIN", "STATE_UP", "HostReport",
+           "HostReporter", "kv_figures", "picker_view"]
