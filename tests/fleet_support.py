@@ -35,20 +35,42 @@ WORKER = ["--sim-max-num-seqs", "4", "--sim-chunk-delay-s", "0.01"]
 
 
 @contextlib.contextmanager
-def hosts(tmp_path: str, speeds: list[float], router_args: list[str] | None = None, workers: int = 2
-          ) -> Iterator[list[tuple[Cluster, int]]]:
+def hosts(tmp_path: str, speeds: list[float], router_args: list[str] | None = None, workers: int = 2,
+          worker_extra: dict[int, list[str]] | None = None) -> Iterator[list[tuple[Cluster, int]]]:
     """One DPLB host (``workers`` sim workers + router on 127.0.0.<2+i>) per entry of ``speeds`` (sim speed
-    factor), each with an agent port; yields (cluster, agent port) pairs."""
+    factor), each with an agent port; ``worker_extra[i]``: more arguments for host i's workers. Yields (cluster,
+    agent port) pairs."""
     with contextlib.ExitStack() as stack:
         out = []
         for i, speed in enumerate(speeds):
             agent = free_port()
             args = ["--agent-port", str(agent), "--processes", "1", *(router_args or [])]
-            wargs = {k: [*WORKER, "--sim-speed", str(speed)] for k in range(workers)}
+            wargs = {k: [*WORKER, "--sim-speed", str(speed), *(worker_extra or {}).get(i, [])] for k in range(workers)}
             c = stack.enter_context(cluster(os.path.join(tmp_path, f"host{i}"), workers, worker_args=wargs,
                                             router_args=args, host=f"127.0.0.{2 + i}"))
             out.append((c, agent))
         yield out
+
+
+def haproxy_stat(sock_path: str) -> dict[str, dict[str, str]]:
+    """HAProxy's ``show stat`` over its admin socket: one row per proxy/server, keyed ``"<proxy>/<server>"`` (the
+    CSV columns: ``status``, ``agent_status``, ``last_agt``, ``wretr``, ``wredis``, …)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(sock_path)
+        s.sendall(b"show stat\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    lines = data.decode().strip().splitlines()
+    cols = lines[0].lstrip("# ").split(",")
+    rows = [dict(zip(cols, ln.split(","), strict=False)) for ln in lines[1:] if ln]
+    return {f"{r['pxname']}/{r['svname']}": r for r in rows}
+
+
+def rejected(c: Cluster, reasons: tuple[str, ...]) -> int:
+    """How many requests ``c``'s router answered itself with one of ``reasons`` (dplb_requests_rejected_total)."""
+    return int(sum(c.metric("dplb_requests_rejected_total", {"reason": r}) or 0 for r in reasons))
 
 
 def agent_answer(host: str, port: int) -> str:
@@ -128,6 +150,7 @@ class Load:
     headers_of: object = None  # callable(client index, turn) -> extra headers, or None
     served: collections.Counter[str] = field(default_factory=collections.Counter)
     failures: list[str] = field(default_factory=list)
+    failed: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)  # (by, error code)
     latencies: list[float] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -141,10 +164,14 @@ class Load:
                 body = {"model": "dplb-sim", "max_tokens": self.max_tokens,
                         "messages": [{"role": "user", "content": f"client {i} turn {turn}"}]}
                 t0 = time.perf_counter()
+                key = ("?", "?")
                 try:
                     r = client.post(self.url + "/v1/chat/completions", json=body, headers=extra)
                     ok = r.status_code == 200
                     why = f"HTTP {r.status_code}: {r.text[:200]}"
+                    if not ok:
+                        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                            key = (r.headers.get(self.by, "?"), str(r.json()["error"]["code"]))
                 except httpx.HTTPError as e:
                     ok, why = False, f"{type(e).__name__}: {e}"
                 with self._lock:
@@ -153,6 +180,7 @@ class Load:
                         self.latencies.append(time.perf_counter() - t0)
                     else:
                         self.failures.append(why)
+                        self.failed[key] += 1
                 turn += 1
 
     def start(self) -> Load:

@@ -23,10 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_agent_lines_follow_the_haproxy_protocol() -> None:
     assert agent_line(HostReport(state="up", agent_weight=37)) == b"up ready 37%\n"
     assert agent_line(HostReport(state="drain")) == b"drain\n"
-    # A reason never breaks the one-line protocol: no '#', no line break, printable ASCII, bounded.
+    # HAProxy reads "down" as a word of its own and the description after a '#' that starts a word: "down #why"
+    # (a real HAProxy's reading of it: test_fleet_haproxy). A reason never breaks the one-line protocol: no other
+    # '#', no line break, printable ASCII, bounded.
     line = agent_line(HostReport(state="down", reason="no #routable\nworker\u00e9" + "x" * 200))
-    assert line.startswith(b"down#no routable") and line.count(b"\n") == 1 and b"#" not in line[5:]
-    assert len(line) <= 5 + 64 + 1
+    assert line.startswith(b"down #no routable") and line.count(b"\n") == 1 and b"#" not in line[6:]
+    assert len(line) <= 6 + 64 + 1
+    assert agent_line(HostReport(state="down", reason="#\n")) == b"down #down\n"
 
 
 def test_kv_usage_is_block_weighted() -> None:
@@ -116,6 +119,17 @@ def test_haproxy_accepts_the_config(tmp_path: pytest.TempPathFactory, affinity: 
     assert HAPROXY is not None
     r = subprocess.run([HAPROXY, "-c", "-f", path], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+    # The admin socket: commented out by default (how to turn it on is in the file), on with --stats-socket.
+    assert "    # stats socket " in text and "\n    stats socket" not in text
+    on = haproxy_config(HOSTS, "127.0.0.1:8080", affinity_header=affinity, algorithm=algorithm,
+                        stats_socket=os.path.join(str(tmp_path), "admin.sock"))
+    with open(path, "w") as f:
+        f.write(on)
+    r = subprocess.run([HAPROXY, "-c", "-f", path], capture_output=True, text=True)
+    assert r.returncode == 0 and f"\n    stats socket {tmp_path}/admin.sock mode 600 level admin\n" in on, r.stderr
+    for bad in ("relative.sock", "/a b.sock"):
+        with pytest.raises(ConfigError, match="--stats-socket"):
+            haproxy_config(HOSTS, stats_socket=bad)
     with pytest.raises(ConfigError, match="hash-balance-factor"):
         haproxy_config(HOSTS, affinity_header="x", balance_factor=90)
     with pytest.raises(ConfigError, match="--balance"):

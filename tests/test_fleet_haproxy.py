@@ -11,10 +11,23 @@ import os
 import signal
 import time
 
+import subprocess
+
 import httpx
 import pytest
-from cluster import free_port
-from fleet_support import HAPROXY, Launched, Load, agent_answer, balancer, hosts, launched_hosts
+from cluster import cluster, free_port
+from fleet_support import (
+    HAPROXY,
+    WORKER,
+    Launched,
+    Load,
+    agent_answer,
+    balancer,
+    haproxy_stat,
+    hosts,
+    launched_hosts,
+    rejected,
+)
 
 from dplb.ops.fleet import FleetHost, haproxy_config
 
@@ -216,3 +229,53 @@ def test_streamed_tokens_pass_haproxy_one_by_one(tmp_path: pytest.TempPathFactor
           f"direct: TTFT {direct_ttft * 1000:.0f} ms, ITL P50 {direct_p50 * 1000:.1f} ms")
     # Coalesced tokens arrive in bursts: a near-zero median gap and long silences between the bursts.
     assert 0.005 < p50 < 0.06 and max(gaps) < 0.15 and ttft < 0.15, (ttft, [round(g, 4) for g in gaps])
+
+
+def _wait_stat(sock: str, key: str, ok: object, timeout_s: float = 15) -> dict[str, str]:
+    """HAProxy's ``show stat`` row ``key`` once ``ok(row)`` holds (the last row seen in the failure)."""
+    deadline, row = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        if os.path.exists(sock):
+            row = haproxy_stat(sock).get(key, {})
+            if row and ok(row):  # type: ignore[operator]
+                return row
+        time.sleep(0.1)
+    raise AssertionError(f"{key}: {row}")
+
+
+def test_the_agent_alone_takes_a_host_out_and_haproxy_shows_why(tmp_path: pytest.TempPathFactory) -> None:
+    """Regression: the agent answered ``down#no routable worker``, which HAProxy 2.6 reads as one unknown word
+    (``last_agt`` "agent reports an error : down#no", the server left in rotation): only the HTTP check of the
+    generated config took such a host out, and a backend that keeps only the agent-check never did. A server checked
+    by the agent alone (no ``check``) in front of a host with no routable worker: HAProxy marks it DOWN via the
+    agent with the reason in its stats; once a worker is ready the agent's ``up`` brings it back into rotation."""
+    tmp = str(tmp_path)
+    agent, port, sock = free_port(), free_port(), os.path.join(tmp, "admin.sock")
+    with cluster(os.path.join(tmp, "host"), 1, start_workers=False, wait_router_ready=False, host="127.0.0.2",
+                 router_args=["--agent-port", str(agent)]) as c:
+        assert agent_answer(c.host, agent) == "down #no routable worker\n"
+        path = os.path.join(tmp, "agent-only.cfg")
+        with open(path, "w") as f:
+            f.write(f"global\n    stats socket {sock} mode 600 level admin\ndefaults\n    mode http\n"
+                    "    timeout connect 2s\n    timeout client 30s\n    timeout server 30s\n"
+                    f"frontend in\n    bind 127.0.0.1:{port}\n    default_backend hosts\nbackend hosts\n"
+                    f"    server h1 {c.host}:{c.port} agent-check agent-port {agent} agent-inter 200ms\n")
+        assert HAPROXY is not None
+        with open(os.path.join(tmp, "haproxy.log"), "wb") as log:
+            hp = subprocess.Popen([HAPROXY, "-db", "-f", path], stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        try:
+            down = _wait_stat(sock, "hosts/h1", lambda r: r["status"].startswith("DOWN"))
+            print(f"agent-only server, no routable worker: {down['status']}, {down['last_agt']!r}")
+            assert down["status"] == "DOWN (agent)" and down["last_agt"] == "via agent : down (no routable worker)", down
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 503  # HAProxy: no server
+            c.start_worker(0, *WORKER)
+            # Back in rotation ("no check": no HTTP check runs, only the agent's up).
+            _wait_stat(sock, "hosts/h1", lambda r: r["last_agt"].startswith("via agent : up") and r["status"] in (
+                "UP", "no check"))
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30, json={
+                "model": "dplb-sim", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+        finally:
+            hp.terminate()
+            hp.wait(10)

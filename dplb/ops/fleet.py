@@ -20,7 +20,7 @@ Contract
   an HTTP readiness check on ``/ready`` (503 while the host drains) and DPLB's agent-check (:mod:`dplb.router.agent`:
   ``up ready NN%`` sets the weight, ``drain`` stops new requests, ``down #reason`` takes it out). With
   ``stats_socket`` (``--stats-socket PATH``) HAProxy's admin socket is on (``show stat`` has each server's
-  ``agent_status`` and ``agent_desc``), else the config carries it, and a ``log`` stanza, commented out. ``balance`` is
+  ``agent_status`` and ``last_agt``), else the config carries it, and a ``log`` stanza, commented out. ``balance`` is
   ``leastconn`` (fewest open connections ÷ weight: a streamed LLM request holds its connection, so a slow host's
   longer requests count against it at once; ``roundrobin`` on request); with ``affinity_header`` it is
   ``hdr(<name>)`` with ``hash-type consistent`` and
@@ -150,7 +150,7 @@ def haproxy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, affi
         "# from its load report (up ready NN% / drain / down #reason).",
         "global",
         "    maxconn 4096",  # two descriptors per connection: within a default 20000-fd limit
-        "    # Each host's state, the agent's last answer included (agent_status, agent_desc):",
+        "    # Each host's state, the agent's last answer included (agent_status, last_agt):",
         "    #   echo 'show stat' | socat stdio UNIX-CONNECT:<the socket below>",
         stats,
         "    # log /dev/log local0  # with `log global` and `option log-health-checks` below: agent/check changes",
@@ -349,7 +349,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                            help="HAProxy's algorithm without --affinity-header (default %(default)s)")
             q.add_argument("--stats-socket", metavar="PATH", default=None,
                            help="turn on HAProxy's admin socket at PATH (`show stat`: each host's agent_status and "
-                           "agent_desc); default: written commented out")
+                           "last_agt); default: written commented out")
         else:
             q.add_argument("--round-robin", action="store_true", help="plain round robin (no ORCA weights)")
             q.add_argument("--admin-port", type=flag_port_or_off, default=DEFAULT_ENVOY_ADMIN_PORT,
