@@ -85,3 +85,25 @@ def extract(text: str) -> EndpointMetrics:
         if r[1].get("num_gpu_blocks"):
             m.cache_num_blocks = int(r[1]["num_gpu_blocks"])
     return m
+
+
+def picker_filter(endpoints: dict[str, EndpointMetrics], queue_threshold: int = 5, kv_threshold: float = 0.8,
+                  headroom: float = 0.0) -> list[str]:
+    """llm-d-router's ``utilization-detector`` as a scheduling filter (``plugins/flowcontrol/saturationdetector/
+    utilization/detector.go``, ``Filter``): an endpoint stays a candidate only with waiting < ``queue_threshold`` ×
+    (1 + ``headroom``) and KV usage < ``kv_threshold`` × (1 + ``headroom``); when none would stay, all do (fail
+    open). Defaults: the plugin's (``queueDepthThreshold`` 5, ``kvCacheUtilThreshold`` 0.8, ``headroom`` 0)."""
+    q_limit, kv_limit = queue_threshold * (1 + headroom), kv_threshold * (1 + headroom)
+    kept = [name for name, m in endpoints.items()
+            if m.waiting_queue_size < q_limit and m.kv_cache_usage_percent < kv_limit]
+    return kept or list(endpoints)
+
+
+def picker_scores(endpoints: dict[str, EndpointMetrics]) -> dict[str, float]:
+    """The shipped ``endpoint-picker-config.yaml`` profile's score per endpoint: ``queue-scorer`` (waiting, min-max
+    normalised: the shortest queue 1, the longest 0, all equal 1; ``scorer/queuedepth/queue.go``) plus
+    ``kv-cache-utilization-scorer`` (1 − KV usage), weight 1 each; ``max-score-picker`` takes the highest."""
+    waits = [m.waiting_queue_size for m in endpoints.values()]
+    lo, hi = min(waits), max(waits)
+    return {name: (1.0 if hi == lo else (hi - m.waiting_queue_size) / (hi - lo)) + 1 - m.kv_cache_usage_percent
+            for name, m in endpoints.items()}

@@ -5,6 +5,7 @@ port, the ORCA header, the drain notice and their bad inputs."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
 import socket
 import statistics
@@ -14,8 +15,10 @@ import time
 import httpx
 import pytest
 from cluster import Cluster, cluster, dplb_cmd, free_port
-from epp_rules import extract
+from epp_rules import extract, picker_filter, picker_scores
 from fleet_support import agent_answer
+
+from dplb.router.host_report import PICKER_QUEUE_PER_WORKER
 
 CHAT = {"model": "dplb-sim", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 40}
 
@@ -163,3 +166,49 @@ def test_host_without_segment_is_up_while_it_serves(tmp_path: pytest.TempPathFac
         text = httpx.get(c.url + "/metrics/host").text
         assert 'dplb_host_state{state="up"} 1.0' in text, text
         assert agent_answer("127.0.0.1", agent).startswith("up ready ")
+
+
+def _orca(r: httpx.Response) -> dict[str, float]:
+    text = r.headers["endpoint-load-metrics"]
+    assert text.startswith("TEXT "), text
+    return {k: float(v) for k, v in (kv.split("=") for kv in text[5:].split(", "))}
+
+
+def test_a_down_or_draining_host_is_the_endpoint_pickers_last_choice(tmp_path: pytest.TempPathFactory) -> None:
+    """Regression: a host with no routable worker, and a draining one, showed an idle host's figures in the Model
+    Server Protocol families (waiting 0, KV usage 0): to the Endpoint Picker's queue and KV-cache scorers the *best*
+    endpoint, while the agent said down/drain and ORCA utilization 1. Now both report saturation there (KV usage 1,
+    waiting at the picker's default threshold per worker): the picker's saturation filter drops them at its default
+    thresholds, the shipped config's (5 per worker) and with headroom, and they score lowest. And the router's own
+    503 on a down host carries the ORCA report when asked (it carried none, so Envoy never saw the host's
+    utilization ≥ 1) and x-dplb-not-started."""
+    tmp = str(tmp_path)
+    with cluster(os.path.join(tmp, "down"), 2, start_workers=False, wait_router_ready=False) as down, \
+            cluster(os.path.join(tmp, "up"), 2) as up:
+        down_m = extract(httpx.get(down.url + "/metrics/host").text)
+        r = chat(down, {"endpoint-load-metrics-format": "TEXT"}, max_tokens=2)
+        assert r.status_code == 503 and r.headers["x-dplb-not-started"] == "1", (r.status_code, dict(r.headers))
+        assert _orca(r)["application_utilization"] >= 1, r.headers
+        r = chat(up, {"endpoint-load-metrics-format": "TEXT"}, max_tokens=2)
+        assert r.status_code == 200 and "x-dplb-not-started" not in r.headers and \
+            _orca(r)["application_utilization"] < 1
+        idle = extract(httpx.get(up.url + "/metrics/host").text)
+        assert up.router is not None
+        up.router.send_signal(signal.SIGUSR1)  # drain without stopping: still serving
+        deadline = time.monotonic() + 10
+        while 'dplb_host_state{state="drain"} 1.0' not in (text := httpx.get(up.url + "/metrics/host").text):
+            assert time.monotonic() < deadline, text
+            time.sleep(0.1)
+        drained = extract(text)
+        assert chat(up, max_tokens=2).status_code == 200
+    saturated = PICKER_QUEUE_PER_WORKER * 2  # two workers per host
+    print(f"endpoint picker's view: idle {idle}, down {down_m}, draining {drained}")
+    assert not (idle.errors or down_m.errors or drained.errors)
+    assert idle.kv_cache_usage_percent < 0.5 and idle.waiting_queue_size == 0
+    for m in (down_m, drained):
+        assert m.kv_cache_usage_percent == 1.0 and m.waiting_queue_size == saturated, m
+    eps = {"idle": idle, "down": down_m, "draining": drained}
+    for q_threshold, kv_threshold, headroom in ((5, 0.8, 0.0), (saturated, 0.8, 0.0), (saturated, 0.8, 0.25)):
+        assert picker_filter(eps, q_threshold, kv_threshold, headroom) == ["idle"], (q_threshold, headroom)
+    scores = picker_scores(eps)
+    assert scores["down"] == scores["draining"] == 0 and scores["idle"] > 1.5, scores
