@@ -174,6 +174,14 @@ class RouterErrorKind(enum.Enum):
 
     The reason code is the ``code`` field of the JSON body and the ``reason`` label of
     ``dplb_requests_rejected_total``; the set is closed so metric cardinality stays bounded.
+
+    The router answers 503 only for a request that reached no engine, so nothing was generated: no worker could
+    take it, or it waited in the tenants' fair queue and was never sent (the workers' own 503s are refusals before
+    any work too: DPLB's ``worker_draining``, vLLM's "the model is currently scaling"). A front balancer may re-send
+    a 503 to another host (docs/DESIGN.md §13; the configs ``dplb fleet`` writes do). A request that reached an
+    engine and failed there is never answered 503: ``worker_stalled`` and ``worker_timeout`` 504, ``worker_failed``
+    502 (the engine may have started it, and a request that hangs or crashes an engine would take the next host
+    down too). ``worker_unreachable`` (502) reached no engine either, but shares its status with ``worker_failed``.
     """
 
     NO_WORKERS = (503, "service_unavailable", "no_workers_registered")
@@ -221,8 +229,9 @@ class RouterErrorKind(enum.Enum):
     UPSTREAM_UNREACHABLE = (502, "upstream_error", "worker_unreachable")
     UPSTREAM_TIMEOUT = (504, "upstream_error", "worker_timeout")
     UPSTREAM_FAILED = (502, "upstream_error", "worker_failed")
-    # The worker's engine stopped making progress (docs/DESIGN.md §6): retryable, with Retry-After.
-    WORKER_STALLED = (503, "service_unavailable", "worker_stalled")
+    # The worker's engine stopped making progress (docs/DESIGN.md §6): the gateway's 504 (its upstream made no
+    # progress in time; it may have started the request, so no 503: see the class docstring), with Retry-After.
+    WORKER_STALLED = (504, "upstream_error", "worker_stalled")
     INTERNAL = (500, "server_error", "internal_error")  # a router bug: logged with its traceback, never sent
 
     @property
@@ -240,18 +249,6 @@ class RouterErrorKind(enum.Enum):
         """Bounded reason code (``error.code`` and the ``reason`` metric label)."""
         return self.value[2]
 
-
-#: The router's own errors for a request that reached no engine: no worker could take it, or none could be connected
-#: to (no request byte sent), or it waited in the tenants' fair queue and was never sent. Nothing was generated, so
-#: a front balancer may re-send the request to another host (docs/DESIGN.md §13); each carries
-#: :data:`NOT_STARTED_HEADER`. ``worker_stalled``, ``worker_failed`` and ``worker_timeout`` are not here: the request
-#: reached an engine, which may have started it (and a request that hangs or crashes an engine would take the next
-#: host down too).
-NOT_STARTED = frozenset({RouterErrorKind.NO_WORKERS, RouterErrorKind.NONE_ROUTABLE, RouterErrorKind.ALL_OVER_CAP,
-                         RouterErrorKind.UPSTREAM_UNREACHABLE, RouterErrorKind.QUEUE_FULL,
-                         RouterErrorKind.QUEUE_TIMEOUT, RouterErrorKind.DRAINING_QUEUED})
-#: The response header that marks a :data:`NOT_STARTED` answer (Envoy's ``retriable_headers`` matches it).
-NOT_STARTED_HEADER = (b"x-dplb-not-started", b"1")
 
 #: The challenge every 401 of the router carries (RFC 9110 §11.6.1 requires one; RFC 6750 §3 names the scheme).
 WWW_AUTHENTICATE = (b"www-authenticate", b"Bearer")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -225,3 +225,65 @@ def balancer(cmd: list[str], url: str, log_path: str, ready_path: str = "/health
             p.kill()
             p.wait(5)
         f.close()
+
+
+#: Host 0 of :func:`retry_fleet`: its engine stalls for good after this many completed requests.
+STALL_AFTER_REQUESTS = 20
+STALLED = "worker_stalled"
+#: What a DPLB router answers 503 for (the request reached no engine: a balancer re-sends it to another host), and
+#: what it answers 502/504 for (the request reached an engine, or, worker_unreachable, shares worker_failed's 502:
+#: passed to the client).
+RESENT = ("no_routable_worker", "no_workers_registered", "all_workers_over_queue_cap")
+PASSED = (STALLED, "worker_failed", "worker_timeout", "worker_unreachable")
+
+
+@contextlib.contextmanager
+def retry_fleet(tmp_path: str) -> Iterator[list[tuple[Cluster, int]]]:
+    """Three one-worker hosts for the retry rule (README, "Running a fleet"), every router with ``--stall-after 1``:
+    host 0's engine stalls for good after :data:`STALL_AFTER_REQUESTS` completed requests (its requests in flight
+    then fail ``504 worker_stalled``: they reached an engine; later ones get ``503 no_routable_worker``), host 1
+    stays healthy, and :func:`retry_scenario` kills host 2's worker (the requests it had fail ``502 worker_failed``,
+    later ones get ``no_routable_worker``) while load runs through the balancer."""
+    stall = ["--sim-stall-after", str(STALL_AFTER_REQUESTS), "--sim-stall-for-s", "120"]
+    with hosts(tmp_path, [1.0, 1.0, 1.0], router_args=["--stall-after", "1"], workers=1,
+               worker_extra={0: stall}) as fleet:
+        yield fleet
+
+
+def _until(cond: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def retry_scenario(fleet: list[tuple[Cluster, int]], url: str) -> tuple[Load, list[collections.Counter[str]]]:
+    """Closed-loop load through the balancer at ``url``: host 0 stalls, and once its ``/ready`` says so and the
+    balancer's checks (2 × 1 s) took it out, host 2's worker is killed, and again; returns the load and, per host,
+    what its router answered itself (reason → count). One failing host at a time: a retry always finds a healthy
+    one (HAProxy's redispatch avoids only the last server tried)."""
+    stalled, _, killed = (c for c, _ in fleet)
+
+    def not_ready(c: Cluster) -> bool:
+        return httpx.get(c.url + "/ready", timeout=5).status_code != 200
+
+    load = Load(url, clients=6, max_tokens=8).start()
+    try:
+        _until(lambda: rejected(stalled, (STALLED,)) >= 1 and not_ready(stalled), "host 0 did not stall")
+        time.sleep(3)
+        killed.kill_worker(0)
+        _until(lambda: not_ready(killed), "host 2 stayed ready")
+        time.sleep(3)
+    finally:
+        load.stop()
+    counts = [collections.Counter({r: rejected(c, (r,)) for r in (*PASSED, *RESENT)}) for c, _ in fleet]
+    return load, [+c for c in counts]
+
+
+def assert_retry_rule(load: Load, answered: list[collections.Counter[str]], names: list[str]) -> None:
+    """The retry rule, seen through a balancer (``names``: the hosts as its ``x-dplb-host`` names them): both kinds
+    of answer happened; no client saw a 503 (each was re-sent to another host), and the answers to requests that
+    reached an engine reached the clients one for one (none re-sent)."""
+    assert sum(a[r] for a in answered for r in RESENT) >= 1 and answered[0][STALLED] >= 1, answered
+    passed = {(names[i], r): n for i, a in enumerate(answered) for r, n in a.items() if r in PASSED}
+    assert dict(load.failed) == passed, (load.failed, passed, load.failures[:3])

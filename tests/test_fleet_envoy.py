@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from cluster import free_port
-from fleet_support import ENVOY, Load, balancer, hosts
+from fleet_support import ENVOY, Load, assert_retry_rule, balancer, hosts, retry_fleet, retry_scenario
 
 from dplb.ops.fleet import FleetHost, envoy_config
 
@@ -136,3 +136,18 @@ def test_orca_report_is_used_then_stripped_and_an_idle_host_reports(tmp_path: py
         with open(log, errors="replace") as f:
             text = f.read()
     assert "onOrcaLoadReport failed" not in text, [ln for ln in text.splitlines() if "onOrcaLoadReport" in ln][:3]
+
+
+def test_envoy_re_sends_a_503_and_nothing_that_reached_an_engine(tmp_path: pytest.TempPathFactory) -> None:
+    """Regression: the Envoy config re-sent connection failures only, so DPLB's 503 no_routable_worker (the request
+    reached no engine) reached the clients until the health check took the host out, while the HAProxy config
+    re-sent every 503 — then also the stalled host's worker_stalled, which had reached its engine. The one rule
+    (README, "Running a fleet"), the same test as HAProxy's: every 503 re-sent to another host (no client sees
+    one); worker_stalled (now 504) and the killed worker's 502 worker_failed reach the clients one for one."""
+    with retry_fleet(str(tmp_path)) as fleet:
+        port = free_port()
+        with _envoy(str(tmp_path), fleet, port, orca=True):
+            load, answered = retry_scenario(fleet, f"http://127.0.0.1:{port}")
+    print(f"envoy retry rule: routers answered {[dict(a) for a in answered]}; clients: {dict(load.served)} served, "
+          f"failed {dict(load.failed)}")
+    assert_retry_rule(load, answered, [f"{c.host}:{c.port}" for c, _ in fleet])

@@ -9,9 +9,8 @@ import concurrent.futures
 import itertools
 import os
 import signal
-import time
-
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -22,11 +21,13 @@ from fleet_support import (
     Launched,
     Load,
     agent_answer,
+    assert_retry_rule,
     balancer,
     haproxy_stat,
     hosts,
     launched_hosts,
-    rejected,
+    retry_fleet,
+    retry_scenario,
 )
 
 from dplb.ops.fleet import FleetHost, haproxy_config
@@ -279,3 +280,23 @@ def test_the_agent_alone_takes_a_host_out_and_haproxy_shows_why(tmp_path: pytest
         finally:
             hp.terminate()
             hp.wait(10)
+
+
+def test_haproxy_re_sends_a_503_and_nothing_that_reached_an_engine(tmp_path: pytest.TempPathFactory) -> None:
+    """Regression: the HAProxy config re-sent every 503, empty response and response timeout (``retry-on
+    conn-failure empty-response response-timeout 503``), so a stalled host's 503 worker_stalled (the request reached
+    its engine, which may have started it) went to another host, which the Envoy config never did. The one rule
+    (README, "Running a fleet"), the same test as Envoy's: every 503 re-sent to another host (no client sees one;
+    HAProxy counts the retries); worker_stalled (now 504) and the killed worker's 502 worker_failed reach the clients
+    one for one."""
+    tmp = str(tmp_path)
+    sock = os.path.join(tmp, "admin.sock")
+    with retry_fleet(tmp) as fleet:
+        port = free_port()
+        with _haproxy(tmp, fleet, port, stats_socket=sock):
+            load, answered = retry_scenario(fleet, f"http://127.0.0.1:{port}")
+            backend = haproxy_stat(sock)["dplb_hosts/BACKEND"]
+    print(f"haproxy retry rule: routers answered {[dict(a) for a in answered]}; clients: {dict(load.served)} "
+          f"served, failed {dict(load.failed)}; retries {backend['wretr']}, redispatches {backend['wredis']}")
+    assert_retry_rule(load, answered, [FleetHost(c.host, c.port).name for c, _ in fleet])
+    assert int(backend["wretr"]) >= 1, backend

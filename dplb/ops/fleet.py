@@ -7,15 +7,19 @@ Contract
 - Server names (:func:`server_names`) are readable and unique: ``h-`` and the address and port with every other
   character as ``-``, an IPv6 address with all eight groups, and ``-2``, ``-3``… on a name already taken (hosts
   differing only in punctuation). HAProxy sends the name to clients as ``x-dplb-host``.
-- Retries, one rule for both balancers: a request is re-sent to another host only when it reached no engine, so
-  nothing was generated — a connection that failed before the request was sent, or DPLB's own answer marked
-  ``x-dplb-not-started: 1`` (:data:`dplb.errors.NOT_STARTED`: ``no_routable_worker``, ``worker_unreachable``, …).
-  Never a ``503 worker_stalled``, a ``502``/``504``, a cut response or a timeout: the host's engine may have started
-  it, and a request that hangs or crashes an engine would take the next host down too. Envoy matches the header
-  (``retriable_headers``); HAProxy 2.6's ``retry-on`` reads only connection events and status codes
-  (``configuration.txt``, ``retry-on``), and ``503`` would include ``worker_stalled``, so HAProxy re-sends connection
-  failures only (``retry-on conn-failure``, ``option redispatch 1``: every retry to another host) and passes a
-  not-started answer to the client, with its ``Retry-After``, until its agent-check takes the host out.
+- Retries, one rule for both balancers: a request is re-sent, each time to another host, only when it reached no
+  engine, so nothing was generated: a connection that failed before the request was sent, or a 503 (DPLB answers
+  503 only then: :class:`dplb.errors.RouterErrorKind`; ``no_routable_worker``, ``all_workers_over_queue_cap``, a
+  draining worker's refusal, …). Never a 502/504 (``worker_stalled``, ``worker_failed``, ``worker_timeout``), an
+  empty or cut response or a timeout: the host's engine may have started it, and a request that hangs or crashes
+  an engine would take the next host down too. HAProxy: ``retry-on conn-failure 503`` with ``option redispatch 1``
+  (every retry to another host; the default is the last only) and ``option http-buffer-request`` (without it a
+  POST's body may not be in HAProxy's buffer yet when the answer comes, and the 503 is passed on: measured 18 of 20
+  with HAProxy 2.6); Envoy: ``connect-failure``, ``refused-stream``, ``reset-before-request`` and
+  ``retriable-status-codes`` 503 with the ``previous_hosts`` predicate, and a retry budget of 100 % of the requests
+  in flight (Envoy's default circuit breaker allows 3 retries at once, and passes the other 503s on). Both at most 2
+  retries; a request larger than the balancer's buffer (HAProxy ``tune.bufsize``, 16 KiB; Envoy 1 MiB) is never
+  re-sent.
 - :func:`haproxy_config` writes a complete ``haproxy.cfg`` (HAProxy ≥ 2.6): one backend, every host a server with
   an HTTP readiness check on ``/ready`` (503 while the host drains) and DPLB's agent-check (:mod:`dplb.router.agent`:
   ``up ready NN%`` sets the weight, ``drain`` stops new requests, ``down #reason`` takes it out). With
@@ -54,7 +58,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from dplb.config import split_list
-from dplb.errors import NOT_STARTED_HEADER, ConfigError
+from dplb.errors import ConfigError
 from dplb.flags import flag_port, flag_port_or_off
 
 DEFAULT_AGENT_PORT = 30090
@@ -161,12 +165,13 @@ def haproxy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, affi
         "    # option log-health-checks",
         "    option http-keep-alive",
         "    option http-no-delay  # send each streamed token at once (without it HAProxy batches SSE chunks)",
-        "    # Re-send a request only when it never reached a host (a failed connection), each time to another",
-        f"    # host. HAProxy cannot match DPLB's {NOT_STARTED_HEADER[0].decode()} header and a 503 may be",
-        "    # worker_stalled (started): no retry on 503, empty-response or response-timeout (README: Running a fleet)",
+        "    # Re-send a request only when it reached no engine, each time to another host: a failed connection, or",
+        "    # a 503 (DPLB's 503s mean exactly that). Never a 502/504, an empty response or a response timeout: the",
+        "    # host may have started generating (README, Running a fleet).",
         "    option redispatch 1",
+        "    option http-buffer-request  # the body is kept for a retry (a POST's 503 is passed on without it)",
         "    retries 2",
-        "    retry-on conn-failure",
+        "    retry-on conn-failure 503",
         "    timeout connect 2s",
         "    timeout client 600s",
         "    timeout server 600s",
@@ -257,11 +262,9 @@ def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: 
         "                  cluster: dplb_hosts\n"
         "                  timeout: 600s\n"
         "                  retry_policy:  # re-sent only when it reached no engine, each time to another host:\n"
-        "                    # a failed connection, or DPLB's own answer marked not started (README, Running a fleet)\n"
-        "                    retry_on: connect-failure,refused-stream,reset-before-request,retriable-headers\n"
-        "                    retriable_headers:\n"
-        f"                    - name: {NOT_STARTED_HEADER[0].decode()}\n"
-        f"                      string_match: {{exact: '{NOT_STARTED_HEADER[1].decode()}'}}\n"
+        "                    # a failed connection or a 503 (DPLB's 503s mean exactly that; README, Running a fleet)\n"
+        "                    retry_on: connect-failure,refused-stream,reset-before-request,retriable-status-codes\n"
+        "                    retriable_status_codes: [503]\n"
         "                    num_retries: 2\n"
         "                    retry_host_predicate:\n"
         "                    - name: envoy.retry_host_predicates.previous_hosts\n"
@@ -283,6 +286,8 @@ def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: 
         "    connect_timeout: 2s\n"
         f"{policy}"
         "    common_lb_config: {healthy_panic_threshold: {value: 0}}  # a draining host never gets traffic back\n"
+        "    circuit_breakers:  # every request in flight may be retried (the default allows 3 retries at once)\n"
+        "      thresholds: [{retry_budget: {budget_percent: {value: 100}, min_retry_concurrency: 16}}]\n"
         "    outlier_detection:  # a host that died between health checks: out after 2 connect failures\n"
         "      split_external_local_origin_errors: true\n"
         "      consecutive_local_origin_failure: 2\n"

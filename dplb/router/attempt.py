@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, Final
 
 from dplb.config import RouterConfig
-from dplb.errors import NOT_STARTED, NOT_STARTED_HEADER, WWW_AUTHENTICATE, RouterErrorKind, error_body
+from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body
 from dplb.obs.fastmetrics import HistogramChild
 from dplb.obs.tracing import NO_TRACE
 from dplb.router.exchange import Exchange, response_headers
@@ -93,9 +93,8 @@ class Upstreams:
     async def reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None, *,
                      retry_after: int | None = None, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Answer ``ex`` with one of the router's own errors: OpenAI-shaped JSON with ``kind``'s status,
-        ``Retry-After`` on 503/429 (``retry_after`` seconds, else ``--retry-after``), ``X-SG-Worker-ID`` when a
-        worker is named, ``x-dplb-not-started: 1`` when the request reached no engine
-        (:data:`dplb.errors.NOT_STARTED`), the ORCA load report when the request asks for one (the hook
+        ``Retry-After`` on 503/429 and ``worker_stalled`` (``retry_after`` seconds, else ``--retry-after``),
+        ``X-SG-Worker-ID`` when a worker is named, the ORCA load report when the request asks for one (the hook
         :attr:`on_response_head`: a host that has no routable worker or drains answers only such errors, and they
         carry its utilization ≥ 1 to Envoy), then ``extra_headers``; closes the connection when the request body was
         not read."""
@@ -109,13 +108,11 @@ class Upstreams:
         body = error_body(kind, message)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"x-request-id", ex.rid)]
-        if kind.status in (503, 429):
+        if kind.status in (503, 429) or kind is RouterErrorKind.WORKER_STALLED:
             wait = self.cfg.retry_after_s if retry_after is None else retry_after
             headers.append((b"retry-after", str(wait).encode()))
         if worker is not None:
             headers.append((b"x-sg-worker-id", self.worker_ids[worker]))
-        if kind in NOT_STARTED:
-            headers.append(NOT_STARTED_HEADER)
         if self.on_response_head is not None:
             self.on_response_head(ex.scope, headers)
         if kind is RouterErrorKind.UNAUTHORIZED:
@@ -152,7 +149,7 @@ class Attempt:
 
     def cut_stalled(self) -> bool:
         """Fail this attempt now because its worker stalled (:mod:`dplb.policy.stall`): the worker connection is
-        aborted, and the attempt answers 503 ``worker_stalled`` (before the response head) or ends an SSE stream with
+        aborted, and the attempt answers 504 ``worker_stalled`` (before the response head) or ends an SSE stream with
         that error event. True the first time (the caller counts it)."""
         if self.stalled:
             return False
