@@ -17,7 +17,7 @@ L.row("Stalls (engine progress)").add(
     ts("Stalls and requests failed fast per worker (per minute)", "none",
        targets((f"{BY_W} (increase({r(M.WORKER_STALLS + '_total')}[{RI}]))", "stalls {{worker}}"),
                (f"{BY_W} (increase({r(M.STALLED_REQUESTS_FAILED + '_total')}[{RI}]))", "failed fast {{worker}}")),
-       "Times each worker was found stalled, and its in-flight requests the router failed fast (503 "
+       "Times each worker was found stalled, and its in-flight requests the router failed fast (504 "
        "worker_stalled, or an SSE error event) instead of letting clients wait."),
 )
 L.row("Failures the router absorbed").add(

@@ -1,7 +1,7 @@
 """A stopped vLLM EngineCore on real vLLM CPU workers: `dplb launch --model <tiny model> --num-workers 2`, SIGSTOP
 of worker 0's ``VLLM::EngineCore`` child (its API server and DPLB's collector keep running, its gauges freeze), then
 requests at concurrency 4 with a client timeout. The router must stop sending to worker 0 within the detection time,
-fail its in-flight requests fast with the retryable 503 ``worker_stalled``, and route to it again after SIGCONT."""
+fail its in-flight requests fast with the retryable 504 ``worker_stalled``, and route to it again after SIGCONT."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def test_sigstop_of_engine_core_fails_fast_and_recovers_on_sigcont(tmp_path) -> 
         limit = STALL_AFTER_S + CHECK_S + MARGIN_S
         assert max(r["took"] for r in recs) < limit, [(r["worker"], r["status"], round(r["took"], 1)) for r in recs]
         failed = [r for r in recs if r["status"] != 200]
-        assert failed and all(r["worker"] == "0" and r["status"] == 503 and "worker_stalled" in r["body"]
+        assert failed and all(r["worker"] == "0" and r["status"] == 504 and "worker_stalled" in r["body"]
                               and r["retry_after"] for r in failed), failed
         assert all(r["worker"] == "1" for r in recs if r["status"] == 200), recs
         # Out of rotation: after the first fast failure, worker 0 gets at most one probe per --stall-after.

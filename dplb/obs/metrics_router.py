@@ -85,7 +85,7 @@ class RouterMetrics:
                              "progress (token, prefill step) for --stall-after seconds.", ["worker"], registry=reg)
         self.stalls = Counter(WORKER_STALLS, "Times the worker was found stalled (no engine progress with requests "
                               "in flight).", ["worker"], registry=reg)
-        self.stalled_failed = Counter(STALLED_REQUESTS_FAILED, "In-flight requests the router failed fast (503 "
+        self.stalled_failed = Counter(STALLED_REQUESTS_FAILED, "In-flight requests the router failed fast (504 "
                                       "worker_stalled, or an SSE error event) because their worker stalled.",
                                       ["worker"], registry=reg)
         self.direct_relay = CounterFamily(

@@ -152,7 +152,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    f"{d['connect_timeout_s']:g})")
     p.add_argument("--stall-after", type=flag_number, default=d["stall_after_s"], metavar="S",
                    help="a worker with requests in flight whose engine made no progress (no token, no prefill step) "
-                   "for S seconds is stalled: out of rotation, its in-flight requests failed with 503 "
+                   "for S seconds is stalled: out of rotation, its in-flight requests failed with 504 "
                    f"worker_stalled, back once its progress resumes (default {d['stall_after_s']:g}; 0 = off)")
     p.add_argument("--header-timeout", type=flag_number, default=d["header_timeout_s"], metavar="S",
                    help="a client's request head must be complete S seconds after its first byte (a new "
@@ -209,7 +209,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    "'priority' field; the vLLM workers need --scheduling-policy priority")
     g = p.add_argument_group("fleet (a balancer in front of many hosts)")
     g.add_argument("--agent-port", type=flag_port, default=d["agent_port"], metavar="PORT",
-                   help="answer HAProxy's agent-check on this TCP port (up NN%%, drain, down#reason from the host "
+                   help="answer HAProxy's agent-check on this TCP port (up NN%%, drain, down #reason from the host "
                    "load report; default: off)")
     g.add_argument("--orca", choices=("off", "asked", "always"), default=d["orca"],
                    help="add the ORCA endpoint-load-metrics header (application_utilization, rps_fractional) to "
