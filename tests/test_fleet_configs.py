@@ -214,6 +214,10 @@ def test_haproxy_server_names_are_unique_and_readable() -> None:
             parse_hosts(dup)
     r = _cli("haproxy-config", "--hosts", "[::1]:1,[0::1]:1")
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "twice" in r.stderr, r.stderr
+    r = _cli("haproxy-config", "--hosts", "10.0.0.1:1", "--stats-socket", "/run/haproxy/dplb.sock")
+    assert r.returncode == 0 and "\n    stats socket /run/haproxy/dplb.sock mode 600 level admin\n" in r.stdout, r.stdout
+    r = _cli("haproxy-config", "--hosts", "10.0.0.1:1", "--stats-socket", "dplb.sock")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--stats-socket" in r.stderr, r.stderr
 
 
 @pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install haproxy)")

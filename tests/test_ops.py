@@ -15,6 +15,7 @@ import pytest
 from cluster import ROOT, cluster, dplb_cmd, free_port, need
 
 from dplb.ops import doctor
+from dplb.ops.ports import stack_ports
 from dplb.runtime.gpu import GpuInfo
 from dplb.state.shm import Lifecycle, Segment, WorkerState
 
@@ -283,9 +284,9 @@ def test_doctor_ports_and_run_dir() -> None:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        c = doctor.check_ports("127.0.0.1", [port])
+        c = doctor.check_ports(stack_ports("127.0.0.1", port, "127.0.0.1", []))
         assert c.status == "fail" and str(port) in c.detail
-    assert doctor.check_ports("127.0.0.1", [free_port()]).status == "pass"
+    assert doctor.check_ports(stack_ports("127.0.0.1", free_port(), "127.0.0.1", [])).status == "pass"
     assert doctor.check_run_dir("/etc/hostname/dplb-run").status == "fail"  # under a regular file
     assert doctor.check_run_dir("/tmp/dplb-doctor-test/run").status == "pass"
     assert not os.path.exists("/tmp/dplb-doctor-test")  # tried, then removed again

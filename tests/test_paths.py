@@ -23,6 +23,7 @@ from cluster import ROOT, dplb_cmd, free_block, free_port, need, router_cmd, rou
 
 from dplb.ops import doctor
 from dplb.ops.checks import root_cause
+from dplb.ops.ports import stack_ports
 from dplb.state.shm import Segment
 
 
@@ -147,7 +148,7 @@ def test_launch_checks_metrics_ports_and_model_before_starting(tmp_path: Path) -
         r = _run(*args)
         assert r.returncode == 2 and f"127.0.0.1:{bport} for worker 1's metrics" in r.stderr, r.stderr
         assert "--metrics-port-base" in r.stderr and not (tmp_path / "run").exists()
-        d = doctor.check_ports("127.0.0.1", [bport])
+        d = doctor.check_ports(stack_ports("127.0.0.1", free_port(), "127.0.0.1", [bport - 1, bport]))
         assert d.status == "fail" and "--metrics-port-base" in d.fix
     r = _run(*_launch_args(tmp_path, free_port(), "--model", str(tmp_path / "nonexistent")))
     assert r.returncode == 2 and "no such directory" in r.stderr and "Traceback" not in r.stderr, r.stderr
