@@ -141,6 +141,27 @@ def test_state_watch_into_a_file_writes_frames_and_the_heading_does_not_wrap(tmp
         assert len(heading) > 80 and heading in flat and cpus in flat and "routers(pid:port)=" in flat, flat
 
 
+def test_state_says_stale_for_a_frozen_worker_and_the_legend_explains_it(tmp_path: Path) -> None:
+    """Regression: a SIGSTOPped worker showed as ``ready!`` (the docs say ``stale``; the legend did not explain
+    ``!``). The row now says ``stale``, the legend says what it means, and ``--json`` keeps the lifecycle."""
+    with cluster(str(tmp_path), 2) as c:
+        c.kill_worker(0, signal.SIGSTOP)
+        try:
+            time.sleep(1.0)  # > 3 x 200 ms: stale
+            r = subprocess.run(dplb_cmd("state"), capture_output=True, text=True, timeout=60, env=c.env())
+            js = json.loads(subprocess.run(dplb_cmd("state", "--json"), capture_output=True, text=True, timeout=60,
+                                           env=c.env()).stdout)
+        finally:
+            c.kill_worker(0, signal.SIGCONT)
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split()[0]: ln.split()[2] for ln in r.stdout.splitlines() if re.match(r"\s*[01] +\d+ ", ln)}
+    assert rows == {"0": "stale", "1": "ready"}, r.stdout
+    assert "!" not in r.stdout, r.stdout
+    assert r.stdout.splitlines()[-1].startswith("state stale: no heartbeat for 3 intervals"), r.stdout
+    w0 = js["workers"][0]
+    assert (w0["lifecycle"], w0["stale"], w0["why"]) == ("ready", True, "stale"), w0
+
+
 def test_sim_internal_header_never_reaches_a_client(tmp_path: Path) -> None:
     with cluster(str(tmp_path), 1) as c:
         for stream in (False, True):

@@ -143,9 +143,12 @@ def test_state_into_a_pipe_keeps_the_whole_heading_at_80_columns(tmp_path: Path)
         assert r.returncode == 0, r.stderr
         head = r.stdout.splitlines()[0]
         assert len(head) > 80 and head.startswith(path) and head.rstrip().endswith("routers(pid:port)=-"), head
-        # the legend is one left-aligned line (a caption was wrapped at the table's width and centred)
-        assert r.stdout.splitlines()[-1].startswith("age, lat, TTFT, warm: seconds;"), r.stdout
-        assert r.stdout.rstrip().endswith("rtr: in flight from the routers"), r.stdout
+        # the legend is two left-aligned lines (a caption was wrapped at the table's width and centred)
+        units, states = r.stdout.splitlines()[-2:]
+        assert units.startswith("age, lat, TTFT, warm: seconds;"), r.stdout
+        assert units.rstrip().endswith("rtr: in flight from the routers"), r.stdout
+        assert states.startswith("state stale: no heartbeat") and states.rstrip().endswith("no engine progress"), \
+            r.stdout
     finally:
         seg.close()
         os.unlink(path)
