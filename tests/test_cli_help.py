@@ -16,8 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 from cluster import ROOT as _ROOT
-from cluster import cluster, dplb_cmd
+from cluster import cluster, dplb_cmd, free_port, launched
 
+from dplb.errors import ConfigError
+from dplb.ops.checks import check_scrape_host, loopback_targets
 from dplb.ops.state_cli import render_table, snapshot
 
 
@@ -92,6 +94,63 @@ def test_emit_systemd_enables_the_target_and_writes_scrape_targets(tmp_path: Pat
     for k in range(2):
         env = (tmp_path / f"worker-{k}.env").read_text()
         assert f"--metrics-host 0.0.0.0 --metrics-port {32001 + k}\n" in env, env
+
+
+def test_a_wildcard_metrics_host_whose_fqdn_is_loopback_is_warned_about_and_scrape_host_names_it() -> None:
+    """Regression: ``--metrics-host 0.0.0.0`` wrote ``localhost:PORT`` targets (``socket.getfqdn()`` is
+    ``localhost`` where /etc/hosts maps the host name to 127.0.0.1) without a word. The decision, by the FQDN."""
+    warn = loopback_targets("0.0.0.0", "0.0.0.0", True, None, fqdn="localhost")
+    assert warn is not None and "--host 0.0.0.0 and --metrics-host 0.0.0.0 name this host 'localhost'" in warn
+    assert "loopback (127.0.0.1" in warn and "--scrape-host" in warn and "\n" not in warn, warn
+    assert "does not resolve" in (loopback_targets("127.0.0.1", "::", True, None, fqdn="x.invalid") or "")
+    assert loopback_targets("0.0.0.0", "0.0.0.0", True, None, fqdn="10.0.0.5") is None  # reachable: quiet
+    assert loopback_targets("0.0.0.0", "0.0.0.0", True, "10.0.0.5", fqdn="localhost") is None  # named: quiet
+    # loopback worker metrics (the default) or none: the file is a local Prometheus's anyway
+    assert loopback_targets("0.0.0.0", "127.0.0.1", True, None, fqdn="localhost") is None
+    assert loopback_targets("0.0.0.0", "0.0.0.0", False, None, fqdn="localhost") is None
+    for ok in ("10.0.0.5", "fe80::1", "gpu-node-3.example.com", "gpu-node-3"):
+        check_scrape_host(ok, "0.0.0.0", "127.0.0.1", True)
+    for bad, says in (("a:1", "without a port"), ("http://h", "without a port"), ("-h", "without a port"),
+                      ("a b", "without a port"), ("h", "none is one")):
+        with pytest.raises(ConfigError, match=says):
+            check_scrape_host(bad, "127.0.0.1" if bad == "h" else "0.0.0.0", "127.0.0.1", True)
+
+
+def test_emit_systemd_writes_the_scrape_host_for_wildcard_binds_and_warns_without_it(tmp_path: Path) -> None:
+    def emit(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--metrics-host", "0.0.0.0", *args,
+                                       "--emit-systemd", str(out)), capture_output=True, text=True, timeout=60)
+
+    r = emit(tmp_path / "a", "--scrape-host", "10.0.0.9")
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    groups = json.loads((tmp_path / "a" / "prometheus-targets.json").read_text())
+    assert [g["targets"] for g in groups] == [["10.0.0.9:30000"], ["10.0.0.9:30001", "10.0.0.9:30002"]]
+    r = emit(tmp_path / "b")
+    warn = loopback_targets("0.0.0.0", "0.0.0.0", True, None)  # this host's FQDN decides (loopback on the CI box)
+    assert r.returncode == 0 and (f"warning: {warn}" in r.stderr if warn else "warning" not in r.stderr), r.stderr
+    r = emit(tmp_path / "c", "--scrape-host", "10.0.0.9:9090")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("got '10.0.0.9:9090'"), r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "c").exists()
+
+
+def test_launch_writes_the_scrape_host_and_warns_about_a_loopback_fqdn(tmp_path: Path) -> None:
+    """``dplb launch`` itself (not only ``--emit-systemd``): the targets file and the one-line warning."""
+    mport = free_port()
+    with launched(tmp_path, "--num-workers", "1", "--metrics-host", "0.0.0.0", "--metrics-port-base", str(mport),
+                  "--scrape-host", "10.0.0.9", tag="scrape") as ln:
+        ln.wait_ready(60)
+        groups = json.loads((Path(ln.run_dir) / "prometheus-targets.json").read_text())
+        assert groups[1]["targets"] == [f"10.0.0.9:{mport}"], groups
+        assert groups[0]["targets"][0].startswith("127.0.0.1:"), groups  # a specific --host is written as is
+        assert "warning" not in ln.log.read_text()
+    warn = loopback_targets("127.0.0.1", "0.0.0.0", True, None)
+    with launched(tmp_path, "--num-workers", "1", "--metrics-host", "0.0.0.0", "--metrics-port-base", str(mport),
+                  tag="noscrape") as ln:
+        ln.wait_ready(60)
+        groups = json.loads((Path(ln.run_dir) / "prometheus-targets.json").read_text())
+        assert groups[1]["targets"] == [f"{socket.getfqdn()}:{mport}"], groups
+        log = ln.log.read_text()
+        assert (f"DPLB: warning: {warn}\n" in log) if warn else "warning" not in log, log
 
 
 def test_emit_systemd_labels_a_localhost_router_and_127_0_0_1_workers_as_one_stack(tmp_path: Path) -> None:
