@@ -22,6 +22,33 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every dplb pro
 #: An HTTP bearer token (RFC 6750 §2.1, ``b64token``): what ``--api-key`` may be. It travels in a header and in
 #: systemd's router.env, so neither a newline (a header or an env line injected) nor a quote may be in it.
 BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
+_TOKEN_PREFIX = re.compile(r"[A-Za-z0-9._~+/-]*=*")
+
+
+def check_bearer_token(key: str, what: str) -> None:
+    """Refuse an API key that is not a :data:`BEARER_TOKEN`: the one key check of ``--api-key`` and of ``dplb tenants
+    hash-key`` (a key the router refuses, or one a client cannot send in a header, must not get a digest either).
+    ``what`` names the flag or input. The one-line message never shows the key: its length and what is wrong at
+    which position (:func:`_token_problem`). Raises :class:`ConfigError`."""
+    if not BEARER_TOKEN.fullmatch(key):
+        raise ConfigError(f"{what} must be a bearer token: letters, digits and -._~+/, then optional '=' padding (RFC "
+                          f"6750 §2.1); no spaces, quotes or control characters (the key given, {len(key)} "
+                          f"character{'' if len(key) == 1 else 's'}, {_token_problem(key)})")
+
+
+def _token_problem(key: str) -> str:
+    """What makes ``key`` (not a :data:`BEARER_TOKEN`) one, without quoting it: ``has a space at position 1``."""
+    m = _TOKEN_PREFIX.match(key)
+    i = m.end() if m else 0
+    if i == len(key):
+        return "is empty" if not key else "is only '=' padding"
+    c = key[i]
+    kind = ("a space" if c == " " else "a control character" if ord(c) < 32 or ord(c) == 127 else
+            "a non-ASCII character" if ord(c) > 127 else "a character after the '=' padding" if key[i - 1] == "="
+            else "a character outside that alphabet")
+    return f"has {kind} at position {i + 1}"
+
+
 #: Most router processes one ``dplb router`` runs (the segment has 16 router slots; this leaves room for more
 #: routers and for a replacement process registering before its dead predecessor's slot is reclaimed).
 MAX_ROUTER_PROCESSES = 8
@@ -428,10 +455,8 @@ class RouterConfig:
             raise ConfigError(f"--max-body-bytes must be > 0, got {self.max_body_bytes}")
         if self.debug_ring <= 0 or self.retry_after_s < 0:
             raise ConfigError("debug_ring > 0 and retry_after_s ≥ 0 are required")
-        if self.api_key is not None and not BEARER_TOKEN.fullmatch(self.api_key):
-            raise ConfigError("--api-key (or DPLB_API_KEY) must be a bearer token: letters, digits and -._~+/, then "
-                              "optional '=' padding (RFC 6750 §2.1); no spaces, quotes or control characters (the key "
-                              f"given, {len(self.api_key)} characters, has others)")
+        if self.api_key is not None:
+            check_bearer_token(self.api_key, "--api-key (or DPLB_API_KEY)")
         if not (math.isfinite(self.models_refresh_s) and self.models_refresh_s > 0):
             raise ConfigError(f"--models-refresh must be > 0 seconds, got {self.models_refresh_s}")
         if not (math.isfinite(self.sse_keepalive_s) and self.sse_keepalive_s >= 0):

@@ -3,6 +3,7 @@ and the packaging metadata. Each is refused with one line (or ends quietly) befo
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
@@ -251,6 +252,26 @@ def test_hash_key_reads_a_pipe_without_a_getpass_warning() -> None:
                        timeout=60)
     assert r.returncode == 1 and r.stderr.startswith("dplb tenants hash-key: error: no key given"), r.stderr
     assert len(r.stderr.splitlines()) == 1 and "Warning" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("key", "says"), [(" sk-team-a ", "11 characters, has a space at position 1"),
+                                           ("two words", "has a space at position 4"), ('quo"te', "outside that alphabet"),
+                                           ("tab\tx", "a control character at position 4"), ("kéy", "non-ASCII"),
+                                           ("ab=c", "after the '=' padding at position 4")])
+def test_hash_key_refuses_a_key_the_router_refuses_as_api_key(key: str, says: str) -> None:
+    """Regression: ``printf ' sk-team-a ' | dplb tenants hash-key -`` printed a digest (exit 0) of a key that
+    ``--api-key`` refuses and that no client can present; both use one check now: one line, exit 2, key not
+    echoed."""
+    for args, kw in ((["-"], {"input": key}), ([key], {"input": ""})):
+        r = subprocess.run(dplb_cmd("tenants", "hash-key", *args), capture_output=True, text=True, timeout=60, **kw)
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, (r.stdout, r.stderr)
+        assert "the key must be a bearer token" in r.stderr and says in r.stderr and key not in r.stderr, r.stderr
+    r = subprocess.run(dplb_cmd("router", "--num-workers", "1", "--api-key", key, "--port", "1"), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr, r.stderr  # the router's --api-key says the same
+    r = subprocess.run(dplb_cmd("tenants", "hash-key", "-"), input="sk-Ab0_9.~+/x==\r\n", capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == hashlib.sha256(b"sk-Ab0_9.~+/x==").hexdigest(), r.stderr
 
 
 def test_doctor_with_a_port_past_65535_fails_the_ports_check() -> None:
