@@ -10,43 +10,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Literal
 
 from dplb.errors import ConfigError
+from dplb.http_values import check_bearer_token, check_origins
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every dplb process's log lines
-
-
-#: An HTTP bearer token (RFC 6750 §2.1, ``b64token``): what ``--api-key`` may be. It travels in a header and in
-#: systemd's router.env, so neither a newline (a header or an env line injected) nor a quote may be in it.
-BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
-_TOKEN_PREFIX = re.compile(r"[A-Za-z0-9._~+/-]*=*")
-
-
-def check_bearer_token(key: str, what: str) -> None:
-    """Refuse an API key that is not a :data:`BEARER_TOKEN`: the one key check of ``--api-key`` and of ``dplb tenants
-    hash-key`` (a key the router refuses, or one a client cannot send in a header, must not get a digest either).
-    ``what`` names the flag or input. The one-line message never shows the key: its length and what is wrong at
-    which position (:func:`_token_problem`). Raises :class:`ConfigError`."""
-    if not BEARER_TOKEN.fullmatch(key):
-        raise ConfigError(f"{what} must be a bearer token: letters, digits and -._~+/, then optional '=' padding (RFC "
-                          f"6750 §2.1); no spaces, quotes or control characters (the key given, {len(key)} "
-                          f"character{'' if len(key) == 1 else 's'}, {_token_problem(key)})")
-
-
-def _token_problem(key: str) -> str:
-    """What makes ``key`` (not a :data:`BEARER_TOKEN`) one, without quoting it: ``has a space at position 1``."""
-    m = _TOKEN_PREFIX.match(key)
-    i = m.end() if m else 0
-    if i == len(key):
-        return "is empty" if not key else "is only '=' padding"
-    c = key[i]
-    kind = ("a space" if c == " " else "a control character" if ord(c) < 32 or ord(c) == 127 else
-            "a non-ASCII character" if ord(c) > 127 else "a character after the '=' padding" if key[i - 1] == "="
-            else "a character outside that alphabet")
-    return f"has {kind} at position {i + 1}"
 
 
 #: Most router processes one ``dplb router`` runs (the segment has 16 router slots; this leaves room for more
@@ -469,9 +439,7 @@ class RouterConfig:
             raise ConfigError(f"--drain-notice must be 0..3600 seconds, got {self.drain_notice_s}")
         if self.response_ids <= 0:
             raise ConfigError(f"response_ids must be > 0, got {self.response_ids}")
-        bad = [o for o in self.cors_allowed_origins if not o or o != o.strip() or "," in o]
-        if bad:
-            raise ConfigError(f"--cors-allowed-origins: {bad!r} are not origins (e.g. https://app.example.com or *)")
+        check_origins(self.cors_allowed_origins, "--cors-allowed-origins")
         check_finite(self)
 
     def socket_path(self, worker_id: int) -> str:

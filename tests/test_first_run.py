@@ -163,6 +163,30 @@ def test_dashboard_generator_without_the_venv_says_which_python_to_use() -> None
 
 
 # What an SRE mistypes outside `dplb launch`: each is one line on stderr naming the fix, never a traceback.
+@pytest.mark.parametrize(("origin", "ok"), [
+    ("*", True), ("https://app.example.com", True), ("http://localhost:3000", True), ("https://*.example.com", True),
+    ("http://127.0.0.1:8080", True), ("http://[::1]:3000", True), ("not a url", False), ("https://a.example/", False),
+    ("https://App.example.com", False), ("https://a.example:0", False), ("https://a.example:70000", False),
+    ("null", False), ("a.example", False), ("https://a.example/path", False), ("https://u@a.example", False),
+    (" https://a.example", False)])
+def test_an_origin_is_what_a_browser_sends(origin: str, ok: bool) -> None:
+    from dplb.http_values import is_origin
+
+    assert is_origin(origin) is ok
+
+
+@pytest.mark.parametrize("cmd", [["launch", "--num-workers", "1"], ["router", "--num-workers", "1", "--port", "1"]])
+def test_a_cors_origin_that_is_not_an_origin_is_refused_with_one_line(cmd: list[str]) -> None:
+    """Regression: ``--cors-allowed-origins 'not a url'`` was taken silently (the stack started; no browser can send
+    such an Origin, so CORS stayed off for what was meant)."""
+    r = subprocess.run(dplb_cmd(*cmd, "--cors-allowed-origins", "https://ok.example,not a url,https://b.example/"),
+                       capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in r.stderr.strip().splitlines() if "SIM" not in ln]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "--cors-allowed-origins: 'not a url', 'https://b.example/' are not origins: an origin is " \
+           "SCHEME://HOST[:PORT]" in lines[0], r.stderr
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["usage", "--url", "localhost:30000"], "--url must be the router's http://HOST:PORT"),
     (["fleet", "haproxy-config", "--hosts", "10.0.0.1:30000", "-o", "/nonexistent/dir/haproxy.cfg"],

@@ -24,8 +24,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dplb.config import check_bearer_token
 from dplb.errors import DPLBError
+from dplb.http_values import check_bearer_token
 from dplb.obs.metrics import TENANT_E2E, TENANT_QUEUE_WAIT, TENANT_QUEUED, TENANT_REQUESTS, TENANT_TOKENS, TENANT_TTFT
 from dplb.tenants import hash_key, load_tenants
 
