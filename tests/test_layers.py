@@ -4,8 +4,8 @@ An AST walk over every module under ``dplb/`` — imports inside functions inclu
 dependency — maps each module and each ``dplb.*`` import to its layer and fails on any import the table below does
 not allow. The layers, bottom to top:
 
-- foundation: ``dplb`` (the package), ``dplb.config``, ``dplb.errors``, ``dplb.flags``, ``dplb.native``,
-  ``dplb.tenants``
+- foundation: ``dplb`` (the package), ``dplb.config``, ``dplb.errors``, ``dplb.flags``, ``dplb.http_values``,
+  ``dplb.native``, ``dplb.stack``, ``dplb.tenants``
 - ``dplb.runtime`` and ``dplb.state``: the foundation only
 - ``dplb.policy``: the state plane (it scores snapshots)
 - ``dplb.obs``: the policy's data (decision reasons label metrics), the state plane, the runtime
@@ -41,7 +41,8 @@ ALLOWED: dict[str, set[str]] = {
 def layer_of(module: str) -> str:
     """The layer of a dotted module name under ``dplb`` (``dplb.state.shm`` → ``state``)."""
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("config", "errors", "flags", "native", "stack", "tenants", "__init__"):
+    if len(parts) == 1 or parts[1] in ("config", "errors", "flags", "http_values", "native", "stack", "tenants",
+                                         "__init__"):
         return "foundation"
     if parts[1] == "cli":
         return "cli"
