@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from dplb import native
+
 PKG = Path(__file__).resolve().parent.parent / "dplb"
 FOUNDATION = {"foundation"}
 BELOW_ROUTER = FOUNDATION | {"runtime", "state", "policy", "obs"}
@@ -97,8 +99,9 @@ def test_no_layer_imports_upward() -> None:
 def test_every_top_level_entry_has_a_layer() -> None:
     """A new top-level module or package must be placed in the table, not silently land in a layer of its own."""
     for entry in PKG.iterdir():
-        if entry.name.startswith("__pycache__") or entry.name.startswith(".") or entry.suffix == ".so":
-            continue  # (.so: the compiled build's extension modules, scripts/build_native.sh, not sources)
+        if entry.name.startswith("__pycache__") or entry.name.startswith(".") or entry.suffix == ".so" \
+                or entry.name == native.MANIFEST:
+            continue  # (.so and the manifest: the compiled build's, scripts/build_native.sh, not sources)
         name = entry.stem if entry.suffix == ".py" else entry.name
         assert layer_of("dplb." + name) in ALLOWED, entry
 
