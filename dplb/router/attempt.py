@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, Final
 
 from dplb.config import RouterConfig
-from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body
+from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body, worker_stalled_message
 from dplb.obs.fastmetrics import HistogramChild
 from dplb.obs.tracing import NO_TRACE
 from dplb.router.exchange import Exchange, response_headers
@@ -236,7 +236,7 @@ class Attempt:
 
     async def send(self, head: bytes) -> bool:
         """Send the request (``head`` ends with its blank line); False when the attempt ends before it (the client
-        left, or the worker stalled while connecting: answered 503)."""
+        left, or the worker stalled while connecting: answered 504 ``worker_stalled``)."""
         ex, conn = self.ex, self.conn
         assert conn is not None
         if ex.gone:  # the client left before this attempt (between a retry's two attempts)
@@ -390,8 +390,9 @@ class Attempt:
         return b"data: " + error_body(kind, f"worker {self.worker} stopped mid-response: {e}") + b"\n\n"
 
     def _stall_message(self) -> str:
-        return (f"worker {self.worker} stalled: its engine made no progress for {self.up.cfg.stall_after_s:g} s with "
-                "requests in flight; retry (another worker will take it)")
+        """The ``worker_stalled`` message, its advice worded by how many other workers are routable now."""
+        others = len([k for k in self.up.state.routable_workers() if k != self.worker])
+        return worker_stalled_message(self.worker, self.up.cfg.stall_after_s, others)
 
     def _capture_start(self) -> bytes | None:
         """The response-id capture for a successful ``POST /v1/responses``: remembers a client-chosen id at once
