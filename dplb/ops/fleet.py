@@ -18,8 +18,8 @@ Contract
   with HAProxy 2.6); Envoy: ``connect-failure``, ``refused-stream``, ``reset-before-request`` and
   ``retriable-status-codes`` 503 with the ``previous_hosts`` predicate, and a retry budget of 100 % of the requests
   in flight (Envoy's default circuit breaker allows 3 retries at once, and passes the other 503s on). Both at most 2
-  retries; a request larger than the balancer's buffer (HAProxy ``tune.bufsize``, 16 KiB; Envoy 1 MiB) is never
-  re-sent.
+  retries; a request larger than the balancer's buffer (HAProxy ``tune.bufsize``, 16 KiB by default; Envoy's
+  request buffer limit, 1 MiB by default) is never re-sent.
 - :func:`haproxy_config` writes a complete ``haproxy.cfg`` (HAProxy ≥ 2.6): one backend, every host a server with
   an HTTP readiness check on ``/ready`` (503 while the host drains) and DPLB's agent-check (:mod:`dplb.router.agent`:
   ``up ready NN%`` sets the weight, ``drain`` stops new requests, ``down #reason`` takes it out). With
