@@ -377,13 +377,17 @@ class PluginView:
         self.scorer = scorer
         self.name = scorer.name
 
+    # (The hooks are called through untyped callables: compiled, a typed call checks the returned type itself and
+    # would fail with a bare TypeError before the framework could say what the plugin returned.)
     def inputs(self, c: Candidate, ctx: PickContext) -> dict[str, Any]:
         """``scorer.inputs(c, ctx)`` normalised; ``{}`` when broken."""
-        return _view(self.scorer, "inputs", lambda: self.scorer.inputs(c, ctx)) or {}
+        hook: Callable[[Candidate, PickContext], object] = self.scorer.inputs
+        return _view(self.scorer, "inputs", lambda: hook(c, ctx)) or {}
 
     def notes(self, request: RouteRequest, worker: int) -> dict[str, Any] | None:
         """``scorer.notes(request, worker)`` normalised; None when broken."""
-        return _view(self.scorer, "notes", lambda: self.scorer.notes(request, worker))
+        hook: Callable[[RouteRequest, int], object] = self.scorer.notes
+        return _view(self.scorer, "notes", lambda: hook(request, worker))
 
 
 def plugin_stats(plugin: Plugin) -> dict[str, float]:
