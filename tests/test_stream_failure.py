@@ -157,3 +157,27 @@ def test_a_failed_stream_is_bad_in_the_tenants_slo_ledger(tmp_path: Path) -> Non
         assert ledger() == {"server_error": 1, "ok": 2, "bad": 1, "good": 2}, json.dumps(ledger())
         assert _upstream(c, "upstream_error") == 1
 
+
+
+def test_a_stream_cut_by_a_dying_worker_is_bad_in_the_tenants_slo_ledger(tmp_path: Path) -> None:
+    """The same ledger for a stream the router ends with its own error event (the worker process was SIGKILLed
+    mid-stream): status 200 was sent, the request failed (before, it counted ``ok`` and a good event)."""
+    tf = _tenants(tmp_path / "tenants.toml")
+    auth = {"authorization": "Bearer chat-key"}
+    with cluster(str(tmp_path), 1, worker_args={0: ["--sim-decode-step-s", "0.02"]},
+                 router_args=["--tenants", tf]) as c:
+        got: list[bytes] = []
+        body = {"model": "dplb-sim", "prompt": "tell me", "max_tokens": 300, "stream": True}
+        with httpx.Client(timeout=30) as client, client.stream("POST", c.url + "/v1/completions", json=body,
+                                                                headers=auth) as r:
+            with pytest.raises(httpx.RemoteProtocolError):  # the abnormal close
+                for chunk in r.iter_raw():
+                    got.append(chunk)
+                    if len(got) == 3:
+                        c.kill_worker(0)
+        assert b"worker_failed" in b"".join(got)
+        t = {"tenant": "chat", "priority": "interactive"}
+        wait_for(lambda: _sample(c, "dplb_tenant_requests_total", **t, outcome="server_error") == 1, 5,
+                 "the cut stream in the ledger")
+        assert _sample(c, "dplb_tenant_requests_total", **t, outcome="ok") == 0
+        assert _sample(c, "dplb_tenant_slo_events_total", **t, slo="availability", result="bad") == 1
