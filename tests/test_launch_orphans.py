@@ -4,7 +4,9 @@ has stopped, then drain — and the last process removes the segment. Real launc
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,6 +17,7 @@ import httpx
 from cluster import launched, wait_for
 from proc_tags import kill_tagged, new_tag, tagged_env, tagged_procs
 
+from dplb.config import ROUTER_RESTART_AFTER_S
 from dplb.state.layout import register_router, unregister_router
 from dplb.state.segments import process_gone, remove_abandoned
 from dplb.state.shm import Lifecycle, Segment
@@ -108,3 +111,45 @@ def test_remove_abandoned_only_when_the_creator_and_every_user_are_gone() -> Non
         live.wait()
         if os.path.exists(shm):
             os.unlink(shm)
+
+
+def test_launch_restarts_a_router_frozen_past_router_restart_after(tmp_path: Path) -> None:
+    """A router whose process lives but whose event loop does not run (SIGSTOP) publishes no heartbeat in its router
+    slot; the launcher kills it once the heartbeat is --router-restart-after old, logs it, counts the restart and
+    starts a new one, which serves; the workers are untouched."""
+    with launched(tmp_path, "--num-workers", "2", "--router-restart-after", "3") as ln:
+        st = ln.wait_ready(90, workers=True)
+        assert st is not None
+        workers = sorted(w["pid"] for w in st["workers"])
+        router = st["routers"][0]["pid"]
+        os.kill(router, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            def new_router() -> bool:
+                try:
+                    st2 = ln.state()
+                except ValueError:
+                    return False
+                pids = [r["pid"] for r in st2.get("routers", [])]
+                return bool(pids) and router not in pids and httpx.get(ln.url + "/ready", timeout=2).status_code == 200
+
+            wait_for(new_router, 60, "a new router serving", step_s=0.3)
+            took = time.monotonic() - t0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(router, signal.SIGCONT)
+        r = httpx.post(ln.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "p", "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 200
+        assert sorted(w["pid"] for w in ln.state()["workers"]) == workers
+        log = ln.log.read_text()
+        assert "router published no heartbeat for" in log and "--router-restart-after 3" in log, log[-3000:]
+        assert "router restarted (restart #1)" in log, log[-3000:]
+        assert 3 <= took < 30, took
+        print(f"frozen router replaced and serving {took:.1f} s after SIGSTOP (--router-restart-after 3)")
+
+
+def test_the_router_restart_default_is_the_router_units_watchdog() -> None:
+    """One bound for a frozen router, under the launcher and under systemd."""
+    unit = (Path(__file__).parent.parent / "deploy/systemd/dplb-router.service").read_text()
+    assert f"\nWatchdogSec={ROUTER_RESTART_AFTER_S:g}\n" in unit

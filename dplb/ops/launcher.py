@@ -13,8 +13,10 @@ Contract
   30 s; reset after 60 s of uptime), after what it left in its process group is killed (a vLLM worker's
   ``EngineCore`` outlives a SIGKILLed worker). A worker whose engine stays stalled ``--stall-restart-after`` seconds
   exits by itself (:mod:`dplb.worker.process`) and is restarted the same way; one that publishes nothing that long
-  while its process lives (SIGSTOPped, its collector wedged) is killed (its process group) and restarted. A worker
-  that fails before ever becoming ready ``--max-start-failures`` times in a row stops the launch with its log tail.
+  while its process lives (SIGSTOPped, its collector wedged) is killed (its process group) and restarted, and so is
+  a router whose router slot's heartbeat is ``--router-restart-after`` seconds old (logged; restarts counted in the
+  log). A worker that fails before ever becoming ready ``--max-start-failures`` times in a row stops the launch with
+  its log tail.
 - The segment is followed (:class:`dplb.state.follow.SegmentFollower`): removed (a cleanup), its mapping is dropped
   and the frozen-worker watchdog is off (it never judges heartbeats that stopped because the workers lost the
   file); recreated at the same path (``dplb segment create``, the runbook's mitigation), the new file is mapped,
@@ -40,7 +42,7 @@ import time
 import urllib.request
 
 from dplb import native
-from dplb.config import STALL_RESTART_AFTER_S
+from dplb.config import ROUTER_RESTART_AFTER_S, STALL_RESTART_AFTER_S
 from dplb.errors import ConfigError
 from dplb.flags import flag_number, flag_port_or_off
 from dplb.ops.checks import (
@@ -58,6 +60,7 @@ from dplb.ops.children import BACKOFF_MAX_S, BACKOFF_START_S, Child
 from dplb.ops.doctor import check_run_dir
 from dplb.ops.placement import add_placement_args, host_placement
 from dplb.ops.plan import cuda_visible_devices, plan_gpus
+from dplb.ops.watchdog import kill_if_router_frozen, kill_if_worker_frozen
 from dplb.router.cli import add_router_args, router_config
 from dplb.router.supervisor import child_env
 from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
@@ -268,7 +271,7 @@ class Launcher:
                         w.start_failures = 0
                 if w.alive() or self.stopping:
                     if seg is not None and w.ever_ready and not self.stopping:
-                        self._kill_if_frozen(seg, k, w)
+                        kill_if_worker_frozen(seg, k, w, self.args.stall_restart_after, self.segment.attached_at)
                     continue
                 if w.next_start == 0.0:  # just exited: schedule a restart
                     w.reap()
@@ -288,6 +291,8 @@ class Launcher:
                     w.start()
                     log.info("%s restarted (restart #%d)", w.name, w.restarts)
             r = self.router
+            if seg is not None and r.ever_ready and r.alive():
+                kill_if_router_frozen(seg, r, self.args.router_restart_after)
             if not r.alive() and not self.stopping:
                 r.reap()
                 rc = r.proc.returncode if r.proc else None
@@ -297,7 +302,9 @@ class Launcher:
                 time.sleep(min(r.backoff_s, 5))
                 r.backoff_s = min(BACKOFF_MAX_S, r.backoff_s * 2)
                 r.ever_ready = False
+                r.restarts += 1
                 r.start()
+                log.info("router restarted (restart #%d)", r.restarts)
             if not r.ever_ready and r.alive() and _http_ok(self._local_url() + "/health"):
                 r.ever_ready = True
                 r.start_failures = 0
@@ -307,32 +314,6 @@ class Launcher:
                       file=sys.stderr, flush=True)
             time.sleep(0.1)
         return 0
-
-    def _kill_if_frozen(self, seg: Segment, k: int, w: Child) -> None:
-        """Kill worker ``k``'s process group when its own slot's heartbeat in ``seg`` (the segment now at the path,
-        never a removed one) has been stale ``--stall-restart-after`` seconds while its process lives (stopped, or
-        its collector wedged): such a worker cannot exit by itself, as a stalled one does
-        (:mod:`dplb.worker.process`), and under systemd the watchdog does the same. In a recreated segment, a slot
-        still unwritten that long after it was attached counts the same (the worker never re-published). The exit
-        is then restarted like any other."""
-        limit = self.args.stall_restart_after
-        assert self.segment is not None and w.proc is not None
-        if limit <= 0:
-            return
-        s = seg.read(k)
-        if s.torn:
-            return
-        if not s.pid and not s.heartbeat_mono_ns:  # nothing published into this (recreated) segment yet
-            age_s = time.monotonic() - max(self.segment.attached_at, w.started_at)
-        elif s.pid != w.proc.pid or not s.heartbeat_mono_ns:
-            return
-        else:
-            age_s = (time.monotonic_ns() - s.heartbeat_mono_ns) / 1e9
-        if age_s > limit:
-            log.warning("%s published nothing for %.0f s (--stall-restart-after %g) though its process lives "
-                        "(stopped or wedged); killing it to restart it", w.name, age_s, limit)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(w.proc.pid, signal.SIGKILL)
 
     def _gives_up(self, c: Child, rc: int | None) -> bool:
         """Count an exit before ``c`` ever became ready; True (after printing its log tail) once that happened
@@ -459,6 +440,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stall-restart-after", type=flag_number, default=STALL_RESTART_AFTER_S, metavar="S",
                    help="a worker stalled (--stall-after) S seconds since its engine's last progress exits and is "
                    f"restarted, its engine processes killed (default {STALL_RESTART_AFTER_S:g}; 0 = never)")
+    p.add_argument("--router-restart-after", type=flag_number, default=ROUTER_RESTART_AFTER_S, metavar="S",
+                   help="a router whose heartbeat in the segment is S seconds old while its process lives (stopped, "
+                   "its event loop blocked) is killed and restarted, like a frozen worker (default "
+                   f"{ROUTER_RESTART_AFTER_S:g}, the router unit's WatchdogSec; 0 = never)")
     p.add_argument("--remove-logs", action="store_true", help="remove the run directory and its logs on exit")
     p.add_argument("--worker-args", action="append", metavar="K=ARGS",
                    help="extra engine arguments for worker K only, after the shared ones (repeatable), e.g. "
