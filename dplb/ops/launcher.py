@@ -23,9 +23,15 @@ Contract
   the header fields it lacks (model, GPU map, run dir) are restored, and the watchdog judges the new slots (a worker
   ready before that has re-published nothing into it ``--stall-restart-after`` seconds later is frozen too). One
   WARNING line when it goes, one INFO line when it is back.
+- A worker's engine killed (its process group reaped after the worker exited) leaves ``/dev/shm/psm_*`` files:
+  those its processes were seen mapping are removed once no process has them open or mapped
+  (:mod:`dplb.ops.shm_leftovers`).
 - Ctrl-C / SIGTERM: SIGTERM to every worker (they drain) and the router, wait up to the drain timeout, SIGKILL what
   is left (each child's process group too), then remove the sockets, the segment and the run directory it created.
   Nothing is left in /dev/shm.
+- The launcher itself SIGKILLed: its children's parent-death SIGTERM stops them as a SIGTERM of the launcher would
+  (the router's drain notice with the workers serving; :mod:`dplb.worker.process`) and the last of them removes the
+  segment (:func:`dplb.state.segments.remove_abandoned`).
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from dplb.ops.children import BACKOFF_MAX_S, BACKOFF_START_S, Child
 from dplb.ops.doctor import check_run_dir
 from dplb.ops.placement import add_placement_args, host_placement
 from dplb.ops.plan import cuda_visible_devices, plan_gpus
+from dplb.ops.shm_leftovers import ShmLeftovers
 from dplb.ops.watchdog import kill_if_router_frozen, kill_if_worker_frozen
 from dplb.router.cli import add_router_args, router_config
 from dplb.router.supervisor import child_env
@@ -72,6 +79,7 @@ from dplb.worker.engines import sim_config
 
 log = logging.getLogger("dplb.launch")
 STABLE_S = 60.0  # a child up this long has its restart backoff reset
+SHUTDOWN_SWEEP_S = 3.0  # at stop, how long leftover engine shared memory is waited for (the killed processes exit)
 
 
 def try_line(url: str, model: str, api_key: str | None, tenants_file: str | None, env_key: str | None) -> str:
@@ -197,7 +205,7 @@ class Launcher:
                 argv += ["--tensor-parallel-size", str(len(group))]
             argv += self.engine_args + self.per_worker_args.get(k, [])
             self.workers.append(Child(f"worker {k}", argv, wenv, os.path.join(self.run_dir, f"worker-{k}.log"),
-                                      cpus=self.placement.workers[k]))
+                                      cpus=self.placement.workers[k], shm=ShmLeftovers(f"worker {k}")))
         # The router gets its validated configuration whole (JSON in $DPLB_ROUTER_CONFIG), not re-emitted flags.
         rargv = _dplb("--log-level", self.args.log_level, "router", "--config-env")
         renv = child_env(self.router_cfg, env)
@@ -269,7 +277,10 @@ class Launcher:
                     if s.lifecycle == Lifecycle.READY and s.pid == w.proc.pid:  # this process's own slot
                         w.ever_ready = True
                         w.start_failures = 0
+                if w.shm is not None and w.shm.pending:
+                    w.shm.sweep()  # what a killed engine left in /dev/shm, once nothing uses it
                 if w.alive() or self.stopping:
+                    w.watch()
                     if seg is not None and w.ever_ready and not self.stopping:
                         kill_if_worker_frozen(seg, k, w, self.args.stall_restart_after, self.segment.attached_at)
                     continue
@@ -355,6 +366,7 @@ class Launcher:
                 w.signal(signal.SIGKILL)
                 w.proc.wait(5)
             w.reap()
+        _sweep(self.workers, SHUTDOWN_SWEEP_S)
         if self.router is not None:
             self.router.signal(signal.SIGTERM)
             if self.router.proc is not None:
@@ -391,6 +403,19 @@ class Launcher:
             os.unlink(path)
             return f"segment {path} (recreated while running) removed"
         return f"segment at {path} left in place (not ours: {info.describe()})"
+
+
+def _sweep(workers: list[Child], within_s: float) -> None:
+    """Remove what the workers' killed engines left in /dev/shm (:mod:`dplb.ops.shm_leftovers`), trying for up to
+    ``within_s`` seconds while the killed processes go away."""
+    deadline = time.monotonic() + within_s
+    while True:
+        pending = [w.shm for w in workers if w.shm is not None and w.shm.pending]
+        for shm in pending:
+            shm.sweep()
+        if not pending or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
 
 
 def _restored(fields: list[str]) -> str:
