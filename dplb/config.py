@@ -10,18 +10,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Literal
 
 from dplb.errors import ConfigError
+from dplb.http_values import check_bearer_token, check_origins
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every dplb process's log lines
 
 
-#: An HTTP bearer token (RFC 6750 §2.1, ``b64token``): what ``--api-key`` may be. It travels in a header and in
-#: systemd's router.env, so neither a newline (a header or an env line injected) nor a quote may be in it.
-BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
 #: Most router processes one ``dplb router`` runs (the segment has 16 router slots; this leaves room for more
 #: routers and for a replacement process registering before its dead predecessor's slot is reclaimed).
 MAX_ROUTER_PROCESSES = 8
@@ -433,10 +430,8 @@ class RouterConfig:
             raise ConfigError(f"--max-body-bytes must be > 0, got {self.max_body_bytes}")
         if self.debug_ring <= 0 or self.retry_after_s < 0:
             raise ConfigError("debug_ring > 0 and retry_after_s ≥ 0 are required")
-        if self.api_key is not None and not BEARER_TOKEN.fullmatch(self.api_key):
-            raise ConfigError("--api-key (or DPLB_API_KEY) must be a bearer token: letters, digits and -._~+/, then "
-                              "optional '=' padding (RFC 6750 §2.1); no spaces, quotes or control characters (the key "
-                              f"given, {len(self.api_key)} characters, has others)")
+        if self.api_key is not None:
+            check_bearer_token(self.api_key, "--api-key (or DPLB_API_KEY)")
         if not (math.isfinite(self.models_refresh_s) and self.models_refresh_s > 0):
             raise ConfigError(f"--models-refresh must be > 0 seconds, got {self.models_refresh_s}")
         if not (math.isfinite(self.sse_keepalive_s) and self.sse_keepalive_s >= 0):
@@ -449,9 +444,7 @@ class RouterConfig:
             raise ConfigError(f"--drain-notice must be 0..3600 seconds, got {self.drain_notice_s}")
         if self.response_ids <= 0:
             raise ConfigError(f"response_ids must be > 0, got {self.response_ids}")
-        bad = [o for o in self.cors_allowed_origins if not o or o != o.strip() or "," in o]
-        if bad:
-            raise ConfigError(f"--cors-allowed-origins: {bad!r} are not origins (e.g. https://app.example.com or *)")
+        check_origins(self.cors_allowed_origins, "--cors-allowed-origins")
         check_finite(self)
 
     def socket_path(self, worker_id: int) -> str:

@@ -277,3 +277,13 @@ def stream_failure(tail: bytes) -> str | None:
         if msg is not None:
             return msg
     return None
+
+
+def worker_stalled_message(worker: int, stall_after_s: float, others: int) -> str:
+    """The message of a :attr:`RouterErrorKind.WORKER_STALLED` error (the 503 and the SSE error event) on
+    ``worker``: what happened and the advice, worded by ``others``, how many other workers are routable now — a
+    retry goes to one of them (≥ 1), or waits for this one or a restart (0: a one-worker stack has no other)."""
+    advice = "retry (another worker will take it)" if others > 0 else \
+        "no other worker is routable now; retry later"
+    return (f"worker {worker} stalled: its engine made no progress for {stall_after_s:g} s with requests in flight; "
+            f"{advice}")

@@ -73,6 +73,9 @@ LAST_GOOD_NAME = "tenants.last-good.toml"
 # response to its next request (10-220 ms measured on the loaded 2-core CI box with 60 clients in one process),
 # short next to an LLM request (docs/DESIGN.md §15).
 ANTICIPATION_S = 0.25
+#: Bits of a tenant's tag (:func:`tenant_tag`): the value word of a response-id ring entry keeps 8 for the worker.
+TENANT_TAG_BITS = 56
+_TAG_MASK = (1 << TENANT_TAG_BITS) - 1
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _TENANT_KEYS = frozenset({"api_key_sha256", "weight", "priority", "requests_per_s", "tokens_per_min",
@@ -96,6 +99,15 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "ttft_s": (0.001, 3600.0),
     "anticipation_s": (0.0, 1.0),  # a hold is for a client already sending; a larger number is likely milliseconds
 }
+
+
+def tenant_tag(name: str) -> int:
+    """The compact id of tenant ``name`` that every router process derives alike (the response-id rings of the
+    segment carry it, :mod:`dplb.state.response_rings`): the low :data:`TENANT_TAG_BITS` bits of BLAKE2b-64 of the
+    name's UTF-8 bytes, never 0 (0 is "no tenant"). :func:`parse_tenants` refuses a file whose names would share
+    one."""
+    tag = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") & _TAG_MASK
+    return tag or 1
 
 
 def hash_key(key: str) -> str:
@@ -301,6 +313,12 @@ def parse_tenants(path: str, doc: dict[str, Any]) -> TenantsConfig:
         raise ConfigError(f"{path}: tenants.{DEFAULT_TENANT}: the name is reserved (--api-key's tenant)")
     seen: dict[str, str] = {}
     tenants = tuple(_tenant(path, name, body, classes, seen) for name, body in raw.items())
+    tags: dict[int, str] = {}
+    for name in (*raw, DEFAULT_TENANT):
+        other = tags.setdefault(tenant_tag(name), name)
+        if other != name:  # (odds ≈ tenants² / 2^57; a shared tag would let one read the other's stored responses)
+            raise ConfigError(f"{path}: tenants.{name}: its name hashes to the same response-ownership tag as "
+                              f"{other}'s; rename one of them")
     return TenantsConfig(path, tenants, classes, wp, wq, _slos(path, doc.get("slo", {}), classes), reserve,
                          anticipation)
 

@@ -16,8 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 from cluster import ROOT as _ROOT
-from cluster import cluster, dplb_cmd
+from cluster import cluster, dplb_cmd, free_port, launched
 
+from dplb.errors import ConfigError
+from dplb.ops.checks import check_scrape_host, loopback_targets
 from dplb.ops.state_cli import render_table, snapshot
 
 
@@ -94,6 +96,63 @@ def test_emit_systemd_enables_the_target_and_writes_scrape_targets(tmp_path: Pat
         assert f"--metrics-host 0.0.0.0 --metrics-port {32001 + k}\n" in env, env
 
 
+def test_a_wildcard_metrics_host_whose_fqdn_is_loopback_is_warned_about_and_scrape_host_names_it() -> None:
+    """Regression: ``--metrics-host 0.0.0.0`` wrote ``localhost:PORT`` targets (``socket.getfqdn()`` is
+    ``localhost`` where /etc/hosts maps the host name to 127.0.0.1) without a word. The decision, by the FQDN."""
+    warn = loopback_targets("0.0.0.0", "0.0.0.0", True, None, fqdn="localhost")
+    assert warn is not None and "--host 0.0.0.0 and --metrics-host 0.0.0.0 name this host 'localhost'" in warn
+    assert "loopback (127.0.0.1" in warn and "--scrape-host" in warn and "\n" not in warn, warn
+    assert "does not resolve" in (loopback_targets("127.0.0.1", "::", True, None, fqdn="x.invalid") or "")
+    assert loopback_targets("0.0.0.0", "0.0.0.0", True, None, fqdn="10.0.0.5") is None  # reachable: quiet
+    assert loopback_targets("0.0.0.0", "0.0.0.0", True, "10.0.0.5", fqdn="localhost") is None  # named: quiet
+    # loopback worker metrics (the default) or none: the file is a local Prometheus's anyway
+    assert loopback_targets("0.0.0.0", "127.0.0.1", True, None, fqdn="localhost") is None
+    assert loopback_targets("0.0.0.0", "0.0.0.0", False, None, fqdn="localhost") is None
+    for ok in ("10.0.0.5", "fe80::1", "gpu-node-3.example.com", "gpu-node-3"):
+        check_scrape_host(ok, "0.0.0.0", "127.0.0.1", True)
+    for bad, says in (("a:1", "without a port"), ("http://h", "without a port"), ("-h", "without a port"),
+                      ("a b", "without a port"), ("h", "none is one")):
+        with pytest.raises(ConfigError, match=says):
+            check_scrape_host(bad, "127.0.0.1" if bad == "h" else "0.0.0.0", "127.0.0.1", True)
+
+
+def test_emit_systemd_writes_the_scrape_host_for_wildcard_binds_and_warns_without_it(tmp_path: Path) -> None:
+    def emit(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--metrics-host", "0.0.0.0", *args,
+                                       "--emit-systemd", str(out)), capture_output=True, text=True, timeout=60)
+
+    r = emit(tmp_path / "a", "--scrape-host", "10.0.0.9")
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    groups = json.loads((tmp_path / "a" / "prometheus-targets.json").read_text())
+    assert [g["targets"] for g in groups] == [["10.0.0.9:30000"], ["10.0.0.9:30001", "10.0.0.9:30002"]]
+    r = emit(tmp_path / "b")
+    warn = loopback_targets("0.0.0.0", "0.0.0.0", True, None)  # this host's FQDN decides (loopback on the CI box)
+    assert r.returncode == 0 and (f"warning: {warn}" in r.stderr if warn else "warning" not in r.stderr), r.stderr
+    r = emit(tmp_path / "c", "--scrape-host", "10.0.0.9:9090")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("got '10.0.0.9:9090'"), r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "c").exists()
+
+
+def test_launch_writes_the_scrape_host_and_warns_about_a_loopback_fqdn(tmp_path: Path) -> None:
+    """``dplb launch`` itself (not only ``--emit-systemd``): the targets file and the one-line warning."""
+    mport = free_port()
+    with launched(tmp_path, "--num-workers", "1", "--metrics-host", "0.0.0.0", "--metrics-port-base", str(mport),
+                  "--scrape-host", "10.0.0.9", tag="scrape") as ln:
+        ln.wait_ready(60)
+        groups = json.loads((Path(ln.run_dir) / "prometheus-targets.json").read_text())
+        assert groups[1]["targets"] == [f"10.0.0.9:{mport}"], groups
+        assert groups[0]["targets"][0].startswith("127.0.0.1:"), groups  # a specific --host is written as is
+        assert "warning" not in ln.log.read_text()
+    warn = loopback_targets("127.0.0.1", "0.0.0.0", True, None)
+    with launched(tmp_path, "--num-workers", "1", "--metrics-host", "0.0.0.0", "--metrics-port-base", str(mport),
+                  tag="noscrape") as ln:
+        ln.wait_ready(60)
+        groups = json.loads((Path(ln.run_dir) / "prometheus-targets.json").read_text())
+        assert groups[1]["targets"] == [f"{socket.getfqdn()}:{mport}"], groups
+        log = ln.log.read_text()
+        assert (f"DPLB: warning: {warn}\n" in log) if warn else "warning" not in log, log
+
+
 def test_emit_systemd_labels_a_localhost_router_and_127_0_0_1_workers_as_one_stack(tmp_path: Path) -> None:
     """The router target ``localhost:P`` and the worker targets ``127.0.0.1:…`` share no host, only the stack label
     (--stack-name) the dashboards select by; a name that cannot go into a PromQL string is refused, nothing written."""
@@ -139,6 +198,27 @@ def test_state_watch_into_a_file_writes_frames_and_the_heading_does_not_wrap(tmp
         flat = " ".join(narrow.export_text().split())  # wrapped at 80 columns, never cut
         heading, cpus = (" ".join(r.plain.split()) for r in table.renderables[:2])  # type: ignore[attr-defined]
         assert len(heading) > 80 and heading in flat and cpus in flat and "routers(pid:port)=" in flat, flat
+
+
+def test_state_says_stale_for_a_frozen_worker_and_the_legend_explains_it(tmp_path: Path) -> None:
+    """Regression: a SIGSTOPped worker showed as ``ready!`` (the docs say ``stale``; the legend did not explain
+    ``!``). The row now says ``stale``, the legend says what it means, and ``--json`` keeps the lifecycle."""
+    with cluster(str(tmp_path), 2) as c:
+        c.kill_worker(0, signal.SIGSTOP)
+        try:
+            time.sleep(1.0)  # > 3 x 200 ms: stale
+            r = subprocess.run(dplb_cmd("state"), capture_output=True, text=True, timeout=60, env=c.env())
+            js = json.loads(subprocess.run(dplb_cmd("state", "--json"), capture_output=True, text=True, timeout=60,
+                                           env=c.env()).stdout)
+        finally:
+            c.kill_worker(0, signal.SIGCONT)
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split()[0]: ln.split()[2] for ln in r.stdout.splitlines() if re.match(r"\s*[01] +\d+ ", ln)}
+    assert rows == {"0": "stale", "1": "ready"}, r.stdout
+    assert "!" not in r.stdout, r.stdout
+    assert r.stdout.splitlines()[-1].startswith("state stale: no heartbeat for 3 intervals"), r.stdout
+    w0 = js["workers"][0]
+    assert (w0["lifecycle"], w0["stale"], w0["why"]) == ("ready", True, "stale"), w0
 
 
 def test_sim_internal_header_never_reaches_a_client(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """docs/DESIGN.md cannot drift from the code: its shared-memory tables (§3) are checked against the struct formats
-and constants of dplb/state/{layout,shm,router_slots}.py and, field by field, against bytes the real writers put
-into a real segment; every ``docs/DESIGN.md §N`` cited in the repository names a section that exists, and nothing
-cites the design by a bare "DESIGN §N" (a document outside the repository).
+and constants of dplb/state/{layout,shm,router_slots,kv_rings,response_rings}.py and, field by field, against bytes
+the real writers put into a real segment; every ``docs/DESIGN.md §N`` cited in the repository names a section that
+exists, and nothing cites the design by a bare "DESIGN §N" (a document outside the repository).
 """
 
 from __future__ import annotations
@@ -207,16 +207,50 @@ def test_kv_ring_table_matches_code_and_bytes(shm_path: str) -> None:
         seg.close()
 
 
+def test_response_ring_tables_match_code_and_bytes(shm_path: str) -> None:
+    from dplb.state.response_rings import RESPONSE_ENTRY, RESPONSE_HEAD, id_key
+    from dplb.tenants import tenant_tag
+
+    head_rows, entry_rows = doc_table("response-ring"), doc_table("response-entry")
+    check_layout(head_rows, RESPONSE_HEAD.format)
+    check_layout(entry_rows, RESPONSE_ENTRY.format)
+    seg = Segment.create(shm_path, 3)
+    slots = RouterSlots.claim(shm_path, 3, port=4321)
+    assert slots is not None
+    try:
+        from dplb.router.ownership import OwnedResponseIds
+
+        class Ex:  # the creating request's exchange, as the proxy hands it: its tenant's ticket
+            tenant = type("Ticket", (), {"tenant": type("Tenant", (), {"name": "chat"})()})()
+
+        OwnedResponseIds(8, lambda: slots.responses).remember("resp_doc", 2, Ex())
+        raw = Path(shm_path).read_bytes()
+        base = layout.response_rings_offset(3) + slots.index * layout.RESPONSE_RING_SIZE
+        got = {r["field"]: field_bytes(raw, base, r) for r in head_rows}
+        assert got["head"] == got["reserve"] == 1 and 0 < got["epoch"] <= time.monotonic_ns()
+        assert raw[base + RESPONSE_HEAD.size:base + 64] == bytes(64 - RESPONSE_HEAD.size)  # reserved
+        entry = {r["field"]: field_bytes(raw, base + 64, r) for r in entry_rows}
+        assert entry == {"key": id_key("resp_doc"), "value": 3 << 56 | tenant_tag("chat")}
+        assert f"next goes to `head mod {layout.RESPONSE_RING_ENTRIES}`" in DOC.read_text()
+    finally:
+        slots.close()
+        seg.close()
+
+
 def test_segment_map_sizes() -> None:
     text = DOC.read_text()
     h, s, r, p = layout.HEADER_SIZE, layout.SLOT_SIZE, layout.ROUTER_SLOT_SIZE, layout.PREFIX_RING_SIZE
     m = layout.MAX_ROUTERS
     for row in (f"| 0 | {h} |", f"| {h} + {s}·w | {s} |", f"| {h} + {s}·n + {r}·r | {r} |",
                 f"| {h} + {s}·n + {m}·{r} + {p}·r | {p} |",
-                f"| {h} + {s}·n + {m}·{r} + {m}·{p} + {layout.KV_RING_SIZE}·w | {layout.KV_RING_SIZE} |"):
+                f"| {h} + {s}·n + {m}·{r} + {m}·{p} + {layout.KV_RING_SIZE}·w | {layout.KV_RING_SIZE} |",
+                f"| {h} + {s}·n + {m}·{r} + {m}·{p} + {layout.KV_RING_SIZE}·n + {layout.RESPONSE_RING_SIZE}·r | "
+                f"{layout.RESPONSE_RING_SIZE} |"):
         assert row in text, f"docs/DESIGN.md §3.1 lacks the row starting {row!r}"
     assert f"head mod {layout.PREFIX_RING_ENTRIES}" in text
-    assert layout.segment_size(2) == h + 2 * s + layout.MAX_ROUTERS * (r + p) + 2 * layout.KV_RING_SIZE
+    assert layout.segment_size(2) == (h + 2 * s + layout.MAX_ROUTERS * (r + p) + 2 * layout.KV_RING_SIZE
+                                      + layout.MAX_ROUTERS * layout.RESPONSE_RING_SIZE)
+    assert layout.response_rings_offset(2) == h + 2 * s + layout.MAX_ROUTERS * (r + p) + 2 * layout.KV_RING_SIZE
 
 
 _SECTION = re.compile(r"^##+ (\d+(?:\.\d+)?)\.? ", re.M)

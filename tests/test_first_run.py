@@ -3,6 +3,7 @@ and the packaging metadata. Each is refused with one line (or ends quietly) befo
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
@@ -143,9 +144,12 @@ def test_state_into_a_pipe_keeps_the_whole_heading_at_80_columns(tmp_path: Path)
         assert r.returncode == 0, r.stderr
         head = r.stdout.splitlines()[0]
         assert len(head) > 80 and head.startswith(path) and head.rstrip().endswith("routers(pid:port)=-"), head
-        # the legend is one left-aligned line (a caption was wrapped at the table's width and centred)
-        assert r.stdout.splitlines()[-1].startswith("age, lat, TTFT, warm: seconds;"), r.stdout
-        assert r.stdout.rstrip().endswith("rtr: in flight from the routers"), r.stdout
+        # the legend is two left-aligned lines (a caption was wrapped at the table's width and centred)
+        units, states = r.stdout.splitlines()[-2:]
+        assert units.startswith("age, lat, TTFT, warm: seconds;"), r.stdout
+        assert units.rstrip().endswith("rtr: in flight from the routers"), r.stdout
+        assert states.startswith("state stale: no heartbeat") and states.rstrip().endswith("no engine progress"), \
+            r.stdout
     finally:
         seg.close()
         os.unlink(path)
@@ -159,6 +163,30 @@ def test_dashboard_generator_without_the_venv_says_which_python_to_use() -> None
 
 
 # What an SRE mistypes outside `dplb launch`: each is one line on stderr naming the fix, never a traceback.
+@pytest.mark.parametrize(("origin", "ok"), [
+    ("*", True), ("https://app.example.com", True), ("http://localhost:3000", True), ("https://*.example.com", True),
+    ("http://127.0.0.1:8080", True), ("http://[::1]:3000", True), ("not a url", False), ("https://a.example/", False),
+    ("https://App.example.com", False), ("https://a.example:0", False), ("https://a.example:70000", False),
+    ("null", False), ("a.example", False), ("https://a.example/path", False), ("https://u@a.example", False),
+    (" https://a.example", False)])
+def test_an_origin_is_what_a_browser_sends(origin: str, ok: bool) -> None:
+    from dplb.http_values import is_origin
+
+    assert is_origin(origin) is ok
+
+
+@pytest.mark.parametrize("cmd", [["launch", "--num-workers", "1"], ["router", "--num-workers", "1", "--port", "1"]])
+def test_a_cors_origin_that_is_not_an_origin_is_refused_with_one_line(cmd: list[str]) -> None:
+    """Regression: ``--cors-allowed-origins 'not a url'`` was taken silently (the stack started; no browser can send
+    such an Origin, so CORS stayed off for what was meant)."""
+    r = subprocess.run(dplb_cmd(*cmd, "--cors-allowed-origins", "https://ok.example,not a url,https://b.example/"),
+                       capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in r.stderr.strip().splitlines() if "SIM" not in ln]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "--cors-allowed-origins: 'not a url', 'https://b.example/' are not origins: an origin is " \
+           "SCHEME://HOST[:PORT]" in lines[0], r.stderr
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["usage", "--url", "localhost:30000"], "--url must be the router's http://HOST:PORT"),
     (["fleet", "haproxy-config", "--hosts", "10.0.0.1:30000", "-o", "/nonexistent/dir/haproxy.cfg"],
@@ -248,6 +276,26 @@ def test_hash_key_reads_a_pipe_without_a_getpass_warning() -> None:
                        timeout=60)
     assert r.returncode == 1 and r.stderr.startswith("dplb tenants hash-key: error: no key given"), r.stderr
     assert len(r.stderr.splitlines()) == 1 and "Warning" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("key", "says"), [(" sk-team-a ", "11 characters, has a space at position 1"),
+                                           ("two words", "has a space at position 4"), ('quo"te', "outside that alphabet"),
+                                           ("tab\tx", "a control character at position 4"), ("kéy", "non-ASCII"),
+                                           ("ab=c", "after the '=' padding at position 4")])
+def test_hash_key_refuses_a_key_the_router_refuses_as_api_key(key: str, says: str) -> None:
+    """Regression: ``printf ' sk-team-a ' | dplb tenants hash-key -`` printed a digest (exit 0) of a key that
+    ``--api-key`` refuses and that no client can present; both use one check now: one line, exit 2, key not
+    echoed."""
+    for args, kw in ((["-"], {"input": key}), ([key], {"input": ""})):
+        r = subprocess.run(dplb_cmd("tenants", "hash-key", *args), capture_output=True, text=True, timeout=60, **kw)
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, (r.stdout, r.stderr)
+        assert "the key must be a bearer token" in r.stderr and says in r.stderr and key not in r.stderr, r.stderr
+    r = subprocess.run(dplb_cmd("router", "--num-workers", "1", "--api-key", key, "--port", "1"), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr, r.stderr  # the router's --api-key says the same
+    r = subprocess.run(dplb_cmd("tenants", "hash-key", "-"), input="sk-Ab0_9.~+/x==\r\n", capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == hashlib.sha256(b"sk-Ab0_9.~+/x==").hexdigest(), r.stderr
 
 
 def test_doctor_with_a_port_past_65535_fails_the_ports_check() -> None:

@@ -4,8 +4,8 @@ An AST walk over every module under ``dplb/`` — imports inside functions inclu
 dependency — maps each module and each ``dplb.*`` import to its layer and fails on any import the table below does
 not allow. The layers, bottom to top:
 
-- foundation: ``dplb`` (the package), ``dplb.config``, ``dplb.errors``, ``dplb.flags``, ``dplb.native``,
-  ``dplb.tenants``
+- foundation: ``dplb`` (the package), ``dplb.config``, ``dplb.errors``, ``dplb.flags``, ``dplb.http_values``,
+  ``dplb.native``, ``dplb.stack``, ``dplb.tenants``
 - ``dplb.runtime`` and ``dplb.state``: the foundation only
 - ``dplb.policy``: the state plane (it scores snapshots)
 - ``dplb.obs``: the policy's data (decision reasons label metrics), the state plane, the runtime
@@ -20,6 +20,8 @@ import ast
 from pathlib import Path
 
 import pytest
+
+from dplb import native
 
 PKG = Path(__file__).resolve().parent.parent / "dplb"
 FOUNDATION = {"foundation"}
@@ -41,7 +43,8 @@ ALLOWED: dict[str, set[str]] = {
 def layer_of(module: str) -> str:
     """The layer of a dotted module name under ``dplb`` (``dplb.state.shm`` → ``state``)."""
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("config", "errors", "flags", "native", "stack", "tenants", "__init__"):
+    if len(parts) == 1 or parts[1] in ("config", "errors", "flags", "http_values", "native", "stack", "tenants",
+                                         "__init__"):
         return "foundation"
     if parts[1] == "cli":
         return "cli"
@@ -96,8 +99,9 @@ def test_no_layer_imports_upward() -> None:
 def test_every_top_level_entry_has_a_layer() -> None:
     """A new top-level module or package must be placed in the table, not silently land in a layer of its own."""
     for entry in PKG.iterdir():
-        if entry.name.startswith("__pycache__") or entry.name.startswith(".") or entry.suffix == ".so":
-            continue  # (.so: the compiled build's extension modules, scripts/build_native.sh, not sources)
+        if entry.name.startswith("__pycache__") or entry.name.startswith(".") or entry.suffix == ".so" \
+                or entry.name == native.MANIFEST:
+            continue  # (.so and the manifest: the compiled build's, scripts/build_native.sh, not sources)
         name = entry.stem if entry.suffix == ".py" else entry.name
         assert layer_of("dplb." + name) in ALLOWED, entry
 

@@ -1,7 +1,8 @@
 """Policy plugins behave the same in pure Python and compiled (tests/test_native.py runs this file against the
 mypyc build too): a plugin may subclass any built-in scorer, picker or filter, and whatever a plugin's ``score`` or
 ``pick`` returns is normalised by the framework (dplb.policy.framework.plugin_scores / plugin_pick) or refused with
-one clear :class:`dplb.errors.PluginError`, logged once.
+one clear :class:`dplb.errors.PluginError`, logged once; a broken observational hook (``inputs``, ``notes``,
+``stats``) leaves its part of a view out instead of failing the request or the scrape.
 """
 
 from __future__ import annotations
@@ -99,6 +100,70 @@ def test_anything_else_fails_the_pick_with_one_clear_error_logged_once(make, say
     assert logged == [msg], logged
 
 
+# ---- the observational hooks: inputs, notes, stats -----------------------------------------------------------------
+class Views(Scorer):
+    """A scorer whose ``inputs``, ``notes`` and ``stats`` return ``Views.value`` (or raise it): what each test sets."""
+
+    name = "views_inproc"
+    value: Any = None
+
+    def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
+        return [0.5 for _ in cands]
+
+    def _hook(self) -> Any:
+        if isinstance(type(self).value, Exception):
+            raise type(self).value
+        return type(self).value
+
+    def inputs(self, c: Candidate, ctx: PickContext) -> Any:
+        return self._hook()
+
+    def notes(self, request: Any, worker: int) -> Any:
+        return self._hook()
+
+    def stats(self) -> Any:
+        return self._hook()
+
+
+register_scorer(Views)
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    (["a list"], "returned a list"),
+    ({1: 2.0}, "returned a mapping with a key that is not a str"),
+    ({"n": "many"}, None),  # a fine note or input; not a number for stats
+    (RuntimeError("boom"), "raised RuntimeError: boom"),
+], ids=["list", "int-key", "str-value", "raises"])
+def test_a_broken_view_hook_leaves_its_part_out_and_the_pick_goes_on(value, says, caplog) -> None:  # type: ignore[no-untyped-def]
+    """``inputs``/``notes``/``stats`` feed views and metrics, never the choice: whatever they return or raise, the
+    pick, the decision's JSON view and the stats go on without the broken part, one error logged per hook (a
+    plugin's notes returning a list made every request a 500, and its stats every /metrics scrape)."""
+    from dplb.policy import framework
+
+    for hook in ("inputs", "notes", "stats"):
+        framework._REPORTED.discard(f"views_inproc.{hook}")
+    Views.value = value
+    p = make_policy(PolicyConfig(weights=(("queue", 0.5), ("views_inproc", 0.5))), 4)
+    with caplog.at_level(logging.ERROR, logger="dplb.policy"):
+        for _ in range(3):
+            d = p.pick(_snap(4, busy=0), NOW)
+            assert d.worker is not None and d.worker != 0
+            view = d.to_dict()
+            notes, stats = d.notes, p.plugin_stats()
+    ok = says is None
+    assert notes == (value if ok else None) and d.prefix_outcome() is None
+    assert all(("n" in c) == ok for c in view["candidates"]), view["candidates"]  # type: ignore[union-attr]
+    assert "views_inproc" not in stats
+    logged = [r.getMessage() for r in caplog.records if r.name == "dplb.policy"]
+    hooks = ["stats"] if ok else ["inputs", "notes", "stats"]
+    assert len(logged) == len(hooks), logged
+    for hook in hooks:
+        want = "returned a mapping with a value that is not a real number" if ok else says
+        line = next(m for m in logged if f"{hook}()" in m)
+        assert line.startswith(f"policy plugin 'views_inproc' ({__name__}.Views): {hook}() {want}") \
+            and line.endswith(f"its {hook} are left out"), line
+
+
 # ---- subclasses of the built-ins -------------------------------------------------------------------------------------
 class HalfQueue(QueueScorer):
     """A plugin's tweak of a built-in scorer: half its term (compiled: "interpreted classes cannot inherit from
@@ -174,11 +239,24 @@ def test_plugins_that_subclass_built_ins_or_return_tuples_on_a_real_router(tmp_p
             def score(self, cands, ctx):
                 return tuple(int(c.worker_id == self.num_workers - 1) for c in cands)
 
+        class Noisy(Scorer):
+            name = "noisy"
+
+            def score(self, cands, ctx):
+                return [0.0 for _ in cands]
+
+            def notes(self, request, worker):
+                return ["not", "a", "dict"]
+
+            def stats(self):
+                raise RuntimeError("broken stats")
+
         register_scorer(Halved)
         register_scorer(LastOne)
+        register_scorer(Noisy)
     '''))
     monkeypatch.setenv("PYTHONPATH", f"{plugdir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    args = ["--policy-plugin", "tweaks_plugin", "--weights", "queue=0.4,halved=0.2,last_one=0.4"]
+    args = ["--policy-plugin", "tweaks_plugin", "--weights", "queue=0.4,halved=0.2,last_one=0.3,noisy=0.1"]
     with cluster(str(tmp_path), 2, router_args=args) as c:
         body = {"model": "dplb-sim", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
         got = [httpx.post(c.url + "/v1/chat/completions", json=body, timeout=30) for _ in range(4)]
@@ -187,3 +265,9 @@ def test_plugins_that_subclass_built_ins_or_return_tuples_on_a_real_router(tmp_p
         d = httpx.get(c.url + "/debug/decisions?limit=1").json()[0]
         terms = d["candidates"][1]["terms"]
         assert terms["last_one"] == 1.0 and terms["halved"] == pytest.approx(terms["queue"] / 2), terms
+        # A plugin's broken notes and stats hooks (views only) cost neither the requests nor the scrape.
+        m = httpx.get(c.url + "/metrics", timeout=30)
+        assert m.status_code == 200 and "dplb_policy_weight" in m.text, m.text[:300]
+        log = c.router_log()
+        assert log.count("policy plugin 'noisy'") == 2 and "its notes are left out" in log \
+            and "stats() raised RuntimeError: broken stats" in log, log[-2000:]

@@ -16,7 +16,8 @@ import httpx
 import msgspec
 import pytest
 
-from dplb.router.resume import ResumeStream, _fields, continuation, refusal
+from dplb.obs.metrics import RESUME_REFUSALS
+from dplb.router.resume import REFUSAL_PHRASES, ResumeStream, _fields, continuation, refusal
 from dplb.state.shm import Lifecycle
 from dplb.worker.engines.sim.prompts import render_chat, tokenize
 from dplb.worker.engines.sim.text import TextGen, leads
@@ -49,6 +50,14 @@ CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 ])
 def test_refusal_table(chat: bool, body: dict[str, Any], reason: str | None) -> None:
     assert refusal(chat, _fields.decode(json.dumps(body).encode())) == reason
+
+
+def test_every_refusal_label_has_a_phrase_a_client_can_read() -> None:
+    """Regression: the error event ended ``not resumed on another worker: n`` (the metric label); each label now
+    has a phrase, and no phrase is a bare label."""
+    assert REFUSAL_PHRASES.keys() == set(RESUME_REFUSALS)
+    assert REFUSAL_PHRASES["n"] == "n > 1 or best_of > 1"
+    assert all(" " in p and p not in RESUME_REFUSALS for p in REFUSAL_PHRASES.values()), REFUSAL_PHRASES
 
 
 def test_continuation_body_table() -> None:
@@ -294,7 +303,8 @@ def test_20_sigkills_under_32_streams_every_eligible_stream_completes_seamlessly
     broke = {r: [s for s in streams if s.reason == r and s.error is not None] for r in _REFUSED}
     for r, ss in broke.items():
         assert ss, f"no {r} stream was on a killed worker"
-        assert all(NOT_RESUMED + r in (s.error or "") and s.done == 0 for s in ss), (r, [s.error for s in ss])
+        assert all((s.error or "").endswith(NOT_RESUMED + REFUSAL_PHRASES[r]) and s.done == 0 for s in ss), \
+            (r, [s.error for s in ss])
         assert refused[r] >= len(ss)
     # A refused stream whose worker died before its response head got the router's 502 (as without the flag).
     early = [s for s in streams if s.reason is not None and s.status != 200]
@@ -349,7 +359,7 @@ def test_a_stream_no_worker_can_take_is_refused_not_counted_as_resumed(tmp_path)
             return st
 
         st = asyncio.run(main())
-        assert st.error is not None and NOT_RESUMED + "no_worker" in st.error and st.done == 0, st.error
+        assert st.error is not None and st.error.endswith(NOT_RESUMED + "no other worker could take it") and st.done == 0, st.error
         assert c.metric("dplb_streams_resumed_total") == 0
         assert c.metric("dplb_stream_resume_refused_total", {"reason": "no_worker"}) == 1
         assert "resuming stream" not in c.router_log()
@@ -380,7 +390,7 @@ def test_a_stream_on_a_stalled_worker_is_resumed_on_another(tmp_path) -> None:  
     assert "(None)" not in log
     for st in streams:
         if st.reason is not None and st.error is not None:  # refused and cut by the stall: says so
-            assert st.code == "worker_stalled" and NOT_RESUMED + "logprobs" in st.error and st.done == 0, st.error
+            assert st.code == "worker_stalled" and st.error.endswith(NOT_RESUMED + REFUSAL_PHRASES["logprobs"]) and st.done == 0, st.error
             continue
         want, _ = _expected(st)
         assert st.status == 200 and st.done == 1 and st.error is None and st.text == want, (st.path, st.error)
@@ -509,8 +519,8 @@ def test_a_broken_stream_that_cannot_be_resumed_is_logged_with_its_reason_not_0_
     with cluster(str(tmp_path), 2, worker_args={k: SIM for k in range(2)}, router_args=["--resume-streams"]) as c:
         st, _ = _kill_after(c, Stream(CHAT, _body(CHAT, random.Random(8), "n", {"max_tokens": 200, "n": 2}), "n"), 10)
         log = c.router_log()
-    assert st.error is not None and NOT_RESUMED + "n" in st.error
-    assert re.search(r"broke off stream \S+, which cannot be resumed \(n\)", log), log[-2000:]
+    assert st.error is not None and st.error.endswith(NOT_RESUMED + "n > 1 or best_of > 1"), st.error
+    assert re.search(r"broke off stream \S+, which cannot be resumed \(n > 1 or best_of > 1\)", log), log[-2000:]
     assert "after 0 tokens" not in log
 
 
@@ -542,7 +552,7 @@ def test_when_every_worker_died_the_stream_is_refused_not_logged_as_resumed_on_a
         resumed = c.metric("dplb_streams_resumed_total")
         no_worker = c.metric("dplb_stream_resume_refused_total", {"reason": "no_worker"})
     assert killed == sorted(killed, key=lambda k: k != killed[0]) and len(killed) == 2, killed
-    assert st.error is not None and NOT_RESUMED + "no_worker" in st.error and st.done == 0, st.error
+    assert st.error is not None and st.error.endswith(NOT_RESUMED + "no other worker could take it") and st.done == 0, st.error
     lines = re.findall(r"resuming stream \S+ after \d+ tokens on worker (\d) \(broken on worker (\d)\)", log)
     assert lines == [(str(killed[1]), str(killed[0]))], lines
     assert (resumed, no_worker) == (1, 1)

@@ -13,7 +13,7 @@ import pytest
 
 from dplb.config import PolicyConfig
 from dplb.policy import make_policy
-from dplb.state.layout import KV_RING_SIZE, MAX_ROUTERS, PREFIX_RING_SIZE, decode_header
+from dplb.state.layout import KV_RING_SIZE, MAX_ROUTERS, PREFIX_RING_SIZE, RESPONSE_RING_SIZE, decode_header
 from dplb.state.router_slots import ROUTER_SLOT_SIZE, RouterSlots, read_router_slots, routers_offset
 from dplb.state.shm import Lifecycle, Segment, WorkerState
 
@@ -49,7 +49,8 @@ def test_slots_are_registered_and_laid_out_as_documented(seg: Segment) -> None:
     assert int.from_bytes(raw[off + 64 + 32:off + 64 + 36], "little") == 3  # worker 2: pending
     assert int.from_bytes(raw[off + 64 + 36:off + 64 + 40], "little") == 5  # inflight
     assert int.from_bytes(raw[off + 64 + 40:off + 64 + 48], "little") == 123  # last sent
-    assert len(raw) == routers_offset(4) + MAX_ROUTERS * (ROUTER_SLOT_SIZE + PREFIX_RING_SIZE) + 4 * KV_RING_SIZE
+    assert len(raw) == (routers_offset(4) + MAX_ROUTERS * (ROUTER_SLOT_SIZE + PREFIX_RING_SIZE) + 4 * KV_RING_SIZE
+                        + MAX_ROUTERS * RESPONSE_RING_SIZE)
     shown = {r["pid"]: r for r in read_router_slots(raw, 4)}
     assert shown[A]["pending"] == [0, 0, 3, 0] and shown[A]["inflight"] == [0, 0, 5, 0]
     assert shown[B]["process_index"] == 1

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from cluster import cluster, progress_gaps
 
+from dplb.errors import worker_stalled_message
 from dplb.ops.state_cli import snapshot
 from dplb.policy.stall import StallDetector
 from dplb.state.shm import Lifecycle, Segment, WorkerState
@@ -163,6 +164,7 @@ def test_a_stalled_sim_engine_leaves_rotation_fails_fast_and_comes_back(tmp_path
     for r in stalled:
         if r["status"] == 503:
             assert '"code":"worker_stalled"' in r["body"].replace(" ", "") and r["retry_after"] == "1", r
+            assert "retry (another worker will take it)" in r["body"], r  # three other workers are routable
         else:  # a stream cut after its head: the error event, no [DONE]
             assert r["stream"] and "worker_stalled" in r["body"] and "[DONE]" not in r["body"], r
     assert stalls is not None and stalls >= 1 and failed is not None and failed >= len(stalled) - 2
@@ -192,6 +194,21 @@ def test_a_stalled_sim_engine_leaves_rotation_fails_fast_and_comes_back(tmp_path
     span = shown[marks[0]:marks[-1] + 1]
     assert all(why == "stalled" for _, why in span), span
     assert span[-1][0] - span[0][0] >= STALL_FOR - STALL_AFTER - 2.5, (span[0], span[-1])
+
+
+def test_the_stalled_503_says_another_worker_takes_the_retry_only_when_one_is_routable(tmp_path: str) -> None:
+    """Regression: a one-worker stack's stalled 503 said "retry (another worker will take it)" with no other worker.
+    The advice follows how many other workers are routable (the wording itself: dplb.errors)."""
+    assert "another worker will take it" in worker_stalled_message(0, 2, 1)
+    stall = ["--stall-after", "2", "--sim-stall-after", "2", "--sim-stall-for-s", "8"]  # the warm-up request is 1
+    with cluster(str(tmp_path), 1, worker_args={0: stall}, router_args=["--stall-after", "2"]) as c:
+        body = {"model": "dplb-sim", "prompt": "a", "max_tokens": 4}
+        assert httpx.post(c.url + "/v1/completions", json=body, timeout=20).status_code == 200  # then it stalls
+        r = httpx.post(c.url + "/v1/completions", json=body, timeout=20)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "worker_stalled", r.text
+    msg = r.json()["error"]["message"]
+    assert msg == worker_stalled_message(0, 2, 0) and "another worker" not in msg, msg
+    assert msg.endswith("no other worker is routable now; retry later"), msg
 
 
 def test_a_worker_stalled_past_stall_restart_after_stops_its_watchdog_and_exits(tmp_path: str) -> None:

@@ -499,8 +499,8 @@ def test_hash_key_cli_reads_stdin_and_refuses_an_empty_key(monkeypatch, capsys) 
     assert main(["tenants", "hash-key", "-"]) == 0
     assert capsys.readouterr().out.strip() == H1
     monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
-    assert main(["tenants", "hash-key", "-"]) == 1
-    assert "the key is empty" in capsys.readouterr().err
+    assert main(["tenants", "hash-key", "-"]) == 2
+    assert "(the key given, 0 characters, is empty)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("body", "n"), [(b'{"max_tokens": 64}', 64), (b'{"max_completion_tokens": 9, "max_tokens": 64}', 9),

@@ -8,7 +8,9 @@
   --gpu-memory-utilization`` sits above a page of shutdown tracebacks).
 - :func:`scrape_targets`: Prometheus ``file_sd`` target groups of the stack (jobs ``dplb-router``, ``dplb-workers``,
   the names the alert rules expect; every group labelled ``stack``, :func:`stack_label`, which the dashboards select
-  a stack's router and workers by), written by ``dplb launch`` and ``--emit-systemd``.
+  a stack's router and workers by), written by ``dplb launch`` and ``--emit-systemd``. A wildcard bind
+  (``0.0.0.0``, ``::``) is written as ``--scrape-host``, else this host's FQDN; :func:`loopback_targets` is the
+  one-line warning both print when that FQDN resolves only to loopback (a remote Prometheus could not reach it).
 - :func:`child_argv`: how children are started: ``python -P -m dplb.cli`` (``-P``: the current directory is not put
   first on ``sys.path``, so a ``dplb/`` folder there cannot shadow the installed package; ``PYTHONPATH`` still
   applies).
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import os
@@ -40,6 +43,10 @@ STACK_LABEL = "stack"
 #: drop-down, so letters, digits and ``._:@-`` only (no quotes, backslashes, spaces), 1..128 characters.
 _STACK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 TARGETS_FILE = "prometheus-targets.json"
+#: Bind addresses that mean "every interface": no target can name them, so a host name is written instead.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+#: A ``--scrape-host`` DNS name (RFC 1123 labels, 253 characters at most); an IP literal is taken as well.
+_DNS_NAME = re.compile(r"(?=.{1,253}$)(?!-)[A-Za-z0-9-]{1,63}(?<!-)(?:\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 _ERROR_LINE = re.compile(r"^(?:\S+ )*?(\w*(?:Error|Exception)|error): (.+)$")
 _WRAPPERS = ("See root cause above", "Engine core initialization failed")
 
@@ -86,7 +93,8 @@ def check_launch_flags(args: argparse.Namespace, num_workers: int) -> int:
     """Refuse bad ``dplb launch`` supervision flags (what the launcher and ``--emit-systemd`` both check before
     anything is started or written): ``--drain-timeout``, ``--port``, ``--metrics-port-base``, ``--stall-after`` /
     ``--stall-restart-after`` (:func:`dplb.config.check_stall`), ``--max-start-failures``, ``--stack-name``
-    (resolved in place to the stack's label, its default filled in: :func:`stack_label`). Returns the metrics port
+    (resolved in place to the stack's label, its default filled in: :func:`stack_label`), ``--scrape-host``
+    (:func:`check_scrape_host`). Returns the metrics port
     base (0 = off). Raises :class:`ConfigError` naming the flag."""
     if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
         raise ConfigError(f"--drain-timeout must be a finite number ≥ 0 seconds, got {args.drain_timeout}")
@@ -101,7 +109,25 @@ def check_launch_flags(args: argparse.Namespace, num_workers: int) -> int:
     if args.max_start_failures < 1:
         raise ConfigError("--max-start-failures must be ≥ 1")
     args.stack_name = stack_label(args.port, args.stack_name)
+    check_scrape_host(args.scrape_host, args.host, args.metrics_host, mbase != 0)
     return mbase
+
+
+def check_scrape_host(scrape_host: str | None, host: str, metrics_host: str, metrics: bool) -> None:
+    """Refuse a ``--scrape-host`` that is not a host name or IP address (no port, no scheme), or that no target
+    would use (neither ``--host`` nor, with worker metrics on, ``--metrics-host`` is a wildcard). Raises
+    :class:`ConfigError`."""
+    if scrape_host is None:
+        return
+    try:
+        ipaddress.ip_address(scrape_host)
+    except ValueError:
+        if not _DNS_NAME.fullmatch(scrape_host):
+            raise ConfigError(f"--scrape-host must be a host name or IP address without a port (e.g. "
+                              f"gpu-node-3.example.com or 10.0.0.5), got {scrape_host!r}") from None
+    if host not in WILDCARD_HOSTS and not (metrics and metrics_host in WILDCARD_HOSTS):
+        raise ConfigError("--scrape-host names this host in the scrape targets of a wildcard bind, and none is one: "
+                          "pass --host 0.0.0.0 and/or --metrics-host 0.0.0.0 with it (or drop it)")
 
 
 def check_model(model: str | None) -> None:
@@ -121,8 +147,35 @@ def root_cause(log_text: str) -> str:
     return ""
 
 
-def _target_host(host: str) -> str:
-    return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+def _target(host: str, port: int, scrape_host: str | None) -> str:
+    """``HOST:PORT`` of a Prometheus target for a listener bound to ``host`` (an IPv6 literal in brackets)."""
+    if host in WILDCARD_HOSTS:
+        host = scrape_host or socket.getfqdn()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def loopback_targets(host: str, metrics_host: str, metrics: bool, scrape_host: str | None,
+                     fqdn: str | None = None) -> str | None:
+    """The one-line warning for targets a Prometheus on another host cannot reach, or None. It is said when the
+    workers' metrics (``metrics`` on) bind a wildcard ``metrics_host`` — what one does for a remote Prometheus; the
+    default loopback metrics make the file a local Prometheus's anyway, so the default wildcard router ``--host``
+    alone says nothing — without ``--scrape-host``, and this host's FQDN written in its place (``fqdn``, default
+    :func:`socket.getfqdn`) resolves only to loopback addresses or not at all (e.g. ``/etc/hosts`` maps the host
+    name to 127.0.0.1, and ``getfqdn()`` is ``localhost``)."""
+    if not metrics or metrics_host not in WILDCARD_HOSTS or scrape_host is not None:
+        return None
+    flags = [f"--{n} {h}" for n, h in (("host", host), ("metrics-host", metrics_host)) if h in WILDCARD_HOSTS]
+    name = fqdn if fqdn is not None else socket.getfqdn()
+    try:
+        addrs = {str(a[4][0]) for a in socket.getaddrinfo(name, None)}
+    except OSError:
+        addrs = set()
+    if addrs and not all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs):
+        return None
+    where = f"resolves only to loopback ({', '.join(sorted(addrs))})" if addrs else "does not resolve"
+    return (f"the scrape targets of {' and '.join(flags)} name this host {name!r} (its FQDN), which {where}: a "
+            "Prometheus on another host cannot reach them; pass --scrape-host with the address it reaches this "
+            "host by")
 
 
 def stack_label(port: int, given: str | None) -> str:
@@ -140,15 +193,15 @@ def stack_label(port: int, given: str | None) -> str:
     return name
 
 
-def scrape_targets(host: str, port: int, metrics_host: str, metrics_ports: list[int], stack: str
-                   ) -> list[dict[str, object]]:
+def scrape_targets(host: str, port: int, metrics_host: str, metrics_ports: list[int], stack: str,
+                   scrape_host: str | None = None) -> list[dict[str, object]]:
     """``file_sd`` target groups: the router (``host:port``) and each worker's metrics port, with ``job`` labels
     and the ``stack`` label (:func:`stack_label`) on both, so a stack's workers are found by name rather than by
-    address (a wildcard bind address is written as this host's FQDN)."""
-    groups: list[dict[str, object]] = [{"targets": [f"{_target_host(host)}:{port}"],
+    address (a wildcard bind address is written as ``scrape_host``, else this host's FQDN)."""
+    groups: list[dict[str, object]] = [{"targets": [_target(host, port, scrape_host)],
                                         "labels": {"job": ROUTER_JOB, STACK_LABEL: stack}}]
     if metrics_ports:
-        groups.append({"targets": [f"{_target_host(metrics_host)}:{p}" for p in metrics_ports],
+        groups.append({"targets": [_target(metrics_host, p, scrape_host) for p in metrics_ports],
                        "labels": {"job": WORKERS_JOB, STACK_LABEL: stack}})
     return groups
 

@@ -57,6 +57,7 @@ from dplb.ops.checks import (
     check_ports,
     check_socket_paths,
     child_argv,
+    loopback_targets,
     parse_worker_args,
     root_cause,
     scrape_targets,
@@ -249,9 +250,13 @@ class Launcher:
         self.preflight()
         try:
             self._prepare()
+            a = self.args
             self.targets_path = write_scrape_targets(self.run_dir, scrape_targets(
-                self.args.host, self.args.port, self.args.metrics_host, self.metrics_ports, self.args.stack_name))
+                a.host, a.port, a.metrics_host, self.metrics_ports, a.stack_name, a.scrape_host))
             self._banner()
+            unreachable = loopback_targets(a.host, a.metrics_host, bool(self.metrics_ports), a.scrape_host)
+            if unreachable:
+                print(f"DPLB: warning: {unreachable}", file=sys.stderr, flush=True)
             for w in self.workers:
                 w.start()
             assert self.router is not None
@@ -456,6 +461,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-host", default=METRICS_HOST,
                    help=f"address the workers' metrics ports bind (default {METRICS_HOST}; 0.0.0.0 for a remote "
                    "Prometheus)")
+    p.add_argument("--scrape-host", metavar="HOST",
+                   help="the host name or address a Prometheus reaches this host by, written into the scrape "
+                   "targets for a wildcard --host / --metrics-host (default: this host's FQDN; a warning says when "
+                   "that resolves only to loopback)")
     p.add_argument("--stack-name", metavar="NAME",
                    help="the stack label of this stack's Prometheus targets (router and workers), which the "
                    "dashboards' Stack variable selects by (default HOSTNAME:PORT, e.g. gpu-node-3:30000; letters, "

@@ -10,8 +10,10 @@ worker has every slot field plus ``worker``, ``heartbeat_age_s`` (null if never 
 ``router_inflight`` (open requests of every router process to it), ``progress_age_s`` (seconds since its engine
 progress last moved; null when the engine cannot tell; ``why`` is ``stalled`` and the state column says so while
 the worker's own stall check says so (its slot's ``FLAG_STALLED``, with the stack's ``--stall-after``), or when
-requests are in flight and it is over the default ``--stall-after``), and each router slot its pid, port, process
-index, heartbeat age and per-worker ``pending``/``inflight`` lists (:mod:`dplb.state.router_slots`).
+requests are in flight and it is over the default ``--stall-after``); the table's state column says ``stale`` for
+a registered worker whose heartbeat is stale while its lifecycle says it runs (:func:`state_word`), and a legend line
+says what ``stale`` and ``stalled`` mean. Each router slot has its pid, port, process index, heartbeat age and
+per-worker ``pending``/``inflight`` lists (:mod:`dplb.state.router_slots`).
 Each live worker and router process also gets ``cpus``: the CPUs the kernel lets it run on (its affinity, read from
 the pid on this host; null when it cannot be read), which is the placement ``dplb launch`` applied
 (:mod:`dplb.ops.placement`); the table shows it on a line under the heading.
@@ -29,10 +31,12 @@ from typing import Any
 from dplb.config import STALL_AFTER_S, PolicyConfig
 from dplb.errors import ConfigError, ShmMissingError
 from dplb.policy import routable
-from dplb.policy.decision import WHY_STALLED
+from dplb.policy.decision import WHY_STALE, WHY_STALLED
 from dplb.runtime.cpus import format_cpu_list, process_cpus
 from dplb.state.segments import segments
-from dplb.state.shm import ENV_SHM_PATH, FLAG_STALLED, SHM_DIR, Segment
+from dplb.state.shm import ENV_SHM_PATH, FLAG_STALLED, SHM_DIR, STALE_INTERVALS, Lifecycle, Segment
+
+_ENDED = frozenset(x.name.lower() for x in (Lifecycle.UNSET, Lifecycle.STOPPED))  # not running: never "stale"
 
 
 def find_segment(path: str | None, directory: str = SHM_DIR) -> str:
@@ -100,17 +104,29 @@ def heading_text(snap: dict) -> str:
 def _print(console: Any, snap: dict) -> None:
     """Print one frame; into a file or a pipe the console is as wide as the heading (never cut at 80 columns)."""
     if not console.is_terminal:
-        console.width = max(80, len(heading_text(snap)), len(LEGEND))
+        console.width = max(80, len(heading_text(snap)), len(LEGEND), len(STATE_LEGEND))
     console.print(render_table(snap))
 
 
-#: The line under the table (left-aligned, whole in a pipe; a table caption was wrapped to the table and centred).
+#: The lines under the table (left-aligned, whole in a pipe; a table caption was wrapped to the table and centred).
 LEGEND = "age, lat, TTFT, warm: seconds; lat, TTFT: mean of the last 10 requests; rtr: in flight from the routers"
+STATE_LEGEND = (f"state stale: no heartbeat for {STALE_INTERVALS} intervals (process dead or frozen); "
+                "stalled: requests in flight, no engine progress")
+
+
+def state_word(w: dict) -> str:
+    """The table's state column for one worker of :func:`snapshot`: ``stalled``; ``stale`` for a registered worker
+    whose heartbeat is stale while its lifecycle says it runs (starting, warming, ready, draining — ``--json`` keeps
+    that lifecycle); else the lifecycle."""
+    if w["why"] == WHY_STALLED:
+        return WHY_STALLED
+    life = str(w["lifecycle"])
+    return WHY_STALE if w["stale"] and w["pid"] and life not in _ENDED else life
 
 
 def render_table(snap: dict) -> object:
-    """One snapshot as a rich renderable: a heading line, then the table (fits 80 columns; "!" after the
-    lifecycle = stale heartbeat)."""
+    """One snapshot as a rich renderable: a heading line, the ``cpus`` line, the table (fits 80 columns; the state
+    column is :func:`state_word`), the two legend lines."""
     from rich import box
     from rich.console import Group
     from rich.table import Table
@@ -123,7 +139,7 @@ def render_table(snap: dict) -> object:
         t.add_column(col, justify="right", no_wrap=True)
     for w in snap["workers"]:
         age = w["heartbeat_age_s"]
-        life = "stalled" if w["why"] == WHY_STALLED else str(w["lifecycle"]) + ("!" if w["stale"] and w["pid"] else "")
+        life = state_word(w)
         gpu = "-" if w["no_gpu"] else f"{_gib(w['gpu_memory_used_bytes'])}/{_gib(w['gpu_memory_total_bytes'])}"
         t.add_row(
             str(w["worker"]), str(w["pid"] or "-"), life, "-" if age is None else f"{age:.1f}",
@@ -132,7 +148,7 @@ def render_table(snap: dict) -> object:
             f"{w['avg_latency_s']:.3f}", f"{w['avg_ttft_s']:.3f}", str(w["requests_total"]), str(w["errors_total"]),
             str(w["cuda_oom_total"]), f"{w['warmup_seconds']:.2f}",
         )
-    return Group(heading, Text(placement_line(snap), overflow="fold"), t, Text(LEGEND))
+    return Group(heading, Text(placement_line(snap), overflow="fold"), t, Text(LEGEND), Text(STATE_LEGEND))
 
 
 def placement_line(snap: dict) -> str:

@@ -126,7 +126,7 @@ def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
     elif _is_ours(key_path):  # an earlier emission's key would still be required by the router unit
         os.unlink(key_path)
         print(f"removed {key_path} (an earlier --api-key; this configuration has none)", file=sys.stderr)
-    from dplb.ops.checks import scrape_targets, write_scrape_targets
+    from dplb.ops.checks import loopback_targets, scrape_targets, write_scrape_targets
     from dplb.stack import METRICS_HOST, stack_metrics_port_base, worker_metrics_ports
 
     mhost = getattr(args, "metrics_host", METRICS_HOST)
@@ -152,7 +152,11 @@ def emit_env_files(args: argparse.Namespace, engine_args: list[str]) -> int:
     if removed:
         print(f"removed {' '.join(removed)} (an earlier emission's files for workers or CPU placements this "
               "configuration does not have)", file=sys.stderr)
-    targets = write_scrape_targets(out, scrape_targets(args.host, args.port, mhost, mports, args.stack_name))
+    shost = args.scrape_host
+    targets = write_scrape_targets(out, scrape_targets(args.host, args.port, mhost, mports, args.stack_name, shost))
+    unreachable = loopback_targets(args.host, mhost, bool(mports), shost)
+    if unreachable:
+        print(f"warning: {unreachable}", file=sys.stderr)
     wrote_key = " and router.env (the API key, 0600)" if getattr(args, "api_key", None) else ""
     print(f"wrote {out}/dplb.env{wrote_key} and worker-0..{len(plan) - 1}.env; install them in /etc/dplb/ and run: "
           f"systemctl enable --now dplb.target dplb-segment.service "

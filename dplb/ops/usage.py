@@ -25,6 +25,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from dplb.errors import DPLBError
+from dplb.http_values import check_bearer_token
 from dplb.obs.metrics import TENANT_E2E, TENANT_QUEUE_WAIT, TENANT_QUEUED, TENANT_REQUESTS, TENANT_TOKENS, TENANT_TTFT
 from dplb.tenants import hash_key, load_tenants
 
@@ -136,8 +137,10 @@ def _cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _cmd_hash_key(args: argparse.Namespace, rest: list[str]) -> int:
     """Print KEY's digest; KEY from the argument, stdin ('-', or no KEY and stdin not a terminal: read without
-    getpass, whose fallback warns ``GetPassWarning``) or the terminal's prompt. Raises :class:`DPLBError` for no
-    key or an empty one."""
+    getpass, whose fallback warns ``GetPassWarning``) or the terminal's prompt (a trailing ``\n`` / ``\r\n`` of a
+    line read is not part of it). Raises :class:`DPLBError` for no key, and :class:`~dplb.errors.ConfigError` (exit
+    2) for a key the router would refuse as ``--api-key`` (:func:`dplb.config.check_bearer_token`: the one check),
+    the empty one included."""
     key = args.key
     if key == "-" or (key is None and not sys.stdin.isatty()):
         line = sys.stdin.readline()
@@ -149,8 +152,7 @@ def _cmd_hash_key(args: argparse.Namespace, rest: list[str]) -> int:
             key = getpass.getpass("API key: ")
         except EOFError:  # no terminal and nothing on stdin
             raise DPLBError("no key given: pass KEY, type it at the prompt, or pipe it with '-'") from None
-    if not key:
-        raise DPLBError("the key is empty")
+    check_bearer_token(key, "the key")
     print(hash_key(key))
     return 0
 

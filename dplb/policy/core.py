@@ -74,6 +74,7 @@ from dplb.policy.framework import (
     PICKERS,
     PickContext,
     Plugin,
+    PluginView,
     RouteRequest,
     Scorer,
     build_scorers,
@@ -82,6 +83,7 @@ from dplb.policy.framework import (
     plugin_scores,
     set_scores,
 )
+from dplb.policy.framework import plugin_stats as normalised_stats
 from dplb.policy.fused import FastPick, FusedScores, prefix_span
 from dplb.policy.pickers import MaxScore
 from dplb.policy.plugins import BUILT_IN, PROFILES, validate
@@ -131,7 +133,10 @@ class Policy:
         self._learners = [s for s in self.scorers if type(s).forget_worker is not Scorer.forget_worker]
         self._pickers_hooks = [s for s in self.scorers if type(s).on_pick is not Scorer.on_pick]
         self._preparers = [p for p in self.plugins if type(p).prepare is not Plugin.prepare]
-        self._noters = tuple(s for s in self.scorers if type(s).notes is not Scorer.notes)
+        #: What the views (decisions' notes and inputs) call: the built-in scorers themselves, plugins' normalised.
+        self._viewed = tuple(s if type(s) in BUILT_IN else PluginView(s) for s in self.scorers)
+        self._noters = tuple(v for v, s in zip(self._viewed, self.scorers, strict=True)
+                             if type(s).notes is not Scorer.notes)
         self._unbounded = tuple(j for j, s in enumerate(self.scorers) if not s.bounded)
         #: The scorers (by index) and picker whose results the framework normalises: not built-in classes.
         self._foreign = tuple(j for j, s in enumerate(self.scorers) if type(s) not in BUILT_IN)
@@ -174,7 +179,8 @@ class Policy:
 
     def plugin_stats(self) -> dict[str, dict[str, float]]:
         """``{plugin name: its stats()}`` for every configured scorer and the picker that reports any."""
-        return {p.name: st for p in self.plugins if (st := p.stats())}
+        return {p.name: st for p in self.plugins
+                if (st := p.stats() if type(p) in BUILT_IN else normalised_stats(p))}
 
     def plugin_params(self) -> dict[str, dict[str, Any]]:
         """``{plugin name: {parameter: value in force}}`` for every configured scorer and the picker."""
@@ -287,7 +293,7 @@ class Policy:
         for s in self._pickers_hooks:
             s.on_pick(req, k, now_mono_ns)
         return routed(self.name, k, REASON_SCORE, rows, scores, self.baseline_s, self.term_names, self.weights,
-                      req.preferred, self.scorers, ctx, columns, self._noters)
+                      req.preferred, self._viewed, ctx, columns, self._noters)
 
     def _pick_candidates(self, snapshot: Sequence[WorkerState], ctx: PickContext, dry_run: bool,
                          inflight: Sequence[int] | None, shared: Sequence[int] | None) -> Decision:
@@ -321,7 +327,7 @@ class Policy:
                 return self._nobody(cands, ctx, columns, snapshot, inflight, shared, dry_run)
             if dry_run:
                 return Decision(self.name, None, REASON_SCORE, cands, self.baseline_s, self.term_names, self.weights,
-                                None, self.scorers, ctx, columns)
+                                None, self._viewed, ctx, columns)
             chosen, reason = plugin_pick(self.picker, eligible, ctx) if self._foreign_picker \
                 else self.picker.pick(eligible, ctx)
         k = chosen.worker_id
@@ -329,7 +335,7 @@ class Policy:
         for s in self._pickers_hooks:
             s.on_pick(req, k, now_mono_ns)
         return Decision(self.name, k, reason, cands, self.baseline_s, self.term_names, self.weights, req.preferred,
-                        self.scorers, ctx, columns, self._noters)
+                        self._viewed, ctx, columns, self._noters)
 
     def _nobody(self, cands: list[Candidate], ctx: PickContext, columns: list[list[float]],
                 snapshot: Sequence[WorkerState], inflight: Sequence[int] | None, shared: Sequence[int] | None,
@@ -350,7 +356,7 @@ class Policy:
         else:
             reason = REASON_NONE_ROUTABLE
         return Decision(self.name, None, reason, cands, self.baseline_s, self.term_names, self.weights, None,
-                        self.scorers, ctx, columns)
+                        self._viewed, ctx, columns)
 
     def _panic(self, snapshot: Sequence[WorkerState], ctx: PickContext, inflight: Sequence[int] | None,
                shared: Sequence[int] | None) -> Decision | None:

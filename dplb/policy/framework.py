@@ -11,6 +11,10 @@ Contract of each extension point
   ``self.params`` when the plugin is built), and optional hooks: ``prepare(request)`` once per request that
   carries a prompt, before its first pick (derive what the plugin needs from ``request.prompt`` and keep it in
   ``request.derived[name]``); ``stats()`` for metrics (read by name in :mod:`dplb.obs.metrics_scrape`).
+- What a plugin's code returns is checked at the boundary (built-ins are called as they are): ``score`` and
+  ``pick`` results are normalised or fail the pick (:func:`plugin_scores`, :func:`plugin_pick`); the
+  observational hooks ``inputs``, ``notes``, ``stats`` are normalised or left out of the view (:class:`PluginView`,
+  :func:`plugin_stats`), one :class:`PluginError` logged per plugin and hook.
 - :class:`Filter`: ``apply(cands, ctx)`` sets ``c.why`` to one of its ``reasons`` on every still-eligible
   candidate it rejects; never un-rejects. ``health = True`` for filters about the worker itself (registered, fresh,
   ready, …): those decide ``/ready``, ``dplb_worker_up`` and ``dplb state``; the others (retry exclusion, hard cap)
@@ -320,15 +324,72 @@ _log = logging.getLogger("dplb.policy")
 _REPORTED: set[str] = set()
 
 
-def _plugin_error(plugin: Plugin, problem: str) -> PluginError:
-    """The :class:`PluginError` for ``plugin``'s ``problem``; logged the first time for that plugin."""
+def _plugin_error(plugin: Plugin, problem: str, hook: str = "",
+                  then: str = "every pick fails until it is fixed") -> PluginError:
+    """The :class:`PluginError` for ``plugin``'s ``problem`` (``then``: what follows from it); logged the first time
+    for that plugin and ``hook`` ("": the pick's own ``score``/``pick``)."""
     cls = type(plugin)
     where = f"{getattr(cls, '__module__', '?')}.{cls.__qualname__}"
-    err = PluginError(f"policy plugin {plugin.name!r} ({where}): {problem}; every pick fails until it is fixed")
-    if plugin.name not in _REPORTED:
-        _REPORTED.add(plugin.name)
+    err = PluginError(f"policy plugin {plugin.name!r} ({where}): {problem}; {then}")
+    key = f"{plugin.name}.{hook}" if hook else plugin.name
+    if key not in _REPORTED:
+        _REPORTED.add(key)
         _log.error("%s", err)
     return err
+
+
+def _view(plugin: Plugin, hook: str, call: Callable[[], object], numbers_only: bool = False) -> dict[str, Any] | None:
+    """What a plugin's observational ``hook`` (``inputs``, ``notes``, ``stats``) returned through ``call``, as the
+    framework's ``dict`` with ``str`` keys (None for None; ``numbers_only``: every value a real number, as float).
+    These hooks feed views, traces and metrics, never the choice: a hook that raises or returns anything else
+    (not a mapping, a key not a str, a value not a number where one is needed) gives None, with one
+    :class:`PluginError` logged per plugin and hook, so a broken plugin leaves its part of a view out instead of
+    failing the request or the ``/metrics`` scrape."""
+    try:
+        raw = call()
+    except Exception as e:  # a plugin's own bug: its part of the view is left out
+        _plugin_error(plugin, f"{hook}() raised {type(e).__name__}: {e}", hook, f"its {hook} are left out")
+        return None
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        problem = f"a {type(raw).__name__}"
+    elif not all(type(k) is str for k in raw):
+        problem = "a mapping with a key that is not a str"
+    elif not numbers_only:
+        return dict(raw)
+    elif all(isinstance(v, numbers.Real) for v in raw.values()):
+        return {k: float(v) for k, v in raw.items()}
+    else:
+        problem = "a mapping with a value that is not a real number"
+    _plugin_error(plugin, f"{hook}() returned {problem}; it must return a dict of name → "
+                  f"{'number' if numbers_only else 'value'} or None", hook, f"its {hook} are left out")
+    return None
+
+
+class PluginView:
+    """A plugin scorer's ``inputs`` and ``notes`` hooks as the views call them, normalised (:func:`_view`); the
+    policy hands the views these instead of the plugin scorers themselves (built-ins are called as they are)."""
+
+    __slots__ = ("name", "scorer")
+
+    def __init__(self, scorer: Scorer) -> None:
+        self.scorer = scorer
+        self.name = scorer.name
+
+    def inputs(self, c: Candidate, ctx: PickContext) -> dict[str, Any]:
+        """``scorer.inputs(c, ctx)`` normalised; ``{}`` when broken."""
+        return _view(self.scorer, "inputs", lambda: self.scorer.inputs(c, ctx)) or {}
+
+    def notes(self, request: RouteRequest, worker: int) -> dict[str, Any] | None:
+        """``scorer.notes(request, worker)`` normalised; None when broken."""
+        return _view(self.scorer, "notes", lambda: self.scorer.notes(request, worker))
+
+
+def plugin_stats(plugin: Plugin) -> dict[str, float]:
+    """``plugin.stats()`` for a plugin whose code the framework does not own: a dict of name → float; ``{}`` when
+    broken (:func:`_view`: the scrape goes on without it)."""
+    return _view(plugin, "stats", plugin.stats, numbers_only=True) or {}
 
 
 # Subclassed by code mypyc does not compile (plugins, tests): allowed (dplb.native).

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, Final
 
 from dplb.config import RouterConfig
-from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body, stream_failure
+from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body, stream_failure, worker_stalled_message
 from dplb.obs.fastmetrics import HistogramChild
 from dplb.obs.tracing import NO_TRACE
 from dplb.router.exchange import Exchange, response_headers
@@ -415,8 +415,9 @@ class Attempt:
         return b"data: " + error_body(kind, f"worker {self.worker} stopped mid-response: {e}") + b"\n\n"
 
     def _stall_message(self) -> str:
-        return (f"worker {self.worker} stalled: its engine made no progress for {self.up.cfg.stall_after_s:g} s with "
-                "requests in flight; retry (another worker will take it)")
+        """The ``worker_stalled`` message, its advice worded by how many other workers are routable now."""
+        others = len([k for k in self.up.state.routable_workers() if k != self.worker])
+        return worker_stalled_message(self.worker, self.up.cfg.stall_after_s, others)
 
     def _capture_start(self) -> bytes | None:
         """The response-id capture for a successful ``POST /v1/responses``: remembers a client-chosen id at once

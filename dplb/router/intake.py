@@ -5,7 +5,8 @@ few fields the router reads (:class:`dplb.router.peek.Peek`; which workers may t
 Contract
 - Every refusal is a :class:`Rejected` carrying the :class:`~dplb.errors.RouterErrorKind` and message to answer.
 - :func:`check_head` (before the body is read): 413 for a declared length over the limit, 415 for a Content-Type
-  the route does not take or an unknown ``Content-Encoding``. :func:`read_body` (after): decodes gzip/deflate
+  the route does not take (a JSON route takes none or an empty one as JSON, as FastAPI does) or an unknown
+  ``Content-Encoding``. :func:`read_body` (after): decodes gzip/deflate
   bounded by ``limit`` decoded bytes (413, never more than ``limit + 1`` bytes are inflated), peeks JSON (400
   ``invalid_json``/``body_not_object``) or the multipart ``model`` field (:attr:`Peek.model` either way); a
   client that disconnects before its body is complete is 499 ``client_closed_request`` (:func:`receive_body`;

@@ -32,9 +32,10 @@ Contract
   worker gets the plain body without the header; other encodings get 415 ``unsupported_content_encoding``.
 - Model-aware: a request naming a ``model`` goes only to workers serving it (:mod:`dplb.router.models`); when
   every worker's list is known and none has it: 404 ``model_not_found`` listing the served names.
-- ``/v1/responses``: the id of each created response is remembered with its worker (:class:`ResponseIds`);
-  ``GET /v1/responses/{id}``, ``POST …/{id}/cancel`` and a request with ``previous_response_id`` go to that worker
-  (with ``--tenants``, only for the tenant that created it: :mod:`dplb.router.ownership`).
+- ``/v1/responses``: the id of each created response is remembered with its worker (:class:`ResponseIds`, shared
+  by every router process on the segment); ``GET /v1/responses/{id}``, ``POST …/{id}/cancel`` and a request with
+  ``previous_response_id`` go to that worker (with ``--tenants``, only for the tenant that created it:
+  :mod:`dplb.router.ownership`).
 - With ``sse_keepalive_s``, an SSE response gets ``: keep-alive`` comment lines after that many seconds of worker
   silence, only between events.
 """
@@ -65,6 +66,7 @@ from dplb.router.state import RouterState
 from dplb.router.tenancy import Gate
 from dplb.router.upstream import UpstreamPool
 from dplb.runtime.serving import DISCONNECT_EXT
+from dplb.state.response_rings import ResponseRing
 from dplb.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("dplb.router.proxy")
@@ -88,9 +90,14 @@ class Proxy:
         self.state = state
         self.pool = pool
         self.models = models
-        # With tenants, each response id is bound to its tenant too (dplb.router.ownership).
-        owned = OwnedResponseIds(cfg.response_ids) if cfg.tenants_file is not None else None
-        self.response_ids = owned if owned is not None else ResponseIds(cfg.response_ids)
+        # With tenants, each response id is bound to its tenant too (dplb.router.ownership); either map is shared
+        # with the other router processes on the segment through this process's response ring.
+        def rings() -> ResponseRing | None:
+            return state.slots.responses if state.slots is not None else None
+
+        owned = OwnedResponseIds(cfg.response_ids, rings) if cfg.tenants_file is not None else None
+        self.response_ids = owned if owned is not None else ResponseIds(cfg.response_ids, rings)
+        state.on_tick.append(self.response_ids.sync)
         self.metrics = state.metrics
         self.upstreams = Upstreams(cfg, state, pool, self.response_ids)
         # Tenants (the API key, --tenants), their limits, the fair queue and the usage ledger (docs/DESIGN.md §15).

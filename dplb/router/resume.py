@@ -30,7 +30,9 @@ Contract
   prompt_tokens: the delivered text it also caches is not the client's prompt); exactly one ``[DONE]`` ends it.
 - Each stream is resumed at most :data:`MAX_RESUMES` times. A stream not resumed ends as without the flag: a
   final ``data: {"error": …}`` event naming the reason, no ``[DONE]``, an abnormal close; counted in
-  ``dplb_stream_resume_refused_total{reason}`` (reasons: :data:`dplb.obs.metrics.RESUME_REFUSALS`).
+  ``dplb_stream_resume_refused_total{reason}`` (reasons: :data:`dplb.obs.metrics.RESUME_REFUSALS`). The event and
+  the router log say the reason as a phrase (:data:`REFUSAL_PHRASES`, e.g. ``n > 1`` for the label ``n``); the
+  metric label and the trace event keep the short label.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from typing import Any
 import msgspec
 
 from dplb.errors import RouterErrorKind, error_body, event_failure
-from dplb.obs.metrics import RESUME_REFUSALS
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import Exchange
 from dplb.router.health import Outcome
@@ -61,10 +62,29 @@ _KEEPALIVE = b": keep-alive\n\n"
 _ERROR_READ = 4096  # bytes of a refusing worker's body read for its message
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _json = msgspec.json.Encoder().encode
+#: What a client (the error event) and an on-call (the router log) read for each short reason label.
+REFUSAL_PHRASES: dict[str, str] = {
+    "n": "n > 1 or best_of > 1",
+    "logprobs": "logprobs or prompt_logprobs requested",
+    "structured_output": "structured output or guided decoding requested",
+    "tools": "tools offered",
+    "echo": "echo requested",
+    "prompt_not_text": "the prompt is not one string",
+    "continued_message": "the request already continues its final message",
+    "tool_calls": "tool calls were already streamed",
+    "reasoning": "reasoning was already streamed",
+    "max_tokens": "no max_tokens left after the tokens delivered",
+    "body_too_large": "the continuation would exceed --max-body-bytes",
+    "too_many_resumes": f"already resumed {MAX_RESUMES} times",
+    "finished": "the answer had finished and only its usage was lost",
+    "no_worker": "no other worker could take it",
+    "worker_refused": "the other worker refused the continuation",
+}
 
 
 def refusal(chat: bool, fields: _Fields) -> str | None:
-    """Why a stream of this request could not be resumed (a :data:`RESUME_REFUSALS` reason), or None."""
+    """Why a stream of this request could not be resumed (a :data:`dplb.obs.metrics.RESUME_REFUSALS` label), or
+    None."""
     f = fields
     if f.n not in (None, 1) or f.best_of not in (None, 1):
         return "n"
@@ -104,8 +124,8 @@ def track(ex: Exchange) -> ResumeStream | None:
 
 def continuation(body: bytes, chat: bool, text: str, tokens: int, limit: int) -> bytes | str:
     """The request body that continues ``body`` after ``text`` (``tokens`` tokens) was delivered, or the
-    :data:`RESUME_REFUSALS` reason it cannot be built (``max_tokens``: nothing left; ``body_too_large``: over
-    ``limit`` bytes). See the module docstring for what changes."""
+    :data:`dplb.obs.metrics.RESUME_REFUSALS` label why it cannot be built (``max_tokens``: nothing left;
+    ``body_too_large``: over ``limit`` bytes). See the module docstring for what changes."""
     if not text and not tokens:
         return body
     obj = msgspec.json.decode(body)
@@ -390,7 +410,7 @@ class ResumableAttempt(Attempt):
                         s.tokens, e)
         else:  # relayed untracked: what it delivered was not counted
             log.warning("worker %d broke off stream %s, which cannot be resumed (%s) (%s)", self.worker,
-                        self.ex.rid.decode(), s.refused, e)
+                        self.ex.rid.decode(), REFUSAL_PHRASES[s.refused], e)
 
     async def _refused_by_worker(self) -> None:
         """A resumed segment answered with an error (or not a stream): its message ends the client's stream."""
@@ -413,13 +433,14 @@ class ResumableAttempt(Attempt):
 
 
 async def end_stream(up: Upstreams, ex: Exchange, reason: str, message: str) -> None:
-    """End a broken stream that is not resumed: count ``reason``, trace it, send the error event (no ``[DONE]``)."""
-    assert reason in RESUME_REFUSALS, reason
+    """End a broken stream that is not resumed: count ``reason`` (a :data:`dplb.obs.metrics.RESUME_REFUSALS`
+    label), trace it, send the error event naming it as a phrase (:data:`REFUSAL_PHRASES`; no ``[DONE]``)."""
+    phrase = REFUSAL_PHRASES[reason]
     up.metrics.resume_refused.labels(reason).inc()
     ex.trace.resume_refused(reason)
     kind = ex.resume.break_kind if ex.resume is not None else RouterErrorKind.UPSTREAM_FAILED
-    evt = b"data: " + error_body(kind, f"{message}; the stream was not resumed on another worker: {reason}") + b"\n\n"
-    log.warning("stream %s not resumed (%s): %s", ex.rid.decode(), reason, message)
+    evt = b"data: " + error_body(kind, f"{message}; the stream was not resumed on another worker: {phrase}") + b"\n\n"
+    log.warning("stream %s not resumed (%s; reason=%s): %s", ex.rid.decode(), phrase, reason, message)
     if not ex.gone:
         await ex.send({"type": "http.response.body", "body": evt, "more_body": True})
         ex.cut()
@@ -465,5 +486,5 @@ def resumed(up: Upstreams, ex: Exchange, broken: int, worker: int) -> None:
     ex.trace.resumed(broken, s.tokens, len(ex.body))
 
 
-__all__ = ["MAX_RESUMES", "ResumableAttempt", "ResumeStream", "continuation", "end_stream", "prepare", "refusal",
-           "resumed", "track"]
+__all__ = ["MAX_RESUMES", "REFUSAL_PHRASES", "ResumableAttempt", "ResumeStream", "continuation", "end_stream",
+           "prepare", "refusal", "resumed", "track"]

@@ -11,17 +11,20 @@ Contract
 - Request bodies: ``json`` (``Content-Type`` JSON or absent), ``multipart`` (``multipart/form-data``, audio uploads;
   the ``model`` form field is read for model filtering, the prefix key is none), ``none`` (GET).
 - :class:`ResponseIds` remembers which worker created which ``/v1/responses`` id (with ``--tenants``, also which
-  tenant: :mod:`dplb.router.ownership`).
+  tenant: :mod:`dplb.router.ownership`), and shares it with every router process on the segment through the
+  response-id rings (:mod:`dplb.state.response_rings`).
 """
 
 from __future__ import annotations
 
 import collections
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dplb.native import mypyc_attr
+from dplb.state.response_rings import NO_TENANT, ResponseRing, entry_value, id_key, value_worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,29 +129,77 @@ def response_id(head: bytes) -> str | None:
 @mypyc_attr(allow_interpreted_subclasses=True)
 class ResponseIds:
     """Bounded LRU map response id → the worker that created it (``GET /v1/responses/{id}``, ``…/cancel`` and
-    ``previous_response_id`` need that worker: vLLM keeps responses in the memory of the engine that made them).
-    ``capacity`` ids (oldest forgotten first) of at most :data:`MAX_ID_CHARS` characters (a longer one is not kept:
-    the map's memory stays bounded); a forgotten or unknown id is routed by the policy like any request (the worker
-    that does not have it answers its own 404)."""
+    ``previous_response_id`` need that worker: vLLM keeps responses in the memory of the engine that made them),
+    shared by every router process on the segment.
 
-    def __init__(self, capacity: int) -> None:
+    Keyed by :func:`dplb.state.response_rings.id_key` (a 64-bit hash of the id: the module says why, and the odds of
+    a collision); each value is a response ring's value word (the worker, and the tenant tag that
+    :class:`dplb.router.ownership.OwnedResponseIds` fills in). ``capacity`` ids, oldest forgotten first, of at most
+    :data:`MAX_ID_CHARS` characters (a longer one is not kept). ``rings()`` gives this process's response ring (its
+    router slot's, None while it has none): every id remembered is appended to it, and the peers' entries are
+    replayed into the map — before each :meth:`remember` (so this process's own binding of an id is the newest),
+    on a lookup that misses (so the hot path of ordinary requests never reads a ring) and on :meth:`sync` (the
+    router's monitor step: a rebinding by a peer reaches a process that still hits its old entry). A forgotten or
+    unknown id is routed by the policy like any request (the worker that does not have it answers its own 404)."""
+
+    def __init__(self, capacity: int, rings: Callable[[], ResponseRing | None] | None = None) -> None:
         self.capacity = capacity
-        self._map: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._map: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._rings = rings
 
     def remember(self, response_id: str, worker: int, ex: Any = None) -> None:
-        """``worker`` created ``response_id`` (``ex``, the creating request's exchange, is for
-        :class:`dplb.router.ownership.OwnedResponseIds`, which keeps its tenant)."""
+        """``worker`` created ``response_id`` (``ex``, the creating request's exchange: its tenant, :meth:`tag`)."""
         if len(response_id) > MAX_ID_CHARS:
             return
+        key, value = id_key(response_id), entry_value(worker, self.tag(ex))
+        ring = self._rings() if self._rings is not None else None
+        if ring is not None:
+            self._absorb(ring)
+            ring.append(key, value)
+        self._put(key, value)
+
+    def tag(self, ex: Any) -> int:
+        """The tenant tag remembered for a response created by ``ex``: :data:`NO_TENANT` (without tenants)."""
+        return NO_TENANT
+
+    def entry(self, response_id: str) -> int | None:
+        """The value word remembered for ``response_id`` (:func:`dplb.state.response_rings.entry_value`), or None:
+        the local map first; on a miss, the peers' new ring entries are replayed and the map asked again."""
+        key = id_key(response_id)
         m = self._map
-        m[response_id] = worker
-        m.move_to_end(response_id)
-        if len(m) > self.capacity:
-            m.popitem(last=False)
+        v = m.get(key)
+        if v is None and self._rings is not None:
+            ring = self._rings()
+            if ring is not None and self._absorb(ring):
+                v = m.get(key)
+        return v
 
     def worker_of(self, response_id: str) -> int | None:
         """The worker that created ``response_id``, or None when unknown."""
-        return self._map.get(response_id)
+        v = self.entry(response_id)
+        return None if v is None else value_worker(v)
+
+    def sync(self) -> None:
+        """Replay the peers' new ring entries (the router's monitor step)."""
+        ring = self._rings() if self._rings is not None else None
+        if ring is not None:
+            self._absorb(ring)
+
+    def _absorb(self, ring: ResponseRing) -> bool:
+        """Replay ``ring``'s new peer entries into the map; True when there were any."""
+        new = ring.drain()
+        if not new:
+            return False
+        for i in range(0, len(new), 2):
+            self._put(new[i], new[i + 1])
+        return True
+
+    def _put(self, key: int, value: int) -> None:
+        m = self._map
+        m[key] = value
+        m.move_to_end(key)
+        if len(m) > self.capacity:
+            m.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._map)

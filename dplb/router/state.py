@@ -11,8 +11,9 @@ Contract
   count to its router slot (:mod:`dplb.state.router_slots`), and every pick adds the other router processes' published
   correction (N processes behind one port route like one router). Likewise what the policy learns: each pick first
   hands the policy the raw entries the others published in their rings (:meth:`dplb.policy.Policy.absorb`), then
-  publishes what its own pick learnt (``RouteRequest.learned``). The policy is prepared for the request
-  (:meth:`dplb.policy.Policy.prepare`) before the decision is timed.
+  publishes what its own pick learnt (``RouteRequest.learned``); every monitor step also runs the ``on_tick`` hooks
+  (the response-id map's replay of its peers' rings, :mod:`dplb.state.response_rings`). The policy is prepared for
+  the request (:meth:`dplb.policy.Policy.prepare`) before the decision is timed.
 - One log line per worker registration (becomes routable) and deregistration (with the reason).
 - Worker health (ejection for failures, heartbeat hysteresis) is :class:`dplb.router.health.WorkerHealth`, fed
   every snapshot this state reads and, through :meth:`RouterState.report`, every attempt's outcome; its ejected
@@ -42,6 +43,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Final, Protocol
 
 from dplb.config import PolicyConfig, RouterConfig
@@ -113,6 +115,8 @@ class RouterState:
         self._panic: frozenset[int] = frozenset()  # the workers panic routing routes among now (empty: no panic)
         self._pending: Segment | None = None  # a returned segment not routed on yet (see module docstring)
         self._pending_since = 0.0
+        #: Called at every monitor step, after the heartbeat (e.g. the response-id map's replay of its peers' rings).
+        self.on_tick: list[Callable[[], None]] = []
         metrics.init_workers(n)
         metrics.shm_present.set(1 if seg is not None else 0)
 
@@ -336,6 +340,8 @@ class RouterState:
         self.metrics.shm_present.set(1 if self.segment else 0)
         if self.slots is not None:
             self.slots.heartbeat()
+        for hook in self.on_tick:
+            hook()
         snap = self.snapshot()
         if snap is None:
             self._check_panic([], 0, frozenset())  # routing on the fallback: no panic

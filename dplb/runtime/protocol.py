@@ -365,6 +365,15 @@ class BoundedHttpToolsProtocol(Rejection, HttpToolsProtocol):
         elif self._timer is None:
             self._timer = self.loop.call_at(now + self.timeout_keep_alive, self._due)
 
+    def shutdown(self) -> None:
+        """The server's graceful shutdown (uvicorn's, plus): a connection in its lingering close (its answer written,
+        its writing side shut: :mod:`dplb.runtime.conn_timer`) closes at once, as one whose last answer is complete
+        does, instead of holding the shutdown up to the lingering bounds."""
+        if self._linger_until:
+            self.transport.close()
+            return
+        super().shutdown()
+
     def eof_received(self) -> bool | None:  # type: ignore[override]  # (asyncio.Protocol allows True)
         """The client shut its sending side. With ``serve_half_closed`` (the settings), complete requests not
         answered yet are answered, the last one with ``connection: close`` (True: the transport stays open for

@@ -26,9 +26,9 @@ from typing import Final
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError
 
 MAGIC: Final = b"DPLB"
-LAYOUT_VERSION: Final = 5  # 5: a KV ring per worker (dplb.state.kv_rings);
-#                      4: engine progress in each worker slot; 3: KV blocks in each worker slot; 2: router slots, 16
-#                      router entries (docs/DESIGN.md §3)
+LAYOUT_VERSION: Final = 6  # 6: a response-id ring per router slot (dplb.state.response_rings); 5: a KV ring per
+#                      worker (dplb.state.kv_rings); 4: engine progress in each worker slot; 3: KV blocks in each
+#                      worker slot; 2: router slots, 16 router entries (docs/DESIGN.md §3)
 HEADER_SIZE: Final = 4096
 SLOT_SIZE: Final = 192
 MAX_WORKERS: Final = 64
@@ -57,6 +57,10 @@ PREFIX_RING_SIZE: Final = 64 + 8 * PREFIX_RING_ENTRIES  # 65600
 #: KV rings (dplb.state.kv_rings) after the prefix rings, one per worker slot: a 64-byte head + u64 entries.
 KV_RING_ENTRIES: Final = 8192
 KV_RING_SIZE: Final = 64 + 8 * KV_RING_ENTRIES  # 65600
+#: Response-id rings (dplb.state.response_rings) after the KV rings, one per router slot: a 64-byte head + 16-byte
+#: entries.
+RESPONSE_RING_ENTRIES: Final = 4096
+RESPONSE_RING_SIZE: Final = 64 + 16 * RESPONSE_RING_ENTRIES  # 65600
 assert HEADER.size == 160 and HEADER_READ <= HEADER_SIZE
 
 
@@ -83,13 +87,18 @@ class SegmentHeader:
 
 def segment_size(num_workers: int) -> int:
     """Total bytes of a segment with ``num_workers`` worker slots (plus the :data:`MAX_ROUTERS` router slots and
-    prefix rings, about 1 MiB, and one KV ring of 64 KiB per worker)."""
-    return kv_rings_offset(num_workers) + num_workers * KV_RING_SIZE
+    prefix rings, about 1 MiB, one KV ring of 64 KiB per worker and :data:`MAX_ROUTERS` response-id rings, 1 MiB)."""
+    return response_rings_offset(num_workers) + MAX_ROUTERS * RESPONSE_RING_SIZE
 
 
 def kv_rings_offset(num_workers: int) -> int:
     """Offset of worker 0's KV ring in a segment with ``num_workers`` worker slots, bytes."""
     return HEADER_SIZE + num_workers * SLOT_SIZE + MAX_ROUTERS * (ROUTER_SLOT_SIZE + PREFIX_RING_SIZE)
+
+
+def response_rings_offset(num_workers: int) -> int:
+    """Offset of router slot 0's response-id ring in a segment with ``num_workers`` worker slots, bytes."""
+    return kv_rings_offset(num_workers) + num_workers * KV_RING_SIZE
 
 
 def default_segment_path(now_s: int | None = None, pid: int | None = None) -> str:

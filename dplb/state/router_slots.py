@@ -34,6 +34,9 @@ Byte layout (little-endian; after the worker slots, at :func:`routers_offset` = 
       16..63 reserved
       64 + 8·i  u64 entry             prefix block key (dplb.policy.prefix.block_hashes, < 2^42) | (worker + 1) << 56
 
+Each router slot also owns a response-id ring after the KV rings (:mod:`dplb.state.response_rings`, its own byte
+layout): :attr:`RouterSlots.responses`, reset by :meth:`RouterSlots.claim`.
+
 How the prefix index is shared: each process keeps its own :class:`dplb.policy.prefix.PrefixIndex` (the hot path reads
 only local memory) and appends to its ring every block key its index learnt from a pick (new, new for that worker,
 or refreshed after a second: :meth:`PrefixIndex.record`'s return); before each pick a process replays the entries its
@@ -71,8 +74,10 @@ from dplb.state.layout import (
     ROUTER_SLOT_SIZE,
     SLOT_SIZE,
     register_router_fd,
+    segment_size,
     unregister_router,
 )
+from dplb.state.response_rings import ResponseRing
 
 ROUTER_HEAD: Final = struct.Struct("<IHHQQ")  # pid, port, process_index, heartbeat, last_sent (after seq)
 ROUTER_ENTRY: Final = struct.Struct("<IIQ")  # pending, inflight, last_sent
@@ -119,6 +124,8 @@ class RouterSlots:
         #: True when another live router shares the segment (as of the last :meth:`refresh_peers`; an attribute,
         #: not a property: read on every decision).
         self.has_peers = False
+        #: This slot's response-id ring and the reader of the others' (:mod:`dplb.state.response_rings`).
+        self.responses = ResponseRing(mm, num_workers, index)
         self._last_sent = [0] * num_workers
         self._sent_any = 0
         self.pid = os.getpid()
@@ -142,7 +149,7 @@ class RouterSlots:
             index = register_router_fd(fd, port, pid)
             if index is None:
                 raise ValueError("not writable or full")
-            mm = mmap.mmap(fd, routers_offset(num_workers) + routers_size(), access=mmap.ACCESS_WRITE)
+            mm = mmap.mmap(fd, segment_size(num_workers), access=mmap.ACCESS_WRITE)  # up to the response rings
         except (OSError, ValueError):
             os.close(fd)
             return None
@@ -150,6 +157,7 @@ class RouterSlots:
         slots.pid = pid
         slots._write_head(pid, port, process_index, clear=True)
         slots._q[slots._ring_q[index]] = slots._q[slots._ring_q[index] + 1] = 0  # empty: a previous owner's are void
+        slots.responses.reset()
         slots.refresh_peers()
         return slots
 
@@ -267,6 +275,7 @@ class RouterSlots:
         with contextlib.suppress(Exception):
             self._write_head(0, 0, 0, clear=True)
         unregister_router(self.path, self.pid)
+        self.responses.close()
         self._q.release()
         with contextlib.suppress(BufferError):
             self._mm.close()

@@ -9,8 +9,7 @@ Byte layout (little-endian; offsets in bytes)::
     Header, HEADER_SIZE = 4096 bytes (one page), written once by the creator (except the router registry, and the
     model, GPU map and run dir when empty: ``dplb launch`` restores them into a segment recreated at its path)
       0   4s   magic                 b"DPLB"
-      4   u16  layout_version        LAYOUT_VERSION (4; 3 had no engine progress in the slot, 2 no KV block
-                                     figures, 1 had 8 router entries and no router slots)
+      4   u16  layout_version        LAYOUT_VERSION (dplb.state.layout, with the history of the versions)
       6   u16  header_size           4096
       8   u16  num_workers           1..MAX_WORKERS (64)
       10  u16  slot_size             SLOT_SIZE (192)
@@ -64,6 +63,8 @@ Byte layout (little-endian; offsets in bytes)::
     Router slots: 16 × 1088 bytes after the last worker slot, at HEADER_SIZE + num_workers·SLOT_SIZE, one per router
     process (its per-worker in-flight correction and in-flight count), then 16 prefix rings of 65600 bytes (the
     prefix blocks each router process's index learnt, replayed by the others); layout in :mod:`dplb.state.router_slots`.
+    Then a KV-event ring per worker (:mod:`dplb.state.kv_rings`) and a response-id ring per router slot
+    (:mod:`dplb.state.response_rings`); offsets and the segment's size in :mod:`dplb.state.layout`.
 
 Seqlock protocol. Writer: ``seq += 1`` (odd), write the body, ``seq += 1`` (even). Reader: load ``seq`` (retry if
 odd), copy the slot in one slice, load ``seq`` again; retry if it changed; after ``READ_RETRIES`` failed tries the
