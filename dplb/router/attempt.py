@@ -58,6 +58,7 @@ _FAILED_STREAM: Final = Outcome.FAILED_STREAM
 _of_status: Final = Outcome.of_status
 _NO_TRACE: Final = NO_TRACE
 _KEEPALIVE: Final = b": keep-alive\n\n"
+_ERROR_KEY: Final = b'"error"'  # in an SSE error event (dplb.errors.stream_failure parses it)
 _CAPTURE_MAX: Final = 65536  # bytes of an answer searched for its response id
 # Rejections answered before the request body was read.
 _BODY_UNREAD: Final = frozenset({RouterErrorKind.UNAUTHORIZED, RouterErrorKind.METHOD_NOT_ALLOWED,
@@ -333,7 +334,7 @@ class Attempt:
         :attr:`Outcome.FAILED_STREAM` (logged) when it is a stream the worker ended with its own 5xx error event,
         else by its status."""
         status = self.status
-        if self.is_sse and status < 300:
+        if self.is_sse and status < 300 and (_ERROR_KEY in last or _ERROR_KEY in prior):  # (no copy when absent)
             why = stream_failure(prior + last)
             if why is not None:
                 log.warning("worker %d failed stream %s with its own error event (%s); relayed as it is, counted as "
