@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
-from cluster import launched, wait_for
+from cluster import cluster, dplb_cmd, launched, wait_for
 from proc_tags import kill_tagged, new_tag, tagged_env, tagged_procs
 
 from dplb.config import ROUTER_RESTART_AFTER_S
@@ -153,3 +153,28 @@ def test_the_router_restart_default_is_the_router_units_watchdog() -> None:
     """One bound for a frozen router, under the launcher and under systemd."""
     unit = (Path(__file__).parent.parent / "deploy/systemd/dplb-router.service").read_text()
     assert f"\nWatchdogSec={ROUTER_RESTART_AFTER_S:g}\n" in unit
+
+
+def test_a_worker_started_by_hand_whose_parent_left_stops_at_once_on_sigterm(tmp_path: Path) -> None:
+    """Only a worker whose parent made the segment (dplb launch) waits for the routers when its parent is gone: a
+    worker started from a shell that has exited (its parent is not the segment's creator) drains at its SIGTERM
+    while the router still serves, as before."""
+    with cluster(str(tmp_path), 1, start_workers=False, wait_router_ready=False) as c:
+        log = os.path.join(c.run_dir, "worker-0.log")
+        cmd = " ".join(dplb_cmd("worker", "--worker-id", "0", "--uds", c.sock(0), "--metrics-port", "0"))
+        # The shell waits on its stdin while the worker starts (the worker's parent), then exits: orphaned.
+        sh = subprocess.Popen(["sh", "-c", f"{cmd} >{log} 2>&1 & echo $!; read x"], env=c.env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert sh.stdout is not None and sh.stdin is not None
+        pid = int(sh.stdout.readline())
+        try:
+            c.wait_ready(0)
+            sh.stdin.close()
+            sh.wait(10)
+            wait_for(lambda: httpx.get(c.url + "/ready", timeout=2).status_code == 200, 30, "the router ready")
+            os.kill(pid, signal.SIGTERM)
+            wait_for(lambda: process_gone(pid), 15, "the worker to stop while the router serves")
+            assert "is gone; serving while a router" not in Path(log).read_text()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -26,11 +26,11 @@ Contract (docs/DESIGN.md §8, §3)
   exports the figures (``dplb_worker_orphan_requests``, ``dplb_worker_orphan_aborts_total``,
   ``dplb_worker_leaked_inflight``) on the metrics port. The socket's server is the bounded one
   (:func:`dplb.runtime.serving.bounded_protocol`): each request knows its client process and its disconnect.
-- The launcher died (SIGKILL, the OOM killer: the worker's parent-death SIGTERM comes while its parent is no longer
-  the process that started it): the worker keeps serving while a router of the stack still publishes a live
-  heartbeat — the router got the same signal, reports drain for its ``--drain-notice`` and finishes its requests —
-  then drains as on SIGTERM; a second SIGTERM or a SIGINT drains at once. On its way out such a worker removes the
-  segment when it is the stack's last process and the launcher made it
+- The launcher died (SIGKILL, the OOM killer): the worker's parent-death SIGTERM comes when its parent is no longer
+  the process that started it, and that process made the segment (``creator_pid``: ``dplb launch``). The worker then
+  keeps serving while a router of the stack still publishes a live heartbeat — the router got the same signal,
+  reports drain for its ``--drain-notice`` and finishes its requests — and drains after; a second SIGTERM or a
+  SIGINT drains at once. On its way out such a worker removes the segment when it is the stack's last process
   (:func:`dplb.state.segments.remove_abandoned`).
 - A missing segment is a :class:`dplb.errors.ShmMissingError` before anything starts (the CLI prints it).
 - A segment removed or replaced at runtime (a cleanup, ``dplb segment create`` again) does not stop the worker: it
@@ -239,8 +239,11 @@ class Worker:
         """SIGTERM: drain; but the first one after the process that started this worker died (the parent-death
         signal ``dplb launch`` gives its children: the launcher was SIGKILLed) drains only once no router serves on
         the segment any more (:meth:`_drain_after_routers`): the router got the same signal and keeps serving for
-        its ``--drain-notice``, then finishes its requests, with this worker (docs/DESIGN.md §10)."""
-        if self._orphan_wait is not None or self._stop.is_set() or os.getppid() == self._parent:
+        its ``--drain-notice``, then finishes its requests, with this worker (docs/DESIGN.md §10). Only a worker
+        whose parent made the segment (its ``creator_pid``: ``dplb launch``) does so; one started by hand whose
+        shell went away drains at once, as before."""
+        if self._orphan_wait is not None or self._stop.is_set() or os.getppid() == self._parent or \
+                self._parent != self.segment.header.creator_pid:  # not started by the launcher that made the segment
             self._stop.set()
             return
         log.warning("Worker %d: the process that started it (pid %d) is gone; serving while a router of the stack "
