@@ -44,6 +44,11 @@ STALL_AFTER_S = 5.0
 #: launch, systemd) restarts it, and stops pinging systemd's watchdog. Long enough for a transient stall (a slow
 #: NCCL collective, a GPU reset) to clear; 0 = never.
 STALL_RESTART_AFTER_S = 120.0
+#: ``dplb launch --router-restart-after``: a router whose heartbeat in its router slot (refreshed by its monitor every
+#: ≤ 0.5 s) is this old while its process lives — stopped, its event loop blocked — is killed and restarted. The
+#: router unit's ``WatchdogSec`` (deploy/systemd/dplb-router.service), so that a frozen router is replaced as soon
+#: under the launcher as under systemd; 30× the monitor's step, so a loaded box's late ticks never trip it. 0 = never.
+ROUTER_RESTART_AFTER_S = 15.0
 
 
 def worker_server_stop_s(drain_timeout_s: float) -> float:

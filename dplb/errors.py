@@ -6,7 +6,9 @@ message without a traceback (exit code 2 for configuration problems, 1 otherwise
 
 The router's own HTTP errors (OpenAI-shaped JSON bodies with bounded reason codes) are described by
 :class:`RouterErrorKind`. Every OpenAI-shaped error body DPLB sends — the router's, the HTTP edge's, the worker's
-draining refusal, the sim engine's — is built by :func:`openai_error_body` (docs/DESIGN.md §6).
+draining refusal, the sim engine's — is built by :func:`openai_error_body` (docs/DESIGN.md §6). A worker's own
+in-band failure of a stream it had started (vLLM's ``data: {"error": {…, "code": 500}}`` event, then ``[DONE]``) is
+recognised by :func:`event_failure` and :func:`stream_failure`.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ from __future__ import annotations
 import enum
 import errno
 import os
+import re
 import socket
+from typing import Any
 
 import msgspec
 
 _encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.decode
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 
 class DPLBError(Exception):
@@ -274,6 +280,41 @@ def openai_error_body(message: str, type_: str, code: str | int, *, param: bool 
 def error_body(kind: RouterErrorKind, message: str) -> bytes:
     """The OpenAI error body of one of the router's own errors: ``kind``'s type and reason code, ``message``."""
     return openai_error_body(message, kind.type, kind.code)
+
+
+def event_failure(event: Any) -> str | None:
+    """The message of a decoded SSE event that is an engine's in-band failure of the stream — an OpenAI-shaped error
+    object with a numeric ``code`` of 500 or more and no ``choices`` (vLLM's ``create_streaming_error_response``:
+    an engine that died under a live API server, ``EngineDeadError``; a generation that finished with an error) —
+    else None. A 4xx error event (a request the engine refused mid-stream) is not one."""
+    if not isinstance(event, dict) or "choices" in event:
+        return None
+    err = event.get("error")
+    code = err.get("code") if isinstance(err, dict) else None
+    if isinstance(code, int) and not isinstance(code, bool) and code >= 500:
+        return str(err.get("message"))  # type: ignore[union-attr]
+    return None
+
+
+def stream_failure(tail: bytes) -> str | None:
+    """The message of the first in-band failure event (:func:`event_failure`) among the whole SSE events of
+    ``tail`` — the last bytes of a stream, e.g. its last two chunks: vLLM sends the error event and then
+    ``data: [DONE]`` as two chunks of a response that otherwise ends cleanly — or None. Cheap when there is none:
+    one substring search before anything is parsed."""
+    if b'"error"' not in tail:
+        return None
+    start = 0
+    for m in _EVENT_END.finditer(tail):
+        ev, start = tail[start:m.start()], m.end()
+        if not ev.startswith(b"data:"):
+            continue
+        try:
+            msg = event_failure(_decode(ev[5:]))
+        except msgspec.DecodeError:
+            continue
+        if msg is not None:
+            return msg
+    return None
 
 
 def worker_stalled_message(worker: int, stall_after_s: float, others: int) -> str:

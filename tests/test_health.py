@@ -107,6 +107,8 @@ EJECTION = [
     ("a success resets the streak", [F, F, OK, F, F], False, 0),
     ("timeouts, broken and unanswered connections are failures",
      [Outcome.TIMEOUT, Outcome.BROKEN, Outcome.NO_ANSWER], True, 1),
+    ("streams the worker failed with its own error event are failures", [Outcome.FAILED_STREAM] * MAX_FAILS, True,
+     1),
     ("503 (queue full) and 4xx are not failures", [Outcome.FULL, Outcome.UPSTREAM_4XX] * 5, False, 0),
     ("503 and 4xx reset the streak", [F, F, Outcome.FULL, F, F, Outcome.UPSTREAM_4XX, F], False, 0),
     ("a draining refusal or an early client disconnect says nothing",
@@ -175,7 +177,8 @@ def test_outcome_of_a_complete_response(status: int, outcome: Outcome) -> None:
 
 def test_only_complete_responses_keep_the_connection_and_only_answered_attempts_are_timed() -> None:
     for o in Outcome:
-        assert o.reusable == (o in (Outcome.OK, Outcome.UPSTREAM_4XX, Outcome.UPSTREAM_5XX, Outcome.FULL)), o
+        assert o.reusable == (o in (Outcome.OK, Outcome.UPSTREAM_4XX, Outcome.UPSTREAM_5XX, Outcome.FULL,
+                                    Outcome.FAILED_STREAM)), o
     # Attempts that never reached the worker's answer phase record no duration.
     assert {o for o in Outcome if o.recorded is None} == {Outcome.UNREACHABLE, Outcome.DRAINING, Outcome.NO_ANSWER}
 

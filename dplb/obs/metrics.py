@@ -139,7 +139,8 @@ SHM_ERROR_LABELS = (("attach", "ShmMissingError"), ("attach", "ShmLayoutError"),
                     ("read", "segment_removed"))
 LIFECYCLE_STATES = ("unset", "starting", "warming", "ready", "draining", "stopped")
 #: ok (2xx), client_error (4xx of the worker), rejected (the router's 401/403/429), server_error (5xx, the router's
-#: 503s included: what an availability SLO counts as bad), cancelled (the client left first).
+#: 503s included, and a 200 stream that failed: cut, or ended by the worker's own error event — what an availability
+#: SLO counts as bad), cancelled (the client left first).
 TENANT_OUTCOMES = ("ok", "client_error", "rejected", "server_error", "cancelled")
 OUTCOMES = ("ok", "upstream_error", "upstream_4xx", "upstream_5xx", "client_disconnect", "timeout", "stalled")
 

@@ -44,9 +44,9 @@ class TenantMetrics:
                              "(outcome ok), seconds.", lt, buckets=REQUEST_BUCKETS, registry=registry)
         self.queued = Gauge(TENANT_QUEUED, "Requests waiting in the router's fair queue, by tenant.", ["tenant"],
                             registry=registry)
-        self.slo_events = Counter(TENANT_SLO_EVENTS, "Requests counted by a class's SLO: availability (bad = a 5xx), "
-                                  "ttft (streamed requests only; bad = TTFT over the class's ttft_s), by result "
-                                  "good/bad.",
+        self.slo_events = Counter(TENANT_SLO_EVENTS, "Requests counted by a class's SLO: availability (bad = a 5xx, "
+                                  "or a 200 stream that failed: cut, or ended by the worker's error event), ttft "
+                                  "(streamed requests only; bad = TTFT over the class's ttft_s), by result good/bad.",
                                   ["tenant", "priority", "slo", "result"], registry=registry)
         self.slo_objective = Gauge(TENANT_SLO_OBJECTIVE, "A priority class's SLO target from the tenants file (0-1).",
                                    ["priority", "slo"], registry=registry)

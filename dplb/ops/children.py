@@ -4,7 +4,8 @@ log (docs/DESIGN.md §10).
 
 Contract: a child's log is appended to, never truncated; each launcher run starts with a :data:`_RUN_MARK` line so
 :meth:`Child.log_tail` shows only this run's lines. Restart backoff starts at :data:`BACKOFF_START_S` and doubles up
-to :data:`BACKOFF_MAX_S` (the launcher applies it).
+to :data:`BACKOFF_MAX_S` (the launcher applies it). A child with ``shm`` (a worker: its engine's shared-memory files,
+:mod:`dplb.ops.shm_leftovers`) has what its processes mapped turned into removal candidates when it is reaped.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from dplb.ops.placement import preexec
+from dplb.ops.shm_leftovers import ShmLeftovers
 from dplb.runtime.procs import die_with_parent, reap_group
 
 log = logging.getLogger("dplb.launch")
@@ -41,6 +43,7 @@ class Child:
     ever_ready: bool = False
     extra: dict[str, object] = field(default_factory=dict)
     cpus: tuple[int, ...] = ()  # pinned to these CPUs before exec (dplb.ops.placement); () = not pinned
+    shm: ShmLeftovers | None = None  # the /dev/shm files its processes map (a worker's engine), removed when reaped
 
     def start(self) -> None:
         with open(self.log_path, "ab") as f:
@@ -65,9 +68,18 @@ class Child:
                 os.kill(self.proc.pid, sig)
 
     def reap(self) -> None:
-        """After the process exited: kill what it left in its process group (an engine's own children)."""
+        """After the process exited: kill what it left in its process group (an engine's own children); what its
+        processes mapped in ``/dev/shm`` becomes a removal candidate (:meth:`ShmLeftovers.sweep` removes it once
+        nothing uses it)."""
         if self.proc is not None and self.proc.poll() is not None and reap_group(self.proc.pid):
             log.info("%s: killed the processes it left behind (process group %d)", self.name, self.proc.pid)
+        if self.shm is not None:
+            self.shm.reaped()
+
+    def watch(self) -> None:
+        """While it runs: note the shared-memory files its processes map (every few seconds at most)."""
+        if self.shm is not None and self.proc is not None and self.alive():
+            self.shm.record(self.proc.pid)
 
     def log_tail(self, n: int = 20) -> str:
         """The last ``n`` lines this launcher's run wrote (earlier runs in the same run dir are left out)."""

@@ -13,17 +13,25 @@ Contract
   30 s; reset after 60 s of uptime), after what it left in its process group is killed (a vLLM worker's
   ``EngineCore`` outlives a SIGKILLed worker). A worker whose engine stays stalled ``--stall-restart-after`` seconds
   exits by itself (:mod:`dplb.worker.process`) and is restarted the same way; one that publishes nothing that long
-  while its process lives (SIGSTOPped, its collector wedged) is killed (its process group) and restarted. A worker
-  that fails before ever becoming ready ``--max-start-failures`` times in a row stops the launch with its log tail.
+  while its process lives (SIGSTOPped, its collector wedged) is killed (its process group) and restarted, and so is
+  a router whose router slot's heartbeat is ``--router-restart-after`` seconds old (logged; restarts counted in the
+  log). A worker that fails before ever becoming ready ``--max-start-failures`` times in a row stops the launch with
+  its log tail.
 - The segment is followed (:class:`dplb.state.follow.SegmentFollower`): removed (a cleanup), its mapping is dropped
   and the frozen-worker watchdog is off (it never judges heartbeats that stopped because the workers lost the
   file); recreated at the same path (``dplb segment create``, the runbook's mitigation), the new file is mapped,
   the header fields it lacks (model, GPU map, run dir) are restored, and the watchdog judges the new slots (a worker
   ready before that has re-published nothing into it ``--stall-restart-after`` seconds later is frozen too). One
   WARNING line when it goes, one INFO line when it is back.
+- A worker's engine killed (its process group reaped after the worker exited) leaves ``/dev/shm/psm_*`` files:
+  those its processes were seen mapping are removed once no process has them open or mapped
+  (:mod:`dplb.ops.shm_leftovers`).
 - Ctrl-C / SIGTERM: SIGTERM to every worker (they drain) and the router, wait up to the drain timeout, SIGKILL what
   is left (each child's process group too), then remove the sockets, the segment and the run directory it created.
   Nothing is left in /dev/shm.
+- The launcher itself SIGKILLed: its children's parent-death SIGTERM stops them as a SIGTERM of the launcher would
+  (the router's drain notice with the workers serving; :mod:`dplb.worker.process`) and the last of them removes the
+  segment (:func:`dplb.state.segments.remove_abandoned`).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import time
 import urllib.request
 
 from dplb import native
-from dplb.config import STALL_RESTART_AFTER_S
+from dplb.config import ROUTER_RESTART_AFTER_S, STALL_RESTART_AFTER_S
 from dplb.errors import ConfigError
 from dplb.flags import flag_number, flag_port_or_off
 from dplb.ops.checks import (
@@ -59,6 +67,8 @@ from dplb.ops.children import BACKOFF_MAX_S, BACKOFF_START_S, Child
 from dplb.ops.doctor import check_run_dir
 from dplb.ops.placement import add_placement_args, host_placement
 from dplb.ops.plan import cuda_visible_devices, plan_gpus
+from dplb.ops.shm_leftovers import ShmLeftovers
+from dplb.ops.watchdog import kill_if_router_frozen, kill_if_worker_frozen
 from dplb.router.cli import add_router_args, router_config
 from dplb.router.supervisor import child_env
 from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
@@ -70,6 +80,7 @@ from dplb.worker.engines import sim_config
 
 log = logging.getLogger("dplb.launch")
 STABLE_S = 60.0  # a child up this long has its restart backoff reset
+SHUTDOWN_SWEEP_S = 3.0  # at stop, how long leftover engine shared memory is waited for (the killed processes exit)
 
 
 def try_line(url: str, model: str, api_key: str | None, tenants_file: str | None, env_key: str | None) -> str:
@@ -195,7 +206,7 @@ class Launcher:
                 argv += ["--tensor-parallel-size", str(len(group))]
             argv += self.engine_args + self.per_worker_args.get(k, [])
             self.workers.append(Child(f"worker {k}", argv, wenv, os.path.join(self.run_dir, f"worker-{k}.log"),
-                                      cpus=self.placement.workers[k]))
+                                      cpus=self.placement.workers[k], shm=ShmLeftovers(f"worker {k}")))
         # The router gets its validated configuration whole (JSON in $DPLB_ROUTER_CONFIG), not re-emitted flags.
         rargv = _dplb("--log-level", self.args.log_level, "router", "--config-env")
         renv = child_env(self.router_cfg, env)
@@ -271,9 +282,12 @@ class Launcher:
                     if s.lifecycle == Lifecycle.READY and s.pid == w.proc.pid:  # this process's own slot
                         w.ever_ready = True
                         w.start_failures = 0
+                if w.shm is not None and w.shm.pending:
+                    w.shm.sweep()  # what a killed engine left in /dev/shm, once nothing uses it
                 if w.alive() or self.stopping:
+                    w.watch()
                     if seg is not None and w.ever_ready and not self.stopping:
-                        self._kill_if_frozen(seg, k, w)
+                        kill_if_worker_frozen(seg, k, w, self.args.stall_restart_after, self.segment.attached_at)
                     continue
                 if w.next_start == 0.0:  # just exited: schedule a restart
                     w.reap()
@@ -293,6 +307,8 @@ class Launcher:
                     w.start()
                     log.info("%s restarted (restart #%d)", w.name, w.restarts)
             r = self.router
+            if seg is not None and r.ever_ready and r.alive():
+                kill_if_router_frozen(seg, r, self.args.router_restart_after)
             if not r.alive() and not self.stopping:
                 r.reap()
                 rc = r.proc.returncode if r.proc else None
@@ -302,7 +318,9 @@ class Launcher:
                 time.sleep(min(r.backoff_s, 5))
                 r.backoff_s = min(BACKOFF_MAX_S, r.backoff_s * 2)
                 r.ever_ready = False
+                r.restarts += 1
                 r.start()
+                log.info("router restarted (restart #%d)", r.restarts)
             if not r.ever_ready and r.alive() and _http_ok(self._local_url() + "/health"):
                 r.ever_ready = True
                 r.start_failures = 0
@@ -312,32 +330,6 @@ class Launcher:
                       file=sys.stderr, flush=True)
             time.sleep(0.1)
         return 0
-
-    def _kill_if_frozen(self, seg: Segment, k: int, w: Child) -> None:
-        """Kill worker ``k``'s process group when its own slot's heartbeat in ``seg`` (the segment now at the path,
-        never a removed one) has been stale ``--stall-restart-after`` seconds while its process lives (stopped, or
-        its collector wedged): such a worker cannot exit by itself, as a stalled one does
-        (:mod:`dplb.worker.process`), and under systemd the watchdog does the same. In a recreated segment, a slot
-        still unwritten that long after it was attached counts the same (the worker never re-published). The exit
-        is then restarted like any other."""
-        limit = self.args.stall_restart_after
-        assert self.segment is not None and w.proc is not None
-        if limit <= 0:
-            return
-        s = seg.read(k)
-        if s.torn:
-            return
-        if not s.pid and not s.heartbeat_mono_ns:  # nothing published into this (recreated) segment yet
-            age_s = time.monotonic() - max(self.segment.attached_at, w.started_at)
-        elif s.pid != w.proc.pid or not s.heartbeat_mono_ns:
-            return
-        else:
-            age_s = (time.monotonic_ns() - s.heartbeat_mono_ns) / 1e9
-        if age_s > limit:
-            log.warning("%s published nothing for %.0f s (--stall-restart-after %g) though its process lives "
-                        "(stopped or wedged); killing it to restart it", w.name, age_s, limit)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(w.proc.pid, signal.SIGKILL)
 
     def _gives_up(self, c: Child, rc: int | None) -> bool:
         """Count an exit before ``c`` ever became ready; True (after printing its log tail) once that happened
@@ -379,6 +371,7 @@ class Launcher:
                 w.signal(signal.SIGKILL)
                 w.proc.wait(5)
             w.reap()
+        _sweep(self.workers, SHUTDOWN_SWEEP_S)
         if self.router is not None:
             self.router.signal(signal.SIGTERM)
             if self.router.proc is not None:
@@ -415,6 +408,19 @@ class Launcher:
             os.unlink(path)
             return f"segment {path} (recreated while running) removed"
         return f"segment at {path} left in place (not ours: {info.describe()})"
+
+
+def _sweep(workers: list[Child], within_s: float) -> None:
+    """Remove what the workers' killed engines left in /dev/shm (:mod:`dplb.ops.shm_leftovers`), trying for up to
+    ``within_s`` seconds while the killed processes go away."""
+    deadline = time.monotonic() + within_s
+    while True:
+        pending = [w.shm for w in workers if w.shm is not None and w.shm.pending]
+        for shm in pending:
+            shm.sweep()
+        if not pending or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
 
 
 def _restored(fields: list[str]) -> str:
@@ -468,6 +474,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stall-restart-after", type=flag_number, default=STALL_RESTART_AFTER_S, metavar="S",
                    help="a worker stalled (--stall-after) S seconds since its engine's last progress exits and is "
                    f"restarted, its engine processes killed (default {STALL_RESTART_AFTER_S:g}; 0 = never)")
+    p.add_argument("--router-restart-after", type=flag_number, default=ROUTER_RESTART_AFTER_S, metavar="S",
+                   help="a router whose heartbeat in the segment is S seconds old while its process lives (stopped, "
+                   "its event loop blocked) is killed and restarted, like a frozen worker (default "
+                   f"{ROUTER_RESTART_AFTER_S:g}, the router unit's WatchdogSec; 0 = never)")
     p.add_argument("--remove-logs", action="store_true", help="remove the run directory and its logs on exit")
     p.add_argument("--worker-args", action="append", metavar="K=ARGS",
                    help="extra engine arguments for worker K only, after the shared ones (repeatable), e.g. "

@@ -14,6 +14,10 @@ Contract
 - A worker that breaks off mid-response: an SSE stream gets a final ``data: {"error": …}`` event and is left
   without its terminating chunk (the server closes the connection abnormally); other bodies are cut. A client that
   leaves makes the attempt abort the worker connection (the engine aborts the request).
+- A stream the worker itself ends with a 5xx error event (:func:`dplb.errors.stream_failure`: vLLM's engine died
+  under its API server, which sends the event, then ``data: [DONE]``, then a clean end) is relayed unchanged — the
+  worker's own answer — and accounted as :attr:`Outcome.FAILED_STREAM`. The relay only keeps a reference to each
+  of the last two chunks; they are looked at once, when the response completes (:meth:`Attempt.stream_end`).
 - :class:`Upstreams` is what every attempt of a router process shares (configuration, pool, state, metric
   children) and the router's own error responses (:meth:`Upstreams.reject`).
 - Tracing is the request's hooks (:mod:`dplb.obs.tracing`) called on this same path.
@@ -27,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, Final
 
 from dplb.config import RouterConfig
-from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body, worker_stalled_message
+from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body, stream_failure, worker_stalled_message
 from dplb.obs.fastmetrics import HistogramChild
 from dplb.obs.tracing import NO_TRACE
 from dplb.router.exchange import Exchange, response_headers
@@ -50,9 +54,11 @@ _perf_counter: Final = time.perf_counter
 _NO_ANSWER: Final = Outcome.NO_ANSWER
 _DRAINING: Final = Outcome.DRAINING
 _BROKEN: Final = Outcome.BROKEN
+_FAILED_STREAM: Final = Outcome.FAILED_STREAM
 _of_status: Final = Outcome.of_status
 _NO_TRACE: Final = NO_TRACE
 _KEEPALIVE: Final = b": keep-alive\n\n"
+_ERROR_KEY: Final = b'"error"'  # in an SSE error event (dplb.errors.stream_failure parses it)
 _CAPTURE_MAX: Final = 65536  # bytes of an answer searched for its response id
 # Rejections answered before the request body was read.
 _BODY_UNREAD: Final = frozenset({RouterErrorKind.UNAUTHORIZED, RouterErrorKind.METHOD_NOT_ALLOWED,
@@ -197,6 +203,8 @@ class Attempt:
                     up.pool.release(conn)  # complete response: kept if the connection is keep-alive
                 else:
                     conn.abort()
+            if ex.tenant is not None:  # the last attempt decides what the tenant's ledger counts
+                ex.tenant.failed = outcome.failed
             end = _perf_counter()
             t_first = self.t_first
             up.state.report(self.worker, outcome, end - ex.t_start, None if t_first is None else t_first - ex.t_start)
@@ -314,9 +322,9 @@ class Attempt:
         keepalive = cfg.sse_keepalive_s if self.is_sse else 0.0
         try:
             if capture is None and not keepalive and ex.tenant is None:
-                await self._relay_plain(conn.chunks(cfg.idle_timeout_s))
+                prior, last = await self._relay_plain(conn.chunks(cfg.idle_timeout_s))
             else:
-                await self._relay_hooked(conn.chunks(cfg.idle_timeout_s, keepalive), capture, keepalive)
+                prior, last = await self._relay_hooked(conn.chunks(cfg.idle_timeout_s, keepalive), capture, keepalive)
         except UpstreamError as e:
             await self._broken(e)
             return
@@ -324,25 +332,45 @@ class Attempt:
             self.outcome = Outcome.CLIENT_LEFT
             return
         await ex.send({"type": "http.response.body", "body": b"", "more_body": False})
-        self.outcome = _of_status(self.status)
+        self.outcome = self.stream_end(prior, last)
 
-    async def _relay_plain(self, chunks: AsyncIterator[bytes]) -> None:
+    def stream_end(self, prior: bytes, last: bytes) -> Outcome:
+        """The outcome of a response the worker completed, whose last two body chunks were ``prior`` and ``last``:
+        :attr:`Outcome.FAILED_STREAM` (logged) when it is a stream the worker ended with its own 5xx error event,
+        else by its status."""
+        status = self.status
+        if self.is_sse and status < 300 and (_ERROR_KEY in last or _ERROR_KEY in prior):  # (no copy when absent)
+            why = stream_failure(prior + last)
+            if why is not None:
+                log.warning("worker %d failed stream %s with its own error event (%s); relayed as it is, counted as "
+                            "an upstream error", self.worker, self.ex.rid.decode(), why)
+                return _FAILED_STREAM
+        return _of_status(status)
+
+    async def _relay_plain(self, chunks: AsyncIterator[bytes]) -> tuple[bytes, bytes]:
         """The body loop when no feature looks at the chunks: each one is sent as it came (the common case, kept
-        to the few operations per chunk it needs)."""
+        to the few operations per chunk it needs). Returns the last two chunks (for :meth:`stream_end`)."""
         ex = self.ex
         send = ex.send
+        prior = last = b""
         async for chunk in chunks:
             if ex.gone:
                 break
             if self.t_first is None:
                 self.t_first = _perf_counter()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            prior = last
+            last = chunk
+        return prior, last
 
-    async def _relay_hooked(self, chunks: AsyncIterator[bytes], capture: bytes | None, keepalive: float) -> None:
-        """The body loop with keep-alive comments, the response-id capture and the tenant's meter."""
+    async def _relay_hooked(self, chunks: AsyncIterator[bytes], capture: bytes | None,
+                            keepalive: float) -> tuple[bytes, bytes]:
+        """The body loop with keep-alive comments, the response-id capture and the tenant's meter. Returns the
+        last two chunks the worker sent (for :meth:`stream_end`)."""
         ex = self.ex
         send = ex.send
         at_boundary = True  # a keep-alive comment may only go between SSE events
+        prior = last = b""
         async for chunk in chunks:
             if ex.gone:
                 break
@@ -352,6 +380,8 @@ class Attempt:
                 continue
             if self.t_first is None:
                 self.t_first = _perf_counter()
+            prior = last
+            last = chunk
             if ex.tenant is not None and not (chunk := ex.tenant.chunk(chunk)):
                 continue  # held back until its SSE event is complete (dplb.router.usage)
             if capture is not None:
@@ -359,6 +389,7 @@ class Attempt:
             if keepalive:
                 at_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        return prior, last
 
     async def _broken(self, e: UpstreamError) -> None:
         """The worker broke off mid-body: end an SSE stream with an error event; the response stays incomplete

@@ -296,9 +296,11 @@ def _cmd_router(args: argparse.Namespace, rest: list[str]) -> int:
 
             for h in logging.getLogger().handlers:
                 h.setFormatter(logging.Formatter(LOG_FORMAT.replace("%(name)s", f"%(name)s[{args.process_index}]")))
-        if args.process_index is None and cfg.processes > 1:
-            return run_group(cfg, args.log_level)
-        return run_async(run_router(cfg))
+            return run_async(run_router(cfg))
+        parent = os.getppid()  # dplb launch, which made the segment
+        rc = run_group(cfg, args.log_level) if cfg.processes > 1 else run_async(run_router(cfg))
+        _remove_abandoned(cfg.shm_path, parent)
+        return rc
     interval = args.state_interval_ms
     shm_path = args.shm_path or os.environ.get(ENV_SHM_PATH)
     if interval is None and shm_path and os.path.exists(shm_path):
@@ -309,3 +311,18 @@ def _cmd_router(args: argparse.Namespace, rest: list[str]) -> int:
     if cfg.processes > 1:
         return run_group(cfg, args.log_level)
     return run_async(run_router(cfg))
+
+
+def _remove_abandoned(shm_path: str | None, parent: int) -> None:
+    """The router ``dplb launch`` started stops after the launcher died (its parent-death SIGTERM): remove the
+    segment when this is the stack's last process (:func:`dplb.state.segments.remove_abandoned`; the workers,
+    which wait for the router to stop, are usually the last)."""
+    if not shm_path or os.getppid() == parent:
+        return
+    from dplb.state.segments import remove_abandoned
+
+    if remove_abandoned(shm_path, parent):
+        import logging
+
+        logging.getLogger("dplb.router").info("removed the segment %s (its launcher, pid %d, is gone and no other "
+                                              "process uses it)", shm_path, parent)

@@ -15,7 +15,9 @@ Contract
   response head reached the client, a first-byte timeout, a close, a stall or a ``503 worker_draining``
   (:meth:`Attempt.resume`, then the proxy's retry).
 - :class:`DirectAttempt` relays the worker's answer from the upstream connection's callbacks
-  (:class:`dplb.router.upstream.Sink`): the head, each chunk, the end, in one client write per socket read. The
+  (:class:`dplb.router.upstream.Sink`): the head, each chunk, the end, in one client write per socket read. It
+  keeps a reference to each of the last two chunks, looked at once at the end (a stream the worker failed with its
+  own error event: :meth:`dplb.router.attempt.Attempt.stream_end`). The
   first-byte and idle timeouts are deadlines checked by the worker connection's one timer
   (:meth:`dplb.router.upstream.UpstreamConn.wake_by`), which outlives the request: no timer per request. A
   worker that breaks off mid-body ends an SSE stream with the same error event and cuts the connection; a client
@@ -59,7 +61,6 @@ _RESPONSES: Final = "/v1/responses"
 _perf_counter: Final = time.perf_counter
 _BROKEN: Final = Outcome.BROKEN
 _CLIENT_LEFT_EARLY: Final = Outcome.CLIENT_LEFT_EARLY
-_of_status: Final = Outcome.of_status
 
 #: ``(ex, work)`` → a coroutine that runs ``work`` as the ASGI path runs a proxied request (its error handling and
 #: HTTP metrics: :meth:`dplb.router.app.RouterApp.serve_proxy`).
@@ -182,7 +183,7 @@ class DirectAttempt(Attempt, Sink):
     """An :class:`Attempt` relayed from callbacks: ``begin`` sends the request on the pooled ``conn``; the
     connection's :class:`dplb.router.upstream.Sink` calls do the rest."""
 
-    __slots__ = ("clock", "deadline", "hook", "idle_s", "lane", "out", "start")
+    __slots__ = ("clock", "deadline", "hook", "idle_s", "lane", "last", "out", "prior", "start")
 
     def __init__(self, lane: DirectLane, ex: Exchange, worker: int, conn: UpstreamConn, cycle: LaneCycle,
                  start: Callable[[Any], None], hook: DisconnectHook) -> None:
@@ -195,6 +196,7 @@ class DirectAttempt(Attempt, Sink):
         self.idle_s = lane.idle_s
         self.clock = conn.clock
         self.deadline = 0.0  # loop time of the first-byte timeout, then of the idle timeout
+        self.prior = self.last = b""  # the last two body chunks (looked at once, by stream_end)
 
     def begin(self) -> None:
         """Send the request, then acquire the worker (nothing can run in between: the next decision sees it) and
@@ -247,12 +249,14 @@ class DirectAttempt(Attempt, Sink):
                 self.t_first = _perf_counter()
             self.out.body(chunk)
             self.deadline = self.clock() + self.idle_s
+            self.prior = self.last
+            self.last = chunk
         except Exception as e:
             self.crash(e)
 
     def complete(self) -> None:
         try:
-            self.outcome = _of_status(self.status)
+            self.outcome = self.stream_end(self.prior, self.last)
             self.out.end(self._done)  # accounted once the client has its bytes, before a pipelined request starts
         except Exception as e:
             self.crash(e)

@@ -5,7 +5,9 @@ Contract
 - :class:`Outcome` is the vocabulary: every upstream attempt ends in exactly one member, and the member alone says
   whether the worker connection may be reused, what it tells this module about the worker (:class:`Verdict`) and
   which ``outcome`` label its duration is recorded under in ``dplb_upstream_request_duration_seconds`` (none for an
-  attempt that never reached a worker's answer phase). :meth:`Outcome.of_status` classifies a complete response.
+  attempt that never reached a worker's answer phase). :meth:`Outcome.of_status` classifies a complete response;
+  a complete stream that the worker ended with its own 5xx error event (vLLM's engine died under its API server:
+  the event, then ``[DONE]``, then a clean end) is :attr:`Outcome.FAILED_STREAM`, a failure like a broken one.
 - Ejection (passive health check, like nginx's ``max_fails``): :data:`MAX_FAILS` failures in a row (a 5xx other
   than 503, a timeout, a broken or unanswered connection) or one refused connection eject a worker for
   :data:`UNREACHABLE_S` seconds, or until it publishes a different pid (it restarted); failures reported while it
@@ -61,6 +63,9 @@ class Outcome(enum.Enum):
     TIMEOUT = ("timeout", False, Verdict.FAILURE)  # first byte or idle between chunks
     NO_ANSWER = (None, False, Verdict.FAILURE)  # closed (or the attempt failed) before the response head
     BROKEN = ("upstream_error", False, Verdict.FAILURE)  # closed or failed mid-response
+    # A complete stream the worker itself failed with a 5xx error event (dplb.errors.stream_failure): the bytes are
+    # the worker's and were relayed unchanged, the connection is sound, the request failed.
+    FAILED_STREAM = ("upstream_error", True, Verdict.FAILURE)
     DRAINING = (None, False, Verdict.NONE)  # ``503 worker_draining`` refusal: nothing was generated
     CLIENT_LEFT_EARLY = ("client_disconnect", False, Verdict.NONE)  # before the worker's answer began
     CLIENT_LEFT = ("client_disconnect", False, Verdict.SUCCESS)  # mid-response
@@ -78,6 +83,9 @@ class Outcome(enum.Enum):
     verdict: Verdict
     #: True when the attempt's end-to-end time is a sample of the policy's latency baseline (:attr:`OK` only).
     latency_sample: bool
+    #: True when the client got a failure from this attempt, whatever status its head said (a stream cut, failed
+    #: by the worker's error event, timed out or stalled; a 5xx): what a tenant's availability SLO counts as bad.
+    failed: bool
 
     @staticmethod
     def of_status(status: int) -> Outcome:
@@ -94,6 +102,7 @@ def _member_attributes() -> None:
     for o in Outcome:
         o.recorded, o.reusable, o.verdict = o.value
         o.latency_sample = o is Outcome.OK
+        o.failed = o.verdict is Verdict.FAILURE or o is Outcome.STALLED
 
 
 _member_attributes()

@@ -44,7 +44,7 @@ from typing import Any
 
 import msgspec
 
-from dplb.errors import RouterErrorKind, error_body
+from dplb.errors import RouterErrorKind, error_body, event_failure
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import Exchange
 from dplb.router.health import Outcome
@@ -226,12 +226,11 @@ class ResumeStream:
             return ev
         if not isinstance(obj, dict):
             return ev
-        err = obj.get("error")
-        if err is not None and "choices" not in obj:
-            code = err.get("code") if isinstance(err, dict) else None
-            if isinstance(code, int) and code >= 500:
-                self.broken = f"the worker failed the stream: {err.get('message')}"
-                return None
+        failure = event_failure(obj)
+        if failure is not None:
+            self.broken = f"the worker failed the stream: {failure}"
+            return None
+        if obj.get("error") is not None and "choices" not in obj:
             return ev
         stitch = self.resumes > 0 and self.id is not None
         keep = self._choices(obj.get("choices"), stitch)

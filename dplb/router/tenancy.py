@@ -425,8 +425,8 @@ class Gate:
         if usage is None and self.fq is not None and tk.charged:  # no engine count: keep what was seen produced
             self.fq.charge(t.name, t.weight, 0, (m.events if m is not None else 0) - tk.charged)
         status = ex.status
-        outcome = ("cancelled" if ex.gone or status in (0, 499) else "ok" if status < 400 else
-                   "server_error" if status >= 500 else "rejected" if status in (401, 403, 429) and not tk.relayed
+        outcome = ("cancelled" if ex.gone or status in (0, 499) else "server_error" if status >= 500 or tk.failed
+                   else "ok" if status < 400 else "rejected" if status in (401, 403, 429) and not tk.relayed
                    else "client_error")
         self.metrics.requests.labels(t.name, t.priority, outcome).inc()
         end = time.perf_counter()

@@ -4,7 +4,9 @@ ended by the tenant gate (``dplb.router.tenancy``).
 Contract: the attempt calls :meth:`Ticket.head` once with the worker's response head it is about to relay (it may
 add ``x-ratelimit-*`` headers and starts the usage meter for a 2xx) and :meth:`Ticket.chunk` on every body chunk
 (it returns the bytes to relay: the meter may take out a usage event the client did not ask for, and it charges
-the fair queue for output beyond the expected tokens as it is produced).
+the fair queue for output beyond the expected tokens as it is produced). Each attempt, when it is settled, sets
+:attr:`Ticket.failed` from its outcome (the last one counts: a retried or resumed request that ended well is not
+failed).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ class Ticket:
     """One request's tenant state, on :attr:`Exchange.tenant`: ``tenant``, ``rank`` (class), the prompt-token
     estimate, the queue future, the usage meter and timings (perf_counter seconds)."""
 
-    __slots__ = ("cannot", "charged", "counted", "est", "expected", "fq", "fut", "granted_to", "limits", "meter",
-                 "quota", "rank", "relayed", "sse", "strip", "t_first", "tenant", "wait_s", "waiter")
+    __slots__ = ("cannot", "charged", "counted", "est", "expected", "failed", "fq", "fut", "granted_to", "limits",
+                 "meter", "quota", "rank", "relayed", "sse", "strip", "t_first", "tenant", "wait_s", "waiter")
 
     def __init__(self, fq: FairQueue | None, tenant: Tenant, rank: int, limits: TenantLimits | None) -> None:
         self.fq = fq  # the gate's fair queue (None without one), charged for output as it is produced
@@ -48,6 +50,9 @@ class Ticket:
         self.sse = False  # the relayed response is an event stream (its first body byte is the first token)
         self.t_first: float | None = None
         self.wait_s = 0.0
+        # The client got a failure though the status may say 200: its stream was cut, or failed by the worker's own
+        # error event (dplb.router.health.Outcome.failed of the last attempt).
+        self.failed = False
 
     # ---- hooks of the attempt ------------------------------------------------------------------------------
     def head(self, status: int, headers: list[tuple[bytes, bytes]], sse: bool) -> None:

@@ -3,10 +3,16 @@
 A segment is *live* while any process it records is alive: its creator (the launcher, or ``dplb segment create``
 under systemd, which exits at once), a router in its router registry, or a worker that wrote its slot. Only a
 segment with no live process is stale, and only a stale DPLB segment under ``/dev/shm`` is ever suggested for removal.
+
+:func:`remove_abandoned` is how a stack whose ``dplb launch`` died (SIGKILL, the OOM killer) leaves nothing behind:
+its last process removes the segment on the way out. It is called only by a process whose parent was the segment's
+creator and is gone (under systemd the creator is a oneshot and the processes' parent is systemd itself: never).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from dataclasses import dataclass, field
 
@@ -20,7 +26,7 @@ from dplb.state.layout import (
     is_dplb_segment,
     pid_alive,
 )
-from dplb.state.shm import SHM_DIR, Segment, SegmentHeader, list_segments
+from dplb.state.shm import SHM_DIR, Lifecycle, Segment, SegmentHeader, list_segments
 
 
 @dataclass
@@ -112,3 +118,47 @@ def older_layout_live_pids(path: str) -> list[int]:
     pids += [int.from_bytes(raw[o:o + 4], "little") for o in (HEADER_SIZE + k * SLOT_SIZE + 8 for k in range(n))
              if o + 4 <= len(raw)]
     return sorted({p for p in pids if p and pid_alive(p)})
+
+
+def process_gone(pid: int) -> bool:
+    """True when process ``pid`` no longer runs: it does not exist, or it is a zombie (exited, not yet reaped by its
+    parent: it holds no mapping and will never act again)."""
+    if not pid_alive(pid):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):  # gone since, or no /proc: as pid_alive said
+        return False
+
+
+def remove_abandoned(path: str, creator: int) -> bool:
+    """Remove the segment at ``path`` when it was made by process ``creator``, ``creator`` is gone
+    (:func:`process_gone`) and no other process uses it any more: no live router left in its registry (a router
+    leaves it as it stops), no live worker whose slot is not ``stopped`` (a worker writes ``stopped`` as it stops),
+    this process excepted. What the last process of a stack whose ``dplb launch`` died does as it exits (module
+    docstring). Decided and done under the segment file's ``flock`` (the routers' registry lock), so that of the
+    last processes stopping together one removes it; a file that is not a DPLB segment, or not this one any more
+    (another inode at the path), is never touched. Returns True when it removed the file; never raises."""
+    me = os.getpid()
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with Segment.attach(path, writable=False) as seg:
+            if seg.inode != os.fstat(fd).st_ino or seg.header.creator_pid != creator or not process_gone(creator):
+                return False
+            users = [p for p, _ in seg.header.routers if p and p != me and not process_gone(p)]
+            users += [w.pid for w in seg.read_all()
+                      if w.pid and w.pid != me and w.lifecycle != Lifecycle.STOPPED and not process_gone(w.pid)]
+            if users or os.stat(path).st_ino != seg.inode:
+                return False
+            os.unlink(path)
+            return True
+    except (DPLBError, OSError):
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # releases the lock

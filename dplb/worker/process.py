@@ -26,6 +26,12 @@ Contract (docs/DESIGN.md §8, §3)
   exports the figures (``dplb_worker_orphan_requests``, ``dplb_worker_orphan_aborts_total``,
   ``dplb_worker_leaked_inflight``) on the metrics port. The socket's server is the bounded one
   (:func:`dplb.runtime.serving.bounded_protocol`): each request knows its client process and its disconnect.
+- The launcher died (SIGKILL, the OOM killer): the worker's parent-death SIGTERM comes when its parent is no longer
+  the process that started it, and that process made the segment (``creator_pid``: ``dplb launch``). The worker then
+  keeps serving while a router of the stack still publishes a live heartbeat — the router got the same signal,
+  reports drain for its ``--drain-notice`` and finishes its requests — and drains after; a second SIGTERM or a
+  SIGINT drains at once. On its way out such a worker removes the segment when it is the stack's last process
+  (:func:`dplb.state.segments.remove_abandoned`).
 - A missing segment is a :class:`dplb.errors.ShmMissingError` before anything starts (the CLI prints it).
 - A segment removed or replaced at runtime (a cleanup, ``dplb segment create`` again) does not stop the worker: it
   keeps serving (and publishing into its old mapping), the collector notices at its next tick (one ``stat``), logs
@@ -66,6 +72,7 @@ from dplb.runtime.sd_notify import notify
 from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
 from dplb.stack import METRICS_HOST, METRICS_PORT_BASE
 from dplb.state.kv_rings import KvRingWriter
+from dplb.state.segments import remove_abandoned
 from dplb.state.shm import Lifecycle, Segment
 from dplb.worker.collector import Collector
 from dplb.worker.engines.base import TIMED_PATHS, Engine, Reconcilable, RequestStats, RequestStatsMiddleware, Scope
@@ -159,6 +166,8 @@ class Worker:
                                    on_reattach=self._move_kv_ring)
         self.accepting = True
         self._stop = asyncio.Event()
+        self._parent = os.getppid()  # the process that started this worker (dplb launch, systemd, a shell)
+        self._orphan_wait: asyncio.Future[None] | None = None
         self.kv: KvTranslator | None = None
         self._kv_sub: KvEventSubscriber | None = None
         self._kv_ring: KvRingWriter | None = None
@@ -223,15 +232,49 @@ class Worker:
             return {}
 
     def request_stop(self) -> None:
-        """Begin draining (signal handler)."""
+        """Begin draining (SIGINT; a second SIGTERM)."""
         self._stop.set()
+
+    def on_sigterm(self) -> None:
+        """SIGTERM: drain; but the first one after the process that started this worker died (the parent-death
+        signal ``dplb launch`` gives its children: the launcher was SIGKILLed) drains only once no router serves on
+        the segment any more (:meth:`_drain_after_routers`): the router got the same signal and keeps serving for
+        its ``--drain-notice``, then finishes its requests, with this worker (docs/DESIGN.md §10). Only a worker
+        whose parent made the segment (its ``creator_pid``: ``dplb launch``) does so; one started by hand whose
+        shell went away drains at once, as before."""
+        if self._orphan_wait is not None or self._stop.is_set() or os.getppid() == self._parent or \
+                self._parent != self.segment.header.creator_pid:  # not started by the launcher that made the segment
+            self._stop.set()
+            return
+        log.warning("Worker %d: the process that started it (pid %d) is gone; serving while a router of the stack "
+                    "still does, then draining", self.cfg.worker_id, self._parent)
+        self._orphan_wait = asyncio.ensure_future(self._drain_after_routers())
+
+    async def _drain_after_routers(self) -> None:
+        """Stop (drain) once no router process publishes a live heartbeat on the segment (a router leaves its slot
+        as it stops; a dead or hung one is stale after ``ROUTER_STALE_S``)."""
+        while not self._stop.is_set() and self._router_inflight():
+            await asyncio.sleep(self.interval_ms / 1000)
+        if not self._stop.is_set():
+            log.info("Worker %d: no router serves any more; draining", self.cfg.worker_id)
+        self._stop.set()
+
+    def _remove_abandoned_segment(self) -> None:
+        """On the way out of a worker whose launcher died: remove the segment when this is the stack's last process
+        (:func:`dplb.state.segments.remove_abandoned`; it checks that the launcher made it)."""
+        if os.getppid() == self._parent:
+            return
+        path = self.collector.segment.path
+        if remove_abandoned(path, self._parent):
+            log.info("Worker %d: removed the segment %s (its launcher, pid %d, is gone and no other process uses it)",
+                     self.cfg.worker_id, path, self._parent)
 
     async def run(self) -> int:
         """Serve until stopped. Returns the process exit code."""
         k = self.cfg.worker_id
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+        loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
+        loop.add_signal_handler(signal.SIGINT, self.request_stop)
         raise_fd_limit()  # one descriptor per router connection; the router keeps up to 256 pooled per worker
         self.collector.start()
         log.info("Worker %d starting (engine %s, pid %d, socket %s)", k, self.engine.name, os.getpid(), self.cfg.uds)
@@ -302,6 +345,7 @@ class Worker:
             self.collector.set_lifecycle(Lifecycle.STOPPED)
             self.collector.stop()
             log.info("Worker %d stopped", k)
+            self._remove_abandoned_segment()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.cfg.uds)
             self.gpu.close()

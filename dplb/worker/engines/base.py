@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dplb.errors import openai_error_body
+from dplb.errors import openai_error_body, stream_failure
 from dplb.runtime.asgi import Message, Receive, Send, send_json
 from dplb.runtime.serving import DISCONNECT_EXT
 
@@ -149,9 +149,10 @@ class RequestStats:
 
     ``avg_latency_s``/``avg_ttfb_s``: means over the last :data:`LATENCY_WINDOW` (10) completed requests, seconds
     (0 until one completes). TTFB = time to the first response body byte, which is TTFT for streaming requests.
-    ``errors_total`` counts responses with status ≥ 500 and responses the engine cut short; client 4xx and
-    requests whose client left first are not worker errors (nor latency samples). ``first_request_seconds`` is the
-    E2E of the first request after the worker became ready.
+    ``errors_total`` counts responses with status ≥ 500, responses the engine cut short and streams it ended with
+    its own 5xx error event (:func:`dplb.errors.stream_failure`: vLLM's engine died under its API server); client
+    4xx and requests whose client left first are not worker errors (nor latency samples).
+    ``first_request_seconds`` is the E2E of the first request after the worker became ready.
     """
 
     def __init__(self) -> None:
@@ -215,7 +216,7 @@ class RequestStatsMiddleware:
     503 ``{"error": …, "code": "worker_draining"}`` without reaching the engine, so the router retries elsewhere.
     Every HTTP request (model or not) is registered in ``stats.open`` while the app serves it (:class:`OpenRequest`).
     A model request that ends incomplete because its client left is not an error (``errors_total`` counts 5xx
-    answers and responses the engine cut short).
+    answers, responses the engine cut short and streams it failed with its own 5xx error event).
     """
 
     def __init__(self, app: ASGIApp, stats: RequestStats, accepting: Callable[[], bool]) -> None:
@@ -258,14 +259,18 @@ class RequestStatsMiddleware:
         first: list[float] = []
         status = [0]
         complete = [False]
+        tail = [b"", b""]  # the last two non-empty body messages (an engine's in-band failure event, then [DONE])
 
         async def timed_send(message: Message) -> None:
             t = message["type"]
             if t == "http.response.start":
                 status[0] = message["status"]
             elif t == "http.response.body":
-                if not first and message.get("body"):
-                    first.append(time.perf_counter() - t0)
+                body = message.get("body")
+                if body:
+                    if not first:
+                        first.append(time.perf_counter() - t0)
+                    tail[0], tail[1] = tail[1], body
                 if not message.get("more_body", False):
                     complete[0] = True
             await send(message)
@@ -276,4 +281,6 @@ class RequestStatsMiddleware:
         finally:
             e2e = time.perf_counter() - t0
             gone = not complete[0] and req.gone
-            stats.end(e2e, first[0] if first else None, status[0] >= 500 or (not complete[0] and not gone), gone)
+            failed = status[0] >= 500 or (not complete[0] and not gone) or (
+                complete[0] and stream_failure(tail[0] + tail[1]) is not None)
+            stats.end(e2e, first[0] if first else None, failed, gone)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import time
@@ -69,6 +70,7 @@ log = logging.getLogger(__name__)
 DEBUG_RECORDS = 256
 _json = msgspec.json.Encoder().encode
 _CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."  # vLLM's EngineDeadError
 
 
 def _cached(req: SimRequest) -> int:
@@ -103,6 +105,7 @@ class SimEngine:
         self.started = False
         self.hung = False
         self.stalled = False
+        self.dead = False  # the engine_death_after fault fired
         self.debug_requests: deque[dict[str, Any]] = deque(maxlen=DEBUG_RECORDS)
         self._active: dict[SimRequest, dict[str, Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop (bound on the first HTTP call)
@@ -138,6 +141,10 @@ class SimEngine:
                            last_prompt_tokens=self.last_prompt_tokens, kv_total_blocks=self.config.kv_blocks,
                            kv_block_size=self.config.block_size, progress_total=s.progress_total,
                            progress_known=True, max_loras=self.config.max_loras)
+
+    def failure(self) -> str | None:
+        """The engine's fatal error once the ``engine_death_after`` fault fired (the worker then exits 1), else None."""
+        return f"sim engine died (engine_death_after={self.config.engine_death_after}): {_DEAD}" if self.dead else None
 
     def requests(self) -> list[EngineRequest]:
         """Every request the scheduler holds (waiting or running), with the open HTTP request it serves (None for
@@ -303,6 +310,8 @@ class SimEngine:
                     raise HTTPError(503, f"The server is overloaded: more than {cfg.max_inflight_503} requests in "
                                          "flight. Retry later or on another worker.", "ServiceUnavailableError",
                                     "server_overloaded")
+                if self.dead:
+                    raise HTTPError(500, _DEAD, "InternalServerError")
                 p = parse_request(body, chat, cfg, self.api.served)
                 rec["priority"] = p.priority
                 self.requests_total += 1
@@ -351,6 +360,10 @@ class SimEngine:
             while not req.done:
                 await req.event.wait()
                 req.event.clear()
+                if self.dead:
+                    rec["status"] = 500
+                    await send_json(send, 500, HTTPError(500, _DEAD, "InternalServerError").body(), headers)
+                    return False
                 if req.aborted:
                     if self._closed:
                         rec["status"] = 503
@@ -410,6 +423,11 @@ class SimEngine:
         while True:
             await req.event.wait()
             req.event.clear()
+            if self.dead:  # vLLM's stream generator: the error event, then [DONE], then a clean end
+                for part in (b"data: " + json.dumps(HTTPError(500, _DEAD, "InternalServerError").as_dict()).encode()
+                             + b"\n\n", b"data: [DONE]\n\n", b""):
+                    await send({"type": "http.response.body", "body": part, "more_body": bool(part)})
+                return False
             if req.aborted:
                 return False
             events: list[bytes] = []
@@ -442,7 +460,7 @@ class SimEngine:
         return True
 
     def _completed(self) -> None:
-        """A response was fully sent: drive the crash/hang faults."""
+        """A response was fully sent: drive the crash, stall, engine-death and hang faults."""
         cfg = self.config
         self.completed_total += 1
         if cfg.crash_after and self.completed_total == cfg.crash_after:
@@ -457,6 +475,13 @@ class SimEngine:
             self.scheduler.freeze()
             if cfg.stall_for_s:
                 asyncio.get_running_loop().call_later(cfg.stall_for_s, self._end_stall)
+        if cfg.engine_death_after and self.completed_total == cfg.engine_death_after and not self.dead:
+            log.error("sim engine: engine_death_after=%d requests reached; the engine dies under its HTTP server "
+                      "(simulated EngineCore death: requests in flight get vLLM's error)", cfg.engine_death_after)
+            self.dead = True
+            self.scheduler.freeze()
+            for req in list(self.scheduler.live.values()):
+                req.event.set()  # their handlers answer the error
         if cfg.hang_after and self.completed_total >= cfg.hang_after and not self.hung:
             log.error("sim engine: hang_after=%d requests reached; no longer answering (simulated hang)",
                       cfg.hang_after)

@@ -30,6 +30,11 @@ class HTTPError(Exception):
         """The response body: ``{"error": {"message", "type", "param": null, "code"}}``."""
         return openai_error_body(self.message, self.type, self.code, param=True)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The error object as vLLM's ``ErrorResponse.model_dump()`` gives it (its stream error event is that,
+        ``json.dumps``'d)."""
+        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+
 
 def decode_object(body: bytes) -> dict[str, Any]:
     """``body`` as a JSON object. Raises :class:`HTTPError` 400 for invalid JSON or a non-object."""

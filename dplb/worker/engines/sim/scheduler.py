@@ -97,6 +97,12 @@ class SimConfig:
       ``stall_for_s`` seconds (0 = for good), while HTTP, ``/health``, metrics and the worker's collector carry on
       and new requests are accepted and queued: vLLM with a stopped or deadlocked EngineCore.
     - ``stall_for_s``: how long a ``stall_after`` stall lasts, seconds (0 = for good).
+    - ``engine_death_after``: after N completed requests the engine dies under its live HTTP server, as vLLM's
+      does when its EngineCore process is killed (a CUDA error, an Xid, the OOM killer). Every request in flight
+      ends at once with vLLM's own in-band error: a stream gets ``data: {"error": {"message": "EngineCore
+      encountered an issue. …", "type": "InternalServerError", "param": null, "code": 500}}`` and ``data: [DONE]``,
+      then a clean end; any other request HTTP 500 with that error, as does every later model request; the worker
+      then exits 1 for its supervisor to restart it (``dplb.worker.engines.sim.engine.SimEngine.failure``).
     - ``oom_after``: the Nth and every later model request fails with HTTP 500 "CUDA out of memory".
     - ``max_inflight_503``: with more than N model requests in flight, answer 503 ``server_overloaded`` at once.
     - ``chunk_delay_s``: extra delay after each streamed token chunk.
@@ -132,6 +138,7 @@ class SimConfig:
     hang_after: int = 0
     stall_after: int = 0
     stall_for_s: float = 0.0
+    engine_death_after: int = 0
     oom_after: int = 0
     first_request_delay_s: float = 0.0
     max_inflight_503: int = 0
@@ -160,7 +167,8 @@ class SimConfig:
         for name, lo in minimum.items():
             if getattr(self, name) < lo:
                 raise ConfigError(f"sim engine: {name} must be at least {lo}, got {getattr(self, name)}")
-        for name in ("prefix_cache_blocks", "crash_after", "hang_after", "stall_after", "stall_for_s", "oom_after",
+        for name in ("prefix_cache_blocks", "crash_after", "hang_after", "stall_after", "stall_for_s",
+                     "engine_death_after", "oom_after",
                      "max_inflight_503", "prefill_s_per_token", "decode_step_s_per_seq", "warmup_delay_s",
                      "chunk_delay_s", "first_request_delay_s"):
             if getattr(self, name) < 0:
