@@ -54,6 +54,7 @@ from dplb.bench.client import Target, run_workload
 from dplb.bench.report import summarize
 from dplb.bench.scenarios import MULTI_TURN
 from dplb.bench.workload import build_workload
+from dplb.ops.shm_leftovers import descendants
 from dplb.runtime.cpus import format_cpu_list
 
 TINY = os.environ.get("DPLB_TINY_MODEL_DIR", os.path.expanduser("~/.cache/dplb/tiny-llama"))
@@ -120,16 +121,7 @@ def _read(path: str) -> str:
         return ""
 
 
-def tree(pid: int) -> list[int]:
-    """``pid`` and every process below it (``/proc/<pid>/task/<tid>/children``)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{p}/task"):
-                todo += [int(c) for c in _read(f"/proc/{p}/task/{tid}/children").split()]
-    return out
+tree = descendants  # pid and every process below it (dplb.ops.shm_leftovers)
 
 
 def role(pid: int) -> str:

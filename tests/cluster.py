@@ -441,6 +441,19 @@ def group_children(c: Cluster) -> dict[int, int]:
     return kids
 
 
+def interrupt(proc: subprocess.Popen[Any], wait_s: float) -> None:
+    """Stop ``proc`` as an operator's Ctrl-C does (SIGINT), waiting up to ``wait_s`` seconds for it to exit, then
+    SIGKILL (a test's teardown: what it left behind is the leak check's to find)."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, step_s: float = 0.02) -> Any:
     """Poll ``pred()`` until it returns something truthy (returned); AssertionError naming ``what`` on timeout."""
     t0 = time.monotonic()

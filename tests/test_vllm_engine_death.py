@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import dplb_cmd, free_port, wait_for
+from cluster import dplb_cmd, free_port, interrupt, wait_for
 from proc_tags import kill_tagged, new_tag, ppid, tagged_env, tagged_procs
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
@@ -90,13 +90,7 @@ def test_engine_core_killed_mid_stream_is_an_upstream_error_and_leaves_no_shared
     finally:
         if seg is not None:
             seg.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        interrupt(proc, 90)
         kill_tagged(tag)
         if os.path.exists(shm):
             os.unlink(shm)

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster import dplb_cmd, free_port, progress_gaps
+from cluster import dplb_cmd, free_port, interrupt, progress_gaps
 from proc_tags import kill_tagged, new_tag, ppid, tagged_env, tagged_procs
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
@@ -136,13 +136,7 @@ def test_sigstop_of_engine_core_fails_fast_and_recovers_on_sigcont(tmp_path) -> 
                 os.kill(core, signal.SIGCONT)
         if seg is not None:
             seg.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        interrupt(proc, 60)
         kill_tagged(tag)  # only what this test started
         if os.path.exists(shm):
             os.unlink(shm)
