@@ -10,6 +10,8 @@ worker; with tenants each is allowed for the creating tenant, on either process,
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -129,3 +131,11 @@ def test_a_tenants_follow_ups_are_allowed_on_every_process_and_refused_to_anothe
         for _ in range(6):
             assert_openai_error(httpx.get(c.url + "/v1/responses/resp_" + "0" * 32, headers=alice, timeout=10), 404,
                                 "response_not_found")
+        # A process of the group dies and its parent restarts it into the same router slot: the new process adopts
+        # the slot's ring, so the ids its predecessor relayed are still the creating tenant's on every process
+        # (they were voided: the owner's follow-ups got 404 response_not_found from the new process).
+        old = group_children(c)
+        os.kill(old[0], signal.SIGKILL)
+        wait_for(lambda: group_children(c).get(0, old[0]) != old[0], 30, f"process 0 restarted\n{c.tail()}", 0.1)
+        _wait_group(c, admin)
+        _follow_ups(c, [m for m in made if m["process"] == 0], alice, allowed)

@@ -37,8 +37,10 @@ RESPONSE_RING_ENTRIES behind loses the oldest entries. Every loss is counted in 
 is one the router cannot tell the creator of (routed by score; refused to tenants, fail closed).
 
 A reader starts at the beginning of every ring (a process that joins a group learns the ids its peers relayed
-before, as far as their rings reach) and reads every slot's ring but its own, live owner or not: a dead router's ids
-stay valid on their workers until a new owner resets its ring.
+before, as far as their rings reach) and reads every slot's ring, live owner or not: a dead router's ids stay valid
+on their workers. A new owner of a slot adopts its ring (:meth:`ResponseRing.adopt`): it reads the previous owner's
+entries once, like a peer's, and appends after them under the same epoch, so a restarted process of a group keeps
+answering the follow-ups of the responses its predecessor relayed. The epoch changes only for a ring never written.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def value_worker(value: int) -> int:
 
 class ResponseRing:
     """Router slot ``index``'s ring in the mapping ``mm`` of a segment with ``num_workers`` worker slots (the single
-    writer: :meth:`reset`, :meth:`append`) and a reader of every other slot's ring (:meth:`drain`, its own cursors).
+    writer: :meth:`adopt`, :meth:`append`) and a reader of every other slot's ring (:meth:`drain`, its own cursors).
     Construction does not touch the segment. Not thread-safe (one event loop). ``lost``: peers' entries this reader
     could not read (module docstring)."""
 
@@ -105,11 +107,18 @@ class ResponseRing:
         self.lost = 0
 
     # ---- owner -----------------------------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Empty this slot's ring under a new epoch (the owner's claim: a previous owner's entries are void)."""
+    def adopt(self) -> None:
+        """Take this slot's ring over (the owner's claim). A previous owner's entries stay: the worker that created
+        an id does not change when the router process that relayed it dies, and a restarted process of a group
+        takes its predecessor's slot, so voiding them lost every id it had relayed (follow-ups 404). This process's
+        next :meth:`drain` reads them once, as a peer's; appends continue after them. An append the previous owner
+        left half-done never published its entry (``reserve`` back to ``head``); a ring never written gets its
+        epoch."""
         q, h = self._q, self._h
-        q[h] = q[h + 1] = self._head = 0
-        q[h + 2] = time.monotonic_ns() | 1
+        q[h + 1] = q[h]
+        if q[h + 2] == 0:
+            q[h + 2] = time.monotonic_ns() | 1
+        self._head = q[h]
         self._seen[self.index], self._epochs[self.index] = 0, q[h + 2]
 
     def append(self, key: int, value: int) -> None:
@@ -132,8 +141,8 @@ class ResponseRing:
         if heads == seen and epochs == known:
             return None
         out: list[int] = []
-        for r, h in enumerate(self._rings):
-            if r == self.index or (heads[r] == seen[r] and epochs[r] == known[r]):
+        for r, h in enumerate(self._rings):  # (this slot's own ring only once, after adopt: append keeps it seen)
+            if heads[r] == seen[r] and epochs[r] == known[r]:
                 continue
             self._read(r, h, heads[r], epochs[r], out)
         return out or None

@@ -35,7 +35,7 @@ Byte layout (little-endian; after the worker slots, at :func:`routers_offset` = 
       64 + 8·i  u64 entry             prefix block key (dplb.policy.prefix.block_hashes, < 2^42) | (worker + 1) << 56
 
 Each router slot also owns a response-id ring after the KV rings (:mod:`dplb.state.response_rings`, its own byte
-layout): :attr:`RouterSlots.responses`, reset by :meth:`RouterSlots.claim`.
+layout): :attr:`RouterSlots.responses`, adopted by :meth:`RouterSlots.claim`.
 
 How the prefix index is shared: each process keeps its own :class:`dplb.policy.prefix.PrefixIndex` (the hot path reads
 only local memory) and appends to its ring every block key its index learnt from a pick (new, new for that worker,
@@ -157,7 +157,7 @@ class RouterSlots:
         slots.pid = pid
         slots._write_head(pid, port, process_index, clear=True)
         slots._q[slots._ring_q[index]] = slots._q[slots._ring_q[index] + 1] = 0  # empty: a previous owner's are void
-        slots.responses.reset()
+        slots.responses.adopt()
         slots.refresh_peers()
         return slots
 
