@@ -50,12 +50,21 @@ def _token_problem(key: str) -> str:
     return f"has {kind} at position {i + 1}"
 
 
+#: The ports a browser leaves out of a serialised origin (RFC 6454 §6.2: the default port of the scheme is omitted):
+#: ``https://a.example:443`` is never what it sends, so it would never match.
+DEFAULT_PORTS: dict[str, int] = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
 def is_origin(text: str) -> bool:
-    """True for ``*`` or a serialised origin (:data:`ORIGIN`) whose port, if any, is 1..65535."""
+    """True for ``*`` or a serialised origin (:data:`ORIGIN`) whose port, if any, is 1..65535 and not its scheme's
+    default (:data:`DEFAULT_PORTS`)."""
     if text == "*":
         return True
     m = ORIGIN.fullmatch(text)
-    return m is not None and (m["port"] is None or 1 <= int(m["port"]) <= 65535)
+    if m is None or m["port"] is None:
+        return m is not None
+    port = int(m["port"])
+    return 1 <= port <= 65535 and DEFAULT_PORTS.get(text.split(":", 1)[0]) != port
 
 
 def check_origins(origins: tuple[str, ...], flag: str) -> None:
@@ -65,8 +74,9 @@ def check_origins(origins: tuple[str, ...], flag: str) -> None:
     if bad:
         verb = "is not an origin" if len(bad) == 1 else "are not origins"
         raise ConfigError(f"{flag}: {', '.join(map(repr, bad))} {verb}: an origin is SCHEME://HOST[:PORT] as a "
-                          "browser sends it (lower case, no path or trailing '/'; HOST may start with '*.'), e.g. "
+                          "browser sends it (lower case, no path or trailing '/', no default port such as :443 for "
+                          "https; HOST may start with '*.'), e.g. "
                           "https://app.example.com, or * for any")
 
 
-__all__ = ["BEARER_TOKEN", "ORIGIN", "check_bearer_token", "check_origins", "is_origin"]
+__all__ = ["BEARER_TOKEN", "DEFAULT_PORTS", "ORIGIN", "check_bearer_token", "check_origins", "is_origin"]

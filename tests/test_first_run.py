@@ -168,7 +168,8 @@ def test_dashboard_generator_without_the_venv_says_which_python_to_use() -> None
     ("http://127.0.0.1:8080", True), ("http://[::1]:3000", True), ("not a url", False), ("https://a.example/", False),
     ("https://App.example.com", False), ("https://a.example:0", False), ("https://a.example:70000", False),
     ("null", False), ("a.example", False), ("https://a.example/path", False), ("https://u@a.example", False),
-    (" https://a.example", False)])
+    (" https://a.example", False), ("https://a.example:443", False), ("http://a.example:80", False),
+    ("https://a.example:80", True), ("http://a.example:443", True)])  # a browser omits the default port
 def test_an_origin_is_what_a_browser_sends(origin: str, ok: bool) -> None:
     from dplb.http_values import is_origin
 
