@@ -1,14 +1,15 @@
 """The exact bytes of the heads the router writes: the request head a worker receives
 (:func:`dplb.router.exchange.request_head`) and the response head a direct-relayed client receives
-(:func:`dplb.router.exchange.response_headers` then :meth:`dplb.runtime.direct.DirectResponse.start`). Golden
-bytes: a change to how they are built must leave them byte for byte the same."""
+(:func:`dplb.router.exchange.response_headers` then :meth:`dplb.runtime.direct.DirectResponse.start`, and the
+direct relay's one pass, :func:`dplb.router.exchange.response_lines` then ``start_lines``). Golden bytes: a change
+to how they are built must leave them byte for byte the same."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dplb.router.exchange import REQ_OWN, request_head, response_headers
-from dplb.runtime.direct import DirectResponse
+from dplb.router.exchange import REQ_OWN, request_head, response_headers, response_lines
+from dplb.runtime.direct import DirectResponse, header_lines
 from dplb.runtime.lane_cycle import LaneCycle
 
 
@@ -66,7 +67,7 @@ def test_direct_response_head_bytes() -> None:
     assert head == (b"HTTP/1.1 200 OK\r\ndate: Thu, 03 Dec 2026 14:00:00 GMT\r\nserver: uvicorn\r\n"
                     b"content-length: 42\r\ncontent-type: application/json\r\ncontent-length: 43\r\n"
                     b"x-sg-worker-id: 3\r\nx-request-id: rid-9\r\n\r\n")
-    assert (sse, draining, resp.chunked, resp.remaining) == (False, False, False, 42)
+    assert (sse, draining, resp.chunked) == (False, False, False)
     # No Content-Length: chunked; the server's default headers first; not kept alive: connection: close.
     up = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"Connection", b"close, X-Hop"), (b"x-hop", b"1"),
           (b"Transfer-Encoding", b"chunked"), (b"x-dplb-draining", b"1"), (b"cache-control", b"no-cache")]
@@ -95,3 +96,39 @@ def test_direct_response_head_bytes() -> None:
         resp = DirectResponse(cyc)
         resp.start(200, [(b"content-length", b"0")])
         assert resp.pending[0] == b"HTTP/1.1 200 OK\r\ndate: " + day + b"\r\ncontent-length: 0\r\n\r\n"
+
+
+# Worker heads for the one-pass renderer: the usual ones, names in any case, duplicates, hop-by-hop and the router's
+# own names, the draining marker, SSE, names it does not know, and a Connection header (then the general filter).
+_UP_HEADS: list[list[tuple[bytes, bytes]]] = [
+    [],
+    [(b"date", b"d"), (b"server", b"uvicorn"), (b"content-length", b"2"), (b"content-type", b"application/json"),
+     (b"x-request-id", b"w")],
+    [(b"Date", b"d"), (b"SERVER", b"s"), (b"Content-Length", b"42"), (b"X-Request-Id", b"w"), (b"X-SG-Worker-ID", b"7"),
+     (b"Keep-Alive", b"timeout=5"), (b"content-length", b"43"), (b"X-Custom", b"Value ")],
+    [(b"content-type", b"text/event-stream; charset=utf-8"), (b"Transfer-Encoding", b"chunked"),
+     (b"x-dplb-draining", b"1"), (b"cache-control", b"no-cache"), (b"TE", b"trailers"), (b"upgrade", b"h2c")],
+    [(b"Content-Type", b"text/plain"), (b"content-type", b"text/event-stream"), (b"X-DPLB-Draining", b"")],
+    [(b"proxy-authenticate", b"x"), (b"trailer", b"x"), (b"vary", b"accept"), (b"content-encoding", b"gzip")],
+    [(b"connection", b"x-dplb-draining, content-type"), (b"content-type", b"text/event-stream"), (b"x-b", b"1")],
+    [(b"x-a", b"1"), (b"Connection", b"close")],
+]
+
+
+def test_response_lines_match_response_headers() -> None:
+    """The direct relay's one pass renders exactly what response_headers then start render (None only where the
+    worker's head has a Connection header), and start_lines writes the same head as start."""
+    for up in _UP_HEADS:
+        out, sse, draining = response_headers(up, b"3", b"rid-9")
+        got = response_lines(up, b"3", b"rid-9")
+        if any(n.lower() == b"connection" for n, _ in up):
+            assert got is None, up
+            continue
+        sized = any(n == b"content-length" for n, _ in out)
+        assert got == (header_lines(out), sized, sse, draining), up
+        for status in (200, 204, 503):
+            for keep_alive in (True, False):
+                a, b = DirectResponse(_cycle(keep_alive)), DirectResponse(_cycle(keep_alive))
+                a.start(status, out)
+                b.start_lines(status, got[0], got[1])
+                assert a.pending == b.pending and a.chunked == b.chunked, (up, status, keep_alive)

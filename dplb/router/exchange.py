@@ -11,7 +11,8 @@ Contract
   their order, hop-by-hop ones (RFC 9110 §7.6.1 and those named in ``Connection``) and the router's own
   (host, content-length, x-request-id, expect, and ``Content-Encoding`` of a body the router decoded) replaced.
 - :func:`response_headers` filters a worker's response head the same way, lowers the names' case and appends
-  ``X-SG-Worker-ID`` and ``X-Request-Id``.
+  ``X-SG-Worker-ID`` and ``X-Request-Id``; :func:`response_lines` is the same rendered as the head's lines, in one
+  pass (the direct relay's).
 """
 
 from __future__ import annotations
@@ -163,5 +164,44 @@ def response_headers(up_headers: list[tuple[bytes, bytes]], worker_id: bytes,
     return out, is_sse, draining
 
 
+def response_lines(up_headers: list[tuple[bytes, bytes]], worker_id: bytes,
+                   rid: bytes) -> tuple[bytes, bool, bool, bool] | None:
+    """:func:`response_headers` rendered as the lines of the client's response head (``name: value\r\n`` each,
+    the same headers in the same order), in one pass: (lines, a Content-Length among them, is SSE, the worker's
+    draining marker present). None when the worker's head has a ``Connection`` header (the names it lists are
+    dropped too: :func:`response_headers` then). The names a worker sends (in lower case) are compared first; any
+    other is lowered and filtered as :func:`response_headers` filters it."""
+    parts: list[bytes] = []
+    sized = is_sse = draining = False
+    for n, v in up_headers:
+        if n == b"date" or n == b"server":  # (uvicorn's usual head first: no lower(), no set lookup)
+            pass
+        elif n == b"content-length":
+            sized = True
+        elif n == b"content-type":
+            if v.startswith(b"text/event-stream"):
+                is_sse = True
+        elif n == b"x-request-id":
+            continue
+        else:
+            n = n.lower()
+            if n in RESP_OWN:
+                if n == b"x-dplb-draining":
+                    draining = True
+                elif n == b"connection":
+                    return None
+                continue
+            if n == b"content-length":
+                sized = True
+            elif n == b"content-type" and v.startswith(b"text/event-stream"):
+                is_sse = True
+        parts.append(n)  # (appends: cheaper than one += of a tuple, compiled and in CPython 3.11 alike)
+        parts.append(b": ")
+        parts.append(v)
+        parts.append(b"\r\n")
+    parts += (b"x-sg-worker-id: ", worker_id, b"\r\nx-request-id: ", rid, b"\r\n")
+    return b"".join(parts), sized, is_sse, draining
+
+
 __all__ = ["HOP_BY_HOP", "REQ_OWN", "RESP_OWN", "Exchange", "connection_tokens", "request_head",
-           "response_headers", "watch_disconnect"]
+           "response_headers", "response_lines", "watch_disconnect"]
