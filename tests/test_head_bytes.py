@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dplb.router.exchange import REQ_OWN, request_head, response_headers, response_lines
+from dplb.router.exchange import REQ_OWN, Exchange, request_head, response_headers, response_lines
+from dplb.router.proxy import scan_headers
 from dplb.runtime.direct import DirectResponse, header_lines
 from dplb.runtime.lane_cycle import LaneCycle
 
@@ -42,6 +43,39 @@ def test_request_head_bytes() -> None:
         b"POST /v1/completions?a=1 HTTP/1.1\r\nhost: dplb-worker\r\ncontent-length: 0\r\nx-request-id: r\r\n\r\n")
     assert request_head(_scope([], raw=b"/v1/x?b=2", qs=b"b=2"), 0, b"r", False, REQ_OWN, True).startswith(
         b"POST /v1/x?b=2 HTTP/1.1\r\n")
+
+
+def test_scan_headers_renders_the_forwarded_headers() -> None:
+    """scan_headers renders the headers a worker gets in the same pass that reads the ones the router needs:
+    request_head with those lines writes what it writes filtering the headers itself (None: a Connection header,
+    which it must filter), and reads the same content-length, content-type, authorization and encoding."""
+    heads = [
+        [(b"host", b"h"), (b"content-type", b"application/json"), (b"content-length", b"12"), (b"user-agent", b"u")],
+        [(b"host", b"client"), (b"content-type", b"a/b"), (b"content-length", b"x2"), (b"x-request-id", b"theirs"),
+         (b"expect", b"100-continue"), (b"accept", b"*/*"), (b"transfer-encoding", b"identity"),
+         (b"authorization", b"Bearer k"), (b"te", b"trailers"), (b"accept", b"text/plain"), (b"keep-alive", b"5"),
+         (b"content-encoding", b"gzip"), (b"traceparent", b"00-ab"), (b"x-request-id", b"bad id")],
+        [(b"connection", b"keep-alive, X-Drop"), (b"x-drop", b"1"), (b"x-keep", b"2")],
+        [],
+    ]
+    for hdrs in heads:
+        ex = Exchange(_scope(hdrs), None, None)
+        clen, ctype, auth, encoding = scan_headers(ex)
+        last = {n: v for n, v in hdrs}
+        assert (ctype, auth, encoding) == (last.get(b"content-type", b""), last.get(b"authorization", b""),
+                                            last.get(b"content-encoding", b""))
+        raw = last.get(b"content-length")
+        assert clen == (-1 if raw is None else int(raw) if raw.isdigit() else -2)
+        if any(n == b"connection" for n, _ in hdrs):
+            assert ex.fwd is None
+            continue
+        assert ex.fwd is not None and len(ex.rid) == 32
+        for decoded in (False, True):
+            assert request_head(ex.scope, 7, ex.rid, decoded, REQ_OWN, True, ex.fwd) == request_head(
+                ex.scope, 7, ex.rid, decoded, REQ_OWN, True), (hdrs, decoded)
+    ex = Exchange(_scope([(b"x-request-id", b"good-id.1:2_3")]), None, None)
+    scan_headers(ex)
+    assert ex.rid == b"good-id.1:2_3"
 
 
 def _cycle(keep_alive: bool = True, default_headers: list[tuple[bytes, bytes]] | None = None) -> LaneCycle:
