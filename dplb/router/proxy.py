@@ -78,6 +78,7 @@ _NO_WORKER = {
 }
 _NONE_READY = (RouterErrorKind.NONE_ROUTABLE, "no worker is ready (starting, draining or stale)")
 MAX_NAMED = 16  # workers named with their reason in a 503 no_routable_worker message
+_NONE: Final[frozenset[int]] = frozenset()
 
 
 class Proxy:
@@ -199,7 +200,7 @@ class Proxy:
         assert route is not None
         ex.body, peek, model, ex.decoded = read_body(route, body, encoding, self.cfg.max_body_bytes)
         ex.peek = peek
-        exclude: frozenset[int] = frozenset()
+        exclude = _NONE
         if isinstance(model, str) and model:  # "" is vLLM's default model, as an absent one
             models = self.models
             if models.none_serves(model):
