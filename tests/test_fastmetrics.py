@@ -31,6 +31,11 @@ CASES: list[tuple[str, tuple[str, ...], tuple[float, ...], list[tuple[tuple[str,
     ("histogram", (), DECISION_BUCKETS, []),  # never observed: zero buckets, _sum 0
     ("histogram", (), DECISION_BUCKETS, [((), "observe", (v,)) for v in (
         0.0, 1e-6, 1.5e-6, 2.5e-6, 1e-2, 0.5, 1e-9, -1.0, math.inf, 3e-5, 3e-5)]),  # bounds exactly, above the last
+    # The last value's bucket first (dplb), then a search: the same bucket again, just below and above its bounds,
+    # down to the first bucket and up to +Inf and back.
+    ("histogram", (), DECISION_BUCKETS, [((), "observe", (v,)) for v in (
+        3e-5, 3e-5, 2.9e-5, 2.5e-5, 2.5000001e-5, 5e-5, 5.0000001e-5, 1e-9, 1e-9, 0.0, -5.0, 1e-6, 1.0000001e-6,
+        math.inf, math.inf, 1e3, 0.5, 0.4999, 0.5, 3e-5)]),
     ("histogram", ("worker", "outcome"), REQUEST_BUCKETS, [
         (("0", "ok"), None, ()), (("0", "timeout"), None, ()), (("1", "ok"), None, ()),  # pre-created at zero
         (("1", "ok"), "observe", (0.2, EX)), (("1", "ok"), "observe", (0.2,)), (("1", "ok"), "observe", (700.0, EX2)),

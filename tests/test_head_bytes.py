@@ -1,14 +1,16 @@
 """The exact bytes of the heads the router writes: the request head a worker receives
 (:func:`dplb.router.exchange.request_head`) and the response head a direct-relayed client receives
-(:func:`dplb.router.exchange.response_headers` then :meth:`dplb.runtime.direct.DirectResponse.start`). Golden
-bytes: a change to how they are built must leave them byte for byte the same."""
+(:func:`dplb.router.exchange.response_headers` then :meth:`dplb.runtime.direct.DirectResponse.start`, and the
+direct relay's one pass, :func:`dplb.router.exchange.response_lines` then ``start_lines``). Golden bytes: a change
+to how they are built must leave them byte for byte the same."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dplb.router.exchange import REQ_OWN, request_head, response_headers
-from dplb.runtime.direct import DirectResponse
+from dplb.router.exchange import REQ_OWN, Exchange, request_head, response_headers, response_lines
+from dplb.router.proxy import scan_headers
+from dplb.runtime.direct import DirectResponse, header_lines
 from dplb.runtime.lane_cycle import LaneCycle
 
 
@@ -43,6 +45,39 @@ def test_request_head_bytes() -> None:
         b"POST /v1/x?b=2 HTTP/1.1\r\n")
 
 
+def test_scan_headers_renders_the_forwarded_headers() -> None:
+    """scan_headers renders the headers a worker gets in the same pass that reads the ones the router needs:
+    request_head with those lines writes what it writes filtering the headers itself (None: a Connection header,
+    which it must filter), and reads the same content-length, content-type, authorization and encoding."""
+    heads = [
+        [(b"host", b"h"), (b"content-type", b"application/json"), (b"content-length", b"12"), (b"user-agent", b"u")],
+        [(b"host", b"client"), (b"content-type", b"a/b"), (b"content-length", b"x2"), (b"x-request-id", b"theirs"),
+         (b"expect", b"100-continue"), (b"accept", b"*/*"), (b"transfer-encoding", b"identity"),
+         (b"authorization", b"Bearer k"), (b"te", b"trailers"), (b"accept", b"text/plain"), (b"keep-alive", b"5"),
+         (b"content-encoding", b"gzip"), (b"traceparent", b"00-ab"), (b"x-request-id", b"bad id")],
+        [(b"connection", b"keep-alive, X-Drop"), (b"x-drop", b"1"), (b"x-keep", b"2")],
+        [],
+    ]
+    for hdrs in heads:
+        ex = Exchange(_scope(hdrs), None, None)
+        clen, ctype, auth, encoding = scan_headers(ex)
+        last = {n: v for n, v in hdrs}
+        assert (ctype, auth, encoding) == (last.get(b"content-type", b""), last.get(b"authorization", b""),
+                                            last.get(b"content-encoding", b""))
+        raw = last.get(b"content-length")
+        assert clen == (-1 if raw is None else int(raw) if raw.isdigit() else -2)
+        if any(n == b"connection" for n, _ in hdrs):
+            assert ex.fwd is None
+            continue
+        assert ex.fwd is not None and len(ex.rid) == 32
+        for decoded in (False, True):
+            assert request_head(ex.scope, 7, ex.rid, decoded, REQ_OWN, True, ex.fwd) == request_head(
+                ex.scope, 7, ex.rid, decoded, REQ_OWN, True), (hdrs, decoded)
+    ex = Exchange(_scope([(b"x-request-id", b"good-id.1:2_3")]), None, None)
+    scan_headers(ex)
+    assert ex.rid == b"good-id.1:2_3"
+
+
 def _cycle(keep_alive: bool = True, default_headers: list[tuple[bytes, bytes]] | None = None) -> LaneCycle:
     """A request's cycle as the protocol makes it (no transport: nothing is flushed here)."""
     cycle = LaneCycle({"http_version": "1.1"}, None, None, default_headers or [], keep_alive, lambda: None)
@@ -66,7 +101,7 @@ def test_direct_response_head_bytes() -> None:
     assert head == (b"HTTP/1.1 200 OK\r\ndate: Thu, 03 Dec 2026 14:00:00 GMT\r\nserver: uvicorn\r\n"
                     b"content-length: 42\r\ncontent-type: application/json\r\ncontent-length: 43\r\n"
                     b"x-sg-worker-id: 3\r\nx-request-id: rid-9\r\n\r\n")
-    assert (sse, draining, resp.chunked, resp.remaining) == (False, False, False, 42)
+    assert (sse, draining, resp.chunked) == (False, False, False)
     # No Content-Length: chunked; the server's default headers first; not kept alive: connection: close.
     up = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"Connection", b"close, X-Hop"), (b"x-hop", b"1"),
           (b"Transfer-Encoding", b"chunked"), (b"x-dplb-draining", b"1"), (b"cache-control", b"no-cache")]
@@ -95,3 +130,39 @@ def test_direct_response_head_bytes() -> None:
         resp = DirectResponse(cyc)
         resp.start(200, [(b"content-length", b"0")])
         assert resp.pending[0] == b"HTTP/1.1 200 OK\r\ndate: " + day + b"\r\ncontent-length: 0\r\n\r\n"
+
+
+# Worker heads for the one-pass renderer: the usual ones, names in any case, duplicates, hop-by-hop and the router's
+# own names, the draining marker, SSE, names it does not know, and a Connection header (then the general filter).
+_UP_HEADS: list[list[tuple[bytes, bytes]]] = [
+    [],
+    [(b"date", b"d"), (b"server", b"uvicorn"), (b"content-length", b"2"), (b"content-type", b"application/json"),
+     (b"x-request-id", b"w")],
+    [(b"Date", b"d"), (b"SERVER", b"s"), (b"Content-Length", b"42"), (b"X-Request-Id", b"w"), (b"X-SG-Worker-ID", b"7"),
+     (b"Keep-Alive", b"timeout=5"), (b"content-length", b"43"), (b"X-Custom", b"Value ")],
+    [(b"content-type", b"text/event-stream; charset=utf-8"), (b"Transfer-Encoding", b"chunked"),
+     (b"x-dplb-draining", b"1"), (b"cache-control", b"no-cache"), (b"TE", b"trailers"), (b"upgrade", b"h2c")],
+    [(b"Content-Type", b"text/plain"), (b"content-type", b"text/event-stream"), (b"X-DPLB-Draining", b"")],
+    [(b"proxy-authenticate", b"x"), (b"trailer", b"x"), (b"vary", b"accept"), (b"content-encoding", b"gzip")],
+    [(b"connection", b"x-dplb-draining, content-type"), (b"content-type", b"text/event-stream"), (b"x-b", b"1")],
+    [(b"x-a", b"1"), (b"Connection", b"close")],
+]
+
+
+def test_response_lines_match_response_headers() -> None:
+    """The direct relay's one pass renders exactly what response_headers then start render (None only where the
+    worker's head has a Connection header), and start_lines writes the same head as start."""
+    for up in _UP_HEADS:
+        out, sse, draining = response_headers(up, b"3", b"rid-9")
+        got = response_lines(up, b"3", b"rid-9")
+        if any(n.lower() == b"connection" for n, _ in up):
+            assert got is None, up
+            continue
+        sized = any(n == b"content-length" for n, _ in out)
+        assert got == (header_lines(out), sized, sse, draining), up
+        for status in (200, 204, 503):
+            for keep_alive in (True, False):
+                a, b = DirectResponse(_cycle(keep_alive)), DirectResponse(_cycle(keep_alive))
+                a.start(status, out)
+                b.start_lines(status, got[0], got[1])
+                assert a.pending == b.pending and a.chunked == b.chunked, (up, status, keep_alive)

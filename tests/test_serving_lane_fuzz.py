@@ -148,7 +148,7 @@ def request(draw: Any) -> tuple[bytes, bool]:
     method = draw(st.sampled_from(["POST"] * 6 + ["GET", "PUT"]))
     path = draw(st.sampled_from(["/direct", "/direct-chunked", "/later", "/later-chunked", "/decline", "/start",
                                  "/later-start-chunked", "/start-chunked"]))
-    path += draw(st.sampled_from(["", "", "/a%20b", "?q=1&r=%2F", "/x?y"]))
+    path += draw(st.sampled_from(["", "", "/a%20b", "?q=1&r=%2F", "/x?y", "#f", "/x?y#f"]))
     version = draw(st.sampled_from(["1.1"] * 5 + ["1.0"]))
     data = draw(payload) if method != "GET" else b""
     lines = [f"{method} {path} HTTP/{version}", "Host: fuzz"]

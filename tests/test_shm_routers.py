@@ -53,6 +53,14 @@ def test_slots_are_registered_and_laid_out_as_documented(seg: Segment) -> None:
                         + MAX_ROUTERS * RESPONSE_RING_SIZE)
     shown = {r["pid"]: r for r in read_router_slots(raw, 4)}
     assert shown[A]["pending"] == [0, 0, 3, 0] and shown[A]["inflight"] == [0, 0, 5, 0]
+    a.publish(2, 1, 4)  # a release: the counts change, the last send stays
+    a.publish(1, 7, 2**32 - 1, 456)
+    with open(seg.path, "rb") as f:
+        raw = f.read()
+    entries = [tuple(int.from_bytes(raw[e:e + n], "little") for e, n in ((o, 4), (o + 4, 4), (o + 8, 8)))
+               for o in (off + 64 + 16 * k for k in range(4))]
+    assert entries == [(0, 0, 0), (7, 2**32 - 1, 456), (1, 4, 123), (0, 0, 0)]
+    assert int.from_bytes(raw[off + 24:off + 32], "little") == 456  # the last send to any worker
     assert shown[B]["process_index"] == 1
     b.close()
     a.refresh_peers()

@@ -133,7 +133,8 @@ class RouterMetrics:
         self.prefix_hit_blocks = CounterFamily(
             PREFIX_HIT_BLOCKS, "Prompt blocks the prefix index predicted the chosen worker has cached (predicted hit "
             f"rate = this / {PREFIX_QUERY_BLOCKS}_total).", ["worker"], registry=reg)
-        self._decision_children: dict[tuple[int | None, str], Any] = {}
+        self._decision_counters: dict[str, dict[int | None, Any]] = {}  # reason → worker → what counts it
+        self._decision_children: dict[tuple[int | None, str], Any] = {}  # (the notes' children)
         from dplb.policy.decision import NOTE_PREFIX_BLOCKS, NOTE_PREFIX_HIT_BLOCKS, NOTE_PREFIX_OUTCOME
 
         # What the policy's plugins note about a routed request (Decision.notes), read by name: outcome notes
@@ -177,10 +178,13 @@ class RouterMetrics:
     def observe_decision(self, d: Decision, seconds: float) -> None:
         """Count one decision and its duration."""
         worker = d.worker
-        key = (worker, d.reason)
-        child = self._decision_children.get(key)
+        reason = d.reason
+        by_worker = self._decision_counters.get(reason)  # (by reason, then worker: no key tuple per decision)
+        if by_worker is None:
+            by_worker = self._decision_counters[reason] = {}
+        child = by_worker.get(worker)
         if child is None:
-            child = self._decision_children[key] = self._decision_child(key)
+            child = by_worker[worker] = self._decision_child((worker, reason))
         child.inc()
         self._decision_hist.observe(seconds)
         age = d.chosen_age_s()

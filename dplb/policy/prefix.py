@@ -61,13 +61,14 @@ SPECULATIVE_TTL_S: Final = 2.0
 
 
 def block_hashes(data: bytes | memoryview | Any, block_bytes: int, max_blocks: int = 0) -> list[int]:
-    """Chained keys of the full ``block_bytes``-byte blocks of ``data`` (``max_blocks`` > 0: at most that many).
+    """Chained keys of the full ``block_bytes``-byte blocks of ``data`` (``max_blocks`` > 0: at most that many;
+    ``data``: bytes, or a buffer whose ``len`` is its byte count: ``msgspec.Raw``, a byte ``memoryview``).
 
     Returns a list of non-negative ints below 2**48 (below 2**42 with ``max_blocks`` ≤ :data:`MAX_PREFIX_BLOCKS`, as
     the router slots' rings need): ``(block_index << 32) | crc32(data[: (i+1)·block_bytes])``. Empty when ``data``
     is None or shorter than one block, or ``block_bytes`` is 0.
     """
-    if block_bytes <= 0 or data is None:
+    if block_bytes <= 0 or data is None or len(data) < block_bytes:  # (no full block: no copy, no view)
         return []
     if type(data) is not bytes:
         # msgspec.Raw / memoryview: one copy of the bytes that are hashed (not of a long prompt's tail)
@@ -79,7 +80,7 @@ def block_hashes(data: bytes | memoryview | Any, block_bytes: int, max_blocks: i
     chunks = _CHUNKERS.get(block_bytes)
     if chunks is None:
         chunks = _CHUNKERS[block_bytes] = struct.Struct(f"{block_bytes}s").iter_unpack
-    crc = zlib.crc32
+    crc = _crc32
     h = 0
     hi = 0  # i << 32 for block i
     out: list[int] = []
@@ -105,6 +106,7 @@ _BYTE_BITS: Final = tuple(tuple(b for b in range(8) if m >> b & 1) for m in rang
 #: Block size (bytes) → ``iter_unpack`` of a ``"{size}s"`` struct: cuts a buffer into its blocks in one call.
 _CHUNKERS: Final[dict[int, Callable[[Any], Iterator[tuple[bytes]]]]] = {}
 _BLOCK_STEP: Final = 1 << 32
+_crc32: Final = zlib.crc32  # (Final: compiled, a C static instead of a module attribute lookup per call)
 
 
 class PrefixIndex:

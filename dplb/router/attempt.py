@@ -34,7 +34,7 @@ from dplb.config import RouterConfig
 from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body, stream_failure, worker_stalled_message
 from dplb.obs.fastmetrics import HistogramChild
 from dplb.obs.tracing import NO_TRACE
-from dplb.router.exchange import Exchange, response_headers
+from dplb.router.exchange import Exchange, response_headers, response_lines
 from dplb.router.health import UNREACHABLE_S, Outcome
 from dplb.router.routes import ResponseIds, response_id
 from dplb.router.state import RouterState
@@ -46,6 +46,7 @@ from dplb.router.upstream import (
     UpstreamPool,
     UpstreamTimeout,
 )
+from dplb.runtime.direct import header_lines
 
 log = logging.getLogger("dplb.router.proxy")
 # Read per request: module constants (compiled, a C static instead of a module-dict and an attribute lookup; an enum
@@ -85,7 +86,8 @@ class Upstreams:
         self.ttfb: list[HistogramChild] = [self.metrics.upstream_ttfb.labels(str(k)) for k in range(n)]
         self._durations: list[dict[str, HistogramChild]] = [{} for _ in range(n)]  # per worker, by outcome label
         #: Called with (scope, response headers) before a worker's response head is relayed (the ORCA load report:
-        #: :mod:`dplb.router.orca`); it may append headers.
+        #: :mod:`dplb.router.orca`); it may append headers (the direct relay passes an empty list: what the hook
+        #: appends goes after the worker's headers and the router's, as on the ASGI path).
         self.on_response_head: Callable[[dict[str, Any], list[tuple[bytes, bytes]]], None] | None = None
 
     def duration(self, worker: int, label: str) -> HistogramChild:
@@ -298,6 +300,32 @@ class Attempt:
             self.outcome = _DRAINING
             return None
         return out
+
+    def accept_lines(self, status: int, up_headers: list[tuple[bytes, bytes]]) -> tuple[bytes, bool] | None:
+        """:meth:`accept_head` for a head written as bytes (the direct relay's
+        :meth:`dplb.runtime.direct.DirectResponse.start_lines`): the header lines for the client and whether they
+        carry a Content-Length; None for a ``503 worker_draining`` refusal. The response-head hook gets a list of
+        its own to append to (its headers go after the others, as on the ASGI path)."""
+        up, worker, ex = self.up, self.worker, self.ex
+        up.ttfb[worker].observe(_perf_counter() - self.t0)
+        got = response_lines(up_headers, up.worker_ids[worker], ex.rid)
+        if got is None:  # a Connection header: the general filter
+            out, self.is_sse, draining = response_headers(up_headers, up.worker_ids[worker], ex.rid)
+            lines = header_lines(out)
+            sized = any(n == b"content-length" for n, _ in out)
+        else:
+            lines, sized, self.is_sse, draining = got
+        hook = up.on_response_head
+        if hook is not None:
+            extra: list[tuple[bytes, bytes]] = []
+            hook(ex.scope, extra)
+            if extra:
+                lines += header_lines(extra)
+                sized = sized or any(n == b"content-length" for n, _ in extra)
+        if status == 503 and draining:
+            self.outcome = _DRAINING
+            return None
+        return lines, sized
 
     async def start_response(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
         """Relay the worker's response head (``status``, ``headers`` for the client) to the client; True: the body

@@ -232,10 +232,10 @@ class DirectAttempt(Attempt, Sink):
                 self.conn.sink = None  # type: ignore[union-attr]  # a draining refusal, or nobody to answer
                 self._resume()
                 return
-            out = self.accept_head(status, headers)
-            assert out is not None
+            got = self.accept_lines(status, headers)
+            assert got is not None  # (None: a draining refusal, a 503, taken above)
             self.status = self.ex.status = status
-            self.out.start(status, out)
+            self.out.start_lines(status, got[0], got[1])
             self.outcome = _BROKEN  # from here on, a relay that does not complete is a broken response
             self.out.source = self  # (pause_reading / resume_reading at the client's write-buffer marks)
             self.deadline = self.clock() + self.idle_s

@@ -11,7 +11,8 @@ Contract
   their order, hop-by-hop ones (RFC 9110 §7.6.1 and those named in ``Connection``) and the router's own
   (host, content-length, x-request-id, expect, and ``Content-Encoding`` of a body the router decoded) replaced.
 - :func:`response_headers` filters a worker's response head the same way, lowers the names' case and appends
-  ``X-SG-Worker-ID`` and ``X-Request-Id``.
+  ``X-SG-Worker-ID`` and ``X-Request-Id``; :func:`response_lines` is the same rendered as the head's lines, in one
+  pass (the direct relay's).
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ class Exchange:
     Set by the proxy as the request advances: ``route`` and ``pin`` (the matched route, None when none matches,
     and the response id in its path); ``body`` (the bytes forwarded), ``decoded`` (the router decoded its
     ``Content-Encoding``) and ``peek`` (its few parsed fields); ``request`` (the policy's view) and ``decision``
-    (the last pick); ``head`` (the request head for the workers, with its blank line); ``capture`` (False, True:
+    (the last pick); ``fwd`` (the client's headers a worker gets, rendered by
+    :func:`dplb.router.proxy.scan_headers` for :func:`request_head`; None: not rendered); ``head`` (the request head
+    for the workers, with its blank line); ``capture`` (False, True:
     remember the id found in the answer, or the ``/v1/responses`` id itself); ``trace`` (tracing hooks); ``tenant``
     (the :class:`dplb.router.ticket.Ticket` of its tenant, None before it is known); ``resume`` (a
     :class:`dplb.router.resume.ResumeStream` when ``--resume-streams`` tracks it, else None)."""
 
-    __slots__ = ("body", "capture", "conn", "decision", "decoded", "gone", "head", "peek", "pin", "receive",
+    __slots__ = ("body", "capture", "conn", "decision", "decoded", "fwd", "gone", "head", "peek", "pin", "receive",
                  "request", "resume", "rid", "route", "scope", "send", "status", "t_start", "tenant", "trace")
 
     def __init__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -74,6 +77,7 @@ class Exchange:
         self.body = b""
         self.decoded = False
         self.head = b""
+        self.fwd: bytes | None = None
         self.capture: Any = False
         self.resume: Any = None
         self.tenant: Any = None
@@ -113,27 +117,35 @@ def connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
 
 
 def request_head(scope: dict[str, Any], length: int, rid: bytes, decoded: bool, skip: frozenset[bytes],
-                 end: bool) -> bytes:
+                 end: bool, lines: bytes | None = None) -> bytes:
     """The request line and headers for the worker (``length``: body bytes; ``skip``: header names the router
-    sets itself, lower case as ASGI gives them); with ``end``, the blank line too."""
-    hdrs: list[tuple[bytes, bytes]] = scope["headers"]
+    sets itself, lower case as ASGI gives them); with ``end``, the blank line too. ``lines``: the client's headers
+    to forward rendered already (``name: value\r\n`` each, ``skip``'s and the names ``Connection`` lists left out:
+    :func:`dplb.router.proxy.scan_headers`), used unless the router decoded the body (its ``Content-Encoding`` goes
+    too)."""
+    path = scope.get("raw_path") or scope["path"].encode()
+    qs = scope.get("query_string") or b""
+    if qs and b"?" not in path:
+        path += b"?" + qs
+    if lines is None or decoded:
+        lines = _forwarded(scope["headers"], decoded, skip)
+    return b"".join((scope["method"].encode(), b" ", path, b" HTTP/1.1\r\nhost: dplb-worker\r\ncontent-length: ",
+                     str(length).encode(), b"\r\nx-request-id: ", rid, b"\r\n", lines, b"\r\n" if end else b""))
+
+
+def _forwarded(hdrs: list[tuple[bytes, bytes]], decoded: bool, skip: frozenset[bytes]) -> bytes:
+    """The lines of the client's headers a worker gets (:func:`request_head`): all but ``skip``, the names listed in
+    ``Connection`` and, when the router ``decoded`` the body, ``Content-Encoding``."""
     for n, _ in hdrs:
         if n == b"connection":  # names listed in Connection are hop-by-hop too
             skip = skip | connection_tokens(hdrs)
             break
     if decoded:
         skip = skip | {b"content-encoding"}
-    path = scope.get("raw_path") or scope["path"].encode()
-    qs = scope.get("query_string") or b""
-    if qs and b"?" not in path:
-        path += b"?" + qs
-    parts = [scope["method"].encode(), b" ", path, b" HTTP/1.1\r\nhost: dplb-worker\r\ncontent-length: ",
-             str(length).encode(), b"\r\nx-request-id: ", rid, b"\r\n"]
+    parts: list[bytes] = []
     for n, v in hdrs:
         if n not in skip:
             parts += (n, b": ", v, b"\r\n")
-    if end:
-        parts.append(b"\r\n")
     return b"".join(parts)
 
 
@@ -163,5 +175,44 @@ def response_headers(up_headers: list[tuple[bytes, bytes]], worker_id: bytes,
     return out, is_sse, draining
 
 
+def response_lines(up_headers: list[tuple[bytes, bytes]], worker_id: bytes,
+                   rid: bytes) -> tuple[bytes, bool, bool, bool] | None:
+    """:func:`response_headers` rendered as the lines of the client's response head (``name: value\r\n`` each,
+    the same headers in the same order), in one pass: (lines, a Content-Length among them, is SSE, the worker's
+    draining marker present). None when the worker's head has a ``Connection`` header (the names it lists are
+    dropped too: :func:`response_headers` then). The names a worker sends (in lower case) are compared first; any
+    other is lowered and filtered as :func:`response_headers` filters it."""
+    parts: list[bytes] = []
+    sized = is_sse = draining = False
+    for n, v in up_headers:
+        if n == b"date" or n == b"server":  # (uvicorn's usual head first: no lower(), no set lookup)
+            pass
+        elif n == b"content-length":
+            sized = True
+        elif n == b"content-type":
+            if v.startswith(b"text/event-stream"):
+                is_sse = True
+        elif n == b"x-request-id":
+            continue
+        else:
+            n = n.lower()
+            if n in RESP_OWN:
+                if n == b"x-dplb-draining":
+                    draining = True
+                elif n == b"connection":
+                    return None
+                continue
+            if n == b"content-length":
+                sized = True
+            elif n == b"content-type" and v.startswith(b"text/event-stream"):
+                is_sse = True
+        parts.append(n)  # (appends: cheaper than one += of a tuple, compiled and in CPython 3.11 alike)
+        parts.append(b": ")
+        parts.append(v)
+        parts.append(b"\r\n")
+    parts += (b"x-sg-worker-id: ", worker_id, b"\r\nx-request-id: ", rid, b"\r\n")
+    return b"".join(parts), sized, is_sse, draining
+
+
 __all__ = ["HOP_BY_HOP", "REQ_OWN", "RESP_OWN", "Exchange", "connection_tokens", "request_head",
-           "response_headers", "watch_disconnect"]
+           "response_headers", "response_lines", "watch_disconnect"]

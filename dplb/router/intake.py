@@ -163,7 +163,8 @@ def check_head(route: Route, clen: int, ctype: bytes, encoding: bytes, limit: in
     ``Content-Length`` (negative: none or malformed), ``limit`` the body limit in bytes. Raises :class:`Rejected`."""
     if clen > limit:
         raise Rejected(RouterErrorKind.BODY_TOO_LARGE, f"request body of {clen} bytes is over the {limit}-byte limit")
-    mtype = ctype.split(b";", 1)[0].strip().lower()
+    # (the usual value is its own media type: no split, strip or lower)
+    mtype = ctype if ctype == b"application/json" else ctype.split(b";", 1)[0].strip().lower()
     if route.body == "json" and ctype and not is_json_type(mtype):
         raise Rejected(RouterErrorKind.UNSUPPORTED_MEDIA, "Content-Type must be application/json (or an "
                        "application/*+json type)")

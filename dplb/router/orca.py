@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
-REQUEST_HEADER = b"endpoint-load-metrics-format"
-RESPONSE_HEADER = b"endpoint-load-metrics"
-MODES = ("off", "asked", "always")
+# (Final: compiled, a C static instead of a module-dict lookup per use; read per response.)
+REQUEST_HEADER: Final = b"endpoint-load-metrics-format"
+RESPONSE_HEADER: Final = b"endpoint-load-metrics"
+MODES: Final = ("off", "asked", "always")
 MIN_RPS = 0.01  # requests per second sent instead of 0 (see module docstring)
 MIN_UTILIZATION = 0.0001  # application_utilization sent instead of 0: the smallest 4-decimal value above 0
 
@@ -71,15 +72,18 @@ class OrcaResponder:
         if mode not in MODES:
             raise ValueError(f"ORCA mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
+        self.off = mode == "off"
+        self.always = mode == "always"
         self.report = report
 
     def __call__(self, scope: dict[str, Any], out: list[tuple[bytes, bytes]]) -> None:
         """Append ``endpoint-load-metrics`` to the response headers ``out`` when this request gets one."""
-        if self.mode == "off":
+        if self.off:
             return
-        fmt = requested_format(scope["headers"])
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        fmt = requested_format(headers)
         if fmt is None:
-            if self.mode != "always":
+            if not self.always:
                 return
             fmt = "TEXT"
         out.append((RESPONSE_HEADER, orca_header(self.report(), fmt)))

@@ -46,7 +46,7 @@ import asyncio
 import logging
 import os
 import re
-from typing import Any
+from typing import Any, Final
 
 from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind, error_body
@@ -72,7 +72,7 @@ from dplb.tenants import DEFAULT_TENANT
 log = logging.getLogger("dplb.router.proxy")
 __all__ = ["PROXY_PATHS", "Exchange", "Proxy", "error_body"]
 _RESPONSES = "/v1/responses"
-_REQUEST_ID_RE = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: "$" would accept a trailing "\n"
+_REQUEST_ID_RE: Final = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")  # fullmatch: "$" would accept a trailing "\n"
 # Why no worker was chosen → the error answered.
 _NO_WORKER = {
     REASON_NO_WORKERS: (RouterErrorKind.NO_WORKERS, "no worker is registered yet; retry shortly"),
@@ -80,6 +80,7 @@ _NO_WORKER = {
 }
 _NONE_READY = (RouterErrorKind.NONE_ROUTABLE, "no worker is ready (starting, draining or stale)")
 MAX_NAMED = 16  # workers named with their reason in a 503 no_routable_worker message
+_NONE: Final[frozenset[int]] = frozenset()
 
 
 class Proxy:
@@ -206,7 +207,7 @@ class Proxy:
         assert route is not None
         ex.body, peek, model, ex.decoded = read_body(route, body, encoding, self.cfg.max_body_bytes)
         ex.peek = peek
-        exclude: frozenset[int] = frozenset()
+        exclude = _NONE
         if isinstance(model, str) and model:  # "" is vLLM's default model, as an absent one
             models = self.models
             if models.none_serves(model):
@@ -271,7 +272,9 @@ class Proxy:
     def prepare(self, ex: Exchange) -> None:
         """After the decision: the request head for the workers (with the predicted prefix hit), the response-id
         capture and the stream tracking of ``ex``."""
-        ex.head = request_head(ex.scope, len(ex.body), ex.rid, ex.decoded, self._req_skip, True)
+        skip = self._req_skip
+        ex.head = request_head(ex.scope, len(ex.body), ex.rid, ex.decoded, skip, True,
+                               ex.fwd if skip is REQ_OWN else None)  # (tracing drops the client's trace headers)
         notes = ex.decision.notes
         if notes and (hit := notes.get(NOTE_PREFIX_HIT_BYTES)) is not None:  # the worker checks it (§5 staleness)
             ex.head = b"%s%s: %d\r\n\r\n" % (ex.head[:-2], PREFIX_PREDICTED_HEADER, hit)
@@ -320,7 +323,9 @@ class Proxy:
                     return
                 s.broken_on = worker  # logged and counted once a worker takes the continuation (resume.resumed)
                 ex.body = body
-                ex.head = request_head(ex.scope, len(body), ex.rid, ex.decoded, self._req_skip, True)
+                skip = self._req_skip
+                ex.head = request_head(ex.scope, len(body), ex.rid, ex.decoded, skip, True,
+                                       ex.fwd if skip is REQ_OWN else None)
                 tried = {worker}
                 why = "no other worker is ready to resume the stream"
             else:
@@ -359,46 +364,72 @@ def _tenant_name(ex: Exchange) -> str:
 
 
 def scan_headers(ex: Exchange) -> tuple[int, bytes, bytes, bytes]:
-    """Set ``ex.rid`` (the client's ``X-Request-Id`` when sane, else a fresh 32-hex-digit id) and return
-    (content-length: -1 absent, -2 malformed; content-type; authorization; content-encoding)."""
+    """Set ``ex.rid`` (the client's ``X-Request-Id`` when sane, else a fresh 32-hex-digit id) and ``ex.fwd`` (the
+    headers a worker gets, as :func:`dplb.router.exchange.request_head` renders them with
+    :data:`dplb.router.exchange.REQ_OWN`; None when a ``Connection`` header lists names to drop too) and return
+    (content-length: -1 absent, -2 malformed; content-type; authorization; content-encoding). One pass: the names
+    it looks for are compared first (ASGI gives them in lower case)."""
     rid = b""
     clen = -1
     ctype = auth = encoding = b""
-    for n, v in ex.scope["headers"]:
-        if n == b"x-request-id":
-            rid = v
+    listed = False
+    headers: list[tuple[bytes, bytes]] = ex.scope["headers"]
+    parts: list[bytes] = []
+    for n, v in headers:
+        if n == b"content-type":
+            ctype = v
         elif n == b"content-length":
             clen = int(v) if v.isdigit() else -2
-        elif n == b"content-type":
-            ctype = v
+            continue
+        elif n == b"host":
+            continue
+        elif n == b"x-request-id":
+            rid = v
+            continue
         elif n == b"authorization":
             auth = v
         elif n == b"content-encoding":
             encoding = v
-    ex.rid = rid if _REQUEST_ID_RE.fullmatch(rid) else _new_request_id()
+        elif n in REQ_OWN:
+            if n == b"connection":
+                listed = True
+            continue
+        parts.append(n)  # (appends: cheaper than one += of a tuple, compiled and in CPython 3.11 alike)
+        parts.append(b": ")
+        parts.append(v)
+        parts.append(b"\r\n")
+    ex.fwd = None if listed else b"".join(parts)
+    ex.rid = rid if rid and _REQUEST_ID_RE.fullmatch(rid) else _IDS.next()
     return clen, ctype, auth, encoding
 
 
-_ID_BATCH = 128  # request ids per draw from the OS's random source
-_id_digits = b""  # hex digits of the current draw
-_id_used = _ID_BATCH  # ids of it handed out
+_ID_BATCH: Final = 128  # request ids per draw from the OS's random source
 
 
-def _new_request_id() -> bytes:
-    """A fresh request id: 32 hex digits (128 bits) of ``os.urandom``, drawn :data:`_ID_BATCH` ids at a time (one
-    ``getrandom`` syscall per batch instead of one per request; a forked child draws its own)."""
-    global _id_digits, _id_used
-    if _id_used == _ID_BATCH:
-        _id_digits = os.urandom(16 * _ID_BATCH).hex().encode()
-        _id_used = 0
-    at = _id_used * 32
-    _id_used += 1
-    return _id_digits[at:at + 32]
+class _RequestIds:
+    """Fresh request ids: 32 hex digits (128 bits) of ``os.urandom`` each, drawn :data:`_ID_BATCH` ids at a time
+    (one ``getrandom`` syscall per batch instead of one per request; a forked child draws its own: :meth:`forget`)."""
+
+    def __init__(self) -> None:
+        self.digits = b""  # hex digits of the current draw
+        self.used = _ID_BATCH  # ids of it handed out
+
+    def next(self) -> bytes:
+        """A fresh request id."""
+        used = self.used
+        if used == _ID_BATCH:
+            self.digits = os.urandom(16 * _ID_BATCH).hex().encode()
+            used = 0
+        self.used = used + 1
+        at = used * 32
+        return self.digits[at:at + 32]
+
+    def forget(self) -> None:
+        """Draw anew at the next id (a forked child must not repeat its parent's)."""
+        self.used = _ID_BATCH
 
 
-def _forget_request_ids() -> None:
-    global _id_used
-    _id_used = _ID_BATCH
+_IDS: Final = _RequestIds()
 
 
-os.register_at_fork(after_in_child=_forget_request_ids)
+os.register_at_fork(after_in_child=_IDS.forget)

@@ -21,7 +21,7 @@ import collections
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from dplb.native import mypyc_attr
 from dplb.state.response_rings import NO_TENANT, ResponseRing, entry_value, id_key, value_worker
@@ -58,6 +58,9 @@ PROXY_ROUTES: dict[tuple[str, str], Route] = {
     ("POST", "/v1/responses/{response_id}/cancel"): Route("/v1/responses/{response_id}/cancel", "none", "chat",
                                                            True),
 }
+# PROXY_ROUTES by path, then method (match: no (method, path) key tuple made and hashed per request).
+_BY_PATH: Final[dict[str, dict[str, Route]]] = {
+    path: {m: r for (m, p), r in PROXY_ROUTES.items() if p == path} for (_, path) in PROXY_ROUTES}
 #: Every proxied path (exact paths; the ``{response_id}`` ones are matched by prefix in :func:`match`).
 PROXY_PATHS = frozenset(p for (_, p) in PROXY_ROUTES if "{" not in p)
 RESPONSES_PREFIX = "/v1/responses/"
@@ -84,9 +87,11 @@ _RESP_ID = re.compile(r"[A-Za-z0-9._:\-]{1,256}")
 def match(method: str, path: str) -> tuple[Route, str | None] | None:
     """The proxied route for ``method path`` and the response id named in it (None when there is none, or when it is
     not 1..256 of ``[A-Za-z0-9._:-]``: never remembered); None when not proxied."""
-    r = PROXY_ROUTES.get((method, path))
-    if r is not None:
-        return r, None
+    by_method = _BY_PATH.get(path)
+    if by_method is not None:
+        r = by_method.get(method)
+        if r is not None:
+            return r, None
     if path.startswith(RESPONSES_PREFIX):
         rest = path[len(RESPONSES_PREFIX):]
         if rest.endswith("/cancel"):

@@ -35,14 +35,19 @@ _STATUS_LINE: Final = STATUS_LINE  # (Final: compiled, a C static instead of a m
 #: Largest request body a direct handler is offered (bytes): uvicorn pauses reading above 64 KiB until its app reads.
 MAX_DIRECT_BODY: Final = 65536
 _NO_BODY_STATUS: Final = (204, 304)
-#: (closing: not kept alive, chunked) → the end of a response head after its last header line (without that line's
-#: CRLF): what uvicorn's ``send`` adds.
-_TAILS: Final = {
-    (False, False): b"\r\n\r\n",
-    (True, False): b"\r\nconnection: close\r\n\r\n",
-    (False, True): b"\r\ntransfer-encoding: chunked\r\n\r\n",
-    (True, True): b"\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n",
-}
+#: The end of a response head after its header lines, by ``2 * closing + chunked`` (closing: not kept alive):
+#: what uvicorn's ``send`` adds.
+_ENDS: Final = (
+    b"\r\n",
+    b"transfer-encoding: chunked\r\n\r\n",
+    b"connection: close\r\n\r\n",
+    b"connection: close\r\ntransfer-encoding: chunked\r\n\r\n",
+)
+
+
+def header_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """``headers`` as the lines of a head: ``name: value\r\n`` each, in their order."""
+    return b"".join([n + b": " + v + b"\r\n" for n, v in headers])
 
 
 class Source(Protocol):
@@ -63,41 +68,43 @@ class DirectResponse:
     feeds the response (a :class:`Source`, set by the owner, or None): the protocol calls its ``pause_reading()``
     and ``resume_reading()`` at the client transport's write-buffer marks."""
 
-    __slots__ = ("chunked", "cycle", "head", "pending", "remaining", "source", "transport")
+    __slots__ = ("chunked", "cycle", "head", "pending", "source", "transport")
 
     def __init__(self, cycle: LaneCycle) -> None:
         self.cycle = cycle
         self.transport = cycle.transport
         self.pending: list[bytes] = []
         self.chunked = False
-        self.remaining = 0  # Content-Length bytes still to come
         self.head = b""  # the response head, once start made it
         self.source: Source | None = None
         cycle.direct = self
 
     def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The status line and ``headers`` (names in lower case, as uvicorn's ``send`` writes them), framed as
-        uvicorn frames an ASGI response: a Content-Length is kept, else the body is chunked. The head is joined in
-        C (one ``name: value`` piece per header, then one join): no Python step per header but the Content-Length
-        lookup."""
+        uvicorn frames an ASGI response: with a Content-Length the body goes as it is, else chunked
+        (:meth:`start_lines` with the headers rendered)."""
+        sized = False
+        for name, _ in headers:
+            if name == b"content-length":
+                sized = True
+                break
+        self.start_lines(status, header_lines(headers), sized)
+
+    def start_lines(self, status: int, lines: bytes, sized: bool) -> None:
+        """:meth:`start` with the headers rendered already: ``lines`` (``name: value\r\n`` each, names in lower
+        case; the cycle's default headers go first) and whether they carry a Content-Length (``sized``)."""
         cycle = self.cycle
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
-        length = -1
-        for name, value in headers:
-            if name == b"content-length":
-                length = int(value)
-                break
         defaults = cycle.default_headers
-        lines = b"\r\n".join(map(b": ".join, defaults + headers if defaults else headers))
-        chunked = length < 0 and status not in _NO_BODY_STATUS
-        if chunked and not cycle.keep_alive and cycle.scope["http_version"] == "1.0":
+        if defaults:
+            lines = header_lines(defaults) + lines
+        chunked = not sized and status not in _NO_BODY_STATUS
+        closing = not cycle.keep_alive
+        if chunked and closing and cycle.scope["http_version"] == "1.0":
             chunked = False  # HTTP/1.0 has no chunked coding: the close delimits the body (RFC 9112 §6.3)
-        tail = _TAILS[not cycle.keep_alive, chunked]
         self.chunked = chunked
-        self.remaining = max(length, 0)
-        line = _STATUS_LINE[status]
-        head = b"".join((line, lines, tail)) if lines else line + tail[2:]
+        head = _STATUS_LINE[status] + lines + _ENDS[2 * closing + chunked]
         self.pending.append(head)
         self.head = head
 
@@ -106,7 +113,6 @@ class DirectResponse:
         if self.chunked:
             self.pending += (b"%x\r\n" % len(data), data, b"\r\n")
         else:
-            self.remaining -= len(data)
             self.pending.append(data)
 
     def end(self, then: Callable[[], None] | None = None) -> None:
@@ -147,4 +153,4 @@ class DirectResponse:
                 self.transport.write(data)
 
 
-__all__ = ["MAX_DIRECT_BODY", "DirectResponse", "Source"]
+__all__ = ["MAX_DIRECT_BODY", "DirectResponse", "Source", "header_lines"]

@@ -177,7 +177,8 @@ class BoundedHttpToolsProtocol(Rejection, HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:  # uvicorn's, inlined, and the head's size counted
         self._head_bytes += len(name) + len(value) + 4
         name = name.lower()
-        value = value.rstrip(b" \t")  # llhttp keeps trailing whitespace, which RFC 9110 §5.5 excludes
+        if value and value[-1] in (32, 9):  # llhttp keeps trailing whitespace (space, tab), which RFC 9110 §5.5
+            value = value.rstrip(b" \t")  # excludes (compiled, the test costs a fifth of the call)
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect_100_continue = True
         elif name == b"transfer-encoding" and value.lower() != b"chunked":  # (llhttp reads the last coding only)
@@ -223,18 +224,31 @@ class BoundedHttpToolsProtocol(Rejection, HttpToolsProtocol):
         if not self._wants(scope):  # (first: a handler that takes nothing now costs uvicorn's path the least)
             return False
         headers: list[tuple[bytes, bytes]] = self.headers
-        for name, value in headers:  # a Content-Length within the direct limit (the first one: see begin)
-            if name == b"content-length":
+        sized = listed = False
+        for name, value in headers:
+            if name == b"content-length":  # within the direct limit (llhttp refuses a second one)
                 if not value.isdigit() or int(value) > MAX_DIRECT_BODY:
                     return False
-                break
-        else:
+                sized = True
+            elif name == b"connection":
+                listed = True
+        if not sized:
             return False  # chunked: the app reads it (it may refuse it before reading it)
-        version: str = parser.get_http_version()
-        if version != "1.1":
-            scope["http_version"] = version
-        url: Any = parse_url(self.url)  # (Any: its query is None when absent, not the stubs' bytes)
-        raw_path: bytes = url.path
+        keep_alive: bool = parser.should_keep_alive()
+        if keep_alive and not listed:  # llhttp keeps alive without a Connection header only HTTP/1.1 (no string made)
+            version = "1.1"
+        else:
+            version = parser.get_http_version()
+            if version != "1.1":
+                scope["http_version"] = version
+                keep_alive = keep_alive and version != "1.0"
+        raw_path = self.url
+        query: bytes | None = b""
+        # A plain path ("/…" without "?", "%", "#"; searched for by code: `b"?" in path` makes and drops a
+        # TypeError first) is its own raw path and has no query: parse_url only for the others.
+        if raw_path[:1] != b"/" or 63 in raw_path or 37 in raw_path or 35 in raw_path:
+            url: Any = parse_url(raw_path)  # (Any: its query is None when absent, not the stubs' bytes)
+            raw_path, query = url.path, url.query
         path = raw_path.decode("ascii")
         if "%" in path:
             path = unquote(path)
@@ -243,11 +257,10 @@ class BoundedHttpToolsProtocol(Rejection, HttpToolsProtocol):
             path, raw_path = root + path, root.encode("ascii") + raw_path
         scope["path"] = path
         scope["raw_path"] = raw_path
-        query: bytes | None = url.query
         scope["query_string"] = query or b""
         prev = self.cycle
         cycle = self.cycle = LaneCycle(scope, self.transport, self.flow, self.server_state.default_headers,
-                                       version != "1.0" and parser.should_keep_alive(), self._on_response)
+                                       keep_alive, self._on_response)
         if prev is None or prev.response_complete:
             self._deferred = self._active = cycle
         else:  # pipelined: queued as uvicorn queues it, the connection still read up to MAX_QUEUED

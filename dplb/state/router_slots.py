@@ -62,6 +62,7 @@ import contextlib
 import mmap
 import os
 import struct
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any, Final
@@ -84,6 +85,8 @@ ROUTER_ENTRY: Final = struct.Struct("<IIQ")  # pending, inflight, last_sent
 ROUTER_STALE_S: Final = 2.0  # a router slot whose heartbeat is older is ignored (its owner died or hung)
 READ_RETRIES: Final = 64
 assert ROUTER_SLOT_SIZE % 64 == 0 and ROUTER_ENTRY.size == 16
+# The owner stores words through a native-order view ("Q") where the layout says little-endian (seq, times, entries).
+assert sys.byteorder == "little"
 
 def routers_offset(num_workers: int) -> int:
     """Offset of router slot 0 in a segment with ``num_workers`` worker slots, bytes."""
@@ -113,6 +116,7 @@ class RouterSlots:
         self._q = memoryview(mm).cast("Q")  # aligned 8-byte loads/stores of seq and time words
         self._off = self._base + index * ROUTER_SLOT_SIZE
         self._si = self._off >> 3
+        self._ei = self._si + 8  # word of worker 0's entry (at slot offset 64)
         self._seq = self._q[self._si] + (self._q[self._si] & 1)
         self._entries = struct.Struct("<" + "IIQ" * num_workers)
         rings = self._base + MAX_ROUTERS * ROUTER_SLOT_SIZE
@@ -126,7 +130,6 @@ class RouterSlots:
         self.has_peers = False
         #: This slot's response-id ring and the reader of the others' (:mod:`dplb.state.response_rings`).
         self.responses = ResponseRing(mm, num_workers, index)
-        self._last_sent = [0] * num_workers
         self._sent_any = 0
         self.pid = os.getpid()
 
@@ -178,10 +181,12 @@ class RouterSlots:
         q, si = self._q, self._si
         seq = self._seq + 1
         q[si] = seq
+        e = self._ei + 2 * worker  # the entry as two 8-byte words: pending | inflight << 32, then last_sent
         if sent_now_ns:
-            self._last_sent[worker] = self._sent_any = sent_now_ns
+            self._sent_any = sent_now_ns
             q[si + 3] = sent_now_ns
-        ROUTER_ENTRY.pack_into(self._mm, self._off + 64 + 16 * worker, pending, inflight, self._last_sent[worker])
+            q[e + 1] = sent_now_ns
+        q[e] = pending | inflight << 32
         q[si] = self._seq = seq + 1
 
     def heartbeat(self) -> None:
