@@ -108,8 +108,7 @@ def patch_pure():
     async def relay_plain(self, chunks):
         n = relay_at(self.ex.scope)
         if not n:
-            await relay(self, chunks)
-            return
+            return await relay(self, chunks)
 
         class Failing:
             def __init__(self):
@@ -125,7 +124,7 @@ def patch_pure():
                     raise Boom("relay")
                 return chunk
 
-        await relay(self, Failing())
+        return await relay(self, Failing())
 
     def failing_report(self, worker, outcome, e2e_s=0.0, ttft_s=None):
         report(self, worker, outcome, e2e_s, ttft_s)
