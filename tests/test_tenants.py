@@ -501,6 +501,15 @@ def test_hash_key_cli_reads_stdin_and_refuses_an_empty_key(monkeypatch, capsys) 
     monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
     assert main(["tenants", "hash-key", "-"]) == 2
     assert "(the key given, 0 characters, is empty)" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO("key-one\r\n"))
+    assert main(["tenants", "hash-key", "-"]) == 0
+    assert capsys.readouterr().out.strip() == H1
+    # More than one line (a key file with a comment, two keys): refused, never the first line's digest silently.
+    for text in ("# team a\nkey-one\n", "key-one\nkey-two"):
+        monkeypatch.setattr("sys.stdin", io.StringIO(text))
+        assert main(["tenants", "hash-key", "-"]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and "stdin has 2 lines: give one key per run" in out.err, out
 
 
 @pytest.mark.parametrize(("body", "n"), [(b'{"max_tokens": 64}', 64), (b'{"max_completion_tokens": 9, "max_tokens": 64}', 9),

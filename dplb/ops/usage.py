@@ -24,7 +24,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dplb.errors import DPLBError
+from dplb.errors import ConfigError, DPLBError
 from dplb.http_values import check_bearer_token
 from dplb.obs.metrics import TENANT_E2E, TENANT_QUEUE_WAIT, TENANT_QUEUED, TENANT_REQUESTS, TENANT_TOKENS, TENANT_TTFT
 from dplb.tenants import hash_key, load_tenants
@@ -137,16 +137,20 @@ def _cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _cmd_hash_key(args: argparse.Namespace, rest: list[str]) -> int:
     """Print KEY's digest; KEY from the argument, stdin ('-', or no KEY and stdin not a terminal: read without
-    getpass, whose fallback warns ``GetPassWarning``) or the terminal's prompt (a trailing ``\n`` / ``\r\n`` of a
-    line read is not part of it). Raises :class:`DPLBError` for no key, and :class:`~dplb.errors.ConfigError` (exit
-    2) for a key the router would refuse as ``--api-key`` (:func:`dplb.config.check_bearer_token`: the one check),
-    the empty one included."""
+    getpass, whose fallback warns ``GetPassWarning``; exactly one line) or the terminal's prompt (a trailing ``\n``
+    / ``\r\n`` of a line read is not part of it). Raises :class:`DPLBError` for no key, and
+    :class:`~dplb.errors.ConfigError` (exit 2) for stdin of several lines or a key the router would refuse as
+    ``--api-key`` (:func:`dplb.config.check_bearer_token`: the one check), the empty one included."""
     key = args.key
     if key == "-" or (key is None and not sys.stdin.isatty()):
-        line = sys.stdin.readline()
-        if not line and key is None:  # nothing piped in (stdin at EOF)
+        text = sys.stdin.read()
+        if not text and key is None:  # nothing piped in (stdin at EOF)
             raise DPLBError("no key given: pass KEY, type it at the prompt, or pipe it with '-'")
-        key = line.rstrip("\r\n")
+        lines = text.splitlines() or [""]
+        if len(lines) > 1:  # a key file with a comment or a second key: hashing only the first would be silent
+            raise ConfigError(f"stdin has {len(lines)} lines: give one key per run (one line, its trailing newline "
+                              "optional)")
+        key = lines[0]
     elif key is None:
         try:
             key = getpass.getpass("API key: ")
