@@ -7,6 +7,7 @@ server's ``linger`` setting (no class attribute patched: the protocol class may 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -31,20 +32,29 @@ async def _refuse(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"no"})
 
 
-@pytest.fixture
-def port() -> Iterator[int]:
+@contextlib.contextmanager
+def _serving(linger: LingerBounds) -> Iterator[tuple[Any, socket.socket, threading.Thread]]:
+    """The refusing server with ``linger`` bounds on a thread of its own: (server, its socket, the thread); asked to
+    exit when the block ends."""
     sock = bind_tcp("127.0.0.1", 0)
-    server = make_server(_refuse, max_head_bytes=16384, graceful_s=None,
-                         linger=LingerBounds(total_s=TOTAL_S, idle_s=IDLE_S, max_bytes=BYTES))
+    server = make_server(_refuse, max_head_bytes=16384, graceful_s=None, linger=linger)
     loop = asyncio.new_event_loop()
     task = loop.create_task(server.serve(sockets=[sock]))
     t = threading.Thread(target=loop.run_until_complete, args=(task,), daemon=True)
     t.start()
     while not server.started:
         time.sleep(0.01)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    t.join(10)
+    try:
+        yield server, sock, t
+    finally:
+        server.should_exit = True
+        t.join(10)
+
+
+@pytest.fixture
+def port() -> Iterator[int]:
+    with _serving(LingerBounds(total_s=TOTAL_S, idle_s=IDLE_S, max_bytes=BYTES)) as (_, sock, _t):
+        yield sock.getsockname()[1]
 
 
 def _answered(port: int) -> socket.socket:
@@ -104,27 +114,19 @@ def test_a_lingering_connection_does_not_hold_a_shutdown(refused: str) -> None:
     """A graceful shutdown closes a lingering connection at once, whether its refused request was complete on the
     server's side (413: the answer ended the request) or not (400 for a bad chunk mid-body: the request's cycle
     never completed, and the connection held the shutdown for the whole idle bound)."""
-    sock = bind_tcp("127.0.0.1", 0)
-    server = make_server(_refuse, max_head_bytes=16384, graceful_s=None,
-                         linger=LingerBounds(total_s=30.0, idle_s=5.0, max_bytes=BYTES))
-    loop = asyncio.new_event_loop()
-    task = loop.create_task(server.serve(sockets=[sock]))
-    t = threading.Thread(target=loop.run_until_complete, args=(task,), daemon=True)
-    t.start()
-    while not server.started:
-        time.sleep(0.01)
-    s = socket.create_connection(sock.getsockname()[:2], timeout=10)
-    if refused == "413":
-        s.sendall(HEAD + b"x" * 65536)
-    else:
-        s.sendall(b"POST /up HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n" + b"x" * 65536)
-    got = b""
-    while chunk := s.recv(65536):  # the whole answer, then the server's EOF: lingering now
-        got += chunk
-    assert got.startswith(f"HTTP/1.1 {refused}".encode()), got
-    t0 = time.monotonic()
-    server.should_exit = True
-    t.join(10)
-    took = time.monotonic() - t0
-    assert not t.is_alive() and took < 2.0, took
-    assert _closed(s)
+    with _serving(LingerBounds(total_s=30.0, idle_s=5.0, max_bytes=BYTES)) as (server, sock, t):
+        s = socket.create_connection(sock.getsockname()[:2], timeout=10)
+        if refused == "413":
+            s.sendall(HEAD + b"x" * 65536)
+        else:
+            s.sendall(b"POST /up HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n" + b"x" * 65536)
+        got = b""
+        while chunk := s.recv(65536):  # the whole answer, then the server's EOF: lingering now
+            got += chunk
+        assert got.startswith(f"HTTP/1.1 {refused}".encode()), got
+        t0 = time.monotonic()
+        server.should_exit = True
+        t.join(10)
+        took = time.monotonic() - t0
+        assert not t.is_alive() and took < 2.0, took
+        assert _closed(s)

@@ -6,23 +6,20 @@ the launcher removes the ``/dev/shm/psm_*`` files the killed engine left (which 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from cluster import dplb_cmd, free_port, interrupt, wait_for
+from cluster import launched, wait_for
 from proc_tags import kill_tagged, new_tag, ppid, tagged_env, tagged_procs
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
 from dplb.errors import stream_failure
 from dplb.ops.shm_leftovers import descendants, mapped_shm
-from dplb.state.shm import Lifecycle, Segment
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 DONE = b"data: [DONE]\n\n"
@@ -31,30 +28,10 @@ DONE = b"data: [DONE]\n\n"
 def test_engine_core_killed_mid_stream_is_an_upstream_error_and_leaves_no_shared_memory(tmp_path: Path) -> None:
     require_vllm()
     tag = new_tag()
-    shm = f"/dev/shm/dplb_state_test_{tag}"
-    run_dir = str(tmp_path / f"run-{tag}")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "launch.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            dplb_cmd("launch", "--model", TINY_MODEL, "--num-workers", "1", "--port", str(port), "--host",
-                     "127.0.0.1", "--shm-path", shm, "--run-dir", run_dir, "--metrics-port-base", "0",
-                     *VLLM_CPU_ARGS),
-            env=tagged_env(tag, vllm_env()), stdout=log, stderr=subprocess.STDOUT)
-    seg = None
-    try:
-        t0 = time.monotonic()
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-4000:]
-            assert time.monotonic() - t0 < STARTUP_TIMEOUT_S, log_path.read_text()[-4000:]
-            with contextlib.suppress(Exception):
-                seg = seg or Segment.attach(shm, writable=False)
-                if seg.read(0).lifecycle == Lifecycle.READY and httpx.get(url + "/ready").status_code == 200:
-                    break
-            time.sleep(1)
-        assert seg is not None
-        worker = seg.read(0).pid
+    with launched(tmp_path, "--model", TINY_MODEL, "--num-workers", "1", *VLLM_CPU_ARGS, tag=tag,
+                  env=tagged_env(tag, vllm_env()), cleanup=lambda: kill_tagged(tag)) as ln:
+        ln.wait_ready(STARTUP_TIMEOUT_S, workers=True, step_s=1)
+        worker = ln.state()["workers"][0]["pid"]
         cores = [pid for pid, cmd in tagged_procs(tag) if ppid(pid) == worker and "EngineCore" in cmd]
         assert len(cores) == 1, (worker, tagged_procs(tag))
         wait_for(lambda: mapped_shm(descendants(worker)), 30, "the engine's shared memory to be mapped", step_s=0.5)
@@ -62,7 +39,7 @@ def test_engine_core_killed_mid_stream_is_an_upstream_error_and_leaves_no_shared
         engine_shm = mapped_shm(descendants(worker))
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
         got: list[bytes] = []
-        with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
+        with httpx.Client(timeout=60) as client, client.stream("POST", ln.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
             for chunk in r.iter_raw():  # raises on an abnormal close: vLLM's own end is a clean one
                 got.append(chunk)
@@ -73,24 +50,17 @@ def test_engine_core_killed_mid_stream_is_an_upstream_error_and_leaves_no_shared
         failure = stream_failure(text[-2000:])
         assert failure is not None and "EngineCore" in failure, text[-600:]
         assert b"worker_failed" not in text  # vLLM's bytes, not the router's
-        metrics = httpx.get(url + "/metrics").text
+        metrics = httpx.get(ln.url + "/metrics").text
         m = re.search(r'dplb_upstream_request_duration_seconds_count\{outcome="upstream_error",worker="0"\} (\S+)',
                       metrics)
         assert m and float(m.group(1)) == 1.0, metrics[-3000:]
-        router_log = Path(run_dir, "router.log").read_text(errors="replace")
+        router_log = Path(ln.run_dir, "router.log").read_text(errors="replace")
         assert "failed stream" in router_log, router_log[-3000:]
         # The worker exits (vLLM engine died), the launcher reaps its group, removes what the engine left, restarts.
-        wait_for(lambda: "exited unexpectedly" in log_path.read_text(), 60, "the worker's exit", step_s=0.5)
+        wait_for(lambda: "exited unexpectedly" in ln.log.read_text(), 60, "the worker's exit", step_s=0.5)
         wait_for(lambda: not any(os.path.exists(p) for p in engine_shm), 40, "the engine's psm_ files removed",
                  step_s=0.5)
-        removed = [p for p in engine_shm if f"removed {p}" in log_path.read_text()]
+        removed = [p for p in engine_shm if f"removed {p}" in ln.log.read_text()]
         print(f"engine death: stream ended with vLLM's event + [DONE] after {len(got)} chunks; counted "
               f"upstream_error; {len(engine_shm)} psm_ file(s) the engine mapped, {len(removed)} removed by the "
               f"launcher (the rest unlinked by vLLM itself)")
-    finally:
-        if seg is not None:
-            seg.close()
-        interrupt(proc, 90)
-        kill_tagged(tag)
-        if os.path.exists(shm):
-            os.unlink(shm)

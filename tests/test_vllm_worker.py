@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ from cluster import dplb_cmd, free_port, router_cmd
 from otlp_receiver import OtlpReceiver
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
+from dplb.ops.shm_leftovers import descendants
 from dplb.state.shm import Lifecycle, Segment
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -280,20 +280,15 @@ def test_reconciler_sees_live_vllm_requests_spares_them_and_vllm_aborts_cut_ones
 
 def _engine_core(worker_pid: int) -> int:
     """The pid of vLLM's EngineCore process started by the worker ``worker_pid`` (its child: read from the worker's
-    own ``/proc/PID/task/*/children``, never from other processes of the host)."""
-    children: list[str] = []
-    for task in os.listdir(f"/proc/{worker_pid}/task"):
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{worker_pid}/task/{task}/children") as f:
-                children += f.read().split()
-    for name in children:
+    own process tree, :func:`dplb.ops.shm_leftovers.descendants`, never from other processes of the host)."""
+    for pid in descendants(worker_pid)[1:]:
         try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read()
         except OSError:
             continue
         if b"EngineCore" in cmd:
-            return int(name)
+            return pid
     raise AssertionError(f"worker {worker_pid} has no EngineCore child")
 
 
