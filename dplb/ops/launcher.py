@@ -465,7 +465,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scrape-host", metavar="HOST",
                    help="the host name or address a Prometheus reaches this host by, written into the scrape "
                    "targets for a wildcard --host / --metrics-host (default: this host's FQDN; a warning says when "
-                   "that resolves only to loopback)")
+                   "that, or the one given, resolves only to loopback; an IPv6 address may be bracketed)")
     p.add_argument("--stack-name", metavar="NAME",
                    help="the stack label of this stack's Prometheus targets (router and workers), which the "
                    "dashboards' Stack variable selects by (default HOSTNAME:PORT, e.g. gpu-node-3:30000; letters, "
