@@ -115,8 +115,10 @@ class RouterApp:
         self.metrics.registry.register(HostReportCollector(lambda: self.host.report))
         self.host_registry = CollectorRegistry(auto_describe=False)  # GET /metrics/host: these families alone
         self.host_registry.register(HostReportCollector(lambda: self.host.report))
-        if cfg.orca != "off":
-            self.proxy.upstreams.on_response_head = OrcaResponder(cfg.orca, lambda: self.host.report)
+        #: The ORCA load report (dplb.router.orca): on proxied answers and the router's own errors there, and on a
+        #: local route's 503 (not ready, draining), so that Envoy sees the host's utilization ≥ 1 wherever it asks.
+        self.orca = OrcaResponder(cfg.orca, lambda: self.host.report) if cfg.orca != "off" else None
+        self.proxy.upstreams.on_response_head = self.orca
         self._keyed = bool(cfg.api_key or cfg.tenants_file)  # local routes need a key (a tenant's, with --tenants)
         self._observe = HttpCount(self.metrics).observe  # dplb_http_requests_total and its duration histogram
         self.litestar = build_local_app(self)
@@ -151,9 +153,16 @@ class RouterApp:
             scope = {**scope, "method": "GET"}
             send = _without_body(send)
 
+        orca = self.orca
+        local_scope = scope
+
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                if orca is not None and status[0] == 503:
+                    headers = list(message.get("headers", []))
+                    orca(local_scope, headers)
+                    message = {**message, "headers": headers}
             await send(message)
 
         try:
