@@ -154,7 +154,7 @@ class RouterApp:
             send = _without_body(send)
 
         orca = self.orca
-        local_scope = scope
+        local_scope = scope  # the scope served (a HEAD's, rebound above), for the closure below
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
