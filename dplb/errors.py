@@ -182,12 +182,13 @@ class RouterErrorKind(enum.Enum):
     ``dplb_requests_rejected_total``; the set is closed so metric cardinality stays bounded.
 
     The router answers 503 only for a request that reached no engine, so nothing was generated: no worker could
-    take it, or it waited in the tenants' fair queue and was never sent (the workers' own 503s are refusals before
-    any work too: DPLB's ``worker_draining``, vLLM's "the model is currently scaling"). A front balancer may re-send
+    take it or be connected to (``worker_unreachable``: the connection failed before a byte was sent), or it
+    waited in the tenants' fair queue and was never sent (the workers' own 503s are refusals before any work too:
+    DPLB's ``worker_draining``, vLLM's "the model is currently scaling"). A front balancer may re-send
     a 503 to another host (docs/DESIGN.md §13; the configs ``dplb fleet`` writes do). A request that reached an
     engine and failed there is never answered 503: ``worker_stalled`` and ``worker_timeout`` 504, ``worker_failed``
     502 (the engine may have started it, and a request that hangs or crashes an engine would take the next host
-    down too). ``worker_unreachable`` (502) reached no engine either, but shares its status with ``worker_failed``.
+    down too).
     """
 
     NO_WORKERS = (503, "service_unavailable", "no_workers_registered")
@@ -232,7 +233,8 @@ class RouterErrorKind(enum.Enum):
     QUEUE_FULL = (503, "service_unavailable", "queue_full")
     QUEUE_TIMEOUT = (503, "service_unavailable", "queue_timeout")
     DRAINING_QUEUED = (503, "service_unavailable", "router_draining")
-    UPSTREAM_UNREACHABLE = (502, "upstream_error", "worker_unreachable")
+    # No worker could be connected to (the connection failed: no request byte was sent, so no engine saw it).
+    UPSTREAM_UNREACHABLE = (503, "service_unavailable", "worker_unreachable")
     UPSTREAM_TIMEOUT = (504, "upstream_error", "worker_timeout")
     UPSTREAM_FAILED = (502, "upstream_error", "worker_failed")
     # The worker's engine stopped making progress (docs/DESIGN.md §6): the gateway's 504 (its upstream made no

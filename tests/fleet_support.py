@@ -231,10 +231,9 @@ def balancer(cmd: list[str], url: str, log_path: str, ready_path: str = "/health
 STALL_AFTER_REQUESTS = 20
 STALLED = "worker_stalled"
 #: What a DPLB router answers 503 for (the request reached no engine: a balancer re-sends it to another host), and
-#: what it answers 502/504 for (the request reached an engine, or, worker_unreachable, shares worker_failed's 502:
-#: passed to the client).
-RESENT = ("no_routable_worker", "no_workers_registered", "all_workers_over_queue_cap")
-PASSED = (STALLED, "worker_failed", "worker_timeout", "worker_unreachable")
+#: what it answers 502/504 for (the request reached an engine: passed to the client).
+RESENT = ("no_routable_worker", "no_workers_registered", "all_workers_over_queue_cap", "worker_unreachable")
+PASSED = (STALLED, "worker_failed", "worker_timeout")
 
 
 @contextlib.contextmanager

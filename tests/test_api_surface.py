@@ -212,15 +212,25 @@ def test_cors_preflight_and_headers(lora: Cluster) -> None:
             assert r.status_code == 204 and r.headers["access-control-allow-origin"] == ORIGIN, (path, r.text)
             assert "POST" in r.headers["access-control-allow-methods"]
             assert "authorization" in r.headers["access-control-allow-headers"].lower()
-        assert cl.options("/v1/chat/completions", headers={**pre, "origin": "https://evil.example"}).status_code \
-            == 400
+            assert r.headers.get_list("vary") == ["Origin"], (path, r.headers)
+        r = cl.options("/v1/chat/completions", headers={**pre, "origin": "https://evil.example"})
+        assert r.status_code == 400 and r.headers.get_list("vary") == ["Origin"], r.headers
         r = cl.post("/v1/chat/completions", json=BODIES["/v1/chat/completions"], headers={"origin": ORIGIN})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
-        assert "x-sg-worker-id" in r.headers["access-control-expose-headers"]
-        assert cl.get("/v1/models", headers={"origin": ORIGIN}).headers["access-control-allow-origin"] == ORIGIN
-        r = cl.post("/v1/chat/completions", json=BODIES["/v1/chat/completions"],
-                    headers={"origin": "https://evil.example"})
-        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        assert r.headers.get_list("vary") == ["Origin"], r.headers
+        exposed = {h.strip() for h in r.headers["access-control-expose-headers"].split(",")}
+        # a browser client reads the worker id, Retry-After and OpenAI's rate-limit headers (the SDKs back off on them)
+        assert {"x-sg-worker-id", "x-request-id", "retry-after", "x-ratelimit-remaining-requests",
+                "x-ratelimit-reset-tokens", "x-ratelimit-limit-concurrent"} <= exposed, exposed
+        r = cl.get("/v1/models", headers={"origin": ORIGIN})
+        assert r.headers["access-control-allow-origin"] == ORIGIN and r.headers.get_list("vary") == ["Origin"]
+        for evil in (cl.post("/v1/chat/completions", json=BODIES["/v1/chat/completions"],
+                             headers={"origin": "https://evil.example"}),
+                     cl.get("/v1/models", headers={"origin": "https://evil.example"})):
+            # refused, yet its answer depends on Origin: a shared cache must not hand it to an allowed origin
+            assert evil.status_code == 200 and "access-control-allow-origin" not in evil.headers
+            assert evil.headers.get_list("vary") == ["Origin"], evil.headers
+        assert "vary" not in cl.get("/v1/models").headers  # no Origin: no CORS headers at all
 
 
 def _worker_saw(c: Cluster, k: int, sha: str) -> dict:  # type: ignore[type-arg]

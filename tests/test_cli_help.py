@@ -105,13 +105,21 @@ def test_a_wildcard_metrics_host_whose_fqdn_is_loopback_is_warned_about_and_scra
     assert "does not resolve" in (loopback_targets("127.0.0.1", "::", True, None, fqdn="x.invalid") or "")
     assert loopback_targets("0.0.0.0", "0.0.0.0", True, None, fqdn="10.0.0.5") is None  # reachable: quiet
     assert loopback_targets("0.0.0.0", "0.0.0.0", True, "10.0.0.5", fqdn="localhost") is None  # named: quiet
+    assert loopback_targets("0.0.0.0", "0.0.0.0", True, "x.invalid", fqdn="localhost") is None  # Prometheus's DNS
+    for loop in ("127.0.0.1", "::1", "localhost"):  # a loopback --scrape-host: the same warning as a loopback FQDN
+        warn = loopback_targets("0.0.0.0", "0.0.0.0", True, loop, fqdn="10.0.0.5")
+        assert warn is not None and f"name this host {loop!r} (--scrape-host), which resolves only to loopback" \
+            in warn, warn
     # loopback worker metrics (the default) or none: the file is a local Prometheus's anyway
     assert loopback_targets("0.0.0.0", "127.0.0.1", True, None, fqdn="localhost") is None
     assert loopback_targets("0.0.0.0", "0.0.0.0", False, None, fqdn="localhost") is None
     for ok in ("10.0.0.5", "fe80::1", "gpu-node-3.example.com", "gpu-node-3"):
-        check_scrape_host(ok, "0.0.0.0", "127.0.0.1", True)
+        assert check_scrape_host(ok, "0.0.0.0", "127.0.0.1", True) == ok
+    # an IPv6 address bracketed as in a URL is taken (the targets bracket it themselves), never called "a port"
+    assert check_scrape_host("[::1]", "0.0.0.0", "127.0.0.1", True) == "::1"
     for bad, says in (("a:1", "without a port"), ("http://h", "without a port"), ("-h", "without a port"),
-                      ("a b", "without a port"), ("h", "none is one")):
+                      ("a b", "without a port"), ("h", "none is one"), ("[10.0.0.5]", "only an IPv6 address"),
+                      ("[h]", "not an IPv6 address"), ("[::1]:9090", "without a port")):
         with pytest.raises(ConfigError, match=says):
             check_scrape_host(bad, "127.0.0.1" if bad == "h" else "0.0.0.0", "127.0.0.1", True)
 
@@ -128,6 +136,10 @@ def test_emit_systemd_writes_the_scrape_host_for_wildcard_binds_and_warns_withou
     r = emit(tmp_path / "b")
     warn = loopback_targets("0.0.0.0", "0.0.0.0", True, None)  # this host's FQDN decides (loopback on the CI box)
     assert r.returncode == 0 and (f"warning: {warn}" in r.stderr if warn else "warning" not in r.stderr), r.stderr
+    r = emit(tmp_path / "d", "--scrape-host", "[::1]")
+    assert r.returncode == 0 and "name this host '::1' (--scrape-host), which resolves only to loopback" in r.stderr
+    groups = json.loads((tmp_path / "d" / "prometheus-targets.json").read_text())
+    assert [g["targets"] for g in groups] == [["[::1]:30000"], ["[::1]:30001", "[::1]:30002"]]
     r = emit(tmp_path / "c", "--scrape-host", "10.0.0.9:9090")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("got '10.0.0.9:9090'"), r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "c").exists()

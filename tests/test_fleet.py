@@ -181,7 +181,7 @@ def test_a_down_or_draining_host_is_the_endpoint_pickers_last_choice(tmp_path: p
     waiting at the picker's default threshold per worker): the picker's saturation filter drops them at its default
     thresholds, the shipped config's (5 per worker) and with headroom, and they score lowest. And the router's own
     503 on a down host carries the ORCA report when asked (it carried none, so Envoy never saw the host's
-    utilization ≥ 1)."""
+    utilization ≥ 1), and so does a local route's 503 (/ready on a down or draining host)."""
     tmp = str(tmp_path)
     with cluster(os.path.join(tmp, "down"), 2, start_workers=False, wait_router_ready=False) as down, \
             cluster(os.path.join(tmp, "up"), 2) as up:
@@ -189,6 +189,10 @@ def test_a_down_or_draining_host_is_the_endpoint_pickers_last_choice(tmp_path: p
         r = chat(down, {"endpoint-load-metrics-format": "TEXT"}, max_tokens=2)
         assert r.status_code == 503 and r.headers["retry-after"] == "1", (r.status_code, dict(r.headers))
         assert _orca(r)["application_utilization"] >= 1, r.headers
+        # a router-local route's 503 carries it too (it carried none), and only when asked
+        r = httpx.get(down.url + "/ready", headers={"endpoint-load-metrics-format": "TEXT"})
+        assert r.status_code == 503 and _orca(r)["application_utilization"] >= 1, r.headers
+        assert "endpoint-load-metrics" not in httpx.get(down.url + "/ready").headers
         r = chat(up, {"endpoint-load-metrics-format": "TEXT"}, max_tokens=2)
         assert r.status_code == 200 and _orca(r)["application_utilization"] < 1
         idle = extract(httpx.get(up.url + "/metrics/host").text)
@@ -200,6 +204,8 @@ def test_a_down_or_draining_host_is_the_endpoint_pickers_last_choice(tmp_path: p
             time.sleep(0.1)
         drained = extract(text)
         assert chat(up, max_tokens=2).status_code == 200
+        r = httpx.get(up.url + "/ready", headers={"endpoint-load-metrics-format": "TEXT"})
+        assert r.status_code == 503 and _orca(r)["application_utilization"] >= 1, (r.text, r.headers)
     saturated = PICKER_QUEUE_PER_WORKER * 2  # two workers per host
     print(f"endpoint picker's view: idle {idle}, down {down_m}, draining {drained}")
     assert not (idle.errors or down_m.errors or drained.errors)

@@ -149,6 +149,53 @@ def test_launch_restarts_a_router_frozen_past_router_restart_after(tmp_path: Pat
         print(f"frozen router replaced and serving {took:.1f} s after SIGSTOP (--router-restart-after 3)")
 
 
+def _gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (exited, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_launch_restarts_a_frozen_router_group_child_past_router_restart_after(tmp_path: Path) -> None:
+    """--router-restart-after applies to each child of a --router-processes group: a SIGSTOPped child (its share of
+    connections black-holed) is killed once its router slot's heartbeat is that old, not after the group parent's
+    slower /health probes (~10 s), and the parent starts a new one, which serves; its sibling is untouched."""
+    with launched(tmp_path, "--num-workers", "1", "--router-processes", "2", "--router-restart-after", "3") as ln:
+        st = ln.wait_ready(90, workers=True)
+        assert st is not None
+        wait_for(lambda: len(ln.state().get("routers", [])) == 2, 30, "both router processes in the segment")
+        routers = {r["process_index"]: r["pid"] for r in ln.state()["routers"]}
+        frozen, sibling = routers[0], routers[1]
+        os.kill(frozen, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            wait_for(lambda: _gone(frozen), 30, "the frozen router process killed", step_s=0.1)
+            killed_s = time.monotonic() - t0
+
+            def replaced() -> bool:
+                pids = {r["pid"] for r in ln.state().get("routers", []) if (r["heartbeat_age_s"] or 99) < 2}
+                return frozen not in pids and sibling in pids and len(pids) == 2
+
+            wait_for(replaced, 60, "a new router process beside the sibling", step_s=0.3)
+            replaced_s = time.monotonic() - t0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGCONT)
+        for _ in range(6):  # new connections, spread over both processes by SO_REUSEPORT
+            r = httpx.post(ln.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "p", "max_tokens": 2},
+                           timeout=10)
+            assert r.status_code == 200
+        log = ln.log.read_text()
+        assert f"router process 0 (pid {frozen}) published no heartbeat for" in log, log[-3000:]
+        assert "--router-restart-after 3" in log, log[-3000:]
+        assert "gave no /health answer" not in log, log[-3000:]
+        assert 2.4 <= killed_s < 7, killed_s  # the last heartbeat is up to 0.5 s before the SIGSTOP
+        print(f"frozen group child killed {killed_s:.1f} s and replaced {replaced_s:.1f} s after SIGSTOP "
+              "(--router-restart-after 3)")
+
+
 def test_the_router_restart_default_is_the_router_units_watchdog() -> None:
     """One bound for a frozen router, under the launcher and under systemd."""
     unit = (Path(__file__).parent.parent / "deploy/systemd/dplb-router.service").read_text()

@@ -252,6 +252,19 @@ def test_missing_socket_is_retried_on_the_next_worker(tmp_path: str) -> None:
         assert "skipping it" in c.router_log()
 
 
+def test_no_worker_could_be_connected_to_is_a_503_a_balancer_re_sends(tmp_path: str) -> None:
+    """The only worker says ready but nothing listens on its socket: the request reached no engine (no byte was
+    sent), so it is answered like every such request, 503 with Retry-After, which the fleet's HAProxy and Envoy
+    configs re-send to another host (regression: it was a 502, the status of worker_failed, which they pass on)."""
+    with cluster(str(tmp_path), 1, start_workers=False, wait_router_ready=False) as c:
+        assert c.segment is not None
+        c.segment.writer(0).publish_now(WorkerState(0, pid=os.getpid(), lifecycle=Lifecycle.READY))
+        r = post(c, "/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "model"})
+        assert_openai_error(r, 503, "worker_unreachable")
+        assert r.json()["error"]["type"] == "service_unavailable" and r.headers["retry-after"] == "1", r.headers
+        assert "skipping it" in c.router_log()
+
+
 def test_worker_killed_mid_stream_ends_with_error_event_not_done(tmp_path: str) -> None:
     with cluster(str(tmp_path), 1, worker_args={0: ["--sim-chunk-delay-s", "0.05"]}) as c:
         got = b""

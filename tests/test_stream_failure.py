@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,26 @@ def test_the_worker_counts_the_failed_stream_in_its_errors(tmp_path: Path) -> No
         before = c.segment.read(0).errors_total
         _stream_until_death(c, {})
         wait_for(lambda: c.segment.read(0).errors_total == before + 1, 5, "errors_total + 1")  # type: ignore[union-attr]
+
+
+def test_the_router_counts_the_dead_engines_worker_restart_by_how_it_left(tmp_path: Path) -> None:
+    """The dying worker's own counters leave with it (it exits 0.1 s after the death, its replacement starts at 0,
+    so no 15 s scrape sees them): the router counts the replacement in dplb_worker_restarts_total, ``exited`` for a
+    worker that published stopped before leaving (the engine death), ``killed`` for one that did not (SIGKILL)."""
+    with cluster(str(tmp_path), 1, worker_args={0: SIM}) as c:
+        _warm_pool(c, {})
+        _stream_until_death(c, {})
+        assert c.workers[0].wait(15) == 1
+        assert _sample(c, "dplb_worker_restarts_total", reason="exited", worker="0") == 0  # no new process yet
+        c.start_worker(0)  # what the supervisor (dplb launch, systemd) does
+        wait_for(lambda: _sample(c, "dplb_worker_restarts_total", reason="exited", worker="0") == 1, 10,
+                 "the engine death's restart counted as exited")
+        c.kill_worker(0, signal.SIGKILL)
+        c.start_worker(0)
+        wait_for(lambda: _sample(c, "dplb_worker_restarts_total", reason="killed", worker="0") == 1, 10,
+                 "the SIGKILL's restart counted as killed")
+        assert _sample(c, "dplb_worker_restarts_total", reason="exited", worker="0") == 1
+        assert "worker 0 replaced" in c.router_log()
 
 
 def _tenants(path: Path) -> str:

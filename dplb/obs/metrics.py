@@ -69,6 +69,11 @@ RESUME_REFUSALS = ("n", "logprobs", "structured_output", "tools", "echo", "promp
                    "tool_calls", "reasoning", "max_tokens", "body_too_large", "too_many_resumes", "finished",
                    "no_worker", "worker_refused")
 WORKER_EJECTIONS = "dplb_worker_ejections"  # _total
+# Worker processes replaced in their slot, seen by the router (the dying worker's own counters leave with it):
+# ``exited`` when it published ``stopped`` first (it left by itself: its engine died, it stalled past
+# --stall-restart-after, it was stopped), ``killed`` when it did not (killed, crashed, or frozen and killed).
+WORKER_RESTARTS = "dplb_worker_restarts"  # _total
+RESTART_REASONS = ("exited", "killed")
 # Panic routing (docs/DESIGN.md §5.1): requests routed to a worker on heartbeat probation because no other could take
 # them, and 1 while no worker is routable and the router routes among those on probation (per router process).
 PANIC_ROUTED = "dplb_router_panic_routed"  # _total

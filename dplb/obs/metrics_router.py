@@ -31,6 +31,7 @@ from dplb.obs.metrics import (
     PREFIX_ROUTED,
     REQUEST_BUCKETS,
     REQUESTS_REJECTED,
+    RESTART_REASONS,
     RESUME_REFUSALS,
     ROUTING_DECISION_DURATION,
     ROUTING_DECISIONS,
@@ -46,6 +47,7 @@ from dplb.obs.metrics import (
     UPSTREAM_RETRIES,
     UPSTREAM_TTFB,
     WORKER_EJECTIONS,
+    WORKER_RESTARTS,
     WORKER_STALLED,
     WORKER_STALLS,
 )
@@ -76,6 +78,10 @@ class RouterMetrics:
                                 ["reason"], registry=reg)
         self.ejections = Counter(WORKER_EJECTIONS, "Times a worker was ejected for a few seconds after consecutive "
                                  "failed responses (passive health check).", ["worker"], registry=reg)
+        self.restarts = Counter(WORKER_RESTARTS, "Times the worker's process was replaced in its slot (a new pid "
+                                "published), by how the old one left: exited (it published stopped first: its engine "
+                                "died, a stall restart, a stop) or killed (it did not: killed, crashed, frozen).",
+                                ["worker", "reason"], registry=reg)
         self.panic_routed = Counter(PANIC_ROUTED, "Requests routed in panic: no worker could take them, so they went "
                                     "to a worker held out only by the heartbeat hysteresis (fresh again, on "
                                     "probation).", registry=reg)
@@ -154,6 +160,8 @@ class RouterMetrics:
                 self.decisions.labels(str(k), r)
             self.upstream_ttfb.labels(str(k))
             self.ejections.labels(str(k))
+            for reason in RESTART_REASONS:
+                self.restarts.labels(str(k), reason)
             self.stalled.labels(str(k)).set(0)
             self.stalls.labels(str(k))
             self.stalled_failed.labels(str(k))

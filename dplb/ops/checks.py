@@ -115,25 +115,36 @@ def check_launch_flags(args: argparse.Namespace, num_workers: int) -> int:
     if args.max_start_failures < 1:
         raise ConfigError("--max-start-failures must be ≥ 1")
     args.stack_name = stack_label(args.port, args.stack_name)
-    check_scrape_host(args.scrape_host, args.host, args.metrics_host, mbase != 0)
+    args.scrape_host = check_scrape_host(args.scrape_host, args.host, args.metrics_host, mbase != 0)
     return mbase
 
 
-def check_scrape_host(scrape_host: str | None, host: str, metrics_host: str, metrics: bool) -> None:
+def check_scrape_host(scrape_host: str | None, host: str, metrics_host: str, metrics: bool) -> str | None:
     """Refuse a ``--scrape-host`` that is not a host name or IP address (no port, no scheme), or that no target
-    would use (neither ``--host`` nor, with worker metrics on, ``--metrics-host`` is a wildcard). Raises
-    :class:`ConfigError`."""
+    would use (neither ``--host`` nor, with worker metrics on, ``--metrics-host`` is a wildcard). Returns it as the
+    targets take it: an IPv6 address given in brackets (``[::1]``, as in a URL) without them (:func:`_target` adds
+    them back after the port is appended). Raises :class:`ConfigError`."""
     if scrape_host is None:
-        return
+        return None
+    bracketed = scrape_host.startswith("[") and scrape_host.endswith("]")
+    name = scrape_host[1:-1] if bracketed else scrape_host
     try:
-        ipaddress.ip_address(scrape_host)
+        version = ipaddress.ip_address(name).version
     except ValueError:
-        if not _DNS_NAME.fullmatch(scrape_host):
+        if bracketed:
+            raise ConfigError(f"--scrape-host: {scrape_host!r} is bracketed but {name!r} is not an IPv6 address "
+                              "(e.g. [fd00::5])") from None
+        if not _DNS_NAME.fullmatch(name):
             raise ConfigError(f"--scrape-host must be a host name or IP address without a port (e.g. "
-                              f"gpu-node-3.example.com or 10.0.0.5), got {scrape_host!r}") from None
+                              f"gpu-node-3.example.com, 10.0.0.5 or fd00::5), got {scrape_host!r}") from None
+    else:
+        if bracketed and version != 6:
+            raise ConfigError(f"--scrape-host: only an IPv6 address goes in brackets, got {scrape_host!r} (write "
+                              f"{name})")
     if host not in WILDCARD_HOSTS and not (metrics and metrics_host in WILDCARD_HOSTS):
         raise ConfigError("--scrape-host names this host in the scrape targets of a wildcard bind, and none is one: "
                           "pass --host 0.0.0.0 and/or --metrics-host 0.0.0.0 with it (or drop it)")
+    return name
 
 
 def check_model(model: str | None) -> None:
@@ -165,21 +176,25 @@ def loopback_targets(host: str, metrics_host: str, metrics: bool, scrape_host: s
     """The one-line warning for targets a Prometheus on another host cannot reach, or None. It is said when the
     workers' metrics (``metrics`` on) bind a wildcard ``metrics_host`` — what one does for a remote Prometheus; the
     default loopback metrics make the file a local Prometheus's anyway, so the default wildcard router ``--host``
-    alone says nothing — without ``--scrape-host``, and this host's FQDN written in its place (``fqdn``, default
-    :func:`socket.getfqdn`) resolves only to loopback addresses or not at all (e.g. ``/etc/hosts`` maps the host
-    name to 127.0.0.1, and ``getfqdn()`` is ``localhost``)."""
-    if not metrics or metrics_host not in WILDCARD_HOSTS or scrape_host is not None:
+    alone says nothing — and the name written for it resolves only to loopback addresses: without ``--scrape-host``
+    this host's FQDN (``fqdn``, default :func:`socket.getfqdn`; also when it does not resolve at all), e.g.
+    ``/etc/hosts`` maps the host name to 127.0.0.1 and ``getfqdn()`` is ``localhost``; with it, ``scrape_host``
+    itself (``127.0.0.1``, ``::1``, ``localhost``; a name that does not resolve here may resolve where Prometheus
+    runs, so it is not judged)."""
+    if not metrics or metrics_host not in WILDCARD_HOSTS:
         return None
     flags = [f"--{n} {h}" for n, h in (("host", host), ("metrics-host", metrics_host)) if h in WILDCARD_HOSTS]
-    name = fqdn if fqdn is not None else socket.getfqdn()
+    name = scrape_host if scrape_host is not None else fqdn if fqdn is not None else socket.getfqdn()
     try:
         addrs = {str(a[4][0]) for a in socket.getaddrinfo(name, None)}
     except OSError:
         addrs = set()
-    if addrs and not all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs):
+    if (scrape_host is not None and not addrs) or (
+            addrs and not all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs)):
         return None
     where = f"resolves only to loopback ({', '.join(sorted(addrs))})" if addrs else "does not resolve"
-    return (f"the scrape targets of {' and '.join(flags)} name this host {name!r} (its FQDN), which {where}: a "
+    said = "--scrape-host" if scrape_host is not None else "its FQDN"
+    return (f"the scrape targets of {' and '.join(flags)} name this host {name!r} ({said}), which {where}: a "
             "Prometheus on another host cannot reach them; pass --scrape-host with the address it reaches this "
             "host by")
 

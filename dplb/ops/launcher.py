@@ -14,7 +14,8 @@ Contract
   ``EngineCore`` outlives a SIGKILLed worker). A worker whose engine stays stalled ``--stall-restart-after`` seconds
   exits by itself (:mod:`dplb.worker.process`) and is restarted the same way; one that publishes nothing that long
   while its process lives (SIGSTOPped, its collector wedged) is killed (its process group) and restarted, and so is
-  a router whose router slot's heartbeat is ``--router-restart-after`` seconds old (logged; restarts counted in the
+  a router process (each child of a ``--router-processes`` group too, which its parent restarts) whose router slot's
+  heartbeat is ``--router-restart-after`` seconds old (logged; restarts counted in the
   log). A worker that fails before ever becoming ready ``--max-start-failures`` times in a row stops the launch with
   its log tail.
 - The segment is followed (:class:`dplb.state.follow.SegmentFollower`): removed (a cleanup), its mapping is dropped
@@ -464,7 +465,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scrape-host", metavar="HOST",
                    help="the host name or address a Prometheus reaches this host by, written into the scrape "
                    "targets for a wildcard --host / --metrics-host (default: this host's FQDN; a warning says when "
-                   "that resolves only to loopback)")
+                   "that, or the one given, resolves only to loopback; an IPv6 address may be bracketed)")
     p.add_argument("--stack-name", metavar="NAME",
                    help="the stack label of this stack's Prometheus targets (router and workers), which the "
                    "dashboards' Stack variable selects by (default HOSTNAME:PORT, e.g. gpu-node-3:30000; letters, "
@@ -476,7 +477,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    f"restarted, its engine processes killed (default {STALL_RESTART_AFTER_S:g}; 0 = never)")
     p.add_argument("--router-restart-after", type=flag_number, default=ROUTER_RESTART_AFTER_S, metavar="S",
                    help="a router whose heartbeat in the segment is S seconds old while its process lives (stopped, "
-                   "its event loop blocked) is killed and restarted, like a frozen worker (default "
+                   "its event loop blocked) is killed and restarted, like a frozen worker; with --router-processes N "
+                   "each process is judged by its own heartbeat (default "
                    f"{ROUTER_RESTART_AFTER_S:g}, the router unit's WatchdogSec; 0 = never)")
     p.add_argument("--remove-logs", action="store_true", help="remove the run directory and its logs on exit")
     p.add_argument("--worker-args", action="append", metavar="K=ARGS",

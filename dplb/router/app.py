@@ -20,7 +20,9 @@ Contract (docs/DESIGN.md §4, §6)
   operator's key only (:mod:`dplb.router.privileges`).
 - CORS (``--cors-allowed-origins``, off by default): Litestar's CORS config answers preflights (``OPTIONS`` with
   ``Origin``, before the API key check, on every path) and adds the headers to local routes; proxied responses get
-  the same headers from the same config.
+  the same headers from the same config. Every answer to a request with ``Origin`` carries ``Vary: Origin`` (unless
+  ``*`` allows every origin), a refused origin's too; :data:`CORS_EXPOSE_HEADERS` lets a browser read
+  ``Retry-After`` and the ``x-ratelimit-*`` headers.
 - With an API key or a tenants file, every path except ``public_paths`` needs ``Authorization: Bearer <key>``
   (a tenant's key: :mod:`dplb.router.tenancy`; constant-time compare); failures are OpenAI-shaped 401s. SIGHUP
   reloads the tenants file; ``/debug/decisions`` entries name the request's tenant (a tenant's key sees only its
@@ -78,6 +80,12 @@ from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit
 log = logging.getLogger("dplb.router")
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more gets 431 (nginx allows 32 KiB, Node 16 KiB)
 _TEXT_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
+#: The response headers a browser client may read under CORS (``Access-Control-Expose-Headers``): the router's own
+#: (the worker that answered, the request id), ``Retry-After`` (503/429, ``worker_stalled``: dplb.router.attempt)
+#: and OpenAI's ``x-ratelimit-*`` (dplb.router.limits), which the OpenAI SDKs read to back off.
+CORS_EXPOSE_HEADERS = ("x-sg-worker-id", "x-request-id", "retry-after",
+                       *(f"x-ratelimit-{what}-{of}" for of in ("requests", "tokens", "concurrent")
+                         for what in ("limit", "remaining", "reset")))
 _HEAD_PATHS = frozenset({"/health", "/ready", "/metrics", "/metrics/host", "/v1/models", "/debug/decisions"})
 
 
@@ -92,7 +100,7 @@ class RouterApp:
         self.models = ServedModels(self.state.num_workers)
         self.proxy = Proxy(cfg, self.state, self.pool, self.models)
         self.cors = CORSConfig(allow_origins=list(cfg.cors_allowed_origins), allow_methods=["*"], allow_headers=["*"],
-                               expose_headers=["x-sg-worker-id", "x-request-id"]) if cfg.cors_allowed_origins else None
+                               expose_headers=list(CORS_EXPOSE_HEADERS)) if cfg.cors_allowed_origins else None
         self.tracer = make_tracer()
         if self.tracer is not None:
             self.proxy.enable_tracing(self.tracer)
@@ -107,8 +115,10 @@ class RouterApp:
         self.metrics.registry.register(HostReportCollector(lambda: self.host.report))
         self.host_registry = CollectorRegistry(auto_describe=False)  # GET /metrics/host: these families alone
         self.host_registry.register(HostReportCollector(lambda: self.host.report))
-        if cfg.orca != "off":
-            self.proxy.upstreams.on_response_head = OrcaResponder(cfg.orca, lambda: self.host.report)
+        #: The ORCA load report (dplb.router.orca): on proxied answers and the router's own errors there, and on a
+        #: local route's 503 (not ready, draining), so that Envoy sees the host's utilization ≥ 1 wherever it asks.
+        self.orca = OrcaResponder(cfg.orca, lambda: self.host.report) if cfg.orca != "off" else None
+        self.proxy.upstreams.on_response_head = self.orca
         self._keyed = bool(cfg.api_key or cfg.tenants_file)  # local routes need a key (a tenant's, with --tenants)
         self._observe = HttpCount(self.metrics).observe  # dplb_http_requests_total and its duration histogram
         self.litestar = build_local_app(self)
@@ -130,6 +140,8 @@ class RouterApp:
         path = scope["path"]
         t0 = time.perf_counter()
         origin = self._origin(scope) if self.cors is not None else None
+        if origin is not None and self.cors is not None and not self.cors.is_allow_all_origins:
+            send = _vary_origin(send)  # the answer depends on Origin, allowed or not (a cache must key on it)
         if is_proxy_path(path) and (origin is None or scope["method"] != "OPTIONS"):
             # The hot path: the proxy records the status it sends on the exchange (no send wrapper).
             ex = Exchange(scope, receive, self._cors_send(send, origin) if origin else send)
@@ -141,9 +153,16 @@ class RouterApp:
             scope = {**scope, "method": "GET"}
             send = _without_body(send)
 
+        orca = self.orca
+        local_scope = scope  # the scope served (a HEAD's, rebound above), for the closure below
+
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                if orca is not None and status[0] == 503:
+                    headers = list(message.get("headers", []))
+                    orca(local_scope, headers)
+                    message = {**message, "headers": headers}
             await send(message)
 
         try:
@@ -212,7 +231,7 @@ class RouterApp:
         assert cors is not None
         extra = [(k.lower().encode(), v.encode()) for k, v in cors.simple_headers.items()]
         if not cors.is_allow_all_origins and cors.is_origin_allowed(origin):
-            extra += [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+            extra.append((b"access-control-allow-origin", origin.encode("latin-1")))
 
         async def wrapped(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -226,6 +245,22 @@ class RouterApp:
             if n == b"authorization":
                 return self.proxy.gate.tenant_of(v) is not None
         return False
+
+
+def _vary_origin(send: Any) -> Any:
+    """``send`` that adds ``Vary: Origin`` to the response head unless a ``Vary`` header already names it (Litestar
+    adds it to an allowed origin's local answer): every answer to a request with ``Origin`` under a list of allowed
+    origins depends on it, a refused origin's (no ``Access-Control-Allow-Origin``) included (Fetch standard,
+    §3.2.5 "CORS protocol and HTTP caches")."""
+
+    async def wrapped(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            headers = message.get("headers", [])
+            if not any(n.lower() == b"vary" and b"origin" in v.lower() for n, v in headers):
+                message = {**message, "headers": [*headers, (b"vary", b"Origin")]}
+        await send(message)
+
+    return wrapped
 
 
 def _without_body(send: Any) -> Any:

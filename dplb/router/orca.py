@@ -1,5 +1,6 @@
-"""ORCA load reports on proxied responses: the ``endpoint-load-metrics`` header Envoy's
-``client_side_weighted_round_robin`` load balancer weights hosts by.
+"""ORCA load reports on proxied responses (and on the router's own errors and its local routes' 503s:
+:mod:`dplb.router.app`): the ``endpoint-load-metrics`` header Envoy's ``client_side_weighted_round_robin`` load
+balancer weights hosts by.
 
 Contract
 - :func:`orca_header` renders a :class:`dplb.router.host_report.HostReport` as ``endpoint-load-metrics`` in the

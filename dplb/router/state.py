@@ -106,6 +106,8 @@ class RouterState:
         self.decisions: collections.deque[tuple[float, str, str, Decision]] = collections.deque(maxlen=cfg.debug_ring)
         self._routable = [False] * n
         self._pids = [0] * n
+        self._seen_pid = [0] * n  # the pid last seen in each worker slot, and whether it published stopped since
+        self._seen_stopped = [False] * n
         ejections = metrics.ejections
         self.health = WorkerHealth(n, self.pid_of, lambda k: ejections.labels(str(k)).inc())
         self._had_segment = seg is not None
@@ -346,6 +348,7 @@ class RouterState:
         if snap is None:
             self._check_panic([], 0, frozenset())  # routing on the fallback: no panic
             return
+        self._count_restarts(snap)
         now = time.monotonic_ns()
         held = self.health.observe(snap, now, self._interval_ms())
         self._check_stalls(snap, now)
@@ -362,6 +365,25 @@ class RouterState:
                 log.warning("worker %d deregistered (%s)", k, "stale heartbeat" if c.why == WHY_STALE else c.why)
             self._routable[k] = ok
             self._pids[k] = w.pid
+
+    def _count_restarts(self, snap: list[WorkerState]) -> None:
+        """Count a worker slot's new pid as a restart of that worker (``dplb_worker_restarts_total``): ``exited``
+        when the old process published ``stopped`` before it left, else ``killed``. A slot not written (pid 0: a
+        worker not started yet, a recreated segment) changes nothing; the first pid seen is no restart."""
+        seen, stopped = self._seen_pid, self._seen_stopped
+        for w in snap:
+            k, pid = w.worker_id, w.pid
+            if not pid or w.torn:
+                continue
+            if pid != seen[k]:
+                if seen[k]:
+                    reason = "exited" if stopped[k] else "killed"
+                    self.metrics.restarts.labels(str(k), reason).inc()
+                    log.info("worker %d replaced (pid %d → %d; the old one %s)", k, seen[k], pid,
+                             "stopped by itself" if stopped[k] else "left without stopping: killed or crashed")
+                seen[k], stopped[k] = pid, False
+            if w.lifecycle == Lifecycle.STOPPED:
+                stopped[k] = True
 
     def _check_stalls(self, snap: list[WorkerState], now: int) -> None:
         """Feed the stall detector; cut the open attempts of the workers it says to; keep the metrics in step."""

@@ -54,7 +54,8 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0  # the router's own graceful window (5 s) + its stop wait (10 s) + margin
 HEALTH_EVERY_S = 2.0
 HEALTH_TIMEOUT_S = 1.0
-HUNG_AFTER = 5  # failed health probes in a row (≈ 10–15 s) before a child counts as hung
+HUNG_AFTER = 5  # failed health probes in a row (≈ 10 s) before a child counts as hung (under dplb launch,
+# --router-restart-after judges each child's router-slot heartbeat first: dplb.ops.watchdog)
 _ENV_DROP = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
