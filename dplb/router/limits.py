@@ -73,9 +73,10 @@ class TokenBucket:
         return need / self.rate if need > 0 else 0.0
 
     def take(self, amount: float) -> None:
-        """Take ``amount`` (may go negative); :meth:`refill` first."""
+        """Take ``amount`` (may go negative); :meth:`refill` first. A negative ``amount`` gives back, up to the
+        capacity."""
         self.refill()
-        self.level -= amount
+        self.level = min(self.capacity, self.level - amount)
 
     def reset_s(self, refill: bool = True) -> float:
         """Seconds until the bucket is full again (``refill``: as in :meth:`wait_s`)."""
@@ -116,10 +117,11 @@ class TenantLimits:
             return prompt + max(1, min(DEFAULT_OUTPUT_TOKENS * seqs, math.floor(self.tokens.capacity) - prompt))
         return prompt + output * seqs
 
-    def check(self, tokens: int) -> tuple[RouterErrorKind, int, str] | None:
+    def check(self, tokens: int, scale: int = 1) -> tuple[RouterErrorKind, int, str] | None:
         """Refuse (kind, Retry-After seconds, message) or admit a request reserving ``tokens``
-        (:meth:`estimate`; then one request and ``tokens`` are taken). A reservation over the token bucket's
-        capacity is refused with :attr:`RouterErrorKind.TOKENS_EXCEED_QUOTA` (its Retry-After is 0: unused)."""
+        (:meth:`estimate`; then one request and ``tokens`` are taken, each times ``scale``: a router group's
+        fallback, :mod:`dplb.router.group_quota`). A reservation over the token bucket's capacity is refused with
+        :attr:`RouterErrorKind.TOKENS_EXCEED_QUOTA` (its Retry-After is 0: unused)."""
         if self.tokens is not None and tokens > self.tokens.capacity:
             return (RouterErrorKind.TOKENS_EXCEED_QUOTA, 0, f"this request needs about {tokens} tokens (the prompt "
                     "estimate plus max_tokens times the sequences generated, n or best_of), more than the whole "
@@ -128,24 +130,32 @@ class TenantLimits:
             if b is not None:
                 b.refill()
         if self.requests is not None:
-            w = self.requests.wait_s(1, refill=False)
+            w = self.requests.wait_s(scale, refill=False)
             if w > 0:
                 return (RouterErrorKind.RATE_LIMITED, math.ceil(w), f"rate limit of {self.requests.rate:g} "
                         f"requests/s reached; retry in {reset_text(w)} (one request is back then; all "
                         f"{math.floor(self.requests.capacity)} in {reset_text(self.requests.reset_s(False))}, "
                         "x-ratelimit-reset-requests)")
         if self.tokens is not None:
-            w = self.tokens.wait_s(max(tokens, 1), refill=False)
+            w = self.tokens.wait_s(max(tokens * scale, 1), refill=False)
             if w > 0:
                 return (RouterErrorKind.TOKENS_RATE_LIMITED, math.ceil(w), f"rate limit of "
                         f"{self.tokens.capacity:g} tokens/min reached; retry in {reset_text(w)} (this request's "
                         f"{max(tokens, 1)} tokens are back then; all in {reset_text(self.tokens.reset_s(False))}, "
                         "x-ratelimit-reset-tokens)")
         if self.requests is not None:
-            self.requests.take(1)
+            self.requests.take(scale)
         if self.tokens is not None:
-            self.tokens.take(tokens)
+            self.tokens.take(tokens * scale)
         return None
+
+    def debit(self, requests: int, tokens: int) -> None:
+        """Take what other router processes of the group admitted meanwhile: ``requests`` requests and ``tokens``
+        tokens (negative: they gave back), without a check (:mod:`dplb.router.group_quota`)."""
+        if self.requests is not None and requests:
+            self.requests.take(requests)
+        if self.tokens is not None and tokens:
+            self.tokens.take(tokens)
 
     def correct(self, tokens: int) -> None:
         """Take ``tokens`` more (negative: give back) once the engine's count is known."""

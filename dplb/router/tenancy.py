@@ -56,6 +56,7 @@ from dplb.errors import ConfigError, RouterErrorKind
 from dplb.obs.metrics_tenant import TenantMetrics, TenantsFileMetrics
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
 from dplb.router.allowlist import model_refusal
+from dplb.router.group_quota import GroupQuota, limited
 from dplb.router.limits import TenantLimits, concurrency_headers
 from dplb.router.tenant_book import count_slo, limits_for, publish_slos, read_tenants
 from dplb.router.ticket import Ticket
@@ -100,6 +101,8 @@ class Gate:
                                 self.config.prompt_token_weight, self.config.output_token_weight,
                                 anticipation_s=self.config.anticipation_s)
         self._limits: dict[str, TenantLimits] = limits_for(self.config, {})
+        self.group = GroupQuota(state)  # the limits shared by the router group (dplb.router.group_quota)
+        self.group.configure(self.config)
         self.active: dict[str, int] = collections.defaultdict(int)
         self._granted: dict[int, int] = collections.defaultdict(int)
         self._held: dict[int, int] = collections.defaultdict(int)  # worker → slots held for a tenant's next request
@@ -121,6 +124,7 @@ class Gate:
             return False
         self.config = tc
         self._limits = limits_for(tc, self._limits)
+        self.group.configure(tc)
         publish_slos(self.metrics, tc)
         if self.fq is not None:
             self.fq.resize(len(tc.classes))
@@ -161,14 +165,19 @@ class Gate:
                 await self.reject(ex, *why)
                 return False
         tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
-        if t.max_concurrent is not None and self.active[t.name] >= t.max_concurrent:
-            await self.reject(ex, RouterErrorKind.CONCURRENCY_LIMITED, f"tenant {t.name} has {t.max_concurrent} "
-                              "requests open, its max_concurrent; retry when one ends",
+        lim, fq, cap, peers = tk.limits, self.fq, t.max_concurrent, 0
+        shared = limited(t)
+        if shared:  # the router group's consumption of this tenant (nothing read by a process alone)
+            peers, tk.scale = self.group.sync(t, lim)
+            if cap is not None and tk.scale > 1:
+                cap = max(1, cap // tk.scale)
+        if cap is not None and self.active[t.name] + peers >= cap:
+            await self.reject(ex, RouterErrorKind.CONCURRENCY_LIMITED, f"tenant {t.name} has {cap} requests open "
+                              "(across the router group), its max_concurrent; retry when one ends",
                               retry_after=self.cfg.retry_after_s,
-                              extra_headers=concurrency_headers(t.max_concurrent, self.cfg.retry_after_s)
+                              extra_headers=concurrency_headers(cap, self.cfg.retry_after_s)
                               + (tk.limits.headers() if tk.limits is not None else []))
             return False
-        lim, fq = tk.limits, self.fq
         out, seqs = 0, 1
         if fq is not None or (lim is not None and lim.tokens is not None):  # only they need the output limit
             p = ex.peek  # decoded with the body (dplb.router.peek.Peek): no second parse
@@ -177,14 +186,17 @@ class Gate:
             tk.expected = out * seqs
         if lim is not None and lim.any:
             tk.quota = lim.estimate(tk.est, out, seqs)
-            refused = lim.check(tk.quota)
+            refused = lim.check(tk.quota, tk.scale)
             if refused is not None:
                 tk.quota = 0
                 await self.reject(ex, refused[0], f"tenant {t.name}: {refused[2]}", retry_after=refused[1],
                                   extra_headers=lim.headers(refill=False))
                 return False
+            tk.quota *= tk.scale
         self.active[t.name] += 1
         tk.counted = True
+        if shared:
+            self.group.publish(t, self.active[t.name], 1, tk.quota)
         if fq is None:
             self._prepare(ex, tk)
             self._observe_wait(tk, 0.0)
@@ -220,7 +232,7 @@ class Gate:
         try:
             out = fq.push(w)
         except QueueRefusal as e:
-            _refund(tk)
+            self._refund(tk)
             await self.reject(ex, e.kind, str(e), retry_after=self.cfg.retry_after_s)
             return False
         if out is not None:
@@ -242,7 +254,7 @@ class Gate:
             got = await fut
         except BaseException:  # the server cancels the request (shutdown): leave nothing behind
             self._ungrant(tk)
-            _refund(tk)
+            self._refund(tk)
             raise
         finally:
             self.metrics.queued.labels(t.name).dec()
@@ -258,7 +270,7 @@ class Gate:
             self._steer(ex, self._free(), self.config.held(tk.rank))
             self._prepare(ex, tk)
             return True
-        _refund(tk)  # never sent: its tokens go back to the bucket
+        self._refund(tk)  # never sent: its tokens go back to the bucket
         if got == _GONE:
             self._ungrant(tk)  # granted after its client left (the grant raced the disconnect): give it back
             ex.gone = True
@@ -268,6 +280,13 @@ class Gate:
         await self.reject(ex, kind, _MESSAGES[kind].format(tenant=t.name, timeout=self.cfg.queue_timeout_s),
                           retry_after=self.cfg.retry_after_s)
         return False
+
+    def _refund(self, tk: Ticket) -> None:
+        """A request that is answered before it was sent gives its reserved tokens back."""
+        if tk.quota and tk.limits is not None:
+            tk.limits.correct(-tk.quota)
+            self.group.publish(tk.tenant, self.active[tk.tenant.name], 0, -tk.quota)
+            tk.quota = 0
 
     def _ungrant(self, tk: Ticket) -> None:
         """A granted request reached its worker pick (or was cancelled): it no longer holds a granted slot."""
@@ -406,6 +425,7 @@ class Gate:
         if tk.counted:
             self.active[t.name] -= 1
         m = tk.meter
+        returned = 0  # tokens the correction below gives back (negative: takes)
         usage = m.finish() if m is not None else None
         c = self._child(t.name)
         if usage is not None:
@@ -420,8 +440,11 @@ class Gate:
         if tk.quota and tk.limits is not None:  # the reservation becomes the engine's count (else what was seen)
             used = (usage.prompt_tokens + (usage.completion_tokens or 0) if usage is not None
                     else tk.est + (m.events if m is not None else 0))
-            tk.limits.correct(used - tk.quota)
+            returned = tk.quota - used * tk.scale
+            tk.limits.correct(-returned)
             tk.quota = 0
+        if tk.counted and limited(t):
+            self.group.publish(t, self.active[t.name], 0, -returned)
         if usage is None and self.fq is not None and tk.charged:  # no engine count: keep what was seen produced
             self.fq.charge(t.name, t.weight, 0, (m.events if m is not None else 0) - tk.charged)
         status = ex.status
@@ -470,13 +493,6 @@ _MESSAGES = {
     RouterErrorKind.QUEUE_TIMEOUT: "no batch slot freed within --queue-timeout {timeout:g} s; retry later",
     RouterErrorKind.DRAINING_QUEUED: "the router is shutting down; retry on another router",
 }
-
-
-def _refund(tk: Ticket) -> None:
-    """A request that is answered before it was sent gives its reserved tokens back."""
-    if tk.quota and tk.limits is not None:
-        tk.limits.correct(-tk.quota)
-        tk.quota = 0
 
 
 def _resolve(tk: Ticket, value: Any) -> None:
