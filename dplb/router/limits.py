@@ -25,6 +25,8 @@ Contract (pure logic; the clock is injected)
   instant with the headers of :meth:`TenantLimits.headers` ``(refill=False)``: when the request would be admitted
   (``Retry-After`` is that, rounded up to whole seconds) and when the bucket is full again (the
   ``x-ratelimit-reset-*`` header, OpenAI's meaning: back to its initial state), in the headers' format.
+- :meth:`TenantLimits.debit`: what the other processes of a router group admitted meanwhile, taken without a check
+  (:mod:`dplb.router.group_quota`); a give-back never fills a bucket past its capacity.
 - :meth:`TenantLimits.headers`: ``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``,
   ``x-ratelimit-reset-requests`` (time until the bucket is full, OpenAI's ``1s`` / ``6m0s`` / ``20ms`` form) and
   the same three for ``tokens`` — only for the limits the tenant has. :func:`concurrency_headers`: the three for

@@ -14,7 +14,8 @@ Contract
   the worker's default model and routed only to workers whose default the tenant may use); 404/409 for a stored
   response of another tenant (:mod:`dplb.router.ownership`: ``GET /v1/responses/{id}``, cancel,
   ``previous_response_id``, a ``request_id`` already another tenant's); 429 for
-  its ``max_concurrent`` and its rate limits (:mod:`dplb.router.limits`, exact ``Retry-After``; ``tokens_per_min``
+  its ``max_concurrent`` and its rate limits (:mod:`dplb.router.limits`, exact ``Retry-After``; all three held for a
+  router group as a whole: :mod:`dplb.router.group_quota`; ``tokens_per_min``
   reserves the prompt estimate plus the body's output limit times its sequences (``n``/``best_of``), 400
   ``tokens_exceed_quota`` when that exceeds the whole quota; both come from the body peek:
   :class:`dplb.router.peek.Peek`); then, with a
@@ -63,9 +64,7 @@ from dplb.router.ticket import Ticket
 from dplb.router.usage import output_limit, sequences, with_fields
 from dplb.runtime.asgi import until_disconnect
 from dplb.runtime.serving import DISCONNECT_EXT
-from dplb.tenants import (
-    Tenant,
-)
+from dplb.tenants import Tenant
 
 if TYPE_CHECKING:
     from dplb.router.exchange import Exchange
@@ -236,15 +235,15 @@ class Gate:
             await self.reject(ex, e.kind, str(e), retry_after=self.cfg.retry_after_s)
             return False
         if out is not None:
-            _resolve(out.data, RouterErrorKind.QUEUE_SHARE_EXCEEDED)
+            out.data.resolve(RouterErrorKind.QUEUE_SHARE_EXCEEDED)
         self.metrics.queued.labels(t.name).inc()
         t0 = time.perf_counter()
         hook: Any = (ex.scope.get("extensions") or {}).get(DISCONNECT_EXT)
         watcher = None
         if hook is not None:
             if hook.gone:
-                _resolve(tk, _GONE)
-            hook.callback = lambda: _resolve(tk, _GONE)
+                tk.resolve(_GONE)
+            hook.callback = lambda: tk.resolve(_GONE)
         else:
             watcher = asyncio.ensure_future(_watch(ex.receive, tk))
         self._pump()
@@ -372,7 +371,7 @@ class Gate:
             free[k] -= 1
             self._granted[k] += 1
             tk.granted_to = k
-            _resolve(tk, _GRANTED)
+            tk.resolve(_GRANTED)
         self._share_urgent()
 
     def _share_urgent(self) -> None:
@@ -393,7 +392,7 @@ class Gate:
             self._share_urgent()
             await asyncio.sleep(TICK_S)
             for w, kind in fq.expire():
-                _resolve(w.data, kind)
+                w.data.resolve(kind)
             self._unhold(fq.expire_holds())
             self._pump()
         self._share_urgent()
@@ -484,7 +483,7 @@ class Gate:
         self._unhold(fq.expire_holds(every=True))
         for w in list(fq.order()):
             fq.remove(w)
-            _resolve(w.data, RouterErrorKind.DRAINING_QUEUED)
+            w.data.resolve(RouterErrorKind.DRAINING_QUEUED)
 
 
 _MESSAGES = {
@@ -495,15 +494,9 @@ _MESSAGES = {
 }
 
 
-def _resolve(tk: Ticket, value: Any) -> None:
-    fut = tk.fut
-    if fut is not None and not fut.done():
-        fut.set_result(value)
-
-
 async def _watch(receive: Any, tk: Ticket) -> None:
     await until_disconnect(receive)
-    _resolve(tk, _GONE)
+    tk.resolve(_GONE)
 
 
 __all__ = ["Gate", "Ticket"]

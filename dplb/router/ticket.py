@@ -64,6 +64,12 @@ class Ticket:
         self.sse = sse
         self.meter = Meter(sse, self.strip) if status < 300 else None
 
+    def resolve(self, value: Any) -> None:
+        """Answer the queue future (granted, gone, or a refusal kind) unless it is answered already."""
+        fut = self.fut
+        if fut is not None and not fut.done():
+            fut.set_result(value)
+
     def chunk(self, data: bytes) -> bytes:
         """One body chunk about to be relayed; returns what to relay (:meth:`dplb.router.usage.Meter.chunk`)."""
         if self.t_first is None:
