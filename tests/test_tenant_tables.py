@@ -80,7 +80,7 @@ def test_a_full_table_leaves_the_rest_to_the_fallback(pair: tuple[RouterSlots, R
     # the gate's side: a limited tenant beyond the table is limited per process divided by the group's size
     names = [f"t{i}" for i in range(TENANT_TABLE_ENTRIES + 1)]
     tc = TenantsConfig(path="t.toml", tenants=tuple(Tenant(n, (), requests_per_s=4) for n in names))
-    gq = GroupQuota(SimpleNamespace(slots=b))  # type: ignore[arg-type]
+    gq = GroupQuota(SimpleNamespace(slots=b), {})  # type: ignore[arg-type]
     gq.configure(tc)
     b.refresh_peers()
     assert b.has_peers
@@ -171,18 +171,29 @@ def test_group_quota_debits_the_peers_consumption_and_counts_their_open_requests
     a, b = pair
     t = Tenant("t", (), requests_per_s=5, tokens_per_min=600, max_concurrent=3)
     tc = TenantsConfig(path="t.toml", tenants=(t,))
-    qa, qb = GroupQuota(SimpleNamespace(slots=a)), GroupQuota(SimpleNamespace(slots=b))  # type: ignore[arg-type]
+    open_a: dict[str, int] = {"t": 0}
+    qa = GroupQuota(SimpleNamespace(slots=a), open_a)  # type: ignore[arg-type]
+    qb = GroupQuota(SimpleNamespace(slots=b), {})  # type: ignore[arg-type]
     qa.configure(tc)
     qb.configure(tc)
+    assert not qa.grouped(t)  # alone: the gate calls nothing more
     a.refresh_peers()
     b.refresh_peers()
+    assert qa.grouped(t) and qb.grouped(t) and not qa.grouped(Tenant("free", ()))  # an unlimited tenant: never
     la, lb = TenantLimits(t), TenantLimits(t)
     for _ in range(3):  # a admits three of 100 tokens
         assert qa.sync(t, la) == (0, 1) and la.check(100) is None
-    qa.publish(t, 3, 3, 300)
+    open_a["t"] = 3
+    qa.publish(t, 3, 300)
     assert qb.sync(t, lb) == (3, 1)  # a's three open requests count against max_concurrent in b
     assert lb.requests is not None and lb.tokens is not None
     assert 2 <= lb.requests.level < 2.1 and 300 <= lb.tokens.level < 301
     assert int(dict(lb.headers())[b"x-ratelimit-remaining-requests"]) == 2  # the group's remaining
-    qa.publish(t, 2, 0, -90)  # one ended, 90 tokens given back
+    open_a["t"] = 2
+    qa.publish(t, 0, -90)  # one ended, 90 tokens given back
     assert qb.sync(t, lb) == (2, 1) and 390 <= lb.tokens.level < 391
+    # a's peer list changes (b restarted, say): a's next call writes every entry again with the gate's open counts
+    open_a["t"] = 5
+    a.refresh_peers()
+    assert qa.sync(t, la) == (0, 1)
+    assert qb.sync(t, lb) == (5, 1)

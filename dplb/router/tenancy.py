@@ -57,7 +57,7 @@ from dplb.errors import ConfigError, RouterErrorKind
 from dplb.obs.metrics_tenant import TenantMetrics, TenantsFileMetrics
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
 from dplb.router.allowlist import model_refusal
-from dplb.router.group_quota import GroupQuota, limited
+from dplb.router.group_quota import GroupQuota
 from dplb.router.limits import TenantLimits, concurrency_headers
 from dplb.router.tenant_book import count_slo, limits_for, publish_slos, read_tenants
 from dplb.router.ticket import Ticket
@@ -100,9 +100,9 @@ class Gate:
                                 self.config.prompt_token_weight, self.config.output_token_weight,
                                 anticipation_s=self.config.anticipation_s)
         self._limits: dict[str, TenantLimits] = limits_for(self.config, {})
-        self.group = GroupQuota(state)  # the limits shared by the router group (dplb.router.group_quota)
-        self.group.configure(self.config)
         self.active: dict[str, int] = collections.defaultdict(int)
+        self.group = GroupQuota(state, self.active)  # the limits shared by the router group
+        self.group.configure(self.config)
         self._granted: dict[int, int] = collections.defaultdict(int)
         self._held: dict[int, int] = collections.defaultdict(int)  # worker → slots held for a tenant's next request
         self._ticker: asyncio.Task[None] | None = None
@@ -165,8 +165,8 @@ class Gate:
                 return False
         tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
         lim, fq, cap, peers = tk.limits, self.fq, t.max_concurrent, 0
-        shared = limited(t)
-        if shared:  # the router group's consumption of this tenant (nothing read by a process alone)
+        grouped = self.group.grouped(t)
+        if grouped:  # the router group's consumption of this tenant (a process alone reads nothing)
             peers, tk.scale = self.group.sync(t, lim)
             if cap is not None and tk.scale > 1:
                 cap = max(1, cap // tk.scale)
@@ -194,8 +194,8 @@ class Gate:
             tk.quota *= tk.scale
         self.active[t.name] += 1
         tk.counted = True
-        if shared:
-            self.group.publish(t, self.active[t.name], 1, tk.quota)
+        if grouped:
+            self.group.publish(t, 1, tk.quota)
         if fq is None:
             self._prepare(ex, tk)
             self._observe_wait(tk, 0.0)
@@ -284,7 +284,8 @@ class Gate:
         """A request that is answered before it was sent gives its reserved tokens back."""
         if tk.quota and tk.limits is not None:
             tk.limits.correct(-tk.quota)
-            self.group.publish(tk.tenant, self.active[tk.tenant.name], 0, -tk.quota)
+            if self.group.grouped(tk.tenant):
+                self.group.publish(tk.tenant, 0, -tk.quota)
             tk.quota = 0
 
     def _ungrant(self, tk: Ticket) -> None:
@@ -442,8 +443,8 @@ class Gate:
             returned = tk.quota - used * tk.scale
             tk.limits.correct(-returned)
             tk.quota = 0
-        if tk.counted and limited(t):
-            self.group.publish(t, self.active[t.name], 0, -returned)
+        if tk.counted and self.group.grouped(t):
+            self.group.publish(t, 0, -returned)
         if usage is None and self.fq is not None and tk.charged:  # no engine count: keep what was seen produced
             self.fq.charge(t.name, t.weight, 0, (m.events if m is not None else 0) - tk.charged)
         status = ex.status
