@@ -18,8 +18,8 @@ Contract
   the segment); a process alone calls nothing more: it reads and writes nothing.
 - :meth:`GroupQuota.publish`: this process's open requests of the tenant and its monotonic counters (admitted
   requests; tokens taken, given back) into its own entry; called at admission, on a refund and when the request
-  ends, while there are peers. Whenever the peer list changed since the last call (a peer joined, left or
-  restarted: :meth:`dplb.state.router_slots.RouterSlots.refresh_peers` makes a new list) every entry is written
+  ends, while there are peers. Whenever the peer list was refreshed since the last call (every monitor tick,
+  ≤ 0.5 s: :meth:`dplb.state.router_slots.RouterSlots.refresh_peers` makes a new list) every entry is written
   again with the open counts of the gate (``active``), so a process that joins reads true open counts from the
   first admission or end of a limited tenant's request after the monitor saw it (≤ 0.5 s). Admissions made while
   alone are not counted.

@@ -78,7 +78,9 @@ class TokenBucket:
         """Take ``amount`` (may go negative); :meth:`refill` first. A negative ``amount`` gives back, up to the
         capacity."""
         self.refill()
-        self.level = min(self.capacity, self.level - amount)
+        self.level -= amount
+        if amount < 0 and self.level > self.capacity:
+            self.level = self.capacity
 
     def reset_s(self, refill: bool = True) -> float:
         """Seconds until the bucket is full again (``refill``: as in :meth:`wait_s`)."""

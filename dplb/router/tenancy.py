@@ -165,7 +165,8 @@ class Gate:
                 return False
         tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
         lim, fq, cap, peers = tk.limits, self.fq, t.max_concurrent, 0
-        grouped = self.group.grouped(t)
+        sl = self.state.slots  # (a process alone on the segment calls nothing of the group)
+        grouped = sl is not None and sl.has_peers and self.group.grouped(t)
         if grouped:  # the router group's consumption of this tenant (a process alone reads nothing)
             peers, tk.scale = self.group.sync(t, lim)
             if cap is not None and tk.scale > 1:
@@ -443,7 +444,7 @@ class Gate:
             returned = tk.quota - used * tk.scale
             tk.limits.correct(-returned)
             tk.quota = 0
-        if tk.counted and self.group.grouped(t):
+        if tk.counted and (sl := self.state.slots) is not None and sl.has_peers and self.group.grouped(t):
             self.group.publish(t, 0, -returned)
         if usage is None and self.fq is not None and tk.charged:  # no engine count: keep what was seen produced
             self.fq.charge(t.name, t.weight, 0, (m.events if m is not None else 0) - tk.charged)
