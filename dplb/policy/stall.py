@@ -12,7 +12,11 @@ Contract
 - A stalled worker stays stalled until its progress moves (no flapping in on a fresh heartbeat). Its outstanding
   requests are to be failed (:attr:`StallDetector.cut`); then, every ``stall_after_s`` without outstanding requests,
   it may take **one** request as a probe (:meth:`StallDetector.excluded` leaves it out of the set): the probe's
-  progress brings it back, a probe that gets none is failed like the rest after ``stall_after_s``.
+  progress brings it back, a probe that gets none is failed like the rest after ``stall_after_s``. Whether the
+  caller sends it one is the caller's choice (the router does only as a last resort, :mod:`dplb.router.state`).
+- A stalled worker is never *ready*, probe or not (:meth:`StallDetector.stalled`): what the readiness surfaces
+  (``/ready``, the host report) count. An idle stalled worker's own probe (:mod:`dplb.worker.stall_probe`) is what
+  brings back an engine that recovers without traffic.
 - A worker that restarted (another pid), is not ``ready``, or whose engine does not report progress
   (``progress_mono_ns`` 0) is never stalled; its state is reset.
 - Pure state: no I/O but logs; time from the caller (CLOCK_MONOTONIC ns). Used by the router (routing, failing
@@ -92,9 +96,21 @@ class StallDetector:
             cut.add(k)
         self.newly_stalled, self.recovered, self.cut = frozenset(new), frozenset(back), frozenset(cut)
 
+    @property
+    def any_stalled(self) -> bool:
+        """Whether some worker is stalled (what a pick asks first)."""
+        return any(self._stalled_since)
+
     def stalled(self) -> frozenset[int]:
-        """Workers stalled right now (probing or not)."""
+        """Workers stalled right now (probing or not): none of them is ready."""
+        if not any(self._stalled_since):  # the common case
+            return _NONE
         return frozenset(k for k, t in enumerate(self._stalled_since) if t)
+
+    def idle(self, worker: int) -> bool:
+        """Whether ``worker`` is stalled with no outstanding request at the last :meth:`observe` (its requests were
+        failed or left): only a probe of its own can show that its engine recovered."""
+        return bool(self._stalled_since[worker] and self._free_since[worker])
 
     def excluded(self, now_ns: int) -> frozenset[int]:
         """Stalled workers not to route to at ``now_ns``: all but those free of requests for ``stall_after_s``

@@ -7,7 +7,8 @@ Contract (docs/DESIGN.md §3, §8)
   :meth:`Collector.set_lifecycle` and are published at once; one lock keeps the slot single-writer.
 - It runs the router's stall check on its own slot (:class:`dplb.policy.stall.StallDetector`) and publishes the
   verdict as ``FLAG_STALLED``; stalled ``stall_restart_after_s`` (> 0) since the last progress, it sets
-  :attr:`Collector.stall_failure` and stops pinging systemd's watchdog.
+  :attr:`Collector.stall_failure` and stops pinging systemd's watchdog. :attr:`Collector.stalled_idle` says when the
+  worker's own probe is due (:mod:`dplb.worker.stall_probe`): stalled, no router request on it.
 - A segment removed or replaced at the path: it keeps publishing into its old mapping, notices at its next tick
   (one ``stat``), logs once, re-attaches to the segment that appears there, re-publishes the whole slot and calls
   ``on_reattach(new segment)`` (the worker moves its KV ring).
@@ -64,6 +65,9 @@ class Collector:
         self._stall = StallDetector(writer.segment.num_workers, stall_after_s) if stall_after_s > 0 else None
         #: Set (a message) once the engine has been stalled ``stall_restart_after_s``: the worker exits.
         self.stall_failure: str | None = None
+        #: Stalled with no router request outstanding at the last tick: only a probe of the worker's own can show
+        #: that its engine recovered (:mod:`dplb.worker.stall_probe`).
+        self.stalled_idle = False
 
     @property
     def segment(self) -> Segment:
@@ -154,6 +158,7 @@ class Collector:
         stalled_s = st.no_progress_s(k, now)
         if stalled_s:
             self.state.flags |= FLAG_STALLED
+        self.stalled_idle = st.idle(k)
         if stalled_s and self._restart_after_s and stalled_s > self._restart_after_s:
             self.stall_failure = (f"engine made no progress for {stalled_s:.0f} s with requests in flight (stalled "
                                   f"longer than --stall-restart-after {self._restart_after_s:g} s); withholding the "
