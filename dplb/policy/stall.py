@@ -8,7 +8,9 @@ Contract
 - A worker **owes** progress from the moment it has outstanding requests (the routers' in-flight counts, given by
   the caller: a stopped engine's own queue gauges freeze) until its progress moves. Owing it longer than
   ``stall_after_s`` (measured from the later of the last progress and the start of the debt) makes it **stalled**.
-  A debt is forgiven when the requests leave before that (a client gave up before the engine got to it).
+  A debt is forgiven when the requests leave before that (a client gave up before the engine got to it, or another
+  process's stall check failed them first); the worker is then **suspect** (:meth:`StallDetector.suspect`) until
+  its progress moves: its requests left without any progress.
 - A stalled worker stays stalled until its progress moves (no flapping in on a fresh heartbeat). Its outstanding
   requests are to be failed (:attr:`StallDetector.cut`); then, every ``stall_after_s`` without outstanding requests,
   it may take **one** request as a probe (:meth:`StallDetector.excluded` leaves it out of the set): the probe's
@@ -54,6 +56,7 @@ class StallDetector:
         self._owed_since = [0] * n  # ns; 0 = owes nothing
         self._stalled_since = [0] * n  # ns of the last progress (or debt start) when it stalled; 0 = not stalled
         self._free_since = [0] * n  # ns since which a stalled worker has no outstanding request (probe timing)
+        self._suspect = [False] * n  # a debt was forgiven without progress since it began
         self.newly_stalled: frozenset[int] = frozenset()
         self.recovered: frozenset[int] = frozenset()
         self.cut: frozenset[int] = frozenset()
@@ -73,8 +76,11 @@ class StallDetector:
                                 (now_ns - self._stalled_since[k]) / 1e9)
                 self._pid[k], self._progress[k] = w.pid, w.progress_total
                 self._owed_since[k] = self._stalled_since[k] = self._free_since[k] = 0
+                self._suspect[k] = False
             busy = outstanding[k] > 0 if k < len(outstanding) else False
             if not busy:
+                if self._owed_since[k] and not self._stalled_since[k]:
+                    self._suspect[k] = True
                 self._owed_since[k] = 0
                 if self._stalled_since[k] and not self._free_since[k]:
                     self._free_since[k] = now_ns
@@ -107,10 +113,6 @@ class StallDetector:
             return _NONE
         return frozenset(k for k, t in enumerate(self._stalled_since) if t)
 
-    def idle(self, worker: int) -> bool:
-        """Whether ``worker`` is stalled with no outstanding request at the last :meth:`observe` (its requests were
-        failed or left): only a probe of its own can show that its engine recovered."""
-        return bool(self._stalled_since[worker] and self._free_since[worker])
 
     def excluded(self, now_ns: int) -> frozenset[int]:
         """Stalled workers not to route to at ``now_ns``: all but those free of requests for ``stall_after_s``
@@ -120,6 +122,11 @@ class StallDetector:
         lim = self.stall_after_ns
         return frozenset(k for k, t in enumerate(self._stalled_since)
                          if t and not (self._free_since[k] and now_ns - self._free_since[k] >= lim))
+
+    def suspect(self, worker: int) -> bool:
+        """Whether requests left ``worker`` before it was found stalled, with no progress since they came
+        (module docstring); False again once its progress moves."""
+        return self._suspect[worker]
 
     def no_progress_s(self, worker: int, now_ns: int) -> float:
         """Seconds since a stalled worker's last progress (0.0 when it is not stalled)."""

@@ -20,9 +20,9 @@ Contract (docs/DESIGN.md §8, §3)
   the slot's ``FLAG_STALLED`` (what ``dplb state`` shows: the router's own in-flight count to a stalled worker drops
   to 0 once it fails its requests); stalled for ``stall_restart_after_s`` (> 0) since the engine's last progress, it
   stops pinging systemd's watchdog and the worker exits 1 (logged), so ``dplb launch`` (which then kills what is
-  left of its process group) or systemd restarts it. Stalled with no router request on it, the worker probes its
-  own engine, one 1-token request per ``stall_after_s`` (:mod:`dplb.worker.stall_probe`): an engine that recovers
-  lifts the stall without waiting for traffic.
+  left of its process group) or systemd restarts it. Stalled (or its requests gone without progress) with no router
+  request on it, the worker probes its own engine, one 1-token request at a time, at most one per
+  ``stall_after_s`` (:mod:`dplb.worker.stall_probe`): an engine that recovers lifts the stall without traffic.
 - Every state interval the reconciler (:mod:`dplb.worker.reconcile`, docs/DESIGN.md §8.1) compares the engine's
   requests, the requests open on the socket and the routers' in-flight counts for this worker, aborts orphans and
   exports the figures (``dplb_worker_orphan_requests``, ``dplb_worker_orphan_aborts_total``,
@@ -389,9 +389,7 @@ class Worker:
         cfg = self.cfg
         if not cfg.stall_after_s or self.engine.app is None or not self._model:
             return None
-        c = self.collector
-        p = StallProbe(cfg.worker_id, cfg.uds, self._model, lambda: c.stalled_idle, cfg.stall_after_s,
-                       self.interval_ms / 1000)
+        p = StallProbe(cfg.worker_id, cfg.uds, self._model, self.collector, cfg.stall_after_s, self.interval_ms / 1000)
         return asyncio.create_task(p.run(), name=f"dplb-stall-probe-{cfg.worker_id}")
 
     async def _warmup(self) -> float:
