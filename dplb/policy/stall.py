@@ -113,7 +113,6 @@ class StallDetector:
             return _NONE
         return frozenset(k for k, t in enumerate(self._stalled_since) if t)
 
-
     def excluded(self, now_ns: int) -> frozenset[int]:
         """Stalled workers not to route to at ``now_ns``: all but those free of requests for ``stall_after_s``
         (they may take one probe request)."""
