@@ -19,6 +19,7 @@ from dplb.state.shm import FLAG_STALLED, Segment
 
 STALL_AFTER = 2.0  # the router's and the workers' --stall-after here
 BODY = {"model": "dplb-sim", "prompt": "a", "max_tokens": 4}
+STALLED_AGENT = "down #no routable worker (engine stalled: worker 0)\n"  # HAProxy shows the reason
 
 
 def _host_figures(url: str) -> dict[str, float]:
@@ -34,7 +35,8 @@ def _host_figures(url: str) -> dict[str, float]:
 def _surfaces(url: str, agent: int) -> dict[str, Any]:
     """What every readiness surface says now."""
     m = _host_figures(url)
-    return {"ready": httpx.get(url + "/ready", timeout=5).status_code, "agent": agent_answer("127.0.0.1", agent),
+    r = httpx.get(url + "/ready", timeout=5)
+    return {"ready": r.status_code, "why": r.text, "agent": agent_answer("127.0.0.1", agent),
             "down": m.get('dplb_host_state{state="down"}'), "kv": m.get("vllm:kv_cache_usage_perc"),
             "waiting": m.get("vllm:num_requests_waiting")}
 
@@ -65,9 +67,10 @@ def test_a_host_whose_only_worker_is_stalled_is_not_ready_and_comes_back_without
         while time.monotonic() < t_stall + stall_for - 1.0:  # stalled, idle: well past the router's probe window
             seen.append((round(time.monotonic() - t_stall, 1), _surfaces(c.url, agent)))
             time.sleep(0.3)
-        bad = [(t, s) for t, s in seen if not (s["ready"] == 503 and s["agent"].startswith("down #")
+        bad = [(t, s) for t, s in seen if not (s["ready"] == 503 and s["agent"] == STALLED_AGENT
                                                and s["down"] == 1 and s["kv"] == 1 and s["waiting"] >= 5)]
         assert not bad, bad[:3]
+        assert all("engine stalled: worker 0" in s["why"] for _, s in seen), seen[0]
         assert c.metric("dplb_worker_stalled", {"worker": "0"}) == 1
         # The engine resumes at t_stall + stall_for; nobody sends a request.
         t_back = wait_for(lambda: httpx.get(c.url + "/ready", timeout=5).status_code == 200 and time.monotonic(),

@@ -272,6 +272,10 @@ class RouterState:
         first = may | frozenset(k for k in out - may if snap[k].flags & FLAG_STALLED)
         return first, (may if first != may else None)
 
+    def stalled_workers(self) -> list[int]:
+        """Every stalled worker, sorted (those due for a probe too; empty with the stall check off)."""
+        return sorted(self.stall.stalled()) if self.stall is not None else []
+
     def stalled(self, now_ns: int) -> frozenset[int]:
         """Stalled workers not to route to at ``now_ns`` (a stalled worker free of requests for ``--stall-after``
         may take one probe request; :mod:`dplb.policy.stall`)."""
