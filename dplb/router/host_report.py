@@ -276,11 +276,11 @@ class HostReporter:
 
 
 def stalled_list(workers: list[int]) -> str:
-    """``worker 0`` / ``workers 0,2`` / ``8 workers`` (more than 4): the stalled workers named in a reason (the
-    agent's, at most 64 characters, and ``/ready``'s)."""
+    """``worker 0`` / ``workers 0 2`` / ``8 workers`` (more than 4): the stalled workers named in a reason (the
+    agent's, at most 64 characters and no comma: HAProxy splits the agent's words at commas, and ``/ready``'s)."""
     if len(workers) > 4:
         return f"{len(workers)} workers"
-    return ("worker " if len(workers) == 1 else "workers ") + ",".join(map(str, workers))
+    return ("worker " if len(workers) == 1 else "workers ") + " ".join(map(str, workers))
 
 
 __all__ = ["PICKER_QUEUE_PER_WORKER", "RATE_WINDOW_S", "STATE_DOWN", "STATE_DRAIN", "STATE_UP", "HostReport",
