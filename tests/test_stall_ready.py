@@ -15,11 +15,21 @@ import httpx
 from cluster import cluster, free_port, wait_for
 from fleet_support import agent_answer
 
+from dplb.router.agent import MAX_REASON
+from dplb.router.host_report import stalled_list
 from dplb.state.shm import FLAG_STALLED, Segment
 
 STALL_AFTER = 2.0  # the router's and the workers' --stall-after here
 BODY = {"model": "dplb-sim", "prompt": "a", "max_tokens": 4}
 STALLED_AGENT = "down #no routable worker (engine stalled: worker 0)\n"  # HAProxy shows the reason
+
+
+def test_the_stalled_workers_in_a_reason_fit_the_agent_line_without_a_comma() -> None:
+    """The agent's reason is cut at 64 characters and HAProxy splits its words at commas."""
+    assert stalled_list([0]) == "worker 0" and stalled_list([1, 3]) == "workers 1 3"
+    for n in range(1, 257):
+        reason = f"no routable worker (engine stalled: {stalled_list(list(range(n)))})"
+        assert len(reason) <= MAX_REASON and "," not in reason, reason
 
 
 def _host_figures(url: str) -> dict[str, float]:
