@@ -6,6 +6,8 @@ read that ends the message, exactly once), the pieces joined are the body, and a
 :class:`dplb.runtime.direct.DirectResponse` fed by it writes at most one client write per read whose bytes are the
 response re-chunked, de-chunking to the same body. A sink that detaches at the head leaves the rest of the same
 read to ``chunks()``; malformed framing after a valid chunk in one read: the valid piece first, then ``failed``.
+The direct relay's attempt keeps the last two body pieces of the whole response across reads (what its
+failed-stream check, ``Attempt.stream_end``, looks at), as a relay of one piece at a time did.
 Real Unix sockets on both sides (the worker's peer writes each planned read and waits until it was read). Pure build
 only: an interpreted class cannot take in the compiled Sink trait."""
 
@@ -251,5 +253,98 @@ def test_malformed_framing_after_a_chunk_in_one_read_relays_the_chunk_then_fails
         assert sink.calls[:3] == [("head", 200), ("relay", []), ("relay", [b"hello"])]
         assert sink.calls[3][0] == "failed" and "malformed" in str(sink.calls[3][1])
         assert conn.closed and conn.sink is None
+
+    _run(tmp_path, scenario)
+
+
+# vLLM's stream error event for EngineDeadError, then [DONE] (as tests/test_stream_failure.py sends them).
+_DEAD = (b'data: {"error": {"message": "EngineCore died", "type": "InternalServerError", "param": null, '
+         b'"code": 500}}\n\n')
+_DONE = b"data: [DONE]\n\n"
+_TOKENS = [b'data: {"id":"x","choices":[{"index":0,"text":"t%d"}]}\n\n' % i for i in range(6)]
+
+
+def _wire(events: list[bytes]) -> bytes:
+    return _HEAD + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+
+class _Out:
+    """What a :class:`dplb.router.direct.DirectAttempt` writes to its client response, recorded (the accounting
+    ``then`` is not run: the attempt has no router around it)."""
+
+    def __init__(self) -> None:
+        self.reads: list[list[bytes]] = []
+
+    def write(self, chunks: list[bytes]) -> None:
+        self.reads.append(list(chunks))
+
+    def end(self, then: Any, chunks: list[bytes]) -> None:
+        self.reads.append(list(chunks))
+
+
+def _attempt(conn: UpstreamConn) -> Any:
+    """A real DirectAttempt as it is past its response head (a 200 SSE stream): its relay, complete and stream_end
+    unchanged; the head the parser reports is taken as read (the client response is :class:`_Out`)."""
+    from types import SimpleNamespace
+
+    from dplb.router.direct import DirectAttempt
+    from dplb.router.health import Outcome
+
+    class Past(DirectAttempt):
+        __slots__ = ()
+
+        def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+            assert status == 200
+
+    att = Past.__new__(Past)
+    att.ex, att.worker, att.conn, att.out = SimpleNamespace(rid=b"r1", gone=False), 0, conn, _Out()
+    att.status, att.is_sse, att.t_first, att.outcome = 200, True, None, Outcome.BROKEN
+    att.clock, att.idle_s, att.deadline = conn.clock, 5.0, 0.0
+    att.prior = att.last = b""
+    return att
+
+
+def test_the_direct_relay_keeps_the_last_two_chunks_across_reads(tmp_path: Any) -> None:
+    """stream_end sees the last two body pieces of the whole response, however the reads group them: vLLM's error
+    event and [DONE] in one read, in two reads, [DONE] alone with the end, everything in one read — a failed
+    stream each time; the same events followed by more tokens are not; and for every cut (random ones too) the two
+    pieces kept are the last two the parser produced, as a relay that saw one chunk at a time kept them."""
+    from dplb.router.health import Outcome
+
+    events = [*_TOKENS, _DEAD, _DONE]
+    failed = _wire(events)
+    ev_at = failed.index(b"%x\r\n" % len(_DEAD) + _DEAD)
+    done_at = failed.index(b"%x\r\n" % len(_DONE) + _DONE)
+    end_at = len(failed) - 5
+    plans: list[tuple[list[bytes], list[int], Outcome | None]] = [
+        (events, [ev_at], Outcome.FAILED_STREAM),  # the error event, [DONE] and the end in one read
+        (events, [ev_at, done_at], Outcome.FAILED_STREAM),  # the error event alone, then [DONE] with the end
+        (events, [ev_at, done_at, end_at], Outcome.FAILED_STREAM),  # ... and the end alone
+        (events, [len(_HEAD)], Outcome.FAILED_STREAM),  # the whole body in one read
+        (events, [], Outcome.FAILED_STREAM),  # the head and the whole body in one read
+        (events, [done_at + 1, end_at], Outcome.FAILED_STREAM),  # [DONE]'s size line cut
+        ([*_TOKENS[:2], _DEAD, _DONE, *_TOKENS[2:], _DONE], [len(_HEAD)], Outcome.OK),  # not at the end
+    ]
+    rng = random.Random(11)
+    for _ in range(12):  # random cuts: whatever they find, as a relay of one chunk at a time would
+        plans.append((events, sorted(rng.sample(range(1, len(failed)), rng.randint(1, 25))), None))
+
+    async def scenario(conn: UpstreamConn, peer: socket.socket, transport: Any, reader: socket.socket) -> None:
+        for evs, cuts, want in plans:
+            wire = _wire(evs)
+            reads = [wire[a:b] for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
+            att = _attempt(conn)
+            conn.send_request(_REQ, b"")
+            conn.sink = att
+            await _send_reads(conn, peer, reads[:-1], lambda att=att: len(att.out.reads))
+            peer.sendall(reads[-1])
+            await _until(lambda att=att: att.outcome is not Outcome.BROKEN)
+            pieces = [p for read in att.out.reads for p in read]
+            assert b"".join(pieces) == b"".join(evs) and all(pieces)
+            assert (att.prior, att.last) == (pieces[-2], pieces[-1]), (cuts, pieces[-3:])
+            if want is None:
+                want = att.stream_end(pieces[-2], pieces[-1])
+            assert att.outcome is want, (cuts, att.out.reads[-2:])
+            conn.sink = None
 
     _run(tmp_path, scenario)
