@@ -98,6 +98,14 @@ class NativeBuildError(DPLBError):
     accepted. The message is :meth:`dplb.native.Build.refusal`'s line: what is wrong and the two fixes."""
 
 
+class StaleBuildError(NativeBuildError):
+    """The compiled build is whole but stale (a source changed since it was built) and not accepted. Its own exit
+    status (75, ``EX_TEMPFAIL`` of sysexits.h: the same command succeeds once the tree is rebuilt or cleaned) tells
+    ``dplb launch`` that a router restart was refused for this reason: it keeps the workers and retries."""
+
+    exit_code = 75
+
+
 class PluginError(DPLBError):
     """A policy plugin broke the framework's contract at run time (a scorer's ``score`` returned something that is
     not one number per candidate, a picker's ``pick`` not a ``(candidate, reason)`` pair): names the plugin, what it
