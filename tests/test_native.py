@@ -225,7 +225,7 @@ def test_describe_and_doctor_say_which_build_runs(monkeypatch: pytest.MonkeyPatc
 #: lingering close's bounds, panic routing, the worker health's state machine and the HTTP request count (unit
 #: tests, seconds). A compiled-only bug (mypyc's typed locals, native classes that cannot be patched) shows up here
 #: in CI, where the README's test command otherwise runs pure Python only.
-COMPILED_CHECKS = ("test_direct_relay.py", "test_pipelined_disconnect.py", "test_head_bytes.py",
+COMPILED_CHECKS = ("test_native_stale.py", "test_direct_relay.py", "test_pipelined_disconnect.py", "test_head_bytes.py",
                    "test_serving_keepalive.py", "test_serving_linger.py", "test_panic.py", "test_health.py",
                    "test_http_count.py", "test_policy_plugins.py")
 

@@ -147,3 +147,39 @@ def test_launch_keeps_the_workers_while_the_router_restart_is_refused_as_stale(t
         assert "router started: the build is current again" in s.log.read_text()
         s.proc.send_signal(signal.SIGINT)
         assert s.proc.wait(30) == 0
+
+
+@pytest.mark.skipif(len(native.compiled_modules()) != len(native.HOT_MODULES),
+                    reason="needs the compiled build in place (scripts/build_native.sh; test_native's slow test runs "
+                           "this file against its build)")
+def test_a_compiled_stack_goes_stale_under_its_router_and_heals_when_the_source_is_back(tmp_path: Path) -> None:
+    """The real compiled build, copied whole (it runs wherever the package is): a source edited under the running
+    stack turns the router's ``dplb_build_info`` to ``stale`` with one WARNING; the router SIGKILLed is refused
+    (exit 75) and retried, the worker kept; the source put back (`git checkout FILE`), the router starts compiled."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "dplb", tree / "dplb", ignore=shutil.ignore_patterns("__pycache__", "*.installing"))
+    env = {k: v for k, v in os.environ.items() if k != native.ACCEPT_STALE_ENV}
+    env["PYTHONPATH"] = str(tree)
+    with launched(tmp_path, "--num-workers", "1", env=env, cwd=str(tree)) as s:
+        _wait(lambda: router_ready(s.url) and s.state()["workers"][0]["lifecycle"] == "ready", 90, "ready")
+        assert "build:   compiled (38/38 hot modules)" in s.log.read_text()
+        worker_pid = s.state()["workers"][0]["pid"]
+        source = tree / "dplb" / "policy" / "scorers.py"
+        original = source.read_text()
+        source.write_text(original + "# pulled\n")
+
+        def info() -> str:
+            text = httpx.get(s.url + "/metrics", timeout=5).text
+            return next(ln for ln in text.splitlines() if ln.startswith("dplb_build_info{"))
+
+        _wait(lambda: 'compiled="stale"' in info(), native.STALE_CHECK_S + 5, "the router to notice")
+        router_log = Path(s.run_dir) / "router.log"
+        assert router_log.read_text().count("the compiled build went stale under this router") == 1
+        os.kill(_router_pid(s.proc.pid), signal.SIGKILL)
+        _wait(lambda: "router restart refused" in s.log.read_text(), 30, "the refused restart")
+        assert s.proc.poll() is None and s.state()["workers"][0]["pid"] == worker_pid
+        source.write_text(original)
+        _wait(lambda: router_ready(s.url), 30, "the router back once the source is the build's again")
+        assert 'compiled="true"' in info() and s.state()["workers"][0]["pid"] == worker_pid
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(30) == 0
