@@ -153,7 +153,7 @@ except TypeError:  # compiled classes
 '''
 
 PURE = not native.compiled_modules()
-INTERNAL = b'{"error":{"message":"internal error","type":"server_error","code":"internal_error"}}'
+INTERNAL = b'{"error":{"message":"internal error","type":"server_error","param":null,"code":"internal_error"}}'
 
 
 @pytest.fixture
