@@ -14,6 +14,11 @@ What it does
   trees in alternating runs on the same box, and read both figures.
 - Requests: ``POST /v1/completions`` with ``max_tokens`` ``--tokens`` (1: a plain JSON answer; more: an SSE stream,
   and the figure per streamed token is printed too: per request ÷ tokens).
+- Socket reads per request (client and worker sides; uvloop's read callback, counted from the same dumps): a router
+  slowed down by valgrind reads several of a stream's SSE chunks at once, which a router at full speed reads one
+  by one, so a stream's figure depends on how many reads it took (4 to 25 for 65 chunks in unpaced runs). Pace the
+  tokens with ``--worker-flag=--sim-decode-step-s=0.02`` (the sim's decode step, 20 ms) to read each chunk alone
+  (~66 reads per 64-token request) and compare trees at the same count.
 - ``--kv events|sent``: the workload of ``bench_capacity.py``'s KV targets (``KV_TARGETS``: ``dplb1kv`` /
   ``dplb1kvsent``): ``--workers`` sim workers (8 unless given) with a ``--kv-cache-blocks`` prefix cache (256),
   publishing their KV events and the router's index following them (``events``), or ``--no-kv-events`` and
@@ -29,9 +34,10 @@ Output: one line ``instructions/request: <k> k`` (and ``per token``; the gross f
 does not come up raises (exit status 1); valgrind missing: exit status 2 with a message.
 
 Usage: ``python benchmarks/bench_instructions.py [--requests 1000] [--tokens 1] [--router-flag=--no-direct-relay]
-[--kv events|sent] [--workers N] [--profile] [--json] [--api-key KEY]`` (``--api-key``: the clients send it as a
-bearer token, to measure ``--router-flag=--tenants=FILE``). A 1,000-request run takes ~15–30 s on a 2-core box
-(nothing is instrumented until the warm-up is over); ``--kv`` with 2,000 requests after 600, ~50 s.
+[--worker-flag=--sim-decode-step-s=0.02] [--kv events|sent] [--workers N] [--profile] [--json] [--api-key KEY]``
+(``--api-key``: the clients send it as a bearer token, to measure ``--router-flag=--tenants=FILE``). A 1,000-request
+run takes ~15–30 s on a 2-core box (nothing is instrumented until the warm-up is over); ``--kv`` with 2,000 requests
+after 600, ~50 s; 300 paced 64-token streams, ~70 s.
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, HERE)
 
 _TOTALS = re.compile(rb"^(?:totals|summary):\s*(\d+)", re.M)
+_FN = re.compile(rb"c?fn=\((\d+)\)(?: (.*))?$")
+#: uvloop's callback for one read of a stream socket (client or worker side)
+_READ_CB = b"__pyx_f_6uvloop_4loop___uv_stream_on_read"
 _READY_S = 300.0  # a router under valgrind takes a minute or more to import and start
 
 
@@ -117,14 +126,15 @@ def _phase(clients: Any, n: int, tokens: int) -> float:
 
 def kv_setup(a: argparse.Namespace) -> tuple[list[str], int, tuple[str, ...], int]:
     """(router flags, workers, worker flags, prompt words) of ``a``: ``--kv`` takes ``bench_capacity.KV_TARGETS``'s
-    flags and the KV targets' prompts; without it, 2 workers (unless ``--workers``) and the short prompt."""
+    flags and the KV targets' prompts; without it, 2 workers (unless ``--workers``) and the short prompt. The
+    ``--worker-flag`` flags come last (they override)."""
     from bench_capacity import KV_TARGETS
 
     if a.kv is None:
-        return list(a.router_flag), a.workers or 2, (), 0
+        return list(a.router_flag), a.workers or 2, tuple(a.worker_flag), 0
     flags, wflags = KV_TARGETS["dplb1kv" if a.kv == "events" else "dplb1kvsent"]
     return ([*flags, *a.router_flag], a.workers or 8,
-            (*wflags, "--sim-prefix-cache-blocks", str(a.kv_cache_blocks)), a.prompt_words)
+            (*wflags, "--sim-prefix-cache-blocks", str(a.kv_cache_blocks), *a.worker_flag), a.prompt_words)
 
 
 def windows(c: Any, a: argparse.Namespace, mark: Any, words: int = 0) -> tuple[float, float, int]:
@@ -154,20 +164,42 @@ def _control(pid: int, *args: str) -> None:
     subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
 
 
-def _dump_total(out_dir: str, pid: int, seen: set[str]) -> int:
-    """The Ir total of the newest callgrind dump of ``pid`` not in ``seen`` (waits for it to be written)."""
+def _dump_total(out_dir: str, pid: int, seen: set[str]) -> tuple[int, int]:
+    """(the Ir total, the socket reads: calls of uvloop's read callback) of the newest callgrind dump of ``pid``
+    not in ``seen`` (waits for it to be written)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         for path in sorted(glob.glob(os.path.join(out_dir, f"callgrind.out.{pid}*"))):
             if path in seen:
                 continue
             with open(path, "rb") as f:
-                m = _TOTALS.search(f.read())
+                text = f.read()
+            m = _TOTALS.search(text)
             if m:
                 seen.add(path)
-                return int(m.group(1))
+                return int(m.group(1)), calls_to(text, _READ_CB)
         time.sleep(0.2)
     raise TimeoutError(f"no new callgrind dump of {pid} in {out_dir}")
+
+
+def calls_to(dump: bytes, name: bytes) -> int:
+    """Calls recorded in a callgrind dump to the function ``name`` (callgrind's ``cfn=`` / ``calls=`` lines; a
+    name is written once, then referred to by its ``(id)``)."""
+    names: dict[bytes, bytes] = {}
+    callee = b""
+    n = 0
+    for line in dump.splitlines():
+        if line.startswith((b"fn=", b"cfn=")):
+            m = _FN.match(line)
+            if m is not None:
+                if m.group(2):
+                    names[m.group(1)] = m.group(2)
+                callee = names.get(m.group(1), b"") if line.startswith(b"cfn=") else b""
+        elif line.startswith(b"calls=") and callee:
+            if callee == name:
+                n += int(line[6:].split()[0])
+            callee = b""
+    return n
 
 
 def count_instructions(a: argparse.Namespace) -> dict[str, float]:
@@ -175,7 +207,7 @@ def count_instructions(a: argparse.Namespace) -> dict[str, float]:
     out_dir = tempfile.mkdtemp(prefix="dplb-cg-")
     prefix = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--dump-instr=no", "--dump-line=no",
               f"--callgrind-out-file={out_dir}/callgrind.out.%p"]
-    totals: dict[str, int] = {}
+    totals: dict[str, tuple[int, int]] = {}
     try:
         flags, workers, wflags, words = kv_setup(a)
         with stack(prefix, flags, workers=workers, worker_flags=wflags) as (c, _):
@@ -198,11 +230,13 @@ def count_instructions(a: argparse.Namespace) -> dict[str, float]:
         if a.keep_dumps:
             shutil.copytree(out_dir, a.keep_dumps, dirs_exist_ok=True)
         shutil.rmtree(out_dir, ignore_errors=True)
-    per_req = (totals["load"] - totals["idle"]) / a.requests
-    return {"requests": a.requests, "tokens": a.tokens, "ir_load": totals["load"], "ir_idle": totals["idle"],
+    (ir_load, reads_load), (ir_idle, reads_idle) = totals["load"], totals["idle"]
+    per_req = (ir_load - ir_idle) / a.requests
+    return {"requests": a.requests, "tokens": a.tokens, "ir_load": ir_load, "ir_idle": ir_idle,
             "load_s": load_s, "idle_s": idle_s, "ir_per_request": per_req, "ir_per_token": per_req / a.tokens,
-            "ir_gross_per_request": totals["load"] / a.requests, "workers": workers, "kv": a.kv,
-            "kv_ring_entries": entries, "kv_entries_per_request": entries / a.requests}
+            "ir_gross_per_request": ir_load / a.requests, "workers": workers, "kv": a.kv,
+            "kv_ring_entries": entries, "kv_entries_per_request": entries / a.requests,
+            "reads_per_request": (reads_load - reads_idle) / a.requests}
 
 
 # ---- cProfile -------------------------------------------------------------------------------------------------------
@@ -278,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                     "small prefix cache, KV events on and the index following them (events) or --no-kv-events and "
                     "prefix.truth=sent (sent), long prompts from a pool")
     ap.add_argument("--workers", type=int, help="sim workers (2; with --kv 8)")
+    ap.add_argument("--worker-flag", action="append", default=[], help="an extra sim worker flag (repeatable), "
+                    "e.g. --worker-flag=--sim-decode-step-s=0.01: tokens paced so that the router, slowed down by "
+                    "valgrind, reads each SSE chunk alone (as it does at full speed) instead of several per read")
     ap.add_argument("--prompt-words", type=int, default=256, help="with --kv: words per prompt (256)")
     ap.add_argument("--prompt-pool", type=int, default=512, help="with --kv: distinct prompts sent in turn (512)")
     ap.add_argument("--kv-cache-blocks", type=int, default=256, help="with --kv: the sim prefix cache, blocks (256)")
@@ -307,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             line += f", per token: {r['ir_per_token'] / 1e3:.2f} k"
         print(f"{line} ({a.requests} requests, {a.tokens} token(s), {r['workers']} workers, kv {a.kv or 'off'}, "
               f"flags {a.router_flag or 'none'}; load window {r['load_s']:.1f} s, idle {r['ir_idle'] / 1e6:.1f} M of "
-              f"{r['ir_load'] / 1e6:.1f} M; without the idle window {r['ir_gross_per_request'] / 1e3:.1f} k)")
+              f"{r['ir_load'] / 1e6:.1f} M; without the idle window {r['ir_gross_per_request'] / 1e3:.1f} k; "
+              f"{r['reads_per_request']:.1f} socket reads per request)")
         if a.kv:
             print(f"KV-ring entries published in the load window: {r['kv_ring_entries']} "
                   f"({r['kv_entries_per_request']:.1f} per request)")

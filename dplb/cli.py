@@ -6,8 +6,9 @@ printed as one clear message without a traceback (exit 2 for configuration error
 the (sub)command given (``dplb tenants hash-key: error: …``); a usage error is one line too, naming the subcommand and
 its ``--help`` (exit 2). Subcommands
 import their modules lazily so ``dplb state`` stays fast and the router never imports engine code. Every command
-first refuses a compiled build that may not run (partial, or stale: :func:`dplb.native.refusal`; exit 1), before any
-of its modules is imported: this module imports none of :data:`dplb.native.HOT_MODULES`.
+first refuses a compiled build that may not run (partial: exit 1; stale: exit 75,
+:class:`dplb.errors.StaleBuildError`), before any of its modules is imported: this module imports none of
+:data:`dplb.native.HOT_MODULES`.
 """
 
 # ruff: noqa: E402  (the imports after the SIGINT guard come after it on purpose)
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 
 from dplb import __version__, native
 from dplb.config import LOG_FORMAT, PREFIX_BLOCK_BYTES, STALL_AFTER_S, STALL_RESTART_AFTER_S
-from dplb.errors import DPLBError, NativeBuildError
+from dplb.errors import DPLBError, NativeBuildError, StaleBuildError
 from dplb.flags import flag_number, flag_port_or_off
 from dplb.stack import METRICS_HOST, METRICS_PORT_BASE
 
@@ -272,9 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         # Before any subcommand's module (and so any compiled module) is imported: a partial build crashes.
-        problem = native.refusal()
+        build = native.build()
+        problem = build.refusal(native.accept_stale())
         if problem:
-            raise NativeBuildError(problem)
+            raise (NativeBuildError if build.partial else StaleBuildError)(problem)
         parser = build_parser()
         args, rest = parser.parse_known_args(argv)
         leaf = _leaf_parser(parser, args)

@@ -98,6 +98,14 @@ class NativeBuildError(DPLBError):
     accepted. The message is :meth:`dplb.native.Build.refusal`'s line: what is wrong and the two fixes."""
 
 
+class StaleBuildError(NativeBuildError):
+    """The compiled build is whole but stale (a source changed since it was built) and not accepted. Its own exit
+    status (75, ``EX_TEMPFAIL`` of sysexits.h: the same command succeeds once the tree is rebuilt or cleaned) tells
+    ``dplb launch`` that a router restart was refused for this reason: it keeps the workers and retries."""
+
+    exit_code = 75
+
+
 class PluginError(DPLBError):
     """A policy plugin broke the framework's contract at run time (a scorer's ``score`` returned something that is
     not one number per candidate, a picker's ``pick`` not a ``(candidate, reason)`` pair): names the plugin, what it
@@ -176,7 +184,8 @@ class ShmWorkerIdError(ShmError):
 
 
 class RouterErrorKind(enum.Enum):
-    """Errors the router itself answers with: (HTTP status, OpenAI error type, bounded reason code).
+    """Errors the router itself answers with: (HTTP status, OpenAI error type, bounded reason code[, the body's
+    code where OpenAI's is coarser than the reason]).
 
     The reason code is the ``code`` field of the JSON body and the ``reason`` label of
     ``dplb_requests_rejected_total``; the set is closed so metric cardinality stays bounded.
@@ -224,7 +233,9 @@ class RouterErrorKind(enum.Enum):
     # A POST /v1/responses whose request_id is the id of another tenant's stored response (vLLM would replace it).
     RESPONSE_ID_IN_USE = (409, "invalid_request_error", "response_id_in_use")
     RATE_LIMITED = (429, "requests", "rate_limit_exceeded")
-    TOKENS_RATE_LIMITED = (429, "tokens", "tokens_rate_limit_exceeded")
+    # The body's code is OpenAI's for a tokens-per-minute 429 (type "tokens", code "rate_limit_exceeded"); the
+    # reason label keeps DPLB's own, so the two limits stay apart in dplb_requests_rejected_total.
+    TOKENS_RATE_LIMITED = (429, "tokens", "tokens_rate_limit_exceeded", "rate_limit_exceeded")
     # One request's reserved tokens (prompt estimate + max_tokens) exceed the tenant's whole tokens_per_min: no
     # wait makes it fit, so it is a client error, not a 429 (clients retry those).
     TOKENS_EXCEED_QUOTA = (400, "invalid_request_error", "tokens_exceed_quota")
@@ -254,8 +265,13 @@ class RouterErrorKind(enum.Enum):
 
     @property
     def code(self) -> str:
-        """Bounded reason code (``error.code`` and the ``reason`` metric label)."""
+        """Bounded reason code: the ``reason`` metric label, and ``error.code`` unless :attr:`body_code` differs."""
         return self.value[2]
+
+    @property
+    def body_code(self) -> str:
+        """``error.code`` of the body: :attr:`code`, or OpenAI's code where DPLB's reason is finer (a 4th field)."""
+        return self.value[3] if len(self.value) > 3 else self.value[2]
 
 
 #: The challenge every 401 of the router carries (RFC 9110 §11.6.1 requires one; RFC 6750 §3 names the scheme).
@@ -270,18 +286,16 @@ class BodyTooLarge(DPLBError):
         self.limit = limit
 
 
-def openai_error_body(message: str, type_: str, code: str | int, *, param: bool = False) -> bytes:
-    """The OpenAI error body ``{"error": {"message", "type", "code"}}`` as compact UTF-8 JSON (msgspec). With
-    ``param``, vLLM's shape ``{"error": {"message", "type", "param": null, "code"}}`` (the sim engine's, so its
-    errors match a vLLM worker's)."""
-    if param:
-        return _encode({"error": {"message": message, "type": type_, "param": None, "code": code}})
-    return _encode({"error": {"message": message, "type": type_, "code": code}})
+def openai_error_body(message: str, type_: str, code: str | int) -> bytes:
+    """The OpenAI error body ``{"error": {"message", "type", "param": null, "code"}}`` as compact UTF-8 JSON
+    (msgspec): OpenAI's error object (message, type, param, code; DPLB's errors name no request parameter) and
+    vLLM's, so a router's, an edge's, a worker's and the sim engine's errors have one shape."""
+    return _encode({"error": {"message": message, "type": type_, "param": None, "code": code}})
 
 
 def error_body(kind: RouterErrorKind, message: str) -> bytes:
-    """The OpenAI error body of one of the router's own errors: ``kind``'s type and reason code, ``message``."""
-    return openai_error_body(message, kind.type, kind.code)
+    """The OpenAI error body of one of the router's own errors: ``kind``'s type and body code, ``message``."""
+    return openai_error_body(message, kind.type, kind.body_code)
 
 
 def event_failure(event: Any) -> str | None:

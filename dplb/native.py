@@ -22,6 +22,9 @@ Contract
   (:func:`dplb.cli.main`) refuses with it before any subcommand's module is imported.
 - :meth:`Build.label` is ``dplb_build_info``'s ``compiled`` label: ``"true"`` only for a whole, current build;
   ``"false"`` (pure Python), ``"partial"``, ``"stale"``. :func:`describe` is the router's start-up line.
+- A build that goes stale while a router runs it (the checkout edited or pulled under it) is noticed by
+  :class:`StaleWatch`, which the router polls from its monitor: its label becomes ``"stale"`` (a restart would be
+  refused, :class:`dplb.errors.StaleBuildError`'s exit status, which ``dplb launch`` retries without giving up).
 
 Why the sources compiled code depends on, not only the compiled ones: mypyc inlines the literal value of a
 ``Final`` name wherever it is used, from any module ("safe even for non-native names",
@@ -36,6 +39,7 @@ is not a dependency).
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib.machinery
 import json
@@ -87,6 +91,8 @@ MANIFEST = "_hot_build.json"
 ACCEPT_STALE_ENV = "DPLB_ACCEPT_STALE_BUILD"
 #: The two ways out of a broken build, in every refusal.
 FIXES = "rebuild with scripts/build_native.sh, or remove the build with scripts/build_native.sh --clean (pure Python)"
+#: How often, at most, a running router stats the build's sources for a change under it (:class:`StaleWatch`).
+STALE_CHECK_S = 5.0
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _SUFFIXES = tuple(importlib.machinery.EXTENSION_SUFFIXES)
 
@@ -237,6 +243,63 @@ def describe() -> str:
         return (f"{head}; STALE: {_first([f'dplb/{p}' for p in b.stale])} changed since the build, run because "
                 f"{ACCEPT_STALE_ENV}=1)")
     return head + ")"
+
+
+def _stat(path: str) -> tuple[int, int]:
+    """``(mtime in ns, size in bytes)`` of ``path``; ``(0, -1)`` when it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0, -1
+    return st.st_mtime_ns, st.st_size
+
+
+class StaleWatch:
+    """Notices a process's compiled build going stale under it (the checkout edited or pulled while it runs: it
+    keeps running the build it loaded, but a restart would be refused). :meth:`poll` stats the manifest's sources
+    (mtime and size; ~65 ``stat`` calls) at most every ``every_s`` seconds and hashes only a source whose stat
+    changed, against the manifest's digest. ``start`` is the build the process loaded (:func:`build`); pure Python
+    and a partial build are never watched (:meth:`poll` returns None)."""
+
+    def __init__(self, start: Build, every_s: float = STALE_CHECK_S) -> None:
+        self.label = start.label
+        self.every_s = every_s
+        self._dir = start.pkg_dir
+        self._stale = set(start.stale)
+        self._sources: dict[str, str] = {}
+        if start.compiled and not start.partial:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError), \
+                    open(os.path.join(self._dir, MANIFEST)) as f:
+                self._sources = dict(json.load(f)["sources"])
+        self._stats = {p: _stat(os.path.join(self._dir, p)) for p in self._sources}
+        self._next = 0.0
+
+    @property
+    def stale(self) -> tuple[str, ...]:
+        """The sources (package-relative) whose content differs from the build's, at the last check."""
+        return tuple(sorted(self._stale))
+
+    def poll(self, now: float) -> str | None:
+        """At ``now`` (monotonic seconds): the new :attr:`Build.label` (``"stale"``, or ``"true"`` once every
+        changed source is back to the build's content) when it changed since the last call, else None."""
+        if not self._sources or now < self._next:
+            return None
+        self._next = now + self.every_s
+        for rel, digest in self._sources.items():
+            path = os.path.join(self._dir, rel)
+            st = _stat(path)
+            if st == self._stats[rel]:
+                continue
+            self._stats[rel] = st
+            if _sha256(path) != digest:
+                self._stale.add(rel)
+            else:
+                self._stale.discard(rel)
+        label = "stale" if self._stale else "true"
+        if label == self.label:
+            return None
+        self.label = label
+        return label
 
 
 # ---- the build's side: what scripts/build_native.sh writes -------------------------------------------------------

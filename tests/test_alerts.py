@@ -134,7 +134,9 @@ def test_every_alert_is_named_labelled_annotated_and_linked() -> None:
         assert all(known_dplb(n) for n in used), (name, [n for n in used if not known_dplb(n)])
         # Scoped to the job that owns its metrics: the workers' job for names only a worker exports
         # (dplb.obs.metrics.WORKER_SIDE), the router's for everything else.
-        job = "dplb-workers" if used and all(_base(n) in M.WORKER_SIDE for n in used) else "dplb-router"
+        # dplb_build_info is exported by both jobs (its component label): an alert on the router's names the router's.
+        job = "dplb-workers" if used and all(_base(n) in M.WORKER_SIDE - {M.BUILD_INFO} for n in used) \
+            else "dplb-router"
         assert f'job="{job}"' in r["expr"] or r["expr"].strip() == 'up{job="dplb-workers"} == 0', \
             f"{name}: scope the expression to the {job} job"
         # Every alert carries the stack it is about (README): no aggregation or match drops the label.

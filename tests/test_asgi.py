@@ -35,13 +35,23 @@ DISCONNECT = {"type": "http.disconnect"}
 
 
 def test_error_bodies_are_compact_openai_json() -> None:
+    """OpenAI's error object is message, type, param, code (``param`` null where no request parameter is named)."""
     assert openai_error_body("no — way", "invalid_request_error", "x") == (
-        '{"error":{"message":"no — way","type":"invalid_request_error","code":"x"}}'.encode())
-    assert openai_error_body("m", "BadRequestError", 400, param=True) == (
+        '{"error":{"message":"no — way","type":"invalid_request_error","param":null,"code":"x"}}'.encode())
+    assert openai_error_body("m", "BadRequestError", 400) == (
         b'{"error":{"message":"m","type":"BadRequestError","param":null,"code":400}}')
     kind = RouterErrorKind.ALL_OVER_CAP
-    assert json.loads(error_body(kind, "full")) == {"error": {"message": "full", "type": kind.type,
+    assert json.loads(error_body(kind, "full")) == {"error": {"message": "full", "type": kind.type, "param": None,
                                                               "code": "all_workers_over_queue_cap"}}
+
+
+def test_the_token_rate_429_has_openais_type_and_code_and_keeps_its_own_reason() -> None:
+    kind = RouterErrorKind.TOKENS_RATE_LIMITED
+    assert json.loads(error_body(kind, "m"))["error"] == {"message": "m", "type": "tokens", "param": None,
+                                                          "code": "rate_limit_exceeded"}
+    assert kind.code == "tokens_rate_limit_exceeded" and kind.status == 429  # the reason label stays apart
+    assert len({k.code for k in RouterErrorKind}) == len(RouterErrorKind)  # one reason label per kind
+    assert all(k.body_code == k.code for k in RouterErrorKind if k is not kind)
     assert HTTPError(404, "gone", "NotFoundError").body() == (
         b'{"error":{"message":"gone","type":"NotFoundError","param":null,"code":404}}')
 

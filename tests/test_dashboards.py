@@ -194,13 +194,26 @@ def test_integrity_metrics_are_on_a_dashboard() -> None:
         assert needed in text, needed
 
 
-def test_panels_named_in_runbooks_exist() -> None:
-    titles = {p["title"] for d in dashboards().values() for p in d["panels"]}
-    named = set()
-    for rb in (Path(ROOT) / "runbooks").glob("*.md"):
-        for t in re.findall(r'panel "([^"]+)"', rb.read_text()):
-            assert t in titles, f"{rb.name} names a panel that does not exist: {t!r}"
+def test_dashboards_rows_and_panels_named_in_runbooks_exist() -> None:
+    """Every dashboard title a runbook names (`` `DPLB …` ``, exactly: a prefix such as `DPLB routing` is not a
+    title), every ``panel "…"`` and ``row "…"``; a panel named after a dashboard in the same sentence is on that
+    dashboard. A runbook sent the on-call to a `DPLB tenants` dashboard that never existed."""
+    boards = {d["title"]: {p["title"] for p in d["panels"]} for d in dashboards().values()}
+    rows = {p["title"] for d in dashboards().values() for p in d["panels"] if p["type"] == "row"}
+    panels = {t for titles in boards.values() for t in titles} - rows
+    named: set[str] = set()
+    for rb in sorted((Path(ROOT) / "runbooks").glob("*.md")):
+        text = " ".join(rb.read_text().split())  # a name may wrap onto the next line
+        for t in re.findall(r"`(DPLB [^`]+)`", text):
+            assert t in boards, f"{rb.name} names a dashboard that does not exist: {t!r} (there are {sorted(boards)})"
+        for t in re.findall(r'panel "([^"]+)"', text):
+            assert t in panels, f"{rb.name} names a panel that does not exist: {t!r}"
             named.add(t)
+        for t in re.findall(r'row "([^"]+)"', text):
+            assert t in rows, f"{rb.name} names a row that does not exist: {t!r}"
+        for board, tail in re.findall(r"`(DPLB [^`]+)` dashboard((?:,? (?:and )?(?:row|panel) \"[^\"]+\":?)+)", text):
+            for t in re.findall(r'(?:row|panel) "([^"]+)"', tail):
+                assert t in boards[board], f"{rb.name}: {t!r} is not on the {board!r} dashboard"
     assert len(named) >= 8, named
 
 

@@ -95,15 +95,25 @@ def patch_pure():
     from dplb.router.state import RouterState
     from dplb.runtime.direct import DirectResponse
 
-    body, relay, report = DirectResponse.body, Attempt._relay_plain, RouterState.report
+    body, write, bodies = DirectResponse.body, DirectResponse.write, DirectResponse._bodies
+    relay, report = Attempt._relay_plain, RouterState.report
 
-    def direct_body(self, data):
+    def check(self, chunks):  # (one socket read's chunks: those before the failing one are framed, then it raises)
         n = relay_at(self.cycle.scope)
         if n:
-            self.cycle.fault_n = getattr(self.cycle, "fault_n", 0) + 1
-            if self.cycle.fault_n >= n:
-                raise Boom("relay")
-        body(self, data)
+            for data in chunks:
+                self.cycle.fault_n = getattr(self.cycle, "fault_n", 0) + 1
+                if self.cycle.fault_n >= n:
+                    raise Boom("relay")
+                body(self, data)
+            chunks = []
+        return chunks
+
+    def direct_write(self, chunks):
+        write(self, check(self, chunks))
+
+    def direct_bodies(self, chunks):
+        bodies(self, check(self, chunks))
 
     async def relay_plain(self, chunks):
         n = relay_at(self.ex.scope)
@@ -132,7 +142,8 @@ def patch_pure():
             ARMED.clear()
             raise Boom("end")
 
-    DirectResponse.body, Attempt._relay_plain, RouterState.report = direct_body, relay_plain, failing_report
+    DirectResponse.write, DirectResponse._bodies = direct_write, direct_bodies
+    Attempt._relay_plain, RouterState.report = relay_plain, failing_report
 
 
 try:
@@ -142,7 +153,7 @@ except TypeError:  # compiled classes
 '''
 
 PURE = not native.compiled_modules()
-INTERNAL = b'{"error":{"message":"internal error","type":"server_error","code":"internal_error"}}'
+INTERNAL = b'{"error":{"message":"internal error","type":"server_error","param":null,"code":"internal_error"}}'
 
 
 @pytest.fixture

@@ -88,6 +88,21 @@ def test_transitions_are_reported_once() -> None:
     assert d.no_progress_s(0, T0 + 3 * S) == 0.0
 
 
+def test_requests_gone_without_progress_make_a_worker_suspect_until_its_progress_moves() -> None:
+    """A debt forgiven without progress (another process's stall check cut the requests first, or their clients
+    left before any engine step) makes the worker suspect, which the worker's own probe acts on; progress, or a
+    debt that ends with progress, does not."""
+    d = StallDetector(1, stall_after_s=2.0)
+    seen = []
+    for t, w, n in [(0.0, _w(5, 0.0), 1), (0.5, _w(6, 0.5), 0),  # served: progress, no suspicion
+                    (1.0, _w(6, 0.5), 1), (2.0, _w(6, 0.5), 0), (3.0, _w(6, 0.5), 0),  # left without progress
+                    (4.0, _w(7, 4.0), 0)]:  # progress (the probe's)
+        d.observe([w], [n], T0 + int(t * S))
+        seen.append((t, d.suspect(0), 0 in d.stalled()))
+    assert seen == [(0.0, False, False), (0.5, False, False), (1.0, False, False), (2.0, True, False),
+                    (3.0, True, False), (4.0, False, False)], seen
+
+
 # ---- the hang scenario, real processes ---------------------------------------------------------------------------
 STALL_AFTER = 2.0  # the router's --stall-after here (the default is 5 s; the mechanism is the same)
 STALL_FOR = 10.0  # worker 2's engine makes no progress this long

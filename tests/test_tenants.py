@@ -392,6 +392,31 @@ def test_a_request_larger_than_the_whole_quota_is_refused_as_a_client_error() ->
     assert lim.tokens is not None and lim.tokens.level == 1000  # nothing taken
 
 
+def test_remaining_is_never_above_the_limit_after_a_refund_on_any_path() -> None:
+    """A refund (the engine counted less than reserved) while the bucket had refilled meanwhile pushed the level
+    past the capacity: a later 400 tokens_exceed_quota said remaining 20990 for a limit of 20000."""
+    clock = Clock()
+    lim = TenantLimits(Tenant("a", requests_per_s=5, tokens_per_min=20000), clock)
+    assert lim.check(1000) is None
+    clock.t += 3  # 1000 tokens refill meanwhile (333/s)
+    lim.correct(10 - 1000)  # the request used 10 of its 1000
+    assert lim.tokens is not None and lim.tokens.level == 20000
+    seen = []
+    for kind in (RouterErrorKind.TOKENS_EXCEED_QUOTA, RouterErrorKind.RATE_LIMITED):
+        refused = lim.check(30008 if kind is RouterErrorKind.TOKENS_EXCEED_QUOTA else 1)
+        assert refused is not None and refused[0] is kind
+        hdr = dict(lim.headers(refill=False))
+        for name in (b"requests", b"tokens"):
+            limit = int(hdr[b"x-ratelimit-limit-" + name])
+            assert 0 <= int(hdr[b"x-ratelimit-remaining-" + name]) <= limit, (kind, hdr)
+        seen.append(hdr[b"x-ratelimit-remaining-tokens"])
+        for _ in range(5):  # the request bucket's burst: the next check is its 429
+            lim.check(1)
+    assert seen == [b"20000", b"19995"]
+    lim.correct(-10**6)
+    assert dict(lim.headers())[b"x-ratelimit-remaining-tokens"] == b"20000"
+
+
 def test_the_reservation_counts_the_output_limit_once_per_generated_sequence() -> None:
     lim = TenantLimits(Tenant("a", tokens_per_min=2000), Clock())
     assert sequences(10, None) == 10 and sequences(2, 5) == 5 and sequences(" 7 ", 3.0) == 7

@@ -154,6 +154,31 @@ def test_fair_queue_serves_the_light_tenant_at_the_next_free_slot(tmp_path: Path
         assert "vllm:num_requests_waiting" in state
 
 
+def test_a_stream_the_client_cancels_is_charged_its_prompt_and_what_was_generated(tmp_path: Path) -> None:
+    """The engine ran the prefill of a stream its client left mid-way: the ledger charges the router's prompt
+    estimate (no engine count arrives) and the generated events relayed; it charged 0 prompt tokens."""
+    tf = write_tenants(tmp_path / "tenants.toml")
+    with cluster(str(tmp_path), 1, worker_args={0: SLOW}, router_args=["--tenants", tf]) as c:
+        prompt0 = sim_counter(c.sock(0), "vllm:prompt_tokens_total")
+        body = chat(max_tokens=200, stream=True)
+        body["messages"][0]["content"] = "a longer prompt of some forty bytes " * 4
+        with httpx.Client(timeout=30) as client, \
+                client.stream("POST", c.url + "/v1/chat/completions", json=body, headers=auth("batch")) as r:
+            assert r.status_code == 200
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: {")
+                if got == 5:
+                    break  # the client leaves mid-stream
+        wait_for(lambda: ledger_of(httpx.get(c.url + "/metrics", timeout=5).text).get("batch", {}).get(
+            "requests") == {"cancelled": 1}, 10, "the cancelled stream in the ledger")
+        led = ledger_of(httpx.get(c.url + "/metrics", timeout=5).text)["batch"]
+        engine_prompt = sim_counter(c.sock(0), "vllm:prompt_tokens_total") - prompt0
+        assert engine_prompt > 0 and 0.5 * engine_prompt <= led["prompt_tokens"] <= 2 * engine_prompt, \
+            (led, engine_prompt)
+        assert 5 <= led["completion_tokens"] < 200, led
+
+
 def test_queued_client_that_leaves_is_never_sent_and_timeouts_answer_503(tmp_path: Path) -> None:
     tf = write_tenants(tmp_path / "tenants.toml")
     with cluster(str(tmp_path), 1, worker_args={0: SLOW},

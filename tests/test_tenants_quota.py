@@ -64,9 +64,12 @@ def test_a_burst_of_concurrent_requests_admits_only_what_fits_the_token_quota(tm
         limited = [r for r in rs if r.status_code != 200]
         assert len(ok) == 4, [r.status_code for r in rs]
         for r in limited:
-            assert_openai_error(r, 429, "tokens_rate_limit_exceeded")
+            assert_openai_error(r, 429, "rate_limit_exceeded")  # OpenAI's code; the reason label is DPLB's
+            assert r.json()["error"]["type"] == "tokens"
             assert int(r.headers["retry-after"]) >= 1 and r.headers["x-ratelimit-limit-tokens"] == "1000"
         assert sum(r.json()["usage"]["completion_tokens"] for r in ok) == generated(c, 2) - gen0 == 800
+        metrics = httpx.get(c.url + "/metrics", timeout=5).text
+        assert f'dplb_requests_rejected_total{{reason="tokens_rate_limit_exceeded"}} {len(limited)}.0' in metrics
         # One request larger than the whole quota can never fit: a client error at once, not a wait.
         big = post(c, "/v1/chat/completions", body(2000), headers=AUTH)
         assert_openai_error(big, 400, "tokens_exceed_quota")

@@ -64,9 +64,10 @@ class RouterMetrics:
     def __init__(self, version: str) -> None:
         reg = self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=reg)  # process_* (RSS, open fds, CPU seconds, start time) of the router
-        # compiled: whether the hot path runs as mypyc extension modules (true/false/partial; dplb.native).
-        Info(BUILD_INFO, "DPLB build", registry=reg).info({"version": version, "component": "router",
-                                                           "compiled": native.build_label()})
+        # compiled: whether the hot path runs as mypyc extension modules (true/false/partial/stale; dplb.native).
+        self._version = version
+        self.build_info = Info(BUILD_INFO, "DPLB build", registry=reg)
+        self.set_build_label(native.build_label())
         # Per-request families (decisions, their duration and state age, HTTP routes, upstream TTFB and duration, the
         # prefix outcome and blocks of a routed request):
         # the lock-free fastmetrics drop-ins, same exposition (dplb.obs.fastmetrics); the rest prometheus_client's.
@@ -150,6 +151,11 @@ class RouterMetrics:
         self._worker_notes = {NOTE_PREFIX_BLOCKS: self.prefix_query_blocks,
                               NOTE_PREFIX_HIT_BLOCKS: self.prefix_hit_blocks}
 
+
+    def set_build_label(self, compiled: str) -> None:
+        """``dplb_build_info``'s ``compiled`` label (:attr:`dplb.native.Build.label`): at start-up, and ``"stale"``
+        when the build went stale under the running router (:class:`dplb.native.StaleWatch`)."""
+        self.build_info.info({"version": self._version, "component": "router", "compiled": compiled})
     def init_workers(self, n: int) -> None:
         """Pre-create every known label value at zero."""
         from dplb.errors import RouterErrorKind

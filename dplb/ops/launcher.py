@@ -16,8 +16,10 @@ Contract
   while its process lives (SIGSTOPped, its collector wedged) is killed (its process group) and restarted, and so is
   a router process (each child of a ``--router-processes`` group too, which its parent restarts) whose router slot's
   heartbeat is ``--router-restart-after`` seconds old (logged; restarts counted in the
-  log). A worker that fails before ever becoming ready ``--max-start-failures`` times in a row stops the launch with
-  its log tail.
+  log). A worker or router that fails before ever becoming ready ``--max-start-failures`` times in a row stops the
+  launch with its log tail, except a router start refused because the compiled build went stale
+  (:class:`dplb.errors.StaleBuildError`'s exit status): the workers are kept, one ERROR names the fix, and the router
+  is retried (waits capped at 5 s) until a rebuild (or ``--clean``) lets it start.
 - The segment is followed (:class:`dplb.state.follow.SegmentFollower`): removed (a cleanup), its mapping is dropped
   and the frozen-worker watchdog is off (it never judges heartbeats that stopped because the workers lost the
   file); recreated at the same path (``dplb segment create``, the runbook's mitigation), the new file is mapped,
@@ -50,7 +52,7 @@ import urllib.request
 
 from dplb import native
 from dplb.config import ROUTER_RESTART_AFTER_S, STALL_RESTART_AFTER_S
-from dplb.errors import ConfigError
+from dplb.errors import ConfigError, StaleBuildError
 from dplb.flags import flag_number, flag_port_or_off
 from dplb.ops.checks import (
     check_launch_flags,
@@ -81,6 +83,7 @@ from dplb.worker.engines import sim_config
 
 log = logging.getLogger("dplb.launch")
 STABLE_S = 60.0  # a child up this long has its restart backoff reset
+ROUTER_RETRY_MAX_S = 5.0  # the longest wait before a router restart (the router is the stack's one way in)
 SHUTDOWN_SWEEP_S = 3.0  # at stop, how long leftover engine shared memory is waited for (the killed processes exit)
 
 
@@ -310,27 +313,47 @@ class Launcher:
             r = self.router
             if seg is not None and r.ever_ready and r.alive():
                 kill_if_router_frozen(seg, r, self.args.router_restart_after)
-            if not r.alive() and not self.stopping:
-                r.reap()
-                rc = r.proc.returncode if r.proc else None
-                if self._gives_up(r, rc):
-                    return 1
-                log.warning("router %s; restarting (log: %s)", _exit_text(rc), r.log_path)
-                time.sleep(min(r.backoff_s, 5))
-                r.backoff_s = min(BACKOFF_MAX_S, r.backoff_s * 2)
-                r.ever_ready = False
-                r.restarts += 1
-                r.start()
-                log.info("router restarted (restart #%d)", r.restarts)
+            if not r.alive() and not self.stopping and not self._restart_router(r, now):
+                return 1
             if not r.ever_ready and r.alive() and _http_ok(self._local_url() + "/health"):
                 r.ever_ready = True
                 r.start_failures = 0
+                if r.extra.pop("stale_build", None):
+                    log.info("router started: the build is current again")
             if not announced and r.ever_ready and all(w.ever_ready for w in self.workers):
                 announced = True
                 print(f"DPLB: all {len(self.workers)} worker(s) ready; serving on {self._local_url()}",
                       file=sys.stderr, flush=True)
             time.sleep(0.1)
         return 0
+
+    def _restart_router(self, r: Child, now: float) -> bool:
+        """The router exited: schedule its restart (backoff doubling, each wait capped at
+        :data:`ROUTER_RETRY_MAX_S`), or start it when due. False: give up (:meth:`_gives_up`). A start refused
+        because the compiled build is stale (:class:`StaleBuildError`'s exit status) never gives up: the workers
+        keep running (a GPU worker takes minutes to start) and one ERROR names the fix; a rebuild heals the stack."""
+        if r.next_start == 0.0:
+            r.reap()
+            rc = r.proc.returncode if r.proc else None
+            if rc == StaleBuildError.exit_code and not r.ever_ready:
+                if not r.extra.get("stale_build"):
+                    r.extra["stale_build"] = True
+                    log.error("router restart refused: %s; the workers keep running and the router is retried "
+                              "every %.0f s until then (log: %s)", r.log_tail(1).strip() or "the build is stale",
+                              ROUTER_RETRY_MAX_S, r.log_path)
+            elif self._gives_up(r, rc):
+                return False
+            else:
+                log.warning("router %s; restarting (log: %s)", _exit_text(rc), r.log_path)
+            r.next_start = now + min(r.backoff_s, ROUTER_RETRY_MAX_S)
+            r.backoff_s = min(BACKOFF_MAX_S, r.backoff_s * 2)
+        elif now >= r.next_start:
+            r.next_start = 0.0
+            r.ever_ready = False
+            r.restarts += 1
+            r.start()
+            log.info("router restarted (restart #%d)", r.restarts)
+        return True
 
     def _gives_up(self, c: Child, rc: int | None) -> bool:
         """Count an exit before ``c`` ever became ready; True (after printing its log tail) once that happened

@@ -8,11 +8,17 @@ Contract
 - A worker **owes** progress from the moment it has outstanding requests (the routers' in-flight counts, given by
   the caller: a stopped engine's own queue gauges freeze) until its progress moves. Owing it longer than
   ``stall_after_s`` (measured from the later of the last progress and the start of the debt) makes it **stalled**.
-  A debt is forgiven when the requests leave before that (a client gave up before the engine got to it).
+  A debt is forgiven when the requests leave before that (a client gave up before the engine got to it, or another
+  process's stall check failed them first); the worker is then **suspect** (:meth:`StallDetector.suspect`) until
+  its progress moves: its requests left without any progress.
 - A stalled worker stays stalled until its progress moves (no flapping in on a fresh heartbeat). Its outstanding
   requests are to be failed (:attr:`StallDetector.cut`); then, every ``stall_after_s`` without outstanding requests,
   it may take **one** request as a probe (:meth:`StallDetector.excluded` leaves it out of the set): the probe's
-  progress brings it back, a probe that gets none is failed like the rest after ``stall_after_s``.
+  progress brings it back, a probe that gets none is failed like the rest after ``stall_after_s``. Whether the
+  caller sends it one is the caller's choice (the router does only as a last resort, :mod:`dplb.router.state`).
+- A stalled worker is never *ready*, probe or not (:meth:`StallDetector.stalled`): what the readiness surfaces
+  (``/ready``, the host report) count. An idle stalled worker's own probe (:mod:`dplb.worker.stall_probe`) is what
+  brings back an engine that recovers without traffic.
 - A worker that restarted (another pid), is not ``ready``, or whose engine does not report progress
   (``progress_mono_ns`` 0) is never stalled; its state is reset.
 - Pure state: no I/O but logs; time from the caller (CLOCK_MONOTONIC ns). Used by the router (routing, failing
@@ -50,6 +56,7 @@ class StallDetector:
         self._owed_since = [0] * n  # ns; 0 = owes nothing
         self._stalled_since = [0] * n  # ns of the last progress (or debt start) when it stalled; 0 = not stalled
         self._free_since = [0] * n  # ns since which a stalled worker has no outstanding request (probe timing)
+        self._suspect = [False] * n  # a debt was forgiven without progress since it began
         self.newly_stalled: frozenset[int] = frozenset()
         self.recovered: frozenset[int] = frozenset()
         self.cut: frozenset[int] = frozenset()
@@ -69,8 +76,11 @@ class StallDetector:
                                 (now_ns - self._stalled_since[k]) / 1e9)
                 self._pid[k], self._progress[k] = w.pid, w.progress_total
                 self._owed_since[k] = self._stalled_since[k] = self._free_since[k] = 0
+                self._suspect[k] = False
             busy = outstanding[k] > 0 if k < len(outstanding) else False
             if not busy:
+                if self._owed_since[k] and not self._stalled_since[k]:
+                    self._suspect[k] = True
                 self._owed_since[k] = 0
                 if self._stalled_since[k] and not self._free_since[k]:
                     self._free_since[k] = now_ns
@@ -92,8 +102,15 @@ class StallDetector:
             cut.add(k)
         self.newly_stalled, self.recovered, self.cut = frozenset(new), frozenset(back), frozenset(cut)
 
+    @property
+    def any_stalled(self) -> bool:
+        """Whether some worker is stalled (what a pick asks first)."""
+        return any(self._stalled_since)
+
     def stalled(self) -> frozenset[int]:
-        """Workers stalled right now (probing or not)."""
+        """Workers stalled right now (probing or not): none of them is ready."""
+        if not any(self._stalled_since):  # the common case
+            return _NONE
         return frozenset(k for k, t in enumerate(self._stalled_since) if t)
 
     def excluded(self, now_ns: int) -> frozenset[int]:
@@ -104,6 +121,11 @@ class StallDetector:
         lim = self.stall_after_ns
         return frozenset(k for k, t in enumerate(self._stalled_since)
                          if t and not (self._free_since[k] and now_ns - self._free_since[k] >= lim))
+
+    def suspect(self, worker: int) -> bool:
+        """Whether requests left ``worker`` before it was found stalled, with no progress since they came
+        (module docstring); False again once its progress moves."""
+        return self._suspect[worker]
 
     def no_progress_s(self, worker: int, now_ns: int) -> float:
         """Seconds since a stalled worker's last progress (0.0 when it is not stalled)."""

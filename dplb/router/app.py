@@ -122,6 +122,23 @@ class RouterApp:
         self._keyed = bool(cfg.api_key or cfg.tenants_file)  # local routes need a key (a tenant's, with --tenants)
         self._observe = HttpCount(self.metrics).observe  # dplb_http_requests_total and its duration histogram
         self.litestar = build_local_app(self)
+        self._build_watch = native.StaleWatch(native.build())
+        self.state.on_tick.append(self.check_build)
+
+    def check_build(self) -> None:
+        """A monitor hook: once the compiled build went stale under this router (its checkout edited or pulled),
+        ``dplb_build_info{compiled="stale"}`` and one WARNING; back to ``"true"`` (one INFO) when the sources are
+        the build's again. At most one stat pass every :data:`dplb.native.STALE_CHECK_S` seconds."""
+        label = self._build_watch.poll(time.monotonic())
+        if label is None:
+            return
+        self.metrics.set_build_label(label)
+        if label == "stale":
+            log.warning("the compiled build went stale under this router: %s changed since it was built; it keeps "
+                        "running the build it started with, but a restart will be refused until you %s",
+                        ", ".join(f"dplb/{p}" for p in self._build_watch.stale[:3]), native.FIXES)
+        else:
+            log.info("the compiled build is current again (its sources are back to the build's content)")
 
     def _scrape_source(self) -> tuple[Any, list[int], int, float | None, Any]:
         st = self.state

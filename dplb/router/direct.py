@@ -15,9 +15,9 @@ Contract
   response head reached the client, a first-byte timeout, a close, a stall or a ``503 worker_draining``
   (:meth:`Attempt.resume`, then the proxy's retry).
 - :class:`DirectAttempt` relays the worker's answer from the upstream connection's callbacks
-  (:class:`dplb.router.upstream.Sink`): the head, each chunk, the end, in one client write per socket read. It
-  keeps a reference to each of the last two chunks, looked at once at the end (a stream the worker failed with its
-  own error event: :meth:`dplb.router.attempt.Attempt.stream_end`). The
+  (:class:`dplb.router.upstream.Sink`): the head, then the chunks of each socket read and the end, in one client
+  write per socket read. It keeps a reference to each of the last two chunks (across reads), looked at once at the
+  end (a stream the worker failed with its own error event: :meth:`dplb.router.attempt.Attempt.stream_end`). The
   first-byte and idle timeouts are deadlines checked by the worker connection's one timer
   (:meth:`dplb.router.upstream.UpstreamConn.wake_by`), which outlives the request: no timer per request. A
   worker that breaks off mid-body ends an SSE stream with the same error event and cuts the connection; a client
@@ -243,21 +243,30 @@ class DirectAttempt(Attempt, Sink):
         except Exception as e:
             self.crash(e)
 
-    def body(self, chunk: bytes) -> None:
+    def relay(self, chunks: list[bytes]) -> None:
         try:
-            if self.t_first is None:
-                self.t_first = _perf_counter()
-            self.out.body(chunk)
-            self.deadline = self.clock() + self.idle_s
-            self.prior = self.last
-            self.last = chunk
+            n = len(chunks)
+            if n:
+                if self.t_first is None:
+                    self.t_first = _perf_counter()
+                self.deadline = self.clock() + self.idle_s  # (once per read: its chunks came at the same time)
+                self.prior = chunks[-2] if n > 1 else self.last
+                self.last = chunks[-1]
+            self.out.write(chunks)
         except Exception as e:
             self.crash(e)
 
-    def complete(self) -> None:
+    def complete(self, chunks: list[bytes]) -> None:
         try:
+            n = len(chunks)
+            if n:
+                if self.t_first is None:
+                    self.t_first = _perf_counter()
+                self.prior = chunks[-2] if n > 1 else self.last
+                self.last = chunks[-1]
             self.outcome = self.stream_end(self.prior, self.last)
-            self.out.end(self._done)  # accounted once the client has its bytes, before a pipelined request starts
+            # accounted once the client has its bytes, before a pipelined request starts
+            self.out.end(self._done, chunks)
         except Exception as e:
             self.crash(e)
 
@@ -271,12 +280,6 @@ class DirectAttempt(Attempt, Sink):
                 self._resume()
                 return
             self._break(exc)
-        except Exception as e:
-            self.crash(e)
-
-    def flush(self) -> None:
-        try:
-            self.out.flush()
         except Exception as e:
             self.crash(e)
 

@@ -52,7 +52,8 @@ Contract
   dragging it up with a huge figure.
 - ``state``: ``drain`` once :meth:`HostReporter.begin_drain` was called (SIGUSR1 of the router, or SIGTERM, after
   which the router serves ``--drain-notice`` seconds more: :meth:`HostReporter.drain_notice`), else
-  ``down`` with a reason when no worker is routable, else ``up``. Without a segment the router serves on its own
+  ``down`` with a reason when no worker is routable (naming the stalled workers: a stalled worker is never
+  routable here, :mod:`dplb.router.state`), else ``up``. Without a segment the router serves on its own
   in-flight counts (:mod:`dplb.router.state`): ``up`` while a worker socket exists (running = the router's
   in-flight requests, capacity = ``max_queue`` per worker), ``down`` otherwise. Draining is one-way.
 """
@@ -259,7 +260,9 @@ class HostReporter:
         if self.draining:
             state, reason, util = STATE_DRAIN, self.drain_reason, 1.0
         elif not ws:
-            state, reason, util = STATE_DOWN, "no routable worker", 1.0
+            stalled = self.state.stalled_workers()
+            state, util = STATE_DOWN, 1.0
+            reason = "no routable worker" + (f" (engine stalled: {stalled_list(stalled)})" if stalled else "")
         else:
             state, reason, util = STATE_UP, "", min(1.0, max(load, kv))
         weight = max(1, min(100, round(100 / (1 + load))))
@@ -272,5 +275,13 @@ class HostReporter:
                           max_loras=sum(w.max_loras for w in ws), picker_waiting=pw, picker_kv_usage=pkv)
 
 
+def stalled_list(workers: list[int]) -> str:
+    """``worker 0`` / ``workers 0 2`` / ``8 workers`` (more than 4): the stalled workers named in a reason (the
+    agent's, at most 64 characters and no comma: HAProxy splits the agent's words at commas, and ``/ready``'s)."""
+    if len(workers) > 4:
+        return f"{len(workers)} workers"
+    return ("worker " if len(workers) == 1 else "workers ") + " ".join(map(str, workers))
+
+
 __all__ = ["PICKER_QUEUE_PER_WORKER", "RATE_WINDOW_S", "STATE_DOWN", "STATE_DRAIN", "STATE_UP", "HostReport",
-           "HostReporter", "kv_figures", "picker_view"]
+           "HostReporter", "kv_figures", "picker_view", "stalled_list"]

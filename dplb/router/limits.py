@@ -29,7 +29,8 @@ Contract (pure logic; the clock is injected)
   (:mod:`dplb.router.group_quota`); a give-back never fills a bucket past its capacity.
 - :meth:`TenantLimits.headers`: ``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``,
   ``x-ratelimit-reset-requests`` (time until the bucket is full, OpenAI's ``1s`` / ``6m0s`` / ``20ms`` form) and
-  the same three for ``tokens`` — only for the limits the tenant has. :func:`concurrency_headers`: the three for
+  the same three for ``tokens`` — only for the limits the tenant has; remaining is within ``[0, limit]`` (a debt
+  reads 0; a refund never fills a bucket past its capacity). :func:`concurrency_headers`: the three for
   ``concurrent`` (``max_concurrent``) on its 429: the limit, 0 remaining, and the ``Retry-After`` hint as the reset
   (a slot frees when one of the tenant's requests ends: no exact time).
 """
@@ -75,8 +76,8 @@ class TokenBucket:
         return need / self.rate if need > 0 else 0.0
 
     def take(self, amount: float) -> None:
-        """Take ``amount`` (may go negative); :meth:`refill` first. A negative ``amount`` gives back, up to the
-        capacity."""
+        """Take ``amount`` (may go negative: a debt); :meth:`refill` first. A negative ``amount`` (a refund, or a
+        router group's give-back) fills the bucket at most to its capacity: what refilled meanwhile already counts."""
         self.refill()
         self.level -= amount
         if amount < 0 and self.level > self.capacity:
@@ -126,13 +127,13 @@ class TenantLimits:
         (:meth:`estimate`; then one request and ``tokens`` are taken, each times ``scale``: a router group's
         fallback, :mod:`dplb.router.group_quota`). A reservation over the token bucket's capacity is refused with
         :attr:`RouterErrorKind.TOKENS_EXCEED_QUOTA` (its Retry-After is 0: unused)."""
+        for b in (self.requests, self.tokens):  # one instant for the checks, the message and the headers
+            if b is not None:
+                b.refill()
         if self.tokens is not None and tokens > self.tokens.capacity:
             return (RouterErrorKind.TOKENS_EXCEED_QUOTA, 0, f"this request needs about {tokens} tokens (the prompt "
                     "estimate plus max_tokens times the sequences generated, n or best_of), more than the whole "
                     f"quota of {self.tokens.capacity:g} tokens/min: lower max_tokens or n, or shorten the prompt")
-        for b in (self.requests, self.tokens):  # one instant for the checks, the message and the headers
-            if b is not None:
-                b.refill()
         if self.requests is not None:
             w = self.requests.wait_s(scale, refill=False)
             if w > 0:
@@ -175,7 +176,8 @@ class TenantLimits:
                 continue
             level = b.refill() if refill else b.level
             out += [(b"x-ratelimit-limit-" + name, b"%d" % math.floor(b.capacity)),
-                    (b"x-ratelimit-remaining-" + name, b"%d" % max(0, math.floor(level))),
+                    (b"x-ratelimit-remaining-" + name, b"%d" % max(0, min(math.floor(b.capacity),
+                                                                          math.floor(level)))),
                     (b"x-ratelimit-reset-" + name, reset_text(b.reset_s(False)).encode())]
         return out
 

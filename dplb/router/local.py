@@ -34,7 +34,7 @@ from dplb.config import RouterConfig
 from dplb.errors import RouterErrorKind, error_body, openai_error_body
 from dplb.obs.metrics_router import RouterMetrics
 from dplb.router.fanout import fan_out, parse_workers
-from dplb.router.host_report import HostReporter
+from dplb.router.host_report import HostReporter, stalled_list
 from dplb.router.models import ServedModels
 from dplb.router.privileges import decision_view, lora_refusal, operator_refusal
 from dplb.router.proxy import Proxy
@@ -82,9 +82,11 @@ def build_local_app(app: RouterParts) -> Litestar:
         ws = state.routable_workers()
         if not ws:  # in panic too: the host has no routable worker, a front balancer should look elsewhere (§5.1)
             panic = state.routable_workers(panic=True)
+            stalled = state.stalled_workers()
             return _error(RouterErrorKind.NONE_ROUTABLE, "no worker is ready" + (
                 f"; requests are served by panic routing among workers {panic} on heartbeat probation"
-                if panic else ""), cfg.retry_after_s)
+                if panic else "") + (f"; engine stalled: {stalled_list(stalled)}" if stalled else ""),
+                cfg.retry_after_s)
         return Response({"ready": True, "routable_workers": ws, "shm_segment_present": state.segment is not None})
 
     def operator_only(request: Request[Any, Any, Any]) -> Response[bytes] | None:

@@ -27,7 +27,12 @@ Contract
   snapshot and every router process's in-flight counts; a stalled worker is passed to the policy (``stalled``), and
   the attempts open on it (registered by :meth:`acquire`) are cut (``cut_stalled()``: answered 504
   ``worker_stalled`` or ended with an SSE error event). ``dplb_worker_stalled``, ``dplb_worker_stalls_total`` and
-  ``dplb_stalled_requests_failed_total`` count it.
+  ``dplb_stalled_requests_failed_total`` count it. A stalled worker is never in :meth:`RouterState.routable_workers`
+  (``/ready``, the host report: a host whose every worker is stalled is not ready and reports ``down``). The
+  detector's in-band probe (one request at a time to a stalled worker idle for ``--stall-after``) is taken only as
+  a last resort — no other worker can take the request — by a worker that probes its own engine (its slot's
+  ``FLAG_STALLED``: :mod:`dplb.worker.stall_probe`); one that does not (its own stall check off or not seeing the
+  stall) takes it whenever it is due, since nothing else would bring it back.
 - A segment that comes back after it was lost is attached at once but routed on only when one of its workers is
   routable (or after :data:`PROMOTE_GRACE_S`): a freshly recreated segment is empty until the workers re-publish,
   and routing on it meanwhile would answer 503 ``no_workers_registered`` although every worker is serving. While
@@ -62,7 +67,7 @@ from dplb.policy.decision import (
 from dplb.policy.stall import StallDetector
 from dplb.router.health import READMIT_INTERVALS, Outcome, WorkerHealth
 from dplb.state.router_slots import RouterSlots
-from dplb.state.shm import STALE_INTERVALS, Lifecycle, Segment, WorkerState
+from dplb.state.shm import FLAG_STALLED, STALE_INTERVALS, Lifecycle, Segment, WorkerState
 from dplb.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("dplb.router")
@@ -227,10 +232,15 @@ class RouterState:
             if policy.follows_engines:
                 kv = seg.kv_reader()  # what the workers' engines confirmed and evicted meanwhile
                 policy.absorb_engine(kv.drain(), kv.refresh_mask(now, policy.truth_block_bytes), now)
-            stall = self.stall  # (stalled(), inlined)
-            d = policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight,
-                            shared=None if slots is None else self._shared(snap, now),
-                            stalled=_NONE if stall is None else stall.excluded(now))
+            shared = None if slots is None else self._shared(snap, now)
+            first, last = _NONE, None
+            if self.stall is not None and self.stall.any_stalled:
+                first, last = self._stall_sets(snap, now)
+            d = policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight, shared=shared,
+                            stalled=first)
+            if last is not None and d.worker is None:  # no other worker can take it: a stalled one's probe may
+                d = policy.pick(snap, now, request, held=held, ejected=ejected, inflight=self.inflight,
+                                shared=shared, stalled=last)
             if request.learned and slots is not None and d.worker is not None:
                 slots.publish_prefix(d.worker, request.learned)
         return d, _perf_counter() - t0
@@ -251,6 +261,22 @@ class RouterState:
         health = self.health
         return self.policy.pick(snap, now, held=health.held_out(), ejected=health.ejected(snap), dry_run=True,
                                 inflight=self.inflight, shared=self._shared(snap, now), stalled=self.stalled(now))
+
+    def _stall_sets(self, snap: list[WorkerState], now: int) -> tuple[frozenset[int], frozenset[int] | None]:
+        """(the stalled workers a pick leaves out, the smaller set a second pick leaves out when the first found
+        nobody, or None when there is none): a stalled worker due for the detector's probe that probes its own
+        engine (``FLAG_STALLED`` in its slot) is let in only as a last resort (module docstring)."""
+        st = self.stall
+        assert st is not None
+        out, may = st.stalled(), st.excluded(now)
+        if out == may:
+            return out, None
+        first = may | frozenset(k for k in out - may if snap[k].flags & FLAG_STALLED)
+        return first, (may if first != may else None)
+
+    def stalled_workers(self) -> list[int]:
+        """Every stalled worker, sorted (those due for a probe too; empty with the stall check off)."""
+        return sorted(self.stall.stalled()) if self.stall is not None else []
 
     def stalled(self, now_ns: int) -> frozenset[int]:
         """Stalled workers not to route to at ``now_ns`` (a stalled worker free of requests for ``--stall-after``
@@ -455,7 +481,8 @@ class RouterState:
                      f"workers {ready} re-published" if ready else f"no worker re-published within {waited:.1f} s")
 
     def routable_workers(self, panic: bool = False) -> list[int]:
-        """Worker ids that are eligible right now (for ``/ready`` and ``/v1/models``). Without a segment: the
+        """Worker ids that are eligible and ready right now (for ``/ready``, the host report and ``/v1/models``; no
+        stalled worker, not even one due for a probe). Without a segment: the
         workers whose socket file exists. With ``panic`` (the tenant gate's room), when none is eligible and panic
         routing is on: the workers panic routing routes among now (:func:`dplb.policy.panic_set`, the condition of
         ``dplb_router_panic``, here on this very snapshot), empty when there are none. Costs nothing more while
@@ -465,7 +492,9 @@ class RouterState:
             return [k for k in range(self.num_workers) if os.path.exists(self.cfg.socket_path(k))]
         now = time.monotonic_ns()
         health = self.health
-        held, ejected, stalled = health.held_out(), health.ejected(snap), self.stalled(now)
+        # Every stalled worker is left out, the one due for a probe too: it is not ready (module docstring).
+        held, ejected = health.held_out(), health.ejected(snap)
+        stalled = self.stall.stalled() if self.stall is not None else _NONE
         cands = routable(snap, now, self._policy_cfg(), held, ejected, stalled)
         ok = [c.worker_id for c in cands if c.why is OK]
         if ok or not (panic and held and self.cfg.policy.panic_routing):

@@ -35,7 +35,10 @@ Contract
   granted and then routed in panic instead of waiting for the probation to end.
 - With ``engine_priority`` the tenant's class rank is written into the body's ``priority`` field (vLLM: lower
   runs first; needs ``--scheduling-policy priority``), only when the body has no ``priority`` of its own.
-- :meth:`Gate.leave` (every exit path): the ledger (:class:`dplb.obs.metrics_tenant.TenantMetrics`), the VTC and token
+- :meth:`Gate.leave` (every exit path): the ledger (:class:`dplb.obs.metrics_tenant.TenantMetrics`: the engine's
+  usage when the response carried it; else, once the worker's response head was relayed (the engine took the
+  request and ran its prefill: a stream the client cancelled, or one that failed after it began), the router's
+  prompt estimate and the generated events relayed), the VTC and token
   bucket corrections from the engine's usage (:mod:`dplb.router.usage`; without one, the token reservation is
   corrected to the prompt estimate plus the generated events relayed; a request answered while queued gives its
   whole reservation back), then the queue is pumped. TTFT (histogram and SLO) is observed for streamed responses
@@ -436,8 +439,9 @@ class Gate:
             c[2].inc(usage.cached)
             if self.fq is not None:
                 self.fq.charge(t.name, t.weight, usage.prompt_tokens - tk.est, completion - tk.charged)
-        elif m is not None and m.events:
-            c[1].inc(m.events)
+        elif tk.relayed or (m is not None and m.events):  # no engine count (cancelled, failed mid-stream)
+            c[0].inc(tk.est)  # the engine took the request and ran its prefill: the router's estimate
+            c[1].inc(m.events if m is not None else 0)
         if tk.quota and tk.limits is not None:  # the reservation becomes the engine's count (else what was seen)
             used = (usage.prompt_tokens + (usage.completion_tokens or 0) if usage is not None
                     else tk.est + (m.events if m is not None else 0))

@@ -15,12 +15,16 @@ Contract
 - Flow control: when the client reads slower than the worker writes, reading from the worker pauses
   (``pause_reading``) above :data:`HIGH_WATER` buffered bytes, so memory stays bounded.
 - A connection may instead hand its response to a :class:`Sink` (``conn.sink``, the router's direct relay:
-  :mod:`dplb.router.direct`): the head, each body chunk, the end and a failure are then calls on the sink from the
-  parser's callbacks, with ``sink.flush()`` after each read, and nothing is queued. The head is still recorded
-  (``status``, ``headers``, the head future), so a sink may detach (``conn.sink = None``) before the body and leave
-  the rest of the response to the awaitable API.
+  :mod:`dplb.router.direct`): the head (from the parser's callback), then per socket read one call with the body
+  chunks that read carried (``relay``, or ``complete`` for the read that ends the message) and a failure are then
+  calls on the sink, and nothing is queued. The head is still recorded (``status``, ``headers``, the head future),
+  so a sink may detach (``conn.sink = None``) before the body and leave the rest of the response to the awaitable
+  API.
 
-Parsing is done by ``httptools`` (the parser uvicorn uses); only framing lives here.
+Parsing is done by ``httptools`` (the parser uvicorn uses); only framing lives here. The parser's body callback is
+the C method ``append`` of a per-connection list: a body chunk costs no Python call; what a read's chunks are for
+(the sink, the awaitable API's queue, the end of the message) is done once per read, after the parser returns, in
+the order the parser met them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import asyncio
 import collections
 import math
 import time
+import types
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -67,11 +72,15 @@ class UpstreamClosed(UpstreamError):
 @trait
 class Sink:
     """What a connection with ``sink`` set calls instead of queueing its response (see the module docstring).
-    ``head`` comes once, then ``body`` per chunk and ``complete`` once, or ``failed`` once (instead of what is
-    left) when the connection breaks or the response is malformed; ``flush`` after each socket read. A mypyc trait
-    (:func:`dplb.native.trait`): the direct relay's attempt, a subclass of its attempt class, takes it in as a
-    second base, and compiled, the connection calls its methods through the trait's table instead of looking them
-    up by name; each method here does nothing."""
+    ``head`` comes once (from the parser, in the read that completes the head), then ``relay`` at the end of each
+    socket read and ``complete`` at the end of the read that ends the message, or ``failed`` once (instead of what
+    is left; after ``relay`` of the chunks that read carried before the fault) when the connection breaks or the
+    response is malformed. ``chunks``: the body bytes of one read as the parser de-chunked them (none, one or
+    several non-empty pieces; a chunk of the worker's framing may come in pieces over several reads); the list is
+    the connection's, emptied after the call: the sink must not keep it. A mypyc trait (:func:`dplb.native.trait`):
+    the direct relay's attempt, a subclass of its attempt class, takes it in as a second base, and compiled, the
+    connection calls its methods through the trait's table instead of looking them up by name; each method here
+    does nothing."""
 
     __slots__ = ()
 
@@ -82,21 +91,28 @@ class Sink:
         """A time asked for with :meth:`UpstreamConn.wake_by` came (or an earlier one of the connection's timer):
         the sink checks its own deadline and asks again when it is not due yet."""
 
-    def body(self, chunk: bytes) -> None:
-        """Body bytes as the socket delivered them (de-chunked)."""
+    def relay(self, chunks: list[bytes]) -> None:
+        """The end of one socket read that did not end the message: its body ``chunks`` (maybe none); write them
+        and what ``head`` produced."""
 
-    def complete(self) -> None:
-        """The response is complete."""
+    def complete(self, chunks: list[bytes]) -> None:
+        """The read that ended the message: its last body ``chunks`` (maybe none), then the response is
+        complete."""
 
     def failed(self, exc: UpstreamError) -> None:
         """The connection broke or the response was malformed before it was complete."""
 
-    def flush(self) -> None:
-        """The end of one socket read: write what the callbacks above produced."""
-
 
 class UpstreamConn(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection to a worker; one request at a time."""
+
+    # (Slots: pure Python, attribute reads and writes per read stay the interpreter's cheapest kind whatever their
+    # number; an instance dict stops sharing its keys past 30. Compiled, the class's own attributes are typed
+    # slots anyway.)
+    __slots__ = ("_bodies", "_buffered", "_chunks", "_complete", "_deadline", "_drained", "_error", "_feed",
+                 "_got_head", "_head", "_head_error", "_idle_s", "_parser", "_paused", "_sink_at", "_sink_timer",
+                 "_tick_at", "_tick_s", "_timer", "_wakeup", "clock", "closed", "headers", "keep_alive",
+                 "last_used", "loop", "sink", "status", "transport", "worker")
 
     def __init__(self, worker: int) -> None:
         self.worker = worker
@@ -106,7 +122,15 @@ class UpstreamConn(asyncio.Protocol):
         self._sink_timer: asyncio.TimerHandle | None = None  # see wake_by
         self._sink_at = 0.0
         self.last_used = _monotonic()
-        self._parser = httptools.HttpResponseParser(self)
+        # The body chunks of the read being parsed: the parser's on_body is this list's C append (no Python call
+        # per chunk); data_received hands them on and empties it before it returns. (httptools takes its callbacks
+        # from the object it is given, once, at construction: a namespace of the connection's methods and the
+        # append.)
+        self._bodies: list[bytes] = []
+        self._parser = httptools.HttpResponseParser(types.SimpleNamespace(
+            on_header=self.on_header, on_headers_complete=self.on_headers_complete, on_body=self._bodies.append,
+            on_message_complete=self.on_message_complete))
+        self._feed: Callable[[bytes], None] = self._parser.feed_data  # (bound once: called per read)
         self._error: UpstreamError | None = None
         self.sink: Sink | None = None
         self._timer: asyncio.TimerHandle | None = None  # the body phase's one lazy timer (see chunks())
@@ -144,15 +168,34 @@ class UpstreamConn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        """Parse one read, then hand the body chunks it carried on: to the sink in one call, or to the awaitable
+        API (the end of the message hands on the chunks before it itself: :meth:`on_message_complete`). A
+        malformed response fails the connection after the chunks that came before the fault are handed on."""
         try:
-            self._parser.feed_data(data)
+            self._feed(data)
         except httptools.HttpParserUpgrade:  # pragma: no cover - workers never upgrade
-            self._fail(UpstreamClosed("unexpected upgrade from worker"))
+            self._broken(UpstreamClosed("unexpected upgrade from worker"))
+            return
         except httptools.HttpParserError as e:
-            self._fail(UpstreamClosed(f"malformed response from worker: {e}"))
+            self._broken(UpstreamClosed(f"malformed response from worker: {e}"))
+            return
         sink = self.sink
+        bodies = self._bodies
         if sink is not None:
-            sink.flush()
+            if not self._complete:  # (else on_message_complete handed the read on with the end: nothing more)
+                try:
+                    sink.relay(bodies)
+                finally:
+                    bodies.clear()
+        elif bodies:
+            w = self._wakeup
+            if w is not None and len(bodies) == 1 and not w.done():  # the usual: one chunk, waited for
+                self._wakeup = None
+                self._drained = True
+                w.set_result(bodies[0])
+                bodies.clear()
+            else:
+                self._hand_on(False)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -177,35 +220,52 @@ class UpstreamConn(asyncio.Protocol):
         if sink is not None:
             sink.head(self.status, self.headers)
 
-    def on_body(self, body: bytes) -> None:
-        sink = self.sink
-        if sink is not None:
-            sink.body(body)
-            return
-        w = self._wakeup
-        if w is not None and not w.done():  # waited for (nothing is queued then): handed over as it is
-            self._wakeup = None
-            self._drained = True
-            w.set_result(body)
-            return
-        self._chunks.append(body)
-        self._buffered += len(body)
-        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-
     def on_message_complete(self) -> None:
         self._complete = True
-        if self.sink is not None:
-            self.sink.complete()
+        self._hand_on(True)
+
+    # ---- internals -----------------------------------------------------------------------------------------------
+    def _hand_on(self, ended: bool) -> None:
+        """The chunks parsed so far, then the end of the message when it came (``ended``), to the sink (``relay``
+        or ``complete``), or to the awaitable API: each chunk to the waiting iteration (the first) or the queue
+        (reading paused above :data:`HIGH_WATER` bytes queued), the end to the iteration still waiting. The chunk
+        list is emptied."""
+        bodies = self._bodies
+        sink = self.sink
+        if sink is not None:
+            try:
+                if ended:
+                    sink.complete(bodies)
+                else:
+                    sink.relay(bodies)
+            finally:
+                bodies.clear()
             return
         w = self._wakeup
-        if w is not None and not w.done():  # the iteration waiting for a chunk ends
+        for body in bodies:
+            if w is not None and not w.done():  # waited for (nothing is queued then): handed over as it is
+                self._wakeup = None
+                self._drained = True
+                w.set_result(body)
+                w = None
+                continue
+            self._chunks.append(body)
+            self._buffered += len(body)
+            if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
+                self._paused = True
+                self.transport.pause_reading()
+        bodies.clear()
+        if ended and w is not None and not w.done():  # the iteration waiting for a chunk ends
             self._wakeup = None
             self._stop_timer()
             _set_exception(w, StopAsyncIteration())
 
-    # ---- internals -----------------------------------------------------------------------------------------------
+    def _broken(self, exc: UpstreamError) -> None:
+        """The parser refused the read (``exc``): the chunks before the fault are handed on, then the connection
+        fails."""
+        self._hand_on(False)
+        self._fail(exc)
+
     def _sink_due(self) -> None:
         self._sink_timer = None
         sink = self.sink

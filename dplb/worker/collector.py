@@ -7,7 +7,11 @@ Contract (docs/DESIGN.md §3, §8)
   :meth:`Collector.set_lifecycle` and are published at once; one lock keeps the slot single-writer.
 - It runs the router's stall check on its own slot (:class:`dplb.policy.stall.StallDetector`) and publishes the
   verdict as ``FLAG_STALLED``; stalled ``stall_restart_after_s`` (> 0) since the last progress, it sets
-  :attr:`Collector.stall_failure` and stops pinging systemd's watchdog.
+  :attr:`Collector.stall_failure` and stops pinging systemd's watchdog. :attr:`Collector.probe_due` says when the
+  worker's own probe is due (:mod:`dplb.worker.stall_probe`): no router request on it, and stalled, or its last
+  requests left without progress (:meth:`dplb.policy.stall.StallDetector.suspect`: a router failed them first).
+  The probe in flight (:attr:`Collector.own_probes`) counts as an outstanding request in this check, so a probe
+  that gets no progress for ``stall_after_s`` makes the worker stalled.
 - A segment removed or replaced at the path: it keeps publishing into its old mapping, notices at its next tick
   (one ``stat``), logs once, re-attaches to the segment that appears there, re-publishes the whole slot and calls
   ``on_reattach(new segment)`` (the worker moves its KV ring).
@@ -64,6 +68,11 @@ class Collector:
         self._stall = StallDetector(writer.segment.num_workers, stall_after_s) if stall_after_s > 0 else None
         #: Set (a message) once the engine has been stalled ``stall_restart_after_s``: the worker exits.
         self.stall_failure: str | None = None
+        #: No router request outstanding at the last tick, and stalled or suspect: only a probe of the worker's own
+        #: can show that its engine works (:mod:`dplb.worker.stall_probe`).
+        self.probe_due = False
+        #: The worker's own probe requests in flight (set by :mod:`dplb.worker.stall_probe`).
+        self.own_probes = 0
 
     @property
     def segment(self) -> Segment:
@@ -150,10 +159,13 @@ class Collector:
             age = r["heartbeat_age_s"]
             if age is not None and age < ROUTER_STALE_S:
                 outstanding[k] += r["inflight"][k]
+        routers = outstanding[k]
+        outstanding[k] += self.own_probes
         st.observe([self.state], outstanding, now)
         stalled_s = st.no_progress_s(k, now)
         if stalled_s:
             self.state.flags |= FLAG_STALLED
+        self.probe_due = not routers and (bool(stalled_s) or st.suspect(k))
         if stalled_s and self._restart_after_s and stalled_s > self._restart_after_s:
             self.stall_failure = (f"engine made no progress for {stalled_s:.0f} s with requests in flight (stalled "
                                   f"longer than --stall-restart-after {self._restart_after_s:g} s); withholding the "

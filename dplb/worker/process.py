@@ -20,7 +20,9 @@ Contract (docs/DESIGN.md §8, §3)
   the slot's ``FLAG_STALLED`` (what ``dplb state`` shows: the router's own in-flight count to a stalled worker drops
   to 0 once it fails its requests); stalled for ``stall_restart_after_s`` (> 0) since the engine's last progress, it
   stops pinging systemd's watchdog and the worker exits 1 (logged), so ``dplb launch`` (which then kills what is
-  left of its process group) or systemd restarts it.
+  left of its process group) or systemd restarts it. Stalled (or its requests gone without progress) with no router
+  request on it, the worker probes its own engine, one 1-token request at a time, at most one per
+  ``stall_after_s`` (:mod:`dplb.worker.stall_probe`): an engine that recovers lifts the stall without traffic.
 - Every state interval the reconciler (:mod:`dplb.worker.reconcile`, docs/DESIGN.md §8.1) compares the engine's
   requests, the requests open on the socket and the routers' in-flight counts for this worker, aborts orphans and
   exports the figures (``dplb_worker_orphan_requests``, ``dplb_worker_orphan_aborts_total``,
@@ -79,6 +81,7 @@ from dplb.worker.engines.base import TIMED_PATHS, Engine, Reconcilable, RequestS
 from dplb.worker.kv_events import ZMQ_AVAILABLE, KvEventSubscriber
 from dplb.worker.kv_translate import KvTranslateMiddleware, KvTranslator
 from dplb.worker.reconcile import Reconciler
+from dplb.worker.stall_probe import StallProbe
 
 log = logging.getLogger("dplb.worker")
 #: Request line + headers a worker accepts (431 above): the router forwards at most 64 KiB; direct clients get more.
@@ -173,6 +176,7 @@ class Worker:
         self._kv_ring: KvRingWriter | None = None
         self._kv_since = 0  # CLOCK_MONOTONIC ns since when the ring follows the engine's events (0: it does not)
         self._kv_path = ""  # the engine's KV-events socket file (removed at exit: vLLM's EngineCore leaves it)
+        self._model = ""  # the served model name (asked at the warm-up)
         self._setup_kv_events()
 
     def _setup_kv_events(self) -> None:
@@ -280,6 +284,7 @@ class Worker:
         log.info("Worker %d starting (engine %s, pid %d, socket %s)", k, self.engine.name, os.getpid(), self.cfg.uds)
         servers = []
         reconcile: asyncio.Task[None] | None = None
+        probe: asyncio.Task[None] | None = None
         try:
             # Metrics first: the port answers (lifecycle "starting") while a model loads for minutes.
             self.collector.set_lifecycle(Lifecycle.STARTING)
@@ -316,6 +321,7 @@ class Worker:
                 self.req.counting_first = True
                 log.info("Worker %d registered. State: %s", k, json.dumps(self.collector.state.to_dict()))
                 notify(f"READY=1\nSTATUS=worker {k} ready (warm-up {warm:.2f} s)")
+                probe = self._start_stall_probe()
             failed = await self._wait_stop_or_failure()
             if failed:
                 log.error("Worker %d: %s; exiting so the supervisor restarts it", k, failed)
@@ -326,8 +332,9 @@ class Worker:
             log.error("Worker %d failed: %s", k, e)
             return 1
         finally:
-            if reconcile is not None:
-                reconcile.cancel()
+            for task in (reconcile, probe):
+                if task is not None:
+                    task.cancel()
             for srv, task in servers:
                 srv.should_exit = True
                 with contextlib.suppress(Exception):
@@ -377,6 +384,14 @@ class Worker:
                 return str(msg)
         return None
 
+    def _start_stall_probe(self) -> asyncio.Task[None] | None:
+        """Start the stalled engine's own probe (module docstring); None without a stall check or a socket app."""
+        cfg = self.cfg
+        if not cfg.stall_after_s or self.engine.app is None or not self._model:
+            return None
+        p = StallProbe(cfg.worker_id, cfg.uds, self._model, self.collector, cfg.stall_after_s, self.interval_ms / 1000)
+        return asyncio.create_task(p.run(), name=f"dplb-stall-probe-{cfg.worker_id}")
+
     async def _warmup(self) -> float:
         """Send one ``max_tokens: 1`` completion through our own socket, then one with ``logprobs`` when the engine
         has ``warm_logprobs`` (module docstring); return their duration in seconds. Raises RuntimeError when the
@@ -385,7 +400,7 @@ class Worker:
         async with httpx.AsyncClient(transport=transport, base_url="http://worker",
                                      timeout=self.cfg.warmup_timeout_s) as client:
             models = (await client.get("/v1/models")).json()
-            model = models["data"][0]["id"]
+            model = self._model = models["data"][0]["id"]
             t0 = time.perf_counter()
             r = await client.post("/v1/completions", json={"model": model, "prompt": "warm up", "max_tokens": 1})
             if r.status_code != 200:

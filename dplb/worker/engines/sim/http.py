@@ -28,7 +28,7 @@ class HTTPError(Exception):
 
     def body(self) -> bytes:
         """The response body: ``{"error": {"message", "type", "param": null, "code"}}``."""
-        return openai_error_body(self.message, self.type, self.code, param=True)
+        return openai_error_body(self.message, self.type, self.code)
 
     def as_dict(self) -> dict[str, Any]:
         """The error object as vLLM's ``ErrorResponse.model_dump()`` gives it (its stream error event is that,
