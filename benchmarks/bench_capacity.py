@@ -148,9 +148,16 @@ class _Conn(asyncio.Protocol):
         return await self.waiter
 
 
+#: An API key the clients send as ``Authorization: Bearer`` (to measure a router with ``--tenants`` or ``--api-key``;
+#: the client processes inherit it).
+ENV_API_KEY = "DPLB_BENCH_API_KEY"
+
+
 def _raw_request(path: str, body: dict[str, Any]) -> bytes:
     data = json.dumps(body).encode()
-    return (f"POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+    key = os.environ.get(ENV_API_KEY)
+    auth = f"authorization: Bearer {key}\r\n" if key else ""
+    return (f"POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n{auth}"
             f"content-length: {len(data)}\r\n\r\n").encode() + data
 
 

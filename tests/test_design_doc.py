@@ -1,5 +1,5 @@
 """docs/DESIGN.md cannot drift from the code: its shared-memory tables (§3) are checked against the struct formats
-and constants of dplb/state/{layout,shm,router_slots,kv_rings,response_rings}.py and, field by field, against bytes
+and constants of dplb/state/{layout,shm,router_slots,kv_rings,response_rings,tenant_tables}.py and, field by field, against bytes
 the real writers put into a real segment; every ``docs/DESIGN.md §N`` cited in the repository names a section that
 exists, and nothing cites the design by a bare "DESIGN §N" (a document outside the repository).
 """
@@ -237,6 +237,30 @@ def test_response_ring_tables_match_code_and_bytes(shm_path: str) -> None:
         seg.close()
 
 
+def test_tenant_table_matches_code_and_bytes(shm_path: str) -> None:
+    from dplb.tenants import tenant_tag
+
+    rows = doc_table("tenant-entry")
+    check_layout(rows, "<" + "Q" * 7)
+    seg = Segment.create(shm_path, 3)
+    slots = RouterSlots.claim(shm_path, 3, port=4321)
+    assert slots is not None
+    try:
+        tag = tenant_tag("chat")
+        e = slots.tenants.assign([tag])[tag]
+        slots.tenants.write(e, 2, 7, 900, 40)
+        raw = Path(shm_path).read_bytes()
+        base = layout.tenant_tables_offset(3) + slots.index * layout.TENANT_TABLE_SIZE + 64 * e
+        got = {r["field"]: field_bytes(raw, base, r) for r in rows}
+        assert 0 < got.pop("created_mono_ns") <= time.monotonic_ns()
+        assert got == {"seq": 4, "key": tag, "inflight": 2, "requests": 7, "tokens_taken": 900, "tokens_given": 40}
+        assert raw[base + 56:base + 64] == bytes(8)  # reserved
+        assert f"(i < {layout.TENANT_TABLE_ENTRIES}, `TENANT_TABLE_ENTRIES`)" in DOC.read_text()
+    finally:
+        slots.close()
+        seg.close()
+
+
 def test_segment_map_sizes() -> None:
     text = DOC.read_text()
     h, s, r, p = layout.HEADER_SIZE, layout.SLOT_SIZE, layout.ROUTER_SLOT_SIZE, layout.PREFIX_RING_SIZE
@@ -245,11 +269,14 @@ def test_segment_map_sizes() -> None:
                 f"| {h} + {s}·n + {m}·{r} + {p}·r | {p} |",
                 f"| {h} + {s}·n + {m}·{r} + {m}·{p} + {layout.KV_RING_SIZE}·w | {layout.KV_RING_SIZE} |",
                 f"| {h} + {s}·n + {m}·{r} + {m}·{p} + {layout.KV_RING_SIZE}·n + {layout.RESPONSE_RING_SIZE}·r | "
-                f"{layout.RESPONSE_RING_SIZE} |"):
+                f"{layout.RESPONSE_RING_SIZE} |",
+                f"| {h} + {s}·n + {m}·{r} + {m}·{p} + {layout.KV_RING_SIZE}·n + {m}·{layout.RESPONSE_RING_SIZE} + "
+                f"{layout.TENANT_TABLE_SIZE}·r | {layout.TENANT_TABLE_SIZE} |"):
         assert row in text, f"docs/DESIGN.md §3.1 lacks the row starting {row!r}"
     assert f"head mod {layout.PREFIX_RING_ENTRIES}" in text
     assert layout.segment_size(2) == (h + 2 * s + layout.MAX_ROUTERS * (r + p) + 2 * layout.KV_RING_SIZE
-                                      + layout.MAX_ROUTERS * layout.RESPONSE_RING_SIZE)
+                                      + layout.MAX_ROUTERS * (layout.RESPONSE_RING_SIZE + layout.TENANT_TABLE_SIZE))
+    assert layout.tenant_tables_offset(2) == layout.response_rings_offset(2) + m * layout.RESPONSE_RING_SIZE
     assert layout.response_rings_offset(2) == h + 2 * s + layout.MAX_ROUTERS * (r + p) + 2 * layout.KV_RING_SIZE
 
 

@@ -13,7 +13,14 @@ import pytest
 
 from dplb.config import PolicyConfig
 from dplb.policy import make_policy
-from dplb.state.layout import KV_RING_SIZE, MAX_ROUTERS, PREFIX_RING_SIZE, RESPONSE_RING_SIZE, decode_header
+from dplb.state.layout import (
+    KV_RING_SIZE,
+    MAX_ROUTERS,
+    PREFIX_RING_SIZE,
+    RESPONSE_RING_SIZE,
+    TENANT_TABLE_SIZE,
+    decode_header,
+)
 from dplb.state.router_slots import ROUTER_SLOT_SIZE, RouterSlots, read_router_slots, routers_offset
 from dplb.state.shm import Lifecycle, Segment, WorkerState
 
@@ -50,7 +57,7 @@ def test_slots_are_registered_and_laid_out_as_documented(seg: Segment) -> None:
     assert int.from_bytes(raw[off + 64 + 36:off + 64 + 40], "little") == 5  # inflight
     assert int.from_bytes(raw[off + 64 + 40:off + 64 + 48], "little") == 123  # last sent
     assert len(raw) == (routers_offset(4) + MAX_ROUTERS * (ROUTER_SLOT_SIZE + PREFIX_RING_SIZE) + 4 * KV_RING_SIZE
-                        + MAX_ROUTERS * RESPONSE_RING_SIZE)
+                        + MAX_ROUTERS * RESPONSE_RING_SIZE + MAX_ROUTERS * TENANT_TABLE_SIZE)
     shown = {r["pid"]: r for r in read_router_slots(raw, 4)}
     assert shown[A]["pending"] == [0, 0, 3, 0] and shown[A]["inflight"] == [0, 0, 5, 0]
     a.publish(2, 1, 4)  # a release: the counts change, the last send stays

@@ -25,6 +25,8 @@ Contract (pure logic; the clock is injected)
   instant with the headers of :meth:`TenantLimits.headers` ``(refill=False)``: when the request would be admitted
   (``Retry-After`` is that, rounded up to whole seconds) and when the bucket is full again (the
   ``x-ratelimit-reset-*`` header, OpenAI's meaning: back to its initial state), in the headers' format.
+- :meth:`TenantLimits.debit`: what the other processes of a router group admitted meanwhile, taken without a check
+  (:mod:`dplb.router.group_quota`); a give-back never fills a bucket past its capacity.
 - :meth:`TenantLimits.headers`: ``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``,
   ``x-ratelimit-reset-requests`` (time until the bucket is full, OpenAI's ``1s`` / ``6m0s`` / ``20ms`` form) and
   the same three for ``tokens`` — only for the limits the tenant has; remaining is within ``[0, limit]`` (a debt
@@ -74,10 +76,12 @@ class TokenBucket:
         return need / self.rate if need > 0 else 0.0
 
     def take(self, amount: float) -> None:
-        """Take ``amount`` (may go negative: a debt); :meth:`refill` first. A negative ``amount`` (a refund) fills
-        the bucket at most to its capacity: what refilled meanwhile already counts."""
+        """Take ``amount`` (may go negative: a debt); :meth:`refill` first. A negative ``amount`` (a refund, or a
+        router group's give-back) fills the bucket at most to its capacity: what refilled meanwhile already counts."""
         self.refill()
-        self.level = min(self.capacity, self.level - amount)
+        self.level -= amount
+        if amount < 0 and self.level > self.capacity:
+            self.level = self.capacity
 
     def reset_s(self, refill: bool = True) -> float:
         """Seconds until the bucket is full again (``refill``: as in :meth:`wait_s`)."""
@@ -118,10 +122,11 @@ class TenantLimits:
             return prompt + max(1, min(DEFAULT_OUTPUT_TOKENS * seqs, math.floor(self.tokens.capacity) - prompt))
         return prompt + output * seqs
 
-    def check(self, tokens: int) -> tuple[RouterErrorKind, int, str] | None:
+    def check(self, tokens: int, scale: int = 1) -> tuple[RouterErrorKind, int, str] | None:
         """Refuse (kind, Retry-After seconds, message) or admit a request reserving ``tokens``
-        (:meth:`estimate`; then one request and ``tokens`` are taken). A reservation over the token bucket's
-        capacity is refused with :attr:`RouterErrorKind.TOKENS_EXCEED_QUOTA` (its Retry-After is 0: unused)."""
+        (:meth:`estimate`; then one request and ``tokens`` are taken, each times ``scale``: a router group's
+        fallback, :mod:`dplb.router.group_quota`). A reservation over the token bucket's capacity is refused with
+        :attr:`RouterErrorKind.TOKENS_EXCEED_QUOTA` (its Retry-After is 0: unused)."""
         for b in (self.requests, self.tokens):  # one instant for the checks, the message and the headers
             if b is not None:
                 b.refill()
@@ -130,24 +135,32 @@ class TenantLimits:
                     "estimate plus max_tokens times the sequences generated, n or best_of), more than the whole "
                     f"quota of {self.tokens.capacity:g} tokens/min: lower max_tokens or n, or shorten the prompt")
         if self.requests is not None:
-            w = self.requests.wait_s(1, refill=False)
+            w = self.requests.wait_s(scale, refill=False)
             if w > 0:
                 return (RouterErrorKind.RATE_LIMITED, math.ceil(w), f"rate limit of {self.requests.rate:g} "
                         f"requests/s reached; retry in {reset_text(w)} (one request is back then; all "
                         f"{math.floor(self.requests.capacity)} in {reset_text(self.requests.reset_s(False))}, "
                         "x-ratelimit-reset-requests)")
         if self.tokens is not None:
-            w = self.tokens.wait_s(max(tokens, 1), refill=False)
+            w = self.tokens.wait_s(max(tokens * scale, 1), refill=False)
             if w > 0:
                 return (RouterErrorKind.TOKENS_RATE_LIMITED, math.ceil(w), f"rate limit of "
                         f"{self.tokens.capacity:g} tokens/min reached; retry in {reset_text(w)} (this request's "
                         f"{max(tokens, 1)} tokens are back then; all in {reset_text(self.tokens.reset_s(False))}, "
                         "x-ratelimit-reset-tokens)")
         if self.requests is not None:
-            self.requests.take(1)
+            self.requests.take(scale)
         if self.tokens is not None:
-            self.tokens.take(tokens)
+            self.tokens.take(tokens * scale)
         return None
+
+    def debit(self, requests: int, tokens: int) -> None:
+        """Take what other router processes of the group admitted meanwhile: ``requests`` requests and ``tokens``
+        tokens (negative: they gave back), without a check (:mod:`dplb.router.group_quota`)."""
+        if self.requests is not None and requests:
+            self.requests.take(requests)
+        if self.tokens is not None and tokens:
+            self.tokens.take(tokens)
 
     def correct(self, tokens: int) -> None:
         """Take ``tokens`` more (negative: give back) once the engine's count is known."""

@@ -14,7 +14,8 @@ Contract
   the worker's default model and routed only to workers whose default the tenant may use); 404/409 for a stored
   response of another tenant (:mod:`dplb.router.ownership`: ``GET /v1/responses/{id}``, cancel,
   ``previous_response_id``, a ``request_id`` already another tenant's); 429 for
-  its ``max_concurrent`` and its rate limits (:mod:`dplb.router.limits`, exact ``Retry-After``; ``tokens_per_min``
+  its ``max_concurrent`` and its rate limits (:mod:`dplb.router.limits`, exact ``Retry-After``; all three held for a
+  router group as a whole: :mod:`dplb.router.group_quota`; ``tokens_per_min``
   reserves the prompt estimate plus the body's output limit times its sequences (``n``/``best_of``), 400
   ``tokens_exceed_quota`` when that exceeds the whole quota; both come from the body peek:
   :class:`dplb.router.peek.Peek`); then, with a
@@ -59,15 +60,14 @@ from dplb.errors import ConfigError, RouterErrorKind
 from dplb.obs.metrics_tenant import TenantMetrics, TenantsFileMetrics
 from dplb.router.admission import FairQueue, QueueRefusal, Waiter
 from dplb.router.allowlist import model_refusal
+from dplb.router.group_quota import GroupQuota
 from dplb.router.limits import TenantLimits, concurrency_headers
 from dplb.router.tenant_book import count_slo, limits_for, publish_slos, read_tenants
 from dplb.router.ticket import Ticket
 from dplb.router.usage import output_limit, sequences, with_fields
 from dplb.runtime.asgi import until_disconnect
 from dplb.runtime.serving import DISCONNECT_EXT
-from dplb.tenants import (
-    Tenant,
-)
+from dplb.tenants import Tenant
 
 if TYPE_CHECKING:
     from dplb.router.exchange import Exchange
@@ -104,6 +104,8 @@ class Gate:
                                 anticipation_s=self.config.anticipation_s)
         self._limits: dict[str, TenantLimits] = limits_for(self.config, {})
         self.active: dict[str, int] = collections.defaultdict(int)
+        self.group = GroupQuota(state, self.active)  # the limits shared by the router group
+        self.group.configure(self.config)
         self._granted: dict[int, int] = collections.defaultdict(int)
         self._held: dict[int, int] = collections.defaultdict(int)  # worker → slots held for a tenant's next request
         self._ticker: asyncio.Task[None] | None = None
@@ -124,6 +126,7 @@ class Gate:
             return False
         self.config = tc
         self._limits = limits_for(tc, self._limits)
+        self.group.configure(tc)
         publish_slos(self.metrics, tc)
         if self.fq is not None:
             self.fq.resize(len(tc.classes))
@@ -164,14 +167,20 @@ class Gate:
                 await self.reject(ex, *why)
                 return False
         tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
-        if t.max_concurrent is not None and self.active[t.name] >= t.max_concurrent:
-            await self.reject(ex, RouterErrorKind.CONCURRENCY_LIMITED, f"tenant {t.name} has {t.max_concurrent} "
-                              "requests open, its max_concurrent; retry when one ends",
+        lim, fq, cap, peers = tk.limits, self.fq, t.max_concurrent, 0
+        sl = self.state.slots  # (a process alone on the segment calls nothing of the group)
+        grouped = sl is not None and sl.has_peers and self.group.grouped(t)
+        if grouped:  # the router group's consumption of this tenant (a process alone reads nothing)
+            peers, tk.scale = self.group.sync(t, lim)
+            if cap is not None and tk.scale > 1:
+                cap = max(1, cap // tk.scale)
+        if cap is not None and self.active[t.name] + peers >= cap:
+            await self.reject(ex, RouterErrorKind.CONCURRENCY_LIMITED, f"tenant {t.name} has {cap} requests open "
+                              "(across the router group), its max_concurrent; retry when one ends",
                               retry_after=self.cfg.retry_after_s,
-                              extra_headers=concurrency_headers(t.max_concurrent, self.cfg.retry_after_s)
+                              extra_headers=concurrency_headers(cap, self.cfg.retry_after_s)
                               + (tk.limits.headers() if tk.limits is not None else []))
             return False
-        lim, fq = tk.limits, self.fq
         out, seqs = 0, 1
         if fq is not None or (lim is not None and lim.tokens is not None):  # only they need the output limit
             p = ex.peek  # decoded with the body (dplb.router.peek.Peek): no second parse
@@ -180,14 +189,17 @@ class Gate:
             tk.expected = out * seqs
         if lim is not None and lim.any:
             tk.quota = lim.estimate(tk.est, out, seqs)
-            refused = lim.check(tk.quota)
+            refused = lim.check(tk.quota, tk.scale)
             if refused is not None:
                 tk.quota = 0
                 await self.reject(ex, refused[0], f"tenant {t.name}: {refused[2]}", retry_after=refused[1],
                                   extra_headers=lim.headers(refill=False))
                 return False
+            tk.quota *= tk.scale
         self.active[t.name] += 1
         tk.counted = True
+        if grouped:
+            self.group.publish(t, 1, tk.quota)
         if fq is None:
             self._prepare(ex, tk)
             self._observe_wait(tk, 0.0)
@@ -223,19 +235,19 @@ class Gate:
         try:
             out = fq.push(w)
         except QueueRefusal as e:
-            _refund(tk)
+            self._refund(tk)
             await self.reject(ex, e.kind, str(e), retry_after=self.cfg.retry_after_s)
             return False
         if out is not None:
-            _resolve(out.data, RouterErrorKind.QUEUE_SHARE_EXCEEDED)
+            out.data.resolve(RouterErrorKind.QUEUE_SHARE_EXCEEDED)
         self.metrics.queued.labels(t.name).inc()
         t0 = time.perf_counter()
         hook: Any = (ex.scope.get("extensions") or {}).get(DISCONNECT_EXT)
         watcher = None
         if hook is not None:
             if hook.gone:
-                _resolve(tk, _GONE)
-            hook.callback = lambda: _resolve(tk, _GONE)
+                tk.resolve(_GONE)
+            hook.callback = lambda: tk.resolve(_GONE)
         else:
             watcher = asyncio.ensure_future(_watch(ex.receive, tk))
         self._pump()
@@ -245,7 +257,7 @@ class Gate:
             got = await fut
         except BaseException:  # the server cancels the request (shutdown): leave nothing behind
             self._ungrant(tk)
-            _refund(tk)
+            self._refund(tk)
             raise
         finally:
             self.metrics.queued.labels(t.name).dec()
@@ -261,7 +273,7 @@ class Gate:
             self._steer(ex, self._free(), self.config.held(tk.rank))
             self._prepare(ex, tk)
             return True
-        _refund(tk)  # never sent: its tokens go back to the bucket
+        self._refund(tk)  # never sent: its tokens go back to the bucket
         if got == _GONE:
             self._ungrant(tk)  # granted after its client left (the grant raced the disconnect): give it back
             ex.gone = True
@@ -271,6 +283,14 @@ class Gate:
         await self.reject(ex, kind, _MESSAGES[kind].format(tenant=t.name, timeout=self.cfg.queue_timeout_s),
                           retry_after=self.cfg.retry_after_s)
         return False
+
+    def _refund(self, tk: Ticket) -> None:
+        """A request that is answered before it was sent gives its reserved tokens back."""
+        if tk.quota and tk.limits is not None:
+            tk.limits.correct(-tk.quota)
+            if self.group.grouped(tk.tenant):
+                self.group.publish(tk.tenant, 0, -tk.quota)
+            tk.quota = 0
 
     def _ungrant(self, tk: Ticket) -> None:
         """A granted request reached its worker pick (or was cancelled): it no longer holds a granted slot."""
@@ -356,7 +376,7 @@ class Gate:
             free[k] -= 1
             self._granted[k] += 1
             tk.granted_to = k
-            _resolve(tk, _GRANTED)
+            tk.resolve(_GRANTED)
         self._share_urgent()
 
     def _share_urgent(self) -> None:
@@ -377,7 +397,7 @@ class Gate:
             self._share_urgent()
             await asyncio.sleep(TICK_S)
             for w, kind in fq.expire():
-                _resolve(w.data, kind)
+                w.data.resolve(kind)
             self._unhold(fq.expire_holds())
             self._pump()
         self._share_urgent()
@@ -409,6 +429,7 @@ class Gate:
         if tk.counted:
             self.active[t.name] -= 1
         m = tk.meter
+        returned = 0  # tokens the correction below gives back (negative: takes)
         usage = m.finish() if m is not None else None
         c = self._child(t.name)
         if usage is not None:
@@ -424,8 +445,11 @@ class Gate:
         if tk.quota and tk.limits is not None:  # the reservation becomes the engine's count (else what was seen)
             used = (usage.prompt_tokens + (usage.completion_tokens or 0) if usage is not None
                     else tk.est + (m.events if m is not None else 0))
-            tk.limits.correct(used - tk.quota)
+            returned = tk.quota - used * tk.scale
+            tk.limits.correct(-returned)
             tk.quota = 0
+        if tk.counted and (sl := self.state.slots) is not None and sl.has_peers and self.group.grouped(t):
+            self.group.publish(t, 0, -returned)
         if usage is None and self.fq is not None and tk.charged:  # no engine count: keep what was seen produced
             self.fq.charge(t.name, t.weight, 0, (m.events if m is not None else 0) - tk.charged)
         status = ex.status
@@ -465,7 +489,7 @@ class Gate:
         self._unhold(fq.expire_holds(every=True))
         for w in list(fq.order()):
             fq.remove(w)
-            _resolve(w.data, RouterErrorKind.DRAINING_QUEUED)
+            w.data.resolve(RouterErrorKind.DRAINING_QUEUED)
 
 
 _MESSAGES = {
@@ -476,22 +500,9 @@ _MESSAGES = {
 }
 
 
-def _refund(tk: Ticket) -> None:
-    """A request that is answered before it was sent gives its reserved tokens back."""
-    if tk.quota and tk.limits is not None:
-        tk.limits.correct(-tk.quota)
-        tk.quota = 0
-
-
-def _resolve(tk: Ticket, value: Any) -> None:
-    fut = tk.fut
-    if fut is not None and not fut.done():
-        fut.set_result(value)
-
-
 async def _watch(receive: Any, tk: Ticket) -> None:
     await until_disconnect(receive)
-    _resolve(tk, _GONE)
+    tk.resolve(_GONE)
 
 
 __all__ = ["Gate", "Ticket"]

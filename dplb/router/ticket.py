@@ -28,7 +28,7 @@ class Ticket:
     estimate, the queue future, the usage meter and timings (perf_counter seconds)."""
 
     __slots__ = ("cannot", "charged", "counted", "est", "expected", "failed", "fq", "fut", "granted_to", "limits",
-                 "meter", "quota", "rank", "relayed", "sse", "strip", "t_first", "tenant", "wait_s", "waiter")
+                 "meter", "quota", "rank", "relayed", "scale", "sse", "strip", "t_first", "tenant", "wait_s", "waiter")
 
     def __init__(self, fq: FairQueue | None, tenant: Tenant, rank: int, limits: TenantLimits | None) -> None:
         self.fq = fq  # the gate's fair queue (None without one), charged for output as it is produced
@@ -47,6 +47,7 @@ class Ticket:
         self.charged = 0  # output tokens charged to the VTC so far (the expected output at dispatch, then events)
         self.expected = 0  # the request's output limit × its sequences, n / best_of (0 when it sets no limit)
         self.quota = 0  # tokens reserved in the tenant's tokens_per_min bucket (corrected when the request ends)
+        self.scale = 1  # a router group's fallback for a tenant without a shared entry (dplb.router.group_quota)
         self.sse = False  # the relayed response is an event stream (its first body byte is the first token)
         self.t_first: float | None = None
         self.wait_s = 0.0
@@ -62,6 +63,12 @@ class Ticket:
         self.relayed = True
         self.sse = sse
         self.meter = Meter(sse, self.strip) if status < 300 else None
+
+    def resolve(self, value: Any) -> None:
+        """Answer the queue future (granted, gone, or a refusal kind) unless it is answered already."""
+        fut = self.fut
+        if fut is not None and not fut.done():
+            fut.set_result(value)
 
     def chunk(self, data: bytes) -> bytes:
         """One body chunk about to be relayed; returns what to relay (:meth:`dplb.router.usage.Meter.chunk`)."""

@@ -26,9 +26,10 @@ from typing import Final
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError
 
 MAGIC: Final = b"DPLB"
-LAYOUT_VERSION: Final = 6  # 6: a response-id ring per router slot (dplb.state.response_rings); 5: a KV ring per
-#                      worker (dplb.state.kv_rings); 4: engine progress in each worker slot; 3: KV blocks in each
-#                      worker slot; 2: router slots, 16 router entries (docs/DESIGN.md §3)
+LAYOUT_VERSION: Final = 7  # 7: a tenant table per router slot (dplb.state.tenant_tables); 6: a response-id ring
+#                      per router slot (dplb.state.response_rings); 5: a KV ring per worker (dplb.state.kv_rings);
+#                      4: engine progress in each worker slot; 3: KV blocks in each worker slot; 2: router slots, 16
+#                      router entries (docs/DESIGN.md §3)
 HEADER_SIZE: Final = 4096
 SLOT_SIZE: Final = 192
 MAX_WORKERS: Final = 64
@@ -61,6 +62,9 @@ KV_RING_SIZE: Final = 64 + 8 * KV_RING_ENTRIES  # 65600
 #: entries.
 RESPONSE_RING_ENTRIES: Final = 4096
 RESPONSE_RING_SIZE: Final = 64 + 16 * RESPONSE_RING_ENTRIES  # 65600
+#: Tenant tables (dplb.state.tenant_tables) after the response-id rings, one per router slot: 64-byte entries.
+TENANT_TABLE_ENTRIES: Final = 64
+TENANT_TABLE_SIZE: Final = 64 * TENANT_TABLE_ENTRIES  # 4096
 assert HEADER.size == 160 and HEADER_READ <= HEADER_SIZE
 
 
@@ -87,8 +91,9 @@ class SegmentHeader:
 
 def segment_size(num_workers: int) -> int:
     """Total bytes of a segment with ``num_workers`` worker slots (plus the :data:`MAX_ROUTERS` router slots and
-    prefix rings, about 1 MiB, one KV ring of 64 KiB per worker and :data:`MAX_ROUTERS` response-id rings, 1 MiB)."""
-    return response_rings_offset(num_workers) + MAX_ROUTERS * RESPONSE_RING_SIZE
+    prefix rings, about 1 MiB, one KV ring of 64 KiB per worker, :data:`MAX_ROUTERS` response-id rings, 1 MiB, and as
+    many tenant tables, 64 KiB)."""
+    return tenant_tables_offset(num_workers) + MAX_ROUTERS * TENANT_TABLE_SIZE
 
 
 def kv_rings_offset(num_workers: int) -> int:
@@ -99,6 +104,11 @@ def kv_rings_offset(num_workers: int) -> int:
 def response_rings_offset(num_workers: int) -> int:
     """Offset of router slot 0's response-id ring in a segment with ``num_workers`` worker slots, bytes."""
     return kv_rings_offset(num_workers) + num_workers * KV_RING_SIZE
+
+
+def tenant_tables_offset(num_workers: int) -> int:
+    """Offset of router slot 0's tenant table in a segment with ``num_workers`` worker slots, bytes."""
+    return response_rings_offset(num_workers) + MAX_ROUTERS * RESPONSE_RING_SIZE
 
 
 def default_segment_path(now_s: int | None = None, pid: int | None = None) -> str:

@@ -35,7 +35,8 @@ Byte layout (little-endian; after the worker slots, at :func:`routers_offset` = 
       64 + 8·i  u64 entry             prefix block key (dplb.policy.prefix.block_hashes, < 2^42) | (worker + 1) << 56
 
 Each router slot also owns a response-id ring after the KV rings (:mod:`dplb.state.response_rings`, its own byte
-layout): :attr:`RouterSlots.responses`, adopted by :meth:`RouterSlots.claim`.
+layout): :attr:`RouterSlots.responses`, adopted by :meth:`RouterSlots.claim`; and a tenant table after the
+response-id rings (:mod:`dplb.state.tenant_tables`): :attr:`RouterSlots.tenants`, zeroed by :meth:`RouterSlots.claim`.
 
 How the prefix index is shared: each process keeps its own :class:`dplb.policy.prefix.PrefixIndex` (the hot path reads
 only local memory) and appends to its ring every block key its index learnt from a pick (new, new for that worker,
@@ -79,6 +80,7 @@ from dplb.state.layout import (
     unregister_router,
 )
 from dplb.state.response_rings import ResponseRing
+from dplb.state.tenant_tables import TenantTables
 
 ROUTER_HEAD: Final = struct.Struct("<IHHQQ")  # pid, port, process_index, heartbeat, last_sent (after seq)
 ROUTER_ENTRY: Final = struct.Struct("<IIQ")  # pending, inflight, last_sent
@@ -128,6 +130,10 @@ class RouterSlots:
         #: True when another live router shares the segment (as of the last :meth:`refresh_peers`; an attribute,
         #: not a property: read on every decision).
         self.has_peers = False
+        #: The router slots of the live peers (as of the last :meth:`refresh_peers`).
+        self.peer_slots: list[int] = []
+        #: This slot's tenant table and the reader of the others' (:mod:`dplb.state.tenant_tables`).
+        self.tenants = TenantTables(mm, num_workers, index)
         #: This slot's response-id ring and the reader of the others' (:mod:`dplb.state.response_rings`).
         self.responses = ResponseRing(mm, num_workers, index)
         self._sent_any = 0
@@ -161,6 +167,7 @@ class RouterSlots:
         slots._write_head(pid, port, process_index, clear=True)
         slots._q[slots._ring_q[index]] = slots._q[slots._ring_q[index] + 1] = 0  # empty: a previous owner's are void
         slots.responses.adopt()
+        slots.tenants.claim()
         slots.refresh_peers()
         return slots
 
@@ -210,6 +217,7 @@ class RouterSlots:
             else:
                 self._ring_seen[r] = 0  # a later owner starts its ring at 0
         self._peers, self._peer_rings = peers, rings
+        self.peer_slots = rings
         self.has_peers = bool(peers)
 
     def publish_urgent(self, rank: int | None) -> None:
@@ -281,6 +289,7 @@ class RouterSlots:
             self._write_head(0, 0, 0, clear=True)
         unregister_router(self.path, self.pid)
         self.responses.close()
+        self.tenants.close()
         self._q.release()
         with contextlib.suppress(BufferError):
             self._mm.close()

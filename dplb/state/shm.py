@@ -63,8 +63,9 @@ Byte layout (little-endian; offsets in bytes)::
     Router slots: 16 × 1088 bytes after the last worker slot, at HEADER_SIZE + num_workers·SLOT_SIZE, one per router
     process (its per-worker in-flight correction and in-flight count), then 16 prefix rings of 65600 bytes (the
     prefix blocks each router process's index learnt, replayed by the others); layout in :mod:`dplb.state.router_slots`.
-    Then a KV-event ring per worker (:mod:`dplb.state.kv_rings`) and a response-id ring per router slot
-    (:mod:`dplb.state.response_rings`); offsets and the segment's size in :mod:`dplb.state.layout`.
+    Then a KV-event ring per worker (:mod:`dplb.state.kv_rings`), a response-id ring per router slot
+    (:mod:`dplb.state.response_rings`) and a tenant table per router slot (:mod:`dplb.state.tenant_tables`);
+    offsets and the segment's size in :mod:`dplb.state.layout`.
 
 Seqlock protocol. Writer: ``seq += 1`` (odd), write the body, ``seq += 1`` (even). Reader: load ``seq`` (retry if
 odd), copy the slot in one slice, load ``seq`` again; retry if it changed; after ``READ_RETRIES`` failed tries the
