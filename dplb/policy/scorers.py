@@ -20,10 +20,13 @@ defaults). Table-driven tests: tests/test_scorers.py.
   ``Σ f_i·lat_i / Σ f_i`` (busy ones with ``f`` = 1; the plain mean when every ``f`` is 0). So a worker that served
   a slow request seconds ago scores worse than its fast peers and is left alone at light load (where every worker
   is idle at each pick), while one slow for a burst long ago converges to the fleet's figure, ties within the
-  deadband and gets a request again — a probe that refreshes its figure (recovered: it keeps its share; still
-  slow: it is left alone for a few more half-lives). ``half_life_s`` defaults to 30 s, Envoy's default
-  ``base_ejection_time`` for an outlier (Envoy docs, "Outlier detection"): a 10× slower worker's weight falls under
-  the default deadband after about 5–6 half-lives, one probe every ~3 min at light load (tests/test_slow_worker.py).
+  deadband and gets a request again — a probe that refreshes its figure (recovered: each fast probe lowers its
+  10-request mean and it climbs back; still slow: it is left alone for a few more half-lives). ``half_life_s``
+  defaults to 30 s, Envoy's default ``base_ejection_time`` for an outlier (Envoy docs, "Outlier detection"):
+  among three workers, a 10× slower one enters the default deadband (0.25) after 5.0 half-lives (2.5 min), a 3×
+  slower one after 2.8 (computed from the rule above), so at light load a still-slow worker gets about one probe
+  per 2.5 min (tests/test_slow_worker.py holds both behaviours with real sim workers). The prefix term does not
+  yield to a slower holder (scorers are independent terms; docs/DESIGN.md §5).
   A worker with no sample gets the mean term of the others (the neutral fill); workers within ``latency_deadband``
   of the eligible workers' mean (effective latencies) share that mean's term (equal workers differ by noise, which
   would outweigh one queued request).
