@@ -102,6 +102,10 @@ LATENCY = [  # (config kwargs, baseline, candidates kwargs, terms)
     ({"latency_deadband": 0.0}, 10.0, [{"lat": 5.0, "age": 30.0}, {"lat": 0.5, "age": 0.0}], [0.65, 0.95]),
     # long ago: its figure no longer counts, it scores as the fleet does (and gets traffic again)
     ({"latency_deadband": 0.0}, 10.0, [{"lat": 5.0, "age": 3000.0}, {"lat": 0.5, "age": 0.0}], [0.95, 0.95]),
+    # a fresh slow figure beside two aged fast ones: the plain mean (0.4) is the reference, not the weighted one
+    # (0.7, which put the fast ones in the deadband at the mean's term, past the baseline: a tie at 0 for all)
+    ({}, 0.55, [{"lat": 1.0, "age": 0.0}, {"lat": 0.1, "age": 60.0}, {"lat": 0.1, "age": 60.0}],
+     [0.0, 1 - (0.25 * 0.1 + 0.75 * 0.4) / 0.55, 1 - (0.25 * 0.1 + 0.75 * 0.4) / 0.55]),
     # every idle worker's age unknown: the plain mean for all (a tie, as before any figure)
     ({"latency_deadband": 0.0}, 10.0, [{"lat": 5.0}, {"lat": 0.5}], [0.725, 0.725]),
     # an idle ineligible worker is not aged: the neutral fill

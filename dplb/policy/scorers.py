@@ -16,8 +16,11 @@ defaults). Table-driven tests: tests/test_scorers.py.
   > 0) is scored by its own mean. An idle worker's mean would never change without new requests, so it is trusted
   while it is recent and blends toward the fleet's as it ages: its effective latency is ``f·own + (1 − f)·ref`` with
   freshness ``f = 2^(−age/half_life_s)`` (``age``: since its last latency sample, the slot's ``last_done_mono_ns``;
-  ``f`` = 0 when unknown) and ``ref`` the freshness-weighted mean latency of the eligible workers
-  ``Σ f_i·lat_i / Σ f_i`` (busy ones with ``f`` = 1; the plain mean when every ``f`` is 0). So a worker that served
+  ``f`` = 0 when unknown) and ``ref`` the lower of the eligible workers' freshness-weighted mean latency
+  ``Σ f_i·lat_i / Σ f_i`` (busy ones with ``f`` = 1) and their plain mean. The weighted mean lets a slow figure
+  that aged out stop counting (with the plain one a 10× slower worker converges to a reference its fast, fresh
+  peers never reach, and starves); the plain mean keeps one fresh slow figure from dragging its idle peers' aged
+  ones up to its own (all past the baseline, clamped to 0: a tie the slow worker wins in turn). So a worker that served
   a slow request seconds ago scores worse than its fast peers and is left alone at light load (where every worker
   is idle at each pick), while one slow for a burst long ago converges to the fleet's figure, ties within the
   deadband and gets a request again — a probe that refreshes its figure (recovered: each fast probe lowers its
@@ -205,12 +208,15 @@ def age_latency(terms: list[float], idle: list[int], idle_lats: list[float], fre
     """The idle workers' effective latencies (module docstring), in place: for each eligible idle worker with a
     sample (``idle``: indices into ``terms``, ``idle_lats`` its own mean in seconds, ``fresh`` its freshness) the
     term of ``f·own + (1 − f)·ref`` goes into ``terms`` and the worker, with that latency, joins ``timed``/``lats``
-    (the deadband's inputs). ``sw``/``swl``: Σ f and Σ f·latency over every eligible worker with a sample, busy
-    ones with f = 1, in candidate order; ``ref = swl/sw`` (the plain mean of ``idle_lats`` when ``sw`` is 0);
-    ``base``: the baseline, seconds. Shared by :class:`LatencyScorer` and :mod:`dplb.policy.fused`."""
+    (the deadband's inputs). ``timed``/``lats`` hold the eligible busy workers on entry. ``sw``/``swl``: Σ f and
+    Σ f·latency over every eligible worker with a sample, busy ones with f = 1, in candidate order; ``ref`` is the
+    lower of ``swl/sw`` and the plain mean of those latencies (module docstring); ``base``: the baseline, seconds.
+    Shared by :class:`LatencyScorer` and :mod:`dplb.policy.fused`."""
     if not idle:
         return
-    ref = swl / sw if sw > 0.0 else sum(idle_lats) / len(idle_lats)
+    ref = (sum(lats) + sum(idle_lats)) / (len(lats) + len(idle))
+    if sw > 0.0 and swl / sw < ref:
+        ref = swl / sw
     for j, i in enumerate(idle):
         f = fresh[j]
         eff = f * idle_lats[j] + (1.0 - f) * ref
