@@ -214,7 +214,7 @@ def age_latency(terms: list[float], idle: list[int], idle_lats: list[float], fre
     Shared by :class:`LatencyScorer` and :mod:`dplb.policy.fused`."""
     if not idle:
         return
-    ref = (sum(lats) + sum(idle_lats)) / (len(lats) + len(idle))
+    ref = (sum(lats, 0.0) + sum(idle_lats, 0.0)) / (len(lats) + len(idle))
     if sw > 0.0 and swl / sw < ref:
         ref = swl / sw
     for j, i in enumerate(idle):
