@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/bench_pick.py [--iterations 20000] [--json OUT]
 Targets: dplb policy at 8 workers, p50 ≤ 15 µs and p99 ≤ 50 µs; chained block hashing of a 32 KB prompt
-p50 ≤ 100 µs. Snapshots are fresh (heartbeat "now"), ready, with varied load, so every term is computed; half the
+p50 ≤ 100 µs. Snapshots are fresh (heartbeat "now"), ready, with varied load and latency figures of varied ages
+(an idle worker's is aged), so every term is computed; half the
 picks carry one of 64 chat prompts of 2 KB sharing a 1 KB system prompt (the prefix index is matched and recorded on
 those). The shm read and the hashing are *not* in pick() (measured separately): each of the 64 prompts is prepared
 once (``Policy.prepare``: the plugins hash it, as the router does before it times its decision), and each pick gets a
@@ -30,7 +31,7 @@ def _snapshot(n: int, now: int) -> list[WorkerState]:
         WorkerState(
             k, pid=1000 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=now, num_running=k % 5,
             num_waiting=k % 3, kv_cache_usage=0.1 * (k % 7), gpu_memory_total_bytes=80 << 30,
-            gpu_memory_used_bytes=(70 + k) << 30, avg_latency_s=0.5 + 0.1 * k,
+            gpu_memory_used_bytes=(70 + k) << 30, avg_latency_s=0.5 + 0.1 * k, last_done_mono_ns=now - k * 10**9,
         )
         for k in range(n)
     ]

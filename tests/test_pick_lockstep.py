@@ -41,7 +41,10 @@ def _config(rng: random.Random) -> PolicyConfig:
         raw[0] += 0.5  # weights sum to 1
         weights = tuple((n, w / sum(raw)) for n, w in zip(names, raw, strict=True))
     prefix_on = weights is None or any(n == "prefix" for n, _ in weights)
-    params = (("prefix", "score", rng.choice(("match", "match", "cost"))),) if prefix_on else ()
+    params: tuple[tuple[str, str, str], ...] = (
+        (("prefix", "score", rng.choice(("match", "match", "cost"))),) if prefix_on else ())
+    if (weights is None or any(n == "latency" for n, _ in weights)) and rng.random() < 0.3:
+        params += (("latency", "half_life_s", rng.choice(("0.5", "30", "600"))),)
     return PolicyConfig(params=params,
         name=rng.choice(("dplb",) * 5 + ("least_loaded", "power_of_two", "prefix_hash", "round_robin", "random")),
         weights=weights, max_queue=rng.choice((1, 4, 16, 32)), max_queue_from_worker=rng.random() < 0.15,
@@ -64,7 +67,8 @@ def _snapshot(rng: random.Random, n: int, now: int, last: list[WorkerState] | No
             num_running=rng.choice((0, 0, 1, 3, 8, 20)), num_waiting=rng.choice((0, 0, 1, 5)),
             max_num_seqs=rng.choice((0, 4, 8)), kv_cache_usage=rng.choice(KV), gpu_memory_total_bytes=total,
             gpu_memory_used_bytes=rng.randint(0, 90) << 30, avg_latency_s=rng.choice(LATS),
-            avg_ttft_s=rng.choice(LATS), torn=rng.random() < 0.03))
+            avg_ttft_s=rng.choice(LATS), torn=rng.random() < 0.03,
+            last_done_mono_ns=rng.choice((0, now, now - 5 * 10**9, now - 40 * 10**9, now - 10**12, now + 10**6))))
     return out
 
 

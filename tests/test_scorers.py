@@ -24,10 +24,13 @@ GiB = 1 << 30
 
 
 def cand(k: int = 0, *, run: int = 0, wait: int = 0, corr: int = 0, kv: float = 0.0, lat: float = 0.0,
-         ttft: float = 0.0, used: int = 0, total: int = 0, max_seqs: int = 0, why: str = "ok") -> Candidate:
+         ttft: float = 0.0, used: int = 0, total: int = 0, max_seqs: int = 0, why: str = "ok",
+         age: float | None = None) -> Candidate:
+    """A ready candidate; ``age``: seconds since its last latency sample (None: the worker did not say)."""
     w = WorkerState(k, pid=100 + k, lifecycle=Lifecycle.READY, heartbeat_mono_ns=NOW, num_running=run,
                     num_waiting=wait, kv_cache_usage=kv, avg_latency_s=lat, avg_ttft_s=ttft,
-                    gpu_memory_used_bytes=used, gpu_memory_total_bytes=total, max_num_seqs=max_seqs)
+                    gpu_memory_used_bytes=used, gpu_memory_total_bytes=total, max_num_seqs=max_seqs,
+                    last_done_mono_ns=0 if age is None else NOW - int(age * 1e9))
     c = Candidate(w, corr, run + wait + corr, 0)
     c.why = why
     return c
@@ -85,9 +88,31 @@ LATENCY = [  # (config kwargs, baseline, candidates kwargs, terms)
     ({}, None, [{"run": 1, "lat": 9.0}], [1.0]),  # no baseline yet: neutral
     ({"latency_deadband": 0.0}, 2.0, [{"run": 1, "lat": 1.0}], [0.5]),
     ({"latency_deadband": 0.0}, 2.0, [{"run": 1, "lat": 5.0}], [0.0]),  # clamped
-    # no sample, or idle: the mean term of the peers that have one
+    # no sample: the mean term of the peers that have one
     ({"latency_deadband": 0.0}, 2.0, [{"run": 1, "lat": 1.0}, {"run": 1, "lat": 1.5}, {}], [0.5, 0.25, 0.375]),
+    # idle, age unknown (freshness 0): the eligible workers' freshness-weighted mean latency, here the busy one's
     ({"latency_deadband": 0.0}, 2.0, [{"lat": 4.0}, {"run": 1, "lat": 1.0}], [0.5, 0.5]),
+    # idle and recent: its own figure (a slow worker that just served stays slow at light load)
+    ({"latency_deadband": 0.0}, 10.0, [{"lat": 5.0, "age": 0.0}, {"lat": 0.5, "age": 0.0}], [0.5, 0.95]),
+    ({}, 10.0, [{"lat": 5.0, "age": 1.0}, {"lat": 0.5, "age": 0.5}, {"lat": 0.5, "age": 0.2}],
+     [1 - (2**(-1 / 30) * 5 + (1 - 2**(-1 / 30)) * ((2**(-1 / 30) * 5 + 2**(-0.5 / 30) * 0.5 + 2**(-0.2 / 30) * 0.5)
+                                                  / (2**(-1 / 30) + 2**(-0.5 / 30) + 2**(-0.2 / 30)))) / 10,
+      pytest.approx(0.95, abs=0.01), pytest.approx(0.95, abs=0.01)]),
+    # one half-life old (30 s): f = 0.5, ref = (0.5·5 + 1·0.5)/1.5 = 2 → 0.5·5 + 0.5·2 = 3.5
+    ({"latency_deadband": 0.0}, 10.0, [{"lat": 5.0, "age": 30.0}, {"lat": 0.5, "age": 0.0}], [0.65, 0.95]),
+    # long ago: its figure no longer counts, it scores as the fleet does (and gets traffic again)
+    ({"latency_deadband": 0.0}, 10.0, [{"lat": 5.0, "age": 3000.0}, {"lat": 0.5, "age": 0.0}], [0.95, 0.95]),
+    # a fresh slow figure beside two aged fast ones: the plain mean (0.4) is the reference, not the weighted one
+    # (0.7, which put the fast ones in the deadband at the mean's term, past the baseline: a tie at 0 for all)
+    ({}, 0.55, [{"lat": 1.0, "age": 0.0}, {"lat": 0.1, "age": 60.0}, {"lat": 0.1, "age": 60.0}],
+     [0.0, 1 - (0.25 * 0.1 + 0.75 * 0.4) / 0.55, 1 - (0.25 * 0.1 + 0.75 * 0.4) / 0.55]),
+    # every idle worker's age unknown: the plain mean for all (a tie, as before any figure)
+    ({"latency_deadband": 0.0}, 10.0, [{"lat": 5.0}, {"lat": 0.5}], [0.725, 0.725]),
+    # an idle ineligible worker is not aged: the neutral fill
+    ({"latency_deadband": 0.0}, 10.0, [{"lat": 5.0, "age": 0.0, "why": "stale"}, {"lat": 0.5, "age": 0.0}],
+     [0.95, 0.95]),
+    ({"latency_deadband": 0.0, "params": (("latency", "half_life_s", "1"),)}, 10.0,
+     [{"lat": 5.0, "age": 30.0}, {"lat": 0.5, "age": 0.0}], [pytest.approx(0.95, abs=1e-6), 0.95]),
     # deadband: within 25 % of the mean → the mean's term; a worker 2× slower keeps its own
     ({}, 2.0, [{"run": 1, "lat": 1.0}, {"run": 1, "lat": 1.1}, {"run": 1, "lat": 0.95}, {"run": 1, "lat": 2.0}],
      [1 - 1.2625 / 2] * 3 + [0.0]),
@@ -106,7 +131,10 @@ def test_latency_inputs_report_the_signal_the_score_uses() -> None:
     """Regression: with --latency-signal ttft the exported latency was the E2E mean."""
     s = LatencyScorer(PolicyConfig(latency_signal="ttft"), 1)
     got = s.inputs(cand(run=1, lat=9.0, ttft=0.05), ctx(0.2))
-    assert got == {"latency_s": 0.05, "latency_signal": "ttft", "baseline_s": 0.2}
+    assert got == {"latency_s": 0.05, "latency_signal": "ttft", "baseline_s": 0.2, "latency_age_s": None,
+                   "latency_freshness": 1.0}
+    idle = s.inputs(cand(lat=9.0, ttft=0.05, age=30.0), ctx(0.2))
+    assert idle["latency_age_s"] == pytest.approx(30.0) and idle["latency_freshness"] == pytest.approx(0.5)
 
 
 # ---- prefix -----------------------------------------------------------------------------------------------------

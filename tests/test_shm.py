@@ -67,7 +67,8 @@ def test_layout_is_little_endian_at_documented_offsets(shm_path: str) -> None:
     seg = Segment.create(shm_path, 2, state_interval_ms=200, model="m")
     seg.writer(1).publish(WorkerState(1, pid=0x01020304, lifecycle=Lifecycle.READY, num_waiting=9, kv_cache_usage=0.25,
                                       kv_total_blocks=2048, kv_block_size=16, progress_total=77,
-                                      progress_mono_ns=123456789, max_loras=4))
+                                      progress_mono_ns=123456789, max_loras=4,
+                                      last_done_mono_ns=987654321))
     seg.close()
     with open(shm_path, "rb") as f:
         raw = f.read()
@@ -82,7 +83,8 @@ def test_layout_is_little_endian_at_documented_offsets(shm_path: str) -> None:
     assert struct.unpack_from("<d", raw, slot + 48)[0] == 0.25
     assert struct.unpack_from("<II", raw, slot + 144) == (2048, 16)
     assert struct.unpack_from("<QQ", raw, slot + 152) == (77, 123456789)
-    assert raw[slot + 168:slot + SLOT_SIZE] == bytes(SLOT_SIZE - 168)  # reserved
+    assert struct.unpack_from("<Q", raw, slot + 168)[0] == 987654321  # last_done_mono_ns
+    assert raw[slot + 176:slot + SLOT_SIZE] == bytes(SLOT_SIZE - 176)  # reserved
 
 
 def test_mode_is_0600(shm_path: str) -> None:

@@ -14,8 +14,9 @@ Contract
   ``preferred``). tests/test_pick_lockstep.py runs both on random snapshots, requests and settings.
 - Parameters are read once, when the policy is built (the scorers resolve theirs once, too).
 
-Pass 1 computes the queue and memory terms, the latency term before the deadband and the prefix scorer's lowest
-and highest eligible match; the deadband and the neutral fill then touch only the workers they change; pass 2
+Pass 1 computes the queue and memory terms, the latency term before the deadband (an idle worker's: its freshness)
+and the prefix scorer's lowest and highest eligible match; the idle workers' aged latencies, the deadband and the
+neutral fill then touch only the workers they change; pass 2
 computes the prefix term and the weighted sum.
 """
 
@@ -44,7 +45,9 @@ from dplb.policy.scorers import (
     PrefixScorer,
     QueueScorer,
     _Query,
+    age_latency,
     deadband,
+    freshness,
     memory_ratio,
     settle_latency,
 )
@@ -57,7 +60,7 @@ class FusedScores:
     """The terms and weighted score of the built-in scorer set (see the module docstring). ``weights``: one per
     scorer, in scorer order; ``prefix``: the prefix scorer, or None for the three seed terms."""
 
-    __slots__ = ("band", "index", "kv", "max_queue", "prefix", "signal", "ttft", "weights")
+    __slots__ = ("band", "decay", "index", "kv", "max_queue", "prefix", "signal", "ttft", "weights")
 
     def __init__(self, queue: QueueScorer, memory: MemoryScorer, latency: LatencyScorer, prefix: PrefixScorer | None,
                  weights: Sequence[float]) -> None:
@@ -66,6 +69,7 @@ class FusedScores:
         self.kv: bool = memory.signal == "kv"
         self.ttft: bool = latency.cfg.latency_signal == "ttft"
         self.band: float = latency.deadband
+        self.decay: float = latency.decay
         self.prefix = prefix
         self.index: PrefixIndex | None = prefix.index if prefix is not None else None
         self.weights: tuple[float, ...] = tuple(weights)
@@ -100,6 +104,11 @@ class FusedScores:
         lcol: list[float] = []
         tix: list[int] = []  # the latency scorer's eligible workers with a current sample: index, latency
         lats: list[float] = []
+        idle: list[int] = []  # the eligible idle workers with a sample: index, own latency, freshness
+        idle_lats: list[float] = []
+        fresh: list[float] = []
+        sw = swl = 0.0
+        now, decay = ctx.now_ns, self.decay
         fill = False
         # The prefix scorer's query: depth per worker, and the lowest/highest eligible match.
         req = ctx.request
@@ -122,15 +131,25 @@ class FusedScores:
             mcol.append(0.0 if r > 1.0 else (1.0 if r < 0.0 else 1.0 - r))
             if timed:
                 lat = w.avg_ttft_s if ttft else w.avg_latency_s
-                if lat <= 0.0 or not cq:
+                if lat <= 0.0 or not (cq or c.why is OK):
                     lcol.append(-1.0)
                     fill = True
+                elif not cq:
+                    f = freshness(now, w.last_done_mono_ns, decay)
+                    lcol.append(-1.0)  # set by age_latency
+                    idle.append(i)
+                    idle_lats.append(lat)
+                    fresh.append(f)
+                    sw += f
+                    swl += f * lat
                 else:
                     t = 1.0 - lat / b
                     lcol.append(t if t > 0.0 else 0.0)
                     if c.why is OK:
                         tix.append(i)
                         lats.append(lat)
+                        sw += 1.0
+                        swl += lat
             if depth is not None and c.why is OK:
                 d = depth[c.worker_id]
                 if d > best:
@@ -140,6 +159,7 @@ class FusedScores:
                 elif d < lo:
                     lo = d
         if timed:
+            age_latency(lcol, idle, idle_lats, fresh, sw, swl, tix, lats, b)
             settle_latency([c.state for c in cands] if fill else (), lcol, tix, lats, b, self.band, fill)
         else:
             lcol = [1.0] * len(cands)
@@ -250,6 +270,11 @@ class FastPick:
         lcol = [0.0 if timed else 1.0] * n
         tix: list[int] = []  # the eligible workers with a current sample: index, latency
         lats: list[float] = []
+        idle: list[int] = []  # the eligible idle workers with a sample: index, own latency, freshness
+        idle_lats: list[float] = []
+        fresh: list[float] = []
+        sw = swl = 0.0
+        decay = f.decay
         fill = forgot = False
         lo = best = -1
         pref = 0
@@ -278,14 +303,24 @@ class FastPick:
                     qcol[i] = t
             mcol.append(m)
             if timed:
-                if lt < 0.0 or not cq:
+                if lt < 0.0 or not (cq or why is OK):
                     lcol[i] = -1.0
                     fill = True
+                elif not cq:
+                    fr = freshness(now, w.last_done_mono_ns, decay)
+                    lcol[i] = -1.0  # set by age_latency
+                    idle.append(i)
+                    idle_lats.append(lat)
+                    fresh.append(fr)
+                    sw += fr
+                    swl += fr * lat
                 else:
                     lcol[i] = lt
                     if why is OK:
                         tix.append(i)
                         lats.append(lat)
+                        sw += 1.0
+                        swl += lat
             if depth is not None and why is OK:
                 d = depth[k]
                 if d > best:
@@ -294,6 +329,8 @@ class FastPick:
                     best, pref = d, k
                 elif d < lo:
                     lo = d
+        if idle:
+            age_latency(lcol, idle, idle_lats, fresh, sw, swl, tix, lats, b)
         if fill:
             settle_latency([r[0] for r in rows], lcol, tix, lats, b, f.band, fill)
         elif timed:  # settle_latency without the fill; the deadband kept while its inputs are the same
@@ -310,7 +347,7 @@ class FastPick:
         f = self.fused
         r = w.kv_cache_usage if f.kv else memory_ratio(w, f.signal)
         lat = w.avg_ttft_s if f.ttft else w.avg_latency_s
-        lt = -1.0  # no sample: the fill's (or an idle worker's, whose sample is old news)
+        lt = -1.0  # no sample: the fill's
         if not lat <= 0.0:
             t = 1.0 - lat / b
             lt = t if t > 0.0 else 0.0

@@ -12,10 +12,27 @@ defaults). Table-driven tests: tests/test_scorers.py.
 - ``memory``: ``1 − KV-cache usage`` (default; vLLM pre-allocates ~90 % of GPU memory, so NVML "used" is flat) or
   ``1 − NVML used/total`` (``memory_signal="gpu"``; no GPU → 1).
 - ``latency``: ``1 − latency/baseline``; ``latency`` is the worker's mean E2E (or TTFT) of its last 10 requests,
-  ``baseline`` the P95 of the first ``baseline_window`` requests (1 for everyone until then). A worker with no
-  sample, or idle (its mean is old news that would never change without new requests — a once-slow worker would
-  starve), gets the mean term of its peers; workers within ``latency_deadband`` of the eligible workers' mean share
-  that mean's term (equal workers differ by noise, which would outweigh one queued request).
+  ``baseline`` the P95 of the first ``baseline_window`` requests (1 for everyone until then). A busy worker (queue
+  > 0) is scored by its own mean. An idle worker's mean would never change without new requests, so it is trusted
+  while it is recent and blends toward the fleet's as it ages: its effective latency is ``f·own + (1 − f)·ref`` with
+  freshness ``f = 2^(−age/half_life_s)`` (``age``: since its last latency sample, the slot's ``last_done_mono_ns``;
+  ``f`` = 0 when unknown) and ``ref`` the lower of the eligible workers' freshness-weighted mean latency
+  ``Σ f_i·lat_i / Σ f_i`` (busy ones with ``f`` = 1) and their plain mean. The weighted mean lets a slow figure
+  that aged out stop counting (with the plain one a 10× slower worker converges to a reference its fast, fresh
+  peers never reach, and starves); the plain mean keeps one fresh slow figure from dragging its idle peers' aged
+  ones up to its own (all past the baseline, clamped to 0: a tie the slow worker wins in turn). So a worker that served
+  a slow request seconds ago scores worse than its fast peers and is left alone at light load (where every worker
+  is idle at each pick), while one slow for a burst long ago converges to the fleet's figure, ties within the
+  deadband and gets a request again — a probe that refreshes its figure (recovered: each fast probe lowers its
+  10-request mean and it climbs back; still slow: it is left alone for a few more half-lives). ``half_life_s``
+  defaults to 30 s, Envoy's default ``base_ejection_time`` for an outlier (Envoy docs, "Outlier detection"):
+  among three workers, a 10× slower one enters the default deadband (0.25) after 5.0 half-lives (2.5 min), a 3×
+  slower one after 2.8 (computed from the rule above), so at light load a still-slow worker gets about one probe
+  per 2.5 min (tests/test_slow_worker.py holds both behaviours with real sim workers). The prefix term does not
+  yield to a slower holder (scorers are independent terms; docs/DESIGN.md §5).
+  A worker with no sample gets the mean term of the others (the neutral fill); workers within ``latency_deadband``
+  of the eligible workers' mean (effective latencies) share that mean's term (equal workers differ by noise, which
+  would outweigh one queued request).
 - ``prefix``: how much of the prompt's *distinguishing* prefix the worker has cached, discounted by its queue headroom.
   It owns the prefix end to end: its ``prepare`` hook cuts the request's raw prompt bytes into chained block keys
   (:func:`dplb.policy.prefix.block_hashes`, ``block_bytes``, at most ``max_blocks``), it keeps the index, records each
@@ -44,8 +61,9 @@ defaults). Table-driven tests: tests/test_scorers.py.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from dplb.config import MAX_PREFIX_BLOCK_BYTES, PolicyConfig
 from dplb.native import mypyc_attr
@@ -164,6 +182,50 @@ def deadband(timed: list[int], lats: list[float], base: float, band: float) -> t
     return tm, inside
 
 
+#: Default half-life of an idle worker's latency figure, seconds (module docstring: Envoy's default outlier
+#: ``base_ejection_time``, 30 s).
+LATENCY_HALF_LIFE_S: Final = 30.0
+
+
+def decay_per_ns(half_life_s: float) -> float:
+    """The freshness exponent per nanosecond for ``half_life_s`` (seconds, > 0): ``−ln 2 / (half_life_s·1e9)``, so
+    ``exp(decay·age_ns) = 2^(−age/half_life)``."""
+    return -math.log(2.0) / (half_life_s * 1e9)
+
+
+def freshness(now_ns: int, done_ns: int, decay: float) -> float:
+    """How much an idle worker's own latency figure still counts, in [0, 1]: ``exp(decay·(now_ns − done_ns))``
+    (``decay`` from :func:`decay_per_ns`; ns CLOCK_MONOTONIC), 1 for a sample taken at or after ``now_ns``, 0 when
+    ``done_ns`` is 0 (the worker did not say when: an older worker build)."""
+    if done_ns <= 0:
+        return 0.0
+    age = now_ns - done_ns
+    return math.exp(decay * age) if age > 0 else 1.0
+
+
+def age_latency(terms: list[float], idle: list[int], idle_lats: list[float], fresh: list[float], sw: float,
+                swl: float, timed: list[int], lats: list[float], base: float) -> None:
+    """The idle workers' effective latencies (module docstring), in place: for each eligible idle worker with a
+    sample (``idle``: indices into ``terms``, ``idle_lats`` its own mean in seconds, ``fresh`` its freshness) the
+    term of ``f·own + (1 − f)·ref`` goes into ``terms`` and the worker, with that latency, joins ``timed``/``lats``
+    (the deadband's inputs). ``timed``/``lats`` hold the eligible busy workers on entry. ``sw``/``swl``: Σ f and
+    Σ f·latency over every eligible worker with a sample, busy ones with f = 1, in candidate order; ``ref`` is the
+    lower of ``swl/sw`` and the plain mean of those latencies (module docstring); ``base``: the baseline, seconds.
+    Shared by :class:`LatencyScorer` and :mod:`dplb.policy.fused`."""
+    if not idle:
+        return
+    ref = (sum(lats, 0.0) + sum(idle_lats, 0.0)) / (len(lats) + len(idle))
+    if sw > 0.0 and swl / sw < ref:
+        ref = swl / sw
+    for j, i in enumerate(idle):
+        f = fresh[j]
+        eff = f * idle_lats[j] + (1.0 - f) * ref
+        t = 1.0 - eff / base
+        terms[i] = t if t > 0.0 else 0.0
+        timed.append(i)
+        lats.append(eff)
+
+
 def settle_latency(states: Sequence[WorkerState], terms: list[float], timed: list[int], lats: list[float],
                    base: float, band: float, fill: bool) -> list[float]:
     """The latency term's deadband and neutral fill (module docstring), in place on ``terms`` (one per candidate;
@@ -187,17 +249,21 @@ def settle_latency(states: Sequence[WorkerState], terms: list[float], timed: lis
 # Subclassed by plugins (not compiled): allowed (dplb.native).
 @mypyc_attr(allow_interpreted_subclasses=True)
 class LatencyScorer(Scorer):
-    """``1 − latency/baseline`` with neutral fill and a deadband (see the module docstring)."""
+    """``1 − latency/baseline`` with aged idle figures, neutral fill and a deadband (see the module docstring)."""
 
     name = "latency"
     bounded = True
     parameters = (Param("deadband", float, field="latency_deadband", check=lambda v: 0.0 <= v < 1.0,
                         expect="a fraction in [0, 1)", help="latencies this close to the mean count as equal "
-                        "(--latency-deadband)"),)
+                        "(--latency-deadband)"),
+                  Param("half_life_s", float, default=LATENCY_HALF_LIFE_S, check=lambda v: v > 0.0,
+                        expect="> 0 seconds", help="an idle worker's own latency figure counts half after this "
+                        "long, and blends toward the fleet's"))
 
     def __init__(self, cfg: PolicyConfig, num_workers: int) -> None:
         super().__init__(cfg, num_workers)
         self.deadband: float = self.params["deadband"]
+        self.decay: float = decay_per_ns(self.params["half_life_s"])
 
     def signal(self, c: Candidate) -> float:
         """The latency this scorer uses for ``c``: mean E2E or mean TTFT of its last 10 requests, seconds."""
@@ -208,25 +274,44 @@ class LatencyScorer(Scorer):
         if base is None:
             return [1.0] * len(cands)
         ttft = self.cfg.latency_signal == "ttft"
+        now, decay = ctx.now_ns, self.decay
         out: list[float] = []
         timed: list[int] = []  # indices of the eligible workers with a current sample (the deadband's mean)
         lats: list[float] = []  # their latencies
-        fill = False  # some worker has no sample yet, or is idle (old news): the peers' mean below
+        idle: list[int] = []  # the eligible idle workers with a sample: index, own latency, freshness
+        idle_lats: list[float] = []
+        fresh: list[float] = []
+        sw = swl = 0.0
+        fill = False  # some worker has no sample yet (or is idle and ineligible): the peers' mean below
         for i, c in enumerate(cands):
             lat = c.state.avg_ttft_s if ttft else c.state.avg_latency_s
-            if lat <= 0.0 or not c.queue:
+            if lat <= 0.0 or not (c.queue or c.why is OK):
                 out.append(-1.0)
                 fill = True
+            elif not c.queue:
+                f = freshness(now, c.state.last_done_mono_ns, decay)
+                out.append(-1.0)  # set by age_latency
+                idle.append(i)
+                idle_lats.append(lat)
+                fresh.append(f)
+                sw += f
+                swl += f * lat
             else:
                 t = 1.0 - lat / base
                 out.append(t if t > 0.0 else 0.0)
                 if c.why is OK:
                     timed.append(i)
                     lats.append(lat)
+                    sw += 1.0
+                    swl += lat
+        age_latency(out, idle, idle_lats, fresh, sw, swl, timed, lats, base)
         return settle_latency([c.state for c in cands] if fill else (), out, timed, lats, base, self.deadband, fill)
 
     def inputs(self, c: Candidate, ctx: PickContext) -> dict[str, Any]:
-        return {"latency_s": self.signal(c), "latency_signal": self.cfg.latency_signal, "baseline_s": ctx.baseline_s}
+        done = c.state.last_done_mono_ns
+        return {"latency_s": self.signal(c), "latency_signal": self.cfg.latency_signal, "baseline_s": ctx.baseline_s,
+                "latency_age_s": (ctx.now_ns - done) / 1e9 if done > 0 else None,
+                "latency_freshness": 1.0 if c.queue else freshness(ctx.now_ns, done, self.decay)}
 
 
 class _Query:

@@ -58,7 +58,10 @@ Byte layout (little-endian; offsets in bytes)::
                                      engine iterations finished (vLLM: its own counters; sim: scheduler steps); only
                                      its changes matter (the router's stall check, docs/DESIGN.md §6)
       160 u64  progress_mono_ns      CLOCK_MONOTONIC ns of the publish that first saw progress_total at its value
-      168..191 reserved (zeros)
+      168 u64  last_done_mono_ns     CLOCK_MONOTONIC ns at which the last latency sample (a completed request) was
+                                     taken (0 = none yet): how old ``avg_latency_s``/``avg_ttft_s`` are (the latency
+                                     term's freshness, dplb/policy/scorers.py)
+      176..191 reserved (zeros)
 
     Router slots: 16 × 1088 bytes after the last worker slot, at HEADER_SIZE + num_workers·SLOT_SIZE, one per router
     process (its per-worker in-flight correction and in-flight count), then 16 prefix rings of 65600 bytes (the
@@ -119,10 +122,10 @@ from dplb.state.worker_state import (
 
 READ_RETRIES: Final = 64
 
-# Slot body without seq: from offset 8 to 168.
-_BODY: Final = struct.Struct("<IBBHQQIIIIdQQddQQQddQdIIQQ")
+# Slot body without seq: from offset 8 to 176.
+_BODY: Final = struct.Struct("<IBBHQQIIIIdQQddQQQddQdIIQQQ")
 _SLOT: Final = struct.Struct("<Q" + _BODY.format[1:])  # seq + body, for one-slice decoding
-assert _SLOT.size == 168 <= SLOT_SIZE and SLOT_SIZE % 64 == 0
+assert _SLOT.size == 176 <= SLOT_SIZE and SLOT_SIZE % 64 == 0
 
 
 class Segment:
@@ -257,7 +260,7 @@ class Segment:
             return WorkerState(
                 worker_id, v[1], _LIFECYCLES[v[2]] if v[2] < len(_LIFECYCLES) else Lifecycle.UNSET, v[3],
                 v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18],
-                v[19], v[20], v[21], v[22], v[23], v[24], v[25], v[26], v[4], seq,
+                v[19], v[20], v[21], v[22], v[23], v[24], v[25], v[26], v[4], v[27], seq,
             )
         return WorkerState(worker_id, torn=True)
 
@@ -295,7 +298,7 @@ class Segment:
             out.append(WorkerState(
                 k, v[1], lifes[v[2]] if v[2] < nl else Lifecycle.UNSET, v[3], v[5], v[6], v[7], v[8], v[9], v[10],
                 v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18], v[19], v[20], v[21], v[22], v[23], v[24],
-                v[25], v[26], v[4], seq,
+                v[25], v[26], v[4], v[27], seq,
             ))
         self._last = (before, out)  # before[k]: the seq out[k] was read at
         return out[:]
@@ -380,7 +383,7 @@ class SlotWriter:
             state.gpu_memory_total_bytes, state.avg_latency_s, state.avg_ttft_s, state.requests_total,
             state.errors_total, state.cuda_oom_total, state.warmup_seconds, state.first_request_seconds,
             state.started_unix_ns, state.model_load_seconds, state.kv_total_blocks, state.kv_block_size,
-            state.progress_total, state.progress_mono_ns,
+            state.progress_total, state.progress_mono_ns, state.last_done_mono_ns,
         )
         seq += 1
         seqs[self._si] = seq  # even: consistent again

@@ -38,7 +38,8 @@ class WorkerState:
     ``kv_total_blocks`` in blocks and ``kv_block_size`` in tokens per block (0 = the engine did not say);
     ``progress_total``: a monotone count of engine progress (tokens, prefill, iterations) and ``progress_mono_ns``
     the CLOCK_MONOTONIC ns at which it last moved (0 = never published);
-    ``max_loras``: LoRA adapters one batch holds (0 = LoRA off or unknown; at most 65535)."""
+    ``max_loras``: LoRA adapters one batch holds (0 = LoRA off or unknown; at most 65535);
+    ``last_done_mono_ns``: CLOCK_MONOTONIC ns of the last latency sample (0 = none yet)."""
 
     worker_id: int
     pid: int = 0
@@ -67,6 +68,7 @@ class WorkerState:
     progress_total: int = 0
     progress_mono_ns: int = 0
     max_loras: int = 0
+    last_done_mono_ns: int = 0
     seq: int = 0
     torn: bool = False
 

@@ -121,6 +121,7 @@ class Collector:
             s.gpu_memory_used_bytes, s.gpu_memory_total_bytes = used, total
             s.flags = (FLAG_NO_GPU if not self.gpu.available else 0) | (FLAG_GPU_BUSY if busy else 0)
             s.avg_latency_s, s.avg_ttft_s = lat, ttfb
+            s.last_done_mono_ns = self.req.last_done_mono_ns
             s.requests_total, s.errors_total = self.req.requests_total, self.req.errors_total
             s.first_request_seconds = self.req.first_request_seconds
             if es.cuda_oom_total > self._last_oom:

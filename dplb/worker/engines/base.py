@@ -152,7 +152,8 @@ class RequestStats:
     ``errors_total`` counts responses with status ≥ 500, responses the engine cut short and streams it ended with
     its own 5xx error event (:func:`dplb.errors.stream_failure`: vLLM's engine died under its API server); client
     4xx and requests whose client left first are not worker errors (nor latency samples).
-    ``first_request_seconds`` is the E2E of the first request after the worker became ready.
+    ``first_request_seconds`` is the E2E of the first request after the worker became ready; ``last_done_mono_ns``
+    the CLOCK_MONOTONIC ns at which the last latency sample was taken (0 until one; how old the averages are).
     """
 
     def __init__(self) -> None:
@@ -164,6 +165,7 @@ class RequestStats:
         self.inflight = 0
         self.open: set[OpenRequest] = set()  # every HTTP request open on the socket (serving loop only)
         self.first_request_seconds = 0.0
+        self.last_done_mono_ns = 0  # CLOCK_MONOTONIC ns of the last latency sample (0: none yet)
         self.counting_first = False  # set once the worker is ready; the warm-up request is not "first"
 
     def begin(self) -> None:
@@ -183,6 +185,7 @@ class RequestStats:
             if gone or not self.counting_first:
                 return  # the warm-up request: not a sample of this worker's latency under real traffic
             self._lat.append(e2e_s)
+            self.last_done_mono_ns = time.monotonic_ns()
             if ttfb_s is not None:
                 self._ttfb.append(ttfb_s)
             if self.first_request_seconds == 0.0:
