@@ -116,7 +116,7 @@ class RouterState:
         ejections = metrics.ejections
         self.health = WorkerHealth(n, self.pid_of, lambda k: ejections.labels(str(k)).inc())
         self._had_segment = seg is not None
-        self.stall = StallDetector(n, cfg.stall_after_s) if cfg.stall_after_s > 0 else None
+        self.stall = StallDetector(n, cfg.stall_after_s, heed_flag=True) if cfg.stall_after_s > 0 else None
         self.attempts: list[set[Cuttable]] = [set() for _ in range(n)]  # open attempts per worker (stall cuts)
         self._stalled_shown: frozenset[int] = frozenset()
         self._panic: frozenset[int] = frozenset()  # the workers panic routing routes among now (empty: no panic)
