@@ -50,6 +50,8 @@ def test_an_abandoned_stall_makes_a_one_worker_host_not_ready_and_it_comes_back(
         assert "engine stalled: worker 0" in httpx.get(c.url + "/ready", timeout=5).text
         assert c.metric("dplb_worker_stalled", {"worker": "0"}) == 1
         assert c.metric("dplb_worker_stalls_total", {"worker": "0"}) == 1
+        models = httpx.get(c.url + "/v1/models", timeout=5)  # the tester's 503 without Retry-After
+        assert models.status_code == 503 and models.headers.get("retry-after") == "1", models.headers
         # Nobody sends a request; the worker's own probe brings it back once the engine resumes.
         wait_for(lambda: httpx.get(c.url + "/ready", timeout=5).status_code == 200, stall_for + 4 * STALL_AFTER,
                  "/ready 200 again", step_s=0.1)

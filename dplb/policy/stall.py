@@ -88,9 +88,10 @@ class StallDetector:
                 self._pid[k], self._progress[k] = w.pid, w.progress_total
                 self._owed_since[k] = self._stalled_since[k] = self._free_since[k] = 0
                 self._suspect[k] = self._by_flag[k] = False
+            n_out = outstanding[k] if k < len(outstanding) else 0
             if self._heed_flag:
-                self._follow_flag(w, now_ns, new, back)
-            busy = outstanding[k] > 0 if k < len(outstanding) else False
+                self._follow_flag(w, n_out, now_ns, new, back)
+            busy = n_out > 0
             if not busy:
                 if self._owed_since[k] and not self._stalled_since[k]:
                     self._suspect[k] = True
@@ -116,16 +117,17 @@ class StallDetector:
             cut.add(k)
         self.newly_stalled, self.recovered, self.cut = frozenset(new), frozenset(back), frozenset(cut)
 
-    def _follow_flag(self, w: WorkerState, now_ns: int, new: set[int], back: set[int]) -> None:
-        """Take worker ``w``'s own verdict (``FLAG_STALLED``): stalled while it is set, lifted when it clears on a
-        worker stalled on it only (module docstring)."""
+    def _follow_flag(self, w: WorkerState, n_out: int, now_ns: int, new: set[int], back: set[int]) -> None:
+        """Take worker ``w``'s own verdict (``FLAG_STALLED``; ``n_out`` requests outstanding): stalled while it is
+        set, lifted when it clears on a worker stalled on it only (module docstring)."""
         k = w.worker_id
         flagged = bool(w.flags & FLAG_STALLED) and w.lifecycle == _READY and w.progress_mono_ns > 0
         if flagged and not self._stalled_since[k]:
             self._stalled_since[k], self._by_flag[k] = w.progress_mono_ns, True
             new.add(k)
-            log.error("worker %d: its own stall check found its engine stalled (no progress for %.1f s); not routing "
-                      "to it until its progress resumes", k, (now_ns - w.progress_mono_ns) / 1e9)
+            log.error("worker %d: engine made no progress for %.1f s with %d request(s) outstanding; stalled (the "
+                      "worker's own stall check says so): not routing to it until its progress resumes", k,
+                      (now_ns - w.progress_mono_ns) / 1e9, n_out)
         elif not flagged and self._by_flag[k]:
             back.add(k)
             log.warning("worker %d: its own stall check lifted the stall after %.1f s; routing to it again", k,
