@@ -154,14 +154,16 @@ def test_envoy_re_sends_a_503_and_nothing_that_reached_an_engine(tmp_path: pytes
 
 
 def test_a_host_recovered_from_a_stall_gets_traffic_again_within_seconds(tmp_path: pytest.TempPathFactory) -> None:
-    """Regression: after a stalled host recovered, Envoy sent it nothing for 13-19 s: its client-side weighted round
-    robin kept the weight of the host's last ORCA reports (utilization 1, from its 504s and /ready 503s), and with
-    no request there no new report came until the weight expired (60 s in the config then). With
-    weight_expiration_period 3 s (dplb.ops.fleet.ORCA_EXPIRATION_S) the recovered host is back in rotation within
-    a few seconds of its /ready 200."""
-    stall_for = 6.0
+    """After a stalled host recovered, a tester saw Envoy send it nothing for 13-19 s: its client-side weighted round
+    robin kept the weight of the host's last ORCA reports (utilization 1, from its 504s) while no request went
+    there to refresh it, until the weight expired (60 s in the config then; 3 s now, dplb.ops.fleet
+    .ORCA_EXPIRATION_S, after which Envoy gives the host the median weight). The bound: a host stalled ~7 s then
+    recovered serves requests again within 6 s of its /ready 200. On this box the starvation did not reproduce
+    sharply: measured 2.3-3.0 s with 3 s, 5.1-5.2 s with 60 s, so this is a bound, not a discriminating regression
+    test (test_fleet_configs checks the expiration itself)."""
+    stall_for = 10.0
     stall = ["--stall-after", "1", "--sim-stall-after", "15", "--sim-stall-for-s", str(stall_for)]
-    with hosts(str(tmp_path), [1.0, 1.0], router_args=["--stall-after", "1"], workers=1,
+    with hosts(str(tmp_path), [1.0, 1.0], router_args=["--stall-after", "1"], workers=2,
                worker_extra={1: stall}) as fleet:
         port = free_port()
         stuck = fleet[1][0]
@@ -171,7 +173,7 @@ def test_a_host_recovered_from_a_stall_gets_traffic_again_within_seconds(tmp_pat
             def ready_is(status: int) -> float | bool:
                 return httpx.get(stuck.url + "/ready", timeout=5).status_code == status and time.monotonic()
 
-            load = Load(f"http://127.0.0.1:{port}", clients=4).start()
+            load = Load(f"http://127.0.0.1:{port}", clients=3).start()
             try:
                 t_down = wait_for(lambda: ready_is(503), 30, "the stalled host's /ready 503", step_s=0.1)
                 t_up = wait_for(lambda: ready_is(200), stall_for + 10, "its /ready 200 again", step_s=0.1)
