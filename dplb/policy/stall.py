@@ -52,8 +52,8 @@ class StallDetector:
     worker's own ``FLAG_STALLED`` makes it stalled too (the routers).
 
     After each :meth:`observe`: :attr:`newly_stalled` (workers that became stalled at this observation),
-    :attr:`recovered` (stalled workers whose progress moved), :attr:`cut` (stalled workers whose outstanding requests
-    are to be failed now)."""
+    :attr:`recovered` (stalled workers whose progress moved, or whose flag cleared with ``heed_flag``), :attr:`cut`
+    (stalled workers whose outstanding requests are to be failed now)."""
 
     def __init__(self, num_workers: int, stall_after_s: float, heed_flag: bool = False) -> None:
         if stall_after_s <= 0:
@@ -89,7 +89,7 @@ class StallDetector:
                 self._owed_since[k] = self._stalled_since[k] = self._free_since[k] = 0
                 self._suspect[k] = self._by_flag[k] = False
             n_out = outstanding[k] if k < len(outstanding) else 0
-            if self._heed_flag:
+            if self._heed_flag and not w.torn:  # (a torn read's flags mean nothing)
                 self._follow_flag(w, n_out, now_ns, new, back)
             busy = n_out > 0
             if not busy:
