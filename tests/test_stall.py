@@ -20,15 +20,17 @@ from cluster import cluster, progress_gaps
 from dplb.errors import worker_stalled_message
 from dplb.ops.state_cli import snapshot
 from dplb.policy.stall import StallDetector
-from dplb.state.shm import Lifecycle, Segment, WorkerState
+from dplb.state.shm import FLAG_STALLED, Lifecycle, Segment, WorkerState
 
 S = 1_000_000_000  # ns per second
 T0 = 10**12
 
 
-def _w(progress: int, moved_at_s: float, pid: int = 7, life: Lifecycle = Lifecycle.READY) -> WorkerState:
+def _w(progress: int, moved_at_s: float, pid: int = 7, life: Lifecycle = Lifecycle.READY,
+       flagged: bool = False) -> WorkerState:
     return WorkerState(0, pid=pid, lifecycle=life, progress_total=progress,
-                       progress_mono_ns=T0 + int(moved_at_s * S) if moved_at_s >= 0 else 0)
+                       progress_mono_ns=T0 + int(moved_at_s * S) if moved_at_s >= 0 else 0,
+                       flags=FLAG_STALLED if flagged else 0)
 
 
 # (case, observations (t s, worker state, outstanding), {t: (stalled, excluded, cut)} checked at those times)
@@ -101,6 +103,48 @@ def test_requests_gone_without_progress_make_a_worker_suspect_until_its_progress
         seen.append((t, d.suspect(0), 0 in d.stalled()))
     assert seen == [(0.0, False, False), (0.5, False, False), (1.0, False, False), (2.0, True, False),
                     (3.0, True, False), (4.0, False, False)], seen
+
+
+def _run(d: StallDetector, obs: list[tuple[float, WorkerState, int]]) -> list[tuple[float, bool, bool, bool, str]]:
+    """(t, stalled, excluded, cut, "new"/"back"/"") after each observation."""
+    out = []
+    for t, w, n in obs:
+        now = T0 + int(t * S)
+        d.observe([w], [n], now)
+        ev = "new" if d.newly_stalled else "back" if d.recovered else ""
+        out.append((t, 0 in d.stalled(), 0 in d.excluded(now), 0 in d.cut, ev))
+    return out
+
+
+def test_the_workers_own_verdict_makes_it_stalled_for_a_router_until_its_flag_clears() -> None:
+    """Regression: the router forgave a debt whose requests left before stall_after (a client timeout shorter than
+    it) and ignored the worker's own ``FLAG_STALLED`` (its probe found the stall), so it kept the stuck worker
+    ready and routable. With ``heed_flag`` the flag makes it stalled (counted once), excluded but for the detector's
+    probe timing, never cut without a debt of its own, and back when the flag clears with progress, or alone."""
+    obs = [(0.0, _w(5, 0.0), 1), (0.8, _w(5, 0.0), 0),  # the client left: forgiven
+           (3.0, _w(5, 0.0, flagged=True), 0), (3.5, _w(5, 0.0, flagged=True), 0),  # the worker's probe found it
+           (5.1, _w(5, 0.0, flagged=True), 0),  # free for stall_after: due for one probe (the caller's choice)
+           (6.0, _w(9, 6.0), 0), (6.5, _w(9, 6.0), 0)]  # the worker's probe moved the progress, flag cleared
+    assert _run(StallDetector(1, stall_after_s=2.0, heed_flag=True), obs) == [
+        (0.0, False, False, False, ""), (0.8, False, False, False, ""), (3.0, True, True, False, "new"),
+        (3.5, True, True, False, ""), (5.1, True, False, False, ""), (6.0, False, False, False, "back"),
+        (6.5, False, False, False, "")]
+    # Without heed_flag (the worker's check on its own slot, whose flag is its own output): not stalled.
+    assert not any(r[1] for r in _run(StallDetector(1, stall_after_s=2.0), obs))
+    # The flag cleared with no progress seen (the worker's check lifted it): lifted too.
+    lifted = _run(StallDetector(1, stall_after_s=2.0, heed_flag=True),
+                  [(0.0, _w(5, 0.0, flagged=True), 0), (1.0, _w(5, 0.0), 0)])
+    assert lifted == [(0.0, True, True, False, "new"), (1.0, False, False, False, "back")]
+
+
+def test_a_stall_the_router_found_itself_lifts_only_with_progress_not_with_the_flag() -> None:
+    """A stall of the router's own (its debt overdue) is not lifted by the worker's flag clearing; requests open
+    on a flagged worker are cut by the router's own rule (their debt past stall_after), not at once."""
+    d = StallDetector(1, stall_after_s=2.0, heed_flag=True)
+    got = _run(d, [(0.0, _w(5, 0.0), 1), (1.0, _w(5, 0.0, flagged=True), 1), (1.5, _w(5, 0.0, flagged=True), 1),
+                   (2.1, _w(5, 0.0, flagged=True), 1), (3.0, _w(5, 0.0), 1), (4.0, _w(6, 4.0), 1)])
+    assert got == [(0.0, False, False, False, ""), (1.0, True, True, False, "new"), (1.5, True, True, False, ""),
+                   (2.1, True, True, True, ""), (3.0, True, True, True, ""), (4.0, False, False, False, "back")]
 
 
 # ---- the hang scenario, real processes ---------------------------------------------------------------------------

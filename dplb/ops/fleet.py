@@ -66,6 +66,15 @@ DEFAULT_ENVOY_ADMIN_PORT = 9901  # Envoy's conventional admin port, on 127.0.0.1
 _HOST_RE = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(?P<port>\d+)(?:/(?P<agent>\d+))?$")
 ORCA_UPDATE_S = 1.0  # Envoy CSWRR weight_update_period (its default)
 ORCA_BLACKOUT_S = 1.0  # Envoy CSWRR blackout_period: new weights are used after this long (Envoy default 10 s)
+#: Envoy CSWRR weight_expiration_period (Envoy default 3 min). A host's weight (rps_fractional ÷ utilization) comes
+#: only from the ORCA reports on its own answers, so a host whose last answers said utilization 1 (a stalled host's
+#: 504s and 503s) keeps that near-zero weight while it gets no request, and gets none because of it: after a stall
+#: Envoy starved a recovered host for 13-19 s (and up to the expiration period). Once a host's weight is older than
+#: this, Envoy gives it the median weight of the others (its weight update; then ``blackout_period`` of fresh
+#: reports before their weight counts), so a recovered host gets its share within this + ``weight_update_period``
+#: of its last report. Under load every host answers many requests a second, so only a host Envoy sends nothing to
+#: ages out; an idle one getting the median weight is right.
+ORCA_EXPIRATION_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +239,7 @@ def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: 
             "client_side_weighted_round_robin.v3.ClientSideWeightedRoundRobin\n"
             f"            blackout_period: {ORCA_BLACKOUT_S:g}s\n"
             f"            weight_update_period: {ORCA_UPDATE_S:g}s\n"
-            "            weight_expiration_period: 60s\n")
+            f"            weight_expiration_period: {ORCA_EXPIRATION_S:g}s  # a starved host's stale weight expires\n")
     else:
         policy = "    lb_policy: ROUND_ROBIN\n"
     ask = ("                request_headers_to_add:\n"

@@ -19,6 +19,14 @@ Contract
 - A stalled worker is never *ready*, probe or not (:meth:`StallDetector.stalled`): what the readiness surfaces
   (``/ready``, the host report) count. An idle stalled worker's own probe (:mod:`dplb.worker.stall_probe`) is what
   brings back an engine that recovers without traffic.
+- With ``heed_flag`` (the routers) the worker's own published verdict counts too: a ready worker whose slot has
+  ``FLAG_STALLED`` (its collector's check, :mod:`dplb.worker.collector`) is stalled from that observation on, with
+  its last progress as the stall's start, and no longer when the flag clears (its progress moved, or its check
+  lifted it). That is what finds a stall whose requests all left before ``stall_after_s`` (a client timeout
+  shorter than it): the router forgives that debt, but the worker, then suspect, probes its own engine
+  (:mod:`dplb.worker.stall_probe`) and its check flags the probe that gets no progress. A stall the router also
+  found on its own (a debt of its own overdue) is the router's and lifts only with progress. The worker's check on
+  its own slot leaves ``heed_flag`` off: the flag there is its own output.
 - A worker that restarted (another pid), is not ``ready``, or whose engine does not report progress
   (``progress_mono_ns`` 0) is never stalled; its state is reset.
 - Pure state: no I/O but logs; time from the caller (CLOCK_MONOTONIC ns). Used by the router (routing, failing
@@ -31,7 +39,7 @@ import logging
 from collections.abc import Sequence
 from typing import Final
 
-from dplb.state.shm import Lifecycle, WorkerState
+from dplb.state.shm import FLAG_STALLED, Lifecycle, WorkerState
 
 log = logging.getLogger("dplb.stall")
 _READY: Final = Lifecycle.READY
@@ -40,13 +48,14 @@ _NONE: Final[frozenset[int]] = frozenset()
 
 
 class StallDetector:
-    """Stall state of ``num_workers`` workers (module docstring). ``stall_after_s`` > 0 seconds.
+    """Stall state of ``num_workers`` workers (module docstring). ``stall_after_s`` > 0 seconds; ``heed_flag``: a
+    worker's own ``FLAG_STALLED`` makes it stalled too (the routers).
 
     After each :meth:`observe`: :attr:`newly_stalled` (workers that became stalled at this observation),
-    :attr:`recovered` (stalled workers whose progress moved), :attr:`cut` (stalled workers whose outstanding requests
-    are to be failed now)."""
+    :attr:`recovered` (stalled workers whose progress moved, or whose flag cleared with ``heed_flag``), :attr:`cut`
+    (stalled workers whose outstanding requests are to be failed now)."""
 
-    def __init__(self, num_workers: int, stall_after_s: float) -> None:
+    def __init__(self, num_workers: int, stall_after_s: float, heed_flag: bool = False) -> None:
         if stall_after_s <= 0:
             raise ValueError(f"stall_after_s must be > 0, got {stall_after_s}")
         n = num_workers
@@ -57,6 +66,8 @@ class StallDetector:
         self._stalled_since = [0] * n  # ns of the last progress (or debt start) when it stalled; 0 = not stalled
         self._free_since = [0] * n  # ns since which a stalled worker has no outstanding request (probe timing)
         self._suspect = [False] * n  # a debt was forgiven without progress since it began
+        self._heed_flag = heed_flag
+        self._by_flag = [False] * n  # stalled on the worker's own verdict only (lifts when its flag clears)
         self.newly_stalled: frozenset[int] = frozenset()
         self.recovered: frozenset[int] = frozenset()
         self.cut: frozenset[int] = frozenset()
@@ -76,8 +87,11 @@ class StallDetector:
                                 (now_ns - self._stalled_since[k]) / 1e9)
                 self._pid[k], self._progress[k] = w.pid, w.progress_total
                 self._owed_since[k] = self._stalled_since[k] = self._free_since[k] = 0
-                self._suspect[k] = False
-            busy = outstanding[k] > 0 if k < len(outstanding) else False
+                self._suspect[k] = self._by_flag[k] = False
+            n_out = outstanding[k] if k < len(outstanding) else 0
+            if self._heed_flag and not w.torn:  # (a torn read's flags mean nothing)
+                self._follow_flag(w, n_out, now_ns, new, back)
+            busy = n_out > 0
             if not busy:
                 if self._owed_since[k] and not self._stalled_since[k]:
                     self._suspect[k] = True
@@ -99,8 +113,27 @@ class StallDetector:
                 log.error("worker %d: engine made no progress for %.1f s with %d request(s) outstanding; stalled: "
                           "not routing to it and failing its requests until its progress resumes", k,
                           (now_ns - w.progress_mono_ns) / 1e9, outstanding[k])
+            self._by_flag[k] = False  # the router's own verdict now: lifts only with progress
             cut.add(k)
         self.newly_stalled, self.recovered, self.cut = frozenset(new), frozenset(back), frozenset(cut)
+
+    def _follow_flag(self, w: WorkerState, n_out: int, now_ns: int, new: set[int], back: set[int]) -> None:
+        """Take worker ``w``'s own verdict (``FLAG_STALLED``; ``n_out`` requests outstanding): stalled while it is
+        set, lifted when it clears on a worker stalled on it only (module docstring)."""
+        k = w.worker_id
+        flagged = bool(w.flags & FLAG_STALLED) and w.lifecycle == _READY and w.progress_mono_ns > 0
+        if flagged and not self._stalled_since[k]:
+            self._stalled_since[k], self._by_flag[k] = w.progress_mono_ns, True
+            new.add(k)
+            log.error("worker %d: engine made no progress for %.1f s with %d request(s) outstanding; stalled (the "
+                      "worker's own stall check says so): not routing to it until its progress resumes", k,
+                      (now_ns - w.progress_mono_ns) / 1e9, n_out)
+        elif not flagged and self._by_flag[k]:
+            back.add(k)
+            log.warning("worker %d: its own stall check lifted the stall after %.1f s; routing to it again", k,
+                        (now_ns - self._stalled_since[k]) / 1e9)
+            self._stalled_since[k] = self._free_since[k] = 0
+            self._by_flag[k] = False
 
     @property
     def any_stalled(self) -> bool:

@@ -20,7 +20,9 @@ Contract (docs/DESIGN.md §4, §6)
   operator's key only (:mod:`dplb.router.privileges`).
 - CORS (``--cors-allowed-origins``, off by default): Litestar's CORS config answers preflights (``OPTIONS`` with
   ``Origin``, before the API key check, on every path) and adds the headers to local routes; proxied responses get
-  the same headers from the same config. Every answer to a request with ``Origin`` carries ``Vary: Origin`` (unless
+  the same headers from the same config. ``Access-Control-Allow-Methods``/``-Headers`` (and ``-Max-Age``) go on
+  preflight answers only, as the Fetch standard's CORS protocol has them (Litestar adds them to every response;
+  the local routes' send drops them). Every answer to a request with ``Origin`` carries ``Vary: Origin`` (unless
   ``*`` allows every origin), a refused origin's too; :data:`CORS_EXPOSE_HEADERS` lets a browser read
   ``Retry-After`` and the ``x-ratelimit-*`` headers.
 - With an API key or a tenants file, every path except ``public_paths`` needs ``Authorization: Bearer <key>``
@@ -170,18 +172,7 @@ class RouterApp:
             scope = {**scope, "method": "GET"}
             send = _without_body(send)
 
-        orca = self.orca
-        local_scope = scope  # the scope served (a HEAD's, rebound above), for the closure below
-
-        async def send_wrapper(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-                if orca is not None and status[0] == 503:
-                    headers = list(message.get("headers", []))
-                    orca(local_scope, headers)
-                    message = {**message, "headers": headers}
-            await send(message)
-
+        send_wrapper = _local_send(send, status, self.orca, scope, origin is not None and scope["method"] != "OPTIONS")
         try:
             if origin is not None and scope["method"] == "OPTIONS":
                 assert self.cors is not None
@@ -262,6 +253,34 @@ class RouterApp:
             if n == b"authorization":
                 return self.proxy.gate.tenant_of(v) is not None
         return False
+
+
+#: CORS response headers that belong on a preflight answer only (Fetch standard, CORS protocol: an actual response
+#: carries Access-Control-Allow-Origin/-Credentials/-Expose-Headers); Litestar's CORS middleware puts them on every
+#: response to a request with Origin.
+_PREFLIGHT_ONLY = frozenset({b"access-control-allow-methods", b"access-control-allow-headers",
+                             b"access-control-max-age"})
+
+
+def _local_send(send: Any, status: list[int], orca: OrcaResponder | None, scope: dict[str, Any],
+                actual_cors: bool) -> Any:
+    """``send`` for a local route: records the status in ``status[0]``, adds the ORCA report to a 503 (``orca``,
+    for ``scope``'s request), and with ``actual_cors`` (a non-preflight request with Origin) drops the
+    preflight-only CORS headers (:data:`_PREFLIGHT_ONLY`)."""
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            status[0] = message["status"]
+            orca_503 = orca is not None and status[0] == 503
+            if orca_503 or actual_cors:
+                headers = [h for h in message.get("headers", [])
+                           if not (actual_cors and bytes(h[0]).lower() in _PREFLIGHT_ONLY)]
+                if orca is not None and orca_503:
+                    orca(scope, headers)
+                message = {**message, "headers": headers}
+        await send(message)
+
+    return wrapped
 
 
 def _vary_origin(send: Any) -> Any:

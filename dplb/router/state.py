@@ -24,15 +24,16 @@ Contract
   ``routable_workers(panic=True)`` gives the same set per call to the tenant gate, which counts room on those
   workers while in panic (its queued requests are granted and then routed in panic).
 - Stalls (:class:`dplb.policy.stall.StallDetector`, off with ``stall_after_s`` 0): every monitor step feeds it the
-  snapshot and every router process's in-flight counts; a stalled worker is passed to the policy (``stalled``), and
-  the attempts open on it (registered by :meth:`acquire`) are cut (``cut_stalled()``: answered 504
-  ``worker_stalled`` or ended with an SSE error event). ``dplb_worker_stalled``, ``dplb_worker_stalls_total`` and
-  ``dplb_stalled_requests_failed_total`` count it. A stalled worker is never in :meth:`RouterState.routable_workers`
-  (``/ready``, the host report: a host whose every worker is stalled is not ready and reports ``down``). The
-  detector's in-band probe (one request at a time to a stalled worker idle for ``--stall-after``) is taken only as
-  a last resort — no other worker can take the request — by a worker that probes its own engine (its slot's
-  ``FLAG_STALLED``: :mod:`dplb.worker.stall_probe`); one that does not (its own stall check off or not seeing the
-  stall) takes it whenever it is due, since nothing else would bring it back.
+  snapshot and every router process's in-flight counts, and it also takes a worker's own verdict (``FLAG_STALLED`` in
+  its slot: a stall whose requests all left before ``--stall-after``, found by the worker's probe); a stalled worker
+  is passed to the policy (``stalled``), and the attempts open on it (registered by :meth:`acquire`) are cut
+  (``cut_stalled()``: answered 504 ``worker_stalled`` or ended with an SSE error event). ``dplb_worker_stalled``,
+  ``dplb_worker_stalls_total`` and ``dplb_stalled_requests_failed_total`` count it. A stalled worker is never in
+  :meth:`RouterState.routable_workers` (``/ready``, the host report: a host whose every worker is stalled is not ready
+  and reports ``down``). The detector's in-band probe (one request at a time to a stalled worker idle for
+  ``--stall-after``) is taken only as a last resort — no other worker can take the request — by a worker that probes
+  its own engine (its slot's ``FLAG_STALLED``: :mod:`dplb.worker.stall_probe`); one that does not (its own stall check
+  off or not seeing the stall) takes it whenever it is due, since nothing else would bring it back.
 - A segment that comes back after it was lost is attached at once but routed on only when one of its workers is
   routable (or after :data:`PROMOTE_GRACE_S`): a freshly recreated segment is empty until the workers re-publish,
   and routing on it meanwhile would answer 503 ``no_workers_registered`` although every worker is serving. While
@@ -116,7 +117,7 @@ class RouterState:
         ejections = metrics.ejections
         self.health = WorkerHealth(n, self.pid_of, lambda k: ejections.labels(str(k)).inc())
         self._had_segment = seg is not None
-        self.stall = StallDetector(n, cfg.stall_after_s) if cfg.stall_after_s > 0 else None
+        self.stall = StallDetector(n, cfg.stall_after_s, heed_flag=True) if cfg.stall_after_s > 0 else None
         self.attempts: list[set[Cuttable]] = [set() for _ in range(n)]  # open attempts per worker (stall cuts)
         self._stalled_shown: frozenset[int] = frozenset()
         self._panic: frozenset[int] = frozenset()  # the workers panic routing routes among now (empty: no panic)
