@@ -5,6 +5,10 @@ Contract
 - Off unless a feature needs it (:attr:`Gate.on`: ``--tenants``, ``--api-key`` or ``--access-log``): then the proxy
   never calls the gate and a request carries no tenant state at all (no ticket, no usage meter on its chunks, no
   ``dplb_tenant_*`` sample); its tenant is ``default`` where one is shown (trace, ``/debug/decisions``).
+- :attr:`Gate.plain`: on, without a tenants file (``--api-key`` or ``--access-log`` alone): one tenant,
+  ``default``, with no limits, allow-list, stored-response owners or fair queue, so :meth:`Gate.enter` never refuses
+  or waits: it is :meth:`Gate.admit`, synchronous, which the direct relay (:mod:`dplb.router.direct`) calls too
+  (identify, admit, the ticket's head and chunks, leave: the same tenant state, ledger and metrics on both paths).
 - :meth:`Gate.identify` (before the body is read): the tenant of ``Authorization: Bearer <key>``
   (:meth:`dplb.tenants.TenantsConfig.lookup`, constant time); False = answer 401. Without any key configured
   (no ``--tenants``, no ``--api-key``) every request is tenant ``default``. ``--api-key``'s key is tenant
@@ -94,6 +98,8 @@ class Gate:
         self.reject = reject  # dplb.router.attempt.Upstreams.reject
         #: Whether requests go through the gate (module docstring): a tenants file, an API key or the access log.
         self.on = cfg.tenants_file is not None or bool(cfg.api_key) or cfg.access_log
+        #: On without a tenants file: admission never refuses or waits (module docstring, :meth:`admit`).
+        self.plain = self.on and cfg.tenants_file is None
         self.metrics = TenantMetrics(registry)
         self.file_metrics = TenantsFileMetrics(registry) if cfg.tenants_file is not None else None
         self.config = read_tenants(cfg, self.file_metrics, starting=True)
@@ -155,8 +161,20 @@ class Gate:
         return True
 
     # ---- admission ----------------------------------------------------------------------------------------------
+    def admit(self, ex: Exchange) -> None:
+        """:meth:`enter` of a :attr:`plain` gate (its tenant has no limit, allow-list or queue): ``ex`` (identified)
+        is admitted at once; what :meth:`enter` does then, nothing else (the direct relay's admission)."""
+        tk: Ticket = ex.tenant
+        tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
+        self.active[tk.tenant.name] += 1
+        tk.counted = True
+        self._observe_wait(tk, 0.0)
+
     async def enter(self, ex: Exchange) -> bool:
         """Admit ``ex`` now, after waiting, or answer it (module docstring). False when it was answered."""
+        if self.plain:
+            self.admit(ex)
+            return True
         tk: Ticket = ex.tenant
         t = tk.tenant
         if t.models is not None or self.owners is not None:  # an allow-list; stored responses (--tenants)

@@ -82,3 +82,9 @@ class Ticket:
             self.fq.charge(self.tenant.name, self.tenant.weight, output_tokens=m.events - self.charged)
             self.charged = m.events
         return out
+
+    def chunks(self, chunks: list[bytes]) -> None:
+        """:meth:`chunk` of each of ``chunks`` (one read of the worker's socket, the direct relay), relayed as they
+        are: only for a ticket whose meter never takes a usage event out (no fair queue: nothing is stripped)."""
+        for data in chunks:
+            self.chunk(data)
