@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -16,9 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster import Cluster, cluster
+from cluster import Cluster, cluster, wait_for
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+
+from dplb.ops.usage import read_ledger
 
 KEY = "s3cret-Key_1.x~y+z/w=="
 GOOD = f"Bearer {KEY}"
@@ -207,3 +210,52 @@ def test_fuzzed_authorization_is_answered_alike(routers: Routers, auth: str | No
     got = [_talk(c.port, data) for c in (routers.direct, routers.asgi)]
     assert got[0] == got[1], auth
     assert re.match(rb"HTTP/1.1 (200|401|400) ", got[0]), got[0][:200]
+
+
+def _failures(c: Cluster) -> dict[str, Any]:
+    """A request answered whole, a stream its client leaves after 3 events and a stream whose worker is killed
+    after 5: the default tenant's ledger once they and the warm-up request are accounted."""
+    key = {"authorization": GOOD}
+    with httpx.Client(timeout=30) as client:
+        assert client.post(c.url + "/v1/chat/completions", json=CHAT, headers=key).status_code == 200
+        with client.stream("POST", c.url + "/v1/chat/completions", headers=key,
+                           json={**CHAT, "max_tokens": 300, "stream": True}) as r:
+            got = b""
+            for chunk in r.iter_raw():
+                got += chunk
+                if got.count(b"data:") >= 3:
+                    break
+    got = b""
+    with pytest.raises(httpx.HTTPError), httpx.Client(timeout=30) as client, \
+            client.stream("POST", c.url + "/v1/chat/completions", headers=key,
+                          json={**CHAT, "max_tokens": 300, "stream": True}) as r:
+        for chunk in r.iter_raw():
+            got += chunk
+            if got.count(b"data:") >= 5 and 0 in c.workers and c.workers[0].poll() is None:
+                c.kill_worker(0, signal.SIGKILL)
+    assert b"worker_failed" in got, got[-300:]
+    led = wait_for(lambda: (x := read_ledger(c.url, KEY).get("default")) and sum(x["requests"].values()) == 4 and x,
+                   10, "four requests in the ledger")
+    return led
+
+
+def test_a_stream_cut_or_left_on_the_keyed_direct_relay_is_accounted_as_on_the_asgi_path(tmp_path: Path) -> None:
+    """The tenant ledger of a failed and a cancelled stream is the ASGI path's: the same outcomes (ok, cancelled,
+    server_error) and prompt tokens (the engine's count, else the router's estimate); the relay took all three."""
+    slow = ["--sim-chunk-delay-s", "0.05"]
+    with cluster(str(tmp_path), 1, worker_args={0: slow}, router_args=["--api-key", KEY]) as c:
+        _talk(c.port, _one("/v1/completions", b'{"model": "dplb-sim", "prompt": "w", "max_tokens": 1}', "warm",
+                           GOOD.encode(), close=True))
+        before = _direct(c)
+        direct = _failures(c)
+        after = _direct(c)
+        c.start_worker(0, *slow)
+        c.start_router("--api-key", KEY, "--no-direct-relay")
+        _talk(c.port, _one("/v1/completions", b'{"model": "dplb-sim", "prompt": "w", "max_tokens": 1}', "warm",
+                           GOOD.encode(), close=True))
+        asgi = _failures(c)
+    assert after["direct"] - before["direct"] == 3 and after["continued"] == before["continued"], (before, after)
+    for led in (direct, asgi):  # (the warm-up request is in the ledger too)
+        assert dict(led["requests"]) == {"ok": 2, "cancelled": 1, "server_error": 1}, led
+        assert led["completion_tokens"] >= 1 + 4 + 3 + 5, led  # the events relayed before the cut
+    assert direct["prompt_tokens"] == asgi["prompt_tokens"], (direct, asgi)
