@@ -3,13 +3,16 @@ requests and SLO events, by tenant and priority class.
 
 Contract: :class:`TenantMetrics` registers them in the registry it is given (the router's); labels are bounded (the
 configured tenants + ``default``, the priority classes, the closed :data:`dplb.obs.metrics.TENANT_OUTCOMES`).
-Names come from :mod:`dplb.obs.metrics`.
+Names come from :mod:`dplb.obs.metrics`. The families a request updates (requests, tokens, the three histograms, SLO
+events) are :mod:`dplb.obs.fastmetrics`'s (the same exposition, no lock, a bisect per observation): every request of
+a router with ``--api-key`` or ``--access-log`` updates them.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from dplb.obs.fastmetrics import CounterFamily, HistogramFamily
 from dplb.obs.metrics import (
     REQUEST_BUCKETS,
     TENANT_E2E,
@@ -31,23 +34,23 @@ class TenantMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         lt, lp = ["tenant", "priority"], ["tenant", "priority", "outcome"]
-        self.requests = Counter(TENANT_REQUESTS, "Proxied requests by tenant, priority class and outcome.", lp,
-                                registry=registry)
-        self.tokens = Counter(TENANT_TOKENS, "Tokens by tenant and kind (prompt, completion, cached: the engine's "
-                              "usage counts).", ["tenant", "kind"], registry=registry)
-        self.queue_wait = Histogram(TENANT_QUEUE_WAIT, "Time requests waited in the router's fair queue, seconds.",
-                                    lt, buckets=REQUEST_BUCKETS, registry=registry)
-        self.ttft = Histogram(TENANT_TTFT, "Time from arrival to the first response body byte of a streamed "
-                              "response (the first token; a response that is not a stream is not observed), "
-                              "seconds.", lt, buckets=REQUEST_BUCKETS, registry=registry)
-        self.e2e = Histogram(TENANT_E2E, "Time from arrival to the end of the response of a request answered OK "
-                             "(outcome ok), seconds.", lt, buckets=REQUEST_BUCKETS, registry=registry)
+        self.requests = CounterFamily(TENANT_REQUESTS, "Proxied requests by tenant, priority class and outcome.",
+                                      lp, registry=registry)
+        self.tokens = CounterFamily(TENANT_TOKENS, "Tokens by tenant and kind (prompt, completion, cached: the "
+                                    "engine's usage counts).", ["tenant", "kind"], registry=registry)
+        self.queue_wait = HistogramFamily(TENANT_QUEUE_WAIT, "Time requests waited in the router's fair queue, "
+                                          "seconds.", lt, buckets=REQUEST_BUCKETS, registry=registry)
+        self.ttft = HistogramFamily(TENANT_TTFT, "Time from arrival to the first response body byte of a streamed "
+                                    "response (the first token; a response that is not a stream is not observed), "
+                                    "seconds.", lt, buckets=REQUEST_BUCKETS, registry=registry)
+        self.e2e = HistogramFamily(TENANT_E2E, "Time from arrival to the end of the response of a request answered "
+                                   "OK (outcome ok), seconds.", lt, buckets=REQUEST_BUCKETS, registry=registry)
         self.queued = Gauge(TENANT_QUEUED, "Requests waiting in the router's fair queue, by tenant.", ["tenant"],
                             registry=registry)
-        self.slo_events = Counter(TENANT_SLO_EVENTS, "Requests counted by a class's SLO: availability (bad = a 5xx, "
-                                  "or a 200 stream that failed: cut, or ended by the worker's error event), ttft "
-                                  "(streamed requests only; bad = TTFT over the class's ttft_s), by result good/bad.",
-                                  ["tenant", "priority", "slo", "result"], registry=registry)
+        self.slo_events = CounterFamily(TENANT_SLO_EVENTS, "Requests counted by a class's SLO: availability (bad = a "
+                                        "5xx, or a 200 stream that failed: cut, or ended by the worker's error event), "
+                                        "ttft (streamed requests only; bad = TTFT over the class's ttft_s), by result "
+                                        "good/bad.", ["tenant", "priority", "slo", "result"], registry=registry)
         self.slo_objective = Gauge(TENANT_SLO_OBJECTIVE, "A priority class's SLO target from the tenants file (0-1).",
                                    ["priority", "slo"], registry=registry)
 
