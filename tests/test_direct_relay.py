@@ -186,19 +186,26 @@ def _wait_inflight_zero(c: Cluster) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("feature", [{}, {"direct_relay": False}, {"api_key": "k"}, {"access_log": True},
-                                     {"cors_allowed_origins": ("https://a.example",)}, {"resume_streams": True},
-                                     {"sse_keepalive_s": 5.0}])
-def test_the_direct_relay_is_on_only_while_no_feature_needs_the_asgi_path(tmp_path: Path, feature: dict[str, Any]
-                                                                         ) -> None:
+@pytest.mark.parametrize(("feature", "on"), [({}, True), ({"direct_relay": False}, False), ({"api_key": "k"}, True),
+                                         ({"access_log": True}, True), ({"api_key": "k", "access_log": True}, True),
+                                         ({"tenants_file": "TENANTS"}, False),
+                                         ({"cors_allowed_origins": ("https://a.example",)}, False),
+                                         ({"resume_streams": True}, False), ({"sse_keepalive_s": 5.0}, False)])
+def test_the_direct_relay_is_on_only_while_no_feature_needs_the_asgi_path(tmp_path: Path, feature: dict[str, Any],
+                                                                         on: bool) -> None:
     """In-process (the router's own objects, no segment): each feature that needs the ASGI path turns the direct
-    relay off; tracing, enabled after start, too."""
+    relay off (a tenants file does, the API key and the access log alone do not); tracing, enabled after start,
+    too."""
     from dplb.config import PolicyConfig, RouterConfig
     from dplb.router.app import RouterApp
 
+    if "tenants_file" in feature:
+        tf = tmp_path / "tenants.toml"
+        tf.write_text(f'[tenants.a]\napi_key_sha256 = ["{"0" * 64}"]\n')
+        feature = {"tenants_file": str(tf)}
     app = RouterApp(RouterConfig(PolicyConfig(), run_dir=str(tmp_path), num_workers=1,
                                  shm_path=str(tmp_path / "absent"), **feature))
-    assert app.proxy.direct_enabled() is (not feature)
+    assert app.proxy.direct_enabled() is on
     app.proxy.enable_tracing(object())
     assert app.proxy.direct_enabled() is False
     app.state.close()

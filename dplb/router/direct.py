@@ -4,10 +4,15 @@ well (docs/DESIGN.md §4, "The direct relay").
 Contract
 - :class:`DirectLane` is the router's direct handler (:mod:`dplb.runtime.direct`). It takes the common request:
   ``POST`` on a proxied route other than ``/v1/responses``, ``Content-Length`` body, no ``Content-Encoding``, while
-  no feature that reads or rewrites the request or its chunks is on (tenants, API key, access log, tracing,
-  ``--resume-streams``, SSE keep-alives, CORS) and ``--no-direct-relay`` is not given. Anything else, and a
-  request the edge checks refuse, goes to the ASGI path (:class:`dplb.router.proxy.Proxy`) untouched: the lane
-  declines before it decides.
+  no feature that reads or rewrites the request or its chunks is on (a tenants file, tracing, ``--resume-streams``,
+  SSE keep-alives, CORS) and ``--no-direct-relay`` is not given. Anything else, and a request the edge checks
+  refuse (a missing or wrong API key among them), goes to the ASGI path (:class:`dplb.router.proxy.Proxy`)
+  untouched: the lane declines before it decides.
+- With ``--api-key`` or ``--access-log`` (a :attr:`dplb.router.tenancy.Gate.plain` gate) the lane does the gate's
+  work as the ASGI path does: :meth:`Gate.identify` (the same constant-time key lookup) while it reads the request,
+  :meth:`Gate.admit` before it decides, the ticket's head and chunks (the usage meter) as it relays, and
+  :meth:`Gate.leave` (ledger, ``dplb_tenant_*``, the access-log line) once the attempt is settled, after the
+  response's last bytes; a request continued on the ASGI path leaves when that coroutine ends.
 - Once it decided, the lane owns the request and the behaviour is the ASGI path's, step for step: the same
   Exchange, decision, request head, :class:`dplb.router.attempt.Attempt` accounting (``settle``, the outcome, the
   worker's release, the HTTP metrics). It continues on the ASGI path — a coroutine, exactly the code the proxy runs
@@ -50,8 +55,9 @@ from dplb.router.health import Outcome
 from dplb.router.intake import Rejected, check_head
 from dplb.router.proxy import Proxy, scan_headers
 from dplb.router.routes import match
+from dplb.router.tenancy import Gate
 from dplb.router.upstream import Sink, UpstreamConn, UpstreamError, UpstreamTimeout
-from dplb.runtime.direct import DirectResponse
+from dplb.runtime.direct import DirectResponse, header_lines
 from dplb.runtime.edge import DISCONNECT_EXT, DisconnectHook
 from dplb.runtime.lane_cycle import LaneCycle
 
@@ -79,6 +85,7 @@ class DirectLane:
         self.run = run
         self.observe = observe
         self.enabled = enabled
+        self.gate: Gate = proxy.gate  # (on: a plain one, enabled() says so)
         cfg = proxy.cfg
         self.limit = cfg.max_body_bytes
         self.first_byte_s = cfg.first_byte_timeout_s  # (read per request: the frozen config's, once)
@@ -106,6 +113,8 @@ class DirectLane:
         held: Attempt | None = None  # the attempt holding the worker, once acquired (a bug settles it)
         conn: UpstreamConn | None = None
         try:
+            if ex.tenant is not None:
+                self.gate.admit(ex)  # (a ticket: the gate identified it)
             seconds = proxy.choose(ex)  # from here on the request is this lane's (tracing is off: nothing to trace)
             worker = ex.decision.worker
             if worker is None:
@@ -155,8 +164,11 @@ class DirectLane:
             return None
         ex = Exchange(scope, None, None)  # (receive and send: the cycle's, given to the ASGI app if it continues)
         ex.route, ex.pin = found
-        clen, ctype, _, encoding = scan_headers(ex)
+        clen, ctype, auth, encoding = scan_headers(ex)
         if encoding or clen < 0 or clen != len(cycle.body):
+            return None
+        gate = self.gate
+        if gate.on and not gate.identify(ex, auth):  # the ASGI path answers the 401
             return None
         proxy = self.proxy
         try:  # the ASGI path's checks (it answers what they refuse)
@@ -168,9 +180,12 @@ class DirectLane:
         return ex
 
     def _continue(self, ex: Exchange, start: Callable[[Any], None], work: Coroutine[Any, Any, None]) -> None:
-        """Go on with ``work`` on the ASGI path (a task on the request's cycle)."""
+        """Go on with ``work`` on the ASGI path (a task on the request's cycle); an identified request leaves the
+        gate when it ends, as on the ASGI path."""
         self.n_continued.inc()
         run = self.run
+        if ex.tenant is not None:
+            work = _gated(self.gate, ex, work)
 
         async def app(scope: Any, receive: Any, send: Any) -> None:
             ex.receive, ex.send = receive, send  # (the cycle's, as the ASGI path's exchange has them)
@@ -234,8 +249,15 @@ class DirectAttempt(Attempt, Sink):
                 return
             got = self.accept_lines(status, headers)
             assert got is not None  # (None: a draining refusal, a 503, taken above)
+            lines, sized = got
+            tk = self.ex.tenant
+            if tk is not None:  # (x-ratelimit-* headers, none from a plain gate; the usage meter)
+                extra: list[tuple[bytes, bytes]] = []
+                tk.head(status, extra, self.is_sse)
+                if extra:
+                    lines += header_lines(extra)
             self.status = self.ex.status = status
-            self.out.start_lines(status, got[0], got[1])
+            self.out.start_lines(status, lines, sized)
             self.outcome = _BROKEN  # from here on, a relay that does not complete is a broken response
             self.out.source = self  # (pause_reading / resume_reading at the client's write-buffer marks)
             self.deadline = self.clock() + self.idle_s
@@ -252,6 +274,8 @@ class DirectAttempt(Attempt, Sink):
                 self.deadline = self.clock() + self.idle_s  # (once per read: its chunks came at the same time)
                 self.prior = chunks[-2] if n > 1 else self.last
                 self.last = chunks[-1]
+                if self.ex.tenant is not None:
+                    self.ex.tenant.chunks(chunks)
             self.out.write(chunks)
         except Exception as e:
             self.crash(e)
@@ -264,6 +288,8 @@ class DirectAttempt(Attempt, Sink):
                     self.t_first = _perf_counter()
                 self.prior = chunks[-2] if n > 1 else self.last
                 self.last = chunks[-1]
+                if self.ex.tenant is not None:
+                    self.ex.tenant.chunks(chunks)
             self.outcome = self.stream_end(self.prior, self.last)
             # accounted once the client has its bytes, before a pipelined request starts
             self.out.end(self._done, chunks)
@@ -348,8 +374,9 @@ class DirectAttempt(Attempt, Sink):
             conn.transport.resume_reading()
 
     def _done(self) -> None:
-        """Account for the attempt (as :meth:`Attempt.run` does on its way out) and count the request. The
-        connection's timer stays armed (a pooled connection's next request uses it; it finds no sink otherwise)."""
+        """Account for the attempt (as :meth:`Attempt.run` does on its way out), leave the gate (an identified
+        request) and count the request. The connection's timer stays armed (a pooled connection's next request uses
+        it; it finds no sink otherwise)."""
         ex = self.ex
         if self.conn is not None:
             self.conn.sink = None
@@ -358,8 +385,12 @@ class DirectAttempt(Attempt, Sink):
         try:
             self.settle(False)  # nothing to retry: the response started, or the client left
         finally:
-            self.lane.observe(ex.scope["path"], "POST", ex.status, ex.t_start)
-            self.lane.n_direct.inc()
+            try:
+                if ex.tenant is not None:
+                    self.lane.gate.leave(ex)
+            finally:
+                self.lane.observe(ex.scope["path"], "POST", ex.status, ex.t_start)
+                self.lane.n_direct.inc()
 
 
 def _settle(attempt: Attempt) -> None:
@@ -369,6 +400,14 @@ def _settle(attempt: Attempt) -> None:
         attempt.settle(False)
     except Exception:
         log.exception("settling an attempt cut short by an internal error failed")
+
+
+async def _gated(gate: Gate, ex: Exchange, work: Coroutine[Any, Any, None]) -> None:
+    """``work`` continued on the ASGI path, then ``ex`` leaves ``gate`` (as :meth:`Proxy.serve` ends it)."""
+    try:
+        await work
+    finally:
+        gate.leave(ex)
 
 
 async def _reraise(exc: Exception) -> None:

@@ -107,13 +107,14 @@ class Proxy:
         self._tracing: Tracing | None = None
         self._req_skip = REQ_OWN
         # The features that need the ASGI path, all fixed at start (tracing aside: enable_tracing).
-        self._direct_ok = bool(cfg.direct_relay and not self.gate.on and not cfg.cors_allowed_origins
-                               and not cfg.resume_streams and not cfg.sse_keepalive_s)
+        # The API key and the access log alone (a plain gate) do not: the relay identifies and admits as the gate does.
+        self._direct_ok = bool(cfg.direct_relay and (not self.gate.on or self.gate.plain)
+                               and not cfg.cors_allowed_origins and not cfg.resume_streams and not cfg.sse_keepalive_s)
 
     def direct_enabled(self) -> bool:
         """Whether the direct relay (:mod:`dplb.router.direct`) may take a request now: ``--direct-relay`` is on and
-        no feature that needs the ASGI path is (tenants, API key or access log, CORS, ``--resume-streams``, SSE
-        keep-alives, tracing)."""
+        no feature that needs the ASGI path is (a tenants file, CORS, ``--resume-streams``, SSE keep-alives,
+        tracing); ``--api-key`` and ``--access-log`` do not need it (:attr:`dplb.router.tenancy.Gate.plain`)."""
         return self._direct_ok and self.tracer is None
 
     # ---- helpers -------------------------------------------------------------------------------------------------

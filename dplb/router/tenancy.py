@@ -5,6 +5,10 @@ Contract
 - Off unless a feature needs it (:attr:`Gate.on`: ``--tenants``, ``--api-key`` or ``--access-log``): then the proxy
   never calls the gate and a request carries no tenant state at all (no ticket, no usage meter on its chunks, no
   ``dplb_tenant_*`` sample); its tenant is ``default`` where one is shown (trace, ``/debug/decisions``).
+- :attr:`Gate.plain`: on, without a tenants file (``--api-key`` or ``--access-log`` alone): one tenant,
+  ``default``, with no limits, allow-list, stored-response owners or fair queue, so :meth:`Gate.enter` never refuses
+  or waits: it is :meth:`Gate.admit`, synchronous, which the direct relay (:mod:`dplb.router.direct`) calls too
+  (identify, admit, the ticket's head and chunks, leave: the same tenant state, ledger and metrics on both paths).
 - :meth:`Gate.identify` (before the body is read): the tenant of ``Authorization: Bearer <key>``
   (:meth:`dplb.tenants.TenantsConfig.lookup`, constant time); False = answer 401. Without any key configured
   (no ``--tenants``, no ``--api-key``) every request is tenant ``default``. ``--api-key``'s key is tenant
@@ -94,9 +98,12 @@ class Gate:
         self.reject = reject  # dplb.router.attempt.Upstreams.reject
         #: Whether requests go through the gate (module docstring): a tenants file, an API key or the access log.
         self.on = cfg.tenants_file is not None or bool(cfg.api_key) or cfg.access_log
+        #: On without a tenants file: admission never refuses or waits (module docstring, :meth:`admit`).
+        self.plain = self.on and cfg.tenants_file is None
         self.metrics = TenantMetrics(registry)
         self.file_metrics = TenantsFileMetrics(registry) if cfg.tenants_file is not None else None
         self.config = read_tenants(cfg, self.file_metrics, starting=True)
+        self._keyless = not any(t.key_sha256 for t in self.config.tenants)  # (no key: the first tenant)
         self.fq: FairQueue | None = None
         if cfg.tenants_file is not None:
             self.fq = FairQueue(len(self.config.classes), cfg.queue_max, cfg.queue_timeout_s,
@@ -109,7 +116,6 @@ class Gate:
         self._granted: dict[int, int] = collections.defaultdict(int)
         self._held: dict[int, int] = collections.defaultdict(int)  # worker → slots held for a tenant's next request
         self._ticker: asyncio.Task[None] | None = None
-        self._children: dict[str, tuple[Any, Any, Any]] = {}
         self.closed = False
         publish_slos(self.metrics, self.config)
 
@@ -125,6 +131,7 @@ class Gate:
             log.error("tenants file not reloaded, keeping the previous one: %s", e)
             return False
         self.config = tc
+        self._keyless = not any(t.key_sha256 for t in tc.tenants)
         self._limits = limits_for(tc, self._limits)
         self.group.configure(tc)
         publish_slos(self.metrics, tc)
@@ -139,7 +146,7 @@ class Gate:
     def tenant_of(self, authorization: bytes) -> Tenant | None:
         """The tenant of an ``Authorization`` header value (module docstring), or None (answer 401)."""
         tc = self.config
-        if not any(t.key_sha256 for t in tc.tenants):
+        if self._keyless:
             return tc.tenants[0]
         if authorization[:7].lower() != b"bearer ":
             return None
@@ -155,8 +162,20 @@ class Gate:
         return True
 
     # ---- admission ----------------------------------------------------------------------------------------------
+    def admit(self, ex: Exchange) -> None:
+        """:meth:`enter` of a :attr:`plain` gate (its tenant has no limit, allow-list or queue): ``ex`` (identified)
+        is admitted at once; what :meth:`enter` does then, nothing else (the direct relay's admission)."""
+        tk: Ticket = ex.tenant
+        tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
+        self.active[tk.tenant.name] += 1
+        tk.counted = True
+        self._observe_wait(tk, 0.0)
+
     async def enter(self, ex: Exchange) -> bool:
         """Admit ``ex`` now, after waiting, or answer it (module docstring). False when it was answered."""
+        if self.plain:
+            self.admit(ex)
+            return True
         tk: Ticket = ex.tenant
         t = tk.tenant
         if t.models is not None or self.owners is not None:  # an allow-list; stored responses (--tenants)
@@ -300,7 +319,7 @@ class Gate:
 
     def _observe_wait(self, tk: Ticket, seconds: float) -> None:
         tk.wait_s = seconds
-        self.metrics.queue_wait.labels(tk.tenant.name, tk.tenant.priority).observe(seconds)
+        self.metrics.ledger(tk.tenant.name, tk.tenant.priority).wait(seconds)
 
     def _prepare(self, ex: Exchange, tk: Ticket) -> None:
         """The body changes the gate makes on a request it lets through (module docstring)."""
@@ -431,17 +450,17 @@ class Gate:
         m = tk.meter
         returned = 0  # tokens the correction below gives back (negative: takes)
         usage = m.finish() if m is not None else None
-        c = self._child(t.name)
+        c = self.metrics.ledger(t.name, t.priority)
         if usage is not None:
             completion = usage.completion_tokens or 0
-            c[0].inc(usage.prompt_tokens)
-            c[1].inc(completion)
-            c[2].inc(usage.cached)
+            c.prompt.inc(usage.prompt_tokens)
+            c.completion.inc(completion)
+            c.cached.inc(usage.cached)
             if self.fq is not None:
                 self.fq.charge(t.name, t.weight, usage.prompt_tokens - tk.est, completion - tk.charged)
         elif tk.relayed or (m is not None and m.events):  # no engine count (cancelled, failed mid-stream)
-            c[0].inc(tk.est)  # the engine took the request and ran its prefill: the router's estimate
-            c[1].inc(m.events if m is not None else 0)
+            c.prompt.inc(tk.est)  # the engine took the request and ran its prefill: the router's estimate
+            c.completion.inc(m.events if m is not None else 0)
         if tk.quota and tk.limits is not None:  # the reservation becomes the engine's count (else what was seen)
             used = (usage.prompt_tokens + (usage.completion_tokens or 0) if usage is not None
                     else tk.est + (m.events if m is not None else 0))
@@ -456,29 +475,20 @@ class Gate:
         outcome = ("cancelled" if ex.gone or status in (0, 499) else "server_error" if status >= 500 or tk.failed
                    else "ok" if status < 400 else "rejected" if status in (401, 403, 429) and not tk.relayed
                    else "client_error")
-        self.metrics.requests.labels(t.name, t.priority, outcome).inc()
+        c.request(outcome)
         end = time.perf_counter()
         ttft = tk.t_first - ex.t_start if tk.t_first is not None and tk.sse else None  # streams only
         if ttft is not None:
-            self.metrics.ttft.labels(t.name, t.priority).observe(ttft)
+            c.first_token(ttft)
         count_slo(self.metrics, self.config, t, outcome, ttft)
         if outcome == "ok":
-            self.metrics.e2e.labels(t.name, t.priority).observe(end - ex.t_start)
+            c.end_to_end(end - ex.t_start)
         if self.cfg.access_log:
             log.info("%s tenant=%s status=%d outcome=%s queue_wait_ms=%.0f prompt_tokens=%s completion_tokens=%s",
                      ex.rid.decode(), t.name, status, outcome, tk.wait_s * 1000,
                      usage.prompt_tokens if usage else "-", (usage.completion_tokens if usage else None) or "-")
         self._anticipate(ex, tk)
         self._pump()
-
-    def _child(self, tenant: str) -> tuple[Any, Any, Any]:
-        """The (prompt, completion, cached) token counters of ``tenant``."""
-        c = self._children.get(tenant)
-        if c is None:
-            tok = self.metrics.tokens
-            c = self._children[tenant] = (tok.labels(tenant, "prompt"), tok.labels(tenant, "completion"),
-                                          tok.labels(tenant, "cached"))
-        return c
 
     def close(self) -> None:
         """The router stops: every queued request is answered 503 ``router_draining`` (none is left unanswered)."""

@@ -82,3 +82,17 @@ class Ticket:
             self.fq.charge(self.tenant.name, self.tenant.weight, output_tokens=m.events - self.charged)
             self.charged = m.events
         return out
+
+    def chunks(self, chunks: list[bytes]) -> None:
+        """:meth:`chunk` of each of ``chunks`` (one read of the worker's socket, the direct relay), relayed as they
+        are: only for a ticket whose meter never takes a usage event out (no fair queue: nothing is stripped)."""
+        if self.fq is not None:  # (the output charged as it is produced)
+            for data in chunks:
+                self.chunk(data)
+            return
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        m = self.meter
+        if m is not None:
+            for data in chunks:  # (one call per chunk: a stream's read is usually one)
+                m.chunk(data)
