@@ -132,8 +132,13 @@ def test_the_router_counts_the_dead_engines_worker_restart_by_how_it_left(tmp_pa
         assert c.workers[0].wait(15) == 1
         assert _sample(c, "dplb_worker_restarts_total", reason="exited", worker="0") == 0  # no new process yet
         c.start_worker(0)  # what the supervisor (dplb launch, systemd) does
-        wait_for(lambda: _sample(c, "dplb_worker_restarts_total", reason="exited", worker="0") == 1, 10,
-                 "the engine death's restart counted as exited")
+        try:
+            wait_for(lambda: _sample(c, "dplb_worker_restarts_total", reason="exited", worker="0") == 1, 20,
+                     "the engine death's restart counted as exited")
+        except AssertionError as e:  # say which way it went wrong (once seen in a loaded full-suite run)
+            replaced = [ln for ln in c.router_log().splitlines() if "replaced" in ln]
+            raise AssertionError(f"{e}; killed={_sample(c, 'dplb_worker_restarts_total', reason='killed', worker='0')}"
+                                 f", router log: {replaced}") from None
         c.kill_worker(0, signal.SIGKILL)
         c.start_worker(0)
         wait_for(lambda: _sample(c, "dplb_worker_restarts_total", reason="killed", worker="0") == 1, 10,
