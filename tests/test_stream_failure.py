@@ -7,6 +7,7 @@ SLO ledger — on the direct relay and on the ASGI path alike; the worker counts
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import threading
@@ -145,6 +146,25 @@ def test_the_router_counts_the_dead_engines_worker_restart_by_how_it_left(tmp_pa
                  "the SIGKILL's restart counted as killed")
         assert _sample(c, "dplb_worker_restarts_total", reason="exited", worker="0") == 1
         assert "worker 0 replaced" in c.router_log()
+
+
+def test_a_worker_that_stopped_unseen_by_the_router_is_counted_exited(tmp_path: Path) -> None:
+    """The old process's ``stopped`` may stand in the slot for less than one router monitor step before its
+    replacement overwrites it (a fast supervisor): the replacement says how its predecessor left
+    (``FLAG_PREV_STOPPED``), so the restart still counts ``exited``. The router is SIGSTOPped from before the old
+    worker's SIGTERM until the new one is ready, so it never sees ``stopped`` itself."""
+    with cluster(str(tmp_path), 1, worker_args={0: SIM}) as c:
+        assert c.router is not None
+        os.kill(c.router.pid, signal.SIGSTOP)
+        try:
+            c.kill_worker(0, signal.SIGTERM)  # drains (nothing in flight), publishes stopped, exits 0
+            assert c.workers[0].wait(15) == 0
+            c.start_worker(0)
+        finally:
+            os.kill(c.router.pid, signal.SIGCONT)
+        wait_for(lambda: _sample(c, "dplb_worker_restarts_total", reason="exited", worker="0") == 1, 20,
+                 "the unseen stop's restart counted as exited")
+        assert not _sample(c, "dplb_worker_restarts_total", reason="killed", worker="0")
 
 
 def _tenants(path: Path) -> str:

@@ -68,7 +68,7 @@ from dplb.policy.decision import (
 from dplb.policy.stall import StallDetector
 from dplb.router.health import READMIT_INTERVALS, Outcome, WorkerHealth
 from dplb.state.router_slots import RouterSlots
-from dplb.state.shm import FLAG_STALLED, STALE_INTERVALS, Lifecycle, Segment, WorkerState
+from dplb.state.shm import FLAG_PREV_STOPPED, FLAG_STALLED, STALE_INTERVALS, Lifecycle, Segment, WorkerState
 from dplb.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("dplb.router")
@@ -395,8 +395,10 @@ class RouterState:
 
     def _count_restarts(self, snap: list[WorkerState]) -> None:
         """Count a worker slot's new pid as a restart of that worker (``dplb_worker_restarts_total``): ``exited``
-        when the old process published ``stopped`` before it left, else ``killed``. A slot not written (pid 0: a
-        worker not started yet, a recreated segment) changes nothing; the first pid seen is no restart."""
+        when the old process published ``stopped`` before it left (seen by a monitor step, or told by the new
+        one's ``FLAG_PREV_STOPPED``: the old state may stand for less than a step), else ``killed``. A slot not
+        written (pid 0: a worker not started yet, a recreated segment) changes nothing; the first pid seen is no
+        restart."""
         seen, stopped = self._seen_pid, self._seen_stopped
         for w in snap:
             k, pid = w.worker_id, w.pid
@@ -404,7 +406,7 @@ class RouterState:
                 continue
             if pid != seen[k]:
                 if seen[k]:
-                    reason = "exited" if stopped[k] else "killed"
+                    reason = "exited" if stopped[k] or w.flags & FLAG_PREV_STOPPED else "killed"
                     self.metrics.restarts.labels(str(k), reason).inc()
                     log.info("worker %d replaced (pid %d → %d; the old one %s)", k, seen[k], pid,
                              "stopped by itself" if stopped[k] else "left without stopping: killed or crashed")

@@ -31,7 +31,9 @@ Byte layout (little-endian; offsets in bytes)::
       12  u8   lifecycle             Lifecycle enum (0 unset, 1 starting, 2 warming, 3 ready, 4 draining, 5 stopped)
       13  u8   flags                 bit0 NO_GPU (NVML absent: memory fields are 0), bit1 GPU_BUSY, bit2 STALLED
                                      (the worker's own stall check, dplb.policy.stall, with the router's
-                                     --stall-after: requests in flight and no engine progress; set until it moves)
+                                     --stall-after: requests in flight and no engine progress; set until it moves),
+                                     bit3 PREV_STOPPED (the slot's previous process, another pid, had published
+                                     stopped when this one claimed the slot: it left by itself)
       14  u16  max_loras             LoRA adapters one batch can hold (vLLM --max-loras; 0 = LoRA off or unknown)
       16  u64  heartbeat_mono_ns     CLOCK_MONOTONIC ns at publish (system-wide on Linux; used for staleness)
       24  u64  heartbeat_unix_ns     CLOCK_REALTIME ns at publish (for humans and metrics)
@@ -114,6 +116,7 @@ from dplb.state.segment_file import create_file, map_file, restore_header
 from dplb.state.worker_state import (
     FLAG_GPU_BUSY,
     FLAG_NO_GPU,
+    FLAG_PREV_STOPPED,
     FLAG_STALLED,
     STALE_INTERVALS,
     Lifecycle,
@@ -401,7 +404,8 @@ class SlotWriter:
 
 
 __all__ = [
-    "ENV_SHM_PATH", "FLAG_GPU_BUSY", "FLAG_NO_GPU", "FLAG_STALLED", "MAX_WORKERS", "SEGMENT_PREFIX", "SHM_DIR",
+    "ENV_SHM_PATH", "FLAG_GPU_BUSY", "FLAG_NO_GPU", "FLAG_PREV_STOPPED", "FLAG_STALLED", "MAX_WORKERS",
+    "SEGMENT_PREFIX", "SHM_DIR",
     "STALE_INTERVALS",
     "Lifecycle", "Segment", "SegmentHeader", "SlotWriter", "WorkerState", "default_segment_path", "list_segments",
     "resolve_path", "segment_size",

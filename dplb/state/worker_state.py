@@ -19,6 +19,8 @@ STALE_INTERVALS: Final = 3
 FLAG_NO_GPU: Final = 0x01
 FLAG_GPU_BUSY: Final = 0x02
 FLAG_STALLED: Final = 0x04
+#: The slot's previous process (another pid) had published ``STOPPED`` when this one claimed it: it left by itself.
+FLAG_PREV_STOPPED: Final = 0x08
 
 
 class Lifecycle(enum.IntEnum):
@@ -106,4 +108,5 @@ class WorkerState:
 
 _FIELD_NAMES = [f for f in WorkerState.__dataclass_fields__ if f not in ("seq", "torn")]
 
-__all__ = ["FLAG_GPU_BUSY", "FLAG_NO_GPU", "FLAG_STALLED", "STALE_INTERVALS", "Lifecycle", "WorkerState"]
+__all__ = ["FLAG_GPU_BUSY", "FLAG_NO_GPU", "FLAG_PREV_STOPPED", "FLAG_STALLED", "STALE_INTERVALS", "Lifecycle",
+           "WorkerState"]

@@ -31,7 +31,16 @@ from dplb.policy.stall import StallDetector
 from dplb.runtime.gpu import GpuReader
 from dplb.runtime.sd_notify import Watchdog
 from dplb.state.router_slots import ROUTER_STALE_S, read_router_slots
-from dplb.state.shm import FLAG_GPU_BUSY, FLAG_NO_GPU, FLAG_STALLED, Lifecycle, Segment, SlotWriter, WorkerState
+from dplb.state.shm import (
+    FLAG_GPU_BUSY,
+    FLAG_NO_GPU,
+    FLAG_PREV_STOPPED,
+    FLAG_STALLED,
+    Lifecycle,
+    Segment,
+    SlotWriter,
+    WorkerState,
+)
 from dplb.worker.engines.base import Engine, RequestStats
 
 log = logging.getLogger("dplb.worker")
@@ -54,8 +63,10 @@ class Collector:
         self.gpu = gpu
         self.interval_s = interval_s
         self.metrics = metrics
+        self._prev = _predecessor_stopped(writer)  # FLAG_PREV_STOPPED or 0, for this process's life
         self.state = WorkerState(writer.worker_id, pid=os.getpid(), lifecycle=Lifecycle.STARTING,
-                                 started_unix_ns=time.time_ns(), flags=0 if gpu.available else FLAG_NO_GPU)
+                                 started_unix_ns=time.time_ns(),
+                                 flags=(0 if gpu.available else FLAG_NO_GPU) | self._prev)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"dplb-collector-{writer.worker_id}", daemon=True)
@@ -119,7 +130,7 @@ class Collector:
             s.kv_total_blocks, s.kv_block_size = es.kv_total_blocks, es.kv_block_size
             s.max_loras = es.max_loras
             s.gpu_memory_used_bytes, s.gpu_memory_total_bytes = used, total
-            s.flags = (FLAG_NO_GPU if not self.gpu.available else 0) | (FLAG_GPU_BUSY if busy else 0)
+            s.flags = (FLAG_NO_GPU if not self.gpu.available else 0) | (FLAG_GPU_BUSY if busy else 0) | self._prev
             s.avg_latency_s, s.avg_ttft_s = lat, ttfb
             s.last_done_mono_ns = self.req.last_done_mono_ns
             s.requests_total, s.errors_total = self.req.requests_total, self.req.errors_total
@@ -210,3 +221,16 @@ class Collector:
             self._attach_error = msg
             if not isinstance(e, ShmMissingError):
                 log.error("Worker %s: cannot re-attach the state segment: %s", self._wid, e)
+
+
+def _predecessor_stopped(writer: SlotWriter) -> int:
+    """``FLAG_PREV_STOPPED`` when the slot this worker is about to claim was last written by another process that
+    had published ``stopped`` (it left by itself: an engine death, a stall restart, a stop), else 0. The router counts
+    the replacement's reason from it (``dplb_worker_restarts_total``), since the old ``stopped`` may stand in the
+    slot for less than one of its monitor steps before this process overwrites it. A torn or unreadable slot: 0."""
+    try:
+        old = writer.segment.read(writer.worker_id)
+    except (OSError, ValueError):
+        return 0
+    gone = old.pid and old.pid != os.getpid() and not old.torn and old.lifecycle == Lifecycle.STOPPED
+    return FLAG_PREV_STOPPED if gone else 0
