@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -164,12 +165,14 @@ def _run(tmp_path: Any, scenario: Callable[..., Awaitable[None]]) -> None:
     assert not errors, errors
 
 
-async def _until(cond: Callable[[], bool]) -> None:
-    for _ in range(400):
-        if cond():
-            return
+async def _until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll ``cond`` every 2 ms until it holds; AssertionError after ``timeout_s`` (generous: a loaded -n 2 run on 2
+    cores once took longer than the 0.8 s this allowed)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
         await asyncio.sleep(0.002)
-    raise AssertionError("timed out")
 
 
 async def _send_reads(conn: UpstreamConn, peer: socket.socket, reads: list[bytes], calls: Callable[[], int]) -> None:
@@ -297,7 +300,7 @@ def _attempt(conn: UpstreamConn) -> Any:
             assert status == 200
 
     att = Past.__new__(Past)
-    att.ex, att.worker, att.conn, att.out = SimpleNamespace(rid=b"r1", gone=False), 0, conn, _Out()
+    att.ex, att.worker, att.conn, att.out = SimpleNamespace(rid=b"r1", gone=False, tenant=None), 0, conn, _Out()
     att.status, att.is_sse, att.t_first, att.outcome = 200, True, None, Outcome.BROKEN
     att.clock, att.idle_s, att.deadline = conn.clock, 5.0, 0.0
     att.prior = att.last = b""
