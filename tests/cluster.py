@@ -283,6 +283,25 @@ def cluster(tmp_path: str, num_workers: int, worker_args: dict[int, list[str]] |
         c.stop()
 
 
+@dataclass
+class Routers:
+    """The same stack twice: a router with the direct relay on, and one with ``--no-direct-relay`` (the ASGI path)."""
+
+    direct: Cluster
+    asgi: Cluster
+
+
+@contextlib.contextmanager
+def both_paths(tmp: pytest.TempPathFactory, router_args: list[str],
+               worker_args: dict[int, list[str]] | None = None) -> Iterator[Routers]:
+    """One sim worker behind a router with ``router_args`` and the relay on, and the same with
+    ``--no-direct-relay``: what a test comparing the two paths answer by answer starts."""
+    with cluster(str(tmp.mktemp("direct")), 1, worker_args=worker_args, router_args=router_args) as d, \
+            cluster(str(tmp.mktemp("asgi")), 1, worker_args=worker_args,
+                    router_args=[*router_args, "--no-direct-relay"]) as a:
+        yield Routers(d, a)
+
+
 # ---- requests ----------------------------------------------------------------------------------------------------
 @dataclass
 class Launch:

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster import Cluster, cluster, settled_fds, wait_for
+from cluster import Routers, both_paths, settled_fds, wait_for
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -33,20 +33,11 @@ READ_TIMEOUT_S = 10.0  # no answer, and no close, by then: a hang
 FAST = ["--sim-decode-step-s", "0.0005", "--sim-decode-step-s-per-seq", "0", "--sim-max-model-len", "256"]
 
 
-@dataclass
-class Routers:
-    direct: Cluster
-    asgi: Cluster
-
-
 @pytest.fixture(scope="module")
 def routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routers]:
     """One sim worker and a router with the relay on; the same with ``--no-direct-relay``."""
-    flags = ["--max-body-bytes", str(BODY_LIMIT)]
-    with cluster(str(tmp_path_factory.mktemp("direct")), 1, worker_args={0: FAST}, router_args=flags) as d, \
-            cluster(str(tmp_path_factory.mktemp("asgi")), 1, worker_args={0: FAST},
-                    router_args=[*flags, "--no-direct-relay"]) as a:
-        yield Routers(d, a)
+    with both_paths(tmp_path_factory, ["--max-body-bytes", str(BODY_LIMIT)], {0: FAST}) as rs:
+        yield rs
 
 
 # ---- a minimal HTTP/1.1 response reader ---------------------------------------------------------------------------

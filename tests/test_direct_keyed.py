@@ -11,13 +11,12 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from cluster import Cluster, cluster, wait_for
+from cluster import Cluster, Routers, both_paths, cluster, wait_for
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -172,18 +171,11 @@ def test_pipelined_requests_with_a_bad_key_in_the_middle(tmp_path: Path) -> None
 
 
 # ---- the key's parser, fuzzed on both paths --------------------------------------------------------------------
-@dataclass
-class Routers:
-    direct: Cluster
-    asgi: Cluster
-
-
 @pytest.fixture(scope="module")
 def routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routers]:
     """One sim worker and a router with ``--api-key`` and the relay on; the same with ``--no-direct-relay``."""
-    with cluster(str(tmp_path_factory.mktemp("direct")), 1, router_args=["--api-key", KEY]) as d, \
-            cluster(str(tmp_path_factory.mktemp("asgi")), 1, router_args=["--api-key", KEY, "--no-direct-relay"]) as a:
-        yield Routers(d, a)
+    with both_paths(tmp_path_factory, ["--api-key", KEY]) as rs:
+        yield rs
 
 
 _SCHEMES = st.sampled_from(["Bearer", "bearer", "BEARER", "BeArEr", "Bearer:", "Basic", "Token", "Bear", ""])
