@@ -144,7 +144,7 @@ def test_the_stall_flag_clears_on_an_idle_worker_and_traffic_stays_on_the_health
         stop.set()
         watcher.join()
         # The router's own check clears at its next monitor step (0.5 s) after the progress.
-        wait_for(lambda: c.metric("dplb_worker_stalled", {"worker": "1"}) == 0, 2.0, "dplb_worker_stalled 0")
+        wait_for(lambda: c.metric("dplb_worker_stalled", {"worker": "1"}) == 0, 4.0, "dplb_worker_stalled 0")
     assert all(s == 200 for s in readies), readies
     failed = sorted(t for t, s, _ in recs if s != 200)
     assert failed and all(s in (200, 504) for _, s, _ in recs), recs

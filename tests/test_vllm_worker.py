@@ -312,7 +312,7 @@ def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
                     event = json.loads(line[6:])
                     error = error or "error" in event
                     finish = (event.get("choices") or [{}])[0].get("finish_reason") or finish
-                    if n == 3:
+                    if n == 1:  # the engine is paused at once: under load it can outrun a slow client
                         started.set()
                 done = done or line == "data: [DONE]"
         results.append((n, done, error, finish))
