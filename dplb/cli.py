@@ -238,10 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_state(sub)
     _add_segment(sub)
     from dplb.bench import cli as bench_cli
-    from dplb.ops import doctor, fleet, launcher, usage
+    from dplb.ops import doctor, fleet, launch_cli, usage
     from dplb.router import cli as router_cli
 
-    launcher.add_parser(sub)
+    launch_cli.add_parser(sub)
     router_cli.add_parser(sub)
     doctor.add_parser(sub)
     bench_cli.add_parser(sub)

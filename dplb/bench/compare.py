@@ -83,7 +83,7 @@ def _check_launch_flags(label: str, words: list[str]) -> None:
     import contextlib
     import io
 
-    from dplb.ops.launcher import add_parser as add_launch_parser
+    from dplb.ops.launch_cli import add_parser as add_launch_parser
     from dplb.worker.engines import sim_arg_parser
 
     own = [w for w in words if w.split("=", 1)[0] in _OWN_FLAGS]
