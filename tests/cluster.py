@@ -339,12 +339,25 @@ class Launch:
             time.sleep(step_s)
 
 
+def stop_gracefully(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """Stop a ``dplb launch`` (or router) still running with SIGTERM and wait for it, SIGKILL after ``timeout_s``.
+    SIGTERM, not SIGKILL: a killed launcher's workers get SIGTERM from the kernel (``PDEATHSIG``) and drain on their
+    own, still holding their metrics ports while the next test (or the same test's next launch) binds them."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 @contextlib.contextmanager
 def launched(tmp_path: Path, *args: str, tag: str | None = None, env: dict[str, str] | None = None,
              cleanup: Callable[[], None] | None = None, **popen: Any) -> Iterator[Launch]:
     """Start ``dplb launch ARGS`` on a free port of 127.0.0.1 with its own segment and run directory (named by
-    ``tag``), no per-worker metrics ports, and its output in ``tmp_path/launch.log``; on exit kill it if it still
-    runs, call ``cleanup`` and remove its segment. ``popen``: more ``subprocess.Popen`` arguments."""
+    ``tag``), no per-worker metrics ports, and its output in ``tmp_path/launch.log``; on exit stop it if it still
+    runs (:func:`stop_gracefully`: its workers gone too), call ``cleanup`` and remove its segment. ``popen``: more ``subprocess.Popen`` arguments."""
     tag = tag or uuid.uuid4().hex[:10]
     shm = f"/dev/shm/dplb_state_test_{tag}"
     port = free_port()
@@ -357,9 +370,7 @@ def launched(tmp_path: Path, *args: str, tag: str | None = None, env: dict[str, 
     try:
         yield Launch(proc, f"http://127.0.0.1:{port}", shm, log, run_dir)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        stop_gracefully(proc)
         if cleanup is not None:
             cleanup()
         if os.path.exists(shm):

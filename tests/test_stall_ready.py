@@ -140,7 +140,18 @@ def test_the_stall_flag_clears_on_an_idle_worker_and_traffic_stays_on_the_health
         for t in threads:
             t.join()
         t_quiet = time.monotonic()
-        wait_for(lambda: flags and not flags[-1][1] and t_quiet < flags[-1][0], 3 * stall_for, "the flag cleared")
+
+        def resumed() -> bool:
+            # The flag cleared with the engine's progress moving: an unflagged read after the quiet began whose
+            # progress differs from the flagged reads'. (An unflagged read alone is not enough: when the router cuts
+            # the stalled requests before the worker's own check judges them, the worker forgives its debt and its
+            # flag is down until its probe finds the engine still stalled, while the router's verdict stands until
+            # progress.)
+            marked = [p for _, f, p in flags if f]
+            t, f, p = flags[-1] if flags else (0.0, True, 0)
+            return bool(marked) and not f and p != marked[-1] and t > t_quiet
+
+        wait_for(resumed, 3 * stall_for, "the flag cleared with the engine's progress")
         stop.set()
         watcher.join()
         # The router's own check clears at its next monitor step (0.5 s) after the progress.
