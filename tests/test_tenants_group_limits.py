@@ -177,3 +177,7 @@ def test_dplb_state_shows_the_groups_tenant_tables_by_tag_and_by_name(tmp_path: 
         text = subprocess.run(dplb_cmd("state", "--shm-path", c.shm_path), capture_output=True, text=True, timeout=30)
         line = next(ln for ln in text.stdout.splitlines() if ln.startswith("tenants ("))
         assert "q 0 open, 6 admitted" in line and "r 0 open, 4 admitted" in line, text.stdout
+        # Each process's start line says the limits are the group's (it did not)
+        loaded = [ln for ln in Path(c.run_dir, "router.log").read_text().splitlines() if "tenants file" in ln]
+        assert len(loaded) == 2 and all("; tenant limits are enforced group-wide across the 2 router processes (3 "
+                                        "limited tenants)" in ln for ln in loaded), loaded
