@@ -122,6 +122,10 @@ def _add_state(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON: {header, workers: [...]}")
     p.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
     p.add_argument("--interval", type=flag_number, default=1.0, help="--watch refresh period, seconds")
+    p.add_argument("--tenants", default=None, metavar="FILE",
+                   help="the router's tenants file, to name the tenants of the router processes' shared tenant "
+                   "tables (default: the last good copy the router keeps in the segment's run directory; "
+                   "without either they show as their 56-bit tags in hex)")
     p.set_defaults(func=_cmd_state)
 
 
@@ -129,7 +133,7 @@ def _cmd_state(args: argparse.Namespace, rest: list[str]) -> int:
     from dplb.ops.state_cli import run_state
 
     return run_state(args.shm_path, as_json=args.json, watch=args.watch, interval_s=args.interval,
-                     directory=args.shm_dir)
+                     directory=args.shm_dir, tenants=args.tenants)
 
 
 # ---- segment (for systemd's dplb-segment.service) ----------------------------------------------------------

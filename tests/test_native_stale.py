@@ -121,20 +121,22 @@ def test_launch_keeps_the_workers_while_the_router_restart_is_refused_as_stale(t
     with launched(tmp_path, "--num-workers", "1", "--max-start-failures", "2", env=env, cwd=str(tree)) as s:
         _wait(lambda: router_ready(s.url) and s.state()["workers"][0]["lifecycle"] == "ready", 60, "ready")
         worker_pid = s.state()["workers"][0]["pid"]
-        pkg = tree / "dplb"  # a whole fake build planted in the running tree, then a source changed
-        for name in (*native.HOT_MODULES, native.GROUP_LIBRARY):
-            _so(pkg, name).write_text(name)
-        (pkg / native.MANIFEST).write_text(json.dumps(native.manifest_for(str(pkg))))
-        (pkg / "policy" / "scorers.py").write_text((pkg / "policy" / "scorers.py").read_text() + "# pulled\n")
+        pkg = tree / "dplb"
+        _plant_stale_build(pkg)
         router = _router_pid(s.proc.pid)
         assert router > 0, subprocess.run(["ps", "ww", "-o", "pid=,args=", "--ppid", str(s.proc.pid)],
                                           capture_output=True, text=True).stdout
         os.kill(router, signal.SIGKILL)
-        _wait(lambda: s.log.read_text().count("router restarted") >= 3, 60, "three refused restarts")
+        router_log = Path(s.run_dir) / "router.log"
+        _wait(lambda: router_log.read_text().count("is stale") >= 3, 60, "three refused restarts")
         log = s.log.read_text()
         assert s.proc.poll() is None, log  # not "giving up"
         errors = [ln for ln in log.splitlines() if "ERROR" in ln and "router restart refused" in ln]
         assert len(errors) == 1 and "dplb/policy/scorers.py" in errors[0], log
+        # One "router restarted" line for the refused retries (one every <= 5 s; the next line a minute later at
+        # most), after the one of the restart that found the build stale
+        retried = [ln for ln in log.splitlines() if "router restarted" in ln]
+        assert len(retried) == 2 and "refused for the stale build" in retried[1], log
         assert "scripts/build_native.sh" in errors[0] and "--clean" in errors[0], errors
         assert "giving up" not in log and s.state()["workers"][0]["pid"] == worker_pid
         for p in pkg.rglob("*" + native._SUFFIXES[0]):  # scripts/build_native.sh --clean
@@ -147,6 +149,54 @@ def test_launch_keeps_the_workers_while_the_router_restart_is_refused_as_stale(t
         assert "router started: the build is current again" in s.log.read_text()
         s.proc.send_signal(signal.SIGINT)
         assert s.proc.wait(30) == 0
+
+
+def _plant_stale_build(pkg: Path) -> None:
+    """A whole fake build in the running tree, then a source changed under it (a ``git pull``)."""
+    for name in (*native.HOT_MODULES, native.GROUP_LIBRARY):
+        _so(pkg, name).write_text(name)
+    (pkg / native.MANIFEST).write_text(json.dumps(native.manifest_for(str(pkg))))
+    (pkg / "policy" / "scorers.py").write_text((pkg / "policy" / "scorers.py").read_text() + "# pulled\n")
+
+
+def test_a_router_group_whose_children_refuse_a_stale_build_exits_75_and_launch_keeps_retrying(
+        tmp_path: Path) -> None:
+    """``--router-processes 2``: the build goes stale under the running group and both children are SIGKILLed.
+    Their restarts are refused (exit 75); the group's parent gives up with 75 too (it exited 1, which the launcher
+    took for a crash: "router exit 1; restarting"), so the launcher logs the one refusal ERROR, no crash WARNING,
+    keeps the worker and brings the group back once the build is removed."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "dplb", tree / "dplb", ignore=shutil.ignore_patterns("*.so", "__pycache__",
+                                                                                native.MANIFEST, "*.installing"))
+    env = {k: v for k, v in os.environ.items() if k != native.ACCEPT_STALE_ENV}
+    env["PYTHONPATH"] = str(tree)
+    with launched(tmp_path, "--num-workers", "1", "--router-processes", "2", "--max-start-failures", "2", env=env,
+                  cwd=str(tree)) as s:
+        _wait(lambda: router_ready(s.url) and s.state()["workers"][0]["lifecycle"] == "ready", 60, "ready")
+        worker_pid = s.state()["workers"][0]["pid"]
+        parent = _router_pid(s.proc.pid)
+        children = [int(p) for p in subprocess.run(["ps", "-o", "pid=", "--ppid", str(parent)], capture_output=True,
+                                                   text=True).stdout.split()]
+        assert parent > 0 and len(children) == 2, children
+        _plant_stale_build(tree / "dplb")
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        router_log = Path(s.run_dir) / "router.log"
+        _wait(lambda: "failed to start 5 times in a row (exit 75)" in router_log.read_text(), 90,
+              "the group's parent to give up")
+        _wait(lambda: "router restart refused" in s.log.read_text(), 30, "the launcher's refusal line")
+        log = s.log.read_text()
+        assert s.proc.poll() is None and "router exit" not in log and "giving up" not in log, log
+        errors = [ln for ln in log.splitlines() if "ERROR" in ln and "router restart refused" in ln]
+        assert len(errors) == 1 and "dplb/policy/scorers.py" in errors[0], log
+        assert s.state()["workers"][0]["pid"] == worker_pid
+        for p in (tree / "dplb").rglob("*" + native._SUFFIXES[0]):  # scripts/build_native.sh --clean
+            p.unlink()
+        (tree / "dplb" / native.MANIFEST).unlink()
+        _wait(lambda: "router started: the build is current again" in s.log.read_text(), 30,
+              "the group back after the build was removed")
+        assert router_ready(s.url)
+        assert s.state()["workers"][0]["pid"] == worker_pid
 
 
 @pytest.mark.skipif(len(native.compiled_modules()) != len(native.HOT_MODULES),

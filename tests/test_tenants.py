@@ -556,6 +556,35 @@ def test_bench_targets_judge_the_reserve_modes_and_leave_the_engine_only_row_as_
     assert not any("noreserve" in name for name in rows) and len(rows) == 6
 
 
+def test_tenants_check_notes_group_wide_limits_for_more_than_one_router_process(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """With --router-processes N > 1 and a limited tenant, one note on stderr says the limits hold group-wide, the
+    overshoot bound and the fallback past the segment's 64 shared entries (it said nothing: an operator sizing
+    limits for N processes could not tell that they are the group's, not each process's); stdout stays one line."""
+    from dplb.cli import main
+
+    f = tmp_path / "t.toml"
+    f.write_text(f'[tenants.a]\napi_key_sha256 = ["{H1}"]\nrequests_per_s = 5\n'
+                 f'[tenants.b]\napi_key_sha256 = ["{H2}"]\n')
+    assert main(["tenants", "check", str(f), "--router-processes", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{f}: OK (2 tenants, classes default)\n" and err.count("\n") == 1, (out, err)
+    assert err.startswith("note: tenant limits are enforced group-wide across the 3 router processes (1 limited "
+                          "tenant)") and "one request per peer" in err and "past 64 limited tenants" in err, err
+    assert main(["tenants", "check", str(f), "--router-processes", "1"]) == 0
+    assert capsys.readouterr().err == ""
+    f.write_text("".join(f'[tenants.t{i}]\napi_key_sha256 = ["{hash_key(f"k{i}")}"]\nmax_concurrent = 2\n'
+                         for i in range(70)))
+    assert main(["tenants", "check", str(f), "--processes", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "(70 limited tenants)" in err and "6 of the 70 limited tenants are past the segment's 64" in err, err
+    assert "divided by 2" in err
+    f.write_text(f'[tenants.a]\napi_key_sha256 = ["{H1}"]\n')  # nothing limited: nothing to say
+    assert main(["tenants", "check", str(f), "--processes", "2"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["tenants", "check", str(f), "--processes", "9"]) == 2
+    assert "--router-processes must be 1..8, got 9" in capsys.readouterr().err
+
+
 def test_tenants_check_cli_is_one_line_exit_0_or_2(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     from dplb.cli import main
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import re
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -15,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dplb.tenants import hash_key
-from tests.cluster import Cluster, cluster, post, wait_for
+from dplb.tenants import hash_key, last_good_path, tenant_tag
+from tests.cluster import Cluster, cluster, dplb_cmd, post, wait_for
 from tests.test_tenants_cluster import SLOW, chat, write_tenants
 
 pytestmark = pytest.mark.timeout(150)
@@ -126,3 +128,56 @@ def test_tokens_per_min_and_remaining_hold_for_the_group(tmp_path: Path) -> None
         assert len(seen) <= 3000 // 300 + 1 + elapsed * 50 / 300, (seen, elapsed)
         assert all(b < a for a, b in itertools.pairwise(seen)), seen
         _both_served(c)
+
+
+def test_dplb_state_shows_the_groups_tenant_tables_by_tag_and_by_name(tmp_path: Path) -> None:
+    """``dplb state`` of a group with two limited tenants: every router slot's tenant table (what the processes
+    share so that the limits hold group-wide), each entry by its 56-bit tag in hex, named from ``--tenants FILE`` or
+    else from the last good copy in the segment's run directory, and a ``tenants:`` line in the table view whose
+    sums are what the group admitted. It showed none of it: the tables were in the segment only."""
+    tf = write_tenants(tmp_path / "tenants.toml",
+                       f'[tenants.q]\napi_key_sha256 = ["{hash_key(KEY)}"]\nrequests_per_s = 100\npriority = "batch"\n'
+                       f'[tenants.r]\napi_key_sha256 = ["{hash_key("r-key")}"]\nmax_concurrent = 8\npriority = "batch"\n')
+    tags = {n: f"0x{tenant_tag(n):014x}" for n in ("q", "r", "small")}  # small: write_tenants's, limited, idle
+    with cluster(str(tmp_path), 1, router_args=["--tenants", tf, "--processes", "2"]) as c:
+        _group(c)
+        for _ in range(6):
+            assert post(c, "/v1/chat/completions", chat(), headers=HEAD).status_code == 200
+        for _ in range(4):
+            r = post(c, "/v1/chat/completions", chat(), headers={"authorization": "Bearer r-key",
+                                                                 "connection": "close"})
+            assert r.status_code == 200, r.text
+
+        def state(*args: str) -> dict:
+            out = subprocess.run(dplb_cmd("state", "--json", "--shm-path", c.shm_path, *args), capture_output=True,
+                                 text=True, timeout=30)
+            assert out.returncode == 0, out.stderr
+            return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+        def sums(snap: dict) -> dict[str, list[int]]:
+            got: dict[str, list[int]] = {}
+            for rs in snap["routers"]:
+                for e in rs["tenants"]:
+                    s = got.setdefault(e["name"] or e["tag"], [0, 0])
+                    s[0] += e["inflight"]
+                    s[1] += e["requests"]
+            return got
+
+        snap = state()
+        assert len(snap["routers"]) == 2 and snap["tenants_file"] is None, snap["routers"]
+        assert sums(snap) == {tags["q"]: [0, 6], tags["r"]: [0, 4], tags["small"]: [0, 0]}, snap["routers"]
+        e = snap["routers"][0]["tenants"][0]
+        assert set(e) == {"tag", "name", "inflight", "requests", "tokens_taken", "tokens_given", "age_s"}, e
+        named = state("--tenants", tf)
+        assert named["tenants_file"] == tf, named
+        assert sums(named) == {"q": [0, 6], "r": [0, 4], "small": [0, 0]}, named["routers"]
+        assert c.segment is not None and c.segment.restore_header("", [], c.run_dir) == ["run dir"]
+        from_copy = state()  # the router's last good copy in the run dir the segment names
+        assert from_copy["tenants_file"] == last_good_path(c.run_dir) and sums(from_copy) == sums(named)
+        text = subprocess.run(dplb_cmd("state", "--shm-path", c.shm_path), capture_output=True, text=True, timeout=30)
+        line = next(ln for ln in text.stdout.splitlines() if ln.startswith("tenants ("))
+        assert "q 0 open, 6 admitted" in line and "r 0 open, 4 admitted" in line, text.stdout
+        # Each process's start line says the limits are the group's (it did not)
+        loaded = [ln for ln in Path(c.run_dir, "router.log").read_text().splitlines() if "tenants file" in ln]
+        assert len(loaded) == 2 and all("; tenant limits are enforced group-wide across the 2 router processes (3 "
+                                        "limited tenants)" in ln for ln in loaded), loaded

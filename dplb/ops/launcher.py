@@ -18,8 +18,9 @@ Contract
   heartbeat is ``--router-restart-after`` seconds old (logged; restarts counted in the
   log). A worker or router that fails before ever becoming ready ``--max-start-failures`` times in a row stops the
   launch with its log tail, except a router start refused because the compiled build went stale
-  (:class:`dplb.errors.StaleBuildError`'s exit status): the workers are kept, one ERROR names the fix, and the router
-  is retried (waits capped at 5 s) until a rebuild (or ``--clean``) lets it start.
+  (:class:`dplb.errors.StaleBuildError`'s exit status, which a ``--router-processes`` group's parent passes on when
+  its children refuse): the workers are kept, one ERROR names the fix, and the router is retried (waits capped at
+  5 s; one ``router restarted`` line, then at most one a minute) until a rebuild (or ``--clean``) lets it start.
 - The segment is followed (:class:`dplb.state.follow.SegmentFollower`): removed (a cleanup), its mapping is dropped
   and the frozen-worker watchdog is off (it never judges heartbeats that stopped because the workers lost the
   file); recreated at the same path (``dplb segment create``, the runbook's mitigation), the new file is mapped,
@@ -82,6 +83,7 @@ from dplb.worker.engines import sim_config
 log = logging.getLogger("dplb.launch")
 STABLE_S = 60.0  # a child up this long has its restart backoff reset
 ROUTER_RETRY_MAX_S = 5.0  # the longest wait before a router restart (the router is the stack's one way in)
+STALE_RETRY_LOG_S = 60.0  # while the stale build refuses the router: at most one "router restarted" line this often
 SHUTDOWN_SWEEP_S = 3.0  # at stop, how long leftover engine shared memory is waited for (the killed processes exit)
 
 
@@ -333,12 +335,12 @@ class Launcher:
         if r.next_start == 0.0:
             r.reap()
             rc = r.proc.returncode if r.proc else None
-            if rc == StaleBuildError.exit_code and not r.ever_ready:
+            if rc == StaleBuildError.exit_code:  # a single router at its start, or a group whose children refused
                 if not r.extra.get("stale_build"):
                     r.extra["stale_build"] = True
+                    r.extra["stale_log_at"] = 0.0
                     log.error("router restart refused: %s; the workers keep running and the router is retried "
-                              "every %.0f s until then (log: %s)", r.log_tail(1).strip() or "the build is stale",
-                              ROUTER_RETRY_MAX_S, r.log_path)
+                              "every %.0f s until then (log: %s)", _stale_line(r), ROUTER_RETRY_MAX_S, r.log_path)
             elif self._gives_up(r, rc):
                 return False
             else:
@@ -350,8 +352,22 @@ class Launcher:
             r.ever_ready = False
             r.restarts += 1
             r.start()
-            log.info("router restarted (restart #%d)", r.restarts)
+            self._log_router_restart(r, now)
         return True
+
+    @staticmethod
+    def _log_router_restart(r: Child, now: float) -> None:
+        """``router restarted`` at INFO; while a stale build keeps refusing it (retried every
+        :data:`ROUTER_RETRY_MAX_S`), the first retry and then at most one line per :data:`STALE_RETRY_LOG_S`."""
+        if not r.extra.get("stale_build"):
+            log.info("router restarted (restart #%d)", r.restarts)
+            return
+        due = r.extra.get("stale_log_at", 0.0)
+        if isinstance(due, float) and now >= due:
+            r.extra["stale_log_at"] = now + STALE_RETRY_LOG_S
+            log.info("router restarted (restart #%d; refused for the stale build until it is rebuilt or cleaned, "
+                     "retried every %.0f s, this line at most every %.0f s)", r.restarts, ROUTER_RETRY_MAX_S,
+                     STALE_RETRY_LOG_S)
 
     def _gives_up(self, c: Child, rc: int | None) -> bool:
         """Count an exit before ``c`` ever became ready; True (after printing its log tail) once that happened
@@ -448,6 +464,14 @@ def _sweep(workers: list[Child], within_s: float) -> None:
 def _restored(fields: list[str]) -> str:
     """The launcher's note on a re-attached segment's header (:meth:`Segment.restore_header`)."""
     return f"restored its {', '.join(fields)}" if fields else ""
+
+
+def _stale_line(r: Child) -> str:
+    """The refusal's reason from the router's log: its last line naming the stale build (a group's parent logs
+    its own lines after its children's refusals), else its last line."""
+    tail = r.log_tail(20).splitlines()
+    return next((ln.strip() for ln in reversed(tail) if "is stale" in ln), tail[-1].strip() if tail else "") \
+        or "the build is stale"
 
 
 def _exit_text(rc: int | None) -> str:

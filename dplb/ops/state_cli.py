@@ -17,10 +17,18 @@ per-worker ``pending``/``inflight`` lists (:mod:`dplb.state.router_slots`).
 Each live worker and router process also gets ``cpus``: the CPUs the kernel lets it run on (its affinity, read from
 the pid on this host; null when it cannot be read), which is the placement ``dplb launch`` applied
 (:mod:`dplb.ops.placement`); the table shows it on a line under the heading.
+Each router slot also has ``tenants``: its tenant table (the limited tenants' open requests and counters a
+``--processes N`` group shares so that limits hold group-wide, :mod:`dplb.state.tenant_tables`), one entry per
+tenant with ``tag`` (the 56-bit tag in hex: the segment holds no names), ``name`` (from ``--tenants FILE``, else the
+router's last good copy in the segment's run directory; null when neither names it), ``inflight``, ``requests``,
+``tokens_taken``, ``tokens_given`` and ``age_s`` (the counters start when the entry was made); ``tenants_file`` at the
+top says which file named them (null: none). The table view sums them over the router slots on one ``tenants:`` line,
+shown only when some slot has an entry (a single router process keeps none).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -58,8 +66,33 @@ def find_segment(path: str | None, directory: str = SHM_DIR) -> str:
     return readable[0].path
 
 
-def snapshot(seg: Segment) -> dict[str, object]:
-    """The segment's header and every worker, JSON-friendly."""
+def tenant_names(tenants: str | None, run_dir: str) -> tuple[dict[int, str], str | None]:
+    """``{tag: name}`` of the tenants file that names the segment's tenant tables, and its path: ``tenants`` when
+    given (:class:`ConfigError` when it does not load), else the router's last good copy in ``run_dir`` when one is
+    there and loads (else ``({}, None)``)."""
+    from dplb.tenants import last_good_path, load_tenants, tenant_tag
+
+    path = tenants
+    if path is None:
+        path = last_good_path(run_dir) if run_dir else None
+        if path is None or not os.path.isfile(path):
+            return {}, None
+        try:
+            tc = load_tenants(path)
+        except ConfigError:
+            return {}, None
+    else:
+        tc = load_tenants(path)
+    return {tenant_tag(n): n for n in tc.names()}, path
+
+
+def _tag_hex(tag: int) -> str:
+    return f"0x{tag:014x}"  # 56 bits: 14 hex digits
+
+
+def snapshot(seg: Segment, names: dict[int, str] | None = None, tenants_file: str | None = None) -> dict[str, object]:
+    """The segment's header, every worker and every router slot with its tenant table (``names``: ``{tag: name}``
+    from ``tenants_file``, :func:`tenant_names`), JSON-friendly."""
     now = time.monotonic_ns()
     workers = []
     snap = seg.read_all()
@@ -73,6 +106,9 @@ def snapshot(seg: Segment) -> dict[str, object]:
         d["routable"], d["why"] = c.why == "ok", c.why
         workers.append(d)
     routers = seg.router_slots()
+    for r in routers:
+        r["tenants"] = [{**e, "tag": _tag_hex(int(e["tag"])), "name": (names or {}).get(int(e["tag"]))}
+                        for e in seg.tenant_table(r["slot"])]
     for d in (*workers, *routers):
         pid = d.get("pid")
         d["cpus"] = process_cpus(pid) if isinstance(pid, int) and pid > 0 else None
@@ -86,7 +122,8 @@ def snapshot(seg: Segment) -> dict[str, object]:
         if d["routable"] and (snap[k].flags & FLAG_STALLED or (d["router_inflight"] and moved
                               and prog_age > STALL_AFTER_S)):
             d["routable"], d["why"] = False, WHY_STALLED
-    return {"path": seg.path, "header": seg.header.to_dict(), "workers": workers, "routers": routers}
+    return {"path": seg.path, "header": seg.header.to_dict(), "workers": workers, "routers": routers,
+            "tenants_file": tenants_file}
 
 
 def _gib(b: object) -> str:
@@ -102,9 +139,9 @@ def heading_text(snap: dict) -> str:
 
 
 def _print(console: Any, snap: dict) -> None:
-    """Print one frame; into a file or a pipe the console is as wide as the heading (never cut at 80 columns)."""
+    """Print one frame; into a file or a pipe the console is as wide as its widest line (never cut at 80 columns)."""
     if not console.is_terminal:
-        console.width = max(80, len(heading_text(snap)), len(LEGEND), len(STATE_LEGEND))
+        console.width = max(80, len(heading_text(snap)), len(LEGEND), len(STATE_LEGEND), len(tenants_line(snap) or ""))
     console.print(render_table(snap))
 
 
@@ -148,7 +185,29 @@ def render_table(snap: dict) -> object:
             f"{w['avg_latency_s']:.3f}", f"{w['avg_ttft_s']:.3f}", str(w["requests_total"]), str(w["errors_total"]),
             str(w["cuda_oom_total"]), f"{w['warmup_seconds']:.2f}",
         )
-    return Group(heading, Text(placement_line(snap), overflow="fold"), t, Text(LEGEND), Text(STATE_LEGEND))
+    lines = [Text(LEGEND), Text(STATE_LEGEND)]
+    if (tenants := tenants_line(snap)) is not None:
+        lines.append(Text(tenants, overflow="fold"))
+    return Group(heading, Text(placement_line(snap), overflow="fold"), t, *lines)
+
+
+def tenants_line(snap: dict) -> str | None:
+    """``tenants (group-wide limits, summed over 2 router processes' tables): chat 2 open, 14 admitted, 812 tokens
+    · 0x00…: …``: each limited tenant's open requests, admitted requests and tokens (taken less given back) summed
+    over the router slots' tenant tables, by name where known, else by tag; None when no slot has an entry."""
+    sums: dict[str, list[int]] = {}
+    slots = 0
+    for r in snap.get("routers", []):
+        slots += bool(r.get("tenants"))
+        for e in r.get("tenants", []):
+            s = sums.setdefault(e["name"] or e["tag"], [0, 0, 0])
+            s[0] += e["inflight"]
+            s[1] += e["requests"]
+            s[2] += e["tokens_taken"] - e["tokens_given"]
+    if not sums:
+        return None
+    parts = [f"{k} {v[0]} open, {v[1]} admitted, {v[2]} tokens" for k, v in sums.items()]
+    return f"tenants (group-wide limits, summed over {slots} router processes' tables): " + " · ".join(parts)
 
 
 def placement_line(snap: dict) -> str:
@@ -164,36 +223,41 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_state(path: str | None, *, as_json: bool, watch: bool, interval_s: float, directory: str | None = None) -> int:
-    """Print the segment once, or refresh it with ``watch`` until Ctrl-C/SIGTERM. Returns the exit code."""
+def run_state(path: str | None, *, as_json: bool, watch: bool, interval_s: float, directory: str | None = None,
+              tenants: str | None = None) -> int:
+    """Print the segment once, or refresh it with ``watch`` until Ctrl-C/SIGTERM (``tenants``: the tenants file
+    naming the tenant tables, :func:`tenant_names`). Returns the exit code."""
     if not (math.isfinite(interval_s) and interval_s > 0):
         raise ConfigError(f"--interval must be a finite number > 0 seconds, got {interval_s}")
     seg = Segment.attach(find_segment(path, directory or SHM_DIR), writable=False)
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout 3 dplb state --watch` ends like Ctrl-C
     try:
+        names, names_from = tenant_names(tenants, seg.header.run_dir)
+        frame = functools.partial(snapshot, names=names, tenants_file=names_from)  # each frame names them alike
+
         if as_json and not watch:
-            print(json.dumps(snapshot(seg), indent=2))
+            print(json.dumps(frame(seg), indent=2))
             return 0
         from rich.console import Console
         from rich.live import Live
 
         console = Console()
         if not watch:
-            _print(console, snapshot(seg))
+            _print(console, frame(seg))
             return 0
         try:
             if as_json or not console.is_terminal:  # a file or a pipe: one flushed frame per interval
                 while True:
                     if as_json:
-                        print(json.dumps(snapshot(seg)), flush=True)
+                        print(json.dumps(frame(seg)), flush=True)
                     else:
-                        _print(console, snapshot(seg))
+                        _print(console, frame(seg))
                         console.file.flush()
                     time.sleep(interval_s)
-            with Live(render_table(snapshot(seg)), console=console, refresh_per_second=4) as live:  # type: ignore[arg-type]
+            with Live(render_table(frame(seg)), console=console, refresh_per_second=4) as live:  # type: ignore[arg-type]
                 while True:
                     time.sleep(interval_s)
-                    live.update(render_table(snapshot(seg)))  # type: ignore[arg-type]
+                    live.update(render_table(frame(seg)))  # type: ignore[arg-type]
         except KeyboardInterrupt:
             return 0
     finally:

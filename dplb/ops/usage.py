@@ -24,6 +24,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from dplb.config import MAX_ROUTER_PROCESSES, default_router_processes
 from dplb.errors import ConfigError, DPLBError
 from dplb.http_values import check_bearer_token
 from dplb.obs.metrics import TENANT_E2E, TENANT_QUEUE_WAIT, TENANT_QUEUED, TENANT_REQUESTS, TENANT_TOKENS, TENANT_TTFT
@@ -115,6 +116,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                       description="Load FILE as the router would: print one line, 'FILE: OK (…)' and exit 0, or the "
                       "error (file, key, why) and exit 2.")
     c.add_argument("file", help="the tenants file (TOML)")
+    c.add_argument("--router-processes", "--processes", dest="router_processes", type=int,
+                   default=default_router_processes(),
+                   help="the router processes that will load it (dplb launch --router-processes, dplb router "
+                   "--processes; default theirs, here %(default)s): with more than one, a note on stderr says how "
+                   "the limits hold for the group")
     c.set_defaults(func=_cmd_check)
 
 
@@ -128,10 +134,18 @@ def _cmd_usage(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
-    """Print one line for a tenants file that loads; :class:`~dplb.errors.ConfigError` (exit 2) for one that does
-    not."""
+    """Print one line for a tenants file that loads (and, for more than one router process with limited tenants,
+    a note on stderr: :func:`dplb.router.group_quota.group_limits_note`); :class:`~dplb.errors.ConfigError` (exit 2)
+    for one that does not."""
+    from dplb.router.group_quota import group_limits_note
+
+    if not 1 <= args.router_processes <= MAX_ROUTER_PROCESSES:
+        raise ConfigError(f"--router-processes must be 1..{MAX_ROUTER_PROCESSES}, got {args.router_processes}")
     tc = load_tenants(args.file)
     print(f"{tc.path}: OK ({tc.summary()})")
+    note = group_limits_note(args.router_processes, tc)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 

@@ -25,6 +25,8 @@ Contract
   alone are not counted.
 - :meth:`GroupQuota.configure` (start, reload): the limited tenants; their entries are (re)assigned at the next
   use, and again whenever the router slot changes (the segment re-attached: fresh entries).
+- :func:`group_limits_note`: the one line that says all this to an operator (a group's router processes when they
+  load the tenants file, ``dplb tenants check``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from dplb.router.limits import TenantLimits
+from dplb.state.layout import TENANT_TABLE_ENTRIES
 from dplb.tenants import Tenant, TenantsConfig, tenant_tag
 
 if TYPE_CHECKING:
@@ -46,6 +49,22 @@ log = logging.getLogger("dplb.router.tenants")
 def limited(t: Tenant) -> bool:
     """True when the tenant has a limit the group shares."""
     return t.max_concurrent is not None or bool(t.requests_per_s) or bool(t.tokens_per_min)
+
+
+def group_limits_note(processes: int, tc: TenantsConfig) -> str | None:
+    """One line for an operator: ``tc``'s limits are enforced for the ``processes`` router processes as a whole,
+    with the overshoot bound and the fallback past :data:`TENANT_TABLE_ENTRIES` limited tenants (module docstring).
+    None for a single process or a file without a limited tenant."""
+    n = sum(limited(t) for t in tc.tenants)
+    if processes <= 1 or not n:
+        return None
+    over = n - TENANT_TABLE_ENTRIES
+    past = (f"{over} of the {n} limited tenants are past the segment's {TENANT_TABLE_ENTRIES} shared entries: their "
+            f"limits are divided by {processes} per process instead" if over > 0 else
+            f"past {TENANT_TABLE_ENTRIES} limited tenants the rest would get their limits divided by {processes}")
+    return (f"tenant limits are enforced group-wide across the {processes} router processes ({n} limited "
+            f"tenant{'' if n == 1 else 's'}): processes admitting one tenant in the same instant may let one request "
+            f"per peer through beyond a limit; {past}")
 
 
 class GroupQuota:
@@ -125,4 +144,4 @@ class GroupQuota:
         slots.tenants.write(e, self.active.get(t.name, 0), c[0], c[1], c[2])
 
 
-__all__ = ["GroupQuota", "limited"]
+__all__ = ["GroupQuota", "group_limits_note", "limited"]

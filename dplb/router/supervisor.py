@@ -15,8 +15,10 @@ server streams. The state plane is shared memory, so N processes can route on it
 - Supervision: a child that exits while the group runs is restarted at once (then with a backoff doubling from
   0.5 s to 10 s while it keeps failing within :data:`STABLE_S`); connections the dead child had accepted are lost,
   the other children's are not. After :data:`MAX_START_FAILURES` exits in a row before listening the parent gives
-  up (exit 1, the child's exit status in the log) — only when no other child serves: while one does, the failing
-  child is retried every :data:`BACKOFF_MAX_S` (one missing process is not worth stopping the healthy ones).
+  up (exit 1, the child's exit status in the log; exit 75, :class:`~dplb.errors.StaleBuildError`'s, when the last
+  one refused a stale compiled build, so ``dplb launch`` retries the group as it retries one router) — only when no
+  other child serves: while one does, the failing child is retried every :data:`BACKOFF_MAX_S` (one missing process
+  is not worth stopping the healthy ones).
 - Liveness: every :data:`HEALTH_EVERY_S` the parent asks each child's private socket for ``/health``; a child that
   gives no HTTP answer :data:`HUNG_AFTER` times in a row (stopped, or its event loop stuck) is SIGKILLed and
   restarted — the kernel keeps handing a hung process new connections, so waiting would strand clients.
@@ -41,7 +43,7 @@ import time
 from dataclasses import dataclass
 
 from dplb.config import RouterConfig
-from dplb.errors import ConfigError, bind_error
+from dplb.errors import ConfigError, StaleBuildError, bind_error
 from dplb.runtime.procs import die_with_parent
 from dplb.runtime.sd_notify import Watchdog, notify
 
@@ -240,7 +242,7 @@ class RouterGroup:
                     if not m.listening:
                         m.failures += 1
                         if m.failures >= MAX_START_FAILURES and self._give_up(m, rc):
-                            return 1
+                            return StaleBuildError.exit_code if rc == StaleBuildError.exit_code else 1
                     if now - m.started_at > STABLE_S:
                         m.backoff_s = BACKOFF_START_S
                         m.next_start = now

@@ -6,7 +6,8 @@ Contract
   (``default``, least urgent class), or the single tenant without a file. A file that does not load raises
   :class:`dplb.errors.ConfigError` (a reload keeps what runs), except at a start with a last good copy of it in the
   run directory (:func:`dplb.tenants.load_tenants_or_last_good`): then the copy, one ERROR line and
-  ``dplb_tenants_file_valid 0``.
+  ``dplb_tenants_file_valid 0``. At a start of a ``--processes N`` group's process (N > 1) with limited tenants, the
+  start line says that their limits are enforced group-wide (:func:`dplb.router.group_quota.group_limits_note`).
 - :func:`limits_for`: one :class:`dplb.router.limits.TenantLimits` per tenant; a tenant whose limits did not change
   keeps its buckets (a reload neither refills nor empties them).
 - :func:`publish_slos` / :func:`count_slo`: ``dplb_tenant_slo_objective`` from the file, and one finished request
@@ -21,6 +22,7 @@ import logging
 from dplb.config import RouterConfig
 from dplb.errors import ConfigError
 from dplb.obs.metrics_tenant import TenantMetrics, TenantsFileMetrics
+from dplb.router.group_quota import group_limits_note
 from dplb.router.limits import TenantLimits
 from dplb.tenants import (
     DEFAULT_TENANT,
@@ -58,8 +60,11 @@ def read_tenants(cfg: RouterConfig, file_metrics: TenantsFileMetrics | None, sta
     if key:
         extra = Tenant(DEFAULT_TENANT, (hash_key(key),), priority=tc.classes[-1])
         tc = dataclasses.replace(tc, tenants=(*tc.tenants, extra))
+    note = group_limits_note(cfg.processes, tc) if starting else None
     if starting and err is None:
-        log.info("tenants file %s loaded: %s", path, tc.summary())
+        log.info("tenants file %s loaded: %s%s", path, tc.summary(), f"; {note}" if note else "")
+    elif note:
+        log.info("%s", note)
     return tc
 
 

@@ -313,6 +313,13 @@ class Segment:
 
         return read_router_slots(self._mm, self.num_workers)
 
+    def tenant_table(self, slot: int) -> list[dict[str, int | float]]:
+        """Router slot ``slot``'s tenant table: its used entries, tag and counters
+        (:func:`dplb.state.tenant_tables.read_tenant_table`). For display."""
+        from dplb.state.tenant_tables import read_tenant_table
+
+        return read_tenant_table(self._mm, self.num_workers, slot)
+
     def router_inflight(self, worker_id: int) -> dict[int, int]:
         """``{router pid: requests it has open to worker_id}`` for every live router process on this segment
         (:func:`dplb.state.router_slots.router_inflight`; seqlocked)."""

@@ -42,6 +42,7 @@ moments is not counted — at most one bucket).
 from __future__ import annotations
 
 import mmap
+import struct
 import time
 from collections.abc import Iterable, Sequence
 from typing import Final
@@ -53,6 +54,7 @@ ENTRY_WORDS: Final = 8
 #: Copies of a peer's entry a reader tries before it counts nothing from that peer this time.
 READ_RETRIES: Final = 64
 _TABLE_WORDS: Final = TENANT_TABLE_SIZE >> 3
+_ENTRY: Final = struct.Struct("<8Q")  # one entry (module docstring), for the display reader
 assert TENANT_TABLE_SIZE == TENANT_TABLE_ENTRIES * ENTRY_WORDS * 8
 
 
@@ -181,4 +183,28 @@ class TenantTables:
         self._q.release()
 
 
-__all__ = ["ENTRY_WORDS", "READ_RETRIES", "TenantTables"]
+def read_tenant_table(mm: mmap.mmap | bytes, num_workers: int, slot: int) -> list[dict[str, int | float]]:
+    """Router slot ``slot``'s used entries, for display (``dplb state``): per entry its ``tag`` (int), ``inflight``,
+    ``requests``, ``tokens_taken``, ``tokens_given`` and ``age_s`` (seconds since its owner created it: the counters
+    start then), in entry order. Each entry is copied under its seqlock; one still torn after :data:`READ_RETRIES`
+    copies is left out. A segment too short to hold the table (or ``slot`` out of range) reads as no entries."""
+    base = tenant_tables_offset(num_workers) + slot * TENANT_TABLE_SIZE
+    if not 0 <= slot < MAX_ROUTERS or len(mm) < base + TENANT_TABLE_SIZE:
+        return []
+    now = time.monotonic_ns()
+    out: list[dict[str, int | float]] = []
+    for i in range(TENANT_TABLE_ENTRIES):
+        off = base + i * ENTRY_WORDS * 8
+        for _ in range(READ_RETRIES):
+            seq, tag, created, inflight, requests, taken, given, _z = _ENTRY.unpack_from(mm, off)
+            if not seq & 1 and _ENTRY.unpack_from(mm, off)[0] == seq:
+                break
+        else:
+            continue
+        if tag:
+            out.append({"tag": tag, "inflight": inflight, "requests": requests, "tokens_taken": taken,
+                        "tokens_given": given, "age_s": round(max(0, now - created) / 1e9, 3)})
+    return out
+
+
+__all__ = ["ENTRY_WORDS", "READ_RETRIES", "TenantTables", "read_tenant_table"]
