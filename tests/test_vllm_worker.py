@@ -151,7 +151,8 @@ def test_published_load_under_32_concurrent_requests(worker: VllmWorker) -> None
         t0 = time.monotonic()
         async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=worker.sock), base_url="http://w",
                                      timeout=300) as cl:
-            while time.monotonic() - t0 < 1.5:
+            # (on a loaded box, until a publish with a queue in it was read: 10 s at most, then the assertion fails)
+            while time.monotonic() - t0 < 1.5 or (not seen_busy and time.monotonic() - t0 < 10):
                 rs = await asyncio.gather(*[cl.post("/v1/completions", json={
                     "model": "tiny", "prompt": f"request {i}", "max_tokens": 48, "ignore_eos": True})
                     for i in range(40)])
@@ -294,17 +295,25 @@ def _engine_core(worker_pid: int) -> int:
 
 def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
     """Last in this module: SIGTERM with 4 streams open → all four end normally, then the worker stops. The
-    engine is paused (SIGSTOP of its EngineCore) from just before the SIGTERM until the drain has been checked, so
-    the streams are certainly open then, however fast the machine (a quiet CI box once finished 4 × 400 tokens
-    within 0.5 s, and a loaded one 4 × 1800 before the check)."""
+    engine is paused (SIGSTOP of its EngineCore, found before the streams start) by the stream whose response head
+    completes the four, synchronously in its own task, and stays paused until the drain has been checked, so the
+    streams are certainly open then, however fast the engine or slow this test process (a quiet CI box once
+    finished 4 × 400 tokens within 0.5 s; a loaded box, pausing after the test's event loop had parsed each
+    stream's first event, once saw all 4 × 1800 tokens out of the engine before the pause)."""
     results: list[tuple[int, bool, bool, str | None]] = []
+    core = _engine_core(worker.proc.pid)
+    heads: list[int] = []
+    all_open = asyncio.Event()
 
-    async def stream(cl: httpx.AsyncClient, started: asyncio.Event) -> None:
+    async def stream(cl: httpx.AsyncClient) -> None:
         n, done, error, finish = 0, False, False, None
         async with cl.stream("POST", "/v1/completions", json={
                 "model": "tiny", "prompt": "drain me", "max_tokens": HOLD_TOKENS, "ignore_eos": True, "stream": True}) as r:
-            if r.status_code != 200:  # fail below instead of waiting forever for a stream that never starts
-                started.set()
+            heads.append(r.status_code)
+            if len(heads) == 4 or r.status_code != 200:  # fail below instead of waiting for streams that never start
+                if r.status_code == 200:
+                    os.kill(core, signal.SIGSTOP)  # no token until the drain is checked: every stream stays open
+                all_open.set()
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     n += 1
@@ -312,20 +321,16 @@ def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
                     event = json.loads(line[6:])
                     error = error or "error" in event
                     finish = (event.get("choices") or [{}])[0].get("finish_reason") or finish
-                    if n == 1:  # the engine is paused at once: under load it can outrun a slow client
-                        started.set()
                 done = done or line == "data: [DONE]"
         results.append((n, done, error, finish))
 
     async def main() -> None:
         async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=worker.sock), base_url="http://w",
                                      timeout=300) as cl:
-            evs = [asyncio.Event() for _ in range(4)]
-            tasks = [asyncio.create_task(stream(cl, e)) for e in evs]
-            await asyncio.gather(*[e.wait() for e in evs])
-            core = _engine_core(worker.proc.pid)
-            os.kill(core, signal.SIGSTOP)  # no token until the drain is checked: every stream stays open
+            tasks = [asyncio.create_task(stream(cl)) for _ in range(4)]
+            await all_open.wait()
             try:
+                assert heads == [200] * 4, heads
                 worker.proc.send_signal(signal.SIGTERM)
                 await drain_checked()
             finally:
