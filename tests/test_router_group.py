@@ -283,6 +283,40 @@ def test_restart_after_0_leaves_a_hung_process_to_the_health_probes(tmp_path) ->
         assert _wait_group(c, 2)[0] == kids[0]
 
 
+def test_heartbeats_of_a_removed_segment_are_not_judged_and_a_recreated_one_is(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The parent reads the segment now at the path: once it is removed the children stop writing heartbeats into it
+    and none is judged (they live on); once one is recreated there the children claim slots in it and a frozen one
+    is killed by its heartbeat again."""
+    from dplb.state.shm import Segment
+
+    with cluster(str(tmp_path), 1, router_args=["--processes", "2", "--restart-after", "1"]) as c:
+        kids = _wait_group(c, 2)
+        assert c.segment is not None
+        c.segment.close()
+        c.segment = None
+        os.unlink(c.shm_path)
+        time.sleep(4)  # four limits
+        assert group_children(c) == kids, c.router_log()[-3000:]
+        log = c.router_log()
+        assert "router group: state segment" in log and "published no heartbeat" not in log, log[-3000:]
+        c.segment = Segment.create(c.shm_path, 1, state_interval_ms=200, model="dplb-sim")
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20 and len({s["pid"] for s in c.segment.router_slots()} & set(kids.values())) < 2:
+            time.sleep(0.1)
+        os.kill(kids[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            while time.monotonic() - t0 < 20 and not _gone(kids[0]):
+                time.sleep(0.05)
+            killed_s = time.monotonic() - t0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kids[0], signal.SIGCONT)
+        assert killed_s <= 1 + 1.5, (killed_s, c.router_log()[-3000:])
+        assert f"router process 0 (pid {kids[0]}) published no heartbeat for" in c.router_log()
+        assert _wait_group(c, 2)[1] == kids[1]
+
+
 def _gone(pid: int) -> bool:
     """True when ``pid`` no longer runs (exited, or a zombie its parent has not reaped yet)."""
     try:
