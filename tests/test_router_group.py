@@ -215,10 +215,11 @@ def test_a_conversation_finds_its_worker_whichever_process_gets_it(tmp_path) -> 
 
 def _load(url: str, stop: threading.Event, out: list[tuple[float, int]]) -> None:
     """Requests one after the other, each on a new connection (the kernel spreads them over the group's processes),
-    until ``stop``: (monotonic time at the answer, status; 0 for a transport error or a 3 s timeout)."""
+    until ``stop``: (monotonic time at the answer, status; 0 for a transport error or a 1 s timeout: one that the
+    frozen process accepted comes back soon and tries again)."""
     while not stop.is_set():
         try:
-            status = httpx.post(url + "/v1/completions", json=BODY, timeout=3).status_code
+            status = httpx.post(url + "/v1/completions", json=BODY, timeout=1).status_code
         except httpx.HTTPError:
             status = 0
         out.append((time.monotonic(), status))
@@ -252,8 +253,9 @@ def test_a_frozen_process_is_killed_by_its_heartbeat_and_replaced(tmp_path) -> N
         assert new[1] != kids[1] and new[0] == kids[0], (kids, new)
         assert f"router process 1 (pid {kids[1]}) published no heartbeat for" in log, log[-3000:]
         assert "(--restart-after 3)" in log and "gave no /health answer" not in log, log[-3000:]
-        # the last heartbeat is up to 0.5 s before the SIGSTOP, the parent reads the slots every 0.25 s
-        assert 2.4 <= killed_s <= 3 + 1.5, killed_s
+        # the last heartbeat is up to 0.5 s before the SIGSTOP; the parent reads the slots every 0.25 s, but a /health
+        # probe of the frozen child holds its loop up to 1 s (its timeout): ~10 s before the heartbeat was judged
+        assert 2.4 <= killed_s <= 3 + 2, killed_s
         served = [t for t, status in answers if status == 200 and t0 < t < t0 + killed_s]
         assert served, [(round(t - t0, 2), status) for t, status in answers]  # the sibling served meanwhile
         for _ in range(10):
@@ -312,7 +314,7 @@ def test_heartbeats_of_a_removed_segment_are_not_judged_and_a_recreated_one_is(t
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(kids[0], signal.SIGCONT)
-        assert killed_s <= 1 + 1.5, (killed_s, c.router_log()[-3000:])
+        assert killed_s <= 1 + 2, (killed_s, c.router_log()[-3000:])
         assert f"router process 0 (pid {kids[0]}) published no heartbeat for" in c.router_log()
         assert _wait_group(c, 2)[1] == kids[1]
 
