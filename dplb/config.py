@@ -44,11 +44,16 @@ STALL_AFTER_S = 5.0
 #: launch, systemd) restarts it, and stops pinging systemd's watchdog. Long enough for a transient stall (a slow
 #: NCCL collective, a GPU reset) to clear; 0 = never.
 STALL_RESTART_AFTER_S = 120.0
-#: ``dplb launch --router-restart-after``: a router whose heartbeat in its router slot (refreshed by its monitor every
-#: ≤ 0.5 s) is this old while its process lives — stopped, its event loop blocked — is killed and restarted. The
-#: router unit's ``WatchdogSec`` (deploy/systemd/dplb-router.service), so that a frozen router is replaced as soon
-#: under the launcher as under systemd; 30× the monitor's step, so a loaded box's late ticks never trip it. 0 = never.
+#: ``--router-restart-after`` (``dplb router --restart-after``): a router process whose heartbeat in its router slot
+#: (refreshed by its monitor every ≤ 0.5 s) is this old while it lives — stopped, its event loop blocked — is killed
+#: and restarted: a router group's child by the group's parent (:mod:`dplb.router.supervisor`), a single-process
+#: router by ``dplb launch`` (:mod:`dplb.ops.watchdog`). The router unit's ``WatchdogSec``
+#: (deploy/systemd/dplb-router.service), so that a frozen router is replaced as soon under the launcher as under
+#: systemd; 30× the monitor's step, so a loaded box's late ticks never trip it. 0 = never.
 ROUTER_RESTART_AFTER_S = 15.0
+#: The shortest ``--router-restart-after`` other than 0: twice the router monitor's longest step (0.5 s), so a
+#: healthy router's heartbeat is never judged frozen between two ticks.
+MIN_ROUTER_RESTART_AFTER_S = 1.0
 
 
 def worker_server_stop_s(drain_timeout_s: float) -> float:
@@ -65,6 +70,15 @@ def check_stall(stall_after_s: float, stall_restart_after_s: float | None = None
     if r is not None and not (math.isfinite(r) and (r == 0 or (stall_after_s > 0 and stall_after_s < r <= 86400))):
         raise ConfigError(f"--stall-restart-after must be 0 (off) or more than --stall-after ({stall_after_s:g} s, "
                           f"which must be on) and up to 86400 seconds, got {r}")
+
+
+def check_router_restart_after(limit_s: float) -> None:
+    """Refuse a bad ``--router-restart-after``: 0 (off) or :data:`MIN_ROUTER_RESTART_AFTER_S`..86400 seconds.
+    Raises :class:`ConfigError` naming the flag."""
+    if not (math.isfinite(limit_s) and (limit_s == 0 or MIN_ROUTER_RESTART_AFTER_S <= limit_s <= 86400)):
+        raise ConfigError(f"--restart-after (dplb launch: --router-restart-after) must be 0 (off) or "
+                          f"{MIN_ROUTER_RESTART_AFTER_S:g}..86400 seconds (a router's heartbeat is refreshed every "
+                          f"0.5 s), got {limit_s:g}")
 
 
 def check_finite(cfg: object) -> None:
@@ -357,6 +371,9 @@ class RouterConfig:
       408 ``request_timeout`` and the connection is closed; ``serve_half_closed``: a complete request whose client
       shut its sending side (``shutdown(SHUT_WR)``) is answered, then the connection closed (off: that EOF is the
       client leaving, and its request is aborted at once, as nginx's ``proxy_ignore_client_abort off``).
+    - ``restart_after_s``: a group's child (``processes`` > 1) whose router-slot heartbeat is this old while it lives
+      is SIGKILLed and restarted by the group's parent (:data:`ROUTER_RESTART_AFTER_S`; 0 = off, the parent's
+      ``/health`` probes alone judge it); ``dplb launch`` judges a single-process router by the same value.
 
     - Tenants (docs/DESIGN.md §15): ``tenants_file``: the TOML file of :mod:`dplb.tenants` (None = one tenant,
       ``default``, holding ``api_key``); with it, requests that find no worker with room wait in the router's fair
@@ -398,6 +415,7 @@ class RouterConfig:
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
     serve_half_closed: bool = False
+    restart_after_s: float = ROUTER_RESTART_AFTER_S
 
     tenants_file: str | None = None
     queue_max: int = 1024
@@ -442,6 +460,7 @@ class RouterConfig:
             raise ConfigError(f"--orca must be off, asked or always, got {self.orca!r}")
         if not (math.isfinite(self.drain_notice_s) and 0 <= self.drain_notice_s <= 3600):
             raise ConfigError(f"--drain-notice must be 0..3600 seconds, got {self.drain_notice_s}")
+        check_router_restart_after(self.restart_after_s)
         if self.response_ids <= 0:
             raise ConfigError(f"response_ids must be > 0, got {self.response_ids}")
         check_origins(self.cors_allowed_origins, "--cors-allowed-origins")

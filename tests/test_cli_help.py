@@ -37,7 +37,8 @@ def test_help_texts_state_limits_and_defaults() -> None:
         assert needle in launch, needle
     router = _help("router")  # every timeout and policy knob says its default, from the config it fills
     for needle in ("response head (default 600)", "mid-response (default 120)", "next worker (default 5)",
-                   "plain queue; default: 1.0)", "last 10 requests (default: e2e)"):
+                   "plain queue; default: 1.0)", "last 10 requests (default: e2e)",
+                   "--router-restart-after S, --restart-after S", "(default 15, the router unit's WatchdogSec)"):
         assert needle in router and needle in launch, needle
     run, compare = _help("bench", "run"), _help("bench", "compare")
     for bench in (run, compare):  # a default said once, never "(default: None)"

@@ -353,7 +353,7 @@ def test_emit_systemd_keeps_every_router_flag_and_the_key_out_of_shared_files(tm
     flags = ["--port", "31555", "--weights", "queue=0.5,memory=0.2,latency=0.3", "--router-processes", "3",
              "--cors-allowed-origins", "https://a.example", "--api-key-exempt", "/health", "--prefix-block-bytes",
              "256", "--sse-keepalive", "15", "--allow-runtime-lora", "--policy-plugin", "json", "--no-direct-relay",
-             "--no-panic-routing"]
+             "--no-panic-routing", "--router-restart-after", "5"]
     r = subprocess.run(dplb_cmd("launch", "--num-workers", "2", "--api-key", "s3cret", "--emit-systemd", str(tmp_path),
                                 *flags), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

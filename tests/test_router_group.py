@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import httpx
@@ -212,10 +213,61 @@ def test_a_conversation_finds_its_worker_whichever_process_gets_it(tmp_path) -> 
         assert crossed >= 2, "the turns never crossed between processes: the test proved nothing"
 
 
-def test_a_hung_process_is_killed_and_replaced(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A stopped child still gets new connections from the kernel: the parent's liveness probe (GET /health on its
-    private socket every 2 s, 5 misses) kills it and starts another."""
-    with cluster(str(tmp_path), 1, router_args=["--processes", "2"]) as c:
+def _load(url: str, stop: threading.Event, out: list[tuple[float, int]]) -> None:
+    """Requests one after the other, each on a new connection (the kernel spreads them over the group's processes),
+    until ``stop``: (monotonic time at the answer, status; 0 for a transport error or a 1 s timeout: one that the
+    frozen process accepted comes back soon and tries again)."""
+    while not stop.is_set():
+        try:
+            status = httpx.post(url + "/v1/completions", json=BODY, timeout=1).status_code
+        except httpx.HTTPError:
+            status = 0
+        out.append((time.monotonic(), status))
+
+
+def test_a_frozen_process_is_killed_by_its_heartbeat_and_replaced(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A stopped child still gets new connections from the kernel: the parent reads its router slot in the segment
+    and SIGKILLs it once the heartbeat is --restart-after old (3 s here: killed ~3 s after the SIGSTOP, where the
+    /health probes take ~10 s), then starts another; the sibling serves throughout and the group serves after."""
+    with cluster(str(tmp_path), 1, router_args=["--processes", "2", "--restart-after", "3"]) as c:
+        kids = _wait_group(c, 2)
+        stop, answers = threading.Event(), []  # type: ignore[var-annotated]
+        loads = [threading.Thread(target=_load, args=(c.url, stop, answers), daemon=True) for _ in range(4)]
+        for load in loads:  # four clients: one waiting on the frozen process does not stop the others
+            load.start()
+        os.kill(kids[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            while time.monotonic() - t0 < 30 and not _gone(kids[1]):
+                time.sleep(0.05)
+            killed_s = time.monotonic() - t0
+            new = _wait_group(c, 2)
+            replaced_s = time.monotonic() - t0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kids[1], signal.SIGCONT)
+            stop.set()
+            for load in loads:
+                load.join(10)
+        log = c.router_log()
+        assert new[1] != kids[1] and new[0] == kids[0], (kids, new)
+        assert f"router process 1 (pid {kids[1]}) published no heartbeat for" in log, log[-3000:]
+        assert "(--restart-after 3)" in log and "gave no /health answer" not in log, log[-3000:]
+        # the last heartbeat is up to 0.5 s before the SIGSTOP; the parent reads the slots every 0.25 s, but a /health
+        # probe of the frozen child holds its loop up to 1 s (its timeout): ~10 s before the heartbeat was judged
+        assert 2.4 <= killed_s <= 3 + 2, killed_s
+        served = [t for t, status in answers if status == 200 and t0 < t < t0 + killed_s]
+        assert served, [(round(t - t0, 2), status) for t, status in answers]  # the sibling served meanwhile
+        for _ in range(10):
+            assert httpx.post(c.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+        print(f"frozen group child killed {killed_s:.1f} s and replaced {replaced_s:.1f} s after SIGSTOP "
+              f"(--restart-after 3); {len(served)} requests served meanwhile")
+
+
+def test_restart_after_0_leaves_a_hung_process_to_the_health_probes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--restart-after 0: the heartbeat is not judged, and the parent's liveness probe (GET /health on the child's
+    private socket every 2 s, 5 misses) kills the stopped child and starts another."""
+    with cluster(str(tmp_path), 1, router_args=["--processes", "2", "--restart-after", "0"]) as c:
         kids = _wait_group(c, 2)
         os.kill(kids[1], signal.SIGSTOP)
         t0 = time.monotonic()
@@ -227,8 +279,53 @@ def test_a_hung_process_is_killed_and_replaced(tmp_path) -> None:  # type: ignor
                 os.kill(kids[1], signal.SIGCONT)
         assert group_children(c).get(1) != kids[1], "the stopped process was never replaced"
         assert 8 <= time.monotonic() - t0 <= 25, time.monotonic() - t0
-        assert f"router process 1 (pid {kids[1]}) gave no /health answer 5 times in a row" in c.router_log()
+        log = c.router_log()
+        assert f"router process 1 (pid {kids[1]}) gave no /health answer 5 times in a row" in log
+        assert "published no heartbeat" not in log, log[-3000:]
         assert _wait_group(c, 2)[0] == kids[0]
+
+
+def test_heartbeats_of_a_removed_segment_are_not_judged_and_a_recreated_one_is(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The parent reads the segment now at the path: once it is removed the children stop writing heartbeats into it
+    and none is judged (they live on); once one is recreated there the children claim slots in it and a frozen one
+    is killed by its heartbeat again."""
+    from dplb.state.shm import Segment
+
+    with cluster(str(tmp_path), 1, router_args=["--processes", "2", "--restart-after", "1"]) as c:
+        kids = _wait_group(c, 2)
+        assert c.segment is not None
+        c.segment.close()
+        c.segment = None
+        os.unlink(c.shm_path)
+        time.sleep(4)  # four limits
+        assert group_children(c) == kids, c.router_log()[-3000:]
+        log = c.router_log()
+        assert "router group: state segment" in log and "published no heartbeat" not in log, log[-3000:]
+        c.segment = Segment.create(c.shm_path, 1, state_interval_ms=200, model="dplb-sim")
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20 and len({s["pid"] for s in c.segment.router_slots()} & set(kids.values())) < 2:
+            time.sleep(0.1)
+        os.kill(kids[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            while time.monotonic() - t0 < 20 and not _gone(kids[0]):
+                time.sleep(0.05)
+            killed_s = time.monotonic() - t0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kids[0], signal.SIGCONT)
+        assert killed_s <= 1 + 2, (killed_s, c.router_log()[-3000:])
+        assert f"router process 0 (pid {kids[0]}) published no heartbeat for" in c.router_log()
+        assert _wait_group(c, 2)[1] == kids[1]
+
+
+def _gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (exited, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def test_every_scrape_time_family_has_a_group_rule() -> None:

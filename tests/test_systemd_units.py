@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,29 @@ def test_emit_systemd_derives_the_stop_timeouts_from_the_drain_flags(tmp_path: P
     units = _install(out)  # the drop-ins beside the units: systemd-analyze reads them
     if shutil.which("systemd-analyze"):
         _verify(out, units)
+
+
+def test_emit_systemd_hands_router_restart_after_to_the_router_units_group_parent(tmp_path: Path) -> None:
+    """Under systemd a --processes N router's parent judges its children's heartbeats by --router-restart-after, the
+    value dplb launch would use: a non-default value reaches DPLB_ROUTER_ARGS and parses back to the router's
+    configuration; the default is the router unit's WatchdogSec and is not written."""
+    from dplb.config import ROUTER_RESTART_AFTER_S
+
+    def router_args(*flags: str) -> list[str]:
+        out = tmp_path / "etc"
+        r = subprocess.run(dplb_cmd("launch", "--num-workers", "1", "--router-processes", "2", *flags,
+                                    "--emit-systemd", str(out)), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        env = (out / "dplb.env").read_text()
+        return shlex.split(next(ln for ln in env.splitlines() if ln.startswith("DPLB_ROUTER_ARGS=")).partition("=")[2])
+
+    argv = router_args("--router-restart-after", "4")
+    assert float(argv[argv.index("--router-restart-after") + 1]) == 4, argv
+    r = subprocess.run(dplb_cmd("router", *argv, "--num-workers", "1", "--router-restart-after", "0.5"),
+                       capture_output=True, text=True, timeout=60)  # the router checks the value it is given
+    assert r.returncode == 2 and "--router-restart-after) must be 0 (off) or 1..86400" in r.stderr, r.stderr
+    assert "--router-restart-after" not in router_args() and "--restart-after" not in router_args()
+    assert _values(_unit("dplb-router.service"), "WatchdogSec") == [f"{ROUTER_RESTART_AFTER_S:g}"]
 
 
 def test_group_parent_waits_for_the_drain_notice_before_killing_its_children() -> None:

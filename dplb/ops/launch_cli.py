@@ -1,16 +1,18 @@
 """``dplb launch``'s command line: its flags (the router's and the placement's included) and the command, which
 runs a :class:`dplb.ops.launcher.Launcher` (or writes systemd env files with ``--emit-systemd``).
 
-Contract: flags only, validated by their argparse types; every default here is the one the docs name
-(``--router-restart-after`` is the router unit's ``WatchdogSec``). Raises :class:`ConfigError` for a segment path
-that already exists.
+Contract: flags only, validated by their argparse types; every default here is the one the docs name. The router's
+flags are :func:`dplb.router.cli.add_router_args`'s, ``--router-restart-after`` among them: its one value goes to
+the router group's parent in the router configuration (it judges each child) and to the launcher (it judges a
+single-process router), so the two never judge one process by different limits. Raises :class:`ConfigError` for a
+segment path that already exists.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from dplb.config import ROUTER_RESTART_AFTER_S, STALL_RESTART_AFTER_S
+from dplb.config import STALL_RESTART_AFTER_S
 from dplb.errors import ConfigError
 from dplb.flags import flag_number, flag_port_or_off
 from dplb.ops.launcher import Launcher
@@ -59,11 +61,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stall-restart-after", type=flag_number, default=STALL_RESTART_AFTER_S, metavar="S",
                    help="a worker stalled (--stall-after) S seconds since its engine's last progress exits and is "
                    f"restarted, its engine processes killed (default {STALL_RESTART_AFTER_S:g}; 0 = never)")
-    p.add_argument("--router-restart-after", type=flag_number, default=ROUTER_RESTART_AFTER_S, metavar="S",
-                   help="a router whose heartbeat in the segment is S seconds old while its process lives (stopped, "
-                   "its event loop blocked) is killed and restarted, like a frozen worker; with --router-processes N "
-                   "each process is judged by its own heartbeat (default "
-                   f"{ROUTER_RESTART_AFTER_S:g}, the router unit's WatchdogSec; 0 = never)")
     p.add_argument("--remove-logs", action="store_true", help="remove the run directory and its logs on exit")
     p.add_argument("--worker-args", action="append", metavar="K=ARGS",
                    help="extra engine arguments for worker K only, after the shared ones (repeatable), e.g. "

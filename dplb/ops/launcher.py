@@ -14,13 +14,15 @@ Contract
   ``EngineCore`` outlives a SIGKILLed worker). A worker whose engine stays stalled ``--stall-restart-after`` seconds
   exits by itself (:mod:`dplb.worker.process`) and is restarted the same way; one that publishes nothing that long
   while its process lives (SIGSTOPped, its collector wedged) is killed (its process group) and restarted, and so is
-  a router process (each child of a ``--router-processes`` group too, which its parent restarts) whose router slot's
-  heartbeat is ``--router-restart-after`` seconds old (logged; restarts counted in the
-  log). A worker or router that fails before ever becoming ready ``--max-start-failures`` times in a row stops the
-  launch with its log tail, except a router start refused because the compiled build went stale
-  (:class:`dplb.errors.StaleBuildError`'s exit status, which a ``--router-processes`` group's parent passes on when
-  its children refuse): the workers are kept, one ERROR names the fix, and the router is retried (waits capped at
-  5 s; one ``router restarted`` line, then at most one a minute) until a rebuild (or ``--clean``) lets it start.
+  a single-process router whose router slot's heartbeat is ``--router-restart-after`` seconds old (logged; restarts
+  counted in the log). A ``--router-processes`` group's children are judged by the same value by the group's parent
+  (:mod:`dplb.router.supervisor`, which gets it in the router configuration and restarts the child it kills), not
+  by the launcher: one judge per process. A worker or router that fails before ever becoming ready
+  ``--max-start-failures`` times in a row stops the launch with its log tail, except a router start refused because
+  the compiled build went stale (:class:`dplb.errors.StaleBuildError`'s exit status, which a ``--router-processes``
+  group's parent passes on when its children refuse): the workers are kept, one ERROR names the fix, and the router
+  is retried (waits capped at 5 s; one ``router restarted`` line, then at most one a minute) until a rebuild (or
+  ``--clean``) lets it start.
 - The segment is followed (:class:`dplb.state.follow.SegmentFollower`): removed (a cleanup), its mapping is dropped
   and the frozen-worker watchdog is off (it never judges heartbeats that stopped because the workers lost the
   file); recreated at the same path (``dplb segment create``, the runbook's mitigation), the new file is mapped,
@@ -311,8 +313,8 @@ class Launcher:
                     w.start()
                     log.info("%s restarted (restart #%d)", w.name, w.restarts)
             r = self.router
-            if seg is not None and r.ever_ready and r.alive():
-                kill_if_router_frozen(seg, r, self.args.router_restart_after)
+            if seg is not None and r.ever_ready and r.alive() and self.router_cfg.processes == 1:
+                kill_if_router_frozen(seg, r, self.router_cfg.restart_after_s)  # a group's parent judges its own
             if not r.alive() and not self.stopping and not self._restart_router(r, now):
                 return 1
             if not r.ever_ready and r.alive() and _http_ok(self._local_url() + "/health"):

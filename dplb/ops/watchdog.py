@@ -3,9 +3,9 @@
 ``dplb launch`` restarts it like any exit (docs/DESIGN.md §10). Under systemd each unit's ``WatchdogSec`` does this.
 
 Contract: each function judges one child on the segment now at the path (never a removed one) and returns whether
-it killed it; the caller (:class:`dplb.ops.launcher.Launcher`) reaps and restarts it — except a router group's
-child, which its group parent restarts. A limit of 0 turns the judgement off. Each kill is one WARNING line naming
-the age, the flag and the limit.
+it killed it; the caller (:class:`dplb.ops.launcher.Launcher`) reaps and restarts it. A router group's children are
+not judged here: their group parent judges them (:mod:`dplb.router.supervisor`). A limit of 0 turns the judgement
+off. Each kill is one WARNING line naming the age, the flag and the limit.
 """
 
 from __future__ import annotations
@@ -48,45 +48,23 @@ def kill_if_worker_frozen(seg: Segment, k: int, w: Child, limit_s: float, attach
 
 
 def kill_if_router_frozen(seg: Segment, r: Child, limit_s: float) -> bool:
-    """Kill a router process whose router slot's heartbeat in ``seg`` (written by its monitor every ≤ 0.5 s) is
-    older than ``limit_s`` (``--router-restart-after``) while its process lives; True when one was killed.
-
-    Judged: the router ``r`` itself (a single-process router: its process group is killed and waited for, the
-    caller restarts it) and each child of ``r`` (a ``--router-processes`` group, whose parent holds no slot): that
-    child alone is SIGKILLed, and its group parent (:mod:`dplb.router.supervisor`) restarts it at once as after any
-    exit. A slot not written yet (a process starting, a recreated segment), a pid neither ``r`` nor a living child
-    of it (a dead process's slot not yet reclaimed, a pid reused) is not judged."""
+    """Kill the single-process router ``r`` (its process group, waited for; the caller restarts it) when its router
+    slot's heartbeat in ``seg`` (written by its monitor every ≤ 0.5 s) is older than ``limit_s``
+    (``--router-restart-after``) while its process lives; True when it was killed. A slot not written yet (a
+    process starting, a recreated segment) is not judged. A ``--router-processes`` group's parent holds no slot:
+    its children are judged by the parent itself (:mod:`dplb.router.supervisor`), with the same limit."""
     if limit_s <= 0 or r.proc is None:
         return False
     for s in seg.router_slots():
         age = s["heartbeat_age_s"]
-        if age is None or age <= limit_s:
+        if s["pid"] != r.proc.pid or age is None or age <= limit_s:
             continue
-        if s["pid"] == r.proc.pid:
-            log.warning("router published no heartbeat for %.0f s (--router-restart-after %g) though its process "
-                        "lives (stopped, or its event loop blocked); killing it to restart it", age, limit_s)
-            _kill_group(r)
-            r.proc.wait()
-            return True
-        if _living_child_of(s["pid"], r.proc.pid):
-            log.warning("router process %d (pid %d) published no heartbeat for %.0f s (--router-restart-after %g) "
-                        "though it lives (stopped, or its event loop blocked); killing it, its group parent "
-                        "restarts it", s["process_index"], s["pid"], age, limit_s)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(s["pid"], signal.SIGKILL)
-            return True
+        log.warning("router published no heartbeat for %.0f s (--router-restart-after %g) though its process "
+                    "lives (stopped, or its event loop blocked); killing it to restart it", age, limit_s)
+        _kill_group(r)
+        r.proc.wait()
+        return True
     return False
-
-
-def _living_child_of(pid: int, parent: int) -> bool:
-    """True when process ``pid`` exists, is not a zombie (killed, not yet reaped) and its parent is ``parent``
-    (``/proc/PID/stat``: state is field 3, ppid field 4, after the parenthesised command name)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return False
-    return len(fields) >= 2 and fields[0] != "Z" and fields[1] == str(parent)
 
 
 def _kill_group(c: Child) -> None:

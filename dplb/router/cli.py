@@ -10,6 +10,7 @@ from typing import Any
 from dplb.config import (
     LOG_FORMAT,
     MAX_ROUTER_PROCESSES,
+    MIN_ROUTER_RESTART_AFTER_S,
     POLICIES,
     PREFIX_WEIGHTS,
     SEED_WEIGHTS,
@@ -173,6 +174,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    default=default_router_processes(),
                    help=f"router processes sharing the port (SO_REUSEPORT) and the state segment, under one parent "
                    f"(1..{MAX_ROUTER_PROCESSES}; default: one per 8 CPU cores, here %(default)s)")
+    p.add_argument("--router-restart-after", "--restart-after", dest="router_restart_after", type=flag_number,
+                   default=d["restart_after_s"], metavar="S",
+                   help="a router process whose heartbeat in the state segment is S seconds old while it lives "
+                   "(stopped, its event loop blocked: the kernel still hands it its share of new connections) is "
+                   "SIGKILLed and restarted: each process of a --processes N group by the group's parent, a "
+                   "single-process router by dplb launch (under systemd: the unit's WatchdogSec); 0 = never (a "
+                   "group's children are then judged by their /health probes alone); at least "
+                   f"{MIN_ROUTER_RESTART_AFTER_S:g} (default {d['restart_after_s']:g}, the router unit's WatchdogSec)")
     p.add_argument("--cors-allowed-origins", default=",".join(d["cors_allowed_origins"]), metavar="ORIGINS",
                    help="comma-separated origins allowed by CORS (answers preflights, adds the headers; '*' = any; "
                    "default '' = CORS off)")
@@ -248,7 +257,7 @@ def router_config(args: argparse.Namespace, *, run_dir: str, shm_path: str | Non
         agent_port=args.agent_port, orca=args.orca, drain_notice_s=args.drain_notice,
         resume_streams=args.resume_streams, direct_relay=args.direct_relay,
         stall_after_s=args.stall_after, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-        serve_half_closed=args.serve_half_closed,
+        serve_half_closed=args.serve_half_closed, restart_after_s=args.router_restart_after,
         tenants_file=_tenants_file(args.tenants, run_dir), queue_max=args.queue_max, queue_timeout_s=args.queue_timeout,
         engine_priority=args.engine_priority,
     )

@@ -19,9 +19,18 @@ server streams. The state plane is shared memory, so N processes can route on it
   one refused a stale compiled build, so ``dplb launch`` retries the group as it retries one router) — only when no
   other child serves: while one does, the failing child is retried every :data:`BACKOFF_MAX_S` (one missing process
   is not worth stopping the healthy ones).
-- Liveness: every :data:`HEALTH_EVERY_S` the parent asks each child's private socket for ``/health``; a child that
-  gives no HTTP answer :data:`HUNG_AFTER` times in a row (stopped, or its event loop stuck) is SIGKILLed and
-  restarted — the kernel keeps handing a hung process new connections, so waiting would strand clients.
+- Liveness, by heartbeat: every :data:`HEARTBEAT_EVERY_S` the parent reads its listening children's router slots in
+  the segment (``cfg.shm_path``, mapped read-only and followed: a removed or replaced file is dropped, the one now
+  at the path attached) by pid; a child whose slot's heartbeat (written by its monitor every ≤ 0.5 s) is older than
+  ``cfg.restart_after_s`` (``--restart-after``, dplb launch's ``--router-restart-after``: one value, so the parent
+  and the launcher never judge a process differently; 0 = off) while it lives is SIGKILLed (one WARNING naming it,
+  its pid and the age) and restarted as after any exit. The kernel keeps handing a stopped process its share of the
+  new connections, so waiting strands clients. Under ``dplb launch`` the parent judges its children and the
+  launcher judges none of them (:mod:`dplb.ops.watchdog` judges a single-process router only).
+- Liveness, fallback: every :data:`HEALTH_EVERY_S` the parent asks each child's private socket for ``/health``; a
+  child that gives no HTTP answer :data:`HUNG_AFTER` times in a row (stopped, or its event loop stuck) is SIGKILLed
+  and restarted. This alone judges a child without a slot to read: no segment (missing, not yet created, one
+  being recreated), a slot not written yet, ``--restart-after 0``.
 - Signals: SIGTERM/SIGINT are forwarded to every child; each drains (stops accepting, finishes its in-flight
   requests within the router's graceful window); children still running after :data:`STOP_TIMEOUT_S` are
   SIGKILLed. Exit code 0 when every child stopped cleanly, 1 otherwise.
@@ -43,9 +52,11 @@ import time
 from dataclasses import dataclass
 
 from dplb.config import RouterConfig
-from dplb.errors import ConfigError, StaleBuildError, bind_error
+from dplb.errors import ConfigError, ShmError, StaleBuildError, bind_error
 from dplb.runtime.procs import die_with_parent
 from dplb.runtime.sd_notify import Watchdog, notify
+from dplb.state.follow import SegmentFollower
+from dplb.state.shm import Segment
 
 log = logging.getLogger("dplb.router")
 ENV_CONFIG = "DPLB_ROUTER_CONFIG"
@@ -56,8 +67,8 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0  # the router's own graceful window (5 s) + its stop wait (10 s) + margin
 HEALTH_EVERY_S = 2.0
 HEALTH_TIMEOUT_S = 1.0
-HUNG_AFTER = 5  # failed health probes in a row (≈ 10 s) before a child counts as hung (under dplb launch,
-# --router-restart-after judges each child's router-slot heartbeat first: dplb.ops.watchdog)
+HUNG_AFTER = 5  # failed health probes in a row (≈ 10 s) before a child counts as hung (the heartbeat judges first)
+HEARTBEAT_EVERY_S = 0.25  # how often the children's router slots are read: adds ≤ this to --restart-after
 _ENV_DROP = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
@@ -144,6 +155,8 @@ class RouterGroup:
         self.members = [_Member(i) for i in range(cfg.processes)]
         self.stopping = False
         self._hold: socket.socket | None = None
+        self._segment: SegmentFollower | None = None  # the segment the children's heartbeats are read from
+        self._next_beat = 0.0
 
     def _argv(self, i: int) -> list[str]:
         return [sys.executable, "-P", "-m", "dplb.cli", "--log-level", self.log_level, "router", "--config-env",
@@ -184,6 +197,48 @@ class RouterGroup:
             m.failed_probes = 0
             m.proc.kill()
 
+    def _current_segment(self) -> Segment | None:
+        """The segment now at ``cfg.shm_path`` (mapped read-only, followed), or None: judging by heartbeat is off,
+        or there is no segment there yet."""
+        if self.cfg.restart_after_s <= 0 or not self.cfg.shm_path:
+            return None
+        if self._segment is None:
+            try:
+                seg = Segment.attach(self.cfg.shm_path, writable=False)
+            except ShmError:
+                return None  # not created yet: the probes judge meanwhile; tried again next time
+            self._segment = SegmentFollower(seg, who="router group", log=log, writable=False,
+                                            while_missing="its processes are judged by their /health probes alone")
+        return self._segment.current()
+
+    def _kill_frozen(self, now: float) -> None:
+        """SIGKILL each listening child whose router slot's heartbeat is older than ``cfg.restart_after_s`` while
+        it lives (module docstring); its exit is then seen and it is restarted as after any exit. A child with no
+        slot in the segment (not written yet, a recreated segment) is left to the probes."""
+        if now < self._next_beat:
+            return
+        self._next_beat = now + HEARTBEAT_EVERY_S
+        seg = self._current_segment()
+        if seg is None:
+            return
+        ages: dict[int, float] = {}
+        for slot in seg.router_slots():
+            age = slot["heartbeat_age_s"]
+            if age is not None:  # two slots of one pid (a reused pid's stale slot): the fresher is its own
+                ages[slot["pid"]] = min(age, ages.get(slot["pid"], age))
+        limit = self.cfg.restart_after_s
+        for m in self.members:
+            if m.proc is None or not m.listening or m.proc.poll() is not None:
+                continue
+            age = ages.get(m.proc.pid)
+            if age is None or age <= limit:
+                continue
+            log.warning("router process %d (pid %d) published no heartbeat for %.1f s (--restart-after %g) though it "
+                        "lives (stopped, or its event loop blocked); killing it to restart it", m.index, m.proc.pid,
+                        age, limit)
+            m.failed_probes = 0
+            m.proc.kill()
+
     def _on_signal(self, signum: int, frame: object) -> None:
         if not self.stopping:
             log.info("%s received: draining %d router processes", signal.Signals(signum).name, len(self.members))
@@ -214,6 +269,8 @@ class RouterGroup:
         finally:
             stop_rc = self._stop()
             self._hold.close()
+            if self._segment is not None:
+                self._segment.close()
             log.info("DPLB router group stopped")
         return rc or stop_rc
 
@@ -222,6 +279,7 @@ class RouterGroup:
         ready = False
         while not self.stopping:
             now = time.monotonic()
+            self._kill_frozen(now)
             for m in self.members:
                 assert m.proc is not None or m.next_start
                 if m.proc is not None and m.proc.poll() is None:
