@@ -17,7 +17,8 @@ Contract
 - One log line per worker registration (becomes routable) and deregistration (with the reason).
 - Worker health (ejection for failures, heartbeat hysteresis) is :class:`dplb.router.health.WorkerHealth`, fed
   every snapshot this state reads and, through :meth:`RouterState.report`, every attempt's outcome; its ejected
-  and held-out workers are passed to the policy.
+  and held-out workers are passed to the policy. It shares ejections and failure streaks with the other router
+  processes through this process's router slot: every pick and monitor step reads what the peers published.
 - Panic routing (docs/DESIGN.md §5.1; the pick itself is the policy's): every monitor step checks whether no worker
   is routable while some are on heartbeat probation only (:func:`dplb.policy.panic_set`); ``dplb_router_panic`` is 1
   while so, with one log line on entering and one on leaving (none per request). Off with ``--no-panic-routing``.
@@ -116,6 +117,7 @@ class RouterState:
         self._seen_stopped = [False] * n
         ejections = metrics.ejections
         self.health = WorkerHealth(n, self.pid_of, lambda k: ejections.labels(str(k)).inc())
+        self._share_health()
         self._had_segment = seg is not None
         self.stall = StallDetector(n, cfg.stall_after_s, heed_flag=True) if cfg.stall_after_s > 0 else None
         self.attempts: list[set[Cuttable]] = [set() for _ in range(n)]  # open attempts per worker (stall cuts)
@@ -171,6 +173,11 @@ class RouterState:
                  "see this one's in-flight requests")
         return True
 
+    def _share_health(self) -> None:
+        """Point the worker health at this process's router slot's health table (None: no slot), after any change
+        of the slot (attach, loss, close)."""
+        self.health.share(self.slots.health if self.slots is not None else None)
+
     def _close_slots(self) -> None:
         if self.slots is not None:
             self.slots.close()
@@ -178,6 +185,7 @@ class RouterState:
 
     def close(self) -> None:
         """Give the router slot back and unmap the segment (shutdown)."""
+        self.health.share(None)
         self._close_slots()
         if self.segment is not None:
             self.segment.close()
@@ -210,7 +218,12 @@ class RouterState:
         t0 = _perf_counter()
         seg = self.segment
         snap = None if seg is None else seg.read_all()[: self.num_workers]  # (snapshot(), inlined: per request)
+        slots = self.slots
+        if slots is not None and not slots.has_peers:  # (asked once: only the monitor changes it)
+            slots = None  # alone on the segment: nobody to learn from or tell
         health = self.health
+        if slots is not None:
+            health.sync(slots.peer_slots)  # the peers' ejections and failure streaks (one load each if unchanged)
         ejected = health.ejected(snap) if health.any_ejected else _NONE
         if snap is None:
             # No state: only workers whose socket file exists are candidates (a stat per worker, fallback only).
@@ -225,9 +238,6 @@ class RouterState:
             assert seg is not None
             now = _monotonic_ns()
             held = health.observe(snap, now, seg.state_interval_ms)
-            slots = self.slots
-            if slots is not None and not slots.has_peers:  # (asked once: only the monitor changes it)
-                slots = None  # alone on the segment: nobody to learn from or tell
             if slots is not None and policy.shares:
                 policy.absorb(slots.drain_prefix(), now)  # what the other router processes learnt meanwhile
             if policy.follows_engines:
@@ -367,8 +377,10 @@ class RouterState:
         elif not (self.segment.header.model and self.segment.header.run_dir):
             self.segment.reload_header()  # a recreated segment: `dplb launch` restores its model and run dir
         self.metrics.shm_present.set(1 if self.segment else 0)
+        self._share_health()
         if self.slots is not None:
             self.slots.heartbeat()
+            self.health.sync(self.slots.peer_slots)
         for hook in self.on_tick:
             hook()
         snap = self.snapshot()
