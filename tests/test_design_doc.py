@@ -248,13 +248,13 @@ def test_router_health_table_matches_code_and_bytes(shm_path: str) -> None:
     slots = RouterSlots.claim(shm_path, 3, port=4321)
     assert slots is not None
     try:
-        slots.health.write(2, until_ns=9_000_000_001, pid=4242, fails=2, streak_ns=8_000_000_002, ok_ns=7_000_000_003)
+        slots.health.write(2, until_ns=9_000_000_001, pid=4242, fails=2, streak_ns=8_000_000_002, reset_ns=7_000_000_003)
         raw = Path(shm_path).read_bytes()
         base = routers_offset(3) + slots.index * layout.ROUTER_SLOT_SIZE + layout.HEALTH_TABLE_OFFSET + 32 * 2
         got = {r["field"]: field_bytes(raw, base, r) for r in rows}
         assert got == {"until_mono_ns": 9_000_000_001, "pid": 4242, "fails": 2, "streak_mono_ns": 8_000_000_002,
-                       "ok_mono_ns": 7_000_000_003}
-        assert f"1088 + 32·k (`HEALTH_TABLE_OFFSET`" in DOC.read_text() and layout.HEALTH_TABLE_OFFSET == 1088
+                       "reset_mono_ns": 7_000_000_003}
+        assert "1088 + 32·k (`HEALTH_TABLE_OFFSET`" in DOC.read_text() and layout.HEALTH_TABLE_OFFSET == 1088
     finally:
         slots.close()
         seg.close()

@@ -19,7 +19,8 @@ Contract
   :mod:`dplb.state.health_board`): each process publishes its ejections (until when, the worker's pid then) and its
   failure streaks; a process adopts a live peer's ejection with the same expiry and the same restart rule (logged
   at debug, counted only by the process that ejected), and counts its peers' streaks into its own: the failures in
-  a row across the group, those since the group's last published success, reach :data:`MAX_FAILS` once. So N
+  a row across the group, those since the group's last reset (a published success, an ejection for failures), reach
+  :data:`MAX_FAILS` once. So N
   processes eject a failing worker after :data:`MAX_FAILS` failures in all, not N × :data:`MAX_FAILS`. A process
   reads its peers' tables at every pick and before counting a failure (one 8-byte load per peer when nothing
   changed); it publishes a success only while some streak on that worker is open.
@@ -30,8 +31,9 @@ Contract
   nothing; a worker flapping stale/fresh stays out instead of flapping in and out. One log line each way. While no
   worker can take a request, the policy routes among those on probation rather than refusing it (panic routing,
   docs/DESIGN.md §5.1).
-- Pure state: no I/O but logs; time comes from the caller (``now_ns``) or the injected ``clock``, so the state
-  machine is testable without processes (``tests/test_health.py``). Single event loop; not thread-safe.
+- Pure state: no I/O but logs and the loads and stores of the shared table (mapped memory); time comes from the
+  caller (``now_ns``) or the injected ``clock``, so the state machine is testable without processes
+  (``tests/test_health.py``, ``tests/test_health_group.py``). Single event loop; not thread-safe.
 """
 
 from __future__ import annotations
@@ -138,10 +140,10 @@ class WorkerHealth:
         self._fails = [0] * n
         self._n = n
         # Sharing with the router group (module docstring): this process's table, its own streaks' starts and last
-        # published successes (clock s), its own ejection as published (ns, pid), the live peers and their tables.
+        # resets (clock s), its own ejection as published (ns, pid), the live peers and their tables.
         self.board: HealthBoard | None = None
         self._since = [0.0] * n
-        self._ok = [0.0] * n
+        self._reset = [0.0] * n
         self._pub_until = [0] * n
         self._pub_pid = [0] * n
         self._peers: Sequence[int] = ()
@@ -174,7 +176,7 @@ class WorkerHealth:
     def _succeeded(self, worker: int) -> None:
         self._fails[worker] = 0
         self._since[worker] = 0.0
-        self._ok[worker] = self._clock()
+        self._reset[worker] = self._clock()
         self._publish(worker)
 
     def _failed(self, worker: int) -> None:
@@ -192,6 +194,7 @@ class WorkerHealth:
             return
         self._fails[worker] = 0
         self._since[worker] = 0.0
+        self._reset[worker] = self._clock()  # every process's streak starts over after this ejection
         if streak == fails:
             log.warning("worker %d failed %d requests in a row; ejecting it for %.0f s", worker, fails, UNREACHABLE_S)
         else:
@@ -203,15 +206,15 @@ class WorkerHealth:
 
     def _group_streak(self, worker: int) -> int:
         """The failures in a row on ``worker`` across the group: each process's open streak that began after the
-        last success any of them published (this process's own counts as 1 when a peer's success came after its
-        start: its latest failure is after it)."""
+        group's last reset (a published success or an ejection for failures, by any of them); this process's own
+        counts as 1 when a peer's reset came after its start (its latest failure is after it)."""
         i = FIELDS * worker
         views = self._views.values()
-        peer_ok = max((v[i + 4] for v in views), default=0) / 1e9
-        last_ok = max(peer_ok, self._ok[worker])
-        total = self._fails[worker] if self._since[worker] > peer_ok else 1
+        peer_reset = max((v[i + 4] for v in views), default=0) / 1e9
+        last_reset = max(peer_reset, self._reset[worker])
+        total = self._fails[worker] if self._since[worker] > peer_reset else 1
         for v in views:
-            if v[i + 2] and v[i + 3] / 1e9 > last_ok:
+            if v[i + 2] and v[i + 3] / 1e9 > last_reset:
                 total += v[i + 2]
         return total
 
@@ -226,7 +229,7 @@ class WorkerHealth:
         board = self.board
         if board is not None:
             board.write(worker, self._pub_until[worker], self._pub_pid[worker], self._fails[worker],
-                        int(self._since[worker] * 1e9), int(self._ok[worker] * 1e9))
+                        int(self._since[worker] * 1e9), int(self._reset[worker] * 1e9))
 
     def share(self, board: HealthBoard | None) -> None:
         """Publish into ``board`` (this process's router slot's table) and read its peers' from now on; None: alone

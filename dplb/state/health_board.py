@@ -10,7 +10,8 @@ Byte layout (little-endian; inside router slot r, :mod:`dplb.state.router_slots`
       8   u32  pid                   k's pid when the owner ejected it (a different pid in k's slot lifts it)
       12  u32  fails                 the owner's current streak of failed attempts on k (0 = none)
       16  u64  streak_mono_ns        when that streak's first failure was reported (0 = no streak)
-      24  u64  ok_mono_ns            the owner's last success on k that it published (0 = none)
+      24  u64  reset_mono_ns         when the owner last ended the streaks on k: a success it published, or its
+                                     ejection of k for failures (0 = never)
 
 Protocol: a seqlock whose counter is ``health_gen`` (the slot's ``seq`` does not cover the table: the owner's
 in-flight entries are written on every dispatch and would make every reader copy the table again). The owner makes
@@ -37,7 +38,7 @@ from dplb.state.layout import (
     SLOT_SIZE,
 )
 
-#: One worker's entry: until_mono_ns, pid, fails, streak_mono_ns, ok_mono_ns.
+#: One worker's entry: until_mono_ns, pid, fails, streak_mono_ns, reset_mono_ns.
 HEALTH_ENTRY: Final = struct.Struct("<QIIQQ")
 #: Fields per worker in :meth:`HealthBoard.changed`'s flat tuples.
 FIELDS: Final = 5
@@ -77,9 +78,9 @@ class HealthBoard:
         self._mm[off:off + HEALTH_ENTRY_SIZE * self.num_workers] = bytes(HEALTH_ENTRY_SIZE * self.num_workers)
         q[gw] = self._gen = g + 1
 
-    def write(self, worker: int, until_ns: int, pid: int, fails: int, streak_ns: int, ok_ns: int) -> None:
+    def write(self, worker: int, until_ns: int, pid: int, fails: int, streak_ns: int, reset_ns: int) -> None:
         """Publish this owner's view of ``worker``: ejected until ``until_ns`` (CLOCK_MONOTONIC ns; 0 = not) while
-        its pid is ``pid``, ``fails`` failures in a row since ``streak_ns``, last success published at ``ok_ns``."""
+        its pid is ``pid``, ``fails`` failures in a row since ``streak_ns``, streaks ended at ``reset_ns``."""
         q = self._q
         gw = self._slot[self.index] + GEN_WORD
         g = self._gen + 1
@@ -88,13 +89,13 @@ class HealthBoard:
         q[w] = until_ns
         q[w + 1] = (pid & 0xFFFFFFFF) | (fails & 0xFFFFFFFF) << 32
         q[w + 2] = streak_ns
-        q[w + 3] = ok_ns
+        q[w + 3] = reset_ns
         q[gw] = self._gen = g + 1
 
     # ---- readers ---------------------------------------------------------------------------------------------
     def changed(self, peers: Sequence[int]) -> list[tuple[int, tuple[int, ...]]] | None:
         """The tables of the live ``peers`` (router slot indices) that changed since the last call: (slot, flat
-        tuple of ``until_mono_ns, pid, fails, streak_mono_ns, ok_mono_ns`` per worker). None when none changed
+        tuple of ``until_mono_ns, pid, fails, streak_mono_ns, reset_mono_ns`` per worker). None when none changed
         (one load per peer). A peer missing from ``peers`` is copied again when it comes back."""
         if peers is not self._peers:
             self._peers = peers
