@@ -162,12 +162,12 @@ class RouterState:
 
     def _close_slots(self) -> None:
         if self.slots is not None:
+            self.health.share(None)  # (never a closed table: a report may come before the next monitor step)
             self.slots.close()
             self.slots = None
 
     def close(self) -> None:
         """Give the router slot back and unmap the segment (shutdown)."""
-        self.health.share(None)
         self._close_slots()
         if self.segment is not None:
             self.segment.close()
