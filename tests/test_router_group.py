@@ -301,16 +301,18 @@ def test_a_failing_worker_is_ejected_by_the_group_after_max_fails_in_all(tmp_pat
         results: list[tuple[float, int, str]] = []  # (time sent, status, worker)
         first_fail = None
         t0 = time.monotonic()
-        # One request at a time, each on a new connection (the kernel spreads them over both processes), until the
-        # first ejection window after the first failure is nearly over.
+        # One request at a time, each on a new connection (the kernel spreads them over both processes; one client:
+        # not an SSL context per request), until the first ejection window after the first failure is nearly over.
+        client = httpx.Client(base_url=c.url, timeout=10, limits=httpx.Limits(max_keepalive_connections=0))
         while time.monotonic() - t0 < 30:
             sent = time.monotonic()
-            r = httpx.post(c.url + "/v1/completions", json={**BODY, "max_tokens": 1}, timeout=10)
+            r = client.post("/v1/completions", json={**BODY, "max_tokens": 1})
             results.append((sent, r.status_code, r.headers.get("x-sg-worker-id", "")))
             if r.status_code == 500 and first_fail is None:
                 first_fail = sent
             if first_fail is not None and time.monotonic() - first_fail > UNREACHABLE_S * 0.95:
                 break
+        client.close()
         assert first_fail is not None, results
         window = [x for x in results if x[0] >= first_fail]
         failed = [x for x in window if x[1] != 200]
