@@ -79,7 +79,7 @@ HOT_MODULES: tuple[str, ...] = (
     "dplb.policy.plugins", "dplb.policy.stall",
     "dplb.obs.fastmetrics", "dplb.obs.metrics_router",
     "dplb.state.router_slots", "dplb.state.shm", "dplb.state.segment_file", "dplb.state.worker_state",
-    "dplb.state.kv_rings", "dplb.state.layout",
+    "dplb.state.kv_rings", "dplb.state.layout", "dplb.state.health_board",
 )
 
 #: mypyc's shared library (group ``dplb._hot`` of scripts/build_native.sh): inside the package, so that it imports
@@ -230,8 +230,8 @@ def build_label() -> str:
 
 
 def describe() -> str:
-    """One line for the router's start-up log and ``dplb launch``'s banner: ``"pure Python"``, ``"compiled (38/38
-    hot modules)"``; a stale build run anyway, or a partial one, says so (``"compiled (38/38 hot modules; STALE:
+    """One line for the router's start-up log and ``dplb launch``'s banner: ``"pure Python"``, ``"compiled (39/39
+    hot modules)"``; a stale build run anyway, or a partial one, says so (``"compiled (39/39 hot modules; STALE:
     dplb/config.py changed since the build, run because DPLB_ACCEPT_STALE_BUILD=1)"``)."""
     b = build()
     if b.pure:

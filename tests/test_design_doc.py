@@ -150,7 +150,8 @@ def test_worker_slot_table_matches_code_and_bytes(shm_path: str) -> None:
 
 def test_router_slot_and_ring_tables_match_code_and_bytes(shm_path: str) -> None:
     head_rows, entry_rows, ring_rows = doc_table("router-slot"), doc_table("router-entry"), doc_table("prefix-ring")
-    check_layout(head_rows, "<Q" + ROUTER_HEAD.format[1:] + "Q")  # + urgent, one store outside the seqlocked head
+    # + urgent (one store outside the seqlocked head) and health_gen (the health table's own seqlock)
+    check_layout(head_rows, "<Q" + ROUTER_HEAD.format[1:] + "QQ")
     check_layout(entry_rows, ROUTER_ENTRY.format)
     check_layout(ring_rows, "<QQ")
     seg = Segment.create(shm_path, 3)
@@ -169,6 +170,7 @@ def test_router_slot_and_ring_tables_match_code_and_bytes(shm_path: str) -> None
                                                                                             sent)
         assert 0 < got["heartbeat_mono_ns"] <= time.monotonic_ns()
         assert got["urgent"] == 2  # class 1 queued, + 1
+        assert got["health_gen"] % 2 == 0 and got["health_gen"] > 0  # claimed: the table's seqlock, even when idle
         entry = {r["field"]: field_bytes(raw, base + 64 + 16 * 2, r) for r in entry_rows}
         assert entry == {"pending": 3, "inflight": 5, "last_sent_mono_ns": sent}
         ring = routers_offset(3) + layout.MAX_ROUTERS * layout.ROUTER_SLOT_SIZE + slots.index * layout.PREFIX_RING_SIZE
@@ -232,6 +234,27 @@ def test_response_ring_tables_match_code_and_bytes(shm_path: str) -> None:
         entry = {r["field"]: field_bytes(raw, base + 64, r) for r in entry_rows}
         assert entry == {"key": id_key("resp_doc"), "value": 3 << 56 | tenant_tag("chat")}
         assert f"next goes to `head mod {layout.RESPONSE_RING_ENTRIES}`" in DOC.read_text()
+    finally:
+        slots.close()
+        seg.close()
+
+
+def test_router_health_table_matches_code_and_bytes(shm_path: str) -> None:
+    from dplb.state.health_board import HEALTH_ENTRY
+
+    rows = doc_table("router-health")
+    check_layout(rows, HEALTH_ENTRY.format)
+    seg = Segment.create(shm_path, 3)
+    slots = RouterSlots.claim(shm_path, 3, port=4321)
+    assert slots is not None
+    try:
+        slots.health.write(2, until_ns=9_000_000_001, pid=4242, fails=2, streak_ns=8_000_000_002, reset_ns=7_000_000_003)
+        raw = Path(shm_path).read_bytes()
+        base = routers_offset(3) + slots.index * layout.ROUTER_SLOT_SIZE + layout.HEALTH_TABLE_OFFSET + 32 * 2
+        got = {r["field"]: field_bytes(raw, base, r) for r in rows}
+        assert got == {"until_mono_ns": 9_000_000_001, "pid": 4242, "fails": 2, "streak_mono_ns": 8_000_000_002,
+                       "reset_mono_ns": 7_000_000_003}
+        assert "1088 + 32·k (`HEALTH_TABLE_OFFSET`" in DOC.read_text() and layout.HEALTH_TABLE_OFFSET == 1088
     finally:
         slots.close()
         seg.close()

@@ -8,6 +8,7 @@ process without dropping a request.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import signal
@@ -380,3 +381,42 @@ def test_a_worker_connection_lost_before_use_logs_no_asyncio_error(tmp_path) -> 
     asyncio.run(scenario())
     srv.close()
     assert not [e for e in errors if "never retrieved" in str(e.get("message"))], errors
+
+
+def test_a_failing_worker_is_ejected_by_the_group_after_max_fails_in_all(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Worker 1 of 4 answers every request with a fast 500 (its engine gone, its heartbeat fresh), round robin in a
+    group of 2 processes. Each process used to count its own failures: 3 in each, 6 failed requests before the
+    worker was out of both; now the processes share their streaks and ejections (dplb.state.health_board): 3 in
+    all, then it is out of both for the ejection's 2 s, counted once."""
+    from dplb.router.health import MAX_FAILS, UNREACHABLE_S
+
+    fast = ["--sim-decode-step-s", "0.001"]
+    with cluster(str(tmp_path), 4, worker_args={k: [*fast, *(["--sim-oom-after", "2"] if k == 1 else [])]
+                                                for k in range(4)},
+                 router_args=["--processes", "2", "--policy", "round_robin"]) as c:
+        _wait_group(c, 2)
+        results: list[tuple[float, int, str]] = []  # (time sent, status, worker)
+        first_fail = None
+        t0 = time.monotonic()
+        # One request at a time, each on a new connection (the kernel spreads them over both processes; one client:
+        # not an SSL context per request), until the first ejection window after the first failure is nearly over.
+        client = httpx.Client(base_url=c.url, timeout=10, limits=httpx.Limits(max_keepalive_connections=0))
+        while time.monotonic() - t0 < 30:
+            sent = time.monotonic()
+            r = client.post("/v1/completions", json={**BODY, "max_tokens": 1})
+            results.append((sent, r.status_code, r.headers.get("x-sg-worker-id", "")))
+            if r.status_code == 500 and first_fail is None:
+                first_fail = sent
+            if first_fail is not None and time.monotonic() - first_fail > UNREACHABLE_S * 0.95:
+                break
+        client.close()
+        assert first_fail is not None, results
+        window = [x for x in results if x[0] >= first_fail]
+        failed = [x for x in window if x[1] != 200]
+        assert all(x[2] == "1" and x[1] == 500 for x in failed), failed
+        assert len(window) >= 8 * MAX_FAILS, f"too few requests to see both processes' streaks: {len(window)}"
+        served = collections.Counter(_served_by(c).values())
+        assert len(served) == 2, served  # both processes routed (each would have failed MAX_FAILS times alone)
+        assert len(failed) <= MAX_FAILS, f"{len(failed)} failed requests before worker 1 was out of both: {failed}"
+        samples = _samples(httpx.get(c.url + "/metrics").text)
+        assert _total(samples, "dplb_worker_ejections_total") == 1, {k: v for k, v in samples.items() if "eject" in k}

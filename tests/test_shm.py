@@ -56,7 +56,7 @@ def test_round_trip_every_field(shm_path: str) -> None:
         assert h.gpu_map == ((0, 1), (2, 3), (7,))
         assert h.creator_pid == os.getpid() and abs(h.created_unix_ns - time.time_ns()) < 60e9
         # + router slots and prefix rings, KV rings, response-id rings, tenant tables
-        assert os.path.getsize(shm_path) == segment_size(3) == (HEADER_SIZE + 3 * SLOT_SIZE + 16 * (1088 + 65600)
+        assert os.path.getsize(shm_path) == segment_size(3) == (HEADER_SIZE + 3 * SLOT_SIZE + 16 * (3136 + 65600)
                                                                 + 3 * 65600 + 16 * 65600 + 16 * 4096)
         other.close()
     finally:
@@ -73,7 +73,7 @@ def test_layout_is_little_endian_at_documented_offsets(shm_path: str) -> None:
     with open(shm_path, "rb") as f:
         raw = f.read()
     assert raw[:4] == b"DPLB"
-    assert struct.unpack_from("<HHHHI", raw, 4) == (7, HEADER_SIZE, 2, SLOT_SIZE, 200)
+    assert struct.unpack_from("<HHHHI", raw, 4) == (8, HEADER_SIZE, 2, SLOT_SIZE, 200)
     slot = HEADER_SIZE + SLOT_SIZE
     assert slot % 64 == 0
     assert struct.unpack_from("<I", raw, slot + 8)[0] == 0x01020304

@@ -15,6 +15,15 @@ Contract
   one log line, one count in ``dplb_worker_ejections_total``. A worker that fails fast
   looks idle to the score (no latency sample, empty queue) and would otherwise attract traffic. 503 (the worker's
   queue is full) and 4xx are not failures.
+- Shared by a router group (:meth:`WorkerHealth.share`, :meth:`WorkerHealth.sync`; the table in the segment is
+  :mod:`dplb.state.health_board`): each process publishes its ejections (until when, the worker's pid then) and its
+  failure streaks; a process adopts a live peer's ejection with the same expiry and the same restart rule (logged
+  at debug, counted only by the process that ejected), and counts its peers' streaks into its own: the failures in
+  a row across the group, those since the group's last reset (a published success, an ejection for failures), reach
+  :data:`MAX_FAILS` once. So N
+  processes eject a failing worker after :data:`MAX_FAILS` failures in all, not N × :data:`MAX_FAILS`. A process
+  reads its peers' tables at every pick and before counting a failure (one 8-byte load per peer when nothing
+  changed); it publishes a success only while some streak on that worker is open.
 - Hysteresis on heartbeats: a worker seen routable whose heartbeat then went stale (older than
   ``STALE_INTERVALS`` × state interval; the policy then skips it) stays out after its heartbeat is fresh again
   until it has been fresh at every observation for :data:`READMIT_INTERVALS` state intervals (a worker restarted
@@ -22,8 +31,9 @@ Contract
   nothing; a worker flapping stale/fresh stays out instead of flapping in and out. One log line each way. While no
   worker can take a request, the policy routes among those on probation rather than refusing it (panic routing,
   docs/DESIGN.md §5.1).
-- Pure state: no I/O but logs; time comes from the caller (``now_ns``) or the injected ``clock``, so the state
-  machine is testable without processes (``tests/test_health.py``). Single event loop; not thread-safe.
+- Pure state: no I/O but logs and the loads and stores of the shared table (mapped memory); time comes from the
+  caller (``now_ns``) or the injected ``clock``, so the state machine is testable without processes
+  (``tests/test_health.py``, ``tests/test_health_group.py``). Single event loop; not thread-safe.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from dplb.state.health_board import FIELDS, HealthBoard
 from dplb.state.shm import STALE_INTERVALS, Lifecycle, WorkerState
 
 log = logging.getLogger("dplb.router")
@@ -112,8 +123,9 @@ class WorkerHealth:
     """Ejection and heartbeat hysteresis of ``num_workers`` workers (see module docstring).
 
     ``pid_of(k)``: the pid worker k publishes now (0 when unknown), read when a worker is ejected so that a restart
-    lifts the ejection early. ``on_eject(k)``: called once per ejection for failures (the metric). ``clock``:
-    monotonic seconds (ejection deadlines)."""
+    lifts the ejection early. ``on_eject(k)``: called once per ejection for failures (the metric; not for an
+    ejection adopted from a peer). ``clock``: CLOCK_MONOTONIC seconds (ejection deadlines; the peers' tables hold
+    the same clock in ns)."""
 
     def __init__(self, num_workers: int, pid_of: Callable[[int], int],
                  on_eject: Callable[[int], None] | None = None,
@@ -126,6 +138,18 @@ class WorkerHealth:
         self._until = [0.0] * n
         self._until_pid = [0] * n
         self._fails = [0] * n
+        self._n = n
+        # Sharing with the router group (module docstring): this process's table, its own streaks' starts and last
+        # resets (clock s), its own ejection as published (ns, pid), the live peers and their tables.
+        self.board: HealthBoard | None = None
+        self._since = [0.0] * n
+        self._reset = [0.0] * n
+        self._pub_until = [0] * n
+        self._pub_pid = [0] * n
+        self._peers: Sequence[int] = ()
+        self._views: dict[int, tuple[int, ...]] = {}
+        self._peer_streak = [False] * n  # some peer has a streak open on the worker
+        self._adopted = [0] * n  # the peer ejection (until, ns) adopted last
         # Heartbeat hysteresis: workers out for a stale heartbeat, the pid they had, and since when (monotonic ns)
         # they have been fresh at every observation (0 = not fresh yet).
         self._out = [False] * n
@@ -142,25 +166,121 @@ class WorkerHealth:
         """Feed one attempt's outcome (see :class:`Outcome` and the module docstring)."""
         verdict = outcome.verdict
         if verdict is Verdict.SUCCESS:
-            self._fails[worker] = 0
+            if self._fails[worker] or self._peer_streak[worker]:
+                self._succeeded(worker)
         elif verdict is Verdict.FAILURE:
-            if self._until[worker] and self._clock() < self._until[worker] \
-                    and self._pid_of(worker) == self._until_pid[worker]:
-                return  # ejected already: the requests it held when it failed say nothing new (one ejection)
-            self._fails[worker] += 1
-            if self._fails[worker] >= MAX_FAILS:
-                self._fails[worker] = 0
-                log.warning("worker %d failed %d requests in a row; ejecting it for %.0f s", worker, MAX_FAILS,
-                            UNREACHABLE_S)
-                if self._on_eject is not None:
-                    self._on_eject(worker)
-                self._eject(worker)
+            self._failed(worker)
         elif verdict is Verdict.UNREACHABLE:
             self._eject(worker)
 
+    def _succeeded(self, worker: int) -> None:
+        self._fails[worker] = 0
+        self._since[worker] = 0.0
+        self._reset[worker] = self._clock()
+        self._publish(worker)
+
+    def _failed(self, worker: int) -> None:
+        if self.board is not None:
+            self.sync(self._peers)  # a peer may have ejected it, or failed on it, meanwhile
+        if self._until[worker] and self._clock() < self._until[worker] \
+                and self._pid_of(worker) == self._until_pid[worker]:
+            return  # ejected already: the requests it held when it failed say nothing new (one ejection)
+        fails = self._fails[worker] = self._fails[worker] + 1
+        if fails == 1:
+            self._since[worker] = self._clock()
+        streak = self._group_streak(worker) if self._views else fails
+        if streak < MAX_FAILS:
+            self._publish(worker)
+            return
+        self._fails[worker] = 0
+        self._since[worker] = 0.0
+        self._reset[worker] = self._clock()  # every process's streak starts over after this ejection
+        if streak == fails:
+            log.warning("worker %d failed %d requests in a row; ejecting it for %.0f s", worker, fails, UNREACHABLE_S)
+        else:
+            log.warning("worker %d failed %d requests in a row (%d through this router process); ejecting it for "
+                        "%.0f s", worker, streak, fails, UNREACHABLE_S)
+        if self._on_eject is not None:
+            self._on_eject(worker)
+        self._eject(worker)
+
+    def _group_streak(self, worker: int) -> int:
+        """The failures in a row on ``worker`` across the group: each process's open streak that began after the
+        group's last reset (a published success or an ejection for failures, by any of them); this process's own
+        counts as 1 when a peer's reset came after its start (its latest failure is after it)."""
+        i = FIELDS * worker
+        views = self._views.values()
+        peer_reset = max((v[i + 4] for v in views), default=0) / 1e9
+        last_reset = max(peer_reset, self._reset[worker])
+        total = self._fails[worker] if self._since[worker] > peer_reset else 1
+        for v in views:
+            if v[i + 2] and v[i + 3] / 1e9 > last_reset:
+                total += v[i + 2]
+        return total
+
     def _eject(self, worker: int) -> None:
-        self._until[worker] = self._clock() + UNREACHABLE_S
+        self._until[worker] = until = self._clock() + UNREACHABLE_S
         self._until_pid[worker] = self._pid_of(worker)
+        self._pub_until[worker] = int(until * 1e9)
+        self._pub_pid[worker] = self._until_pid[worker]
+        self._publish(worker)
+
+    def _publish(self, worker: int) -> None:
+        board = self.board
+        if board is not None:
+            board.write(worker, self._pub_until[worker], self._pub_pid[worker], self._fails[worker],
+                        int(self._since[worker] * 1e9), int(self._reset[worker] * 1e9))
+
+    def share(self, board: HealthBoard | None) -> None:
+        """Publish into ``board`` (this process's router slot's table) and read its peers' from now on; None: alone
+        (no router slot). A new board starts from nothing known of the peers."""
+        if board is self.board:
+            return
+        self.board = board
+        self._peers, self._views = (), {}
+        self._peer_streak = [False] * self._n
+        if board is not None:
+            for k in range(self._n):
+                if self._fails[k] or self._pub_until[k]:
+                    self._publish(k)
+
+    def sync(self, peers: Sequence[int]) -> None:
+        """Read the tables of the live ``peers`` (router slot indices) that changed since the last call, adopting
+        their new ejections (module docstring). One load per peer when none changed; nothing without a board."""
+        board = self.board
+        if board is None:
+            return
+        if peers is not self._peers:
+            self._peers = peers
+            if any(r not in peers for r in self._views):
+                self._views = {r: v for r, v in self._views.items() if r in peers}
+                self._recount()
+        got = board.changed(peers)
+        if got is None:
+            return
+        now_ns = int(self._clock() * 1e9)
+        for r, v in got:
+            self._views[r] = v
+            for k in range(min(self._n, len(v) // FIELDS)):
+                until = v[FIELDS * k]
+                if until > now_ns and until != self._adopted[k] and until / 1e9 > self._until[k]:
+                    self._adopt(k, until, v[FIELDS * k + 1], r)
+        self._recount()
+
+    def _adopt(self, worker: int, until_ns: int, pid: int, slot: int) -> None:
+        self._adopted[worker] = until_ns
+        self._until[worker] = until_ns / 1e9
+        self._until_pid[worker] = pid
+        log.debug("worker %d ejected by the router process in router slot %d for %.1f s more", worker, slot,
+                  until_ns / 1e9 - self._clock())
+        if self._fails[worker]:
+            self._fails[worker] = 0
+            self._since[worker] = 0.0
+            self._publish(worker)
+
+    def _recount(self) -> None:
+        views = self._views.values()
+        self._peer_streak = [any(v[FIELDS * k + 2] for v in views) for k in range(self._n)]
 
     @property
     def any_ejected(self) -> bool:

@@ -14,10 +14,13 @@ Contract
   publishes what its own pick learnt (``RouteRequest.learned``); every monitor step also runs the ``on_tick`` hooks
   (the response-id map's replay of its peers' rings, :mod:`dplb.state.response_rings`). The policy is prepared for
   the request (:meth:`dplb.policy.Policy.prepare`) before the decision is timed.
-- One log line per worker registration (becomes routable) and deregistration (with the reason).
+- One log line per worker registration (becomes routable) and deregistration (with the reason); these, restarts,
+  stall metrics and the panic gauge are counted and logged by :class:`dplb.router.worker_watch.WorkerWatch` from
+  every monitor step's snapshot.
 - Worker health (ejection for failures, heartbeat hysteresis) is :class:`dplb.router.health.WorkerHealth`, fed
   every snapshot this state reads and, through :meth:`RouterState.report`, every attempt's outcome; its ejected
-  and held-out workers are passed to the policy.
+  and held-out workers are passed to the policy. It shares ejections and failure streaks with the other router
+  processes through this process's router slot: every pick and monitor step reads what the peers published.
 - Panic routing (docs/DESIGN.md §5.1; the pick itself is the policy's): every monitor step checks whether no worker
   is routable while some are on heartbeat probation only (:func:`dplb.policy.panic_set`); ``dplb_router_panic`` is 1
   while so, with one log line on entering and one on leaving (none per request). Off with ``--no-panic-routing``.
@@ -50,25 +53,18 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Final, Protocol
+from typing import Final
 
 from dplb.config import PolicyConfig, RouterConfig
 from dplb.errors import ConfigError, ShmError
 from dplb.obs.metrics_router import RouterMetrics
 from dplb.policy import Policy, RouteRequest, make_policy, panic_set, routable
-from dplb.policy.decision import (
-    OK,
-    REASON_FALLBACK,
-    REASON_NO_WORKERS,
-    WHY_HELD_OUT,
-    WHY_STALE,
-    WHY_STALLED,
-    Decision,
-)
+from dplb.policy.decision import OK, REASON_FALLBACK, REASON_NO_WORKERS, Decision
 from dplb.policy.stall import StallDetector
 from dplb.router.health import READMIT_INTERVALS, Outcome, WorkerHealth
+from dplb.router.worker_watch import Cuttable, WorkerWatch
 from dplb.state.router_slots import RouterSlots
-from dplb.state.shm import FLAG_PREV_STOPPED, FLAG_STALLED, STALE_INTERVALS, Lifecycle, Segment, WorkerState
+from dplb.state.shm import FLAG_STALLED, STALE_INTERVALS, Lifecycle, Segment, WorkerState
 from dplb.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("dplb.router")
@@ -79,14 +75,6 @@ _NONE: Final[frozenset[int]] = frozenset()
 _perf_counter: Final = time.perf_counter
 _monotonic_ns: Final = time.monotonic_ns
 _time: Final = time.time
-
-
-class Cuttable(Protocol):
-    """An open attempt the state can fail when its worker stalls (:class:`dplb.router.attempt.Attempt`)."""
-
-    def cut_stalled(self) -> bool:
-        """Fail the attempt now; True the first time."""
-        ...
 
 
 class RouterState:
@@ -110,17 +98,13 @@ class RouterState:
         self.inflight = [0] * n
         #: (unix time, request id, tenant, decision) of the last ``debug_ring`` decisions (``/debug/decisions``).
         self.decisions: collections.deque[tuple[float, str, str, Decision]] = collections.deque(maxlen=cfg.debug_ring)
-        self._routable = [False] * n
-        self._pids = [0] * n
-        self._seen_pid = [0] * n  # the pid last seen in each worker slot, and whether it published stopped since
-        self._seen_stopped = [False] * n
+        self.watch = WorkerWatch(n, metrics)  # the monitor step's transitions: logs and counts
         ejections = metrics.ejections
         self.health = WorkerHealth(n, self.pid_of, lambda k: ejections.labels(str(k)).inc())
+        self._share_health()
         self._had_segment = seg is not None
         self.stall = StallDetector(n, cfg.stall_after_s, heed_flag=True) if cfg.stall_after_s > 0 else None
         self.attempts: list[set[Cuttable]] = [set() for _ in range(n)]  # open attempts per worker (stall cuts)
-        self._stalled_shown: frozenset[int] = frozenset()
-        self._panic: frozenset[int] = frozenset()  # the workers panic routing routes among now (empty: no panic)
         self._pending: Segment | None = None  # a returned segment not routed on yet (see module docstring)
         self._pending_since = 0.0
         #: Called at every monitor step, after the heartbeat (e.g. the response-id map's replay of its peers' rings).
@@ -171,8 +155,14 @@ class RouterState:
                  "see this one's in-flight requests")
         return True
 
+    def _share_health(self) -> None:
+        """Point the worker health at this process's router slot's health table (None: no slot), after any change
+        of the slot (attach, loss, close)."""
+        self.health.share(self.slots.health if self.slots is not None else None)
+
     def _close_slots(self) -> None:
         if self.slots is not None:
+            self.health.share(None)  # (never a closed table: a report may come before the next monitor step)
             self.slots.close()
             self.slots = None
 
@@ -210,7 +200,12 @@ class RouterState:
         t0 = _perf_counter()
         seg = self.segment
         snap = None if seg is None else seg.read_all()[: self.num_workers]  # (snapshot(), inlined: per request)
+        slots = self.slots
+        if slots is not None and not slots.has_peers:  # (asked once: only the monitor changes it)
+            slots = None  # alone on the segment: nobody to learn from or tell
         health = self.health
+        if slots is not None:
+            health.sync(slots.peer_slots)  # the peers' ejections and failure streaks (one load each if unchanged)
         ejected = health.ejected(snap) if health.any_ejected else _NONE
         if snap is None:
             # No state: only workers whose socket file exists are candidates (a stat per worker, fallback only).
@@ -225,9 +220,6 @@ class RouterState:
             assert seg is not None
             now = _monotonic_ns()
             held = health.observe(snap, now, seg.state_interval_ms)
-            slots = self.slots
-            if slots is not None and not slots.has_peers:  # (asked once: only the monitor changes it)
-                slots = None  # alone on the segment: nobody to learn from or tell
             if slots is not None and policy.shares:
                 policy.absorb(slots.drain_prefix(), now)  # what the other router processes learnt meanwhile
             if policy.follows_engines:
@@ -367,92 +359,35 @@ class RouterState:
         elif not (self.segment.header.model and self.segment.header.run_dir):
             self.segment.reload_header()  # a recreated segment: `dplb launch` restores its model and run dir
         self.metrics.shm_present.set(1 if self.segment else 0)
+        self._share_health()
         if self.slots is not None:
             self.slots.heartbeat()
+            self.health.sync(self.slots.peer_slots)
         for hook in self.on_tick:
             hook()
         snap = self.snapshot()
         if snap is None:
-            self._check_panic([], 0, frozenset())  # routing on the fallback: no panic
+            self.watch.panicking(_NONE, self.routable_workers)  # routing on the fallback: no panic
             return
-        self._count_restarts(snap)
+        watch = self.watch
+        watch.restarts(snap)
         now = time.monotonic_ns()
         held = self.health.observe(snap, now, self._interval_ms())
-        self._check_stalls(snap, now)
-        self._check_panic(snap, now, held)
-        # Ejection is not a (de)registration; hysteresis and stalls log their own transitions (a stalled worker
-        # let in for one probe request is not registered again).
-        probing = self.stall.stalled() if self.stall is not None else frozenset()
-        for c in routable(snap, now, self._policy_cfg(), held, stalled=self.stalled(now)):
-            k, w = c.worker_id, c.state
-            ok = c.why is OK
-            if ok and not self._routable[k] and k not in probing:
-                log.info("worker %d registered (pid %d, %s)", k, w.pid, w.lifecycle.name.lower())
-            elif not ok and self._routable[k] and c.why not in (WHY_HELD_OUT, WHY_STALLED):
-                log.warning("worker %d deregistered (%s)", k, "stale heartbeat" if c.why == WHY_STALE else c.why)
-            self._routable[k] = ok
-            self._pids[k] = w.pid
+        if self.stall is not None:
+            watch.stalls(self.stall, snap, self.inflight_all(), now, self.attempts)
+        watch.panicking(self._panic_set(snap, now, held), self.routable_workers)
+        # Hysteresis and stalls log their own transitions.
+        probing = self.stall.stalled() if self.stall is not None else _NONE
+        watch.registrations(routable(snap, now, self._policy_cfg(), held, stalled=self.stalled(now)), probing)
 
-    def _count_restarts(self, snap: list[WorkerState]) -> None:
-        """Count a worker slot's new pid as a restart of that worker (``dplb_worker_restarts_total``): ``exited``
-        when the old process published ``stopped`` before it left (seen by a monitor step, or told by the new
-        one's ``FLAG_PREV_STOPPED``: the old state may stand for less than a step), else ``killed``. A slot not
-        written (pid 0: a worker not started yet, a recreated segment) changes nothing; the first pid seen is no
-        restart."""
-        seen, stopped = self._seen_pid, self._seen_stopped
-        for w in snap:
-            k, pid = w.worker_id, w.pid
-            if not pid or w.torn:
-                continue
-            if pid != seen[k]:
-                if seen[k]:
-                    reason = "exited" if stopped[k] or w.flags & FLAG_PREV_STOPPED else "killed"
-                    self.metrics.restarts.labels(str(k), reason).inc()
-                    log.info("worker %d replaced (pid %d → %d; the old one %s)", k, seen[k], pid,
-                             "stopped by itself" if stopped[k] else "left without stopping: killed or crashed")
-                seen[k], stopped[k] = pid, False
-            if w.lifecycle == Lifecycle.STOPPED:
-                stopped[k] = True
-
-    def _check_stalls(self, snap: list[WorkerState], now: int) -> None:
-        """Feed the stall detector; cut the open attempts of the workers it says to; keep the metrics in step."""
-        st = self.stall
-        if st is None:
-            return
-        st.observe(snap, self.inflight_all(), now)
-        m = self.metrics
-        for k in st.newly_stalled:
-            m.stalls.labels(str(k)).inc()
-        for k in st.cut:
-            for a in list(self.attempts[k]):
-                if a.cut_stalled():
-                    m.stalled_failed.labels(str(k)).inc()
-        shown = st.stalled()
-        if shown != self._stalled_shown:
-            for k in shown ^ self._stalled_shown:
-                m.stalled.labels(str(k)).set(1 if k in shown else 0)
-            self._stalled_shown = shown
-
-    def _check_panic(self, snap: list[WorkerState], now: int, held: frozenset[int]) -> None:
-        """Keep ``dplb_router_panic`` and the panic log lines in step with the workers' health (module docstring)."""
-        panic: frozenset[int] = frozenset()
-        if held and self.cfg.policy.panic_routing:
-            health = self.health
-            ejected = health.ejected(snap) if health.any_ejected else frozenset()
-            stalled = self.stalled(now)
-            panic = panic_set(routable(snap, now, self._policy_cfg(), held, ejected, stalled), ejected, stalled)
-        was = self._panic
-        self._panic = panic
-        if bool(panic) == bool(was):
-            return
-        self.metrics.panic.set(1 if panic else 0)
-        if panic:
-            log.warning("no worker is routable; routing among workers %s, fresh again and ready but on heartbeat "
-                        "probation (panic routing) until one is readmitted", sorted(panic))
-        else:
-            ok = self.routable_workers()
-            log.info("panic routing over: %s", f"workers {ok} routable" if ok else "no worker on probation is fresh "
-                     "and ready any more")
+    def _panic_set(self, snap: list[WorkerState], now: int, held: frozenset[int]) -> frozenset[int]:
+        """The workers panic routing routes among now (empty: no panic; module docstring)."""
+        if not (held and self.cfg.policy.panic_routing):
+            return _NONE
+        health = self.health
+        ejected = health.ejected(snap) if health.any_ejected else _NONE
+        stalled = self.stalled(now)
+        return panic_set(routable(snap, now, self._policy_cfg(), held, ejected, stalled), ejected, stalled)
 
     def _reattach(self) -> None:
         """Without a segment: attach one that (re)appeared. After a loss, route on it only once one of its workers

@@ -26,10 +26,11 @@ from typing import Final
 from dplb.errors import ShmError, ShmLayoutError, ShmMissingError, ShmPathError
 
 MAGIC: Final = b"DPLB"
-LAYOUT_VERSION: Final = 7  # 7: a tenant table per router slot (dplb.state.tenant_tables); 6: a response-id ring
-#                      per router slot (dplb.state.response_rings); 5: a KV ring per worker (dplb.state.kv_rings);
-#                      4: engine progress in each worker slot; 3: KV blocks in each worker slot; 2: router slots, 16
-#                      router entries (docs/DESIGN.md §3)
+LAYOUT_VERSION: Final = 8  # 8: a health table in each router slot (dplb.state.health_board); 7: a tenant table per
+#                      router slot (dplb.state.tenant_tables); 6: a response-id ring per router slot
+#                      (dplb.state.response_rings); 5: a KV ring per worker (dplb.state.kv_rings); 4: engine progress
+#                      in each worker slot; 3: KV blocks in each worker slot; 2: router slots, 16 router entries
+#                      (docs/DESIGN.md §3)
 HEADER_SIZE: Final = 4096
 SLOT_SIZE: Final = 192
 MAX_WORKERS: Final = 64
@@ -50,8 +51,11 @@ MAX_ROUTERS: Final = 16
 RUN_DIR_OFFSET: Final = ROUTERS_OFFSET + MAX_ROUTERS * ROUTER_ENTRY.size  # 1312
 RUN_DIR_BYTES: Final = 256
 HEADER_READ: Final = RUN_DIR_OFFSET + RUN_DIR_BYTES  # 1568: the bytes a header decode needs
-#: Router slots (dplb.state.router_slots) after the worker slots: a 64-byte head + 16 bytes per possible worker.
-ROUTER_SLOT_SIZE: Final = 64 + 16 * MAX_WORKERS  # 1088
+#: Router slots (dplb.state.router_slots) after the worker slots: a 64-byte head, 16 bytes per possible worker (the
+#: in-flight entries), then 32 bytes per possible worker (the health table, dplb.state.health_board).
+HEALTH_TABLE_OFFSET: Final = 64 + 16 * MAX_WORKERS  # 1088, within a router slot
+HEALTH_ENTRY_SIZE: Final = 32
+ROUTER_SLOT_SIZE: Final = HEALTH_TABLE_OFFSET + HEALTH_ENTRY_SIZE * MAX_WORKERS  # 3136
 #: Prefix rings (dplb.state.router_slots) after the router slots, one per router slot: a 64-byte head + u64 entries.
 PREFIX_RING_ENTRIES: Final = 8192
 PREFIX_RING_SIZE: Final = 64 + 8 * PREFIX_RING_ENTRIES  # 65600

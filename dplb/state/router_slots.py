@@ -10,9 +10,11 @@ correction and in-flight count; every process adds the others' to its own.
 Byte layout (little-endian; after the worker slots, at :func:`routers_offset` = HEADER_SIZE + n·SLOT_SIZE; see
 :mod:`dplb.state.shm` for the header and worker slots)::
 
-    Router slot r at routers_offset(n) + r·ROUTER_SLOT_SIZE (r < MAX_ROUTERS = 16; r is also the router's entry in
-    the header's router registry, claimed under flock by dplb.state.layout.register_router), written only by its owner
-      0   u64  seq                    seqlock counter (same protocol as a worker slot), covers the whole slot
+    Router slot r at routers_offset(n) + r·ROUTER_SLOT_SIZE (3136 bytes; r < MAX_ROUTERS = 16; r is also the
+    router's entry in the header's router registry, claimed under flock by dplb.state.layout.register_router),
+    written only by its owner
+      0   u64  seq                    seqlock counter (same protocol as a worker slot), covers the slot but its
+                                      health table
       8   u32  pid                    owner process (0 = free)
       12  u16  port                   owner's TCP port
       14  u16  process_index          index within its router group (0 for a single-process router)
@@ -20,12 +22,16 @@ Byte layout (little-endian; after the worker slots, at :func:`routers_offset` = 
       24  u64  last_sent_mono_ns      the owner's most recent dispatch to any worker
       32  u64  urgent                 the most urgent priority class the owner's fair queue holds, + 1 (0: none
                                       queued; dplb.router.tenancy), one 8-byte store outside the seqlock
-      40..63 reserved (zeros)
+      40  u64  health_gen             generation of the health table below (its own seqlock counter,
+                                      dplb.state.health_board)
+      48..63 reserved (zeros)
       64 + 16·k  per worker k < MAX_WORKERS:
                  u32 pending          the owner's correction for k: requests sent after k's last snapshot
                                       (minus half an interval), capped by its in-flight count to k
                  u32 inflight         the owner's open requests to k
                  u64 last_sent_mono_ns the owner's most recent dispatch to k
+      1088 + 32·k  per worker k < MAX_WORKERS: the owner's health entry for k (ejection, failure streak; layout
+                 and protocol in dplb.state.health_board)
 
     Prefix ring r at routers_offset(n) + MAX_ROUTERS·ROUTER_SLOT_SIZE + r·PREFIX_RING_SIZE, written only by the
     owner of router slot r
@@ -37,6 +43,8 @@ Byte layout (little-endian; after the worker slots, at :func:`routers_offset` = 
 Each router slot also owns a response-id ring after the KV rings (:mod:`dplb.state.response_rings`, its own byte
 layout): :attr:`RouterSlots.responses`, adopted by :meth:`RouterSlots.claim`; and a tenant table after the
 response-id rings (:mod:`dplb.state.tenant_tables`): :attr:`RouterSlots.tenants`, zeroed by :meth:`RouterSlots.claim`.
+Its health table (inside the slot, its own generation counter) is :attr:`RouterSlots.health`
+(:mod:`dplb.state.health_board`), zeroed by :meth:`RouterSlots.claim`.
 
 How the prefix index is shared: each process keeps its own :class:`dplb.policy.prefix.PrefixIndex` (the hot path reads
 only local memory) and appends to its ring every block key its index learnt from a pick (new, new for that worker,
@@ -68,6 +76,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Final
 
+from dplb.state.health_board import HealthBoard
 from dplb.state.layout import (
     HEADER_SIZE,
     MAX_ROUTERS,
@@ -136,6 +145,8 @@ class RouterSlots:
         self.tenants = TenantTables(mm, num_workers, index)
         #: This slot's response-id ring and the reader of the others' (:mod:`dplb.state.response_rings`).
         self.responses = ResponseRing(mm, num_workers, index)
+        #: This slot's health table and the reader of the others' (:mod:`dplb.state.health_board`).
+        self.health = HealthBoard(mm, num_workers, index)
         self._sent_any = 0
         self.pid = os.getpid()
 
@@ -168,6 +179,7 @@ class RouterSlots:
         slots._q[slots._ring_q[index]] = slots._q[slots._ring_q[index] + 1] = 0  # empty: a previous owner's are void
         slots.responses.adopt()
         slots.tenants.claim()
+        slots.health.claim()
         slots.refresh_peers()
         return slots
 
@@ -290,6 +302,7 @@ class RouterSlots:
         unregister_router(self.path, self.pid)
         self.responses.close()
         self.tenants.close()
+        self.health.close()
         self._q.release()
         with contextlib.suppress(BufferError):
             self._mm.close()

@@ -65,9 +65,10 @@ Byte layout (little-endian; offsets in bytes)::
                                      term's freshness, dplb/policy/scorers.py)
       176..191 reserved (zeros)
 
-    Router slots: 16 × 1088 bytes after the last worker slot, at HEADER_SIZE + num_workers·SLOT_SIZE, one per router
-    process (its per-worker in-flight correction and in-flight count), then 16 prefix rings of 65600 bytes (the
-    prefix blocks each router process's index learnt, replayed by the others); layout in :mod:`dplb.state.router_slots`.
+    Router slots: 16 × 3136 bytes after the last worker slot, at HEADER_SIZE + num_workers·SLOT_SIZE, one per router
+    process (its per-worker in-flight correction and in-flight count, and its health table: the workers it ejected,
+    its failure streaks), then 16 prefix rings of 65600 bytes (the prefix blocks each router process's index learnt,
+    replayed by the others); layout in :mod:`dplb.state.router_slots` and :mod:`dplb.state.health_board`.
     Then a KV-event ring per worker (:mod:`dplb.state.kv_rings`), a response-id ring per router slot
     (:mod:`dplb.state.response_rings`) and a tenant table per router slot (:mod:`dplb.state.tenant_tables`);
     offsets and the segment's size in :mod:`dplb.state.layout`.
