@@ -220,7 +220,8 @@ class Gate:
             seqs = sequences(p.n, p.best_of)  # every sequence may run to the output limit
             tk.expected = out * seqs
         room = self.room
-        if lane and room is not None and not room.immediate(ex, self.config.held(tk.rank)):
+        free = None  # (the lane's room, read once: nothing changes it before the request is admitted)
+        if lane and room is not None and (free := room.immediate(ex, self.config.held(tk.rank))) is None:
             return False
         if lim is not None and lim.any:
             tk.quota = lim.estimate(tk.est, out, seqs)
@@ -239,7 +240,8 @@ class Gate:
             return True
         fq.arrive(t.name)
         claimed = room.claim(t.name)  # a slot held for this tenant (anticipation)
-        free = room.free()
+        if free is None:
+            free = room.free()
         held = self.config.held(tk.rank)
         if (claimed or fq.length == 0) and (not free or room.best(free, ex.request.cannot_serve, held) is not None):
             fq.charge(t.name, t.weight, tk.est, tk.expected)

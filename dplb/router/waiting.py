@@ -104,15 +104,16 @@ class WaitingRoom:
         if full and any(k not in req.cannot_serve and k not in full for k in free):
             req.cannot_serve = req.cannot_serve | full
 
-    def immediate(self, ex: Exchange, held: int) -> bool:
-        """Whether ``ex``, arriving now, would be let through without waiting and without a held slot (the direct
-        relay's test, before the gate takes anything): nothing is queued or held, and a worker it may go to has
-        more than ``held`` free slots, or none is routable (the decision then answers it)."""
+    def immediate(self, ex: Exchange, held: int) -> dict[int, int] | None:
+        """:meth:`free` when ``ex``, arriving now, would be let through without waiting and without a held slot
+        (the direct relay's test, before the gate takes anything: nothing is queued or held, and a worker it may go
+        to has more than ``held`` free slots, or none is routable: the decision then answers it); None when it
+        would not."""
         fq = self.fq
         if fq.length or fq.holding:
-            return False
+            return None
         free = self.free()
-        return not free or self.best(free, ex.request.cannot_serve, held) is not None
+        return free if not free or self.best(free, ex.request.cannot_serve, held) is not None else None
 
     def claim(self, tenant: str) -> bool:
         """A request of ``tenant`` arrived: it takes a slot held for it (True) when there is one."""
