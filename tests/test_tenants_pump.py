@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -134,7 +133,7 @@ def test_a_slot_held_for_the_tenant_served_next_is_not_granted_until_the_hold_ex
         ended = Ticket(gate.fq, chat_t, 0, None)
         ended.relayed = True
         gate.state.inflight[0] = SLOTS - 1  # chat's request on worker 0 ended
-        gate.room.anticipate(SimpleNamespace(decision=SimpleNamespace(worker=0)), ended)  # type: ignore[arg-type]
+        gate.room.anticipate(0, ended)
         gate.room.pump()
         assert gate.room.free() == {0: 0} and gate.fq.holding == 1 and not batch.fut.done()
         await asyncio.wait_for(batch.fut, 2.0)  # the ticker expires the hold and grants the slot

@@ -326,7 +326,8 @@ class Gate:
                      ex.rid.decode(), t.name, status, outcome, tk.wait_s * 1000,
                      usage.prompt_tokens if usage else "-", (usage.completion_tokens if usage else None) or "-")
         if self.room is not None:
-            self.room.anticipate(ex, tk)
+            d = getattr(ex, "decision", None)  # unset when no worker was picked
+            self.room.anticipate(d.worker if d is not None else None, tk)
             self.room.pump()
 
     def close(self) -> None:

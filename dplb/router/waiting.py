@@ -78,10 +78,10 @@ class WaitingRoom:
         """Free slots per routable worker (module docstring); in panic, per worker of the panic set; {} when there
         are none."""
         st = self.state
-        ks = st.routable_workers(panic=True)
+        snap = st.snapshot()  # (one read of the segment for both)
+        ks = st.routable_workers(True, snap)
         if not ks:
             return {}
-        snap = st.snapshot()
         load = st.inflight_all()
         default = self.cfg.policy.max_queue
         granted = self.granted
@@ -255,18 +255,15 @@ class WaitingRoom:
         for k in workers:
             self.held[k] -= 1
 
-    def anticipate(self, ex: Exchange, tk: Ticket) -> None:
-        """``ex`` ended on a worker: hold its slot for its tenant's next request when the fair queue says so."""
+    def anticipate(self, worker: int | None, tk: Ticket) -> None:
+        """``tk``'s request ended on ``worker`` (None: none was picked): hold its slot for its tenant's next request
+        when the fair queue says so."""
         fq = self.fq
-        if not fq.length or not tk.relayed:
-            return
-        d = getattr(ex, "decision", None)  # unset when no worker was picked
-        k = d.worker if d is not None else None
-        if k is None:
+        if not fq.length or not tk.relayed or worker is None:
             return
         t = tk.tenant
-        if fq.anticipate(t.name, t.weight, tk.rank, tk.est, tk.expected, k):
-            self.held[k] += 1
+        if fq.anticipate(t.name, t.weight, tk.rank, tk.est, tk.expected, worker):
+            self.held[worker] += 1
             self._start_ticker()
 
     def close(self) -> None:
