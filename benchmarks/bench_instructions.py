@@ -34,8 +34,9 @@ Output: one line ``instructions/request: <k> k`` (and ``per token``; the gross f
 does not come up raises (exit status 1); valgrind missing: exit status 2 with a message.
 
 Usage: ``python benchmarks/bench_instructions.py [--requests 1000] [--tokens 1] [--router-flag=--no-direct-relay]
-[--worker-flag=--sim-decode-step-s=0.02] [--kv events|sent] [--workers N] [--profile] [--json] [--api-key KEY]``
-(``--api-key``: the clients send it as a bearer token, to measure ``--router-flag=--tenants=FILE``). A 1,000-request
+[--worker-flag=--sim-decode-step-s=0.02] [--kv events|sent] [--workers N] [--profile] [--json] [--api-key KEY]
+[--tenants FILE]`` (``--api-key``: the clients send it as a bearer token; ``--tenants FILE``: the router's tenants
+file, e.g. ``--tenants benchmarks/tenants-bench.toml --api-key benchkey1``). A 1,000-request
 run takes ~15–30 s on a 2-core box (nothing is instrumented until the warm-up is over); ``--kv`` with 2,000 requests
 after 600, ~50 s; 300 paced 64-token streams, ~70 s.
 """
@@ -325,7 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     ap.add_argument("--api-key", help="send 'Authorization: Bearer KEY' (for --router-flag=--tenants=FILE or "
                     "--router-flag=--api-key=KEY)")
+    ap.add_argument("--tenants", metavar="FILE", help="the router's --tenants FILE (with --api-key: a tenant's key; "
+                    "benchmarks/tenants-bench.toml is the README's, key benchkey1)")
     a = ap.parse_args(argv)
+    if a.tenants:
+        a.router_flag.append(f"--tenants={os.path.abspath(a.tenants)}")
     if a.api_key:
         os.environ["DPLB_BENCH_API_KEY"] = a.api_key  # bench_capacity.ENV_API_KEY: the client processes send it
     if a.profile:

@@ -65,7 +65,8 @@ else:
 
 #: The modules compiled by scripts/build_native.sh (dotted names): the client-side HTTP protocol, the request's
 #: path through the router (its intake checks, the worker health, the HTTP request count) and the worker-side HTTP
-#: client, the policy's pick and the shm reads it works on, and the per-request metrics; and the modules split out
+#: client, the policy's pick and the shm reads it works on, the per-request metrics and the tenant gate's admission,
+#: ticket and rate limits (its waiting room with it: one module imports the other); and the modules split out
 #: of those that they import (the protocol's rejection path, the latency baseline, the segment file), so that the
 #: same code runs compiled (a base class of a compiled class must be compiled too).
 HOT_MODULES: tuple[str, ...] = (
@@ -74,6 +75,7 @@ HOT_MODULES: tuple[str, ...] = (
     "dplb.router.direct", "dplb.router.upstream", "dplb.router.attempt", "dplb.router.exchange",
     "dplb.router.proxy", "dplb.router.state", "dplb.router.resume", "dplb.router.orca", "dplb.router.routes",
     "dplb.router.models", "dplb.router.health", "dplb.router.intake", "dplb.router.http_count",
+    "dplb.router.tenancy", "dplb.router.ticket", "dplb.router.limits", "dplb.router.waiting",
     "dplb.policy.core", "dplb.policy.baseline", "dplb.policy.fused", "dplb.policy.scorers", "dplb.policy.prefix",
     "dplb.policy.decision", "dplb.policy.pickers", "dplb.policy.filters", "dplb.policy.framework",
     "dplb.policy.plugins", "dplb.policy.stall",
@@ -177,7 +179,7 @@ def _extension_files(pkg_dir: str) -> list[str]:
 
 def inspect_build(pkg_dir: str = _PKG_DIR) -> Build:
     """What the package directory ``pkg_dir`` holds (:class:`Build`). Hashes the files the manifest names when
-    there is a compiled build (~10 ms for 38 modules); nothing for pure Python."""
+    there is a compiled build (~10 ms for 43 modules); nothing for pure Python."""
     found = _extension_files(pkg_dir)
     origins = {m: _origin(pkg_dir, m) for m in (*HOT_MODULES, GROUP_LIBRARY)}
     compiled = tuple(m for m in HOT_MODULES if origins[m].endswith(_SUFFIXES))
@@ -230,8 +232,8 @@ def build_label() -> str:
 
 
 def describe() -> str:
-    """One line for the router's start-up log and ``dplb launch``'s banner: ``"pure Python"``, ``"compiled (39/39
-    hot modules)"``; a stale build run anyway, or a partial one, says so (``"compiled (39/39 hot modules; STALE:
+    """One line for the router's start-up log and ``dplb launch``'s banner: ``"pure Python"``, ``"compiled (43/43
+    hot modules)"``; a stale build run anyway, or a partial one, says so (``"compiled (43/43 hot modules; STALE:
     dplb/config.py changed since the build, run because DPLB_ACCEPT_STALE_BUILD=1)"``)."""
     b = build()
     if b.pure:

@@ -188,14 +188,14 @@ def _wait_inflight_zero(c: Cluster) -> None:
 
 @pytest.mark.parametrize(("feature", "on"), [({}, True), ({"direct_relay": False}, False), ({"api_key": "k"}, True),
                                          ({"access_log": True}, True), ({"api_key": "k", "access_log": True}, True),
-                                         ({"tenants_file": "TENANTS"}, False),
+                                         ({"tenants_file": "TENANTS"}, True),
                                          ({"cors_allowed_origins": ("https://a.example",)}, False),
                                          ({"resume_streams": True}, False), ({"sse_keepalive_s": 5.0}, False)])
 def test_the_direct_relay_is_on_only_while_no_feature_needs_the_asgi_path(tmp_path: Path, feature: dict[str, Any],
                                                                          on: bool) -> None:
     """In-process (the router's own objects, no segment): each feature that needs the ASGI path turns the direct
-    relay off (a tenants file does, the API key and the access log alone do not); tracing, enabled after start,
-    too."""
+    relay off (the tenant gate does not: a tenants file, the API key, the access log); tracing, enabled after
+    start, too."""
     from dplb.config import PolicyConfig, RouterConfig
     from dplb.router.app import RouterApp
 

@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -51,7 +50,7 @@ def group(shm_path: str, tmp_path: Path) -> Iterator[tuple[Gate, RouterSlots, Se
 
 
 def queue(gate: Gate, tenant: str) -> Ticket:
-    """Queue one request of ``tenant`` as :meth:`Gate._wait` does (a ticket with a pending future, a waiter)."""
+    """Queue one request of ``tenant`` as :meth:`WaitingRoom.wait` does (a ticket with a pending future, a waiter)."""
     t = next(t for t in gate.config.tenants if t.name == tenant)
     assert gate.fq is not None
     tk = Ticket(gate.fq, t, gate.config.rank(t.priority), None)
@@ -68,18 +67,18 @@ def test_a_peers_urgent_class_stops_a_local_less_urgent_grant_until_it_is_served
     async def main() -> None:
         peer.publish_urgent(0)  # the peer has an interactive request queued
         batch = queue(gate, "batch")
-        gate._pump()
+        gate.room.pump()
         assert batch.fut is not None and not batch.fut.done(), "granted a batch request ahead of the peer's"
         assert gate.fq is not None and gate.fq.length == 1
         assert peer.peers_urgent() == 1  # this process published its own most urgent queued class: batch
 
         chat = queue(gate, "chat")  # a local request of the peer's class is not held back
-        gate._pump()
+        gate.room.pump()
         assert chat.fut is not None and chat.fut.done() and chat.granted_to == 0
         assert not batch.fut.done()
 
         peer.publish_urgent(None)  # the peer's request was served: the batch request gets the slot left
-        gate._pump()
+        gate.room.pump()
         assert batch.fut.done() and batch.granted_to == 0
         assert gate.fq.length == 0 and peer.peers_urgent() is None  # nothing queued here any more
 
@@ -92,7 +91,7 @@ def test_a_peers_less_urgent_class_does_not_hold_back_a_local_grant(group) -> No
     async def main() -> None:
         peer.publish_urgent(1)  # the peer has only batch queued
         chat, batch = queue(gate, "chat"), queue(gate, "batch")
-        gate._pump()  # both classes are at least as urgent as the peer's: both slots are granted here
+        gate.room.pump()  # both classes are at least as urgent as the peer's: both slots are granted here
         assert chat.fut is not None and batch.fut is not None and chat.fut.done() and batch.fut.done()
 
     asyncio.run(main())
@@ -107,11 +106,11 @@ def test_a_full_worker_grants_nothing_and_the_class_stays_published(group) -> No
                                               num_running=SLOTS))
         gate.state.inflight[0] = SLOTS  # both slots are this process's requests in flight
         batch = queue(gate, "batch")
-        gate._pump()
+        gate.room.pump()
         assert batch.fut is not None and not batch.fut.done()
         assert peer.peers_urgent() == 1  # the peer sees what waits here even though nothing was granted
         gate.state.inflight[0] = SLOTS - 1  # one ends
-        gate._pump()
+        gate.room.pump()
         assert batch.fut.done() and batch.granted_to == 0
 
     asyncio.run(main())
@@ -128,16 +127,16 @@ def test_a_slot_held_for_the_tenant_served_next_is_not_granted_until_the_hold_ex
         gate.fq.anticipation_s = 0.05
         gate.state.inflight[0] = SLOTS
         batch = queue(gate, "batch")
-        gate._pump()
+        gate.room.pump()
         assert batch.fut is not None and not batch.fut.done()
         chat_t = next(t for t in gate.config.tenants if t.name == "chat")
         ended = Ticket(gate.fq, chat_t, 0, None)
         ended.relayed = True
         gate.state.inflight[0] = SLOTS - 1  # chat's request on worker 0 ended
-        gate._anticipate(SimpleNamespace(decision=SimpleNamespace(worker=0)), ended)  # type: ignore[arg-type]
-        gate._pump()
-        assert gate._free() == {0: 0} and gate.fq.holding == 1 and not batch.fut.done()
+        gate.room.anticipate(0, ended)
+        gate.room.pump()
+        assert gate.room.free() == {0: 0} and gate.fq.holding == 1 and not batch.fut.done()
         await asyncio.wait_for(batch.fut, 2.0)  # the ticker expires the hold and grants the slot
-        assert batch.granted_to == 0 and gate.fq.holding == 0 and gate._held[0] == 0
+        assert batch.granted_to == 0 and gate.fq.holding == 0 and gate.room.held[0] == 0
 
     asyncio.run(main())

@@ -4,15 +4,17 @@ well (docs/DESIGN.md §4, "The direct relay").
 Contract
 - :class:`DirectLane` is the router's direct handler (:mod:`dplb.runtime.direct`). It takes the common request:
   ``POST`` on a proxied route other than ``/v1/responses``, ``Content-Length`` body, no ``Content-Encoding``, while
-  no feature that reads or rewrites the request or its chunks is on (a tenants file, tracing, ``--resume-streams``,
-  SSE keep-alives, CORS) and ``--no-direct-relay`` is not given. Anything else, and a request the edge checks
-  refuse (a missing or wrong API key among them), goes to the ASGI path (:class:`dplb.router.proxy.Proxy`)
-  untouched: the lane declines before it decides.
-- With ``--api-key`` or ``--access-log`` (a :attr:`dplb.router.tenancy.Gate.plain` gate) the lane does the gate's
-  work as the ASGI path does: :meth:`Gate.identify` (the same constant-time key lookup) while it reads the request,
-  :meth:`Gate.admit` before it decides, the ticket's head and chunks (the usage meter) as it relays, and
-  :meth:`Gate.leave` (ledger, ``dplb_tenant_*``, the access-log line) once the attempt is settled, after the
-  response's last bytes; a request continued on the ASGI path leaves when that coroutine ends.
+  no feature that reads or rewrites the request or its chunks beyond the tenant gate is on (tracing,
+  ``--resume-streams``, SSE keep-alives, CORS) and ``--no-direct-relay`` is not given. Anything else, and a request
+  the edge checks or the gate refuse (a missing or wrong API key, a tenant's limit or allow-list), goes to the ASGI
+  path (:class:`dplb.router.proxy.Proxy`) untouched: the lane declines before it decides.
+- With the gate on (``--tenants``, ``--api-key``, ``--access-log``) the lane does the gate's work as the ASGI path
+  does: :meth:`Gate.identify` (the same constant-time key lookup) while it reads the request,
+  :meth:`Gate.admit_now` before it decides (the ASGI path's admission when it admits at once; a request its tenant's
+  limits refuse or the fair queue would hold declines, nothing taken), the ticket's head (``x-ratelimit-*``) and
+  chunks (the usage meter, the fair queue's charge, a usage event the router asked for taken out) as it relays, and
+  :meth:`Gate.leave` (ledger, ``dplb_tenant_*``, the access-log line, the queue's pump) once the attempt is
+  settled, after the response's last bytes; a request continued on the ASGI path leaves when that coroutine ends.
 - Once it decided, the lane owns the request and the behaviour is the ASGI path's, step for step: the same
   Exchange, decision, request head, :class:`dplb.router.attempt.Attempt` accounting (``settle``, the outcome, the
   worker's release, the HTTP metrics). It continues on the ASGI path — a coroutine, exactly the code the proxy runs
@@ -85,7 +87,7 @@ class DirectLane:
         self.run = run
         self.observe = observe
         self.enabled = enabled
-        self.gate: Gate = proxy.gate  # (on: a plain one, enabled() says so)
+        self.gate: Gate = proxy.gate
         cfg = proxy.cfg
         self.limit = cfg.max_body_bytes
         self.first_byte_s = cfg.first_byte_timeout_s  # (read per request: the frozen config's, once)
@@ -113,8 +115,10 @@ class DirectLane:
         held: Attempt | None = None  # the attempt holding the worker, once acquired (a bug settles it)
         conn: UpstreamConn | None = None
         try:
-            if ex.tenant is not None:
-                self.gate.admit(ex)  # (a ticket: the gate identified it)
+            # (a ticket: the gate identified it) Refused or to be queued: declined, nothing taken.
+            if ex.tenant is not None and not self.gate.admit_now(ex):
+                self.n_declined.inc()
+                return False
             seconds = proxy.choose(ex)  # from here on the request is this lane's (tracing is off: nothing to trace)
             worker = ex.decision.worker
             if worker is None:
@@ -275,7 +279,7 @@ class DirectAttempt(Attempt, Sink):
                 self.prior = chunks[-2] if n > 1 else self.last
                 self.last = chunks[-1]
                 if self.ex.tenant is not None:
-                    self.ex.tenant.chunks(chunks)
+                    chunks = self.ex.tenant.chunks(chunks)  # (a usage event the router asked for: taken out)
             self.out.write(chunks)
         except Exception as e:
             self.crash(e)
@@ -289,7 +293,7 @@ class DirectAttempt(Attempt, Sink):
                 self.prior = chunks[-2] if n > 1 else self.last
                 self.last = chunks[-1]
                 if self.ex.tenant is not None:
-                    self.ex.tenant.chunks(chunks)
+                    chunks = self.ex.tenant.chunks(chunks)
             self.outcome = self.stream_end(self.prior, self.last)
             # accounted once the client has its bytes, before a pipelined request starts
             self.out.end(self._done, chunks)

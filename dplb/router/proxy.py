@@ -106,15 +106,15 @@ class Proxy:
         self.tracer: Any = None  # set by the app when OTEL_* asks for tracing (dplb.obs.tracing.make_tracer)
         self._tracing: Tracing | None = None
         self._req_skip = REQ_OWN
-        # The features that need the ASGI path, all fixed at start (tracing aside: enable_tracing).
-        # The API key and the access log alone (a plain gate) do not: the relay identifies and admits as the gate does.
-        self._direct_ok = bool(cfg.direct_relay and (not self.gate.on or self.gate.plain)
-                               and not cfg.cors_allowed_origins and not cfg.resume_streams and not cfg.sse_keepalive_s)
+        # The features that need the ASGI path, all fixed at start (tracing aside: enable_tracing). The tenant gate
+        # does not: the relay identifies and admits as the gate does (it declines what the gate refuses or queues).
+        self._direct_ok = bool(cfg.direct_relay and not cfg.cors_allowed_origins and not cfg.resume_streams
+                               and not cfg.sse_keepalive_s)
 
     def direct_enabled(self) -> bool:
         """Whether the direct relay (:mod:`dplb.router.direct`) may take a request now: ``--direct-relay`` is on and
-        no feature that needs the ASGI path is (a tenants file, CORS, ``--resume-streams``, SSE keep-alives,
-        tracing); ``--api-key`` and ``--access-log`` do not need it (:attr:`dplb.router.tenancy.Gate.plain`)."""
+        no feature that needs the ASGI path is (CORS, ``--resume-streams``, SSE keep-alives, tracing); the tenant
+        gate (``--tenants``, ``--api-key``, ``--access-log``) does not need it (:meth:`Gate.admit_now`)."""
         return self._direct_ok and self.tracer is None
 
     # ---- helpers -------------------------------------------------------------------------------------------------

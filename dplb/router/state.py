@@ -418,14 +418,14 @@ class RouterState:
             log.info("state segment is back; routing on shm state again (%s)",
                      f"workers {ready} re-published" if ready else f"no worker re-published within {waited:.1f} s")
 
-    def routable_workers(self, panic: bool = False) -> list[int]:
+    def routable_workers(self, panic: bool = False, snap: list[WorkerState] | None = None) -> list[int]:
         """Worker ids that are eligible and ready right now (for ``/ready``, the host report and ``/v1/models``; no
         stalled worker, not even one due for a probe). Without a segment: the
         workers whose socket file exists. With ``panic`` (the tenant gate's room), when none is eligible and panic
         routing is on: the workers panic routing routes among now (:func:`dplb.policy.panic_set`, the condition of
         ``dplb_router_panic``, here on this very snapshot), empty when there are none. Costs nothing more while
-        some worker is routable."""
-        snap = self.snapshot()
+        some worker is routable. ``snap``: the caller's :meth:`snapshot` of now (read here when None)."""
+        snap = snap if snap is not None else self.snapshot()
         if snap is None:
             return [k for k in range(self.num_workers) if os.path.exists(self.cfg.socket_path(k))]
         now = time.monotonic_ns()

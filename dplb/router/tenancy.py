@@ -7,8 +7,7 @@ Contract
   ``dplb_tenant_*`` sample); its tenant is ``default`` where one is shown (trace, ``/debug/decisions``).
 - :attr:`Gate.plain`: on, without a tenants file (``--api-key`` or ``--access-log`` alone): one tenant,
   ``default``, with no limits, allow-list, stored-response owners or fair queue, so :meth:`Gate.enter` never refuses
-  or waits: it is :meth:`Gate.admit`, synchronous, which the direct relay (:mod:`dplb.router.direct`) calls too
-  (identify, admit, the ticket's head and chunks, leave: the same tenant state, ledger and metrics on both paths).
+  or waits: it is :meth:`Gate.admit`, synchronous.
 - :meth:`Gate.identify` (before the body is read): the tenant of ``Authorization: Bearer <key>``
   (:meth:`dplb.tenants.TenantsConfig.lookup`, constant time); False = answer 401. Without any key configured
   (no ``--tenants``, no ``--api-key``) every request is tenant ``default``. ``--api-key``'s key is tenant
@@ -22,21 +21,17 @@ Contract
   router group as a whole: :mod:`dplb.router.group_quota`; ``tokens_per_min``
   reserves the prompt estimate plus the body's output limit times its sequences (``n``/``best_of``), 400
   ``tokens_exceed_quota`` when that exceeds the whole quota; both come from the body peek:
-  :class:`dplb.router.peek.Peek`); then, with a
-  tenants file, the fair queue (:mod:`dplb.router.admission`): the request runs at once when it is alone and a
-  worker has room, else it waits in the router — never in the engines — until :meth:`_pump` grants it a freed
-  slot, it times out, it is pushed out, the router drains (503 ``router_draining``), or its client leaves (499,
-  nothing sent). Returns False when the request was answered (or its client left).
-- Room (docs/DESIGN.md §15): worker ``k`` has ``max_num_seqs(k) − open(k) − granted(k)`` free slots, where
-  ``open`` is every router process's in-flight requests to ``k`` (:meth:`RouterState.inflight_all`: running +
-  waiting in the engine as far as DPLB sent them, plus those in transit), ``max_num_seqs`` is what the worker
-  publishes (the policy's ``max_queue`` when it publishes none) and ``granted`` counts requests let out of the
-  queue that have not reached :meth:`RouterState.acquire` yet. A request of class rank ``r`` sees room only in
-  the free slots beyond :meth:`TenantsConfig.held` (``[priorities] reserve``, kept for the more urgent classes).
-  A granted request is routed among the workers with room only. In panic (docs/DESIGN.md §5.1: no worker is
-  routable and some are only on heartbeat probation, :meth:`RouterState.routable_workers` with ``panic``) the
-  workers panic routing routes among count as routable here, with the same room: queued and new requests are
-  granted and then routed in panic instead of waiting for the probation to end.
+  :class:`dplb.router.peek.Peek`); then, with a tenants file, the fair queue (:mod:`dplb.router.admission`): the
+  request runs at once when it is alone (nothing queued, or a slot held for its tenant) and a worker has room
+  (:mod:`dplb.router.waiting`: room, and the wait when there is none), else it waits in the router — never in the
+  engines — until a freed slot is granted, it times out, it is pushed out, the router drains (503
+  ``router_draining``), or its client leaves (499, nothing sent). Returns False when the request was answered (or
+  its client left). Everything up to the wait is synchronous (:meth:`Gate._admission`).
+- :meth:`Gate.admit_now`: the direct relay's admission (:mod:`dplb.router.direct`): :meth:`Gate.enter`'s own
+  synchronous steps when they admit the request at once (the same ticket, reservation, counts, counter lift and
+  charge, steering and body changes); else nothing is taken — not the rate limits' tokens, not the queue's counter
+  lift — and False: the relay declines and the ASGI path runs :meth:`Gate.enter` (it answers a refusal, or queues
+  the request). So on both paths a request admitted at once leaves the same tenant state, ledger and metrics.
 - With ``engine_priority`` the tenant's class rank is written into the body's ``priority`` field (vLLM: lower
   runs first; needs ``--scheduling-policy priority``), only when the body has no ``priority`` of its own.
 - :meth:`Gate.leave` (every exit path): the ledger (:class:`dplb.obs.metrics_tenant.TenantMetrics`: the engine's
@@ -53,24 +48,23 @@ Contract
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dplb.config import RouterConfig
 from dplb.errors import ConfigError, RouterErrorKind
 from dplb.obs.metrics_tenant import TenantMetrics, TenantsFileMetrics
-from dplb.router.admission import FairQueue, QueueRefusal, Waiter
+from dplb.router.admission import FairQueue
 from dplb.router.allowlist import model_refusal
 from dplb.router.group_quota import GroupQuota
 from dplb.router.limits import TenantLimits, concurrency_headers
 from dplb.router.tenant_book import count_slo, limits_for, publish_slos, read_tenants
 from dplb.router.ticket import Ticket
 from dplb.router.usage import output_limit, sequences, with_fields
-from dplb.runtime.asgi import until_disconnect
-from dplb.runtime.serving import DISCONNECT_EXT
+from dplb.router.waiting import WaitingRoom
 from dplb.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -80,9 +74,9 @@ if TYPE_CHECKING:
     from dplb.router.state import RouterState
 
 log = logging.getLogger("dplb.router.tenants")
-TICK_S = 0.01  # how often a non-empty queue looks for room freed elsewhere (other processes) and for timeouts
 BYTES_PER_TOKEN = 4  # prompt-token estimate at admission (OpenAI's rule of thumb for English text)
-_GRANTED, _GONE = "granted", "gone"
+#: A refusal to answer: its error kind, message, Retry-After (seconds; None: ``--retry-after``) and extra headers.
+Refusal = tuple[RouterErrorKind, str, int | None, Sequence[tuple[bytes, bytes]]]
 _USAGE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
@@ -113,10 +107,9 @@ class Gate:
         self.active: dict[str, int] = collections.defaultdict(int)
         self.group = GroupQuota(state, self.active)  # the limits shared by the router group
         self.group.configure(self.config)
-        self._granted: dict[int, int] = collections.defaultdict(int)
-        self._held: dict[int, int] = collections.defaultdict(int)  # worker → slots held for a tenant's next request
-        self._ticker: asyncio.Task[None] | None = None
-        self.closed = False
+        #: The fair queue's waiting room (room, waiting, grants: :mod:`dplb.router.waiting`), with a tenants file.
+        self.room = (WaitingRoom(cfg, state, self.fq, self.config, self.metrics, reject, self._refund, self._prepare,
+                                 self._observe_wait) if self.fq is not None else None)
         publish_slos(self.metrics, self.config)
 
     # ---- configuration ----------------------------------------------------------------------------------------
@@ -131,6 +124,8 @@ class Gate:
             log.error("tenants file not reloaded, keeping the previous one: %s", e)
             return False
         self.config = tc
+        if self.room is not None:
+            self.room.config = tc
         self._keyless = not any(t.key_sha256 for t in tc.tenants)
         self._limits = limits_for(tc, self._limits)
         self.group.configure(tc)
@@ -164,18 +159,40 @@ class Gate:
     # ---- admission ----------------------------------------------------------------------------------------------
     def admit(self, ex: Exchange) -> None:
         """:meth:`enter` of a :attr:`plain` gate (its tenant has no limit, allow-list or queue): ``ex`` (identified)
-        is admitted at once; what :meth:`enter` does then, nothing else (the direct relay's admission)."""
+        is admitted at once; what :meth:`enter` does then, nothing else."""
         tk: Ticket = ex.tenant
         tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
         self.active[tk.tenant.name] += 1
         tk.counted = True
         self._observe_wait(tk, 0.0)
 
+    def admit_now(self, ex: Exchange) -> bool:
+        """The direct relay's admission (module docstring): ``ex`` (identified) admitted now, exactly as
+        :meth:`enter` admits it (True), or nothing done (False: :meth:`enter` would refuse it or queue it)."""
+        if self.plain:
+            self.admit(ex)
+            return True
+        return self._admission(ex, True) is True
+
     async def enter(self, ex: Exchange) -> bool:
         """Admit ``ex`` now, after waiting, or answer it (module docstring). False when it was answered."""
         if self.plain:
             self.admit(ex)
             return True
+        got = self._admission(ex, False)
+        if got is True:
+            return True
+        if got is False:
+            assert self.room is not None  # (only the fair queue waits)
+            return await self.room.wait(ex, ex.tenant)
+        kind, message, retry_after, headers = got
+        await self.reject(ex, kind, message, retry_after=retry_after, extra_headers=headers)
+        return False
+
+    def _admission(self, ex: Exchange, lane: bool) -> bool | Refusal:
+        """:meth:`enter`'s synchronous part: True (admitted now), False (counted, to wait in the fair queue) or the
+        refusal to answer (nothing taken). ``lane`` (the direct relay): False before anything is taken when the
+        request would wait, and a refusal takes nothing either (the ASGI path checks it again and answers)."""
         tk: Ticket = ex.tenant
         t = tk.tenant
         if t.models is not None or self.owners is not None:  # an allow-list; stored responses (--tenants)
@@ -183,124 +200,56 @@ class Gate:
             if why is None and self.owners is not None:
                 why = self.owners.refusal(ex, t)
             if why is not None:
-                await self.reject(ex, *why)
-                return False
+                return why[0], why[1], None, ()
         tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
         lim, fq, cap, peers = tk.limits, self.fq, t.max_concurrent, 0
         sl = self.state.slots  # (a process alone on the segment calls nothing of the group)
         grouped = sl is not None and sl.has_peers and self.group.grouped(t)
         if grouped:  # the router group's consumption of this tenant (a process alone reads nothing)
-            peers, tk.scale = self.group.sync(t, lim)
+            peers, tk.scale = self.group.sync(t, lim)  # (what it debits is read once: a second call adds nothing)
             if cap is not None and tk.scale > 1:
                 cap = max(1, cap // tk.scale)
         if cap is not None and self.active[t.name] + peers >= cap:
-            await self.reject(ex, RouterErrorKind.CONCURRENCY_LIMITED, f"tenant {t.name} has {cap} requests open "
-                              "(across the router group), its max_concurrent; retry when one ends",
-                              retry_after=self.cfg.retry_after_s,
-                              extra_headers=concurrency_headers(cap, self.cfg.retry_after_s)
-                              + (tk.limits.headers() if tk.limits is not None else []))
-            return False
+            return (RouterErrorKind.CONCURRENCY_LIMITED, f"tenant {t.name} has {cap} requests open (across the "
+                    "router group), its max_concurrent; retry when one ends", self.cfg.retry_after_s,
+                    concurrency_headers(cap, self.cfg.retry_after_s) + (lim.headers() if lim is not None else []))
         out, seqs = 0, 1
         if fq is not None or (lim is not None and lim.tokens is not None):  # only they need the output limit
             p = ex.peek  # decoded with the body (dplb.router.peek.Peek): no second parse
             out = output_limit(p.max_completion_tokens, p.max_tokens, p.max_output_tokens)
             seqs = sequences(p.n, p.best_of)  # every sequence may run to the output limit
             tk.expected = out * seqs
+        room = self.room
+        free = None  # (the lane's room, read once: nothing changes it before the request is admitted)
+        if lane and room is not None and (free := room.immediate(ex, self.config.held(tk.rank))) is None:
+            return False
         if lim is not None and lim.any:
             tk.quota = lim.estimate(tk.est, out, seqs)
             refused = lim.check(tk.quota, tk.scale)
             if refused is not None:
                 tk.quota = 0
-                await self.reject(ex, refused[0], f"tenant {t.name}: {refused[2]}", retry_after=refused[1],
-                                  extra_headers=lim.headers(refill=False))
-                return False
+                return refused[0], f"tenant {t.name}: {refused[2]}", refused[1], lim.headers(refill=False)
             tk.quota *= tk.scale
         self.active[t.name] += 1
         tk.counted = True
         if grouped:
             self.group.publish(t, 1, tk.quota)
-        if fq is None:
+        if fq is None or room is None:
             self._prepare(ex, tk)
             self._observe_wait(tk, 0.0)
             return True
         fq.arrive(t.name)
-        claimed = fq.claim(t.name) if fq.holding else None  # a slot held for this tenant (anticipation)
-        if claimed is not None:
-            self._held[claimed] -= 1
-        free = self._free()
+        claimed = room.claim(t.name)  # a slot held for this tenant (anticipation)
+        if free is None:
+            free = room.free()
         held = self.config.held(tk.rank)
-        if ((claimed is not None or fq.length == 0)
-                and (not free or self._best(free, ex.request.cannot_serve, held) is not None)):
+        if (claimed or fq.length == 0) and (not free or room.best(free, ex.request.cannot_serve, held) is not None):
             fq.charge(t.name, t.weight, tk.est, tk.expected)
             tk.charged = tk.expected
-            self._steer(ex, free, held)
+            room.steer(ex, free, held)
             self._prepare(ex, tk)
             self._observe_wait(tk, 0.0)
             return True
-        return await self._wait(ex, tk)
-
-    async def _wait(self, ex: Exchange, tk: Ticket) -> bool:
-        fq = self.fq
-        assert fq is not None
-        if self.closed:
-            await self.reject(ex, RouterErrorKind.DRAINING_QUEUED, "the router is shutting down; retry on another "
-                              "router", retry_after=self.cfg.retry_after_s)
-            return False
-        t = tk.tenant
-        loop = asyncio.get_running_loop()
-        fut = tk.fut = loop.create_future()
-        w = tk.waiter = Waiter(t.name, t.weight, tk.rank, tk.est, tk, tk.expected)
-        tk.cannot = ex.request.cannot_serve
-        try:
-            out = fq.push(w)
-        except QueueRefusal as e:
-            self._refund(tk)
-            await self.reject(ex, e.kind, str(e), retry_after=self.cfg.retry_after_s)
-            return False
-        if out is not None:
-            out.data.resolve(RouterErrorKind.QUEUE_SHARE_EXCEEDED)
-        self.metrics.queued.labels(t.name).inc()
-        t0 = time.perf_counter()
-        hook: Any = (ex.scope.get("extensions") or {}).get(DISCONNECT_EXT)
-        watcher = None
-        if hook is not None:
-            if hook.gone:
-                tk.resolve(_GONE)
-            hook.callback = lambda: tk.resolve(_GONE)
-        else:
-            watcher = asyncio.ensure_future(_watch(ex.receive, tk))
-        self._pump()
-        if not fut.done():
-            self._start_ticker()
-        try:
-            got = await fut
-        except BaseException:  # the server cancels the request (shutdown): leave nothing behind
-            self._ungrant(tk)
-            self._refund(tk)
-            raise
-        finally:
-            self.metrics.queued.labels(t.name).dec()
-            if hook is not None:
-                hook.callback = None
-            elif watcher is not None:
-                watcher.cancel()
-            fq.remove(w)  # still queued when its client left
-        self._observe_wait(tk, time.perf_counter() - t0)
-        if got == _GRANTED:
-            self._ungrant(tk)
-            tk.charged = tk.expected  # charged by the queue's pop
-            self._steer(ex, self._free(), self.config.held(tk.rank))
-            self._prepare(ex, tk)
-            return True
-        self._refund(tk)  # never sent: its tokens go back to the bucket
-        if got == _GONE:
-            self._ungrant(tk)  # granted after its client left (the grant raced the disconnect): give it back
-            ex.gone = True
-            await self.reject(ex, RouterErrorKind.CLIENT_CLOSED, "the client left while its request was queued")
-            return False
-        kind: RouterErrorKind = got
-        await self.reject(ex, kind, _MESSAGES[kind].format(tenant=t.name, timeout=self.cfg.queue_timeout_s),
-                          retry_after=self.cfg.retry_after_s)
         return False
 
     def _refund(self, tk: Ticket) -> None:
@@ -310,12 +259,6 @@ class Gate:
             if self.group.grouped(tk.tenant):
                 self.group.publish(tk.tenant, 0, -tk.quota)
             tk.quota = 0
-
-    def _ungrant(self, tk: Ticket) -> None:
-        """A granted request reached its worker pick (or was cancelled): it no longer holds a granted slot."""
-        k, tk.granted_to = tk.granted_to, None
-        if k is not None:
-            self._granted[k] -= 1
 
     def _observe_wait(self, tk: Ticket, seconds: float) -> None:
         tk.wait_s = seconds
@@ -333,111 +276,6 @@ class Gate:
             tk.strip = True
         if fields and ex.body.lstrip().startswith(b"{"):
             ex.body = with_fields(ex.body, b",".join(fields))
-
-    # ---- room -------------------------------------------------------------------------------------------------
-    def _free(self) -> dict[int, int]:
-        """Free slots per routable worker (module docstring); in panic, per worker of the panic set (module
-        docstring); {} when there are none."""
-        st = self.state
-        ks = st.routable_workers(panic=True)
-        if not ks:
-            return {}
-        snap = st.snapshot()
-        load = st.inflight_all()
-        default = self.cfg.policy.max_queue
-        granted = self._granted
-        held = self._held
-        return {k: (snap[k].max_num_seqs if snap is not None and snap[k].max_num_seqs > 0 else default)
-                - load[k] - granted[k] - held[k] for k in ks}
-
-    @staticmethod
-    def _best(free: dict[int, int], cannot: frozenset[int], held: int = 0) -> int | None:
-        """The eligible worker with the most free slots, None when none has more than ``held`` (the slots kept
-        for more urgent classes)."""
-        best = max(((n, -k) for k, n in free.items() if k not in cannot), default=None)
-        return -best[1] if best is not None and best[0] > held else None
-
-    @staticmethod
-    def _steer(ex: Exchange, free: dict[int, int], held: int = 0) -> None:
-        """Route the request among the workers with room (when one is left)."""
-        req = ex.request
-        full = frozenset(k for k, n in free.items() if n <= held)
-        if full and any(k not in req.cannot_serve and k not in full for k in free):
-            req.cannot_serve = req.cannot_serve | full
-
-    def _pump(self) -> None:
-        """Grant queued requests as long as workers have room."""
-        fq = self.fq
-        if fq is None or not fq.length:
-            return
-        free = self._free()
-        if not free:
-            return
-
-        held = self.config.held
-        slots = self.state.slots
-        # A peer process's more urgent request goes first: leave it the slot (its tick takes it within TICK_S).
-        peer = slots.peers_urgent() if slots is not None and slots.has_peers else None
-        top = len(self.config.classes) if peer is None else peer
-
-        def can(w: Waiter) -> bool:
-            fut = w.data.fut
-            return (w.rank <= top and fut is not None and not fut.done()
-                    and self._best(free, w.data.cannot, held(w.rank)) is not None)
-
-        while fq.length:
-            w = fq.pop(can)
-            if w is None:
-                break
-            tk: Ticket = w.data
-            k = self._best(free, tk.cannot, held(w.rank))
-            assert k is not None
-            free[k] -= 1
-            self._granted[k] += 1
-            tk.granted_to = k
-            tk.resolve(_GRANTED)
-        self._share_urgent()
-
-    def _share_urgent(self) -> None:
-        """Publish this process's most urgent queued class to its router slot (router groups: :meth:`_pump`)."""
-        slots = self.state.slots
-        if slots is not None and self.fq is not None:
-            slots.publish_urgent(self.fq.top_rank())
-
-    def _start_ticker(self) -> None:
-        if self._ticker is None or self._ticker.done():
-            self._ticker = asyncio.ensure_future(self._tick())
-
-    async def _tick(self) -> None:
-        """While requests wait or slots are held: time them out, and look for room every :data:`TICK_S`."""
-        fq = self.fq
-        assert fq is not None
-        while fq.length or fq.holding:
-            self._share_urgent()
-            await asyncio.sleep(TICK_S)
-            for w, kind in fq.expire():
-                w.data.resolve(kind)
-            self._unhold(fq.expire_holds())
-            self._pump()
-        self._share_urgent()
-
-    def _unhold(self, workers: list[int]) -> None:
-        for k in workers:
-            self._held[k] -= 1
-
-    def _anticipate(self, ex: Exchange, tk: Ticket) -> None:
-        """``ex`` ended on a worker: hold its slot for its tenant's next request when the fair queue says so."""
-        fq = self.fq
-        if fq is None or not fq.length or not tk.relayed:
-            return
-        d = getattr(ex, "decision", None)  # unset when no worker was picked
-        k = d.worker if d is not None else None
-        if k is None:
-            return
-        t = tk.tenant
-        if fq.anticipate(t.name, t.weight, tk.rank, tk.est, tk.expected, k):
-            self._held[k] += 1
-            self._start_ticker()
 
     def leave(self, ex: Exchange) -> None:
         """``ex`` ended (any way): ledger, corrections, and the next queued request (module docstring)."""
@@ -487,32 +325,16 @@ class Gate:
             log.info("%s tenant=%s status=%d outcome=%s queue_wait_ms=%.0f prompt_tokens=%s completion_tokens=%s",
                      ex.rid.decode(), t.name, status, outcome, tk.wait_s * 1000,
                      usage.prompt_tokens if usage else "-", (usage.completion_tokens if usage else None) or "-")
-        self._anticipate(ex, tk)
-        self._pump()
+        if self.room is not None:
+            d = getattr(ex, "decision", None)  # unset when no worker was picked
+            self.room.anticipate(d.worker if d is not None else None, tk)
+            self.room.pump()
 
     def close(self) -> None:
         """The router stops: every queued request is answered 503 ``router_draining`` (none is left unanswered)."""
-        self.closed = True
-        fq = self.fq
-        if fq is None:
-            return
-        self._unhold(fq.expire_holds(every=True))
-        for w in list(fq.order()):
-            fq.remove(w)
-            w.data.resolve(RouterErrorKind.DRAINING_QUEUED)
+        if self.room is not None:
+            self.room.close()
 
-
-_MESSAGES = {
-    RouterErrorKind.QUEUE_SHARE_EXCEEDED: "tenant {tenant} holds more than its share of the router's queue; retry "
-                                          "later",
-    RouterErrorKind.QUEUE_TIMEOUT: "no batch slot freed within --queue-timeout {timeout:g} s; retry later",
-    RouterErrorKind.DRAINING_QUEUED: "the router is shutting down; retry on another router",
-}
-
-
-async def _watch(receive: Any, tk: Ticket) -> None:
-    await until_disconnect(receive)
-    tk.resolve(_GONE)
 
 
 __all__ = ["Gate", "Ticket"]

@@ -83,16 +83,20 @@ class Ticket:
             self.charged = m.events
         return out
 
-    def chunks(self, chunks: list[bytes]) -> None:
-        """:meth:`chunk` of each of ``chunks`` (one read of the worker's socket, the direct relay), relayed as they
-        are: only for a ticket whose meter never takes a usage event out (no fair queue: nothing is stripped)."""
+    def chunks(self, chunks: list[bytes]) -> list[bytes]:
+        """:meth:`chunk` of each of ``chunks`` (one read of the worker's socket, the direct relay); returns what to
+        relay: ``chunks`` itself, unless the meter takes the usage event out (:attr:`strip`: the router asked for
+        it), then what :meth:`chunk` returned for each, the empty ones (an event not complete yet) left out."""
         if self.fq is not None:  # (the output charged as it is produced)
+            if self.strip:
+                return [out for data in chunks if (out := self.chunk(data))]
             for data in chunks:
                 self.chunk(data)
-            return
+            return chunks
         if self.t_first is None:
             self.t_first = time.perf_counter()
         m = self.meter
         if m is not None:
             for data in chunks:  # (one call per chunk: a stream's read is usually one)
                 m.chunk(data)
+        return chunks
