@@ -286,6 +286,42 @@ class BodyTooLarge(DPLBError):
         self.limit = limit
 
 
+class UpstreamError(Exception):
+    """Base class of the router's transport errors talking to a worker (:mod:`dplb.router.upstream`)."""
+
+
+class ConnectFailed(UpstreamError):
+    """The worker could not be reached; no request byte was sent."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """A per-phase timeout expired (``phase`` = "first_byte" or "idle")."""
+
+    def __init__(self, phase: str, seconds: float) -> None:
+        super().__init__(f"worker sent nothing for {seconds:g} s ({phase})")
+        self.phase = phase
+
+
+class UpstreamClosed(UpstreamError):
+    """The worker closed the connection before the response was complete."""
+
+
+#: Why a pooled connection ended before any response byte (the ``reason`` label of ``dplb_upstream_resends_total``):
+#: ``eof`` (the worker closed it: an idle keep-alive close, or its process died), ``reset`` (ECONNRESET: it closed
+#: it with our request unread), ``epipe`` (EPIPE: our write found it closed).
+RESEND_REASONS = ("eof", "reset", "epipe")
+
+
+class StaleConnection(UpstreamClosed):
+    """A connection reused from the pool ended (``reason``: one of :data:`RESEND_REASONS`) after the request was
+    written and before one response byte came back: the request reached no engine and may be sent again (what an
+    HTTP client does on a reused connection, Go's net/http and urllib3 alike; Envoy's ``reset`` retry-on)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the pooled connection to the worker ended before any response byte ({reason})")
+        self.reason = reason
+
+
 def openai_error_body(message: str, type_: str, code: str | int) -> bytes:
     """The OpenAI error body ``{"error": {"message", "type", "param": null, "code"}}`` as compact UTF-8 JSON
     (msgspec): OpenAI's error object (message, type, param, code; DPLB's errors name no request parameter) and

@@ -71,7 +71,8 @@ else:
 HOT_MODULES: tuple[str, ...] = (
     "dplb.runtime.direct", "dplb.runtime.protocol", "dplb.runtime.lane_cycle", "dplb.runtime.edge",
     "dplb.runtime.conn_timer", "dplb.runtime.rejection",
-    "dplb.router.direct", "dplb.router.upstream", "dplb.router.attempt", "dplb.router.exchange",
+    "dplb.router.direct", "dplb.router.upstream", "dplb.router.upstream_pool", "dplb.router.attempt",
+    "dplb.router.exchange",
     "dplb.router.proxy", "dplb.router.state", "dplb.router.resume", "dplb.router.orca", "dplb.router.routes",
     "dplb.router.models", "dplb.router.health", "dplb.router.intake", "dplb.router.http_count",
     "dplb.policy.core", "dplb.policy.baseline", "dplb.policy.fused", "dplb.policy.scorers", "dplb.policy.prefix",

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from dplb.router.upstream import UpstreamClosed, UpstreamConn, UpstreamPool, UpstreamTimeout
+from dplb.errors import UpstreamClosed, UpstreamTimeout
+from dplb.router.upstream import UpstreamConn
+from dplb.router.upstream_pool import UpstreamPool
 
 _OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-k: 1\r\n\r\nok"
 _REQ = b"POST / HTTP/1.1\r\nhost: w\r\ncontent-length: 0\r\n\r\n"

@@ -64,7 +64,7 @@ from dplb.router.peek import Peek
 from dplb.router.routes import PROXY_PATHS, ResponseIds, allowed_methods, match
 from dplb.router.state import RouterState
 from dplb.router.tenancy import Gate
-from dplb.router.upstream import UpstreamPool
+from dplb.router.upstream_pool import UpstreamPool
 from dplb.runtime.serving import DISCONNECT_EXT
 from dplb.state.response_rings import ResponseRing
 from dplb.tenants import DEFAULT_TENANT

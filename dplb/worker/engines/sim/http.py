@@ -1,18 +1,22 @@
 """The sim engine's HTTP plumbing, shared by its core endpoints (:mod:`dplb.worker.engines.sim.engine`) and the extra
 ones (:mod:`dplb.worker.engines.sim.api`): its error type (vLLM's error shape, built by
 :func:`dplb.errors.openai_error_body`), its bounded body reader (:func:`dplb.runtime.asgi.receive_body`), its
-JSON-object decoder and the body's ``model`` check; responses go out through :func:`dplb.runtime.asgi.send_json`.
+JSON-object decoder and the body's ``model`` check; responses go out through :func:`dplb.runtime.asgi.send_json`;
+and the ``drop_reused_every`` fault (:class:`ReusedDrops`), which closes a connection instead of answering.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+import os
+import weakref
+from collections.abc import Container, MutableMapping
 from typing import Any
 
 import msgspec
 
 from dplb.errors import BodyTooLarge, openai_error_body
 from dplb.runtime.asgi import Receive, receive_body
+from dplb.runtime.edge import DISCONNECT_EXT
 
 MAX_BODY_BYTES = 64 << 20  # request bodies above this get 413
 DEBUG_HEADER = b"x-sim-debug"  # request header: "body-sha256" asks for x-sim-body-sha256 in the response
@@ -69,3 +73,34 @@ async def read_body(receive: Receive) -> bytes | None:
 
 
 __all__ = ["DEBUG_HEADER", "MAX_BODY_BYTES", "HTTPError", "check_model", "decode_object", "read_body"]
+
+
+class ReusedDrops:
+    """The ``drop_reused_every`` fault (:class:`dplb.worker.engines.sim.scheduler.SimConfig`): of the model requests
+    that another process (``SO_PEERCRED``: not the worker's own warm-up or probe) sends on a server connection that
+    carried one before, every ``every``-th is dropped: its connection is closed through the request's disconnect
+    hook (:class:`dplb.runtime.edge.DisconnectHook`) before any response byte. 0: off."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.reused = 0  # such requests seen
+        self.dropped = 0
+        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()  # the server connections that carried a request
+
+    def drop(self, scope: MutableMapping[str, Any]) -> bool:
+        """True when the request of ``scope`` was dropped (its connection closed; answer nothing)."""
+        if not self.every:
+            return False
+        hook: Any = (scope.get("extensions") or {}).get(DISCONNECT_EXT)
+        conn = getattr(hook, "conn", None)
+        if conn is None or hook.peer_pid in (0, os.getpid()):
+            return False
+        if conn not in self._seen:
+            self._seen.add(conn)
+            return False
+        self.reused += 1
+        if self.reused % self.every:
+            return False
+        self.dropped += 1
+        hook.cut()
+        return True
