@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from dplb.errors import UpstreamClosed, UpstreamTimeout
+from dplb.errors import StaleConnection, UpstreamClosed, UpstreamTimeout
 from dplb.router.upstream import UpstreamConn
 from dplb.router.upstream_pool import UpstreamPool
 
@@ -175,3 +175,74 @@ tmp_path: Any) -> None:
             await it.__anext__()
 
     _run(tmp_path, scenario)
+
+
+async def _used_once(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> UpstreamConn:
+    """``conn`` answered once, released, and taken again from the pool (the same connection, ``reused``)."""
+    conn.send_request(_REQ, b"")
+    peer.sendall(_OK)
+    await conn.response_head(0.5)
+    assert b"".join([c async for c in conn.chunks(0.5)]) == b"ok"
+    pool.release(conn)
+    again = pool.take_idle(0)
+    assert again is conn and again.reused
+    return again
+
+
+@pytest.mark.parametrize("how", ["eof", "reset"])
+def test_a_pooled_connection_that_ends_before_any_response_byte_is_stale(tmp_path: Any, how: str) -> None:
+    """A request written on a reused connection that the peer closes (EOF) or resets (our request unread) before one
+    response byte: StaleConnection with that reason, the request may go again."""
+    async def scenario(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
+        again = await _used_once(pool, conn, peer)
+        again.send_request(_REQ, b"")
+        await asyncio.sleep(0.02)
+        if how == "reset":  # SO_LINGER 0: close sends RST
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        else:
+            peer.recv(65536)  # read: a plain close sends FIN
+        peer.close()
+        with pytest.raises(StaleConnection) as got:
+            await again.response_head(0.5)
+        assert got.value.reason in (("eof", "reset") if how == "reset" else ("eof",))
+
+    _run(tmp_path, scenario)
+
+
+def test_a_close_after_a_response_byte_or_on_a_new_connection_is_not_stale(tmp_path: Any) -> None:
+    """Not sent again: a reused connection closed after the first response byte (mid status line), a new one closed
+    before any, and one the router aborted itself."""
+    async def scenario(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
+        conn.send_request(_REQ, b"")
+        peer.recv(65536)
+        peer.shutdown(socket.SHUT_WR)  # a new connection: never reused
+        with pytest.raises(UpstreamClosed) as got:
+            await conn.response_head(0.5)
+        assert not isinstance(got.value, StaleConnection) and not conn.reused
+
+    _run(tmp_path, scenario)
+    (tmp_path / "w.sock").unlink()
+
+    async def one_byte(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
+        again = await _used_once(pool, conn, peer)
+        again.send_request(_REQ, b"")
+        peer.recv(65536)
+        peer.sendall(b"H")  # one byte of the status line, then the close
+        await asyncio.sleep(0.02)
+        peer.shutdown(socket.SHUT_WR)
+        with pytest.raises(UpstreamClosed) as got:
+            await again.response_head(0.5)
+        assert not isinstance(got.value, StaleConnection)
+
+    _run(tmp_path, one_byte)
+    (tmp_path / "w.sock").unlink()
+
+    async def ours(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
+        again = await _used_once(pool, conn, peer)
+        again.send_request(_REQ, b"")
+        again.abort()
+        with pytest.raises(UpstreamClosed) as got:
+            await again.response_head(0.5)
+        assert not isinstance(got.value, StaleConnection)
+
+    _run(tmp_path, ours)

@@ -1,0 +1,81 @@
+"""A request written on a pooled worker connection that ends before any response byte reached no engine: the router
+sends it again on a new connection (both paths: the direct relay and the ASGI path), counts it in
+``dplb_upstream_resends_total{reason}`` and notes it on the decision (``/debug/decisions``: ``resent``); a
+connection that ends after the response began is never re-sent. Real router and sim worker processes; the sim's
+``drop_reused_every`` fault closes a reused connection as a request arrives, as a worker whose idle keep-alive
+timeout fires just then."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from cluster import Cluster, Routers, both_paths, completion, wait_for
+
+from dplb.errors import RESEND_REASONS
+
+N = 12
+
+
+def _resends(c: Cluster) -> float:
+    return sum(c.metric("dplb_upstream_resends_total", {"reason": r}) or 0.0 for r in RESEND_REASONS)
+
+
+def _resent_decisions(c: Cluster) -> list[str]:
+    ds = httpx.get(c.url + "/debug/decisions?limit=100", timeout=5).json()
+    return [d["resent"] for d in ds if d["resent"] is not None]
+
+
+@pytest.fixture
+def dropping(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routers]:
+    """Each path's router in front of one sim worker that drops every 2nd request coming on a reused connection."""
+    with both_paths(tmp_path_factory, [], worker_args={0: ["--sim-drop-reused-every", "2"]}) as rs:
+        yield rs
+
+
+@pytest.mark.parametrize("path", ["direct", "asgi"])
+def test_a_request_on_a_pooled_connection_closed_before_answering_is_resent(dropping: Routers, path: str) -> None:
+    """Sequential requests over one keep-alive client connection: the router reuses its pooled worker connection,
+    the worker closes every 2nd reused one unanswered; every request is answered 200 all the same, and each resend
+    is counted and noted on its decision (without the resend, each dropped request was a 502 worker_failed)."""
+    c: Cluster = getattr(dropping, path)
+    with httpx.Client(base_url=c.url, timeout=30) as client:
+        rs = [client.post("/v1/completions", json=completion(i, max_tokens=3)) for i in range(N)]
+    assert [r.status_code for r in rs] == [200] * N, [r.text for r in rs if r.status_code != 200]
+    assert all(r.text.rstrip().endswith(("}", "data: [DONE]")) for r in rs)
+    resent = _resends(c)
+    assert resent >= N // 4, c.tail()  # 1 request in 2 on a reused connection: about 1 in 3 of all
+    assert len(_resent_decisions(c)) == resent
+    assert set(_resent_decisions(c)) <= {"eof", "reset", "epipe"}
+    assert c.metric("dplb_upstream_retries_total") == 0  # the same worker, on a new connection
+    if path == "direct":
+        assert (c.metric("dplb_direct_relay_requests_total", {"path": "direct"}) or 0) > 0
+
+
+@pytest.mark.parametrize("path", ["direct", "asgi"])
+def test_a_connection_that_ends_after_the_response_head_is_not_resent(
+        tmp_path_factory: pytest.TempPathFactory, path: str) -> None:
+    """A stream on a reused connection whose worker is SIGKILLed mid-answer: the client gets the error event and
+    the cut (the request reached the engine), and nothing is sent again."""
+    with both_paths(tmp_path_factory, [], worker_args={0: ["--sim-chunk-delay-s", "0.05"]}) as rs:
+        c: Cluster = getattr(rs, path)
+        other = rs.asgi if path == "direct" else rs.direct
+        other.stop()
+        with httpx.Client(base_url=c.url, timeout=30) as client:
+            assert client.post("/v1/completions", json=completion(0, max_tokens=2, stream=False)).status_code == 200
+            got = b""
+            with client.stream("POST", "/v1/completions", json=completion(1, max_tokens=60, stream=True)) as r:
+                assert r.status_code == 200
+                try:
+                    for chunk in r.iter_raw():
+                        got += chunk
+                        if got.count(b"data: ") == 2:
+                            os.kill(c.workers[0].pid, signal.SIGKILL)
+                except httpx.HTTPError:  # the abnormal close after the error event
+                    pass
+        assert b"worker_failed" in got and b"[DONE]" not in got, got
+        wait_for(lambda: c.workers[0].poll() is not None, 10, "the worker to exit")
+        assert _resends(c) == 0 and not _resent_decisions(c)
