@@ -306,19 +306,22 @@ class UpstreamClosed(UpstreamError):
     """The worker closed the connection before the response was complete."""
 
 
-#: Why a pooled connection ended before any response byte (the ``reason`` label of ``dplb_upstream_resends_total``):
-#: ``eof`` (the worker closed it: an idle keep-alive close, or its process died), ``reset`` (ECONNRESET: it closed
-#: it with our request unread), ``epipe`` (EPIPE: our write found it closed).
-RESEND_REASONS = ("eof", "reset", "epipe")
+#: How a pooled connection ended with the request undelivered (the ``reason`` label of
+#: ``dplb_upstream_resends_total``): ``reset`` (ECONNRESET: the worker closed it with our request unread in its socket,
+#: as an idle keep-alive close that crossed the request does, or a process that died), ``epipe`` (EPIPE: our write
+#: found it closed already). A clean EOF is not one: on a Unix socket a peer that closes with bytes unread resets
+#: (Linux's ``unix_release_sock``), so an EOF after our write means the worker read the request — it may be in
+#: the engine.
+RESEND_REASONS = ("reset", "epipe")
 
 
 class StaleConnection(UpstreamClosed):
-    """A connection reused from the pool ended (``reason``: one of :data:`RESEND_REASONS`) after the request was
-    written and before one response byte came back: the request reached no engine and may be sent again (what an
-    HTTP client does on a reused connection, Go's net/http and urllib3 alike; Envoy's ``reset`` retry-on)."""
+    """A connection reused from the pool ended before one response byte came back, with the request undelivered
+    (``reason``: one of :data:`RESEND_REASONS`): it reached no engine and may be sent again (what an HTTP client
+    does on a reused connection, Go's net/http and urllib3 alike; Envoy's ``reset`` retry-on)."""
 
     def __init__(self, reason: str) -> None:
-        super().__init__(f"the pooled connection to the worker ended before any response byte ({reason})")
+        super().__init__(f"the pooled connection to the worker ended with the request undelivered ({reason})")
         self.reason = reason
 
 

@@ -106,8 +106,8 @@ class RouterMetrics:
         self.retries = Counter(UPSTREAM_RETRIES, "Requests re-sent to another worker after a failure before any "
                                "byte reached the first one.", registry=reg)
         self.resends = CounterFamily(UPSTREAM_RESENDS, "Requests sent again on a new connection to the same worker "
-                                     "because the pooled connection they were written on ended before any response "
-                                     "byte (the request reached no engine), by how it ended.", ["reason"],
+                                     "because the pooled connection they were written on ended with them undelivered "
+                                     "(unread: reset; closed before the write: epipe), reaching no engine.", ["reason"],
                                      registry=reg)
         for r in RESEND_REASONS:
             self.resends.labels(r)

@@ -6,9 +6,10 @@ Contract
   the status line and headers; :meth:`UpstreamConn.chunks` yields body bytes exactly as they arrive (no decoding,
   no buffering beyond what the socket delivered). Each wait has its own timeout (first byte, idle between chunks)
   and raises :class:`UpstreamTimeout`; a connection that closes before the message is complete raises
-  :class:`UpstreamClosed`: :class:`StaleConnection` when the connection was ``reused`` from the pool and ended (EOF,
-  ECONNRESET, EPIPE) after the request was written, before one response byte came back — the request reached no
-  engine, the caller may send it again — and not when the router itself closed it (``abort``).
+  :class:`UpstreamClosed`: :class:`StaleConnection` when the connection was ``reused`` from the pool and ended with
+  the request undelivered (ECONNRESET: unread by the worker; EPIPE: closed before our write), before one response
+  byte came back — it reached no engine, the caller may send it again; never for a clean EOF (the worker read it:
+  :data:`dplb.errors.RESEND_REASONS`) nor a close by the router itself (``abort``).
 - A complete response on a keep-alive connection makes it :attr:`UpstreamConn.reusable`;
   :meth:`UpstreamConn.abort` closes it at once (client gone, error, timeout), which
   makes the engine abort the generation.
@@ -191,8 +192,6 @@ class UpstreamConn(asyncio.Protocol):
         """What a close (``exc``: connection_lost's) before the end of the response fails with: a
         :class:`StaleConnection` when it may be sent again (the module docstring), else :class:`UpstreamClosed`."""
         if self.reused and not self._heard and not ours:
-            if exc is None:
-                return StaleConnection("eof")
             if isinstance(exc, ConnectionResetError):
                 return StaleConnection("reset")
             if isinstance(exc, BrokenPipeError):

@@ -2,13 +2,13 @@
 ones (:mod:`dplb.worker.engines.sim.api`): its error type (vLLM's error shape, built by
 :func:`dplb.errors.openai_error_body`), its bounded body reader (:func:`dplb.runtime.asgi.receive_body`), its
 JSON-object decoder and the body's ``model`` check; responses go out through :func:`dplb.runtime.asgi.send_json`;
-and the ``drop_reused_every`` fault (:class:`ReusedDrops`), which closes a connection instead of answering.
+and the ``close_after_response_s`` fault (:class:`ShortKeepAlive`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
-import weakref
 from collections.abc import Container, MutableMapping
 from typing import Any
 
@@ -75,32 +75,26 @@ async def read_body(receive: Receive) -> bytes | None:
 __all__ = ["DEBUG_HEADER", "MAX_BODY_BYTES", "HTTPError", "check_model", "decode_object", "read_body"]
 
 
-class ReusedDrops:
-    """The ``drop_reused_every`` fault (:class:`dplb.worker.engines.sim.scheduler.SimConfig`): of the model requests
-    that another process (``SO_PEERCRED``: not the worker's own warm-up or probe) sends on a server connection that
-    carried one before, every ``every``-th is dropped: its connection is closed through the request's disconnect
-    hook (:class:`dplb.runtime.edge.DisconnectHook`) before any response byte. 0: off."""
 
-    def __init__(self, every: int) -> None:
-        self.every = every
-        self.reused = 0  # such requests seen
-        self.dropped = 0
-        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()  # the server connections that carried a request
+class ShortKeepAlive:
+    """The ``close_after_response_s`` fault (:class:`dplb.worker.engines.sim.scheduler.SimConfig`): the connection
+    of each model request another process (``SO_PEERCRED``: not the worker's own warm-up or probe) sent stops being
+    read once its response is complete and is closed ``seconds`` later, reached through the request's disconnect
+    hook (:class:`dplb.runtime.edge.DisconnectHook`); a request that arrived meanwhile is left unread, so the close
+    resets it (ECONNRESET at the client). ``closed``: connections so closed. 0: off."""
 
-    def drop(self, scope: MutableMapping[str, Any]) -> bool:
-        """True when the request of ``scope`` was dropped (its connection closed; answer nothing)."""
-        if not self.every:
-            return False
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.closed = 0
+
+    def after(self, scope: MutableMapping[str, Any]) -> None:
+        """The response to the request of ``scope`` is complete: its connection stops being read, then closes."""
+        if not self.seconds:
+            return
         hook: Any = (scope.get("extensions") or {}).get(DISCONNECT_EXT)
-        conn = getattr(hook, "conn", None)
-        if conn is None or hook.peer_pid in (0, os.getpid()):
-            return False
-        if conn not in self._seen:
-            self._seen.add(conn)
-            return False
-        self.reused += 1
-        if self.reused % self.every:
-            return False
-        self.dropped += 1
-        hook.cut()
-        return True
+        transport = getattr(getattr(hook, "conn", None), "transport", None)
+        if transport is None or transport.is_closing() or hook.peer_pid in (0, os.getpid()):
+            return
+        transport.pause_reading()
+        asyncio.get_running_loop().call_later(self.seconds, transport.close)
+        self.closed += 1
