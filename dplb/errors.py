@@ -306,7 +306,7 @@ class UpstreamClosed(UpstreamError):
     """The worker closed the connection before the response was complete."""
 
 
-#: How a pooled connection ended with the request undelivered (the ``reason`` label of
+#: How a worker connection ended with the request undelivered (the ``reason`` label of
 #: ``dplb_upstream_resends_total``): ``reset`` (ECONNRESET: the worker closed it with our request unread in its socket,
 #: as an idle keep-alive close that crossed the request does, or a process that died), ``epipe`` (EPIPE: our write
 #: found it closed already). A clean EOF is not one: on a Unix socket a peer that closes with bytes unread resets
@@ -315,13 +315,13 @@ class UpstreamClosed(UpstreamError):
 RESEND_REASONS = ("reset", "epipe")
 
 
-class StaleConnection(UpstreamClosed):
-    """A connection reused from the pool ended before one response byte came back, with the request undelivered
-    (``reason``: one of :data:`RESEND_REASONS`): it reached no engine and may be sent again (what an HTTP client
-    does on a reused connection, Go's net/http and urllib3 alike; Envoy's ``reset`` retry-on)."""
+class UndeliveredRequest(UpstreamClosed):
+    """The worker connection ended before one response byte came back, with the request undelivered (``reason``:
+    one of :data:`RESEND_REASONS`): it reached no engine and may be sent again (on a connection reused from the
+    pool, what an HTTP client does, Go's net/http and urllib3 alike; Envoy's ``reset`` retry-on)."""
 
     def __init__(self, reason: str) -> None:
-        super().__init__(f"the pooled connection to the worker ended with the request undelivered ({reason})")
+        super().__init__(f"the connection to the worker ended with the request undelivered ({reason})")
         self.reason = reason
 
 

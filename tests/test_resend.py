@@ -7,13 +7,15 @@ meanwhile, as a worker whose short keep-alive timeout fires as the next request 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
-from cluster import Cluster, Routers, both_paths, completion, wait_for
+from cluster import Cluster, Routers, both_paths, cluster, completion, wait_for
 
 from dplb.errors import RESEND_REASONS
 
@@ -81,3 +83,41 @@ def test_a_connection_that_ends_after_the_response_head_is_not_resent(
         assert b"worker_failed" in got and b"[DONE]" not in got, got
         wait_for(lambda: c.workers[0].poll() is not None, 10, "the worker to exit")
         assert _resends(c) == 0 and not _resent_decisions(c)
+
+
+async def _burst(url: str, first: int, n: int) -> list[httpx.Response]:
+    """``n`` completions at once, each on its own client connection."""
+    async with httpx.AsyncClient(base_url=url, timeout=30, limits=httpx.Limits(max_connections=n)) as client:
+        return await asyncio.gather(*(client.post("/v1/completions", json=completion(first + i, max_tokens=2,
+                                                                                      stream=False))
+                                      for i in range(n)))
+
+
+@pytest.mark.parametrize("path", ["direct", "asgi"])
+def test_requests_written_to_a_worker_as_it_is_killed_are_resent(tmp_path: Path, path: str) -> None:
+    """Worker 0 of 2 is stopped (its heartbeat still fresh, so it is still picked), requests are written on its
+    pooled connections and sit unread, then it is SIGKILLed: those connections reset (the requests never reached
+    its engine), each request is sent again, its worker refuses the new connection, and it is retried on worker 1:
+    every request is answered 200 (without the resend: a 502 worker_failed each, as a request written in the ms
+    after a worker's death on a pooled connection the kernel had not closed yet)."""
+    args = ["--policy", "round_robin"] + ([] if path == "direct" else ["--no-direct-relay"])  # 2 of 4 to worker 0
+    with cluster(str(tmp_path), 2, router_args=args, state_interval_ms=1000) as c:
+        for round_ in range(3):  # pooled connections to both workers (a few each)
+            rs = asyncio.run(_burst(c.url, 100 * round_, 12))
+            assert [r.status_code for r in rs] == [200] * 12
+        assert {r.headers["x-sg-worker-id"] for r in rs} == {"0", "1"}
+        os.kill(c.workers[0].pid, signal.SIGSTOP)
+
+        async def burst_then_kill() -> list[httpx.Response]:
+            going = asyncio.ensure_future(_burst(c.url, 1000, 4))
+            await asyncio.sleep(0.5)  # written, unread: worker 0 is stopped
+            os.kill(c.workers[0].pid, signal.SIGKILL)
+            return await going
+
+        rs = asyncio.run(burst_then_kill())
+        assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
+        assert {r.headers["x-sg-worker-id"] for r in rs} == {"1"}
+        resent = c.metric("dplb_upstream_resends_total", {"reason": "reset"}) or 0
+        assert resent == 2, c.tail()
+        assert c.metric("dplb_upstream_retries_total") == resent  # each then retried on worker 1
+        assert _resent_decisions(c) == ["reset"] * int(resent)

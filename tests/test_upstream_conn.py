@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from dplb.errors import StaleConnection, UpstreamClosed, UpstreamTimeout
+from dplb.errors import UndeliveredRequest, UpstreamClosed, UpstreamTimeout
 from dplb.router.upstream import UpstreamConn
 from dplb.router.upstream_pool import UpstreamPool
 
@@ -190,9 +190,9 @@ async def _used_once(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket
 
 
 @pytest.mark.parametrize("how", ["reset", "epipe"])
-def test_a_pooled_connection_that_ends_with_the_request_undelivered_is_stale(tmp_path: Any, how: str) -> None:
+def test_a_pooled_connection_that_ends_with_the_request_undelivered(tmp_path: Any, how: str) -> None:
     """A request on a reused connection that the peer closes with the request unread (reset), or that the peer had
-    closed before the write (epipe): StaleConnection with that reason, the request may go again."""
+    closed before the write (epipe): UndeliveredRequest with that reason, the request may go again."""
     async def scenario(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
         again = await _used_once(pool, conn, peer)
         if how == "epipe":
@@ -202,24 +202,24 @@ def test_a_pooled_connection_that_ends_with_the_request_undelivered_is_stale(tmp
             again.send_request(_REQ, b"")
             await asyncio.sleep(0.02)
             peer.close()  # the request unread
-        with pytest.raises(StaleConnection) as got:
+        with pytest.raises(UndeliveredRequest) as got:
             await again.response_head(0.5)
         assert got.value.reason == how
 
     _run(tmp_path, scenario)
 
 
-def test_a_close_after_a_response_byte_or_on_a_new_connection_is_not_stale(tmp_path: Any) -> None:
-    """Not sent again: a reused connection closed after the first response byte (mid status line) or after the
-    peer read the request (a clean EOF: it may be in the engine), a new one closed before any byte, and one the
-    router aborted itself."""
+def test_a_close_after_a_response_byte_or_the_request_read_is_not_undelivered(tmp_path: Any) -> None:
+    """Not undelivered: a connection closed after the first response byte (mid status line) or after the peer read
+    the request (a clean EOF: it may be in the engine), and one the router aborted itself. A new connection reset
+    with the request unread is undelivered too (not ``reused``: the caller tries another worker)."""
     async def scenario(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
         conn.send_request(_REQ, b"")
-        peer.recv(65536)
-        peer.shutdown(socket.SHUT_WR)  # a new connection: never reused
-        with pytest.raises(UpstreamClosed) as got:
+        await asyncio.sleep(0.02)
+        peer.close()  # unread
+        with pytest.raises(UndeliveredRequest, match="reset"):
             await conn.response_head(0.5)
-        assert not isinstance(got.value, StaleConnection) and not conn.reused
+        assert not conn.reused
 
     _run(tmp_path, scenario)
     (tmp_path / "w.sock").unlink()
@@ -233,7 +233,7 @@ def test_a_close_after_a_response_byte_or_on_a_new_connection_is_not_stale(tmp_p
         peer.shutdown(socket.SHUT_WR)
         with pytest.raises(UpstreamClosed) as got:
             await again.response_head(0.5)
-        assert not isinstance(got.value, StaleConnection)
+        assert not isinstance(got.value, UndeliveredRequest)
 
     _run(tmp_path, one_byte)
     (tmp_path / "w.sock").unlink()
@@ -244,7 +244,7 @@ def test_a_close_after_a_response_byte_or_on_a_new_connection_is_not_stale(tmp_p
         again.abort()
         with pytest.raises(UpstreamClosed) as got:
             await again.response_head(0.5)
-        assert not isinstance(got.value, StaleConnection)
+        assert not isinstance(got.value, UndeliveredRequest)
 
     _run(tmp_path, ours)
     (tmp_path / "w.sock").unlink()
@@ -257,6 +257,6 @@ def test_a_close_after_a_response_byte_or_on_a_new_connection_is_not_stale(tmp_p
         peer.close()
         with pytest.raises(UpstreamClosed) as got:
             await again.response_head(0.5)
-        assert not isinstance(got.value, StaleConnection)
+        assert not isinstance(got.value, UndeliveredRequest)
 
     _run(tmp_path, read_then_closed)

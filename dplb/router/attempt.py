@@ -11,10 +11,11 @@ Contract
 - :meth:`Attempt.run` returns the error kind to retry on another worker for, or None when the request is done
   (answered, or the client left). Only an attempt that produced nothing is retried: a connect failure (no request
   byte sent) or the worker's ``503 worker_draining`` refusal (:data:`RETRY`).
-- A request written on a pooled connection that ended before one response byte (:class:`dplb.errors.StaleConnection`:
-  an idle keep-alive close, a dead worker) reached no engine: it is sent again, once, on a new connection to the same
-  worker (counted, and noted on the decision: :meth:`Attempt.resend`); a worker that cannot be connected to then
-  makes the attempt ``UNREACHABLE`` (retried on another). Never after a response byte.
+- A request whose connection ended with it undelivered, before one response byte (:class:`dplb.errors.
+  UndeliveredRequest`: an idle keep-alive close that crossed it, a dying worker) reached no engine: on a pooled
+  connection it is sent again, once, on a new one to the same worker (counted, noted on the decision:
+  :meth:`Attempt.undelivered`); on a new connection, or when the worker refuses one, the attempt is ``UNREACHABLE``
+  (retried on another worker). Never after a response byte.
 - A worker that breaks off mid-response: an SSE stream gets a final ``data: {"error": …}`` event and is left
   without its terminating chunk (the server closes the connection abnormally); other bodies are cut. A client that
   leaves makes the attempt abort the worker connection (the engine aborts the request).
@@ -39,7 +40,7 @@ from dplb.errors import (
     WWW_AUTHENTICATE,
     ConnectFailed,
     RouterErrorKind,
-    StaleConnection,
+    UndeliveredRequest,
     UpstreamClosed,
     UpstreamError,
     UpstreamTimeout,
@@ -271,19 +272,24 @@ class Attempt:
         conn.send_request(head, ex.body)
         return True
 
-    async def resend(self, reason: str) -> bool:
-        """The pooled connection ended before any response byte (``reason``: :data:`dplb.errors.RESEND_REASONS`):
-        counted in ``dplb_upstream_resends_total``, the decision's ``resent`` set, the request sent again on a new
-        connection to the same worker; False when that cannot connect (outcome ``UNREACHABLE``)."""
+    async def undelivered(self, reason: str) -> bool:
+        """The connection ended with the request undelivered (``reason``: :data:`dplb.errors.RESEND_REASONS`). A
+        pooled one: counted in ``dplb_upstream_resends_total``, the decision's ``resent`` set, the request sent again
+        on a new connection to the same worker and its head awaited (:meth:`await_head`'s result). A new one (the
+        worker is going away): outcome ``UNREACHABLE``, False, as when that worker refuses the new connection."""
         ex, up = self.ex, self.up
+        if self.conn is None or not self.conn.reused:
+            log.warning("worker %d: a new connection ended with request %s undelivered (%s); retrying on another "
+                        "worker", self.worker, ex.rid.decode(), reason)
+            self.outcome = Outcome.UNREACHABLE
+            return False
         up.metrics.resends.labels(reason).inc()
         ex.decision.resent = reason
         log.info("worker %d: the pooled connection ended before answering request %s (%s); sending it again on a "
                  "new connection", self.worker, ex.rid.decode(), reason)
-        if self.conn is not None:
-            self.conn.abort()
+        self.conn.abort()
         self.conn = ex.conn = None
-        return await self.open(fresh=True) and await self.send(self.sent or ex.head)
+        return await self.open(fresh=True) and await self.send(self.sent or ex.head) and await self.await_head()
 
     async def await_head(self) -> bool:
         """Wait for the worker's response head and relay it; True when the body follows. A timeout or a close
@@ -305,8 +311,8 @@ class Attempt:
                 self.outcome = Outcome.STALLED
                 await up.reject(ex, RouterErrorKind.WORKER_STALLED, self._stall_message(), worker)
                 return False
-            if isinstance(e, StaleConnection):  # reached no engine: once more on a new connection
-                return await self.resend(e.reason) and await self.await_head()
+            if isinstance(e, UndeliveredRequest):  # reached no engine
+                return await self.undelivered(e.reason)
             log.warning("worker %d closed the connection before answering request %s (%s)", worker,
                         ex.rid.decode(), e)
             await self.no_head(RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} closed the connection before "

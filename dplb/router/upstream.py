@@ -6,10 +6,10 @@ Contract
   the status line and headers; :meth:`UpstreamConn.chunks` yields body bytes exactly as they arrive (no decoding,
   no buffering beyond what the socket delivered). Each wait has its own timeout (first byte, idle between chunks)
   and raises :class:`UpstreamTimeout`; a connection that closes before the message is complete raises
-  :class:`UpstreamClosed`: :class:`StaleConnection` when the connection was ``reused`` from the pool and ended with
-  the request undelivered (ECONNRESET: unread by the worker; EPIPE: closed before our write), before one response
-  byte came back — it reached no engine, the caller may send it again; never for a clean EOF (the worker read it:
-  :data:`dplb.errors.RESEND_REASONS`) nor a close by the router itself (``abort``).
+  :class:`UpstreamClosed`: :class:`UndeliveredRequest` when it ended with the request undelivered (ECONNRESET: unread
+  by the worker; EPIPE: closed before our write) before one response byte came back — it reached no engine, the
+  caller may send it again (``reused``: the connection came from the pool); never for a clean EOF (the worker read
+  it: :data:`dplb.errors.RESEND_REASONS`) nor a close by the router itself (``abort``).
 - A complete response on a keep-alive connection makes it :attr:`UpstreamConn.reusable`;
   :meth:`UpstreamConn.abort` closes it at once (client gone, error, timeout), which
   makes the engine abort the generation.
@@ -40,7 +40,7 @@ from typing import Any, Final
 
 import httptools
 
-from dplb.errors import StaleConnection, UpstreamClosed, UpstreamError, UpstreamTimeout
+from dplb.errors import UndeliveredRequest, UpstreamClosed, UpstreamError, UpstreamTimeout
 from dplb.native import trait
 
 HIGH_WATER: Final = 256 * 1024  # bytes buffered from a worker before we stop reading its socket
@@ -190,12 +190,12 @@ class UpstreamConn(asyncio.Protocol):
 
     def _lost(self, exc: Exception | None, ours: bool) -> UpstreamClosed:
         """What a close (``exc``: connection_lost's) before the end of the response fails with: a
-        :class:`StaleConnection` when it may be sent again (the module docstring), else :class:`UpstreamClosed`."""
-        if self.reused and not self._heard and not ours:
+        :class:`UndeliveredRequest` when it may be sent again (the module docstring), else :class:`UpstreamClosed`."""
+        if not self._heard and not ours:
             if isinstance(exc, ConnectionResetError):
-                return StaleConnection("reset")
+                return UndeliveredRequest("reset")
             if isinstance(exc, BrokenPipeError):
-                return StaleConnection("epipe")
+                return UndeliveredRequest("epipe")
         return UpstreamClosed("the worker closed the connection before the response was complete")
 
     # ---- httptools callbacks ------------------------------------------------------------------------------------
