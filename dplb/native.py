@@ -231,8 +231,8 @@ def build_label() -> str:
 
 
 def describe() -> str:
-    """One line for the router's start-up log and ``dplb launch``'s banner: ``"pure Python"``, ``"compiled (38/38
-    hot modules)"``; a stale build run anyway, or a partial one, says so (``"compiled (38/38 hot modules; STALE:
+    """One line for the router's start-up log and ``dplb launch``'s banner: ``"pure Python"``, ``"compiled (39/39
+    hot modules)"``; a stale build run anyway, or a partial one, says so (``"compiled (39/39 hot modules; STALE:
     dplb/config.py changed since the build, run because DPLB_ACCEPT_STALE_BUILD=1)"``)."""
     b = build()
     if b.pure:
