@@ -286,6 +286,45 @@ class BodyTooLarge(DPLBError):
         self.limit = limit
 
 
+class UpstreamError(Exception):
+    """Base class of the router's transport errors talking to a worker (:mod:`dplb.router.upstream`)."""
+
+
+class ConnectFailed(UpstreamError):
+    """The worker could not be reached; no request byte was sent."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """A per-phase timeout expired (``phase`` = "first_byte" or "idle")."""
+
+    def __init__(self, phase: str, seconds: float) -> None:
+        super().__init__(f"worker sent nothing for {seconds:g} s ({phase})")
+        self.phase = phase
+
+
+class UpstreamClosed(UpstreamError):
+    """The worker closed the connection before the response was complete."""
+
+
+#: How a worker connection ended with the request undelivered (the ``reason`` label of
+#: ``dplb_upstream_resends_total``): ``reset`` (ECONNRESET: the worker closed it with our request unread in its socket,
+#: as an idle keep-alive close that crossed the request does, or a process that died), ``epipe`` (EPIPE: our write
+#: found it closed already). A clean EOF is not one: on a Unix socket a peer that closes with bytes unread resets
+#: (Linux's ``unix_release_sock``), so an EOF after our write means the worker read the request — it may be in
+#: the engine.
+RESEND_REASONS = ("reset", "epipe")
+
+
+class UndeliveredRequest(UpstreamClosed):
+    """The worker connection ended before one response byte came back, with the request undelivered (``reason``:
+    one of :data:`RESEND_REASONS`): it reached no engine and may be sent again (on a connection reused from the
+    pool, what an HTTP client does, Go's net/http and urllib3 alike; Envoy's ``reset`` retry-on)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the connection to the worker ended with the request undelivered ({reason})")
+        self.reason = reason
+
+
 def openai_error_body(message: str, type_: str, code: str | int) -> bytes:
     """The OpenAI error body ``{"error": {"message", "type", "param": null, "code"}}`` as compact UTF-8 JSON
     (msgspec): OpenAI's error object (message, type, param, code; DPLB's errors name no request parameter) and

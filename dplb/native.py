@@ -72,7 +72,8 @@ else:
 HOT_MODULES: tuple[str, ...] = (
     "dplb.runtime.direct", "dplb.runtime.protocol", "dplb.runtime.lane_cycle", "dplb.runtime.edge",
     "dplb.runtime.conn_timer", "dplb.runtime.rejection",
-    "dplb.router.direct", "dplb.router.upstream", "dplb.router.attempt", "dplb.router.exchange",
+    "dplb.router.direct", "dplb.router.upstream", "dplb.router.upstream_pool", "dplb.router.attempt",
+    "dplb.router.exchange",
     "dplb.router.proxy", "dplb.router.state", "dplb.router.resume", "dplb.router.orca", "dplb.router.routes",
     "dplb.router.models", "dplb.router.health", "dplb.router.intake", "dplb.router.http_count",
     "dplb.router.tenancy", "dplb.router.ticket", "dplb.router.limits", "dplb.router.waiting",
@@ -179,7 +180,7 @@ def _extension_files(pkg_dir: str) -> list[str]:
 
 def inspect_build(pkg_dir: str = _PKG_DIR) -> Build:
     """What the package directory ``pkg_dir`` holds (:class:`Build`). Hashes the files the manifest names when
-    there is a compiled build (~10 ms for 43 modules); nothing for pure Python."""
+    there is a compiled build (~10 ms for 44 modules); nothing for pure Python."""
     found = _extension_files(pkg_dir)
     origins = {m: _origin(pkg_dir, m) for m in (*HOT_MODULES, GROUP_LIBRARY)}
     compiled = tuple(m for m in HOT_MODULES if origins[m].endswith(_SUFFIXES))
@@ -232,8 +233,8 @@ def build_label() -> str:
 
 
 def describe() -> str:
-    """One line for the router's start-up log and ``dplb launch``'s banner: ``"pure Python"``, ``"compiled (43/43
-    hot modules)"``; a stale build run anyway, or a partial one, says so (``"compiled (43/43 hot modules; STALE:
+    """One line for the router's start-up log and ``dplb launch``'s banner: ``"pure Python"``, ``"compiled (44/44
+    hot modules)"``; a stale build run anyway, or a partial one, says so (``"compiled (44/44 hot modules; STALE:
     dplb/config.py changed since the build, run because DPLB_ACCEPT_STALE_BUILD=1)"``)."""
     b = build()
     if b.pure:

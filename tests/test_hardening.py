@@ -96,10 +96,10 @@ def test_sigkill_one_of_four_under_load(tmp_path) -> None:  # type: ignore[no-un
             results = load.stop()
         failed = [r for r in results if r.outcome != "ok"]
         assert failed, "no request was in flight on the killed worker: the test did not exercise the fault"
-        for r in failed:  # only the killed worker's in-flight requests, each with a clean error; a request sent
-            # within 50 ms of the death may still have been written on a pooled connection the kernel had not closed
-            # yet (seen: 1 ms after, 502 worker_failed)
-            assert r.worker == 2 and r.t0 < t_dead + 0.05, (r, t_kill, t_dead)
+        for r in failed:  # only the killed worker's in-flight requests, each with a clean error; one sent after the
+            # death and written on a pooled connection the kernel had not closed yet is sent again (it was a 502
+            # worker_failed, seen 1 ms after the death)
+            assert r.worker == 2 and r.t0 < t_dead, (r, t_kill, t_dead)
             assert _clean_failure(r, ("worker_failed",)), r
         assert not [r for r in results if r.outcome == "short"], "a truncated answer passed as complete"
         # No request reached worker 2 after its heartbeat went stale, until the restarted one registered.

@@ -64,7 +64,7 @@ def test_launch_sim_four_workers_restart_and_clean_stop(tmp_path) -> None:  # ty
         assert len(st["workers"]) == 4 and st["header"]["model"] == "dplb-sim"
         banner = (tmp_path / "launch.log").read_text()
         assert "SIM engine" in banner and f"http://127.0.0.1:{port}" in banner and "curl" in banner
-        assert f"  build:   {native.describe()}\n" in banner, banner  # pure Python, or compiled (43/43 …)
+        assert f"  build:   {native.describe()}\n" in banner, banner  # pure Python, or compiled (44/44 …)
         # Traffic spreads over all four.
         seen = Counter()
         for i in range(24):

@@ -31,15 +31,15 @@ SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
 def test_every_hot_module_exists_and_is_reported_as_what_was_imported() -> None:
     compiled = set(native.compiled_modules())
-    assert len(set(native.HOT_MODULES)) == len(native.HOT_MODULES) == 43
+    assert len(set(native.HOT_MODULES)) == len(native.HOT_MODULES) == 44
     for name in native.HOT_MODULES:
         assert (ROOT / (name.replace(".", "/") + ".py")).is_file(), name  # the script builds from this file
         mod = importlib.import_module(name)
         loaded = isinstance(mod.__loader__, importlib.machinery.ExtensionFileLoader)
         assert (name in compiled) == loaded, (name, mod.__spec__)
     label = native.build_label()
-    assert label in (("true", "stale") if len(compiled) == 43 else ("false",)), label
-    assert native.describe().startswith("pure Python" if not compiled else "compiled (43/43 hot modules")
+    assert label in (("true", "stale") if len(compiled) == 44 else ("false",)), label
+    assert native.describe().startswith("pure Python" if not compiled else "compiled (44/44 hot modules")
 
 
 def test_build_info_carries_the_compiled_label(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,10 +207,10 @@ def test_describe_and_doctor_say_which_build_runs(monkeypatch: pytest.MonkeyPatc
     pure = native.Build("/x", (), missing=(*native.HOT_MODULES, native.GROUP_LIBRARY))
     expect = {
         "pure Python": (pure, "pass"),
-        "compiled (43/43 hot modules)": (whole, "pass"),
-        "compiled (43/43 hot modules; STALE: dplb/router/proxy.py changed since the build, run because "
+        "compiled (44/44 hot modules)": (whole, "pass"),
+        "compiled (44/44 hot modules; STALE: dplb/router/proxy.py changed since the build, run because "
         "DPLB_ACCEPT_STALE_BUILD=1)": (stale, "fail"),
-        f"compiled (42/43 hot modules; PARTIAL: {partial.refusal()})": (partial, "fail"),
+        f"compiled (43/44 hot modules; PARTIAL: {partial.refusal()})": (partial, "fail"),
     }
     for line, (b, status) in expect.items():
         monkeypatch.setattr(native, "_BUILD", [b])
@@ -263,7 +263,7 @@ def _check_refusals(tree: Path, env: dict[str, str]) -> None:
     assert 'dplb_build_info{compiled="stale"' in r.stdout, r.stdout
     proxy.write_text(original)
     r = _run([sys.executable, "-P", "-m", "dplb.native", "check"], env, tree)
-    assert r.returncode == 0 and r.stdout.startswith("true: 43/43"), r.stdout + r.stderr
+    assert r.returncode == 0 and r.stdout.startswith("true: 44/44"), r.stdout + r.stderr
 
 
 def _check_failed_rebuild_keeps_the_build(tree: Path, env: dict[str, str]) -> None:

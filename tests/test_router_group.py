@@ -353,7 +353,8 @@ def test_a_worker_connection_lost_before_use_logs_no_asyncio_error(tmp_path) -> 
     import gc
     import socket
 
-    from dplb.router.upstream import UpstreamPool, UpstreamTimeout
+    from dplb.errors import UpstreamTimeout
+    from dplb.router.upstream_pool import UpstreamPool
 
     path = str(tmp_path / "w.sock")
     srv = socket.socket(socket.AF_UNIX)

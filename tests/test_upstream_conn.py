@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from dplb.router.upstream import UpstreamClosed, UpstreamConn, UpstreamPool, UpstreamTimeout
+from dplb.errors import UndeliveredRequest, UpstreamClosed, UpstreamTimeout
+from dplb.router.upstream import UpstreamConn
+from dplb.router.upstream_pool import UpstreamPool
 
 _OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-k: 1\r\n\r\nok"
 _REQ = b"POST / HTTP/1.1\r\nhost: w\r\ncontent-length: 0\r\n\r\n"
@@ -173,3 +175,88 @@ tmp_path: Any) -> None:
             await it.__anext__()
 
     _run(tmp_path, scenario)
+
+
+async def _used_once(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> UpstreamConn:
+    """``conn`` answered once, released, and taken again from the pool (the same connection, ``reused``)."""
+    conn.send_request(_REQ, b"")
+    peer.sendall(_OK)
+    await conn.response_head(0.5)
+    assert b"".join([c async for c in conn.chunks(0.5)]) == b"ok"
+    pool.release(conn)
+    again = pool.take_idle(0)
+    assert again is conn and again.reused
+    return again
+
+
+@pytest.mark.parametrize("how", ["reset", "epipe"])
+def test_a_pooled_connection_that_ends_with_the_request_undelivered(tmp_path: Any, how: str) -> None:
+    """A request on a reused connection that the peer closes with the request unread (reset), or that the peer had
+    closed before the write (epipe): UndeliveredRequest with that reason, the request may go again."""
+    async def scenario(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
+        again = await _used_once(pool, conn, peer)
+        if how == "epipe":
+            peer.close()  # before the write, which the loop has not heard of yet
+            again.send_request(_REQ, b"")
+        else:
+            again.send_request(_REQ, b"")
+            await asyncio.sleep(0.02)
+            peer.close()  # the request unread
+        with pytest.raises(UndeliveredRequest) as got:
+            await again.response_head(0.5)
+        assert got.value.reason == how
+
+    _run(tmp_path, scenario)
+
+
+def test_a_close_after_a_response_byte_or_the_request_read_is_not_undelivered(tmp_path: Any) -> None:
+    """Not undelivered: a connection closed after the first response byte (mid status line) or after the peer read
+    the request (a clean EOF: it may be in the engine), and one the router aborted itself. A new connection reset
+    with the request unread is undelivered too (not ``reused``: the caller tries another worker)."""
+    async def scenario(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
+        conn.send_request(_REQ, b"")
+        await asyncio.sleep(0.02)
+        peer.close()  # unread
+        with pytest.raises(UndeliveredRequest, match="reset"):
+            await conn.response_head(0.5)
+        assert not conn.reused
+
+    _run(tmp_path, scenario)
+    (tmp_path / "w.sock").unlink()
+
+    async def one_byte(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
+        again = await _used_once(pool, conn, peer)
+        again.send_request(_REQ, b"")
+        peer.recv(65536)
+        peer.sendall(b"H")  # one byte of the status line, then the close
+        await asyncio.sleep(0.02)
+        peer.shutdown(socket.SHUT_WR)
+        with pytest.raises(UpstreamClosed) as got:
+            await again.response_head(0.5)
+        assert not isinstance(got.value, UndeliveredRequest)
+
+    _run(tmp_path, one_byte)
+    (tmp_path / "w.sock").unlink()
+
+    async def ours(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
+        again = await _used_once(pool, conn, peer)
+        again.send_request(_REQ, b"")
+        again.abort()
+        with pytest.raises(UpstreamClosed) as got:
+            await again.response_head(0.5)
+        assert not isinstance(got.value, UndeliveredRequest)
+
+    _run(tmp_path, ours)
+    (tmp_path / "w.sock").unlink()
+
+    async def read_then_closed(pool: UpstreamPool, conn: UpstreamConn, peer: socket.socket) -> None:
+        again = await _used_once(pool, conn, peer)
+        again.send_request(_REQ, b"")
+        await asyncio.sleep(0.02)
+        peer.recv(65536)
+        peer.close()
+        with pytest.raises(UpstreamClosed) as got:
+            await again.response_head(0.5)
+        assert not isinstance(got.value, UndeliveredRequest)
+
+    _run(tmp_path, read_then_closed)

@@ -24,7 +24,9 @@ import httptools
 import pytest
 
 from dplb import native
-from dplb.router.upstream import Sink, UpstreamConn, UpstreamError, UpstreamPool
+from dplb.errors import UpstreamError
+from dplb.router.upstream import Sink, UpstreamConn
+from dplb.router.upstream_pool import UpstreamPool
 from dplb.runtime.direct import DirectResponse
 from dplb.runtime.lane_cycle import LaneCycle
 

@@ -54,6 +54,9 @@ ROUTING_DECISION_DURATION = "dplb_routing_decision_duration_seconds"
 STATE_READ_AGE = "dplb_state_read_age_seconds"
 REQUESTS_REJECTED = "dplb_requests_rejected"  # _total
 UPSTREAM_RETRIES = "dplb_upstream_retries"  # _total
+#: _total, by ``reason`` (dplb.errors.RESEND_REASONS): requests sent again on a new connection because the pooled one
+#: they were written on ended with them undelivered (they reached no engine).
+UPSTREAM_RESENDS = "dplb_upstream_resends"
 DIRECT_RELAY = "dplb_direct_relay_requests"  # _total
 #: How a request offered to the direct relay went (the ``path`` label of :data:`DIRECT_RELAY`).
 DIRECT_PATHS = ("direct", "continued", "declined")

@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 
 from dplb import native
+from dplb.errors import RESEND_REASONS
 from dplb.obs.fastmetrics import CounterFamily, HistogramChild, HistogramFamily
 from dplb.obs.metrics import (
     BUILD_INFO,
@@ -44,6 +45,7 @@ from dplb.obs.metrics import (
     STREAM_RESUME_REFUSED,
     STREAMS_RESUMED,
     UPSTREAM_REQUEST_DURATION,
+    UPSTREAM_RESENDS,
     UPSTREAM_RETRIES,
     UPSTREAM_TTFB,
     WORKER_EJECTIONS,
@@ -103,6 +105,12 @@ class RouterMetrics:
             self.direct_relay.labels(p)
         self.retries = Counter(UPSTREAM_RETRIES, "Requests re-sent to another worker after a failure before any "
                                "byte reached the first one.", registry=reg)
+        self.resends = CounterFamily(UPSTREAM_RESENDS, "Requests sent again on a new connection to the same worker "
+                                     "because the pooled connection they were written on ended with them undelivered "
+                                     "(unread: reset; closed before the write: epipe), reaching no engine.", ["reason"],
+                                     registry=reg)
+        for r in RESEND_REASONS:
+            self.resends.labels(r)
         self.resumed = Counter(STREAMS_RESUMED, "Broken SSE streams re-issued to another worker with what the "
                                "client already received as the continuation (--resume-streams).", registry=reg)
         self.resume_refused = Counter(STREAM_RESUME_REFUSED, "Broken SSE streams not resumed, by reason (the "

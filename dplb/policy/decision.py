@@ -128,7 +128,7 @@ class Decision:
     are then made the first time :attr:`candidates` is read, with the same values."""
 
     __slots__ = ("_cands", "_notes", "_rows", "_scores", "baseline_s", "columns", "ctx", "noters", "policy",
-                 "preferred", "reason", "scorers", "term_names", "weights", "worker")
+                 "preferred", "reason", "resent", "scorers", "term_names", "weights", "worker")
 
     def __init__(
         self, policy: str, worker: int | None, reason: str, candidates: list[Candidate] | None,
@@ -152,6 +152,9 @@ class Decision:
         self.columns = columns or []
         self.noters = noters
         self._notes: Any = _UNASKED
+        #: Set by the router when the request was sent again to ``worker`` on a new connection (the pooled one ended
+        #: before any response byte): how that one ended (:data:`dplb.errors.RESEND_REASONS`); None otherwise.
+        self.resent: str | None = None
 
     @property
     def candidates(self) -> list[Candidate]:
@@ -229,7 +232,7 @@ class Decision:
         """JSON-friendly view (``/debug/decisions``)."""
         return {
             "policy": self.policy, "worker": self.worker, "reason": self.reason, "preferred": self.preferred,
-            "prefix_outcome": self.prefix_outcome(), "baseline_s": self.baseline_s,
+            "prefix_outcome": self.prefix_outcome(), "baseline_s": self.baseline_s, "resent": self.resent,
             "weights": dict(zip(self.term_names, self.weights, strict=False)),
             "candidates": [self.candidate_dict(c) for c in self.candidates],
         }
@@ -260,6 +263,7 @@ def routed(policy: str, worker: int, reason: str, rows: list[tuple[WorkerState, 
     d.columns = columns
     d.noters = noters
     d._notes = _UNASKED
+    d.resent = None
     return d
 
 

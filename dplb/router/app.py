@@ -74,7 +74,7 @@ from dplb.router.proxy import Exchange, Proxy
 from dplb.router.routes import NOT_ROUTED, is_proxy_path
 from dplb.router.siblings import SingleProcess
 from dplb.router.state import RouterState
-from dplb.router.upstream import UpstreamPool
+from dplb.router.upstream_pool import UpstreamPool
 from dplb.runtime.asgi import Message, send_json
 from dplb.runtime.sd_notify import Watchdog, notify
 from dplb.runtime.serving import bind_tcp, bind_uds, make_server, raise_fd_limit

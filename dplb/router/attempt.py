@@ -11,6 +11,11 @@ Contract
 - :meth:`Attempt.run` returns the error kind to retry on another worker for, or None when the request is done
   (answered, or the client left). Only an attempt that produced nothing is retried: a connect failure (no request
   byte sent) or the worker's ``503 worker_draining`` refusal (:data:`RETRY`).
+- A request whose connection ended with it undelivered, before one response byte (:class:`dplb.errors.
+  UndeliveredRequest`: an idle keep-alive close that crossed it, a dying worker) reached no engine: on a pooled
+  connection it is sent again, once, on a new one to the same worker (counted, noted on the decision:
+  :meth:`Attempt.undelivered`); on a new connection, or when the worker refuses one, the attempt is ``UNREACHABLE``
+  (retried on another worker). Never after a response byte.
 - A worker that breaks off mid-response: an SSE stream gets a final ``data: {"error": …}`` event and is left
   without its terminating chunk (the server closes the connection abnormally); other bodies are cut. A client that
   leaves makes the attempt abort the worker connection (the engine aborts the request).
@@ -31,22 +36,26 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, Final
 
 from dplb.config import RouterConfig
-from dplb.errors import WWW_AUTHENTICATE, RouterErrorKind, error_body, stream_failure, worker_stalled_message
+from dplb.errors import (
+    WWW_AUTHENTICATE,
+    ConnectFailed,
+    RouterErrorKind,
+    UndeliveredRequest,
+    UpstreamClosed,
+    UpstreamError,
+    UpstreamTimeout,
+    error_body,
+    stream_failure,
+    worker_stalled_message,
+)
 from dplb.obs.fastmetrics import HistogramChild
 from dplb.obs.tracing import NO_TRACE
-from dplb.router.exchange import Exchange, response_headers, response_lines
+from dplb.router.exchange import Exchange, response_headers
 from dplb.router.health import UNREACHABLE_S, Outcome
 from dplb.router.routes import ResponseIds, response_id
 from dplb.router.state import RouterState
-from dplb.router.upstream import (
-    ConnectFailed,
-    UpstreamClosed,
-    UpstreamConn,
-    UpstreamError,
-    UpstreamPool,
-    UpstreamTimeout,
-)
-from dplb.runtime.direct import header_lines
+from dplb.router.upstream import UpstreamConn
+from dplb.router.upstream_pool import UpstreamPool
 
 log = logging.getLogger("dplb.router.proxy")
 # Read per request: module constants (compiled, a C static instead of a module-dict and an attribute lookup; an enum
@@ -139,9 +148,9 @@ class Upstreams:
 class Attempt:
     """One attempt of ``ex`` on ``worker``: ``conn`` (None until open), ``status`` (the worker's, 0 until its head
     came), ``outcome`` (how it ended so far), ``t0`` (``perf_counter`` seconds when connected), ``t_first`` (at the
-    first body byte, or None)."""
+    first body byte, or None), ``sent`` (the request head written, b"": ``ex.head``, as the direct relay writes it)."""
 
-    __slots__ = ("conn", "ex", "is_sse", "outcome", "stalled", "status", "t0", "t_first", "up", "worker")
+    __slots__ = ("conn", "ex", "is_sse", "outcome", "sent", "stalled", "status", "t0", "t_first", "up", "worker")
 
     def __init__(self, up: Upstreams, ex: Exchange, worker: int) -> None:
         self.up = up
@@ -154,6 +163,7 @@ class Attempt:
         self.t_first: float | None = None
         self.is_sse = False
         self.stalled = False  # cut by the router: the worker's engine stalled (cut_stalled)
+        self.sent = b""
 
     def cut_stalled(self) -> bool:
         """Fail this attempt now because its worker stalled (:mod:`dplb.policy.stall`): the worker connection is
@@ -231,10 +241,12 @@ class Attempt:
         head = ex.trace.attempt(ex.head, self.worker, route.op, ex.peek.model)
         return await self.open() and await self.send(head)
 
-    async def open(self) -> bool:
-        """Connect to the worker (pooled or new); False when it cannot be reached (outcome ``UNREACHABLE``)."""
+    async def open(self, fresh: bool = False) -> bool:
+        """Connect to the worker (pooled or new; ``fresh``: new); False when it cannot be reached (outcome
+        ``UNREACHABLE``)."""
+        pool = self.up.pool
         try:
-            self.conn = await self.up.pool.open(self.worker)
+            self.conn = await (pool.connect(self.worker) if fresh else pool.open(self.worker))
         except ConnectFailed as e:
             log.warning("worker %d unreachable before sending (%s); skipping it for %.0f s and retrying on another "
                         "worker", self.worker, e, UNREACHABLE_S)
@@ -256,8 +268,28 @@ class Attempt:
             self.outcome = Outcome.STALLED
             await self.up.reject(ex, RouterErrorKind.WORKER_STALLED, self._stall_message(), self.worker)
             return False
+        self.sent = head
         conn.send_request(head, ex.body)
         return True
+
+    async def undelivered(self, reason: str) -> bool:
+        """The connection ended with the request undelivered (``reason``: :data:`dplb.errors.RESEND_REASONS`). A
+        pooled one: counted in ``dplb_upstream_resends_total``, the decision's ``resent`` set, the request sent again
+        on a new connection to the same worker and its head awaited (:meth:`await_head`'s result). A new one (the
+        worker is going away): outcome ``UNREACHABLE``, False, as when that worker refuses the new connection."""
+        ex, up = self.ex, self.up
+        if self.conn is None or not self.conn.reused:
+            log.warning("worker %d: a new connection ended with request %s undelivered (%s); retrying on another "
+                        "worker", self.worker, ex.rid.decode(), reason)
+            self.outcome = Outcome.UNREACHABLE
+            return False
+        up.metrics.resends.labels(reason).inc()
+        ex.decision.resent = reason
+        log.info("worker %d: the pooled connection ended before answering request %s (%s); sending it again on a "
+                 "new connection", self.worker, ex.rid.decode(), reason)
+        self.conn.abort()
+        self.conn = ex.conn = None
+        return await self.open(fresh=True) and await self.send(self.sent or ex.head) and await self.await_head()
 
     async def await_head(self) -> bool:
         """Wait for the worker's response head and relay it; True when the body follows. A timeout or a close
@@ -279,6 +311,8 @@ class Attempt:
                 self.outcome = Outcome.STALLED
                 await up.reject(ex, RouterErrorKind.WORKER_STALLED, self._stall_message(), worker)
                 return False
+            if isinstance(e, UndeliveredRequest):  # reached no engine
+                return await self.undelivered(e.reason)
             log.warning("worker %d closed the connection before answering request %s (%s)", worker,
                         ex.rid.decode(), e)
             await self.no_head(RouterErrorKind.UPSTREAM_FAILED, f"worker {worker} closed the connection before "
@@ -300,32 +334,6 @@ class Attempt:
             self.outcome = _DRAINING
             return None
         return out
-
-    def accept_lines(self, status: int, up_headers: list[tuple[bytes, bytes]]) -> tuple[bytes, bool] | None:
-        """:meth:`accept_head` for a head written as bytes (the direct relay's
-        :meth:`dplb.runtime.direct.DirectResponse.start_lines`): the header lines for the client and whether they
-        carry a Content-Length; None for a ``503 worker_draining`` refusal. The response-head hook gets a list of
-        its own to append to (its headers go after the others, as on the ASGI path)."""
-        up, worker, ex = self.up, self.worker, self.ex
-        up.ttfb[worker].observe(_perf_counter() - self.t0)
-        got = response_lines(up_headers, up.worker_ids[worker], ex.rid)
-        if got is None:  # a Connection header: the general filter
-            out, self.is_sse, draining = response_headers(up_headers, up.worker_ids[worker], ex.rid)
-            lines = header_lines(out)
-            sized = any(n == b"content-length" for n, _ in out)
-        else:
-            lines, sized, self.is_sse, draining = got
-        hook = up.on_response_head
-        if hook is not None:
-            extra: list[tuple[bytes, bytes]] = []
-            hook(ex.scope, extra)
-            if extra:
-                lines += header_lines(extra)
-                sized = sized or any(n == b"content-length" for n, _ in extra)
-        if status == 503 and draining:
-            self.outcome = _DRAINING
-            return None
-        return lines, sized
 
     async def start_response(self, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
         """Relay the worker's response head (``status``, ``headers`` for the client) to the client; True: the body

@@ -49,16 +49,17 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
+from dplb.errors import UpstreamError, UpstreamTimeout
 from dplb.obs.fastmetrics import CounterChild
 from dplb.obs.metrics import DIRECT_PATHS
 from dplb.router.attempt import Attempt, Upstreams
-from dplb.router.exchange import Exchange
+from dplb.router.exchange import Exchange, response_headers, response_lines
 from dplb.router.health import Outcome
 from dplb.router.intake import Rejected, check_head
 from dplb.router.proxy import Proxy, scan_headers
 from dplb.router.routes import match
 from dplb.router.tenancy import Gate
-from dplb.router.upstream import Sink, UpstreamConn, UpstreamError, UpstreamTimeout
+from dplb.router.upstream import Sink, UpstreamConn
 from dplb.runtime.direct import DirectResponse, header_lines
 from dplb.runtime.edge import DISCONNECT_EXT, DisconnectHook
 from dplb.runtime.lane_cycle import LaneCycle
@@ -69,6 +70,7 @@ _RESPONSES: Final = "/v1/responses"
 _perf_counter: Final = time.perf_counter
 _BROKEN: Final = Outcome.BROKEN
 _CLIENT_LEFT_EARLY: Final = Outcome.CLIENT_LEFT_EARLY
+_DRAINING: Final = Outcome.DRAINING
 
 #: ``(ex, work)`` → a coroutine that runs ``work`` as the ASGI path runs a proxied request (its error handling and
 #: HTTP metrics: :meth:`dplb.router.app.RouterApp.serve_proxy`).
@@ -243,6 +245,32 @@ class DirectAttempt(Attempt, Sink):
         the timeout, close or stall, or retries a draining refusal elsewhere."""
         self.out.cycle.direct = None
         self.lane._continue(self.ex, self.start, self.lane.proxy.place(self.ex, self.worker, self))
+
+    def accept_lines(self, status: int, up_headers: list[tuple[bytes, bytes]]) -> tuple[bytes, bool] | None:
+        """:meth:`Attempt.accept_head` for a head written as bytes (the direct relay's
+        :meth:`dplb.runtime.direct.DirectResponse.start_lines`): the header lines for the client and whether they
+        carry a Content-Length; None for a ``503 worker_draining`` refusal. The response-head hook gets a list of
+        its own to append to (its headers go after the others, as on the ASGI path)."""
+        up, worker, ex = self.up, self.worker, self.ex
+        up.ttfb[worker].observe(_perf_counter() - self.t0)
+        got = response_lines(up_headers, up.worker_ids[worker], ex.rid)
+        if got is None:  # a Connection header: the general filter
+            out, self.is_sse, draining = response_headers(up_headers, up.worker_ids[worker], ex.rid)
+            lines = header_lines(out)
+            sized = any(n == b"content-length" for n, _ in out)
+        else:
+            lines, sized, self.is_sse, draining = got
+        hook = up.on_response_head
+        if hook is not None:
+            extra: list[tuple[bytes, bytes]] = []
+            hook(ex.scope, extra)
+            if extra:
+                lines += header_lines(extra)
+                sized = sized or any(n == b"content-length" for n, _ in extra)
+        if status == 503 and draining:
+            self.outcome = _DRAINING
+            return None
+        return lines, sized
 
     # ---- Sink (each call guarded: a router bug ends the request as on the ASGI path, see crash) ---------------------
     def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:

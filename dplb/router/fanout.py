@@ -23,8 +23,9 @@ from typing import Any
 import msgspec
 
 from dplb.config import split_list
+from dplb.errors import UpstreamError
 from dplb.router.models import ServedModels
-from dplb.router.upstream import UpstreamError, UpstreamPool, fetch
+from dplb.router.upstream_pool import UpstreamPool, fetch
 
 TIMEOUT_S = 120.0  # loading an adapter reads its weights from disk
 

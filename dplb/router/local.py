@@ -40,7 +40,7 @@ from dplb.router.privileges import decision_view, lora_refusal, operator_refusal
 from dplb.router.proxy import Proxy
 from dplb.router.siblings import SCOPE_PROCESS, fetch_siblings, merge_decisions, merge_metrics
 from dplb.router.state import RouterState
-from dplb.router.upstream import UpstreamPool
+from dplb.router.upstream_pool import UpstreamPool
 from dplb.tenants import Tenant
 
 log = logging.getLogger("dplb.router")

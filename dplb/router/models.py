@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from dplb.router.upstream import UpstreamError, UpstreamPool, fetch
+from dplb.errors import UpstreamError
+from dplb.router.upstream_pool import UpstreamPool, fetch
 
 log = logging.getLogger("dplb.router.models")
 MAX_NAMES_PER_WORKER = 256

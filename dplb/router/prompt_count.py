@@ -28,7 +28,8 @@ from typing import Any
 
 import msgspec
 
-from dplb.router.upstream import UpstreamError, UpstreamPool, fetch
+from dplb.errors import UpstreamError
+from dplb.router.upstream_pool import UpstreamPool, fetch
 
 log = logging.getLogger("dplb.router.resume")
 TIMEOUT_S = 5.0  # per phase (connect, head, body) of the /tokenize call: tokenizing never waits for the engine

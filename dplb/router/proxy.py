@@ -17,7 +17,9 @@ Contract
 - Router-made errors are OpenAI-shaped JSON with a bounded code (:class:`dplb.errors.RouterErrorKind`) and keep
   their real status (never wrapped in a 200 stream); 503s carry ``Retry-After``.
 - Retry: once, on the next-best worker, only when nothing was generated: connect failure (no request byte sent),
-  or the worker's explicit ``503 worker_draining`` refusal. Never after the response started.
+  the worker's explicit ``503 worker_draining`` refusal, or a request its connection ended with undelivered
+  (reset, EPIPE) — sent again first on a new connection to the same worker when the connection was a pooled one
+  (:mod:`dplb.router.attempt`). Never after the response started.
   With ``--resume-streams`` a broken chat/completions stream is resumed instead (docs/DESIGN.md §14).
 - A worker that dies, closes or goes idle mid-response: SSE streams get a final ``data: {"error": …}`` event, then
   the connection is closed without the terminating chunk (an abnormal close, never a clean ``[DONE]``); other
@@ -64,7 +66,7 @@ from dplb.router.peek import Peek
 from dplb.router.routes import PROXY_PATHS, ResponseIds, allowed_methods, match
 from dplb.router.state import RouterState
 from dplb.router.tenancy import Gate
-from dplb.router.upstream import UpstreamPool
+from dplb.router.upstream_pool import UpstreamPool
 from dplb.runtime.serving import DISCONNECT_EXT
 from dplb.state.response_rings import ResponseRing
 from dplb.tenants import DEFAULT_TENANT

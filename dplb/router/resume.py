@@ -44,14 +44,13 @@ from typing import Any
 
 import msgspec
 
-from dplb.errors import RouterErrorKind, error_body, event_failure
+from dplb.errors import RouterErrorKind, UpstreamError, UpstreamTimeout, error_body, event_failure
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import Exchange
 from dplb.router.health import Outcome
 from dplb.router.peek import ResumeFields as _Fields
 from dplb.router.peek import resume_fields as _fields
 from dplb.router.prompt_count import original_prompt_tokens
-from dplb.router.upstream import UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("dplb.router.resume")
 MAX_RESUMES = 3  # per stream: a worker that breaks every stream it is given cannot hold one forever

@@ -1,16 +1,17 @@
-"""HTTP/1.1 client to the workers over Unix domain sockets, with a keep-alive pool per worker (the transport).
+"""HTTP/1.1 client to the workers over Unix domain sockets: one keep-alive connection (the transport; its pool is
+:mod:`dplb.router.upstream_pool`, its errors are :mod:`dplb.errors`' ``Upstream*``).
 
 Contract
-- :meth:`UpstreamPool.open` returns a connected :class:`UpstreamConn` (pooled or new). Connecting raises
-  :class:`ConnectFailed` (socket missing, refused, connect timeout): nothing was sent, so the caller may retry on
-  another worker.
 - :meth:`UpstreamConn.send_request` writes the whole request at once; :meth:`UpstreamConn.response_head` waits for
   the status line and headers; :meth:`UpstreamConn.chunks` yields body bytes exactly as they arrive (no decoding,
   no buffering beyond what the socket delivered). Each wait has its own timeout (first byte, idle between chunks)
   and raises :class:`UpstreamTimeout`; a connection that closes before the message is complete raises
-  :class:`UpstreamClosed`.
-- A connection goes back to the pool only after a complete response on a keep-alive connection
-  (:meth:`UpstreamPool.release`); :meth:`UpstreamConn.abort` closes it at once (client gone, error, timeout), which
+  :class:`UpstreamClosed`: :class:`UndeliveredRequest` when it ended with the request undelivered (ECONNRESET: unread
+  by the worker; EPIPE: closed before our write) before one response byte came back — it reached no engine, the
+  caller may send it again (``reused``: the connection came from the pool); never for a clean EOF (the worker read
+  it: :data:`dplb.errors.RESEND_REASONS`) nor a close by the router itself (``abort``).
+- A complete response on a keep-alive connection makes it :attr:`UpstreamConn.reusable`;
+  :meth:`UpstreamConn.abort` closes it at once (client gone, error, timeout), which
   makes the engine abort the generation.
 - Flow control: when the client reads slower than the worker writes, reading from the worker pauses
   (``pause_reading``) above :data:`HIGH_WATER` buffered bytes, so memory stays bounded.
@@ -39,34 +40,13 @@ from typing import Any, Final
 
 import httptools
 
+from dplb.errors import UndeliveredRequest, UpstreamClosed, UpstreamError, UpstreamTimeout
 from dplb.native import trait
 
 HIGH_WATER: Final = 256 * 1024  # bytes buffered from a worker before we stop reading its socket
 LOW_WATER: Final = 64 * 1024
-POOL_IDLE_S: Final = 20.0  # pooled connections idle longer are closed (workers keep idle connections 75 s)
-POOL_MAX_PER_WORKER: Final = 256
 # (Final: compiled, a C constant or static instead of a module-dict lookup and an attribute lookup per use.)
 _monotonic: Final = time.monotonic
-
-
-class UpstreamError(Exception):
-    """Base class of transport errors talking to a worker."""
-
-
-class ConnectFailed(UpstreamError):
-    """The worker could not be reached; no request byte was sent."""
-
-
-class UpstreamTimeout(UpstreamError):
-    """A per-phase timeout expired (``phase`` = "first_byte" or "idle")."""
-
-    def __init__(self, phase: str, seconds: float) -> None:
-        super().__init__(f"worker sent nothing for {seconds:g} s ({phase})")
-        self.phase = phase
-
-
-class UpstreamClosed(UpstreamError):
-    """The worker closed the connection before the response was complete."""
 
 
 @trait
@@ -104,15 +84,16 @@ class Sink:
 
 
 class UpstreamConn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection to a worker; one request at a time."""
+    """One keep-alive HTTP/1.1 connection to a worker; one request at a time. ``reused``: it came from the pool
+    (:meth:`dplb.router.upstream_pool.UpstreamPool.take_idle`)."""
 
     # (Slots: pure Python, attribute reads and writes per read stay the interpreter's cheapest kind whatever their
     # number; an instance dict stops sharing its keys past 30. Compiled, the class's own attributes are typed
     # slots anyway.)
     __slots__ = ("_bodies", "_buffered", "_chunks", "_complete", "_deadline", "_drained", "_error", "_feed",
-                 "_got_head", "_head", "_head_error", "_idle_s", "_parser", "_paused", "_sink_at", "_sink_timer",
-                 "_tick_at", "_tick_s", "_timer", "_wakeup", "clock", "closed", "headers", "keep_alive",
-                 "last_used", "loop", "sink", "status", "transport", "worker")
+                 "_got_head", "_head", "_head_error", "_heard", "_idle_s", "_parser", "_paused", "_sink_at",
+                 "_sink_timer", "_tick_at", "_tick_s", "_timer", "_wakeup", "clock", "closed", "headers",
+                 "keep_alive", "last_used", "loop", "reused", "sink", "status", "transport", "worker")
 
     def __init__(self, worker: int) -> None:
         self.worker = worker
@@ -122,6 +103,7 @@ class UpstreamConn(asyncio.Protocol):
         self._sink_timer: asyncio.TimerHandle | None = None  # see wake_by
         self._sink_at = 0.0
         self.last_used = _monotonic()
+        self.reused = False  # taken from the pool (dplb.router.upstream_pool) at least once
         # The body chunks of the read being parsed: the parser's on_body is this list's C append (no Python call
         # per chunk); data_received hands them on and empties it before it returns. (httptools takes its callbacks
         # from the object it is given, once, at construction: a namespace of the connection's methods and the
@@ -161,6 +143,7 @@ class UpstreamConn(asyncio.Protocol):
         self._drained = False  # chunks were handed out since the body deadlines last moved
         self._complete = False
         self._paused = False
+        self._heard = False  # a byte of the response came
         self.keep_alive = False
 
     # ---- asyncio.Protocol -------------------------------------------------------------------------------------
@@ -171,6 +154,7 @@ class UpstreamConn(asyncio.Protocol):
         """Parse one read, then hand the body chunks it carried on: to the sink in one call, or to the awaitable
         API (the end of the message hands on the chunks before it itself: :meth:`on_message_complete`). A
         malformed response fails the connection after the chunks that came before the fault are handed on."""
+        self._heard = True
         try:
             self._feed(data)
         except httptools.HttpParserUpgrade:  # pragma: no cover - workers never upgrade
@@ -198,10 +182,21 @@ class UpstreamConn(asyncio.Protocol):
                 self._hand_on(False)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        ours = self.closed  # the router closed it (abort, a failure): not the worker
         self.closed = True
         self._stop_sink_timer()
         if not self._complete:
-            self._fail(UpstreamClosed("the worker closed the connection before the response was complete"))
+            self._fail(self._lost(exc, ours))
+
+    def _lost(self, exc: Exception | None, ours: bool) -> UpstreamClosed:
+        """What a close (``exc``: connection_lost's) before the end of the response fails with: a
+        :class:`UndeliveredRequest` when it may be sent again (the module docstring), else :class:`UpstreamClosed`."""
+        if not self._heard and not ours:
+            if isinstance(exc, ConnectionResetError):
+                return UndeliveredRequest("reset")
+            if isinstance(exc, BrokenPipeError):
+                return UndeliveredRequest("epipe")
+        return UpstreamClosed("the worker closed the connection before the response was complete")
 
     # ---- httptools callbacks ------------------------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -462,84 +457,3 @@ def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
     nobody awaits any more (its client went away first) does not log "Future exception was never retrieved"."""
     fut.set_exception(exc)
     fut.exception()
-
-
-class UpstreamPool:
-    """Keep-alive connections per worker socket. ``socket_path(k)`` gives worker k's socket."""
-
-    def __init__(self, socket_paths: list[str], connect_timeout_s: float = 5.0) -> None:
-        self.socket_paths = socket_paths
-        self.connect_timeout_s = connect_timeout_s
-        self._idle: list[collections.deque[UpstreamConn]] = [collections.deque() for _ in socket_paths]
-
-    async def open(self, worker: int) -> UpstreamConn:
-        """A pooled live connection to ``worker`` or a new one. Raises :class:`ConnectFailed`."""
-        c = self.take_idle(worker)
-        if c is not None:
-            return c
-        loop = asyncio.get_running_loop()
-        try:
-            _, proto = await asyncio.wait_for(
-                loop.create_unix_connection(lambda: UpstreamConn(worker), self.socket_paths[worker]),
-                self.connect_timeout_s,
-            )
-        except (OSError, TimeoutError) as e:
-            raise ConnectFailed(f"cannot connect to worker {worker} at {self.socket_paths[worker]}: {e}") from e
-        return proto
-
-    def take_idle(self, worker: int) -> UpstreamConn | None:
-        """A pooled live connection to ``worker``, or None when none is idle (no connect: the caller that cannot
-        wait for one uses :meth:`open`)."""
-        idle = self._idle[worker]
-        now = _monotonic()
-        while idle:
-            c = idle.pop()
-            if not c.closed and c.transport is not None and not c.transport.is_closing() \
-                    and now - c.last_used < POOL_IDLE_S:
-                return c
-            c.abort()
-        return None
-
-    def release(self, conn: UpstreamConn) -> None:
-        """Return ``conn`` to the pool if it can carry another request, else close it."""
-        idle = self._idle[conn.worker]
-        if conn.reusable and len(idle) < POOL_MAX_PER_WORKER:
-            conn.last_used = _monotonic()
-            idle.append(conn)
-        else:
-            conn.abort()
-
-    def drop(self, worker: int) -> None:
-        """Close every idle connection to ``worker`` (it restarted or went away)."""
-        idle = self._idle[worker]
-        while idle:
-            idle.pop().abort()
-
-    def close(self) -> None:
-        """Close every idle connection."""
-        for k in range(len(self._idle)):
-            self.drop(k)
-
-
-async def fetch(pool: UpstreamPool, worker: int, path: str, timeout_s: float, body: bytes | None = None,
-                content_type: bytes = b"application/json") -> tuple[int, bytes]:
-    """A small ``GET path`` (or ``POST`` of ``body``) to ``worker`` (``/v1/models``, the LoRA fan-out): (status,
-    body); ``timeout_s`` per phase. Raises :class:`UpstreamError`."""
-    conn = await pool.open(worker)
-    ok = False
-    try:
-        if body is None:
-            head = f"GET {path} HTTP/1.1\r\nhost: dplb-worker\r\n\r\n".encode()
-        else:
-            head = (f"POST {path} HTTP/1.1\r\nhost: dplb-worker\r\ncontent-length: {len(body)}\r\n".encode()
-                    + b"content-type: " + content_type + b"\r\n\r\n")
-        conn.send_request(head, body or b"")
-        status, _ = await conn.response_head(timeout_s)
-        body = b"".join([c async for c in conn.chunks(timeout_s)])
-        ok = True
-        return status, body
-    finally:
-        if ok:
-            pool.release(conn)
-        else:
-            conn.abort()

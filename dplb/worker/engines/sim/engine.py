@@ -58,7 +58,7 @@ from dplb.runtime.asgi import send_json, until_disconnect
 from dplb.worker.engines.base import REQUEST_EXT, ASGIApp, EngineRequest, EngineStats, Receive, Scope, Send
 from dplb.worker.engines.sim import logprobs, text
 from dplb.worker.engines.sim.api import SimApi
-from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, read_body
+from dplb.worker.engines.sim.http import DEBUG_HEADER, HTTPError, ShortKeepAlive, read_body
 from dplb.worker.engines.sim.prompts import block_hashes, prompt_hash
 from dplb.worker.engines.sim.request import ParsedRequest, parse_request
 from dplb.worker.engines.sim.scheduler import SimConfig, SimRequest, SimScheduler
@@ -114,6 +114,7 @@ class SimEngine:
         self._created = int(time.time())
         self.api = SimApi(self)
         self._kv_endpoint = ""
+        self.keepalive = ShortKeepAlive(self.config.close_after_response_s)  # (a fault: off unless asked for)
 
     # ---- Engine protocol ----
     def enable_kv_events(self, endpoint: str) -> bool:
@@ -224,6 +225,7 @@ class SimEngine:
                 await send_json(send, 405, b'{"detail":"Method Not Allowed"}')
             else:
                 await self._model(scope, receive, send, path == _CHAT)
+                self.keepalive.after(scope)
             return
         if path == "/reset_prefix_cache" and method == "POST":  # vLLM's dev-mode endpoint
             self.scheduler.prefix_cache.clear()

@@ -1,18 +1,22 @@
 """The sim engine's HTTP plumbing, shared by its core endpoints (:mod:`dplb.worker.engines.sim.engine`) and the extra
 ones (:mod:`dplb.worker.engines.sim.api`): its error type (vLLM's error shape, built by
 :func:`dplb.errors.openai_error_body`), its bounded body reader (:func:`dplb.runtime.asgi.receive_body`), its
-JSON-object decoder and the body's ``model`` check; responses go out through :func:`dplb.runtime.asgi.send_json`.
+JSON-object decoder and the body's ``model`` check; responses go out through :func:`dplb.runtime.asgi.send_json`;
+and the ``close_after_response_s`` fault (:class:`ShortKeepAlive`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+import asyncio
+import os
+from collections.abc import Container, MutableMapping
 from typing import Any
 
 import msgspec
 
 from dplb.errors import BodyTooLarge, openai_error_body
 from dplb.runtime.asgi import Receive, receive_body
+from dplb.runtime.edge import DISCONNECT_EXT
 
 MAX_BODY_BYTES = 64 << 20  # request bodies above this get 413
 DEBUG_HEADER = b"x-sim-debug"  # request header: "body-sha256" asks for x-sim-body-sha256 in the response
@@ -69,3 +73,28 @@ async def read_body(receive: Receive) -> bytes | None:
 
 
 __all__ = ["DEBUG_HEADER", "MAX_BODY_BYTES", "HTTPError", "check_model", "decode_object", "read_body"]
+
+
+
+class ShortKeepAlive:
+    """The ``close_after_response_s`` fault (:class:`dplb.worker.engines.sim.scheduler.SimConfig`): the connection
+    of each model request another process (``SO_PEERCRED``: not the worker's own warm-up or probe) sent stops being
+    read once its response is complete and is closed ``seconds`` later, reached through the request's disconnect
+    hook (:class:`dplb.runtime.edge.DisconnectHook`); a request that arrived meanwhile is left unread, so the close
+    resets it (ECONNRESET at the client). ``closed``: connections so closed. 0: off."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.closed = 0
+
+    def after(self, scope: MutableMapping[str, Any]) -> None:
+        """The response to the request of ``scope`` is complete: its connection stops being read, then closes."""
+        if not self.seconds:
+            return
+        hook: Any = (scope.get("extensions") or {}).get(DISCONNECT_EXT)
+        transport = getattr(getattr(hook, "conn", None), "transport", None)
+        if transport is None or transport.is_closing() or hook.peer_pid in (0, os.getpid()):
+            return
+        transport.pause_reading()
+        asyncio.get_running_loop().call_later(self.seconds, transport.close)
+        self.closed += 1

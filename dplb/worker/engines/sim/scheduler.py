@@ -112,6 +112,9 @@ class SimConfig:
       until its ``max_tokens``; an abort from the worker's reconciler still works.
     - ``ignore_aborts``: no abort works, neither a disconnect's nor the reconciler's: an orphan keeps running until
       its ``max_tokens`` (drills DPLBInflightMismatch). Shutdown still aborts everything.
+    - ``close_after_response_s``: the connection of each model request from another process stops being read once
+      its response is complete and is closed this many seconds later, a request that came meanwhile unread (reset):
+      a server whose short keep-alive timeout fires as the next request arrives (DPLB's worker server only).
 
     KV events (published when the worker asks, :meth:`SimEngine.enable_kv_events`)
     - ``kv_events_map``: each event a map ``{"type": …}`` (vLLM ≥ 0.24); False: a positional array led by its tag
@@ -145,6 +148,7 @@ class SimConfig:
     chunk_delay_s: float = 0.0
     lose_aborts: bool = False
     ignore_aborts: bool = False
+    close_after_response_s: float = 0.0
     kv_events_map: bool = True
 
     def __post_init__(self) -> None:
@@ -170,7 +174,7 @@ class SimConfig:
         for name in ("prefix_cache_blocks", "crash_after", "hang_after", "stall_after", "stall_for_s",
                      "engine_death_after", "oom_after",
                      "max_inflight_503", "prefill_s_per_token", "decode_step_s_per_seq", "warmup_delay_s",
-                     "chunk_delay_s", "first_request_delay_s"):
+                     "chunk_delay_s", "first_request_delay_s", "close_after_response_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"sim engine: {name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
         for name in ("speed", "decode_step_s"):
