@@ -51,10 +51,12 @@ class Group:
             assert other_slots is not None
             self.h[p], self.peers[p] = h, [other_slots.index]
 
-    def attempt(self, p: str, outcome: Outcome) -> None:
-        """Process ``p`` picks (reading its peer's table) and reports ``outcome`` on worker 0."""
+    def attempt(self, p: str, outcome: Outcome, pick: bool = True) -> None:
+        """Process ``p`` picks (reading its peer's table; not with ``pick`` False: a request picked before the
+        previous steps) and reports ``outcome`` on worker 0."""
         self.clock.t += STEP_S
-        self.h[p].sync(self.peers[p])
+        if pick:
+            self.h[p].sync(self.peers[p])
         self.h[p].report(0, outcome)
 
     def ejected(self, p: str) -> bool:
@@ -77,7 +79,7 @@ def group(shm_path: str):  # type: ignore[no-untyped-def]
 
 
 # (case, steps, ejected in a, ejected in b, ejections counted by a, by b). Steps: "aF" process a's attempt failed
-# (also "OK", "U" refused), "+S" the clock moves S seconds, "pid" worker 0 restarted, "b-alone" b's peer died.
+# (also "OK", "U" refused; a trailing "~": reported without a pick first), "+S" the clock moves S seconds, "pid" worker 0 restarted, "b-alone" b's peer died.
 SHARED = [
     ("a ejects after MAX_FAILS; b adopts it, counted once", ["aF"] * MAX_FAILS, True, True, 1, 0),
     ("failures in a row add up across the processes", ["aF", "bF", "aF"], True, True, 1, 0),
@@ -93,6 +95,13 @@ SHARED = [
     ("a restart (new pid) lifts the adopted ejection too", ["aF"] * MAX_FAILS + ["pid"], False, False, 1, 0),
     ("a peer's expired ejection is not adopted late", ["aU", f"+{UNREACHABLE_S}", "bF"], False, False, 0, 0),
     ("a dead peer's streak stops counting", ["aF", "aF", "b-alone", "bF"], False, False, 0, 0),
+    ("a streak begun before a peer's success starts over after it", ["aF", "bOK", "aF", "aF", "aF"], True, True,
+     1, 0),
+    ("two failures, a peer's success, then MAX_FAILS more eject", ["aF", "aF", "bOK"] + ["aF"] * MAX_FAILS, True,
+     True, 1, 0),
+    ("a keep-alive client on one process after a peer's success", ["aF", "bOK"] + ["aF"] * 10, True, True, 1, 0),
+    ("a success picked before the streak began still ends it", ["bOK", "aF", "bOK~", "aF", "aF"], False, False, 0,
+     0),
     ("after the shared ejection every streak starts over", ["aF", "bF", "aF", f"+{UNREACHABLE_S}", "bF", "aF"],
      False, False, 1, 0),
 ]
@@ -109,7 +118,7 @@ def test_shared_ejection(group: Group, case: str, steps: list[str], in_a: bool, 
         elif s == "b-alone":
             group.peers["b"] = []
         else:
-            group.attempt(s[0], {"F": F, "OK": OK, "U": U}[s[1:]])
+            group.attempt(s[0], {"F": F, "OK": OK, "U": U}[s[1:].rstrip("~")], pick=not s.endswith("~"))
     assert (group.ejected("a"), group.ejected("b")) == (in_a, in_b), case
     assert (len(group.counted["a"]), len(group.counted["b"])) == (by_a, by_b), case
 

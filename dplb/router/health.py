@@ -166,6 +166,8 @@ class WorkerHealth:
         """Feed one attempt's outcome (see :class:`Outcome` and the module docstring)."""
         verdict = outcome.verdict
         if verdict is Verdict.SUCCESS:
+            if self.board is not None and not self._fails[worker]:
+                self.sync(self._peers)  # a peer's streak may have begun since this request's pick (one load each)
             if self._fails[worker] or self._peer_streak[worker]:
                 self._succeeded(worker)
         elif verdict is Verdict.FAILURE:
@@ -185,6 +187,8 @@ class WorkerHealth:
         if self._until[worker] and self._clock() < self._until[worker] \
                 and self._pid_of(worker) == self._until_pid[worker]:
             return  # ejected already: the requests it held when it failed say nothing new (one ejection)
+        if self._fails[worker] and self._views and self._peer_reset(worker) >= self._since[worker]:
+            self._fails[worker] = 0  # a peer's success (or ejection) came since this streak began: it starts over
         fails = self._fails[worker] = self._fails[worker] + 1
         if fails == 1:
             self._since[worker] = self._clock()
@@ -210,13 +214,19 @@ class WorkerHealth:
         counts as 1 when a peer's reset came after its start (its latest failure is after it)."""
         i = FIELDS * worker
         views = self._views.values()
-        peer_reset = max((v[i + 4] for v in views), default=0) / 1e9
+        peer_reset = self._peer_reset(worker)
         last_reset = max(peer_reset, self._reset[worker])
         total = self._fails[worker] if self._since[worker] > peer_reset else 1
         for v in views:
             if v[i + 2] and v[i + 3] / 1e9 > last_reset:
                 total += v[i + 2]
         return total
+
+    def _peer_reset(self, worker: int) -> float:
+        """The latest reset (clock s) the live peers published for ``worker``: a success or an ejection for
+        failures; 0.0 when none."""
+        i = FIELDS * worker + 4
+        return max((v[i] for v in self._views.values()), default=0) / 1e9
 
     def _eject(self, worker: int) -> None:
         self._until[worker] = until = self._clock() + UNREACHABLE_S
