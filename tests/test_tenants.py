@@ -4,6 +4,7 @@ the token buckets and the usage meter — each table-driven with an injected clo
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -619,3 +620,40 @@ def test_last_good_copy_serves_only_the_file_it_was_taken_from(tmp_path) -> None
     other.write_text("garbage [\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_tenants_or_last_good(str(other), str(run))  # the copy is t.toml's, not other.toml's
+
+
+# ---- the prompt estimate ---------------------------------------------------------------------------------------
+def test_prompt_estimate_is_the_prompt_fields_bytes_and_the_docs_say_so() -> None:
+    """The estimate (the token reservation, a cancelled stream's charge) is the prompt field's raw bytes ÷ 4 — chat's
+    ``messages`` JSON, completions' ``prompt``, ``input`` otherwise — not the body's; the whole body only when it has
+    none. Regression: the README and DESIGN said "body bytes ÷ 4" (a chat body with tools or sampling fields is
+    larger than its messages: the tester measured 1118 body bytes, 1033 of messages, a charge of 257)."""
+    import json
+
+    from dplb.router.exchange import Exchange
+    from dplb.router.peek import peek_decoder
+    from dplb.router.proxy import Proxy
+    from dplb.router.tenancy import BYTES_PER_TOKEN, prompt_estimate
+
+    messages = [{"role": "user", "content": "x" * 400}]
+    cases = [  # (body, the bytes the estimate is of)
+        ({"model": "m", "messages": messages, "tools": [{"type": "function", "function": {"name": "f" * 300}}],
+          "max_tokens": 5}, json.dumps(messages)),
+        ({"model": "m", "prompt": "p" * 200, "temperature": 0.5, "user": "u" * 300}, json.dumps("p" * 200)),
+        ({"model": "m", "input": ["a" * 100, "b" * 100], "user": "u" * 300}, json.dumps(["a" * 100, "b" * 100])),
+        ({"model": "m", "user": "u" * 300}, None),
+    ]
+    for obj, field in cases:
+        body = json.dumps(obj).encode()
+        ex = Exchange({"type": "http", "headers": []}, None, None)
+        ex.body = body
+        ex.request = Proxy.route_request(peek_decoder.decode(body), frozenset())
+        want = len(field.encode() if field is not None else body) // BYTES_PER_TOKEN
+        assert prompt_estimate(ex) == want and (field is None or want < len(body) // BYTES_PER_TOKEN), obj
+    root = os.path.join(os.path.dirname(__file__), "..")
+    for doc in ("README.md", "docs/DESIGN.md"):
+        with open(os.path.join(root, doc)) as f:
+            text = " ".join(f.read().split())
+        said = re.findall(r"prompt estimate[d]?[^.]{0,40}?(?:\(|as )([^÷]{0,60}÷ 4)", text)
+        assert said and all("prompt field's bytes" in s for s in said), (doc, said)
+        assert "body bytes ÷ 4" not in text, doc

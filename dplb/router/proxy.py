@@ -121,7 +121,8 @@ class Proxy:
     async def _reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None) -> None:
         await self.upstreams.reject(ex, kind, message, worker)
 
-    def route_request(self, peek: Peek, cannot_serve: frozenset[int]) -> RouteRequest:
+    @staticmethod
+    def route_request(peek: Peek, cannot_serve: frozenset[int]) -> RouteRequest:
         """The policy's view of the request: the workers that cannot serve it (model, pinned response) and its
         prompt's raw bytes (``messages`` JSON for chat, ``prompt`` for completions, ``input`` otherwise, as sent;
         what the policy's plugins derive from them is theirs: :mod:`dplb.policy.framework`)."""

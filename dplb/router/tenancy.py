@@ -82,6 +82,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("dplb.router.tenants")
 TICK_S = 0.01  # how often a non-empty queue looks for room freed elsewhere (other processes) and for timeouts
 BYTES_PER_TOKEN = 4  # prompt-token estimate at admission (OpenAI's rule of thumb for English text)
+
+
+def prompt_estimate(ex: Exchange) -> int:
+    """The router's estimate of ``ex``'s prompt tokens (at least 1): the bytes of the body's prompt field, as sent
+    (the raw JSON of ``messages`` for chat, ``prompt`` for completions, ``input`` otherwise:
+    :meth:`dplb.router.proxy.Proxy.route_request`), else of the whole (decoded) body, ÷ :data:`BYTES_PER_TOKEN`."""
+    return max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
 _GRANTED, _GONE = "granted", "gone"
 _USAGE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 
@@ -166,7 +173,7 @@ class Gate:
         """:meth:`enter` of a :attr:`plain` gate (its tenant has no limit, allow-list or queue): ``ex`` (identified)
         is admitted at once; what :meth:`enter` does then, nothing else (the direct relay's admission)."""
         tk: Ticket = ex.tenant
-        tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
+        tk.est = prompt_estimate(ex)
         self.active[tk.tenant.name] += 1
         tk.counted = True
         self._observe_wait(tk, 0.0)
@@ -185,7 +192,7 @@ class Gate:
             if why is not None:
                 await self.reject(ex, *why)
                 return False
-        tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
+        tk.est = prompt_estimate(ex)
         lim, fq, cap, peers = tk.limits, self.fq, t.max_concurrent, 0
         sl = self.state.slots  # (a process alone on the segment calls nothing of the group)
         grouped = sl is not None and sl.has_peers and self.group.grouped(t)
@@ -515,4 +522,4 @@ async def _watch(receive: Any, tk: Ticket) -> None:
     tk.resolve(_GONE)
 
 
-__all__ = ["Gate", "Ticket"]
+__all__ = ["Gate", "Ticket", "prompt_estimate"]
