@@ -37,7 +37,7 @@ from dplb.obs.metrics import (
     TENANT_TOKENS,
     TENANT_TTFT,
 )
-from dplb.tenants import hash_key, load_tenants
+from dplb.tenants import hash_key, load_tenants, shown
 
 _MEANS = {TENANT_QUEUE_WAIT: "queue_wait_s_mean", TENANT_TTFT: "ttft_s_mean", TENANT_E2E: "e2e_s_mean"}
 
@@ -159,7 +159,7 @@ def _cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     if not 1 <= args.router_processes <= MAX_ROUTER_PROCESSES:
         raise ConfigError(f"--router-processes must be 1..{MAX_ROUTER_PROCESSES}, got {args.router_processes}")
     tc = load_tenants(args.file)
-    print(f"{tc.path}: OK ({tc.summary()})")
+    print(f"{shown(tc.path)}: OK ({tc.summary()})")
     note = group_limits_note(args.router_processes, tc)
     if note:
         print(f"note: {note}", file=sys.stderr)
