@@ -212,6 +212,8 @@ class RouterErrorKind(enum.Enum):
     UNSUPPORTED_MEDIA = (415, "invalid_request_error", "unsupported_media_type")
     UNSUPPORTED_ENCODING = (415, "invalid_request_error", "unsupported_content_encoding")
     BAD_ENCODING = (400, "invalid_request_error", "invalid_content_encoding")
+    # A one-value header the router reads (Content-Type, Authorization) sent twice: which one counts is ambiguous.
+    DUPLICATE_HEADER = (400, "invalid_request_error", "duplicate_header")
     MODEL_NOT_FOUND = (404, "invalid_request_error", "model_not_found")
     # The client closed the connection before its request body was complete: nobody is left to answer, so nothing
     # is sent; 499 (nginx's "client closed request") is the status the metrics record.

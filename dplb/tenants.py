@@ -11,22 +11,23 @@ Contract
 - Keys are never stored: a tenant lists the SHA-256 hex digests of its keys (``dplb tenants hash-key`` prints one).
   :meth:`TenantsConfig.lookup` hashes the presented key once and compares it against **every** configured digest
   with :func:`hmac.compare_digest` (no early exit), so the time does not depend on which digest matched.
-- ``[priorities] order`` lists the priority classes, most urgent first (default: one class, ``default``); a
-  tenant's ``priority`` names one. ``[priorities] reserve`` (default 0) holds batch slots of every worker for the
-  more urgent classes: class rank ``r`` (0 = most urgent) may fill a worker up to ``max_num_seqs − reserve · r``
-  slots (the most urgent class all of them), so an urgent request finds a slot at once while a less urgent class
-  floods (docs/DESIGN.md §15). ``[fair_queue]`` holds the Virtual Token Counter's token weights (Sheng et al.,
-  "Fairness in Serving Large Language Models", OSDI 2024, §4: a prompt token costs ``prompt_token_weight``, a
-  generated one ``output_token_weight``; the paper's evaluation uses 1 and 2) and ``anticipation_s`` (default
-  :data:`ANTICIPATION_S`, 0 = off): how long a slot freed by a tenant that would be served next is held for that
-  tenant's next request (:mod:`dplb.router.admission`). ``[slo.<class>]`` holds that
-  class's objectives: ``availability`` (fraction of requests not failed by the server) and ``ttft_s`` with
-  ``ttft_target`` (the fraction of streamed requests whose TTFT must be ≤ ``ttft_s``; the router sees no first token
-  of a response that is not a stream).
+- ``[priorities] order`` lists the priority classes, most urgent first (default: one class, ``default``); a tenant's
+  ``priority`` names one (required with more than one class). ``[priorities] reserve`` (default 0) holds batch slots
+  of every worker for the more urgent classes: class rank ``r`` (0 = most urgent) may fill a worker up to
+  ``max_num_seqs − reserve · r`` slots (the most urgent class all of them), so an urgent request finds a slot at once
+  while a less urgent class floods (docs/DESIGN.md §15). ``[fair_queue]`` holds the Virtual Token Counter's token
+  weights (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024, §4: a prompt token costs
+  ``prompt_token_weight``, a generated one ``output_token_weight``; the paper's evaluation uses 1 and 2) and
+  ``anticipation_s`` (default :data:`ANTICIPATION_S`, 0 = off): how long a slot freed by a tenant that would be served
+  next is held for that tenant's next request (:mod:`dplb.router.admission`). ``[slo.<class>]`` holds that class's
+  objectives: ``availability`` (fraction of requests not failed by the server) and ``ttft_s`` with ``ttft_target``
+  (the fraction of streamed requests whose TTFT must be ≤ ``ttft_s``; the router sees no first token of a response
+  that is not a stream).
 - :data:`DEFAULT_TENANT` is the tenant of requests when no tenants file is given (and of ``--api-key``'s key).
 - Every number has a range, :data:`BOUNDS` (one table: the loader enforces it, README quotes it); ``models = []``
   is refused (it would refuse every request: leave ``models`` out for "any model"); ``admin`` is a boolean
-  (``true``/``false``, no string or number).
+  (``true``/``false``, no string or number). A name, key or path an error message echoes is :func:`shown`
+  (escaped when it holds a control character): every message is one line.
 - Operators (:attr:`Tenant.operator`): :data:`DEFAULT_TENANT` (``--api-key``'s key, or everyone when no key is
   configured) and every tenant with ``admin = true``. What only they may do on a shared router (LoRA
   administration, the whole ``/debug/decisions``, a keyed ``/metrics``, any stored response) is
@@ -208,6 +209,13 @@ class TenantsConfig:
         return found
 
 
+def shown(text: str) -> str:
+    """``text`` (a name, key or path from the tenants file or its command line) as an error message shows it: as
+    it is when every character is printable, else quoted with Python's escapes (``'a\\nb'``), so every message
+    stays one line and no control character reaches a terminal or a log."""
+    return text if text.isprintable() else repr(text)
+
+
 def _number(where: str, v: Any, key: str, *, integer: bool = False) -> float:
     """``v`` as a float when it is a number (an integer with ``integer``) in :data:`BOUNDS` ``[key]``. Raises
     :class:`ConfigError` naming ``where`` and the range."""
@@ -220,14 +228,15 @@ def _number(where: str, v: Any, key: str, *, integer: bool = False) -> float:
 
 
 def _tenant(path: str, name: str, raw: Any, classes: tuple[str, ...], seen: dict[str, str]) -> Tenant:
-    where = f"{path}: tenants.{name}"
+    """Tenant ``name`` of the file (``path``: as messages show it). Raises :class:`ConfigError`."""
+    where = f"{path}: tenants.{shown(name)}"
     if not _NAME.fullmatch(name):
         raise ConfigError(f"{where}: a tenant name is 1-64 letters, digits, '_', '.' or '-'")
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a table ([tenants.{name}])")
     unknown = sorted(set(raw) - _TENANT_KEYS)
     if unknown:
-        raise ConfigError(f"{where}.{unknown[0]} is not a tenant key; use {', '.join(sorted(_TENANT_KEYS))}")
+        raise ConfigError(f"{where}.{shown(unknown[0])} is not a tenant key; use {', '.join(sorted(_TENANT_KEYS))}")
     hashes = raw.get("api_key_sha256", [])
     if isinstance(hashes, str):
         hashes = [hashes]
@@ -241,6 +250,9 @@ def _tenant(path: str, name: str, raw: Any, classes: tuple[str, ...], seen: dict
             raise ConfigError(f"{where}.api_key_sha256: the digest {h[:12]}… is also tenant {seen[h.lower()]}'s")
         seen[h.lower()] = name
     priority = raw.get("priority", classes[0] if len(classes) == 1 else None)
+    if priority is None:
+        raise ConfigError(f"{where}.priority is missing: with [priorities] every tenant names one of its order "
+                          f"({', '.join(classes)})")
     if priority not in classes:
         raise ConfigError(f"{where}.priority must be one of [priorities] order ({', '.join(classes)}), "
                           f"got {priority!r}")
@@ -268,7 +280,7 @@ def _slos(path: str, raw: Any, classes: tuple[str, ...]) -> dict[str, Slo]:
         raise ConfigError(f"{path}: slo must be a table of classes ([slo.<class>])")
     out: dict[str, Slo] = {}
     for cls, body in raw.items():
-        where = f"{path}: slo.{cls}"
+        where = f"{path}: slo.{shown(cls)}"
         if cls not in classes:
             raise ConfigError(f"{where}: {cls!r} is not a class of [priorities] order ({', '.join(classes)})")
         if not isinstance(body, dict) or set(body) - _SLO_KEYS:
@@ -283,10 +295,11 @@ def _slos(path: str, raw: Any, classes: tuple[str, ...]) -> dict[str, Slo]:
 
 
 def parse_tenants(path: str, doc: dict[str, Any]) -> TenantsConfig:
-    """Validate a parsed TOML document (``path`` names it in errors). Raises :class:`ConfigError`."""
+    """Validate a parsed TOML document (``path`` names it in errors, :func:`shown`). Raises :class:`ConfigError`."""
+    file, path = path, shown(path)
     unknown = sorted(set(doc) - _TOP_KEYS)
     if unknown:
-        raise ConfigError(f"{path}: {unknown[0]} is not a section; use {', '.join(sorted(_TOP_KEYS))}")
+        raise ConfigError(f"{path}: {shown(unknown[0])} is not a section; use {', '.join(sorted(_TOP_KEYS))}")
     prio = doc.get("priorities", {})
     order = prio.get("order", [DEFAULT_CLASS]) if isinstance(prio, dict) else None
     if (not isinstance(order, list) or not order or not all(isinstance(c, str) and _NAME.fullmatch(c) for c in order)
@@ -295,7 +308,7 @@ def parse_tenants(path: str, doc: dict[str, Any]) -> TenantsConfig:
     classes = tuple(order)
     unknown = sorted(set(prio) - {"order", "reserve"}) if isinstance(prio, dict) else []
     if unknown:
-        raise ConfigError(f"{path}: priorities.{unknown[0]} is not a key; use order, reserve")
+        raise ConfigError(f"{path}: priorities.{shown(unknown[0])} is not a key; use order, reserve")
     reserve = int(_number(f"{path}: priorities.reserve", prio.get("reserve", 0), "reserve", integer=True))
     fq = doc.get("fair_queue", {})
     if not isinstance(fq, dict) or set(fq) - {"prompt_token_weight", "output_token_weight", "anticipation_s"}:
@@ -319,7 +332,7 @@ def parse_tenants(path: str, doc: dict[str, Any]) -> TenantsConfig:
         if other != name:  # (odds ≈ tenants² / 2^57; a shared tag would let one read the other's stored responses)
             raise ConfigError(f"{path}: tenants.{name}: its name hashes to the same response-ownership tag as "
                               f"{other}'s; rename one of them")
-    return TenantsConfig(path, tenants, classes, wp, wq, _slos(path, doc.get("slo", {}), classes), reserve,
+    return TenantsConfig(file, tenants, classes, wp, wq, _slos(path, doc.get("slo", {}), classes), reserve,
                          anticipation)
 
 
@@ -330,7 +343,7 @@ def read_tenants(path: str) -> tuple[TenantsConfig, bytes]:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
-        raise ConfigError(f"--tenants {path}: cannot read it: {e.strerror or e}") from None
+        raise ConfigError(f"--tenants {shown(path)}: cannot read it: {e.strerror or e}") from None
     return _parse_bytes(path, raw), raw
 
 
@@ -338,7 +351,7 @@ def _parse_bytes(path: str, raw: bytes) -> TenantsConfig:
     try:
         doc = tomllib.loads(raw.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        raise ConfigError(f"{shown(path)}: not valid TOML: {shown(str(e))}") from None
     return parse_tenants(path, doc)
 
 
@@ -370,7 +383,7 @@ def save_last_good(path: str, raw: bytes, run_dir: str) -> bool:
 
 
 def _last_good_header(path: str) -> bytes:
-    return f"# dplb: last good copy of {path}\n".encode()
+    return f"# dplb: last good copy of {shown(path)}\n".encode()  # (one comment line, whatever the path)
 
 
 def load_tenants_or_last_good(path: str, run_dir: str) -> tuple[TenantsConfig, ConfigError | None]:
@@ -405,4 +418,4 @@ def single_tenant(api_key: str | None) -> TenantsConfig:
 
 __all__ = ["BOUNDS", "DEFAULT_CLASS", "DEFAULT_TENANT", "LAST_GOOD_NAME", "Slo", "Tenant", "TenantsConfig", "hash_key",
            "last_good_path", "load_tenants", "load_tenants_or_last_good", "parse_tenants", "read_tenants",
-           "save_last_good", "single_tenant"]
+           "save_last_good", "shown", "single_tenant"]

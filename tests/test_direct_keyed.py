@@ -5,6 +5,7 @@ debug ring and access-log lines. The key's parser is fuzzed on both paths (hypot
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import signal
@@ -194,15 +195,63 @@ _AUTH = st.one_of(st.none(), st.builds(lambda a, b, c, d, e: a + b + c + d + e, 
 @example(auth="Bearer wrong", twice=True)
 def test_fuzzed_authorization_is_answered_alike(routers: Routers, auth: str | None, twice: bool) -> None:
     """Any ``Authorization`` value (scheme case and spacing, a key close to the right one, none, a header given
-    twice with the right key first): the relay router gives the status, error code and body the ASGI path gives."""
+    twice with the right key first): the relay router gives the status, error code and body the ASGI path gives;
+    a header given twice is a 400 ``duplicate_header`` on both."""
     body = b'{"model": "dplb-sim", "prompt": "f", "max_tokens": 1}'
     value = auth.encode() if auth is not None else None
     data = _one("/v1/completions", body, "fuzz", value, close=True)
-    if twice and value is not None:  # the right key first, then this one: the last one counts on both paths
+    twice = twice and value is not None
+    if twice:  # the right key first, then this one
         data = data.replace(b"authorization: ", b"authorization: %s\r\nauthorization: " % GOOD.encode(), 1)
     got = [_talk(c.port, data) for c in (routers.direct, routers.asgi)]
     assert got[0] == got[1], auth
-    assert re.match(rb"HTTP/1.1 (200|401|400) ", got[0]), got[0][:200]
+    assert re.match(rb"HTTP/1.1 400 " if twice else rb"HTTP/1.1 (200|401|400) ", got[0]), got[0][:200]
+    if twice:
+        assert b'"code":"duplicate_header"' in got[0], got[0]
+
+
+def _with(base: bytes, *lines: bytes) -> bytes:
+    """``base`` (a request of :func:`_one`) with header ``lines`` added after its first line."""
+    first, rest = base.split(b"\r\n", 1)
+    return first + b"\r\n" + b"".join(line + b"\r\n" for line in lines) + rest
+
+
+def test_a_repeated_authorization_or_content_type_is_a_400_on_both_paths(routers: Routers) -> None:
+    """Two ``Authorization`` headers (the good key first or last, both good, with different case) or two
+    ``Content-Type`` headers: the relay declines, the ASGI path answers 400 ``duplicate_header`` (OpenAI-shaped,
+    naming the header), byte for byte alike on both routers; no worker sees the request. A keyed local route
+    (``/v1/models``) answers the same 400. Two ``Content-Encoding`` headers are one list: a body gzipped twice is
+    decoded twice and served."""
+    body = b'{"model": "dplb-sim", "prompt": "d", "max_tokens": 1}'
+    bare = _one("/v1/completions", body, "dup", None, close=True)
+    good, bad = b"authorization: " + GOOD.encode(), b"Authorization: Bearer nope"
+    cases = {
+        "authorization": [_with(bare, bad, good), _with(bare, good, bad), _with(bare, good, good),
+                          _with(bare, good, b"AUTHORIZATION: " + GOOD.encode())],
+        "content-type": [_with(bare, good, b"content-type: text/plain"),
+                         _with(bare, good, b"Content-Type: application/json")],
+    }
+    before = _direct(routers.direct)
+    for name, datas in cases.items():
+        for data in datas:
+            got = [_talk(c.port, data) for c in (routers.direct, routers.asgi)]
+            assert got[0] == got[1], data
+            status, _, rest = got[0].partition(b"\r\n")
+            assert status == b"HTTP/1.1 400 Bad Request", got[0]
+            err = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+            assert err["code"] == "duplicate_header" and err["type"] == "invalid_request_error", err
+            assert name.title() in err["message"] and err["param"] is None, err
+    after = _direct(routers.direct)
+    assert after["declined"] - before["declined"] == 6 and after["direct"] == before["direct"], (before, after)
+    for c in (routers.direct, routers.asgi):
+        r = httpx.get(c.url + "/v1/models", headers=[("authorization", GOOD), ("authorization", GOOD)], timeout=5)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_header", r.text
+        assert httpx.get(c.url + "/v1/models", headers={"authorization": GOOD}, timeout=5).status_code == 200
+        twice = gzip.compress(gzip.compress(body))
+        r = httpx.post(c.url + "/v1/completions", content=twice, timeout=30, headers=[
+            ("authorization", GOOD), ("content-type", "application/json"), ("content-encoding", "gzip"),
+            ("content-encoding", "gzip")])
+        assert r.status_code == 200 and r.json()["choices"], r.text
 
 
 def _failures(c: Cluster) -> dict[str, Any]:

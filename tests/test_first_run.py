@@ -379,3 +379,38 @@ def test_readme_states_the_segment_layout_version() -> None:
     from dplb.state.layout import LAYOUT_VERSION
 
     assert f"The segment layout is version {LAYOUT_VERSION} " in (ROOT / "README.md").read_text()
+
+
+def test_usage_at_something_that_is_not_a_dplb_router_says_so(tmp_path: Path) -> None:
+    """Regression: ``dplb usage --url`` at Prometheus (any server with a ``/metrics`` page) said the router
+    "keeps no usage ledger" and exited 0. A page of another program's metrics (prometheus_client's own process and
+    GC families) or an HTML page is "not a DPLB router", exit 1; a real DPLB router without a ledger still says it
+    keeps none, exit 0."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    from tests.cluster import cluster
+
+    site = tmp_path / "site"
+    site.mkdir()
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(site)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for page in (generate_latest(REGISTRY), b"<html><body><h1>Prometheus Time Series Collection</h1></body></html>"):
+            (site / "metrics").write_bytes(page)
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(100):
+                r = subprocess.run(dplb_cmd("usage", "--url", url + "/"), capture_output=True, text=True, timeout=60)
+                if "cannot read" not in r.stderr:  # (the server still starting)
+                    break
+                time.sleep(0.1)
+            assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+            assert r.stderr.strip() == (f"dplb usage: error: {url} is not a DPLB router (no dplb_* metrics at {url}/metrics); --url "
+                                        "must be the router's address (dplb launch --port, default "
+                                        "http://127.0.0.1:30000)"), r.stderr
+    finally:
+        server.terminate()
+        server.wait(10)
+    with cluster(str(tmp_path / "c"), 1) as c:
+        r = subprocess.run(dplb_cmd("usage", "--url", c.url), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "keeps no usage ledger" in r.stderr and r.stdout.startswith("TENANT"), r

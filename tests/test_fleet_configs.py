@@ -1,17 +1,24 @@
 """The fleet pieces without a cluster: the agent's lines, the ORCA header, the KV aggregate, and the front-balancer
-configs `dplb fleet` writes (checked by the real haproxy -c and envoy --mode validate when installed)."""
+configs `dplb fleet` writes (checked by the real haproxy -c and envoy --mode validate when installed, and run by
+them in front of hosts that are all down)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import httpx
 import pytest
+from cluster import free_port
 from fleet_support import ENVOY, HAPROXY
 
 from dplb.errors import ConfigError
-from dplb.ops.fleet import FleetHost, envoy_config, haproxy_config, parse_hosts
+from dplb.ops.fleet import FLEET_DOWN_BODY, FleetHost, envoy_config, haproxy_config, parse_hosts
 from dplb.router.agent import agent_line
 from dplb.router.host_report import HostReport, kv_figures
 from dplb.router.orca import OrcaResponder, orca_header, requested_format
@@ -252,3 +259,45 @@ def test_an_idle_host_reports_a_positive_utilization() -> None:
     assert float(text["application_utilization"]) > 0 and float(text["rps_fractional"]) > 0, text
     assert b'"application_utilization":0.0001' in orca_header(idle, "JSON")
     assert b"application_utilization=0.25," in orca_header(HostReport(state="up", pressure=0.25))  # others as they are
+
+
+@pytest.mark.parametrize("kind", ["haproxy", "envoy"])
+def test_every_host_down_is_an_openai_shaped_503_through_the_real_balancer(tmp_path: Path, kind: str) -> None:
+    """Regression: with every host down, HAProxy answered its HTML page ("No server is available") and Envoy
+    ``text/plain`` "no healthy upstream". Through the real balancer, in front of two hosts with nothing listening (nor
+    on their agent ports), a chat request and a GET are answered 503 ``application/json`` with ``Retry-After: 1``
+    and DPLB's ``no_routable_worker`` body (what a host says when its own workers are all out)."""
+    tool = HAPROXY if kind == "haproxy" else ENVOY
+    if tool is None:
+        pytest.skip(f"{kind} is not installed")
+    port = free_port()
+    dead = [FleetHost("127.0.0.1", free_port(), free_port()), FleetHost("127.0.0.1", free_port(), free_port())]
+    listen = f"127.0.0.1:{port}"
+    path = str(tmp_path / ("haproxy.cfg" if kind == "haproxy" else "envoy.yaml"))
+    with open(path, "w") as f:
+        f.write(haproxy_config(dead, listen) if kind == "haproxy" else envoy_config(dead, listen, admin_port=0))
+    cmd = [tool, "-db", "-f", path] if kind == "haproxy" else [tool, "-c", path, "--base-id", str(port),
+                                                                 "--concurrency", "1", "-l", "warning"]
+    with open(tmp_path / "balancer.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        answers = []
+        deadline = time.monotonic() + 60
+        while len(answers) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "balancer.log").read_text()
+            try:
+                chat = httpx.post(f"http://{listen}/v1/chat/completions", timeout=10, json={
+                    "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+                answers = [chat, httpx.get(f"http://{listen}/v1/models", timeout=10)]
+            except httpx.TransportError:  # (not listening yet)
+                time.sleep(0.2)
+        for r in answers:
+            assert r.status_code == 503, (r.status_code, r.headers, r.text)
+            assert r.headers["content-type"] == "application/json" and r.headers["retry-after"] == "1", r.headers
+            err = r.json()["error"]
+            assert err == json.loads(FLEET_DOWN_BODY)["error"], r.text
+            assert (err["type"], err["code"], err["param"]) == ("service_unavailable", "no_routable_worker", None)
+            assert "retry later" in err["message"], err
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(15)

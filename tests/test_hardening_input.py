@@ -484,8 +484,8 @@ def test_api_key_exemptions_are_configurable_and_compared_in_constant_time(tmp_p
     app = RouterApp(RouterConfig(PolicyConfig(), run_dir=str(tmp_path), num_workers=1, shm_path=str(tmp_path / "x"),
                                  api_key="s3cret"))
     with mock.patch("hmac.compare_digest", wraps=hmac.compare_digest) as cmp:
-        assert app._authorized({"headers": [(b"authorization", b"Bearer s3cret")]})
-        assert not app._authorized({"headers": [(b"authorization", b"Bearer s3cres")]})
+        assert app._refusal({"headers": [(b"authorization", b"Bearer s3cret")]}) is None
+        assert app._refusal({"headers": [(b"authorization", b"Bearer s3cres")]}) is not None
     assert cmp.call_count == 2
 
 

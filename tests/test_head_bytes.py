@@ -60,10 +60,10 @@ def test_scan_headers_renders_the_forwarded_headers() -> None:
     ]
     for hdrs in heads:
         ex = Exchange(_scope(hdrs), None, None)
-        clen, ctype, auth, encoding = scan_headers(ex)
+        clen, ctype, auth, encoding, repeated = scan_headers(ex)
         last = {n: v for n, v in hdrs}
-        assert (ctype, auth, encoding) == (last.get(b"content-type", b""), last.get(b"authorization", b""),
-                                            last.get(b"content-encoding", b""))
+        assert (ctype, auth, encoding, repeated) == (last.get(b"content-type", b""), last.get(b"authorization", b""),
+                                                      last.get(b"content-encoding", b""), b"")
         raw = last.get(b"content-length")
         assert clen == (-1 if raw is None else int(raw) if raw.isdigit() else -2)
         if any(n == b"connection" for n, _ in hdrs):
@@ -166,3 +166,20 @@ def test_response_lines_match_response_headers() -> None:
                 a.start(status, out)
                 b.start_lines(status, got[0], got[1])
                 assert a.pending == b.pending and a.chunked == b.chunked, (up, status, keep_alive)
+
+
+def test_scan_headers_names_a_repeated_one_value_header_and_joins_encodings() -> None:
+    """A second ``Content-Type`` or ``Authorization`` is named (the proxy answers 400 ``duplicate_header``; the
+    direct relay declines), whatever the values; repeated ``Content-Encoding`` headers are one list in their order
+    (RFC 9110 §5.3), as one ``gzip, gzip`` header is; other repeated headers are forwarded as they came."""
+    cases = [
+        ([(b"authorization", b"Bearer a"), (b"authorization", b"Bearer a")], b"authorization"),
+        ([(b"authorization", b""), (b"authorization", b"Bearer a")], b"authorization"),
+        ([(b"content-type", b"application/json"), (b"content-type", b"text/plain")], b"content-type"),
+        ([(b"accept", b"a"), (b"accept", b"b"), (b"authorization", b"x")], b""),
+    ]
+    for hdrs, want in cases:
+        assert scan_headers(Exchange(_scope(hdrs), None, None))[4] == want, hdrs
+    ex = Exchange(_scope([(b"content-encoding", b"gzip"), (b"x", b"1"), (b"content-encoding", b"deflate")]), None,
+                  None)
+    assert scan_headers(ex)[3:] == (b"gzip, deflate", b"")

@@ -3,7 +3,9 @@ the token buckets and the usage meter — each table-driven with an injected clo
 
 from __future__ import annotations
 
+import json
 import os
+import re
 
 import pytest
 
@@ -74,6 +76,10 @@ def test_reserve_holds_slots_per_less_urgent_class() -> None:
     (doc(a={"api_key_sha256": [H1], "max_concurrent": 1.5}), "tenants.a.max_concurrent must be an integer"),
     (doc(a={"api_key_sha256": [H1], "colour": 1}), "tenants.a.colour is not a tenant key"),
     (doc(a={"api_key_sha256": [H1], "priority": "gold"}), "tenants.a.priority must be one of"),
+    # With classes, a tenant without one: said as missing (it was "must be one of …, got None").
+    ({"priorities": {"order": ["interactive", "batch"]}, **doc(lim={"api_key_sha256": [H1]})},
+     "t.toml: tenants.lim.priority is missing: with [priorities] every tenant names one of its order "
+     "(interactive, batch)"),
     (doc(a={"api_key_sha256": [H1]}, b={"api_key_sha256": [H1]}), "is also tenant a's"),
     (doc(a={"api_key_sha256": [H1], "models": "m"}), "tenants.a.models must be a list"),
     (doc(default={"api_key_sha256": [H1]}), "tenants.default: the name is reserved"),
@@ -116,6 +122,43 @@ def test_a_bad_file_is_one_line_naming_the_file_and_key(document: dict, needle: 
         parse_tenants("t.toml", document)
     msg = str(e.value)
     assert msg.startswith("t.toml: ") and needle in msg and "\n" not in msg, msg
+
+
+_CONTROL = ["a\nb", "a\rb", "\x1b[31mred", "tab\there", "nul\x00", "del\x7f", "nel\x85", "ls\u2028x"]
+
+
+@pytest.mark.parametrize("bad", _CONTROL)
+def test_every_tenants_file_error_is_one_line_whatever_the_file_holds(tmp_path, bad: str) -> None:
+    """Regression: a tenant name with a newline was echoed raw, so the error spanned two lines. Every name, key,
+    class, model and path the file or its command line gives, holding a control character (newline, escape, NUL,
+    a Unicode line separator), is echoed escaped: each error is one line without a control character, through a
+    real file as TOML writes such names (quoted keys with escapes)."""
+    q = json.dumps(bad)  # (a TOML basic string: the same escapes)
+    key = f'api_key_sha256 = ["{H1}"]\n'
+    files = {
+        "tenant name": f"[tenants.{q}]\n{key}",
+        "tenant key": f"[tenants.a]\n{key}{q} = 1\n",
+        "section": f"{q} = 1\n[tenants.a]\n{key}",
+        "priorities key": f"[priorities]\n{q} = 1\n[tenants.a]\n{key}",
+        "priority": f'[priorities]\norder = ["x", "y"]\n[tenants.a]\n{key}priority = {q}\n',
+        "class": f'[priorities]\norder = [{q}]\n[tenants.a]\n{key}',
+        "slo class": f"[tenants.a]\n{key}[slo.{q}]\nttft_s = 1\n",
+        "model": f"[tenants.a]\n{key}models = [{q}, 3]\n",
+        "digest": f"[tenants.a]\napi_key_sha256 = [{q}]\n",
+        "toml": f"[tenants.a]\n{key}x = {q}{q}\n",
+    }
+    path = tmp_path / f"dir{bad.replace(chr(0), '0')}"
+    path.mkdir()
+    for what, text in files.items():
+        f = path / "t.toml"
+        f.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_tenants(str(f))
+        msg = str(e.value)
+        assert msg.isprintable() and repr(str(path))[1:-1] in msg, (what, msg)
+    with pytest.raises(ConfigError) as e:
+        load_tenants(str(path / "missing.toml"))
+    assert str(e.value).isprintable() and "cannot read it" in str(e.value), str(e.value)
 
 
 def test_unreadable_and_invalid_toml_name_the_file(tmp_path) -> None:
@@ -619,3 +662,40 @@ def test_last_good_copy_serves_only_the_file_it_was_taken_from(tmp_path) -> None
     other.write_text("garbage [\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_tenants_or_last_good(str(other), str(run))  # the copy is t.toml's, not other.toml's
+
+
+# ---- the prompt estimate ---------------------------------------------------------------------------------------
+def test_prompt_estimate_is_the_prompt_fields_bytes_and_the_docs_say_so() -> None:
+    """The estimate (the token reservation, a cancelled stream's charge) is the prompt field's raw bytes ÷ 4 — chat's
+    ``messages`` JSON, completions' ``prompt``, ``input`` otherwise — not the body's; the whole body only when it has
+    none. Regression: the README and DESIGN said "body bytes ÷ 4" (a chat body with tools or sampling fields is
+    larger than its messages: the tester measured 1118 body bytes, 1033 of messages, a charge of 257)."""
+    import json
+
+    from dplb.router.exchange import Exchange
+    from dplb.router.peek import peek_decoder
+    from dplb.router.proxy import Proxy
+    from dplb.router.tenancy import BYTES_PER_TOKEN, prompt_estimate
+
+    messages = [{"role": "user", "content": "x" * 400}]
+    cases = [  # (body, the bytes the estimate is of)
+        ({"model": "m", "messages": messages, "tools": [{"type": "function", "function": {"name": "f" * 300}}],
+          "max_tokens": 5}, json.dumps(messages)),
+        ({"model": "m", "prompt": "p" * 200, "temperature": 0.5, "user": "u" * 300}, json.dumps("p" * 200)),
+        ({"model": "m", "input": ["a" * 100, "b" * 100], "user": "u" * 300}, json.dumps(["a" * 100, "b" * 100])),
+        ({"model": "m", "user": "u" * 300}, None),
+    ]
+    for obj, field in cases:
+        body = json.dumps(obj).encode()
+        ex = Exchange({"type": "http", "headers": []}, None, None)
+        ex.body = body
+        ex.request = Proxy.route_request(peek_decoder.decode(body), frozenset())
+        want = len(field.encode() if field is not None else body) // BYTES_PER_TOKEN
+        assert prompt_estimate(ex) == want and (field is None or want < len(body) // BYTES_PER_TOKEN), obj
+    root = os.path.join(os.path.dirname(__file__), "..")
+    for doc in ("README.md", "docs/DESIGN.md"):
+        with open(os.path.join(root, doc)) as f:
+            text = " ".join(f.read().split())
+        said = re.findall(r"prompt estimate[d]?[^.]{0,40}?(?:\(|as )([^÷]{0,60}÷ 4)", text)
+        assert said and all("prompt field's bytes" in s for s in said), (doc, said)
+        assert "body bytes ÷ 4" not in text, doc

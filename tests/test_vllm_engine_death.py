@@ -19,7 +19,7 @@ from proc_tags import kill_tagged, new_tag, ppid, tagged_env, tagged_procs
 from vllm_support import STARTUP_TIMEOUT_S, TINY_MODEL, VLLM_CPU_ARGS, require_vllm, vllm_env
 
 from dplb.errors import stream_failure
-from dplb.ops.shm_leftovers import descendants, mapped_shm
+from dplb.ops.shm_leftovers import descendants, mapped_semaphores, mapped_shm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 DONE = b"data: [DONE]\n\n"
@@ -64,3 +64,18 @@ def test_engine_core_killed_mid_stream_is_an_upstream_error_and_leaves_no_shared
         print(f"engine death: stream ended with vLLM's event + [DONE] after {len(got)} chunks; counted "
               f"upstream_error; {len(engine_shm)} psm_ file(s) the engine mapped, {len(removed)} removed by the "
               f"launcher (the rest unlinked by vLLM itself)")
+        # The restarted worker SIGKILLed whole (the tester's kill -9 of the worker pid): its process group's
+        # multiprocessing semaphores (sem.mp-*, which its killed resource tracker cannot unlink) are removed too.
+        state = ln.wait_ready(STARTUP_TIMEOUT_S, workers=True, step_s=1)
+        assert state is not None
+        worker = state["workers"][0]["pid"]
+        sems = wait_for(lambda: mapped_semaphores(descendants(worker))[0], 30, "the worker's semaphores",
+                        step_s=0.5)
+        time.sleep(6)  # the launcher records the worker's mappings every 5 s
+        sems = mapped_semaphores(descendants(worker))[0]
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: not any(os.path.exists(p) for p in sems), 40, "the killed worker's semaphores removed",
+                 step_s=0.5)
+        log = ln.log.read_text()
+        assert all(f"removed {p}" in log for p in sems), (sems, log[-3000:])
+        print(f"worker SIGKILL: {len(sems)} sem.mp-* file(s) its group mapped, all removed by the launcher")

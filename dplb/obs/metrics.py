@@ -14,6 +14,7 @@ and :mod:`dplb.obs.metrics_worker` (a worker's own metrics port).
 from __future__ import annotations
 
 # ---- names (dashboards/alerts import these) --------------------------------------------------------------------
+NAME_PREFIX = "dplb_"  # every name below starts with it (a /metrics page without one is not DPLB's)
 WORKER_QUEUE_LENGTH = "dplb_worker_queue_length"
 WORKER_REQUESTS_INFLIGHT = "dplb_worker_requests_inflight"
 WORKER_KV_CACHE_USAGE = "dplb_worker_kv_cache_usage_ratio"

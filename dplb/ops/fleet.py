@@ -42,6 +42,12 @@ Contract
   its load on the others). The cluster is
   ``STATIC`` when every host is an IP literal and ``STRICT_DNS`` (IPv4 preferred) when any is a name (Envoy
   refuses a name in a static cluster). The admin listener is on ``127.0.0.1:--admin-port`` (0: none).
+- When no host can take a request (every one down, draining or failing its connection), the balancer's own 503
+  is DPLB's: the OpenAI-shaped ``no_routable_worker`` body (:data:`FLEET_DOWN_BODY`, built by
+  :func:`dplb.errors.error_body`) with ``Content-Type: application/json`` and ``Retry-After: 1``, not HAProxy's HTML
+  page or Envoy's ``text/plain`` "no healthy upstream" — an OpenAI SDK client reads it as it reads a host's 503.
+  HAProxy: ``http-error status 503`` in ``defaults`` (HAProxy ≥ 2.2); Envoy: a ``local_reply_config`` mapper for
+  status 503 (Envoy's local replies only; a host's own answer passes unchanged on both).
 - Unreachable hosts are not an error when writing a config (the balancer's checks take them out); ``--probe``
   prints one warning line per host that does not answer ``/health``.
 """
@@ -58,7 +64,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from dplb.config import split_list
-from dplb.errors import ConfigError
+from dplb.errors import ConfigError, RouterErrorKind, error_body
 from dplb.flags import flag_port, flag_port_or_off
 
 DEFAULT_AGENT_PORT = 30090
@@ -75,6 +81,11 @@ ORCA_BLACKOUT_S = 1.0  # Envoy CSWRR blackout_period: new weights are used after
 #: of its last report. Under load every host answers many requests a second, so only a host Envoy sends nothing to
 #: ages out; an idle one getting the median weight is right.
 ORCA_EXPIRATION_S = 3.0
+#: The body of the balancer's own 503 (module docstring): DPLB's ``no_routable_worker`` with the fleet's words (no
+#: single quote, backslash or ``%``: HAProxy and Envoy take it literally).
+FLEET_DOWN_BODY = error_body(RouterErrorKind.NONE_ROUTABLE, "no DPLB host can take the request now (every host is "
+                             "down, draining or unreachable); retry later")
+FLEET_DOWN_RETRY_AFTER_S = 1  # its Retry-After (DPLB's own 503s say 1 too)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +196,9 @@ def haproxy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, affi
         "    timeout client 600s",
         "    timeout server 600s",
         "    timeout http-keep-alive 10s",
+        "    # No host can take the request: DPLB's OpenAI-shaped 503 instead of HAProxy's HTML page",
+        f"    http-error status 503 content-type application/json hdr retry-after {FLEET_DOWN_RETRY_AFTER_S} "
+        f"string '{FLEET_DOWN_BODY.decode()}'",
         "frontend dplb",
         f"    bind {listen}",
         "    default_backend dplb_hosts",
@@ -285,6 +299,16 @@ def envoy_config(hosts: list[FleetHost], listen: str = "0.0.0.0:8080", *, orca: 
         "                response_headers_to_add:\n"
         "                - header: {key: x-dplb-host, value: '%UPSTREAM_REMOTE_ADDRESS%'}\n"
         "                response_headers_to_remove: [endpoint-load-metrics]  # read by the LB first, then dropped\n"
+        "          local_reply_config:  # no host can take it: DPLB's OpenAI-shaped 503, not text/plain\n"
+        "            mappers:\n"
+        "            - filter: {status_code_filter: {comparison: {op: EQ, value: {default_value: 503, "
+        "runtime_key: dplb.fleet_down_status}}}}\n"
+        "              headers_to_add:\n"
+        f"              - header: {{key: retry-after, value: '{FLEET_DOWN_RETRY_AFTER_S}'}}\n"
+        "                append_action: OVERWRITE_IF_EXISTS_OR_ADD\n"
+        "              body_format_override:\n"
+        f"                json_format: {FLEET_DOWN_BODY.decode()}\n"
+        "                content_type: application/json\n"
         "          http_filters:\n"
         "          - name: envoy.filters.http.router\n"
         "            typed_config:\n"
@@ -394,5 +418,5 @@ def _cmd_fleet(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_AGENT_PORT", "DEFAULT_ENVOY_ADMIN_PORT", "FleetHost", "add_parser", "envoy_config",
-           "haproxy_config", "parse_hosts", "probe", "server_names"]
+__all__ = ["DEFAULT_AGENT_PORT", "DEFAULT_ENVOY_ADMIN_PORT", "FLEET_DOWN_BODY", "FleetHost", "add_parser",
+           "envoy_config", "haproxy_config", "parse_hosts", "probe", "server_names"]

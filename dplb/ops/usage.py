@@ -7,7 +7,8 @@ Contract
   cached_tokens, queued, queue_wait_s_mean, ttft_s_mean, e2e_s_mean}}`` (means from the histograms' sum / count;
   None when no sample). The queue wait counts every request that waited (one refused after its wait too), TTFT
   only streamed requests (a tenant that never streams has none), E2E only those answered OK: the table heads that
-  column ``OK_E2E_MS``. Raises :class:`~dplb.errors.DPLBError` naming the URL when the router does not answer.
+  column ``OK_E2E_MS``. Raises :class:`~dplb.errors.DPLBError` naming the URL when the router does not answer, and
+  when the page is not a DPLB router's (no ``dplb_*`` family, or no Prometheus text: another server's ``/metrics``).
 - :func:`format_table` renders it as one row per tenant.
 """
 
@@ -27,15 +28,23 @@ from prometheus_client.parser import text_string_to_metric_families
 from dplb.config import MAX_ROUTER_PROCESSES, default_router_processes
 from dplb.errors import ConfigError, DPLBError
 from dplb.http_values import check_bearer_token
-from dplb.obs.metrics import TENANT_E2E, TENANT_QUEUE_WAIT, TENANT_QUEUED, TENANT_REQUESTS, TENANT_TOKENS, TENANT_TTFT
-from dplb.tenants import hash_key, load_tenants
+from dplb.obs.metrics import (
+    NAME_PREFIX,
+    TENANT_E2E,
+    TENANT_QUEUE_WAIT,
+    TENANT_QUEUED,
+    TENANT_REQUESTS,
+    TENANT_TOKENS,
+    TENANT_TTFT,
+)
+from dplb.tenants import hash_key, load_tenants, shown
 
 _MEANS = {TENANT_QUEUE_WAIT: "queue_wait_s_mean", TENANT_TTFT: "ttft_s_mean", TENANT_E2E: "e2e_s_mean"}
 
 
 def read_ledger(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
     """The per-tenant ledger of the router at ``url`` (module docstring). Raises :class:`DPLBError` when ``url`` is
-    not ``http(s)://…`` or the router cannot be read."""
+    not ``http(s)://…``, the router cannot be read, or ``url`` is not a DPLB router."""
     if not url.startswith(("http://", "https://")):
         raise DPLBError(f"--url must be the router's http://HOST:PORT, got {url!r}")
     req = urllib.request.Request(url.rstrip("/") + "/metrics",
@@ -46,6 +55,14 @@ def read_ledger(url: str, api_key: str | None = None, timeout_s: float = 10.0) -
     except (OSError, urllib.error.URLError) as e:
         raise DPLBError(f"cannot read {url}/metrics: {getattr(e, 'reason', e)} (is the router running? --url)") \
             from None
+    base = url.rstrip("/")
+    try:
+        dplb_page = any(fam.name.startswith(NAME_PREFIX) for fam in text_string_to_metric_families(text))
+    except ValueError:  # (not Prometheus text: an HTML page, JSON, …)
+        dplb_page = False
+    if not dplb_page:
+        raise DPLBError(f"{base} is not a DPLB router (no {NAME_PREFIX}* metrics at {base}/metrics); --url must be "
+                        "the router's address (dplb launch --port, default http://127.0.0.1:30000)")
     return ledger_of(text)
 
 
@@ -142,7 +159,7 @@ def _cmd_check(args: argparse.Namespace, rest: list[str]) -> int:
     if not 1 <= args.router_processes <= MAX_ROUTER_PROCESSES:
         raise ConfigError(f"--router-processes must be 1..{MAX_ROUTER_PROCESSES}, got {args.router_processes}")
     tc = load_tenants(args.file)
-    print(f"{tc.path}: OK ({tc.summary()})")
+    print(f"{shown(tc.path)}: OK ({tc.summary()})")
     note = group_limits_note(args.router_processes, tc)
     if note:
         print(f"note: {note}", file=sys.stderr)

@@ -67,6 +67,7 @@ from dplb.router.agent import bind_agent, start_agent
 from dplb.router.direct import DirectLane
 from dplb.router.host_report import HostReporter
 from dplb.router.http_count import MODELS_PREFIX, HttpCount
+from dplb.router.intake import authorizations, duplicate_header_message
 from dplb.router.local import build_local_app
 from dplb.router.models import ServedModels
 from dplb.router.orca import OrcaResponder
@@ -183,11 +184,12 @@ class RouterApp:
                     self.metrics.rejected.labels(kind.code).inc()
                     await send_json(send_wrapper, kind.status, error_body(
                         kind, f"origin {origin!r} is not allowed by CORS (--cors-allowed-origins)"))
-            elif self._keyed and path not in self.cfg.public_paths and not self._authorized(scope):
-                self.metrics.rejected.labels(RouterErrorKind.UNAUTHORIZED.code).inc()
-                await send_json(self._cors_send(send_wrapper, origin) if origin else send_wrapper, 401,
-                                error_body(RouterErrorKind.UNAUTHORIZED, "missing or wrong API key"),
-                                [WWW_AUTHENTICATE])
+            elif self._keyed and path not in self.cfg.public_paths and (refused := self._refusal(scope)):
+                kind, message = refused
+                self.metrics.rejected.labels(kind.code).inc()
+                await send_json(self._cors_send(send_wrapper, origin) if origin else send_wrapper, kind.status,
+                                error_body(kind, message),
+                                [WWW_AUTHENTICATE] if kind is RouterErrorKind.UNAUTHORIZED else None)
             else:
                 await self.litestar(scope, receive, send_wrapper)  # type: ignore[arg-type]
         finally:
@@ -248,11 +250,14 @@ class RouterApp:
 
         return wrapped
 
-    def _authorized(self, scope: dict[str, Any]) -> bool:
-        for n, v in scope["headers"]:
-            if n == b"authorization":
-                return self.proxy.gate.tenant_of(v) is not None
-        return False
+    def _refusal(self, scope: dict[str, Any]) -> tuple[RouterErrorKind, str] | None:
+        """Why a keyed local route refuses ``scope``'s request (kind, message), or None when its key is good."""
+        value, n = authorizations(scope["headers"])
+        if n > 1:
+            return RouterErrorKind.DUPLICATE_HEADER, duplicate_header_message(b"authorization")
+        if n and self.proxy.gate.tenant_of(value) is not None:
+            return None
+        return RouterErrorKind.UNAUTHORIZED, "missing or wrong API key"
 
 
 #: CORS response headers that belong on a preflight answer only (Fetch standard, CORS protocol: an actual response

@@ -170,8 +170,8 @@ class DirectLane:
             return None
         ex = Exchange(scope, None, None)  # (receive and send: the cycle's, given to the ASGI app if it continues)
         ex.route, ex.pin = found
-        clen, ctype, auth, encoding = scan_headers(ex)
-        if encoding or clen < 0 or clen != len(cycle.body):
+        clen, ctype, auth, encoding, repeated = scan_headers(ex)
+        if repeated or encoding or clen < 0 or clen != len(cycle.body):  # (the ASGI path answers a repeated one)
             return None
         gate = self.gate
         if gate.on and not gate.identify(ex, auth):  # the ASGI path answers the 401

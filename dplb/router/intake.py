@@ -13,6 +13,9 @@ Contract
   nothing is sent). The body is never re-serialised: the worker gets the bytes, decoded only when they were compressed.
 - :func:`form_models`: every ``model`` field of a whole multipart body, strictly (what the tenant gate checks
   against an allow-list: a form the router might read otherwise than vLLM does is refused there).
+- A header the router reads that must have one value (``Content-Type``, ``Authorization``) sent twice is 400
+  ``duplicate_header`` (:func:`duplicate_header_message`; found by :func:`dplb.router.proxy.scan_headers` and
+  :func:`authorizations`): the router would read one and the worker, or a proxy before it, maybe the other.
 - :func:`bearer_ok`: the one API-key check (``Authorization: Bearer <key>``, constant time) of the proxy and the
   local endpoints.
 """
@@ -217,6 +220,21 @@ async def receive_body(receive: Any, limit: int, hook: Any = None) -> bytes | No
     return body
 
 
+def duplicate_header_message(name: bytes) -> str:
+    """The message of a 400 ``duplicate_header`` for header ``name`` (lower case, as ASGI gives it)."""
+    return (f"the {name.decode('latin-1').title()} header was sent more than once; send it once (RFC 9110 allows "
+            "one value)")
+
+
+def authorizations(headers: list[tuple[bytes, bytes]]) -> tuple[bytes, int]:
+    """(the ``Authorization`` value, how many times the header came) of an ASGI header list (b"" when none)."""
+    value, n = b"", 0
+    for name, v in headers:
+        if name == b"authorization":
+            value, n = v, n + 1
+    return value, n
+
+
 def bearer_credential(api_key: str | None) -> bytes | None:
     """The ``Authorization`` value that :func:`bearer_ok` accepts for ``api_key`` (scheme lower case), or None when
     no key is set (nothing to check)."""
@@ -229,5 +247,6 @@ def bearer_ok(authorization: bytes, credential: bytes) -> bool:
     return hmac.compare_digest(authorization[:7].lower() + authorization[7:], credential)
 
 
-__all__ = ["Rejected", "bearer_credential", "bearer_ok", "check_head", "decode_body",
+__all__ = ["Rejected", "authorizations", "bearer_credential", "bearer_ok", "check_head", "decode_body",
+           "duplicate_header_message",
            "form_models", "multipart_model", "read_body", "receive_body"]

@@ -59,7 +59,7 @@ from dplb.router import resume
 from dplb.router.allowlist import ambiguous
 from dplb.router.attempt import Attempt, Upstreams
 from dplb.router.exchange import REQ_OWN, Exchange, request_head, watch_disconnect
-from dplb.router.intake import Rejected, check_head, form_models, read_body, receive_body
+from dplb.router.intake import Rejected, check_head, duplicate_header_message, form_models, read_body, receive_body
 from dplb.router.models import ServedModels
 from dplb.router.ownership import OwnedResponseIds
 from dplb.router.peek import Peek
@@ -123,7 +123,8 @@ class Proxy:
     async def _reject(self, ex: Exchange, kind: RouterErrorKind, message: str, worker: int | None = None) -> None:
         await self.upstreams.reject(ex, kind, message, worker)
 
-    def route_request(self, peek: Peek, cannot_serve: frozenset[int]) -> RouteRequest:
+    @staticmethod
+    def route_request(peek: Peek, cannot_serve: frozenset[int]) -> RouteRequest:
         """The policy's view of the request: the workers that cannot serve it (model, pinned response) and its
         prompt's raw bytes (``messages`` JSON for chat, ``prompt`` for completions, ``input`` otherwise, as sent;
         what the policy's plugins derive from them is theirs: :mod:`dplb.policy.framework`)."""
@@ -156,7 +157,10 @@ class Proxy:
         trace.end(ex.status)
 
     async def _handle(self, ex: Exchange) -> None:
-        clen, ctype, auth, encoding = scan_headers(ex)
+        clen, ctype, auth, encoding, repeated = scan_headers(ex)
+        if repeated:  # (RFC 9110 §5.3: a field defined as one value; the router and the worker might read another)
+            await self._reject(ex, RouterErrorKind.DUPLICATE_HEADER, duplicate_header_message(repeated))
+            return
         if not self.gate.on:  # no tenants, key or access log: no tenant state (dplb.router.tenancy)
             ex.trace.tenant(DEFAULT_TENANT)
             await self._handle_known(ex, clen, ctype, encoding)
@@ -366,21 +370,26 @@ def _tenant_name(ex: Exchange) -> str:
     return tk.tenant.name if tk is not None else DEFAULT_TENANT
 
 
-def scan_headers(ex: Exchange) -> tuple[int, bytes, bytes, bytes]:
+def scan_headers(ex: Exchange) -> tuple[int, bytes, bytes, bytes, bytes]:
     """Set ``ex.rid`` (the client's ``X-Request-Id`` when sane, else a fresh 32-hex-digit id) and ``ex.fwd`` (the
     headers a worker gets, as :func:`dplb.router.exchange.request_head` renders them with
     :data:`dplb.router.exchange.REQ_OWN`; None when a ``Connection`` header lists names to drop too) and return
-    (content-length: -1 absent, -2 malformed; content-type; authorization; content-encoding). One pass: the names
+    (content-length: -1 absent, -2 malformed; content-type; authorization; content-encoding; the name of a
+    one-value header the router reads that came more than once, ``content-type`` or ``authorization``, else b"").
+    Repeated ``Content-Encoding`` headers are one comma list, in their order (RFC 9110 §5.3). One pass: the names
     it looks for are compared first (ASGI gives them in lower case)."""
     rid = b""
     clen = -1
-    ctype = auth = encoding = b""
+    ctype = auth = encoding = repeated = b""
+    seen_ctype = seen_auth = False
     listed = False
     headers: list[tuple[bytes, bytes]] = ex.scope["headers"]
     parts: list[bytes] = []
     for n, v in headers:
         if n == b"content-type":
-            ctype = v
+            if seen_ctype:
+                repeated = n
+            ctype, seen_ctype = v, True
         elif n == b"content-length":
             clen = int(v) if v.isdigit() else -2
             continue
@@ -390,9 +399,11 @@ def scan_headers(ex: Exchange) -> tuple[int, bytes, bytes, bytes]:
             rid = v
             continue
         elif n == b"authorization":
-            auth = v
+            if seen_auth:
+                repeated = n
+            auth, seen_auth = v, True
         elif n == b"content-encoding":
-            encoding = v
+            encoding = encoding + b", " + v if encoding else v
         elif n in REQ_OWN:
             if n == b"connection":
                 listed = True
@@ -403,7 +414,7 @@ def scan_headers(ex: Exchange) -> tuple[int, bytes, bytes, bytes]:
         parts.append(b"\r\n")
     ex.fwd = None if listed else b"".join(parts)
     ex.rid = rid if rid and _REQUEST_ID_RE.fullmatch(rid) else _IDS.next()
-    return clen, ctype, auth, encoding
+    return clen, ctype, auth, encoding, repeated
 
 
 _ID_BATCH: Final = 128  # request ids per draw from the OS's random source

@@ -77,6 +77,15 @@ log = logging.getLogger("dplb.router.tenants")
 BYTES_PER_TOKEN = 4  # prompt-token estimate at admission (OpenAI's rule of thumb for English text)
 #: A refusal to answer: its error kind, message, Retry-After (seconds; None: ``--retry-after``) and extra headers.
 Refusal = tuple[RouterErrorKind, str, int | None, Sequence[tuple[bytes, bytes]]]
+
+
+def prompt_estimate(ex: Exchange) -> int:
+    """The router's estimate of ``ex``'s prompt tokens (at least 1): the bytes of the body's prompt field, as sent
+    (the raw JSON of ``messages`` for chat, ``prompt`` for completions, ``input`` otherwise:
+    :meth:`dplb.router.proxy.Proxy.route_request`), else of the whole (decoded) body, ÷ :data:`BYTES_PER_TOKEN`."""
+    return max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
+
+
 _USAGE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
@@ -161,7 +170,7 @@ class Gate:
         """:meth:`enter` of a :attr:`plain` gate (its tenant has no limit, allow-list or queue): ``ex`` (identified)
         is admitted at once; what :meth:`enter` does then, nothing else."""
         tk: Ticket = ex.tenant
-        tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
+        tk.est = prompt_estimate(ex)
         self.active[tk.tenant.name] += 1
         tk.counted = True
         self._observe_wait(tk, 0.0)
@@ -201,7 +210,7 @@ class Gate:
                 why = self.owners.refusal(ex, t)
             if why is not None:
                 return why[0], why[1], None, ()
-        tk.est = max(1, len(ex.request.prompt or ex.body) // BYTES_PER_TOKEN)
+        tk.est = prompt_estimate(ex)
         lim, fq, cap, peers = tk.limits, self.fq, t.max_concurrent, 0
         sl = self.state.slots  # (a process alone on the segment calls nothing of the group)
         grouped = sl is not None and sl.has_peers and self.group.grouped(t)
@@ -337,4 +346,4 @@ class Gate:
 
 
 
-__all__ = ["Gate", "Ticket"]
+__all__ = ["Gate", "Ticket", "prompt_estimate"]
