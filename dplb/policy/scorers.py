@@ -86,6 +86,17 @@ from dplb.policy.prefix import ENTRY_BYTES, MAX_PREFIX_BLOCKS, SPECULATIVE_TTL_S
 from dplb.state.shm import WorkerState
 
 
+def queue_terms(queues: Sequence[int], top: int) -> list[float]:
+    """The plain queue terms ``1 − queue/top``, clamped at 0, one per queue (requests, corrected); ``top`` (> 0):
+    ``max(max_queue, the longest eligible queue)`` (module docstring). Shared by :class:`QueueScorer` and
+    :mod:`dplb.policy.fused`, so both compute the same floats."""
+    out = []
+    for q in queues:
+        t = 1.0 - q / top
+        out.append(t if t > 0.0 else 0.0)
+    return out
+
+
 # Subclassed by plugins (not compiled): allowed (dplb.native).
 @mypyc_attr(allow_interpreted_subclasses=True)
 class QueueScorer(Scorer):
@@ -103,13 +114,14 @@ class QueueScorer(Scorer):
     def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
         cfg = self.cfg
         ww1 = self.waiting_weight - 1.0
-        out = []
         if ww1 <= 0.0 and not cfg.max_queue_from_worker:  # the default: one cap, every request counts once
-            mq = cfg.max_queue
+            top = cfg.max_queue  # the normalizer: max(max_queue, the longest eligible queue)
             for c in cands:
-                t = 1.0 - c.queue / mq
-                out.append(t if t > 0.0 else 0.0)
-            return out
+                if c.why is OK and c.queue > top:
+                    top = c.queue
+            return queue_terms([c.queue for c in cands], top)
+        fulls = []  # each worker's queue over its own cap
+        top_full = 1.0
         for c in cands:
             w = c.state
             q = float(c.queue)
@@ -118,7 +130,13 @@ class QueueScorer(Scorer):
                     q += ww1 * (w.num_waiting + c.correction)
                 elif w.max_num_seqs > 0 and w.num_running + c.correction > w.max_num_seqs:
                     q += ww1 * (w.num_running + c.correction - w.max_num_seqs)
-            t = 1.0 - q / max_queue_of(w, cfg)
+            f = q / max_queue_of(w, cfg)
+            fulls.append(f)
+            if c.why is OK and f > top_full:
+                top_full = f
+        out = []
+        for f in fulls:
+            t = 1.0 - f / top_full
             out.append(t if t > 0.0 else 0.0)
         return out
 
