@@ -342,8 +342,10 @@ class FastPick:
                 elif d < lo:
                     lo = d
         self.top = top
-        if top > mq:  # some eligible queue is past max_queue: every term relative to the longest
-            qcol = queue_terms([r[2] for r in rows], top)
+        if top > mq:  # some eligible queue is past max_queue: every term relative to the longest (queue_terms)
+            for i, r in enumerate(rows):
+                t = 1.0 - r[2] / top
+                qcol[i] = t if t > 0.0 else 0.0
         if idle:
             age_latency(lcol, idle, idle_lats, fresh, sw, swl, tix, lats, b)
         if fill:
@@ -417,9 +419,10 @@ class FastPick:
             x = qcol[i]
             s = wq * x + wm * mcol[i] + wl * lcol[i]
             row = rows[i]
-            # The headroom 1 − queue/max_queue: the queue term where it is > 0, unless that term is relative.
-            h = x if not past else (1.0 - row[2] / mq if row[2] < mq else 0.0)
-            if depth[i] > lo and h > 0.0:
+            h = 0.0  # the headroom 1 − queue/max_queue: the queue term where it is > 0, unless that term is relative
+            if depth[i] > lo:
+                h = x if not past else (1.0 - row[2] / mq if row[2] < mq else 0.0)
+            if h > 0.0:
                 p = pcol[i] = (depth[i] - lo) / span * h
                 s += wp * p
             else:
