@@ -171,14 +171,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         seg = Segment.create(os.path.join(d, "seg"), 8)
         for k in range(8):
-            seg.writer(k).publish_now(_snapshot(8, 0)[k])
+            seg.writer(k).publish_now(_snapshot(8, 10**12)[k])
         samples = []
         for _ in range(args.iterations):
             t0 = time.perf_counter_ns()
             seg.read_all()
             samples.append((time.perf_counter_ns() - t0) / 1000)
         written = []  # one worker published since the last read (each publishes once per state interval)
-        states = _snapshot(8, 0)
+        states = _snapshot(8, 10**12)  # a later "now": every last_done_mono_ns ≥ 0 (a u64 in the slot)
         writers = [seg.writer(k) for k in range(8)]
         for i in range(args.iterations):
             writers[i % 8].publish_now(states[i % 8])

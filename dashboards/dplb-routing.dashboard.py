@@ -19,7 +19,8 @@ from _common import (
 from dplb.obs import metrics as M
 
 TERM_DOC = {
-    "queue": "1 − queue / max_queue: falls as requests pile up on the worker (weights: dplb_policy_weight).",
+    "queue": "1 − queue / max_queue, past max_queue 1 − queue / the longest queue: falls as requests pile up on the "
+             "worker (weights: dplb_policy_weight).",
     "memory": "1 − KV-cache usage (or GPU memory used/total with memory_signal=gpu).",
     "latency": "1 − avg latency / baseline; 1 until the baseline is frozen after 50 requests.",
 }

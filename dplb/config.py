@@ -150,7 +150,8 @@ class PolicyConfig:
     - ``weights``: ``((scorer name, weight), …)``, each weight ≥ 0, summing to 1 (±1e-6); names are checked against
       the scorer registry when the policy is built. None (default): :data:`PREFIX_WEIGHTS` when prefix scoring is
       on, else the seed's :data:`SEED_WEIGHTS` (0.4 / 0.3 / 0.3).
-    - ``max_queue``: soft queue cap, requests (> 0); the queue term is ``1 − queue/max_queue`` clamped to [0, 1].
+    - ``max_queue``: soft queue cap, requests (> 0); the queue term is ``1 − queue/max(max_queue, the longest
+      eligible queue)`` (dplb/policy/scorers.py).
       ``max_queue_from_worker=True`` uses each worker's published ``max_num_seqs`` instead (when it is > 0).
     - ``hard_queue_cap``: a worker whose queue is ≥ this is not eligible (0 = no hard cap). When every ready
       worker is over it the router answers 503 with ``Retry-After``.

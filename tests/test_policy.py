@@ -421,6 +421,26 @@ def test_equal_scores_past_the_soft_cap_prefer_the_shorter_queue() -> None:
         assert p.pick([ws(0, run=30, hb=NOW - 1), ws(1, run=20, hb=NOW - 1)], NOW).worker == 1
 
 
+def test_burst_past_the_soft_cap_follows_the_corrected_queue() -> None:
+    """Regression: with every queue past max_queue (16) every queue term was 0, so the latency term alone decided
+    and the same worker won every pick of a burst inside one snapshot: the router's /debug/decisions showed a
+    worker with 189 queued chosen over one with 20 (latency terms 0.605 vs 0), all 300 picks. The queue term is now
+    ``1 − q/max(max_queue, longest eligible queue)``: worker 0 takes the burst until the faster worker's latency
+    advantage balances the queue ratio, then they share it at that ratio — 0.4·(1 − q0/q1) = 0.3·Δlatency +
+    0.3·Δmemory."""
+    p = policy(n=2, baseline=2.0)
+    snap = [ws(0, run=20, kv=0.0005, lat=2.4), ws(1, run=189, lat=0.79)]  # latency terms 0 and 0.605
+    d = p.pick(snap, NOW)
+    assert latency_terms(d) == pytest.approx([0.0, 0.605])
+    assert d.worker == 0
+    counts = Counter([0]) + Counter(p.pick(snap, NOW).worker for _ in range(299))
+    q0, q1 = 20 + counts[0], 189 + counts[1]
+    assert p.correction(0) == counts[0] and p.correction(1) == counts[1]
+    balance = 1 - (0.3 * 0.605 + 0.3 * 0.0005) / 0.4  # the queue ratio where the terms even out: 0.546
+    assert 150 <= counts[0] <= 170, counts  # before the fix: 0 of 300
+    assert balance - 0.01 <= q0 / q1 <= balance + 0.01, (q0, q1)
+
+
 def test_fresh_worker_latency_term_is_the_peers_mean() -> None:
     p = policy(n=3, baseline=2.0, latency_deadband=0.0)
     d = p.pick([ws(0, run=1, lat=1.0), ws(1, run=1, lat=1.5), ws(2)], NOW)

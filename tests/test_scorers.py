@@ -64,6 +64,32 @@ def test_queue_scorer(cfg: dict, kw: dict, want: float) -> None:  # type: ignore
     assert s.score([cand(**kw)], ctx()) == pytest.approx([want])
 
 
+DEEP = [  # (config kwargs, candidate kwargs per worker, terms): past max_queue the terms stay ordered by queue
+    ({}, [{"run": 4}, {"run": 8}], [0.75, 0.5]),  # every queue below the cap: 1 − queue/16, as before
+    ({}, [{"run": 20}, {"run": 189}], [1 - 20 / 189, 0.0]),  # both past 16 (before: 0, 0)
+    ({}, [{"run": 207}, {"run": 339}], [1 - 207 / 339, 0.0]),  # (before: 0, 0)
+    ({}, [{"run": 8}, {"run": 32}], [0.75, 0.0]),  # one past the cap: relative to the longest
+    ({}, [{"run": 30}, {"run": 30}], [0.0, 0.0]),  # equal: tied (the picker rotates)
+    # the in-flight correction keeps moving the terms inside one snapshot, past the cap too
+    ({}, [{"run": 20, "corr": 100}, {"run": 100}], [0.0, 1 - 100 / 120]),
+    ({}, [{"run": 20, "corr": 100}, {"run": 100, "corr": 21}], [1 - 120 / 121, 0.0]),
+    # an ineligible worker's queue sets no normalizer (its term is clamped at 0)
+    ({}, [{"run": 20}, {"run": 189}, {"run": 500, "why": "stale"}], [1 - 20 / 189, 0.0, 0.0]),
+    # per-worker caps: each queue over its own cap, relative to the fullest eligible worker
+    ({"max_queue_from_worker": True}, [{"run": 64, "max_seqs": 256}, {"run": 8, "max_seqs": 16}], [0.75, 0.5]),
+    ({"max_queue_from_worker": True}, [{"run": 512, "max_seqs": 256}, {"run": 64, "max_seqs": 16}],
+     [1 - 2.0 / 4.0, 0.0]),
+    ({"waiting_weight": 4.0}, [{"run": 16, "wait": 4}, {"run": 16, "wait": 14}],  # 4·waiting + running: 32, 72
+     [1 - (32 / 16) / (72 / 16), 0.0]),
+]
+
+
+@pytest.mark.parametrize(("cfg", "kws", "want"), DEEP)
+def test_queue_term_orders_workers_past_max_queue(cfg: dict, kws: list, want: list) -> None:  # type: ignore[type-arg]
+    s = QueueScorer(PolicyConfig(**cfg), len(kws))
+    assert s.score([cand(k, **kw) for k, kw in enumerate(kws)], ctx()) == pytest.approx(want)
+
+
 # ---- memory -----------------------------------------------------------------------------------------------------
 MEMORY = [
     ("kv", {"kv": 0.0}, 1.0),

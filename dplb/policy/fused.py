@@ -49,6 +49,7 @@ from dplb.policy.scorers import (
     deadband,
     freshness,
     memory_ratio,
+    queue_terms,
     settle_latency,
 )
 from dplb.state.shm import Lifecycle, WorkerState
@@ -119,11 +120,14 @@ class FusedScores:
         if q is not None:
             assert self.index is not None
             depth = q.depth = self.index.match(q.blocks, ctx.now_ns)
+        top = mq  # the queue term's normalizer: max(max_queue, the longest eligible queue)
         for i, c in enumerate(cands):
             w = c.state
             cq = c.queue
             if cq >= mq:  # then cq/mq ≥ 1.0 (rounding is monotone): the term is 0 without the division
                 qcol.append(0.0)
+                if cq > top and c.why is OK:
+                    top = cq
             else:
                 t = 1.0 - cq / mq
                 qcol.append(t if t > 0.0 else 0.0)
@@ -158,6 +162,8 @@ class FusedScores:
                     best, pref = d, c.worker_id
                 elif d < lo:
                     lo = d
+        if top > mq:  # some eligible queue is past max_queue: every term relative to the longest
+            qcol = queue_terms([c.queue for c in cands], top)
         if timed:
             age_latency(lcol, idle, idle_lats, fresh, sw, swl, tix, lats, b)
             settle_latency([c.state for c in cands] if fill else (), lcol, tix, lats, b, self.band, fill)
@@ -226,7 +232,7 @@ class FastPick:
     nothing a pick returns depends on what was kept.
     """
 
-    __slots__ = ("banded", "base", "cap", "fused", "orders", "renew", "seen", "sent_at", "stale", "states")
+    __slots__ = ("banded", "base", "cap", "fused", "orders", "renew", "seen", "sent_at", "stale", "states", "top")
 
     def __init__(self, fused: FusedScores, sent_at: list[deque[int]], seen: list[int],
                  renew: Callable[[WorkerState, deque[int]], bool], stale_ns: int, cap: int) -> None:
@@ -243,6 +249,9 @@ class FastPick:
         self.base = 1.0
         #: The last deadband's inputs (eligible timed workers, their latencies) and :func:`deadband`'s result.
         self.banded: tuple[list[int], list[float], tuple[float, list[int]]] = ([], [], (0.0, []))
+        #: The last :meth:`first`'s queue-term normalizer, ``max(max_queue, the longest eligible queue)``: above
+        #: ``max_queue`` the queue terms are relative and :meth:`weigh` computes the prefix headroom apart.
+        self.top = fused.max_queue
 
     def first(self, snapshot: Sequence[WorkerState], now: int, req: RouteRequest, verdicts: Verdicts,
               inflight: Sequence[int] | None, shared: Sequence[int] | None, baseline: float | None,
@@ -278,6 +287,7 @@ class FastPick:
         fill = forgot = False
         lo = best = -1
         pref = 0
+        top = mq  # the queue term's normalizer: max(max_queue, the longest eligible queue)
         for i, w in enumerate(snapshot):
             k = w.worker_id
             st = states[k]
@@ -301,6 +311,8 @@ class FastPick:
                 t = 1.0 - cq / mq
                 if t > 0.0:
                     qcol[i] = t
+            elif cq > top and why is OK:
+                top = cq
             mcol.append(m)
             if timed:
                 if lt < 0.0 or not (cq or why is OK):
@@ -329,6 +341,11 @@ class FastPick:
                     best, pref = d, k
                 elif d < lo:
                     lo = d
+        self.top = top
+        if top > mq:  # some eligible queue is past max_queue: every term relative to the longest (queue_terms)
+            for i, r in enumerate(rows):
+                t = 1.0 - r[2] / top
+                qcol[i] = t if t > 0.0 else 0.0
         if idle:
             age_latency(lcol, idle, idle_lats, fresh, sw, swl, tix, lats, b)
         if fill:
@@ -396,16 +413,21 @@ class FastPick:
         zp = wp * 0.0  # the prefix term's share where it is 0
         if depth is None:  # no preference: every prefix term is 0
             depth, lo = [0] * len(rows), 0
+        mq = self.fused.max_queue
+        past = self.top > mq  # the queue terms are relative to a longer queue than max_queue
         for i in order:
             x = qcol[i]
             s = wq * x + wm * mcol[i] + wl * lcol[i]
-            if depth[i] > lo and x > 0.0:  # the headroom 1 − queue/max_queue is the queue term where it is > 0
-                p = pcol[i] = (depth[i] - lo) / span * x
+            row = rows[i]
+            h = 0.0  # the headroom 1 − queue/max_queue: the queue term where it is > 0, unless that term is relative
+            if depth[i] > lo:
+                h = x if not past else (1.0 - row[2] / mq if row[2] < mq else 0.0)
+            if h > 0.0:
+                p = pcol[i] = (depth[i] - lo) / span * h
                 s += wp * p
             else:
                 s += zp
             scores[i] = s
-            row = rows[i]
             if row[4] is OK and (chosen < 0 or s > above or (s > below and row[2] < bq)):
                 chosen, above, below, bq = i, s + 1e-12, s - 1e-12, row[2]
         return scores, chosen

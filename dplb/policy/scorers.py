@@ -5,10 +5,21 @@ skips its clamp); the policy adds them up with the configured weights (seed arti
 0.3·latency``). Each declares its parameters (``--scorer-param NAME.PARAM=VALUE``; the older flags are their
 defaults). Table-driven tests: tests/test_scorers.py.
 
-- ``queue``: ``1 − queue/max_queue`` with ``queue`` = running + waiting + the router's in-flight correction
+- ``queue``: ``1 − queue/max(max_queue, top)`` with ``queue`` = running + waiting + the router's in-flight correction
   (requests it sent that the worker's snapshot may not count yet; without it a burst inside one 200 ms state
-  interval herds onto one worker — vLLM's DP client keeps the same correction, ``vllm/v1/engine/core_client.py``).
-  ``waiting_weight`` > 1 counts requests that must wait for a batch slot that many times (vLLM DP: 4).
+  interval herds onto one worker — vLLM's DP client keeps the same correction, ``vllm/v1/engine/core_client.py``)
+  and ``top`` the longest such queue among this pick's eligible candidates. Within ``max_queue`` this is the seed's
+  term; past it the term is relative to the longest queue, so it orders the workers by corrected queue at any depth.
+  (Clamped at 0 instead, every term was 0 once each worker had ``max_queue`` queued — 16; vLLM runs 256 at once —
+  and the latency/memory terms, constant within a snapshot, sent a whole burst to one worker: 10/290 of 300.) A
+  worker ahead by ``Δ`` on the other weighted terms now takes picks until ``w_queue·(1 − q/top) = Δ``: its queue
+  leads by at most the ratio ``1 − Δ/w_queue`` (seed weights, a full latency gap: 4×), a tilt, not a herd.
+  ``waiting_weight`` > 1 counts requests that must wait for a batch slot that many times (vLLM DP: 4); with it or
+  per-worker caps the term is ``1 − f/max(1, top_f)`` on each worker's fullness ``f = queue/cap``. The other clamps
+  cannot herd: saturated workers tie on them and the queue term decides. ``memory`` clamps at a real bound (a full
+  KV cache); ``latency`` at 0 past the baseline, kept absolute because at depth a recent E2E mostly re-measures the
+  queue already counted, 10 requests late; ``prefix`` keeps its headroom ``1 − queue/max_queue``: 0 for every
+  worker past ``max_queue`` (a worker that full spills), shrinking with the corrected queue below it.
 - ``memory``: ``1 − KV-cache usage`` (default; vLLM pre-allocates ~90 % of GPU memory, so NVML "used" is flat) or
   ``1 − NVML used/total`` (``memory_signal="gpu"``; no GPU → 1).
 - ``latency``: ``1 − latency/baseline``; ``latency`` is the worker's mean E2E (or TTFT) of its last 10 requests,
@@ -86,10 +97,21 @@ from dplb.policy.prefix import ENTRY_BYTES, MAX_PREFIX_BLOCKS, SPECULATIVE_TTL_S
 from dplb.state.shm import WorkerState
 
 
+def queue_terms(queues: Sequence[int], top: int) -> list[float]:
+    """The plain queue terms ``1 − queue/top``, clamped at 0, one per queue (requests, corrected); ``top`` (> 0):
+    ``max(max_queue, the longest eligible queue)`` (module docstring). Shared by :class:`QueueScorer` and
+    :mod:`dplb.policy.fused`, so both compute the same floats."""
+    out = []
+    for q in queues:
+        t = 1.0 - q / top
+        out.append(t if t > 0.0 else 0.0)
+    return out
+
+
 # Subclassed by plugins (not compiled): allowed (dplb.native).
 @mypyc_attr(allow_interpreted_subclasses=True)
 class QueueScorer(Scorer):
-    """``1 − queue/max_queue``, clamped to [0, 1] (see the module docstring)."""
+    """``1 − queue/max(max_queue, the longest eligible queue)``, clamped to [0, 1] (see the module docstring)."""
 
     name = "queue"
     bounded = True
@@ -103,13 +125,14 @@ class QueueScorer(Scorer):
     def score(self, cands: list[Candidate], ctx: PickContext) -> list[float]:
         cfg = self.cfg
         ww1 = self.waiting_weight - 1.0
-        out = []
         if ww1 <= 0.0 and not cfg.max_queue_from_worker:  # the default: one cap, every request counts once
-            mq = cfg.max_queue
+            top = cfg.max_queue  # the normalizer: max(max_queue, the longest eligible queue)
             for c in cands:
-                t = 1.0 - c.queue / mq
-                out.append(t if t > 0.0 else 0.0)
-            return out
+                if c.why is OK and c.queue > top:
+                    top = c.queue
+            return queue_terms([c.queue for c in cands], top)
+        fulls = []  # each worker's queue over its own cap
+        top_full = 1.0
         for c in cands:
             w = c.state
             q = float(c.queue)
@@ -118,7 +141,13 @@ class QueueScorer(Scorer):
                     q += ww1 * (w.num_waiting + c.correction)
                 elif w.max_num_seqs > 0 and w.num_running + c.correction > w.max_num_seqs:
                     q += ww1 * (w.num_running + c.correction - w.max_num_seqs)
-            t = 1.0 - q / max_queue_of(w, cfg)
+            f = q / max_queue_of(w, cfg)
+            fulls.append(f)
+            if c.why is OK and f > top_full:
+                top_full = f
+        out = []
+        for f in fulls:
+            t = 1.0 - f / top_full
             out.append(t if t > 0.0 else 0.0)
         return out
 

@@ -46,7 +46,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    f"scoring on, the seed's {format_weights(SEED_WEIGHTS)} with --prefix-block-bytes 0; "
                    "positional 0.4,0.3,0.3 = queue,memory,latency)")
     g.add_argument("--max-queue", type=int, default=d.max_queue,
-                   help="soft queue cap of the queue term, requests (default: %(default)s)")
+                   help="soft queue cap of the queue term, requests; past it the term is relative to the longest "
+                   "queue (default: %(default)s)")
     g.add_argument("--max-queue-from-worker", action="store_true", help="use each worker's max_num_seqs instead")
     g.add_argument("--hard-queue-cap", type=int, default=d.hard_queue_cap,
                    help="per-worker queue that makes it ineligible (0 = off; default: %(default)s)")
