@@ -361,7 +361,7 @@ def launched(tmp_path: Path, *args: str, tag: str | None = None, env: dict[str, 
     tag = tag or uuid.uuid4().hex[:10]
     shm = f"/dev/shm/dplb_state_test_{tag}"
     port = free_port()
-    run_dir = str(tmp_path / f"run-{tag}")
+    run_dir = str(tmp_path / f"r-{tag[:8]}")
     log = tmp_path / "launch.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(

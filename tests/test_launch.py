@@ -47,7 +47,7 @@ def _dplb_procs(tag: str) -> list[str]:
 def test_launch_sim_four_workers_restart_and_clean_stop(tmp_path) -> None:  # type: ignore[no-untyped-def]
     tag = new_tag()
     shm = f"/dev/shm/dplb_state_test_{tag}"
-    run_dir = str(tmp_path / f"run-{tag}")
+    run_dir = str(tmp_path / f"r-{tag[:8]}")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "launch.log", "wb")  # noqa: SIM115
@@ -177,7 +177,7 @@ def test_launcher_killed_takes_its_children_along(tmp_path) -> None:  # type: ig
     port = free_port()
     with open(tmp_path / "l.log", "wb") as log:
         proc = subprocess.Popen(dplb_cmd("launch", "--num-workers", "2", "--port", str(port), "--host", "127.0.0.1",
-                                         "--shm-path", shm, "--run-dir", str(tmp_path / f"run-{tag}"),
+                                         "--shm-path", shm, "--run-dir", str(tmp_path / f"r-{tag[:8]}"),
                                          "--metrics-port-base", "0"), stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait(lambda: router_ready(f"http://127.0.0.1:{port}"), 60, "ready", proc)
@@ -216,7 +216,7 @@ def test_launch_passes_router_flags_through(tmp_path) -> None:  # type: ignore[n
     env = {**os.environ, "DPLB_API_KEY": "k3y"}
     with open(tmp_path / "l.log", "wb") as log:
         proc = subprocess.Popen(dplb_cmd("launch", "--num-workers", "2", "--port", str(port), "--host", "127.0.0.1",
-                                         "--shm-path", shm, "--run-dir", str(tmp_path / f"run-{tag}"),
+                                         "--shm-path", shm, "--run-dir", str(tmp_path / f"r-{tag[:8]}"),
                                          "--metrics-port-base", "0", "--api-key-exempt", "/metrics",
                                          "--worker-args", "1=--sim-speed 0.5", "--router-processes", "2"),
                                 stdout=log, stderr=subprocess.STDOUT, env=env)

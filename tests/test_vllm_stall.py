@@ -57,7 +57,7 @@ def test_sigstop_of_engine_core_fails_fast_and_recovers_on_sigcont(tmp_path) -> 
     require_vllm()
     tag = new_tag()
     shm = f"/dev/shm/dplb_state_test_{tag}"
-    run_dir = str(tmp_path / f"run-{tag}")
+    run_dir = str(tmp_path / f"r-{tag[:8]}")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "launch.log"
