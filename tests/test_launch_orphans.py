@@ -149,14 +149,6 @@ def test_launch_restarts_a_router_frozen_past_router_restart_after(tmp_path: Pat
         print(f"frozen router replaced and serving {took:.1f} s after SIGSTOP (--router-restart-after 3)")
 
 
-def _gone(pid: int) -> bool:
-    """True when ``pid`` no longer runs (exited, or a zombie its parent has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        return True
-
 
 def test_launch_restarts_a_frozen_router_group_child_past_router_restart_after(tmp_path: Path) -> None:
     """--router-restart-after applies to each child of a --router-processes group: the launcher hands it to the
@@ -172,7 +164,7 @@ def test_launch_restarts_a_frozen_router_group_child_past_router_restart_after(t
         os.kill(frozen, signal.SIGSTOP)
         t0 = time.monotonic()
         try:
-            wait_for(lambda: _gone(frozen), 30, "the frozen router process killed", step_s=0.1)
+            wait_for(lambda: process_gone(frozen), 30, "the frozen router process killed", step_s=0.1)
             killed_s = time.monotonic() - t0
 
             def replaced() -> bool:

@@ -20,6 +20,8 @@ import httpx
 import pytest
 from cluster import Cluster, cluster, group_children
 
+from dplb.state.segments import process_gone
+
 pytestmark = pytest.mark.timeout(120)
 BODY = {"model": "dplb-sim", "prompt": "hello", "max_tokens": 2}
 SLOW = ["--sim-decode-step-s", "0.05"]  # 30 tokens ≈ 1.5 s: long enough to kill or drain mid-stream
@@ -239,7 +241,7 @@ def test_a_frozen_process_is_killed_by_its_heartbeat_and_replaced(tmp_path) -> N
         os.kill(kids[1], signal.SIGSTOP)
         t0 = time.monotonic()
         try:
-            while time.monotonic() - t0 < 30 and not _gone(kids[1]):
+            while time.monotonic() - t0 < 30 and not process_gone(kids[1]):
                 time.sleep(0.05)
             killed_s = time.monotonic() - t0
             new = _wait_group(c, 2)
@@ -309,7 +311,7 @@ def test_heartbeats_of_a_removed_segment_are_not_judged_and_a_recreated_one_is(t
         os.kill(kids[0], signal.SIGSTOP)
         t0 = time.monotonic()
         try:
-            while time.monotonic() - t0 < 20 and not _gone(kids[0]):
+            while time.monotonic() - t0 < 20 and not process_gone(kids[0]):
                 time.sleep(0.05)
             killed_s = time.monotonic() - t0
         finally:
@@ -319,14 +321,6 @@ def test_heartbeats_of_a_removed_segment_are_not_judged_and_a_recreated_one_is(t
         assert f"router process 0 (pid {kids[0]}) published no heartbeat for" in c.router_log()
         assert _wait_group(c, 2)[1] == kids[1]
 
-
-def _gone(pid: int) -> bool:
-    """True when ``pid`` no longer runs (exited, or a zombie its parent has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def test_every_scrape_time_family_has_a_group_rule() -> None:
