@@ -17,8 +17,11 @@ Contract
   a single-process router whose router slot's heartbeat is ``--router-restart-after`` seconds old (logged; restarts
   counted in the log). A ``--router-processes`` group's children are judged by the same value by the group's parent
   (:mod:`dplb.router.supervisor`, which gets it in the router configuration and restarts the child it kills), not
-  by the launcher: one judge per process. A worker or router that fails before ever becoming ready
-  ``--max-start-failures`` times in a row stops the launch with its log tail, except a router start refused because
+  by the launcher: one judge per process; the launcher judges the group as a whole by its children (a parent
+  that lives while none of its children has published a heartbeat that long, plus a grace for the parent's own
+  restarts, is stopped or wedged: :func:`dplb.ops.watchdog.kill_if_group_unserved`) and restarts it as one router.
+  A worker or router that fails before ever becoming ready ``--max-start-failures`` times in a row stops the launch
+  with its log tail, except a router start refused because
   the compiled build went stale (:class:`dplb.errors.StaleBuildError`'s exit status, which a ``--router-processes``
   group's parent passes on when its children refuse): the workers are kept, one ERROR names the fix, and the router
   is retried (waits capped at 5 s; one ``router restarted`` line, then at most one a minute) until a rebuild (or
@@ -72,7 +75,7 @@ from dplb.ops.doctor import check_run_dir
 from dplb.ops.placement import host_placement
 from dplb.ops.plan import cuda_visible_devices, plan_gpus
 from dplb.ops.shm_leftovers import ShmLeftovers
-from dplb.ops.watchdog import kill_if_router_frozen, kill_if_worker_frozen
+from dplb.ops.watchdog import kill_if_group_unserved, kill_if_router_frozen, kill_if_worker_frozen
 from dplb.router.cli import router_config
 from dplb.router.supervisor import child_env
 from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
@@ -313,8 +316,11 @@ class Launcher:
                     w.start()
                     log.info("%s restarted (restart #%d)", w.name, w.restarts)
             r = self.router
-            if seg is not None and r.ever_ready and r.alive() and self.router_cfg.processes == 1:
-                kill_if_router_frozen(seg, r, self.router_cfg.restart_after_s)  # a group's parent judges its own
+            if seg is not None and r.ever_ready and r.alive():
+                if self.router_cfg.processes == 1:
+                    kill_if_router_frozen(seg, r, self.router_cfg.restart_after_s)
+                else:  # a group's parent judges its children; the launcher judges the group by them
+                    kill_if_group_unserved(seg, r, self.router_cfg.restart_after_s, self.segment.attached_at)
             if not r.alive() and not self.stopping and not self._restart_router(r, now):
                 return 1
             if not r.ever_ready and r.alive() and _http_ok(self._local_url() + "/health"):

@@ -26,7 +26,9 @@ server streams. The state plane is shared memory, so N processes can route on it
   and the launcher never judge a process differently; 0 = off) while it lives is SIGKILLed (one WARNING naming it,
   its pid and the age) and restarted as after any exit. The kernel keeps handing a stopped process its share of the
   new connections, so waiting strands clients. Under ``dplb launch`` the parent judges its children and the
-  launcher judges none of them (:mod:`dplb.ops.watchdog` judges a single-process router only).
+  launcher judges none of them one by one; it judges the group by them (:mod:`dplb.ops.watchdog`: no living child
+  of this parent with a fresh heartbeat for ``cfg.restart_after_s`` plus this module's :data:`BACKOFF_MAX_S` and a
+  start means this parent is stopped or wedged).
 - Liveness, fallback: every :data:`HEALTH_EVERY_S` the parent asks each child's private socket for ``/health``; a
   child that gives no HTTP answer :data:`HUNG_AFTER` times in a row (stopped, or its event loop stuck) is SIGKILLed
   and restarted. This alone judges a child without a slot to read: no segment (missing, not yet created, one
