@@ -88,7 +88,6 @@ from dplb.worker.engines import sim_config
 log = logging.getLogger("dplb.launch")
 STABLE_S = 60.0  # a child up this long has its restart backoff reset
 ROUTER_RETRY_MAX_S = 5.0  # the longest wait before a router restart (the router is the stack's one way in)
-STALE_RETRY_LOG_S = 60.0  # while the stale build refuses the router: at most one "router restarted" line this often
 SHUTDOWN_SWEEP_S = 3.0  # at stop, how long leftover engine shared memory is waited for (the killed processes exit)
 
 
@@ -366,16 +365,17 @@ class Launcher:
     @staticmethod
     def _log_router_restart(r: Child, now: float) -> None:
         """``router restarted`` at INFO; while a stale build keeps refusing it (retried every
-        :data:`ROUTER_RETRY_MAX_S`), the first retry and then at most one line per :data:`STALE_RETRY_LOG_S`."""
+        :data:`ROUTER_RETRY_MAX_S`), the first retry and then at most one line per
+        :data:`dplb.native.STALE_RETRY_LOG_S`."""
         if not r.extra.get("stale_build"):
             log.info("router restarted (restart #%d)", r.restarts)
             return
         due = r.extra.get("stale_log_at", 0.0)
         if isinstance(due, float) and now >= due:
-            r.extra["stale_log_at"] = now + STALE_RETRY_LOG_S
+            r.extra["stale_log_at"] = now + native.STALE_RETRY_LOG_S
             log.info("router restarted (restart #%d; refused for the stale build until it is rebuilt or cleaned, "
                      "retried every %.0f s, this line at most every %.0f s)", r.restarts, ROUTER_RETRY_MAX_S,
-                     STALE_RETRY_LOG_S)
+                     native.STALE_RETRY_LOG_S)
 
     def _gives_up(self, c: Child, rc: int | None) -> bool:
         """Count an exit before ``c`` ever became ready; True (after printing its log tail) once that happened
