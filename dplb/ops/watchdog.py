@@ -23,8 +23,9 @@ from dplb.router.supervisor import BACKOFF_MAX_S
 from dplb.state.shm import Segment
 
 log = logging.getLogger("dplb.launch")
-#: How long a group's child may take from its start to its first heartbeat (imports, segment attach, listen: 1-3 s
-#: measured on an idle core, several times that on a loaded 2-core box), counted into :func:`group_grace_s`.
+#: How long a group's child may take from its start to its first heartbeat (imports, segment attach, listen), counted
+#: into :func:`group_grace_s`: a whole group (parent, then 2 children) was serving 3.7 s after its start on a loaded
+#: 2-core box (tests/test_launch_orphans.py), so this leaves room for a slower host.
 GROUP_CHILD_START_S = 10.0
 
 
