@@ -374,7 +374,8 @@ class RouterConfig:
       client leaving, and its request is aborted at once, as nginx's ``proxy_ignore_client_abort off``).
     - ``restart_after_s``: a group's child (``processes`` > 1) whose router-slot heartbeat is this old while it lives
       is SIGKILLed and restarted by the group's parent (:data:`ROUTER_RESTART_AFTER_S`; 0 = off, the parent's
-      ``/health`` probes alone judge it); ``dplb launch`` judges a single-process router by the same value.
+      ``/health`` probes alone judge it); ``dplb launch`` judges a single-process router by the same value, and a
+      group by its children (:func:`dplb.ops.watchdog.kill_if_group_unserved`).
 
     - Tenants (docs/DESIGN.md §15): ``tenants_file``: the TOML file of :mod:`dplb.tenants` (None = one tenant,
       ``default``, holding ``api_key``); with it, requests that find no worker with room wait in the router's fair

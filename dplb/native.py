@@ -96,6 +96,9 @@ ACCEPT_STALE_ENV = "DPLB_ACCEPT_STALE_BUILD"
 FIXES = "rebuild with scripts/build_native.sh, or remove the build with scripts/build_native.sh --clean (pure Python)"
 #: How often, at most, a running router stats the build's sources for a change under it (:class:`StaleWatch`).
 STALE_CHECK_S = 5.0
+#: While a stale build keeps refusing a router's restarts (``dplb launch``'s router, a group's child), at most one
+#: line about it this often after the first (the retries themselves are every few seconds).
+STALE_RETRY_LOG_S = 60.0
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _SUFFIXES = tuple(importlib.machinery.EXTENSION_SUFFIXES)
 

@@ -18,6 +18,7 @@ from cluster import cluster, dplb_cmd, launched, wait_for
 from proc_tags import kill_tagged, new_tag, tagged_env, tagged_procs
 
 from dplb.config import ROUTER_RESTART_AFTER_S
+from dplb.ops.watchdog import group_grace_s
 from dplb.state.layout import register_router, unregister_router
 from dplb.state.segments import process_gone, remove_abandoned
 from dplb.state.shm import Lifecycle, Segment
@@ -188,6 +189,59 @@ def test_launch_restarts_a_frozen_router_group_child_past_router_restart_after(t
         assert 2.4 <= killed_s < 7, killed_s  # the last heartbeat is up to 0.5 s before the SIGSTOP
         print(f"frozen group child killed {killed_s:.1f} s and replaced {replaced_s:.1f} s after SIGSTOP "
               "(--router-restart-after 3)")
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
+
+
+def test_launch_restarts_a_frozen_router_group_parent_once_none_of_its_children_serves(tmp_path: Path) -> None:
+    """A --router-processes group's parent holds no router slot: the launcher judges the group by its children. A
+    SIGSTOPped parent with one child left serving is not judged (well past the bound); once its last child dies too,
+    nothing listens, and the launcher kills the group and restarts it within --router-restart-after plus the grace
+    (the parent's own restart backoff and a child's start), with one WARNING; requests are served again."""
+    limit = 1.0
+    bound = limit + group_grace_s()
+    with launched(tmp_path, "--num-workers", "1", "--router-processes", "2", "--router-restart-after", "1") as ln:
+        assert ln.wait_ready(90, workers=True) is not None
+        wait_for(lambda: len(ln.state().get("routers", [])) == 2, 30, "both router processes in the segment")
+        children = [r["pid"] for r in ln.state()["routers"]]
+        parent = _ppid(children[0])
+        assert _ppid(children[1]) == parent and _ppid(parent) == ln.proc.pid
+        os.kill(parent, signal.SIGSTOP)
+        try:
+            os.kill(children[0], signal.SIGKILL)
+            time.sleep(bound + 3)  # the sibling serves: the group is not judged
+            assert not _gone(parent), ln.log.read_text()[-3000:]
+            assert httpx.get(ln.url + "/ready", timeout=5).status_code == 200
+            os.kill(children[1], signal.SIGKILL)
+            t0 = time.monotonic()
+            wait_for(lambda: _gone(parent), bound + 15, "the frozen group's parent killed", step_s=0.1)
+            killed_s = time.monotonic() - t0
+            wait_for(lambda: _ready(ln.url), 60, "a new group serving", step_s=0.3)
+            serving_s = time.monotonic() - t0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(parent, signal.SIGCONT)
+        for _ in range(4):
+            r = httpx.post(ln.url + "/v1/completions", json={"model": "dplb-sim", "prompt": "p", "max_tokens": 2},
+                           timeout=10)
+            assert r.status_code == 200
+        log = ln.log.read_text()
+        assert log.count(f"router group (parent pid {parent}) has had no router process publishing a heartbeat") == 1, \
+            log[-3000:]
+        assert "router restarted (restart #1)" in log, log[-3000:]
+        assert bound - limit - 0.5 <= killed_s < bound + 5, killed_s  # the last heartbeat: ≤ 0.5 s before the kill
+        print(f"frozen group parent killed {killed_s:.1f} s and a new group serving {serving_s:.1f} s after its last "
+              f"child died (--router-restart-after 1, grace {group_grace_s():g} s)")
 
 
 def test_the_router_restart_default_is_the_router_units_watchdog() -> None:

@@ -199,6 +199,39 @@ def test_a_router_group_whose_children_refuse_a_stale_build_exits_75_and_launch_
         assert s.state()["workers"][0]["pid"] == worker_pid
 
 
+def test_a_group_child_refused_for_a_stale_build_beside_a_serving_sibling_is_logged_once(tmp_path: Path) -> None:
+    """``--router-processes 2``: the build goes stale under the running group and one child is SIGKILLed. Its
+    sibling keeps serving, so the parent keeps retrying it; the parent checks the build itself before each retry
+    and starts no child that would only refuse, so the refusal is logged once (the child's line and the parent's),
+    not twice per retry (every 10 s, indefinitely), and the retries go on (one line a minute at most)."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "dplb", tree / "dplb", ignore=shutil.ignore_patterns("*.so", "__pycache__",
+                                                                                native.MANIFEST, "*.installing"))
+    env = {k: v for k, v in os.environ.items() if k != native.ACCEPT_STALE_ENV}
+    env["PYTHONPATH"] = str(tree)
+    with launched(tmp_path, "--num-workers", "1", "--router-processes", "2", env=env, cwd=str(tree)) as s:
+        _wait(lambda: router_ready(s.url) and s.state()["workers"][0]["lifecycle"] == "ready", 60, "ready")
+        parent = _router_pid(s.proc.pid)
+        children = [int(p) for p in subprocess.run(["ps", "-o", "pid=", "--ppid", str(parent)], capture_output=True,
+                                                   text=True).stdout.split()]
+        assert parent > 0 and len(children) == 2, children
+        _plant_stale_build(tree / "dplb")
+        os.kill(children[0], signal.SIGKILL)
+        router_log = Path(s.run_dir) / "router.log"
+        # Five refused starts take 0.5 + 1 + 2 + 4 + 8 s of backoff; then one every 10 s
+        _wait(lambda: "failed to start 5 times in a row (exit 75)" in router_log.read_text(), 60, "5 refused starts")
+        time.sleep(11)  # one more retry at the longest backoff
+        lines = router_log.read_text().splitlines()
+        child = [ln for ln in lines if "error: the compiled build" in ln and "is stale" in ln]
+        ours = [ln for ln in lines if "(exit 75: the compiled build went stale" in ln]
+        assert len(child) == 1 and len(ours) == 1, "\n".join(lines[-30:])
+        assert "processes 1 still serve" in router_log.read_text()
+        assert router_ready(s.url) and s.proc.poll() is None
+        r = httpx.post(s.url + "/v1/chat/completions", json={"model": "dplb-sim", "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert r.status_code == 200
+
+
 @pytest.mark.skipif(len(native.compiled_modules()) != len(native.HOT_MODULES),
                     reason="needs the compiled build in place (scripts/build_native.sh; test_native's slow test runs "
                            "this file against its build)")

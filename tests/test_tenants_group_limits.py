@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import os
 import re
 import subprocess
 import threading
@@ -141,7 +142,17 @@ def test_dplb_state_shows_the_groups_tenant_tables_by_tag_and_by_name(tmp_path: 
     tags = {n: f"0x{tenant_tag(n):014x}" for n in ("q", "r", "small")}  # small: write_tenants's, limited, idle
     with cluster(str(tmp_path), 1, router_args=["--tenants", tf, "--processes", "2"]) as c:
         _group(c)
-        for _ in range(6):
+
+        def text_line() -> str:
+            out = subprocess.run(dplb_cmd("state", "--shm-path", c.shm_path), capture_output=True, text=True,
+                                 timeout=30).stdout
+            return next(ln for ln in out.splitlines() if ln.startswith("tenants ("))
+
+        assert post(c, "/v1/chat/completions", chat(), headers=HEAD).status_code == 200
+        # One process has admitted a limited tenant, the other has no entry yet: still a group of 2 (it said 1)
+        line = text_line()
+        assert "summed over 2 router processes' tables): " in line and "q 0 open, 1 admitted" in line, line
+        for _ in range(5):
             assert post(c, "/v1/chat/completions", chat(), headers=HEAD).status_code == 200
         for _ in range(4):
             r = post(c, "/v1/chat/completions", chat(), headers={"authorization": "Bearer r-key",
@@ -163,20 +174,25 @@ def test_dplb_state_shows_the_groups_tenant_tables_by_tag_and_by_name(tmp_path: 
                     s[1] += e["requests"]
             return got
 
-        snap = state()
-        assert len(snap["routers"]) == 2 and snap["tenants_file"] is None, snap["routers"]
-        assert sums(snap) == {tags["q"]: [0, 6], tags["r"]: [0, 4], tags["small"]: [0, 0]}, snap["routers"]
-        e = snap["routers"][0]["tenants"][0]
-        assert set(e) == {"tag", "name", "inflight", "requests", "tokens_taken", "tokens_given", "age_s"}, e
         named = state("--tenants", tf)
-        assert named["tenants_file"] == tf, named
+        assert len(named["routers"]) == 2 and named["tenants_file"] == tf, named
         assert sums(named) == {"q": [0, 6], "r": [0, 4], "small": [0, 0]}, named["routers"]
-        assert c.segment is not None and c.segment.restore_header("", [], c.run_dir) == ["run dir"]
-        from_copy = state()  # the router's last good copy in the run dir the segment names
+        e = named["routers"][0]["tenants"][0]
+        assert set(e) == {"tag", "name", "inflight", "requests", "tokens_taken", "tokens_given", "age_s"}, e
+        # The segment was made without a run dir (as `dplb segment create` without $DPLB_RUN_DIR makes it): the
+        # router recorded its own, so the router's last good copy there names the tables without --tenants.
+        from_copy = state()
+        assert from_copy["header"]["run_dir"] == c.run_dir, from_copy["header"]
         assert from_copy["tenants_file"] == last_good_path(c.run_dir) and sums(from_copy) == sums(named)
-        text = subprocess.run(dplb_cmd("state", "--shm-path", c.shm_path), capture_output=True, text=True, timeout=30)
-        line = next(ln for ln in text.stdout.splitlines() if ln.startswith("tenants ("))
-        assert "q 0 open, 6 admitted" in line and "r 0 open, 4 admitted" in line, text.stdout
+        assert "recorded the run directory" in Path(c.run_dir, "router.log").read_text()
+        line = text_line()
+        assert "q 0 open, 6 admitted" in line and "r 0 open, 4 admitted" in line, line
+        os.unlink(last_good_path(c.run_dir))  # no copy to name them: by tag, and the text view says how to name them
+        snap = state()
+        assert snap["tenants_file"] is None, snap
+        assert sums(snap) == {tags["q"]: [0, 6], tags["r"]: [0, 4], tags["small"]: [0, 0]}, snap["routers"]
+        line = text_line()
+        assert f"{tags['q']} 0 open, 6 admitted" in line and "pass --tenants FILE to name them" in line, line
         # Each process's start line says the limits are the group's (it did not)
         loaded = [ln for ln in Path(c.run_dir, "router.log").read_text().splitlines() if "tenants file" in ln]
         assert len(loaded) == 2 and all("; tenant limits are enforced group-wide across the 2 router processes (3 "

@@ -17,8 +17,11 @@ Contract
   a single-process router whose router slot's heartbeat is ``--router-restart-after`` seconds old (logged; restarts
   counted in the log). A ``--router-processes`` group's children are judged by the same value by the group's parent
   (:mod:`dplb.router.supervisor`, which gets it in the router configuration and restarts the child it kills), not
-  by the launcher: one judge per process. A worker or router that fails before ever becoming ready
-  ``--max-start-failures`` times in a row stops the launch with its log tail, except a router start refused because
+  by the launcher: one judge per process; the launcher judges the group as a whole by its children (a parent
+  that lives while none of its children has published a heartbeat that long, plus a grace for the parent's own
+  restarts, is stopped or wedged: :func:`dplb.ops.watchdog.kill_if_group_unserved`) and restarts it as one router.
+  A worker or router that fails before ever becoming ready ``--max-start-failures`` times in a row stops the launch
+  with its log tail, except a router start refused because
   the compiled build went stale (:class:`dplb.errors.StaleBuildError`'s exit status, which a ``--router-processes``
   group's parent passes on when its children refuse): the workers are kept, one ERROR names the fix, and the router
   is retried (waits capped at 5 s; one ``router restarted`` line, then at most one a minute) until a rebuild (or
@@ -72,7 +75,7 @@ from dplb.ops.doctor import check_run_dir
 from dplb.ops.placement import host_placement
 from dplb.ops.plan import cuda_visible_devices, plan_gpus
 from dplb.ops.shm_leftovers import ShmLeftovers
-from dplb.ops.watchdog import kill_if_router_frozen, kill_if_worker_frozen
+from dplb.ops.watchdog import kill_if_group_unserved, kill_if_router_frozen, kill_if_worker_frozen
 from dplb.router.cli import router_config
 from dplb.router.supervisor import child_env
 from dplb.runtime.gpu import discover_gpus, visible_gpu_indices
@@ -85,7 +88,6 @@ from dplb.worker.engines import sim_config
 log = logging.getLogger("dplb.launch")
 STABLE_S = 60.0  # a child up this long has its restart backoff reset
 ROUTER_RETRY_MAX_S = 5.0  # the longest wait before a router restart (the router is the stack's one way in)
-STALE_RETRY_LOG_S = 60.0  # while the stale build refuses the router: at most one "router restarted" line this often
 SHUTDOWN_SWEEP_S = 3.0  # at stop, how long leftover engine shared memory is waited for (the killed processes exit)
 
 
@@ -313,8 +315,11 @@ class Launcher:
                     w.start()
                     log.info("%s restarted (restart #%d)", w.name, w.restarts)
             r = self.router
-            if seg is not None and r.ever_ready and r.alive() and self.router_cfg.processes == 1:
-                kill_if_router_frozen(seg, r, self.router_cfg.restart_after_s)  # a group's parent judges its own
+            if seg is not None and r.ever_ready and r.alive():
+                if self.router_cfg.processes == 1:
+                    kill_if_router_frozen(seg, r, self.router_cfg.restart_after_s)
+                else:  # a group's parent judges its children; the launcher judges the group by them
+                    kill_if_group_unserved(seg, r, self.router_cfg.restart_after_s, self.segment.attached_at)
             if not r.alive() and not self.stopping and not self._restart_router(r, now):
                 return 1
             if not r.ever_ready and r.alive() and _http_ok(self._local_url() + "/health"):
@@ -360,16 +365,17 @@ class Launcher:
     @staticmethod
     def _log_router_restart(r: Child, now: float) -> None:
         """``router restarted`` at INFO; while a stale build keeps refusing it (retried every
-        :data:`ROUTER_RETRY_MAX_S`), the first retry and then at most one line per :data:`STALE_RETRY_LOG_S`."""
+        :data:`ROUTER_RETRY_MAX_S`), the first retry and then at most one line per
+        :data:`dplb.native.STALE_RETRY_LOG_S`."""
         if not r.extra.get("stale_build"):
             log.info("router restarted (restart #%d)", r.restarts)
             return
         due = r.extra.get("stale_log_at", 0.0)
         if isinstance(due, float) and now >= due:
-            r.extra["stale_log_at"] = now + STALE_RETRY_LOG_S
+            r.extra["stale_log_at"] = now + native.STALE_RETRY_LOG_S
             log.info("router restarted (restart #%d; refused for the stale build until it is rebuilt or cleaned, "
                      "retried every %.0f s, this line at most every %.0f s)", r.restarts, ROUTER_RETRY_MAX_S,
-                     STALE_RETRY_LOG_S)
+                     native.STALE_RETRY_LOG_S)
 
     def _gives_up(self, c: Child, rc: int | None) -> bool:
         """Count an exit before ``c`` ever became ready; True (after printing its log tail) once that happened

@@ -20,7 +20,8 @@ the pid on this host; null when it cannot be read), which is the placement ``dpl
 Each router slot also has ``tenants``: its tenant table (the limited tenants' open requests and counters a
 ``--processes N`` group shares so that limits hold group-wide, :mod:`dplb.state.tenant_tables`), one entry per
 tenant with ``tag`` (the 56-bit tag in hex: the segment holds no names), ``name`` (from ``--tenants FILE``, else the
-router's last good copy in the segment's run directory; null when neither names it), ``inflight``, ``requests``,
+router's last good copy in the segment's run directory, which a router records in a header that has none; null when
+neither names it: the table view then says to pass ``--tenants FILE``), ``inflight``, ``requests``,
 ``tokens_taken``, ``tokens_given`` and ``age_s`` (the counters start when the entry was made); ``tenants_file`` at the
 top says which file named them (null: none). The table view sums them over the router slots on one ``tenants:`` line,
 shown only when some slot has an entry (a single router process keeps none).
@@ -41,6 +42,7 @@ from dplb.errors import ConfigError, ShmMissingError
 from dplb.policy import routable
 from dplb.policy.decision import WHY_STALE, WHY_STALLED
 from dplb.runtime.cpus import format_cpu_list, process_cpus
+from dplb.state.router_slots import ROUTER_STALE_S
 from dplb.state.segments import segments
 from dplb.state.shm import ENV_SHM_PATH, FLAG_STALLED, SHM_DIR, STALE_INTERVALS, Lifecycle, Segment
 
@@ -194,12 +196,16 @@ def render_table(snap: dict) -> object:
 def tenants_line(snap: dict) -> str | None:
     """``tenants (group-wide limits, summed over 2 router processes' tables): chat 2 open, 14 admitted, 812 tokens
     · 0x00…: …``: each limited tenant's open requests, admitted requests and tokens (taken less given back) summed
-    over the router slots' tenant tables, by name where known, else by tag; None when no slot has an entry."""
+    over the live router slots' tenant tables (heartbeat within ``ROUTER_STALE_S``, as the processes count them;
+    every live one counted, with entries or not yet), by name where known, else by tag (then the line ends with how
+    to name them); None when no live slot has an entry."""
     sums: dict[str, list[int]] = {}
-    slots = 0
-    for r in snap.get("routers", []):
-        slots += bool(r.get("tenants"))
+    live = [r for r in snap.get("routers", []) if r["heartbeat_age_s"] is not None
+            and r["heartbeat_age_s"] <= ROUTER_STALE_S]  # what the processes count (dplb.state.tenant_tables)
+    unnamed = False
+    for r in live:
         for e in r.get("tenants", []):
+            unnamed |= e["name"] is None
             s = sums.setdefault(e["name"] or e["tag"], [0, 0, 0])
             s[0] += e["inflight"]
             s[1] += e["requests"]
@@ -207,7 +213,9 @@ def tenants_line(snap: dict) -> str | None:
     if not sums:
         return None
     parts = [f"{k} {v[0]} open, {v[1]} admitted, {v[2]} tokens" for k, v in sums.items()]
-    return f"tenants (group-wide limits, summed over {slots} router processes' tables): " + " · ".join(parts)
+    tables = "1 router process's table" if len(live) == 1 else f"{len(live)} router processes' tables"
+    return (f"tenants (group-wide limits, summed over {tables}): " + " · ".join(parts)
+            + (" (tags: pass --tenants FILE to name them)" if unnamed else ""))
 
 
 def placement_line(snap: dict) -> str:

@@ -4,8 +4,10 @@
 
 Contract: each function judges one child on the segment now at the path (never a removed one) and returns whether
 it killed it; the caller (:class:`dplb.ops.launcher.Launcher`) reaps and restarts it. A router group's children are
-not judged here: their group parent judges them (:mod:`dplb.router.supervisor`). A limit of 0 turns the judgement
-off. Each kill is one WARNING line naming the age, the flag and the limit.
+not judged one by one here: their group parent judges them (:mod:`dplb.router.supervisor`). The group as a whole is
+judged here by its children (:func:`kill_if_group_unserved`): the parent holds no router slot, so a frozen parent
+whose children then die would leave nothing listening and nobody to notice. A limit of 0 turns the judgement off.
+Each kill is one WARNING line naming the age, the flag and the limit.
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ import signal
 import time
 
 from dplb.ops.children import Child
+from dplb.router.supervisor import BACKOFF_MAX_S
 from dplb.state.shm import Segment
 
 log = logging.getLogger("dplb.launch")
+#: How long a group's child may take from its start to its first heartbeat (imports, segment attach, listen), counted
+#: into :func:`group_grace_s`: a whole group (parent, then 2 children) was serving 3.7 s after its start on a loaded
+#: 2-core box (tests/test_launch_orphans.py), so this leaves room for a slower host.
+GROUP_CHILD_START_S = 10.0
 
 
 def kill_if_worker_frozen(seg: Segment, k: int, w: Child, limit_s: float, attached_at: float) -> bool:
@@ -52,7 +59,8 @@ def kill_if_router_frozen(seg: Segment, r: Child, limit_s: float) -> bool:
     slot's heartbeat in ``seg`` (written by its monitor every ≤ 0.5 s) is older than ``limit_s``
     (``--router-restart-after``) while its process lives; True when it was killed. A slot not written yet (a
     process starting, a recreated segment) is not judged. A ``--router-processes`` group's parent holds no slot:
-    its children are judged by the parent itself (:mod:`dplb.router.supervisor`), with the same limit."""
+    its children are judged by the parent itself (:mod:`dplb.router.supervisor`), with the same limit, and the
+    group by them (:func:`kill_if_group_unserved`)."""
     if limit_s <= 0 or r.proc is None:
         return False
     for s in seg.router_slots():
@@ -65,6 +73,59 @@ def kill_if_router_frozen(seg: Segment, r: Child, limit_s: float) -> bool:
         r.proc.wait()
         return True
     return False
+
+
+def group_grace_s() -> float:
+    """Seconds a router group may have no serving child beyond ``--router-restart-after`` before the launcher
+    judges it (:func:`kill_if_group_unserved`): the parent's longest restart backoff for a failing child
+    (:data:`dplb.router.supervisor.BACKOFF_MAX_S`) plus a child's start (:data:`GROUP_CHILD_START_S`)."""
+    return BACKOFF_MAX_S + GROUP_CHILD_START_S
+
+
+def kill_if_group_unserved(seg: Segment, r: Child, limit_s: float, attached_at: float) -> bool:
+    """Kill the ``--router-processes`` group ``r`` (its parent's process group: parent and children, waited for;
+    the caller restarts it) when its parent lives but no router slot in ``seg`` has belonged to a living child of
+    it (by pid and ``/proc`` ppid) with a heartbeat at most ``limit_s`` (``--router-restart-after``) old for longer
+    than ``limit_s`` + :func:`group_grace_s` seconds (counted from the last such sighting, the group's start, or
+    ``attached_at``, when the launcher mapped a recreated segment: monotonic seconds). A parent that works restarts
+    a dead or frozen child well within that, so this judges a parent that is stopped or wedged. A group with one
+    child serving is never judged. True when it was killed."""
+    if limit_s <= 0 or r.proc is None:
+        return False
+    now = time.monotonic()
+    if _group_serves(seg, r.proc.pid, limit_s):
+        r.extra["group_served_at"] = now
+        return False
+    seen = r.extra.get("group_served_at")
+    since = max(seen if isinstance(seen, float) else 0.0, r.started_at, attached_at)
+    if now - since <= limit_s + group_grace_s():
+        return False
+    log.warning("router group (parent pid %d) has had no router process publishing a heartbeat for %.0f s "
+                "(--router-restart-after %g plus %.0f s for its own restarts) though its parent lives (stopped, or "
+                "wedged); killing the group to restart it", r.proc.pid, now - since, limit_s, group_grace_s())
+    _kill_group(r)
+    r.proc.wait()
+    return True
+
+
+def _group_serves(seg: Segment, parent: int, limit_s: float) -> bool:
+    """True when a router slot in ``seg`` belongs to a living child of process ``parent`` and its heartbeat is at
+    most ``limit_s`` seconds old."""
+    for s in seg.router_slots():
+        age = s["heartbeat_age_s"]
+        if age is not None and age <= limit_s and _living_parent_of(s["pid"]) == parent:
+            return True
+    return False
+
+
+def _living_parent_of(pid: int) -> int | None:
+    """Process ``pid``'s parent pid (``/proc/PID/stat``), or None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if len(fields) < 2 or fields[0] == b"Z" else int(fields[1])
 
 
 def _kill_group(c: Child) -> None:

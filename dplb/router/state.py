@@ -41,13 +41,16 @@ Contract
   routable (or after :data:`PROMOTE_GRACE_S`): a freshly recreated segment is empty until the workers re-publish,
   and routing on it meanwhile would answer 503 ``no_workers_registered`` although every worker is serving. While
   its header has no model or run dir (recreated by ``dplb segment create``), every monitor step re-reads it: the
-  launcher restores them.
+  launcher restores them. A router whose segment at its start has no run dir in its header (made by ``dplb segment
+  create`` without ``$DPLB_RUN_DIR``) writes its own ``--run-dir`` there (the stack's: ``dplb state`` finds the
+  router's last good tenants copy through it); a segment recreated later is the launcher's to restore.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -149,11 +152,23 @@ class RouterState:
         # Registered in the header too, so `dplb doctor` never calls this segment stale.
         self.slots = RouterSlots.claim(seg.path, seg.num_workers, self.cfg.port, self.cfg.process_index,
                                        inode=seg.inode)
+        if initial and self.slots is not None and not seg.header.run_dir:  # (a recreated one: the launcher's)
+            self._record_run_dir(seg)
         log.info("attached state segment %s (%d workers, %d ms interval%s)", seg.path, seg.num_workers,
                  seg.state_interval_ms, f"; router slot {self.slots.index}" if self.slots else
                  "; no router slot (segment not writable, all taken or replaced meanwhile): other routers cannot "
                  "see this one's in-flight requests")
         return True
+
+    def _record_run_dir(self, seg: Segment) -> None:
+        """Write this router's run directory into ``seg``'s header, empty in a segment ``dplb segment create`` made
+        without ``$DPLB_RUN_DIR`` (by hand, a unit without the env file): it is the stack's (the workers' sockets are
+        there), and it is where ``dplb state`` finds the last good tenants copy that names the tenant tables. Only
+        into the file attached (same inode), never over a run dir already there."""
+        with contextlib.suppress(ShmError, OSError), Segment.attach(seg.path) as w:
+            if w.inode == seg.inode and w.restore_header("", [], self.cfg.run_dir):
+                seg.reload_header()
+                log.info("recorded the run directory %s in the segment's header (it had none)", self.cfg.run_dir)
 
     def _share_health(self) -> None:
         """Point the worker health at this process's router slot's health table (None: no slot), after any change

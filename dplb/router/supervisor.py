@@ -18,7 +18,10 @@ server streams. The state plane is shared memory, so N processes can route on it
   up (exit 1, the child's exit status in the log; exit 75, :class:`~dplb.errors.StaleBuildError`'s, when the last
   one refused a stale compiled build, so ``dplb launch`` retries the group as it retries one router) — only when no
   other child serves: while one does, the failing child is retried every :data:`BACKOFF_MAX_S` (one missing process
-  is not worth stopping the healthy ones).
+  is not worth stopping the healthy ones). A child refused for a stale build is not started again while the
+  parent's own check of the build (the one the child's start runs, :mod:`dplb.native`) still refuses it: each such
+  retry counts as a refused start, and one line about it is logged at most every
+  :data:`dplb.native.STALE_RETRY_LOG_S` (the child's own refusal line is printed once).
 - Liveness, by heartbeat: every :data:`HEARTBEAT_EVERY_S` the parent reads its listening children's router slots in
   the segment (``cfg.shm_path``, mapped read-only and followed: a removed or replaced file is dropped, the one now
   at the path attached) by pid; a child whose slot's heartbeat (written by its monitor every ≤ 0.5 s) is older than
@@ -26,7 +29,9 @@ server streams. The state plane is shared memory, so N processes can route on it
   and the launcher never judge a process differently; 0 = off) while it lives is SIGKILLed (one WARNING naming it,
   its pid and the age) and restarted as after any exit. The kernel keeps handing a stopped process its share of the
   new connections, so waiting strands clients. Under ``dplb launch`` the parent judges its children and the
-  launcher judges none of them (:mod:`dplb.ops.watchdog` judges a single-process router only).
+  launcher judges none of them one by one; it judges the group by them (:mod:`dplb.ops.watchdog`: no living child
+  of this parent with a fresh heartbeat for ``cfg.restart_after_s`` plus this module's :data:`BACKOFF_MAX_S` and a
+  start means this parent is stopped or wedged).
 - Liveness, fallback: every :data:`HEALTH_EVERY_S` the parent asks each child's private socket for ``/health``; a
   child that gives no HTTP answer :data:`HUNG_AFTER` times in a row (stopped, or its event loop stuck) is SIGKILLed
   and restarted. This alone judges a child without a slot to read: no segment (missing, not yet created, one
@@ -51,6 +56,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from dplb import native
 from dplb.config import RouterConfig
 from dplb.errors import ConfigError, ShmError, StaleBuildError, bind_error
 from dplb.runtime.procs import die_with_parent
@@ -84,6 +90,8 @@ class _Member:
     restarts: int = 0
     next_probe: float = 0.0
     failed_probes: int = 0
+    stale: bool = False  # its last start was refused for a stale build (exit 75)
+    stale_log_at: float = 0.0  # while so: when the next line about it may be logged
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -286,7 +294,7 @@ class RouterGroup:
                     if m.listening:
                         self._probe(m, now)
                     elif self._answers_health(m):
-                        m.listening, m.failures = True, 0
+                        m.listening, m.failures, m.stale = True, 0, False
                         m.next_probe, m.failed_probes = now + HEALTH_EVERY_S, 0
                         log.info("router process %d listening (pid %d)", m.index, m.proc.pid)
                     elif now - m.started_at > START_TIMEOUT_S:
@@ -297,20 +305,14 @@ class RouterGroup:
                 if m.proc is not None:  # just exited
                     rc = m.proc.returncode
                     m.proc = None
-                    if not m.listening:
-                        m.failures += 1
-                        if m.failures >= MAX_START_FAILURES and self._give_up(m, rc):
-                            return StaleBuildError.exit_code if rc == StaleBuildError.exit_code else 1
-                    if now - m.started_at > STABLE_S:
-                        m.backoff_s = BACKOFF_START_S
-                        m.next_start = now
-                    else:
-                        m.next_start = now + m.backoff_s
-                        m.backoff_s = min(BACKOFF_MAX_S, m.backoff_s * 2)
-                    log.warning("router process %d exited (%s); restarting%s", m.index, _exit_text(rc),
-                                "" if m.next_start <= now else f" in {m.next_start - now:.1f} s")
+                    if self._exited(m, rc, now):
+                        return StaleBuildError.exit_code if rc == StaleBuildError.exit_code else 1
                 if now >= m.next_start:
                     m.next_start = 0.0
+                    if m.stale and native.inspect_build().refusal(native.accept_stale()):
+                        if self._exited(m, StaleBuildError.exit_code, now):  # refused as the child would be
+                            return StaleBuildError.exit_code
+                        continue
                     m.restarts += 1
                     self._start(m)
             all_up = all(m.listening and m.proc is not None for m in self.members)
@@ -322,6 +324,32 @@ class RouterGroup:
                 watchdog.maybe_ping()
             time.sleep(0.05)
         return 0
+
+    def _exited(self, m: _Member, rc: int | None, now: float) -> bool:
+        """Child ``m`` exited with ``rc`` (or its restart was refused for a stale build without starting it: the
+        refusal its start would print, exit 75): count a failed start, schedule the restart (module docstring) and
+        log it. True: give up (:meth:`_give_up`). While a stale build keeps refusing it, the parent checks the build
+        itself before each retry, and one line is logged at most every :data:`dplb.native.STALE_RETRY_LOG_S`."""
+        if not m.listening:
+            m.failures += 1
+            if m.failures >= MAX_START_FAILURES and self._give_up(m, rc):
+                return True
+        if now - m.started_at > STABLE_S and not m.stale:
+            m.backoff_s = BACKOFF_START_S
+            m.next_start = now
+        else:
+            m.next_start = now + m.backoff_s
+            m.backoff_s = min(BACKOFF_MAX_S, m.backoff_s * 2)
+        after = "" if m.next_start <= now else f" in {m.next_start - now:.1f} s"
+        if rc != StaleBuildError.exit_code:
+            log.warning("router process %d exited (%s); restarting%s", m.index, _exit_text(rc), after)
+        elif now >= m.stale_log_at:
+            log.warning("router process %d %s (exit %d: the compiled build went stale; %s); restarting%s, this line "
+                        "at most every %.0f s until it starts", m.index, "refused" if m.stale else "exited",
+                        rc, native.FIXES, after, native.STALE_RETRY_LOG_S)
+            m.stale_log_at = now + native.STALE_RETRY_LOG_S
+        m.stale = rc == StaleBuildError.exit_code
+        return False
 
     def _give_up(self, m: _Member, rc: int | None) -> bool:
         """After :data:`MAX_START_FAILURES` failed starts in a row: give up (True) only when no sibling serves;
