@@ -220,11 +220,11 @@ def test_launch_restarts_a_frozen_router_group_parent_once_none_of_its_children_
         try:
             os.kill(children[0], signal.SIGKILL)
             time.sleep(bound + 3)  # the sibling serves: the group is not judged
-            assert not _gone(parent), ln.log.read_text()[-3000:]
+            assert not process_gone(parent), ln.log.read_text()[-3000:]
             assert httpx.get(ln.url + "/ready", timeout=5).status_code == 200
             os.kill(children[1], signal.SIGKILL)
             t0 = time.monotonic()
-            wait_for(lambda: _gone(parent), bound + 15, "the frozen group's parent killed", step_s=0.1)
+            wait_for(lambda: process_gone(parent), bound + 15, "the frozen group's parent killed", step_s=0.1)
             killed_s = time.monotonic() - t0
             wait_for(lambda: _ready(ln.url), 60, "a new group serving", step_s=0.3)
             serving_s = time.monotonic() - t0
