@@ -299,7 +299,8 @@ def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
     completes the four, synchronously in its own task, and stays paused until the drain has been checked, so the
     streams are certainly open then, however fast the engine or slow this test process (a quiet CI box once
     finished 4 × 400 tokens within 0.5 s; a loaded box, pausing after the test's event loop had parsed each
-    stream's first event, once saw all 4 × 1800 tokens out of the engine before the pause)."""
+    stream's first event, once saw all 4 × 1800 tokens out of the engine before the pause; so did one whose first
+    stream's reading loop, never yielding while bytes were buffered, kept the 4th head's task waiting)."""
     results: list[tuple[int, bool, bool, str | None]] = []
     core = _engine_core(worker.proc.pid)
     heads: list[int] = []
@@ -322,6 +323,9 @@ def test_sigterm_lets_streams_finish(worker: VllmWorker) -> None:
                     error = error or "error" in event
                     finish = (event.get("choices") or [{}])[0].get("finish_reason") or finish
                 done = done or line == "data: [DONE]"
+                # Yield after each line: a read of buffered bytes does not, so one fast stream's loop kept the
+                # others' tasks (the 4th response head, which pauses the engine) from running until it ended.
+                await asyncio.sleep(0)
         results.append((n, done, error, finish))
 
     async def main() -> None:
