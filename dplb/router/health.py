@@ -211,13 +211,11 @@ class WorkerHealth:
     def _group_streak(self, worker: int) -> int:
         """The failures in a row on ``worker`` across the group: each process's open streak that began after the
         group's last reset (a published success or an ejection for failures, by any of them); this process's own
-        counts as 1 when a peer's reset came after its start (its latest failure is after it)."""
+        always (:meth:`_failed` starts it over after a peer's reset)."""
         i = FIELDS * worker
-        views = self._views.values()
-        peer_reset = self._peer_reset(worker)
-        last_reset = max(peer_reset, self._reset[worker])
-        total = self._fails[worker] if self._since[worker] > peer_reset else 1
-        for v in views:
+        last_reset = max(self._peer_reset(worker), self._reset[worker])
+        total = self._fails[worker]
+        for v in self._views.values():
             if v[i + 2] and v[i + 3] / 1e9 > last_reset:
                 total += v[i + 2]
         return total
